@@ -1,0 +1,25 @@
+# One entry point for installing, serving and testing pagedserve.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: install up test bench
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch 2.13.0 first: on a machine without CUDA this takes the CPU build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[worker,test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+up: install
+	$(VENV)/bin/pagedserve up $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+bench: install
+	$(PY) benchmarks/scheduler_bench.py

@@ -1,0 +1,33 @@
+"""`python -m services.api`: run the HTTP gateway alone, for deployment."""
+
+import argparse
+import json
+import os
+
+import uvicorn
+
+from services.api.app import build_app
+from services.api.engine_client import EngineClient
+from shared.cli import add_api_args, setup_logging
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.api")
+    parser.add_argument("--model", required=True, help="model directory (tokenizer and config.json)")
+    parser.add_argument("--scheduler-endpoint", required=True)
+    add_api_args(parser)
+    args = parser.parse_args()
+    setup_logging("api")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer  # after the flags, so --help stays quick
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    app = build_app(EngineClient(args.scheduler_endpoint), tokenizer, name, vocab_size)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

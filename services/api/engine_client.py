@@ -1,0 +1,125 @@
+"""The api's side of the scheduler link: one DEALER socket, one receive loop, a queue per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from shared.protocol import (
+    Abort,
+    AddRequest,
+    GetStats,
+    Hello,
+    ProtocolError,
+    RequestOutput,
+    RequestOutputs,
+    SchedulerInfo,
+    Stats,
+    decode,
+    encode,
+)
+from shared.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineClient:
+    def __init__(self, endpoint: str):
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.IDENTITY, f"api-{uuid.uuid4().hex[:8]}".encode())
+        self.socket.connect(endpoint)
+        self.info: SchedulerInfo | None = None
+        self.latest_stats: Stats | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._stats_waiters: list[asyncio.Future] = []
+        self._info_ready = asyncio.Event()
+        self._receiver: asyncio.Task | None = None
+        self.handlers = {
+            RequestOutputs: self._on_outputs,
+            SchedulerInfo: self._on_info,
+            Stats: self._on_stats,
+        }
+
+    async def start(self, timeout: float | None = None) -> SchedulerInfo:
+        """Introduce this api to the scheduler and wait until its workers are ready."""
+        self._receiver = asyncio.create_task(self._receive_loop())
+        await self._send(Hello(self.socket.getsockopt(zmq.IDENTITY).decode()))
+        await asyncio.wait_for(self._info_ready.wait(), timeout)
+        return self.info
+
+    async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self.context.destroy(linger=0)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; aborts it if the caller stops early."""
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            await self._send(AddRequest(request_id, prompt_token_ids, sampling, arrival))
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        # Not awaited: this runs in cleanup paths, where the task may be cancelled already.
+        self.socket.send(encode(Abort([request_id])), zmq.NOBLOCK)
+
+    async def stats(self, timeout: float = 2.0) -> Stats | None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(waiter)
+        await self._send(GetStats())
+        try:
+            return await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            return self.latest_stats
+
+    async def _send(self, message: object) -> None:
+        await self.socket.send(encode(message))
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self.socket.recv()
+            try:
+                message = decode(frame)
+            except ProtocolError as exc:
+                log.error("dropped a malformed frame from the scheduler: %s", exc)
+                continue
+            handler = self.handlers.get(type(message))
+            if handler is None:
+                log.error("no handler for %s", type(message).__name__)
+                continue
+            handler(message)
+
+    def _on_outputs(self, message: RequestOutputs) -> None:
+        for output in message.outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _on_info(self, message: SchedulerInfo) -> None:
+        self.info = message
+        self._info_ready.set()
+
+    def _on_stats(self, message: Stats) -> None:
+        self.latest_stats = message
+        waiters, self._stats_waiters = self._stats_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(message)

@@ -1,0 +1,182 @@
+"""Parse and validate OpenAI request bodies into what the engine needs, or raise `ApiError`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.api.errors import ApiError
+from shared.sampling import InvalidParameter, SamplingParams
+
+_NUMBER = (int, float)
+_UNSUPPORTED_IF_SET = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": None,
+    "suffix": None,
+    "echo": False,
+    "best_of": 1,
+    "tools": None,
+    "response_format": None,
+}
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    model: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    max_tokens: int | None = None  # None: whatever context is left after the prompt
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False  # extension: each choice also lists its token ids
+
+
+class _Body:
+    """Typed access to a JSON object's fields, each failure naming its field."""
+
+    def __init__(self, body: object):
+        if not isinstance(body, dict):
+            raise ApiError("the request body must be a JSON object")
+        self.body = body
+
+    def get(self, name: str, types: type | tuple, default=None, what: str = ""):
+        value = self.body.get(name, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) and bool not in _as_tuple(types):
+            raise _type_error(name, what or _describe(types))
+        if not isinstance(value, types):
+            raise _type_error(name, what or _describe(types))
+        return value
+
+
+def parse_completion(body: object) -> GenerationRequest:
+    fields = _Body(body)
+    prompt = fields.body.get("prompt")
+    request = _common(fields, default_max_tokens=16)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("the prompt is empty", param="prompt")
+        request.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        request.prompt_token_ids = prompt
+    elif isinstance(prompt, list) and not prompt:
+        raise ApiError("the prompt is empty", param="prompt")
+    elif prompt is None:
+        raise ApiError("'prompt' is required", param="prompt")
+    else:
+        raise _type_error("prompt", "a string or a list of token ids")
+    logprobs = fields.get("logprobs", int, what="an integer")
+    request.sampling.logprobs = logprobs
+    _validate(request)
+    return request
+
+
+def parse_chat(body: object) -> GenerationRequest:
+    fields = _Body(body)
+    messages = fields.get("messages", list, what="a list of messages")
+    if not messages:
+        raise ApiError("'messages' must be a non-empty list", param="messages")
+    request = _common(fields, default_max_tokens=None, max_tokens_alias="max_completion_tokens")
+    request.messages = [_message(m, i) for i, m in enumerate(messages)]
+    if fields.get("logprobs", bool, False, what="a boolean"):
+        request.sampling.logprobs = fields.get("top_logprobs", int, 0, what="an integer")
+    _validate(request)
+    return request
+
+
+def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str = "") -> GenerationRequest:
+    model = fields.get("model", str, what="a string")
+    if model is None:
+        raise ApiError("'model' is required", param="model")
+    for name, neutral in _UNSUPPORTED_IF_SET.items():
+        value = fields.body.get(name)
+        if value is not None and value != neutral:
+            raise ApiError(f"'{name}' is not supported", param=name, code="unsupported_parameter")
+    max_tokens = fields.get("max_tokens", int, what="an integer")
+    if max_tokens is None and max_tokens_alias:
+        max_tokens = fields.get(max_tokens_alias, int, what="an integer")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    stop = fields.body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    elif stop is None:
+        stop = []
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise _type_error("stop", "a string or a list of strings")
+    if any(not s for s in stop):
+        raise ApiError("stop strings must not be empty", param="stop")
+    stream_options = fields.get("stream_options", dict, {}, what="an object")
+    stop_token_ids = fields.get("stop_token_ids", list, [], what="a list of token ids")
+    if not all(_is_int(t) for t in stop_token_ids):
+        raise _type_error("stop_token_ids", "a list of token ids")
+    sampling = SamplingParams(
+        n=fields.get("n", int, 1, what="an integer"),
+        temperature=float(fields.get("temperature", _NUMBER, 1.0, what="a number")),
+        top_p=float(fields.get("top_p", _NUMBER, 1.0, what="a number")),
+        top_k=fields.get("top_k", int, -1, what="an integer"),
+        min_p=float(fields.get("min_p", _NUMBER, 0.0, what="a number")),
+        seed=fields.get("seed", int, what="an integer"),
+        max_tokens=max_tokens or 1,  # the real value is set once the prompt is tokenized
+        stop_token_ids=stop_token_ids,
+        ignore_eos=fields.get("ignore_eos", bool, False, what="a boolean"),
+    )
+    return GenerationRequest(
+        model=model,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        stop=stop,
+        stream=fields.get("stream", bool, False, what="a boolean"),
+        include_usage=bool(stream_options.get("include_usage", False)),
+        skip_special_tokens=fields.get("skip_special_tokens", bool, True, what="a boolean"),
+        return_token_ids=fields.get("return_token_ids", bool, False, what="a boolean"),
+    )
+
+
+def _validate(request: GenerationRequest) -> None:
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise ApiError("max_tokens must be at least 1", param="max_tokens")
+    try:
+        request.sampling.validate()
+    except InvalidParameter as exc:
+        raise ApiError(str(exc), param=exc.param) from None
+
+
+def _message(message: object, index: int) -> dict:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise _type_error(where, "an object with a 'role' string")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(f"{where}.content: only text parts are supported", param=f"{where}.content")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise _type_error(f"{where}.content", "a string or a list of text parts")
+    return {"role": message["role"], "content": content}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_tuple(types) -> tuple:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _describe(types) -> str:
+    return " or ".join(t.__name__ for t in _as_tuple(types))
+
+
+def _type_error(name: str, what: str) -> ApiError:
+    return ApiError(f"'{name}' must be {what}", param=name, code="invalid_type")

@@ -1,0 +1,123 @@
+"""`pagedserve up`: start the worker, the scheduler and the api on this machine, and watch them.
+
+It waits until the api answers /health, forwards SIGINT/SIGTERM to the children, and exits
+non-zero as soon as any child dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from shared.cli import add_api_args, add_scheduler_args, add_worker_args
+from shared.config import Endpoints
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pagedserve")
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="serve a model with all three processes on this machine")
+    up.add_argument("--model", required=True, help="local HF-format model directory")
+    add_api_args(up)
+    add_scheduler_args(up)
+    add_worker_args(up)
+    up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    return parser.parse_args(argv)
+
+
+def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
+    flags = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
+SCHEDULER_FLAGS = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                   "num_gpu_blocks_override"]
+WORKER_FLAGS = ["model", "device", "dtype", "gpu_memory_utilization", "kv_cache_memory", "seed",
+                "block_size", "num_gpu_blocks_override"]
+API_FLAGS = ["model", "host", "port", "served_model_name"]
+
+
+def commands(args: argparse.Namespace, endpoints: Endpoints) -> dict[str, list[str]]:
+    python = [sys.executable, "-m"]
+    return {
+        "scheduler": python + ["services.scheduler", "--scheduler-endpoint", endpoints.scheduler,
+                               "--worker-endpoint", endpoints.workers] + _flags(args, SCHEDULER_FLAGS),
+        "worker": python + ["services.worker", "--worker-endpoint", endpoints.workers]
+        + _flags(args, WORKER_FLAGS),
+        "api": python + ["services.api", "--scheduler-endpoint", endpoints.scheduler]
+        + _flags(args, API_FLAGS),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    endpoints = Endpoints.local()
+    children = {name: subprocess.Popen(cmd) for name, cmd in commands(args, endpoints).items()}
+    stopping = False
+    failed = False
+
+    def stop(signum, frame):
+        nonlocal stopping
+        stopping = True
+        for child in children.values():
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    url = f"http://{args.host}:{args.port}/health"
+    deadline = time.monotonic() + args.ready_timeout
+    ready = False
+    while not stopping:
+        dead = {name: c.returncode for name, c in children.items() if c.poll() is not None}
+        if dead:
+            print(f"pagedserve: {', '.join(dead)} exited ({dead}); stopping", file=sys.stderr)
+            failed = True
+            stop(signal.SIGTERM, None)
+            break
+        if not ready:
+            ready = _healthy(url)
+            if ready:
+                print(f"pagedserve: ready at http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+            elif time.monotonic() > deadline:
+                print("pagedserve: not ready in time; stopping", file=sys.stderr)
+                failed = True
+                stop(signal.SIGTERM, None)
+                break
+        time.sleep(0.2)
+    for child in children.values():
+        _reap(child)
+    return 1 if failed else 0
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _reap(child: subprocess.Popen, grace: float = 10.0) -> int:
+    try:
+        return child.wait(grace)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return child.wait()
+
+
+def main_entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_entry()

@@ -1,0 +1,29 @@
+"""`python -m services.worker`: run one worker rank alone, for deployment."""
+
+import argparse
+import os
+
+from shared.cli import add_scheduler_args, add_worker_args, setup_logging
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.worker")
+    parser.add_argument("--model", required=True, help="local HF-format model directory")
+    parser.add_argument("--worker-endpoint", required=True, help="the scheduler's worker endpoint")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1)
+    add_worker_args(parser)
+    add_scheduler_args(parser)
+    args = parser.parse_args()
+    setup_logging(f"worker{args.rank}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from services.worker.server import WorkerServer  # torch loads only after flags parse
+
+    WorkerServer(args, args.rank, args.world_size).run()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,180 @@
+"""Llama-style decoder (Llama, Qwen2) whose attention reads and writes the paged KV cache.
+
+Module and parameter names follow the HF checkpoints, so a safetensors file loads as it is.
+All tokens of a step come in one flattened batch: `[num_tokens]` ids and positions, no padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kernels import dispatch
+from services.worker.attention_metadata import AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin tables by position, built with transformers' own RoPE variants (llama3, yarn...)."""
+
+    def __init__(self, config, head_dim: int):
+        rope = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
+            inv_freq = 1.0 / (theta**exponents)
+            self.scaling = 1.0
+        else:
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        self.inv_freq = inv_freq
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos, sin: [tokens, head_dim]."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = cos_sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        dispatch.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        out = dispatch.paged_attention(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.context_lens,
+            self.scale,
+        )
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.self_attn = Attention(config, qkv_bias, o_bias)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, cos_sin, kv_cache, meta):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, o_bias) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama and its close relatives, which differ in where the attention projections have biases."""
+
+    def __init__(self, config):
+        super().__init__()
+        bias = bool(getattr(config, "attention_bias", False))
+        self._build(config, qkv_bias=bias, o_bias=bias)
+
+    def _build(self, config, qkv_bias: bool, o_bias: bool) -> None:
+        self.config = config
+        self.model = DecoderModel(config, qkv_bias, o_bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        attention = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attention.num_kv_heads, attention.head_dim
+        self.rotary = RotaryEmbedding(config, self.head_dim)
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Returns the final hidden states, `[num_tokens, hidden_size]`."""
+        hidden = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(hidden, cos_sin, kv_cache, meta)
+        return self.model.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config):
+        nn.Module.__init__(self)
+        self._build(config, qkv_bias=True, o_bias=False)

@@ -1,0 +1,81 @@
+"""The worker process: loads the model and the KV cache, reports Ready, then executes steps."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import torch
+import zmq
+
+from services.worker.kv_cache import KVCache, bytes_per_block, num_blocks_that_fit
+from services.worker.loader import eos_token_ids, load_model
+from services.worker.model_runner import ModelRunner
+from shared import sockets
+from shared.protocol import Ready, Shutdown, Step, StepResult
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+class WorkerServer:
+    def __init__(self, args, rank: int = 0, world_size: int = 1):
+        self.rank, self.world_size = rank, world_size
+        device = pick_device(args.device)
+        torch.manual_seed(args.seed)
+        model, config = load_model(args.model, args.dtype, device)
+        dtype = model.lm_head.weight.dtype
+        block_bytes = bytes_per_block(
+            config.num_hidden_layers, args.block_size, model.num_kv_heads, model.head_dim, dtype
+        )
+        num_blocks = args.num_gpu_blocks_override or num_blocks_that_fit(
+            device, block_bytes, args.gpu_memory_utilization, args.kv_cache_memory
+        )
+        if num_blocks < 1:
+            raise RuntimeError("no memory left for a single KV block; lower the model or raise the limit")
+        cache = KVCache(
+            config.num_hidden_layers, num_blocks, args.block_size, model.num_kv_heads,
+            model.head_dim, dtype, device,
+        )
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, args.block_size,
+                 num_blocks * block_bytes / 2**20)
+        self.runner = ModelRunner(model, cache, device, args.seed)
+        self.ready = Ready(
+            rank, world_size, num_blocks, args.block_size, config.max_position_embeddings,
+            eos_token_ids(args.model, config),
+        )
+        self.context = zmq.Context()
+        self.socket = sockets.connect(
+            self.context, zmq.DEALER, args.worker_endpoint, identity=f"worker-{rank}".encode()
+        )
+        self.running = True
+        self.handlers = {Step: self.on_step, Shutdown: self.on_shutdown}
+
+    def run(self) -> None:
+        sockets.send(self.socket, self.ready)
+        while self.running:
+            _, message = sockets.receive(self.socket)
+            handler = self.handlers.get(type(message))
+            if handler is not None:
+                handler(message)
+            elif message is not None:
+                log.error("no handler for %s", type(message).__name__)
+        self.context.destroy(linger=0)
+
+    def on_step(self, step: Step) -> None:
+        try:
+            result = self.runner.execute(step)
+        except Exception as exc:  # report it; the scheduler ends the affected requests
+            log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
+            self.runner.reset()
+            result = StepResult(step.step_id, [], 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
+        if self.rank == 0:
+            sockets.send(self.socket, result)
+
+    def on_shutdown(self, message: Shutdown) -> None:
+        self.running = False

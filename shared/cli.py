@@ -1,0 +1,59 @@
+"""Command-line flags, defined once and used by each service and by the launcher.
+
+Flag names follow vLLM's where vLLM has the same knob.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from shared.config import SchedulerConfig
+
+
+def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("scheduler")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
+    group.add_argument("--max-model-len", type=int, default=None, help="context length limit")
+    group.add_argument("--num-gpu-blocks-override", type=int, default=None)
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("worker")
+    group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache on CPU")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def add_api_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("api")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", default=None, help="the name clients ask for")
+
+
+def add_endpoint_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    group = parser.add_argument_group("endpoints")
+    group.add_argument("--scheduler-endpoint", required=required, help="e.g. tcp://0.0.0.0:5555")
+    group.add_argument("--worker-endpoint", required=required, help="e.g. tcp://0.0.0.0:5556")
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+    )
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+    )

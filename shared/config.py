@@ -1,0 +1,33 @@
+"""Configuration values shared by the launcher and the services."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: the model's context length, at least 2048
+    max_model_len: int | None = None  # None: the model's own
+    num_gpu_blocks_override: int | None = None
+    watermark: float = 0.01  # fraction of GPU blocks kept free when admitting new prompts
+
+
+@dataclass(slots=True)
+class Endpoints:
+    """Where the scheduler listens: for the api's requests and for the workers' connections."""
+
+    scheduler: str
+    workers: str
+
+    @staticmethod
+    def local(directory: str | None = None) -> "Endpoints":
+        base = directory or tempfile.mkdtemp(prefix="pagedserve-")
+        return Endpoints(
+            scheduler=f"ipc://{os.path.join(base, 'scheduler.sock')}",
+            workers=f"ipc://{os.path.join(base, 'workers.sock')}",
+        )

@@ -1,0 +1,349 @@
+"""Every message the processes exchange, and the msgpack codec that carries them.
+
+A frame is ``[PROTOCOL_VERSION, tag, field_1, field_2, ...]``. Nested messages travel as
+lists of their fields in declaration order. Decoding checks the version, the tag, the number
+of fields and the type of every field, so a malformed frame raises `ProtocolError` and never
+reaches a handler half-built. Nothing here is ever pickled.
+
+    api ──AddRequest/Abort/Hello/GetStats──▶ scheduler ──Step/Shutdown──▶ worker ranks
+        ◀──RequestOutputs/SchedulerInfo/Stats──        ◀──Ready/StepResult──
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+
+import msgpack
+
+from shared.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+# --- api <-> scheduler -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Hello:
+    """The api introduces itself; the scheduler answers with `SchedulerInfo` once workers are up."""
+
+    api_id: str
+
+
+@dataclass(slots=True)
+class SchedulerInfo:
+    block_size: int
+    num_gpu_blocks: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    eos_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class GetStats:
+    pass
+
+
+@dataclass(slots=True)
+class Stats:
+    num_gpu_blocks: int
+    num_free_gpu_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_steps: int
+
+
+@dataclass(slots=True)
+class SequenceDelta:
+    """What one sequence of a request produced since the last output."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None  # stop | length | abort | rejected | error; None while running
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    num_prompt_tokens: int
+    sequences: list[SequenceDelta]
+    finished: bool
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutputs:
+    outputs: list[RequestOutput]
+
+
+# --- scheduler <-> worker ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Ready:
+    """A worker rank is loaded and reports what the scheduler must know about it."""
+
+    rank: int
+    world_size: int
+    num_gpu_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class NewSequence:
+    """Sent once when a sequence is first scheduled (again after a recompute preemption)."""
+
+    seq_id: int
+    token_ids: list[int]  # prompt, plus outputs so far when it is recomputed
+    num_prompt_tokens: int
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step: compute `num_tokens` tokens starting at position `start`."""
+
+    seq_id: int
+    start: int
+    num_tokens: int
+    appended_token_ids: list[int]  # tokens sampled since the worker last saw this sequence
+    new_block_ids: list[int]  # appended to the worker's copy of the block table
+
+
+@dataclass(slots=True)
+class Step:
+    step_id: int
+    new_sequences: list[NewSequence]
+    scheduled: list[ScheduledSequence]
+    finished_seq_ids: list[int]  # the worker drops its state for these before running
+    preempted_seq_ids: list[int]
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src gpu block, dst gpu block)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    sampled: list[SampledToken]
+    forward_ms: float
+    sample_ms: float
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    Hello,
+    SchedulerInfo,
+    AddRequest,
+    Abort,
+    GetStats,
+    Stats,
+    RequestOutputs,
+    Ready,
+    Step,
+    StepResult,
+    Shutdown,
+)
+_TAG_OF = {cls: cls.__name__ for cls in MESSAGE_TYPES}
+_CLASS_OF = {name: cls for cls, name in _TAG_OF.items()}
+
+Message = typing.Union[MESSAGE_TYPES]  # type: ignore[valid-type]
+
+
+def encode(message: object) -> bytes:
+    tag = _TAG_OF.get(type(message))
+    if tag is None:
+        raise TypeError(f"not a protocol message: {type(message).__name__}")
+    return msgpack.packb([PROTOCOL_VERSION, tag, *_field_values(message)], default=_field_values)
+
+
+def decode(frame: bytes) -> object:
+    try:
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise ProtocolError(f"not msgpack: {exc}") from None
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise ProtocolError("a frame is a list [version, tag, fields...]")
+    version, tag, *values = raw
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    cls = _CLASS_OF.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {tag!r}")
+    return _checker(cls)(values)
+
+
+def _field_values(obj: object) -> list:
+    """A message as the list of its fields; msgpack calls this for every nested message too."""
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        if not is_dataclass(obj):
+            raise TypeError(f"cannot encode {type(obj).__name__}")
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
+    return [getattr(obj, name) for name in names]
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+# --- decoding: one validating function per type, built once -------------------------------
+
+Checker = typing.Callable[[object], object]
+_CHECKERS: dict[object, Checker] = {}
+
+
+def _checker(hint: object) -> Checker:
+    checker = _CHECKERS.get(hint)
+    if checker is None:
+        checker = _CHECKERS[hint] = _make_checker(hint)
+    return checker
+
+
+def _make_checker(hint: object) -> Checker:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return _union_checker([_checker(option) for option in typing.get_args(hint)], hint)
+    if origin is list:
+        return _list_checker(typing.get_args(hint)[0])
+    if origin is tuple:
+        return _tuple_checker([_checker(t) for t in typing.get_args(hint)])
+    if origin is dict:
+        key, value = (_checker(t) for t in typing.get_args(hint))
+
+        def check_map(v):
+            if type(v) is not dict:
+                raise ProtocolError("expected a map")
+            return {key(k): value(x) for k, x in v.items()}
+
+        return check_map
+    if is_dataclass(hint):
+        return _message_checker(hint)
+    if hint is float:
+
+        def check_float(v):
+            if type(v) is float:
+                return v
+            if type(v) is int:
+                return float(v)
+            raise ProtocolError("expected a number")
+
+        return check_float
+    if hint in (int, str, bool, bytes, type(None)):
+        name = "null" if hint is type(None) else hint.__name__
+
+        def check_exact(v):
+            if type(v) is not hint:
+                raise ProtocolError(f"expected {name}")
+            return v
+
+        return check_exact
+    raise TypeError(f"no wire rule for {hint}")
+
+
+def _union_checker(options: list[Checker], hint: object) -> Checker:
+    def check_union(v):
+        for option in options:
+            try:
+                return option(v)
+            except ProtocolError:
+                continue
+        raise ProtocolError(f"{v!r} is none of {hint}")
+
+    return check_union
+
+
+def _list_checker(item: object) -> Checker:
+    if item in (int, str, float):
+        expected = {int: (int,), str: (str,), float: (float, int)}[item]
+
+        def check_plain_list(v):
+            if type(v) is not list or not all(type(x) in expected for x in v):
+                raise ProtocolError(f"expected a list of {item.__name__}")
+            return [float(x) for x in v] if item is float else v
+
+        return check_plain_list
+    check_item = _checker(item)
+
+    def check_list(v):
+        if type(v) is not list:
+            raise ProtocolError("expected a list")
+        return [check_item(x) for x in v]
+
+    return check_list
+
+
+def _tuple_checker(items: list[Checker]) -> Checker:
+    def check_tuple(v):
+        if type(v) is not list or len(v) != len(items):
+            raise ProtocolError(f"expected {len(items)} items")
+        return tuple(check(x) for check, x in zip(items, v))
+
+    return check_tuple
+
+
+def _message_checker(cls: type) -> Checker:
+    hints = typing.get_type_hints(cls)
+    declared = fields(cls)
+    names = [f.name for f in declared]
+    required = sum(1 for f in declared if f.default is MISSING and f.default_factory is MISSING)
+    name = cls.__name__
+
+    def build(values):
+        if type(values) is not list:
+            raise ProtocolError(f"{name}: expected a list of fields")
+        if not required <= len(values) <= len(names):
+            raise ProtocolError(f"{name}: {len(values)} fields, expected {required}..{len(names)}")
+        try:
+            return cls(*[check(v) for check, v in zip(checks, values)])
+        except ProtocolError as exc:
+            bad = next(n for n, c, v in zip(names, checks, values) if not _passes(c, v))
+            raise ProtocolError(f"{name}.{bad}: {exc}") from None
+
+    _CHECKERS[cls] = build  # before the fields, so a message may nest its own type
+    checks = [_checker(hints[n]) for n in names]
+    return build
+
+
+def _passes(check: Checker, value: object) -> bool:
+    try:
+        check(value)
+        return True
+    except ProtocolError:
+        return False

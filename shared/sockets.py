@@ -1,0 +1,59 @@
+"""ZeroMQ helpers: every process talks through these, so framing and options live in one place."""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from shared.protocol import ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+def bind(context: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.bind(endpoint)
+    return sock
+
+
+def connect(context: zmq.Context, kind: int, endpoint: str, identity: bytes | None = None):
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(endpoint)
+    return sock
+
+
+def send(sock: zmq.Socket, message: object, to: bytes | None = None) -> None:
+    """Send one message; `to` is the peer identity on a ROUTER socket."""
+    frame = encode(message)
+    if to is None:
+        sock.send(frame)
+    else:
+        sock.send_multipart([to, frame])
+
+
+def receive(sock: zmq.Socket, routed: bool = False) -> tuple[bytes | None, object | None]:
+    """Receive one message as (sender, message); a malformed frame is logged and gives None."""
+    if routed:
+        sender, frame = _split(sock.recv_multipart())
+    else:
+        sender, frame = None, sock.recv()
+    return sender, _decode_or_log(frame, sender)
+
+
+def _split(frames: list[bytes]) -> tuple[bytes, bytes]:
+    return frames[0], frames[-1]
+
+
+def _decode_or_log(frame: bytes, sender: bytes | None) -> object | None:
+    try:
+        return decode(frame)
+    except ProtocolError as exc:
+        log.error("dropped a malformed frame from %r: %s", sender, exc)
+        return None

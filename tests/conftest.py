@@ -1,0 +1,95 @@
+"""Fixtures: tiny models saved to disk, and pagedserve running as three real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.tiny_models import build_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    return {
+        family: build_model(str(tmp_path_factory.mktemp(family)), family)
+        for family in ("llama", "qwen2")
+    }
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> str:
+    return model_dirs["llama"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen, base_url: str, model: str, log_path: str):
+        self.process, self.base_url, self.model, self.log_path = process, base_url, model, log_path
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("pagedserve_"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+
+@contextlib.contextmanager
+def serve(model_dir: str, log_dir: str, *flags: str):
+    """Run `pagedserve up` on a free port until the block exits."""
+    port = free_port()
+    log_path = os.path.join(log_dir, f"server-{port}.log")
+    cmd = [sys.executable, "-m", "services.launcher", "up", "--model", model_dir,
+           "--port", str(port), "--device", "cpu", "--kv-cache-memory", "0.05", *flags]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    server = Server(process, base_url, os.path.basename(os.path.normpath(model_dir)), log_path)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"pagedserve exited early:\n{server.log()}")
+            try:
+                if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pagedserve not ready:\n{server.log()}")
+            time.sleep(0.3)
+        yield server
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="session")
+def llama_server(llama_dir, tmp_path_factory):
+    with serve(llama_dir, str(tmp_path_factory.mktemp("logs"))) as server:
+        yield server

@@ -1,0 +1,148 @@
+"""The OpenAI-compatible surface, exercised with the official client and raw HTTP."""
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(llama_server):
+    return openai.OpenAI(base_url=f"{llama_server.base_url}/v1", api_key="unused")
+
+
+def test_models_and_health(llama_server, client):
+    assert [m.id for m in client.models.list().data] == [llama_server.model]
+    assert httpx.get(f"{llama_server.base_url}/health").json() == {"status": "ok"}
+
+
+def test_streamed_completion_equals_the_whole_one(llama_server, client):
+    args = dict(model=llama_server.model, prompt="def add(a, b):", max_tokens=20, temperature=0.9, seed=1234)
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(stream=True, **args))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == whole.choices[0].text
+    assert whole.usage.completion_tokens == 20
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+
+
+def test_streamed_chat_equals_the_whole_one(llama_server, client):
+    args = dict(
+        model=llama_server.model,
+        messages=[{"role": "user", "content": "Write a loop."}],
+        max_tokens=12, temperature=0.7, seed=99,
+    )
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_a_seeded_request_is_the_same_alone_and_in_a_busy_batch(llama_server, client):
+    def seeded():
+        return client.completions.create(
+            model=llama_server.model, prompt="import sys\n", max_tokens=24, temperature=1.0, seed=7,
+            extra_body={"return_token_ids": True},
+        ).choices[0].token_ids
+
+    def noise(i):
+        return client.completions.create(
+            model=llama_server.model, prompt="x = " * (i + 1), max_tokens=30, temperature=1.0
+        )
+
+    alone = seeded()
+    with ThreadPoolExecutor(8) as pool:
+        others = [pool.submit(noise, i) for i in range(6)]
+        busy = pool.submit(seeded)
+        in_batch = busy.result()
+        [f.result() for f in others]
+    assert in_batch == alone
+    another_seed = client.completions.create(
+        model=llama_server.model, prompt="import sys\n", max_tokens=24, temperature=1.0, seed=8,
+        extra_body={"return_token_ids": True},
+    ).choices[0].token_ids
+    assert another_seed != alone
+
+
+def test_stop_strings_end_the_text_before_the_stop(llama_server, client):
+    args = dict(model=llama_server.model, prompt="class A:", max_tokens=24, temperature=0)
+    full = client.completions.create(**args).choices[0].text
+    stop = full[8:11]
+    cut = client.completions.create(stop=[stop], **args).choices[0]
+    assert cut.text == full[: full.index(stop)]
+    assert cut.finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **args))
+    assert streamed == cut.text
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(llama_server):
+    before = llama_server.metrics()
+    body = {"model": llama_server.model, "prompt": "import os", "max_tokens": 480,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{llama_server.base_url}/v1/completions", json=body, timeout=60) as response:
+        events = response.iter_lines()
+        received = [line for line, _ in zip(events, range(6)) if line.startswith("data:")]
+        assert received
+        assert llama_server.metrics()["pagedserve_gpu_blocks_used"] > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        metrics = llama_server.metrics()
+        if metrics["pagedserve_gpu_blocks_used"] == 0 and metrics["pagedserve_num_requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert metrics["pagedserve_gpu_blocks_used"] == 0
+    aborted = 'pagedserve_requests_total{endpoint="completions",finish_reason="abort"}'
+    assert metrics[aborted] == before.get(aborted, 0) + 1
+    generated = metrics["pagedserve_generation_tokens_total"] - before["pagedserve_generation_tokens_total"]
+    assert generated < 480
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", "/v1/completions", b'{"model": ', 400, None),
+    ("unknown model", "/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
+    ("zero max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("top_p above 1", "/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("top_p of 0", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top_k below -1", "/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("prompt too long", "/v1/completions", {"prompt": [5] * 600}, 400, "prompt"),
+    ("prompt plus max_tokens too long", "/v1/completions", {"prompt": [5] * 500, "max_tokens": 100}, 400, "max_tokens"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("empty token list", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("token id out of vocabulary", "/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
+    ("prompt of wrong type", "/v1/completions", {"prompt": 12}, 400, "prompt"),
+    ("max_tokens of wrong type", "/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("temperature of wrong type", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("stream of wrong type", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("body not an object", "/v1/completions", [1, 2], 400, None),
+    ("no messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("message of wrong type", "/v1/chat/completions", {"messages": ["hi"]}, 400, "messages[0]"),
+    ("empty chat prompt budget", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("case, path, body, status, param", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(llama_server, case, path, body, status, param):
+    if isinstance(body, (dict, list)):
+        if isinstance(body, dict):
+            body = {"model": llama_server.model, **body}
+        content = json.dumps(body).encode()
+    else:
+        content = body
+    response = httpx.post(f"{llama_server.base_url}{path}", content=content,
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    good = httpx.post(f"{llama_server.base_url}/v1/completions", timeout=30,
+                      json={"model": llama_server.model, "prompt": "ok", "max_tokens": 2})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1

@@ -1,0 +1,104 @@
+"""Tiny random-weight models with an offline-trained tokenizer, saved in HF format for tests."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CONFIGS = {
+    "llama": (LlamaConfig, dict(num_key_value_heads=2)),
+    "qwen2": (Qwen2Config, dict(num_key_value_heads=2)),
+}
+
+
+def corpus(limit: int = 40) -> list[str]:
+    """Text every machine has offline: the standard library's own sources."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    texts = []
+    for path in sorted(glob.glob(os.path.join(stdlib, "*.py")))[:limit]:
+        with open(path, encoding="utf-8", errors="ignore") as f:
+            texts.append(f.read())
+    return texts
+
+
+def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_model(directory: str, family: str = "llama", seed: int = 0, **overrides) -> str:
+    """Save a tiny random-weight model of `family` with its tokenizer into `directory`."""
+    tokenizer = build_tokenizer()
+    config_class, family_defaults = CONFIGS[family]
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        # Wider than the default init, so next-token logits are far apart and float rounding
+        # never changes a greedy choice.
+        initializer_range=0.2,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    settings.update(family_defaults)
+    settings.update(overrides)
+    config = config_class(**settings)
+    config.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.eos_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def hf_greedy(directory: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: HF transformers' own greedy generate, one prompt at a time (no padding)."""
+    model = _hf_model(directory)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+_HF_MODELS: dict[str, object] = {}
+
+
+def _hf_model(directory: str):
+    if directory not in _HF_MODELS:
+        _HF_MODELS[directory] = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return _HF_MODELS[directory]
