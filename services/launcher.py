@@ -34,15 +34,19 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
     flags = []
     for name in names:
         value = getattr(args, name)
-        if value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
+        flag = f"--{name.replace('_', '-')}"
+        if value is True:
+            flags.append(flag)
+        elif value is not None and value is not False:
+            flags += [flag, str(value)]
     return flags
 
 
 SCHEDULER_FLAGS = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                   "num_gpu_blocks_override"]
-WORKER_FLAGS = ["model", "device", "dtype", "gpu_memory_utilization", "kv_cache_memory", "seed",
-                "block_size", "num_gpu_blocks_override"]
+                   "num_gpu_blocks_override", "enable_prefix_caching", "enable_chunked_prefill",
+                   "preemption_mode"]
+WORKER_FLAGS = ["model", "device", "dtype", "gpu_memory_utilization", "kv_cache_memory", "swap_space",
+                "seed", "block_size", "num_gpu_blocks_override"]
 API_FLAGS = ["model", "host", "port", "served_model_name"]
 
 

@@ -18,6 +18,9 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
     group.add_argument("--max-model-len", type=int, default=None, help="context length limit")
     group.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    group.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt blocks")
+    group.add_argument("--enable-chunked-prefill", action="store_true", help="split long prompts over steps")
+    group.add_argument("--preemption-mode", choices=["swap", "recompute", "auto"], default="auto")
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +29,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache on CPU")
+    group.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space for KV blocks")
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -49,6 +53,9 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        preemption_mode=args.preemption_mode,
     )
 
 

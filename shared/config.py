@@ -15,6 +15,9 @@ class SchedulerConfig:
     max_model_len: int | None = None  # None: the model's own
     num_gpu_blocks_override: int | None = None
     watermark: float = 0.01  # fraction of GPU blocks kept free when admitting new prompts
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = False
+    preemption_mode: str = "auto"  # swap | recompute | auto
 
 
 @dataclass(slots=True)

@@ -66,11 +66,18 @@ class GetStats:
 @dataclass(slots=True)
 class Stats:
     num_gpu_blocks: int
-    num_free_gpu_blocks: int
+    num_free_gpu_blocks: int  # free, not counting cached-and-evictable ones
+    num_cached_gpu_blocks: int  # cached and evictable: reusable by a prefix hit
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
     num_running: int
     num_waiting: int
-    num_preemptions: int
+    num_swapped: int
+    num_preemptions_swap: int
+    num_preemptions_recompute: int
     num_steps: int
+    num_prompt_tokens_computed: int
+    num_prompt_tokens_cached: int
 
 
 @dataclass(slots=True)
@@ -91,6 +98,7 @@ class RequestOutput:
     sequences: list[SequenceDelta]
     finished: bool
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 @dataclass(slots=True)
@@ -108,9 +116,13 @@ class Ready:
     rank: int
     world_size: int
     num_gpu_blocks: int
+    num_cpu_blocks: int
     block_size: int
     max_model_len: int
     eos_token_ids: list[int]
+    block_bytes: int
+    swap_bytes_per_second: float  # measured host<->device copy rate
+    prefill_tokens_per_second: float  # measured at start-up on a dummy prompt
 
 
 @dataclass(slots=True)
@@ -121,6 +133,16 @@ class NewSequence:
     token_ids: list[int]  # prompt, plus outputs so far when it is recomputed
     num_prompt_tokens: int
     sampling: SamplingParams
+    index: int  # which sample of its request (seeds its draws)
+
+
+@dataclass(slots=True)
+class Fork:
+    """A new sequence that starts as a copy of another: its tokens and its block table."""
+
+    seq_id: int
+    parent_seq_id: int
+    index: int
 
 
 @dataclass(slots=True)
@@ -131,16 +153,20 @@ class ScheduledSequence:
     start: int
     num_tokens: int
     appended_token_ids: list[int]  # tokens sampled since the worker last saw this sequence
-    new_block_ids: list[int]  # appended to the worker's copy of the block table
+    table_start: int  # the worker's block table keeps entries before this index...
+    block_ids: list[int]  # ...and these replace the rest
 
 
 @dataclass(slots=True)
 class Step:
+    """Applied in field order: forks, drops, new sequences, swaps, copies, then the forward."""
+
     step_id: int
+    forks: list[Fork]
+    finished_seq_ids: list[int]  # the worker drops its state for these
+    preempted_seq_ids: list[int]
     new_sequences: list[NewSequence]
     scheduled: list[ScheduledSequence]
-    finished_seq_ids: list[int]  # the worker drops its state for these before running
-    preempted_seq_ids: list[int]
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src gpu block, dst gpu block)
@@ -148,6 +174,8 @@ class Step:
 
 @dataclass(slots=True)
 class SampledToken:
+    """A sequence's next token; several for one sequence when its request forks (n > 1)."""
+
     seq_id: int
     token_id: int
     logprob: float

@@ -16,6 +16,10 @@ class InvalidParameter(ValueError):
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # sample this many, return the best n; None: n
+    use_beam_search: bool = False  # beam width: best_of
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as in HF transformers
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -28,11 +32,26 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature == 0.0 or self.use_beam_search
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the request runs: best_of (the beam width for beam search)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """Alternatives the worker reports per token: beam search needs 2 per beam."""
+        wanted = self.logprobs or 0
+        return max(wanted, 2 * self.num_samples) if self.use_beam_search else wanted
 
     def validate(self) -> None:
-        if self.n != 1:
-            raise InvalidParameter("n", "n must be 1")
+        if not 1 <= self.n <= 16:
+            raise InvalidParameter("n", "n must be between 1 and 16")
+        if self.best_of is not None and not self.n <= self.best_of <= 16:
+            raise InvalidParameter("best_of", "best_of must be at least n and at most 16")
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidParameter("early_stopping", 'early_stopping must be true, false or "never"')
         if self.temperature < 0:
             raise InvalidParameter("temperature", "temperature must be >= 0")
         if not 0 < self.top_p <= 1:

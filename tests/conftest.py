@@ -61,7 +61,7 @@ def serve(model_dir: str, log_dir: str, *flags: str):
     port = free_port()
     log_path = os.path.join(log_dir, f"server-{port}.log")
     cmd = [sys.executable, "-m", "services.launcher", "up", "--model", model_dir,
-           "--port", str(port), "--device", "cpu", "--kv-cache-memory", "0.05", *flags]
+           "--port", str(port), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05", *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.scheduler import Budgets, Scheduler
+from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from shared.protocol import AddRequest, SampledToken, Step, StepResult
 from shared.sampling import SamplingParams
 
@@ -33,7 +33,8 @@ class StandInWorker:
         for entry in step.scheduled:
             tokens = self.tokens[entry.seq_id]
             tokens.extend(entry.appended_token_ids)
-            self.tables[entry.seq_id].extend(entry.new_block_ids)
+            del self.tables[entry.seq_id][entry.table_start :]
+            self.tables[entry.seq_id].extend(entry.block_ids)
             end = entry.start + entry.num_tokens
             if end == len(tokens):
                 token = self.next_token(entry.seq_id, len(tokens))
@@ -41,9 +42,12 @@ class StandInWorker:
         return StepResult(step.step_id, sampled, 0.0, 0.0)
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, context=256):
-    manager = BlockManager(num_blocks, block_size, watermark=0.0)
-    return Scheduler(manager, Budgets(max_num_seqs, max_tokens_per_step, context), [EOS])
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, context=256,
+                   num_cpu_blocks=0, preemption="recompute", prefix_caching=False, chunked=False):
+    manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=0.0,
+                           enable_prefix_caching=prefix_caching)
+    budgets = Budgets(max_num_seqs, max_tokens_per_step, context, chunked_prefill=chunked)
+    return Scheduler(manager, budgets, [EOS], PreemptionPolicy(preemption))
 
 
 _ids = itertools.count()

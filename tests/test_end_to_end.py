@@ -55,10 +55,10 @@ def test_concurrent_greedy_completions_equal_hf_generate(model_dirs, family, tmp
 def test_preempted_and_recomputed_sequences_give_the_same_tokens(llama_dir, tmp_path):
     prompt_ids = prompts(llama_dir)
     # 20 blocks of 4 tokens hold 80 tokens; the 8 requests reach 287 tokens together.
-    flags = ["--block-size", "4", "--num-gpu-blocks-override", "20"]
+    flags = ["--block-size", "4", "--num-gpu-blocks-override", "20", "--preemption-mode", "recompute"]
     with serve(llama_dir, str(tmp_path), *flags) as server:
         got = complete_all(server, prompt_ids)
         metrics = server.metrics()
-    assert metrics["pagedserve_preemptions_total"] > 0
+    assert metrics['pagedserve_preemptions_total{mode="recompute"}'] > 0
     assert metrics["pagedserve_gpu_blocks_used"] == 0
     assert got == [hf_greedy(llama_dir, p, MAX_TOKENS) for p in prompt_ids]

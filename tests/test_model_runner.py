@@ -27,7 +27,7 @@ def greedy_through_runner(model_dir, block_size, num_new_tokens, shuffle_seed=0)
     blocks = {i: 0 for i in tokens}
     outputs = {i: [] for i in tokens}
     for step_id in range(num_new_tokens):
-        news = [NewSequence(i, list(p), len(p), SamplingParams(temperature=0)) for i, p in enumerate(PROMPTS)]
+        news = [NewSequence(i, list(p), len(p), SamplingParams(temperature=0), 0) for i, p in enumerate(PROMPTS)]
         entries = []
         for i in tokens:
             n = len(tokens[i]) - computed[i]
@@ -35,9 +35,9 @@ def greedy_through_runner(model_dir, block_size, num_new_tokens, shuffle_seed=0)
             new_blocks = [free.pop() for _ in range(needed)]
             blocks[i] += needed
             appended = [] if step_id == 0 else tokens[i][-1:]
-            entries.append(ScheduledSequence(i, computed[i], n, appended, new_blocks))
+            entries.append(ScheduledSequence(i, computed[i], n, appended, blocks[i] - needed, new_blocks))
             computed[i] += n
-        result = runner.execute(Step(step_id, news if step_id == 0 else [], entries, [], []))
+        result = runner.execute(Step(step_id, [], [], [], news if step_id == 0 else [], entries))
         for sampled in result.sampled:
             tokens[sampled.seq_id].append(sampled.token_id)
             outputs[sampled.seq_id].append(sampled.token_id)

@@ -5,6 +5,7 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     Abort,
     AddRequest,
+    Fork,
     NewSequence,
     ProtocolError,
     RequestOutput,
@@ -21,10 +22,13 @@ from shared.sampling import SamplingParams
 def test_every_field_survives_a_round_trip():
     step = Step(
         7,
-        [NewSequence(3, [1, 2, 3], 3, SamplingParams(temperature=0.5, seed=11, stop_token_ids=[9]))],
-        [ScheduledSequence(3, 0, 3, [], [4, 5])],
+        forks=[Fork(8, 3, 1)],
         finished_seq_ids=[1],
         preempted_seq_ids=[2],
+        new_sequences=[NewSequence(3, [1, 2, 3], 3, SamplingParams(temperature=0.5, seed=11, stop_token_ids=[9]), 0)],
+        scheduled=[ScheduledSequence(3, 0, 3, [], 0, [4, 5])],
+        swap_out=[(1, 2)],
+        swap_in=[(3, 4)],
         copies=[(4, 6)],
     )
     assert decode(encode(step)) == step
@@ -35,8 +39,9 @@ def test_every_field_survives_a_round_trip():
 
 
 def test_request_carries_sampling_params():
-    request = AddRequest("id", [1, 2], SamplingParams(top_k=5, top_p=0.5, max_tokens=3), 1.5)
-    assert decode(encode(request)).sampling.top_k == 5
+    sampling = SamplingParams(top_k=5, top_p=0.5, max_tokens=3, use_beam_search=True, early_stopping="never")
+    request = AddRequest("id", [1, 2], sampling, 1.5)
+    assert decode(encode(request)).sampling == sampling
 
 
 @pytest.mark.parametrize(
@@ -68,8 +73,8 @@ def test_abort_of_several_requests():
 
 
 def test_a_bad_field_deep_inside_a_step_is_named():
-    step = encode(Step(1, [], [ScheduledSequence(3, 0, 1, [], [4])], [], []))
+    step = encode(Step(1, [], [], [], [], [ScheduledSequence(3, 0, 1, [], 0, [4])]))
     raw = msgpack.unpackb(step)
-    raw[4][0][1] = "zero"  # ScheduledSequence.start
+    raw[7][0][1] = "zero"  # ScheduledSequence.start
     with pytest.raises(ProtocolError, match=r"Step.scheduled: ScheduledSequence.start: expected int"):
         decode(msgpack.packb(raw))

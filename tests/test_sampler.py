@@ -33,14 +33,14 @@ def test_temperature_sharpens_the_distribution():
 
 
 def test_greedy_takes_the_argmax_and_reports_its_logprob():
-    samples = Sampler(seed=0)(LOGITS, [SampleRow(SamplingParams(temperature=0.0), 0)])
-    assert samples.token_ids == [0]
-    assert math.isclose(samples.logprobs[0], math.log(0.5), rel_tol=1e-5)
+    [[sample]] = Sampler(seed=0)(LOGITS, [SampleRow(SamplingParams(temperature=0.0), 0)])
+    assert sample.token_id == 0
+    assert math.isclose(sample.logprob, math.log(0.5), rel_tol=1e-5)
 
 
 def test_top_logprobs_are_returned_when_asked():
-    samples = Sampler(seed=0)(LOGITS, [SampleRow(SamplingParams(temperature=0.0, logprobs=2), 0)])
-    assert samples.top_ids == [[0, 1]]
+    [[sample]] = Sampler(seed=0)(LOGITS, [SampleRow(SamplingParams(temperature=0.0, logprobs=2), 0)])
+    assert sample.top_ids == [0, 1]
 
 
 def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch():
@@ -48,9 +48,19 @@ def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch():
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1))
     seeded = SampleRow(SamplingParams(seed=42), num_generated=5)
     others = [SampleRow(SamplingParams(), 0), SampleRow(SamplingParams(top_k=3), 2)]
-    alone = Sampler(seed=0)(logits[:1], [seeded]).token_ids[0]
+    alone = Sampler(seed=0)(logits[:1], [seeded])[0][0].token_id
     sampler = Sampler(seed=123)
-    in_batch = sampler(logits[[1, 0, 2]], [others[0], seeded, others[1]]).token_ids[1]
+    in_batch = sampler(logits[[1, 0, 2]], [others[0], seeded, others[1]])[1][0].token_id
     assert in_batch == alone
-    draws = {Sampler(seed=0)(logits[:1], [SampleRow(SamplingParams(seed=42), n)]).token_ids[0] for n in range(20)}
+    draws = {Sampler(seed=0)(logits[:1], [SampleRow(SamplingParams(seed=42), n)])[0][0].token_id for n in range(20)}
     assert len(draws) > 1  # each position draws anew
+
+
+def test_a_finished_prompt_draws_one_token_per_sample_and_each_matches_its_forked_sequence():
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(n=3, seed=5)
+    first = Sampler(seed=0)(logits, [SampleRow(params, 0, index=0, num_samples=3)])[0]
+    assert len(first) == 3 and len({s.token_id for s in first}) > 1
+    # Each forked sequence j would have drawn the same token alone with its own index.
+    alone = [Sampler(seed=0)(logits, [SampleRow(params, 0, index=j)])[0][0].token_id for j in range(3)]
+    assert [s.token_id for s in first] == alone

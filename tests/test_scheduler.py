@@ -1,6 +1,5 @@
 """The scheduling policy, driven step by step without a worker."""
 
-from services.scheduler.sequence import Status
 from tests.scheduler_harness import EOS, StandInWorker, make_scheduler, request, run_to_completion
 
 
@@ -8,12 +7,12 @@ def test_blocks_are_allocated_one_at_a_time_as_a_sequence_grows():
     scheduler, worker = make_scheduler(block_size=4), StandInWorker()
     scheduler.add(request(prompt_len=5, max_tokens=8))
     step = scheduler.schedule()
-    assert len(step.scheduled[0].new_block_ids) == 2  # 5 prompt tokens in blocks of 4
+    assert len(step.scheduled[0].block_ids) == 2  # 5 prompt tokens in blocks of 4
     held = []
     for _ in range(6):
         scheduler.update(worker.run(step))
         step = scheduler.schedule()
-        held.append(len(scheduler.running[0].block_table))
+        held.append(len(scheduler.running[0].seqs[0].block_table))
     # tokens computed after each decode: 6, 7, 8, 9, 10, 11 -> blocks 2, 2, 2, 3, 3, 3
     assert held == [2, 2, 2, 3, 3, 3]
 
@@ -28,7 +27,7 @@ def test_decode_steps_send_only_the_last_token_and_new_blocks():
     assert second.new_sequences == []
     entry = second.scheduled[0]
     assert (entry.start, entry.num_tokens, entry.appended_token_ids) == (4, 1, [104])
-    assert len(entry.new_block_ids) == 1  # the 5th token opens a second block
+    assert len(entry.block_ids) == 1  # the 5th token opens a second block
 
 
 def test_new_requests_join_the_running_batch_at_the_next_step():
@@ -53,7 +52,7 @@ def test_finished_requests_leave_at_once_and_free_their_blocks():
     outputs = scheduler.update(worker.run(scheduler.schedule()))
     finished = {o.request_id for o in outputs if o.finished}
     assert finished == {short.request_id}
-    assert [s.request_id for s in scheduler.running] == [long.request_id]
+    assert [r.request_id for r in scheduler.running] == [long.request_id]
     assert scheduler.block_manager.num_free_blocks == 64 - 2
     next_step = scheduler.schedule()
     assert next_step.finished_seq_ids == [0]  # the worker is told to drop its copy
@@ -77,7 +76,7 @@ def test_latest_arrival_is_preempted_by_recompute_when_blocks_run_out():
     scheduler.add(early)
     scheduler.add(late)
     outputs = run_to_completion(scheduler, worker)
-    assert scheduler.num_preemptions >= 1
+    assert scheduler.counters["recompute"] >= 1
     assert any(step.preempted_seq_ids == [1] for step in worker.steps)
     recomputed = [s for step in worker.steps for s in step.new_sequences if s.seq_id == 1][-1]
     assert len(recomputed.token_ids) > 8  # prompt plus the tokens generated before preemption
@@ -113,9 +112,9 @@ def test_abort_frees_blocks_and_tells_the_worker():
     r = request(max_tokens=50)
     scheduler.add(r)
     scheduler.update(worker.run(scheduler.schedule()))
-    seq = scheduler.running[0]
+    seq = scheduler.running[0].seqs[0]
     assert scheduler.abort(r.request_id).finished
-    assert seq.status is Status.FINISHED and scheduler.block_manager.num_free_blocks == 64
+    assert seq.finished and scheduler.block_manager.num_free_blocks == 64
     scheduler.add(request())
     assert scheduler.schedule().finished_seq_ids == [seq.seq_id]
 

@@ -20,20 +20,10 @@ from services.api.detokenizer import IncrementalDetokenizer
 from services.api.engine_client import EngineClient
 from services.api.errors import ApiError
 from services.api.metrics import ApiMetrics
+from services.api.formats import ChatFormat, Chunk, CompletionFormat
 from services.api.requests import GenerationRequest, parse_chat, parse_completion
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Chunk:
-    """What one engine output adds to a choice."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]]
-    finish_reason: str | None
 
 
 class OpenAIServer:
@@ -58,7 +48,7 @@ class OpenAIServer:
             if any(not 0 <= t < self.vocab_size for t in prompt_ids):
                 raise ApiError(f"token ids must be in [0, {self.vocab_size})", param="prompt")
         self._fit_to_context(generation, prompt_ids)
-        return await self._respond(request, generation, prompt_ids, CompletionFormat(self, generation))
+        return await self._respond(request, generation, prompt_ids, CompletionFormat(self.model_name, self.tokenizer, generation))
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _json_body(request)
@@ -72,7 +62,7 @@ class OpenAIServer:
             raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         self._fit_to_context(generation, prompt_ids)
-        return await self._respond(request, generation, prompt_ids, ChatFormat(self, generation))
+        return await self._respond(request, generation, prompt_ids, ChatFormat(self.model_name, self.tokenizer, generation))
 
     async def models(self, request: Request) -> Response:
         info = self.client.info
@@ -144,179 +134,39 @@ class OpenAIServer:
     async def _generate(
         self, generation: GenerationRequest, prompt_ids: list[int], endpoint: str
     ) -> AsyncIterator[Chunk]:
+        """Chunks of every choice as they come; closing it early aborts the request."""
         request_id = uuid.uuid4().hex
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, generation.stop, generation.skip_special_tokens
-        )
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, generation.stop, generation.skip_special_tokens)
+            for _ in range(generation.sampling.n)
+        ]
+        done = [False] * len(detokenizers)
         outputs = self.client.generate(request_id, prompt_ids, generation.sampling, time.time())
-        finish_reason = "abort"
+        outcome = "abort"
         num_generated = 0
         try:
             async for output in outputs:
                 if output.error is not None:
-                    finish_reason = "error"
+                    outcome = "error"
                     raise _engine_error(output)
-                delta = output.sequences[0]
-                detokenizer.add(delta.token_ids)
-                num_generated += len(delta.token_ids)
-                finish_reason = "stop" if detokenizer.stopped else delta.finish_reason
-                yield Chunk(
-                    detokenizer.pending(final=finish_reason is not None),
-                    delta.token_ids,
-                    delta.logprobs,
-                    delta.top_logprobs,
-                    finish_reason,
-                )
-                if detokenizer.stopped:
-                    break  # closing `outputs` aborts the request and frees its blocks
+                for delta in output.sequences:
+                    if done[delta.index]:
+                        continue  # a stop string already ended this choice
+                    detokenizer = detokenizers[delta.index]
+                    detokenizer.add(delta.token_ids)
+                    num_generated += len(delta.token_ids)
+                    reason = "stop" if detokenizer.stopped else delta.finish_reason
+                    done[delta.index] = reason is not None
+                    yield Chunk(delta.index, detokenizer.pending(final=reason is not None), delta.token_ids,
+                                delta.logprobs, delta.top_logprobs, reason, output.num_cached_tokens)
+                if all(done):
+                    outcome = "finished"
+                    break  # closing `outputs` aborts whatever still runs and frees its blocks
         finally:
             await outputs.aclose()
-            self.metrics.requests.labels(endpoint, finish_reason or "abort").inc()
+            self.metrics.requests.labels(endpoint, outcome).inc()
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             self.metrics.generation_tokens.inc(num_generated)
-
-
-class CompletionFormat:
-    endpoint = "completions"
-
-    def __init__(self, server: OpenAIServer, generation: GenerationRequest):
-        self.server, self.generation = server, generation
-        self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _envelope(self, choices: list, usage: dict | None = None) -> dict:
-        body = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.server.model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return body
-
-    def _logprobs(self, chunks: list[Chunk], offset: int) -> dict | None:
-        if self.generation.sampling.logprobs is None:
-            return None
-        decode = self.server.tokenizer.decode
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        for chunk in chunks:
-            for token_id, logprob, top in zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs):
-                offsets.append(offset)
-                text = decode([token_id])
-                offset += len(text)
-                tokens.append(text)
-                token_logprobs.append(logprob)
-                tops.append({decode([t]): lp for t, lp in top.items()} if top else None)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-    def whole(self, chunks: list[Chunk], num_prompt: int) -> dict:
-        text = "".join(c.text for c in chunks)
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": self._logprobs(chunks, 0),
-            "finish_reason": chunks[-1].finish_reason if chunks else None,
-        }
-        _add_token_ids(choice, self.generation, chunks)
-        return self._envelope([choice], _usage(num_prompt, chunks))
-
-    async def stream(self, chunks: AsyncIterator[Chunk], num_prompt: int) -> AsyncIterator[str]:
-        seen: list[Chunk] = []
-        offset = 0
-        async for chunk in _errors_as_events(chunks):
-            if isinstance(chunk, str):
-                yield chunk
-                return
-            seen.append(chunk)
-            choice = {
-                "index": 0,
-                "text": chunk.text,
-                "logprobs": self._logprobs([chunk], offset),
-                "finish_reason": chunk.finish_reason,
-            }
-            _add_token_ids(choice, self.generation, [chunk])
-            offset += len(chunk.text)
-            yield _event(self._envelope([choice]))
-        if self.generation.include_usage:
-            yield _event(self._envelope([], _usage(num_prompt, seen)))
-        yield "data: [DONE]\n\n"
-
-
-class ChatFormat:
-    endpoint = "chat"
-
-    def __init__(self, server: OpenAIServer, generation: GenerationRequest):
-        self.server, self.generation = server, generation
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _envelope(self, kind: str, choices: list, usage: dict | None = None) -> dict:
-        body = {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.server.model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return body
-
-    def _logprobs(self, chunks: list[Chunk]) -> dict | None:
-        if self.generation.sampling.logprobs is None:
-            return None
-        decode = self.server.tokenizer.decode
-        content = []
-        for chunk in chunks:
-            for token_id, logprob, top in zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs):
-                text = decode([token_id])
-                content.append(
-                    {
-                        "token": text,
-                        "logprob": logprob,
-                        "bytes": list(text.encode()),
-                        "top_logprobs": [
-                            {"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode())}
-                            for t, lp in top.items()
-                        ],
-                    }
-                )
-        return {"content": content}
-
-    def whole(self, chunks: list[Chunk], num_prompt: int) -> dict:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": "".join(c.text for c in chunks)},
-            "logprobs": self._logprobs(chunks),
-            "finish_reason": chunks[-1].finish_reason if chunks else None,
-        }
-        _add_token_ids(choice, self.generation, chunks)
-        return self._envelope("chat.completion", [choice], _usage(num_prompt, chunks))
-
-    async def stream(self, chunks: AsyncIterator[Chunk], num_prompt: int) -> AsyncIterator[str]:
-        kind = "chat.completion.chunk"
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield _event(self._envelope(kind, [first]))
-        seen: list[Chunk] = []
-        async for chunk in _errors_as_events(chunks):
-            if isinstance(chunk, str):
-                yield chunk
-                return
-            seen.append(chunk)
-            delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
-            choice = {
-                "index": 0,
-                "delta": delta,
-                "logprobs": self._logprobs([chunk]),
-                "finish_reason": chunk.finish_reason,
-            }
-            _add_token_ids(choice, self.generation, [chunk])
-            yield _event(self._envelope(kind, [choice]))
-        if self.generation.include_usage:
-            yield _event(self._envelope(kind, [], _usage(num_prompt, seen)))
-        yield "data: [DONE]\n\n"
 
 
 def _engine_error(output) -> ApiError:
@@ -324,29 +174,6 @@ def _engine_error(output) -> ApiError:
     if rejected:
         return ApiError(output.error)
     return ApiError(output.error, status=500, type="server_error")
-
-
-def _add_token_ids(choice: dict, generation: GenerationRequest, chunks: list[Chunk]) -> None:
-    if generation.return_token_ids:
-        choice["token_ids"] = [t for c in chunks for t in c.token_ids]
-
-
-def _usage(num_prompt: int, chunks: list[Chunk]) -> dict:
-    completion = sum(len(c.token_ids) for c in chunks)
-    return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion}
-
-
-def _event(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-async def _errors_as_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk | str]:
-    """Once a stream has started its status is sent, so an error becomes a last SSE event."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except ApiError as exc:
-        yield _event(exc.body()) + "data: [DONE]\n\n"
 
 
 async def _collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:

@@ -18,18 +18,40 @@ class SchedulerStatsCollector:
         stats = self.stats
         if stats is None:
             return
-        yield GaugeMetricFamily("pagedserve_gpu_blocks_total", "GPU KV blocks in the pool", value=stats.num_gpu_blocks)
-        yield GaugeMetricFamily("pagedserve_gpu_blocks_free", "free GPU KV blocks", value=stats.num_free_gpu_blocks)
-        used = stats.num_gpu_blocks - stats.num_free_gpu_blocks
-        yield GaugeMetricFamily("pagedserve_gpu_blocks_used", "GPU KV blocks held by sequences", value=used)
+        gauges = {
+            "gpu_blocks_total": ("GPU KV blocks in the pool", stats.num_gpu_blocks),
+            "gpu_blocks_free": ("GPU KV blocks free", stats.num_free_gpu_blocks),
+            "gpu_blocks_cached": ("GPU KV blocks cached for prefix reuse, evictable", stats.num_cached_gpu_blocks),
+            "gpu_blocks_used": (
+                "GPU KV blocks referenced by sequences",
+                stats.num_gpu_blocks - stats.num_free_gpu_blocks - stats.num_cached_gpu_blocks,
+            ),
+            "cpu_blocks_total": ("CPU swap-space blocks", stats.num_cpu_blocks),
+            "cpu_blocks_used": ("CPU swap-space blocks in use", stats.num_cpu_blocks - stats.num_free_cpu_blocks),
+            "num_requests_running": ("sequences running", stats.num_running),
+            "num_requests_waiting": ("requests waiting", stats.num_waiting),
+            "num_requests_swapped": ("requests swapped to CPU", stats.num_swapped),
+        }
+        for name, (help_text, value) in gauges.items():
+            yield GaugeMetricFamily(f"pagedserve_{name}", help_text, value=value)
+        used = gauges["gpu_blocks_used"][1]
         yield GaugeMetricFamily(
-            "pagedserve_gpu_cache_usage_ratio", "fraction of GPU KV blocks in use",
+            "pagedserve_gpu_cache_usage_ratio", "fraction of GPU KV blocks referenced",
             value=used / stats.num_gpu_blocks if stats.num_gpu_blocks else 0.0,
         )
-        yield GaugeMetricFamily("pagedserve_num_requests_running", "sequences running", value=stats.num_running)
-        yield GaugeMetricFamily("pagedserve_num_requests_waiting", "sequences waiting", value=stats.num_waiting)
-        yield CounterMetricFamily("pagedserve_preemptions", "sequences preempted", value=stats.num_preemptions)
+        preemptions = CounterMetricFamily("pagedserve_preemptions", "requests preempted", labels=["mode"])
+        preemptions.add_metric(["swap"], stats.num_preemptions_swap)
+        preemptions.add_metric(["recompute"], stats.num_preemptions_recompute)
+        yield preemptions
         yield CounterMetricFamily("pagedserve_steps", "steps scheduled", value=stats.num_steps)
+        yield CounterMetricFamily(
+            "pagedserve_prompt_tokens_computed", "prompt tokens run through the model",
+            value=stats.num_prompt_tokens_computed,
+        )
+        yield CounterMetricFamily(
+            "pagedserve_prompt_tokens_cached", "prompt tokens served from the prefix cache",
+            value=stats.num_prompt_tokens_cached,
+        )
 
 
 class ApiMetrics:

@@ -14,7 +14,6 @@ _UNSUPPORTED_IF_SET = {
     "logit_bias": None,
     "suffix": None,
     "echo": False,
-    "best_of": 1,
     "tools": None,
     "response_format": None,
 }
@@ -125,6 +124,10 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
         max_tokens=max_tokens or 1,  # the real value is set once the prompt is tokenized
         stop_token_ids=stop_token_ids,
         ignore_eos=fields.get("ignore_eos", bool, False, what="a boolean"),
+        best_of=fields.get("best_of", int, what="an integer"),
+        use_beam_search=fields.get("use_beam_search", bool, False, what="a boolean"),
+        length_penalty=float(fields.get("length_penalty", _NUMBER, 1.0, what="a number")),
+        early_stopping=fields.get("early_stopping", (bool, str), False, what='a boolean or "never"'),
     )
     return GenerationRequest(
         model=model,

@@ -1,82 +1,173 @@
-"""The GPU block pool: which physical KV blocks are free, and each sequence's block table.
+"""Block tables: which physical blocks each sequence uses, in the GPU pool or the CPU swap pool.
 
-Blocks are handed out one at a time as a sequence grows, so a sequence never holds more than
-one partly filled block, and all of them return to the pool when it ends or is preempted.
+Blocks are added one at a time as a sequence grows. Forked sequences share every block; the
+first write into a shared, partly filled block copies it (copy-on-write), and the copy is
+reported as a (src, dst) pair for the worker to carry out before the forward pass. With prefix
+caching, each full block is keyed by a hash chained from its parent's, and a new sequence
+starts from every cached block its prompt matches.
 """
 
 from __future__ import annotations
 
-from services.scheduler.sequence import Sequence
-
-
-class OutOfBlocks(RuntimeError):
-    pass
-
-
-class BlockAllocator:
-    """A pool of physical block ids with reference counts."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0 first
-        self._ref_counts = [0] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise OutOfBlocks("no free GPU block")
-        block = self._free.pop()
-        self._ref_counts[block] = 1
-        return block
-
-    def release(self, block: int) -> None:
-        count = self._ref_counts[block]
-        if count <= 0:
-            raise ValueError(f"block {block} is already free")
-        self._ref_counts[block] = count - 1
-        if count == 1:
-            self._free.append(block)
-
-    def ref_count(self, block: int) -> int:
-        return self._ref_counts[block]
+from services.scheduler.block_pool import BlockPool
+from services.scheduler.request import Request, Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01):
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+    ):
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
-        self.watermark_blocks = int(watermark * num_blocks)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.allocator.num_free
+        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.cpu = BlockPool(num_cpu_blocks)
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
 
     @property
     def num_blocks(self) -> int:
-        return self.allocator.num_blocks
+        return self.gpu.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.gpu.num_available
+
+    # --- growing a running sequence ------------------------------------------------------
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New blocks for `num_new_tokens` more tokens, a copy-on-write included."""
+        if num_new_tokens == 0:
+            return 0
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        needed = max(0, -(-total // self.block_size) - len(seq.block_table))
+        return needed + (1 if self._write_hits_shared_block(seq) else 0)
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_append(self, seqs: list[tuple[Sequence, int]]) -> bool:
+        return sum(self.blocks_needed(seq, n) for seq, n in seqs) <= self.gpu.num_available
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Make room for `num_new_tokens`; returns the copy-on-write (src, dst) pairs."""
+        copies = []
+        if num_new_tokens and self._write_hits_shared_block(seq):
+            index = len(seq.block_table) - 1
+            shared = seq.block_table[index]
+            fresh = self.gpu.allocate()
+            self.gpu.release(shared)
+            seq.block_table[index] = fresh
+            seq.first_unsynced_block = min(seq.first_unsynced_block, index)
+            copies.append((shared, fresh))
+        total = seq.num_computed_tokens + num_new_tokens
+        while len(seq.block_table) * self.block_size < total:
+            seq.block_table.append(self.gpu.allocate())
+        return copies
+
+    def _write_hits_shared_block(self, seq: Sequence) -> bool:
+        offset = seq.num_computed_tokens % self.block_size
+        return offset != 0 and self.gpu.ref_count(seq.block_table[-1]) > 1
+
+    # --- starting a sequence -------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the start of the sequence's tokens (never all of them: the last
+        token must be computed to give the next token's logits)."""
+        if not self.gpu.enable_caching:
+            return []
+        tokens = seq.token_ids()
+        hits: list[int] = []
+        parent = 0
+        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
+            chunk = tuple(tokens[start : start + self.block_size])
+            parent = hash((parent, chunk))
+            block = self.gpu.lookup(parent, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_start(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
         """Whether a waiting sequence may start, leaving the watermark free for running ones."""
-        needed = self.blocks_needed(seq, num_new_tokens)
-        return needed <= self.num_blocks and self.num_free_blocks - needed >= self.watermark_blocks
+        total = len(hits) * self.block_size + num_new_tokens
+        needed = -(-total // self.block_size) - len(hits)
+        revived = sum(1 for block in hits if self.gpu.is_evictable(block))
+        left = self.gpu.num_available - revived - needed
+        return needed + len(hits) <= self.gpu.num_blocks and left >= self.watermark_blocks
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+    def start(self, seq: Sequence, hits: list[int]) -> None:
+        """Attach the prefix-cache hits; the tokens they hold count as computed."""
+        for block in hits:
+            self.gpu.share(block)
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.block_hashes = self._chain(seq, len(hits))
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        """Grow the block table to hold `num_new_tokens` more tokens; returns the new block ids."""
-        new_blocks = [self.allocator.allocate() for _ in range(self.blocks_needed(seq, num_new_tokens))]
-        seq.block_table.extend(new_blocks)
-        return new_blocks
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that computation has filled since the last call."""
+        if not self.gpu.enable_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for index in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else 0
+            chunk = tuple(seq.token_at(p) for p in range(index * self.block_size, (index + 1) * self.block_size))
+            block_hash = hash((parent, chunk))
+            seq.block_hashes.append(block_hash)
+            self.gpu.cache(seq.block_table[index], block_hash, chunk)
 
-    def free(self, seq: Sequence) -> None:
+    def _chain(self, seq: Sequence, num_blocks: int) -> list[int]:
+        hashes, parent, tokens = [], 0, seq.token_ids()
+        for index in range(num_blocks):
+            parent = hash((parent, tuple(tokens[index * self.block_size : (index + 1) * self.block_size])))
+            hashes.append(parent)
+        return hashes
+
+    # --- forking and freeing -------------------------------------------------------------
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        for block in parent.block_table:
+            self.gpu.share(block)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence, pool: BlockPool | None = None) -> None:
+        pool = pool or self.gpu
         for block in reversed(seq.block_table):
-            self.allocator.release(block)
-        seq.block_table.clear()
+            pool.release(block)
+        seq.block_table = []
+
+    # --- swapping whole requests ---------------------------------------------------------
+
+    def _unique_blocks(self, request: Request) -> list[int]:
+        return list(dict.fromkeys(b for seq in request.seqs for b in seq.block_table))
+
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self._unique_blocks(request)) <= self.cpu.num_available
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to the CPU pool; returns (gpu, cpu) pairs to copy."""
+        return self._move(request, source=self.gpu, target=self.cpu)
+
+    def can_swap_in(self, request: Request) -> bool:
+        needed = len(self._unique_blocks(request)) + len(request.seqs)  # and room to grow
+        return self.gpu.num_available - needed >= self.watermark_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks back to the GPU pool; returns (cpu, gpu) pairs to copy."""
+        return self._move(request, source=self.cpu, target=self.gpu)
+
+    def _move(self, request: Request, source: BlockPool, target: BlockPool) -> list[tuple[int, int]]:
+        mapping: dict[int, int] = {}
+        for seq in request.seqs:
+            moved = []
+            for block in seq.block_table:
+                if block in mapping:
+                    target.share(mapping[block])
+                else:
+                    mapping[block] = target.allocate()
+                moved.append(mapping[block])
+                source.release(block)
+            seq.block_table = moved
+            seq.first_unsynced_block = 0
+        return list(mapping.items())

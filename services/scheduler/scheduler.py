@@ -1,10 +1,11 @@
-"""The policy: first-come-first-served continuous batching with preemption by recompute.
+"""The policy: first-come-first-served continuous batching with whole-request preemption.
 
-Each call to `schedule` decides one iteration: running sequences first (one token each for a
-decode), then waiting ones in arrival order while the token, sequence and block budgets allow.
-New sequences join at any step and finished ones leave at once. When a running sequence needs
-a block and none is free, the latest-arrived running sequence is preempted: its blocks are
-freed and it goes back to the front of the queue, to be recomputed from its tokens.
+Each call to `schedule` decides one iteration. Running requests come first (one token per
+sequence for a decode, a chunk for a prompt), then swapped requests are brought back, then
+waiting ones start in arrival order while the token, sequence and block budgets allow. When a
+running request needs blocks that are not there, the latest-arrived running request is
+preempted, all its sequences together: swapped to the worker's CPU memory, or freed and
+recomputed later from its tokens.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.sequence import Sequence, Status
+from services.scheduler.request import Request, RequestStatus, Sequence
+from services.scheduler.results import ResultProcessor
 from shared.protocol import (
     AddRequest,
+    Fork,
     NewSequence,
     RequestOutput,
     ScheduledSequence,
     SequenceDelta,
     Stats,
     Step,
-    StepResult,
 )
 
 log = logging.getLogger(__name__)
@@ -34,58 +36,78 @@ class Budgets:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    chunked_prefill: bool = False
+
+
+@dataclass(slots=True)
+class PreemptionPolicy:
+    """`auto` compares the measured cost of moving a request's blocks out and back in with
+    the cost of recomputing its tokens."""
+
+    mode: str = "recompute"  # swap | recompute | auto
+    block_bytes: int = 0
+    swap_bytes_per_second: float = 0.0
+    prefill_tokens_per_second: float = 0.0
+
+    def prefers_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        if self.mode != "auto":
+            return self.mode == "swap"
+        if self.swap_bytes_per_second <= 0 or self.prefill_tokens_per_second <= 0:
+            return False
+        swap_seconds = 2 * num_blocks * self.block_bytes / self.swap_bytes_per_second
+        return swap_seconds < num_tokens / self.prefill_tokens_per_second
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, budgets: Budgets, eos_token_ids: list[int]):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        budgets: Budgets,
+        eos_token_ids: list[int],
+        preemption: PreemptionPolicy | None = None,
+    ):
         self.block_manager = block_manager
         self.budgets = budgets
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in arrival order
+        self.preemption = preemption or PreemptionPolicy()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in arrival order
+        self.swapped: list[Request] = []  # in arrival order
+        self.requests: dict[str, Request] = {}
         self.sequences: dict[int, Sequence] = {}
-        self.by_request: dict[str, Sequence] = {}
-        self.num_preemptions = 0
-        self.num_steps = 0
+        self.counters = {"swap": 0, "recompute": 0, "steps": 0, "computed": 0, "cached": 0}
+        self.pending_forks: list[Fork] = []
+        self.dropped_on_worker: list[int] = []
+        self.preempted_on_worker: list[int] = []
+        self.last_scheduled: list[Sequence] = []
         self._next_seq_id = 0
-        self._dropped_on_worker: list[int] = []
-        self._preempted_on_worker: list[int] = []
+        self.results = ResultProcessor(self)
 
     # --- requests coming in --------------------------------------------------------------
 
-    def add(self, request: AddRequest) -> RequestOutput | None:
+    def add(self, message: AddRequest) -> RequestOutput | None:
         """Queue a request; returns an error output instead if it can never run."""
-        problem = self._admission_problem(request)
+        problem = self._admission_problem(message)
         if problem is not None:
-            return _error_output(request.request_id, len(request.prompt_token_ids), problem, "rejected")
-        seq = Sequence(
-            self._next_seq_id,
-            request.request_id,
-            list(request.prompt_token_ids),
-            request.sampling,
-            request.arrival_time,
-        )
-        self._next_seq_id += 1
-        self.sequences[seq.seq_id] = seq
-        self.by_request[seq.request_id] = seq
-        self.waiting.append(seq)
+            return error_output(message.request_id, len(message.prompt_token_ids), problem, "rejected")
+        request = Request(message.request_id, list(message.prompt_token_ids), message.sampling, message.arrival_time)
+        self.new_sequence(request, index=0)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
         return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        seq = self.by_request.get(request_id)
-        if seq is None:
+        request = self.requests.get(request_id)
+        if request is None:
             return None
-        if seq.status is Status.WAITING:
-            self.waiting.remove(seq)
-        self._finish(seq, "abort")
-        return RequestOutput(
-            request_id, seq.num_prompt_tokens, [SequenceDelta(0, [], [], [], "abort")], True
-        )
+        self.finish_request(request)
+        deltas = [SequenceDelta(i, [], [], [], "abort") for i in range(request.sampling.n)]
+        return RequestOutput(request_id, request.num_prompt_tokens, deltas, True)
 
-    def _admission_problem(self, request: AddRequest) -> str | None:
-        if request.request_id in self.by_request:
-            return f"request id {request.request_id!r} is already in use"
-        num_prompt = len(request.prompt_token_ids)
+    def _admission_problem(self, message: AddRequest) -> str | None:
+        if message.request_id in self.requests:
+            return f"request id {message.request_id!r} is already in use"
+        num_prompt = len(message.prompt_token_ids)
         if num_prompt == 0:
             return "the prompt is empty"
         if num_prompt >= self.budgets.max_model_len:
@@ -93,163 +115,238 @@ class Scheduler:
                 f"the prompt has {num_prompt} tokens; this server's context is "
                 f"{self.budgets.max_model_len} tokens"
             )
-        if num_prompt > self.budgets.max_num_batched_tokens:
+        if num_prompt > self.budgets.max_num_batched_tokens and not self.budgets.chunked_prefill:
             return (
                 f"the prompt has {num_prompt} tokens, more than max_num_batched_tokens "
-                f"({self.budgets.max_num_batched_tokens})"
+                f"({self.budgets.max_num_batched_tokens}); enable chunked prefill for longer prompts"
             )
+        if message.sampling.num_samples > self.budgets.max_num_seqs:
+            return f"best_of/n exceeds max_num_seqs ({self.budgets.max_num_seqs})"
         return None
 
     # --- one iteration -------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> Step | None:
         """Decide the next step, or None when there is nothing to run."""
-        token_budget = self.budgets.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int, list[int]]] = []
-        preempted_now = False
+        budget = [self.budgets.max_num_batched_tokens]
+        scheduled: list[tuple[Sequence, int]] = []
+        copies: list[tuple[int, int]] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted = False
 
-        running = list(self.running)
-        while running:
-            seq = running.pop(0)
-            num_tokens = seq.num_uncomputed_tokens
-            if num_tokens > token_budget:
-                break
-            while not self.block_manager.can_append(seq, num_tokens):
-                victim = running.pop() if running else seq
-                self._preempt(victim)
-                preempted_now = True
-                if victim is seq:
-                    break
-            if seq.status is not Status.RUNNING:
+        queue = list(self.running)
+        while queue:
+            request = queue.pop(0)
+            wants = self._wants(request, budget[0])
+            if not wants:
                 continue
-            scheduled.append((seq, num_tokens, self.block_manager.append_slots(seq, num_tokens)))
-            token_budget -= num_tokens
+            while not self.block_manager.can_append(wants):
+                victim = queue.pop() if queue else request
+                swap_out += self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                copies += self._take(wants, scheduled, budget)
 
-        while self.waiting and not preempted_now:
-            if len(self.running) >= self.budgets.max_num_seqs:
+        if not preempted:
+            swap_in += self._resume_swapped(scheduled, copies, budget)
+        if not preempted and not self.swapped:
+            self._start_waiting(scheduled, copies, budget)
+
+        if not (scheduled or swap_out or swap_in):
+            return None
+        return self._build_step(scheduled, copies, swap_out, swap_in)
+
+    def _wants(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens) to compute for a request this step, within the token budget."""
+        wants = []
+        for seq in request.seqs:
+            n = seq.num_uncomputed_tokens
+            if n > budget:
+                n = budget if self.budgets.chunked_prefill else 0
+            if n > 0:
+                wants.append((seq, n))
+                budget -= n
+        return wants
+
+    def _take(self, wants, scheduled, budget) -> list[tuple[int, int]]:
+        copies = []
+        for seq, n in wants:
+            copies += self.block_manager.append_slots(seq, n)
+            scheduled.append((seq, n))
+            budget[0] -= n
+        return copies
+
+    def _num_running_seqs(self) -> int:
+        return sum(len(r.seqs) for r in self.running)
+
+    def _resume_swapped(self, scheduled, copies, budget) -> list[tuple[int, int]]:
+        swap_in = []
+        while self.swapped:
+            request = self.swapped[0]
+            if self._num_running_seqs() + len(request.seqs) > self.budgets.max_num_seqs:
                 break
-            seq = self.waiting[0]
-            num_tokens = seq.num_uncomputed_tokens
-            if num_tokens > token_budget or not self.block_manager.can_allocate(seq, num_tokens):
+            if not self.block_manager.can_swap_in(request):
+                break
+            self.swapped.pop(0)
+            swap_in += self.block_manager.swap_in(request)
+            self._mark_running(request)
+            wants = self._wants(request, budget[0])
+            if wants and self.block_manager.can_append(wants):
+                copies += self._take(wants, scheduled, budget)
+        return swap_in
+
+    def _start_waiting(self, scheduled, copies, budget) -> None:
+        while self.waiting and budget[0] > 0:
+            request = self.waiting[0]
+            if self._num_running_seqs() + len(request.seqs) > self.budgets.max_num_seqs:
+                break
+            plans = []
+            left = budget[0]
+            for seq in request.seqs:
+                hits = self.block_manager.match_prefix(seq)
+                n = seq.num_tokens - len(hits) * self.block_manager.block_size
+                n = min(n, left) if self.budgets.chunked_prefill else (n if n <= left else 0)
+                plans.append((seq, hits, n))
+                left -= n
+            if all(n == 0 for _, _, n in plans):
+                break
+            if not self._can_start(plans):
                 break
             self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            scheduled.append((seq, num_tokens, self.block_manager.append_slots(seq, num_tokens)))
-            token_budget -= num_tokens
+            for seq, hits, n in plans:
+                self.block_manager.start(seq, hits)
+                request.num_cached_prompt_tokens = max(request.num_cached_prompt_tokens, seq.num_computed_tokens)
+                self.counters["cached"] += seq.num_computed_tokens
+            self._mark_running(request)
+            copies += self._take([(seq, n) for seq, _, n in plans if n > 0], scheduled, budget)
 
-        if not scheduled:
-            return None
-        self.running.sort(key=lambda s: (s.arrival_time, s.seq_id))
-        return self._build_step(scheduled)
+    def _can_start(self, plans) -> bool:
+        if len(plans) == 1:
+            seq, hits, n = plans[0]
+            return self.block_manager.can_start(seq, hits, n)
+        size = self.block_manager.block_size
+        needed = sum(-(-n // size) + len(hits) for _, hits, n in plans)
+        return self.block_manager.num_free_blocks - needed >= self.block_manager.watermark_blocks
 
-    def _build_step(self, scheduled: list[tuple[Sequence, int, list[int]]]) -> Step:
+    def _mark_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self.running.sort(key=lambda r: r.arrival_time)
+
+    def _preempt(self, request: Request) -> list[tuple[int, int]]:
+        self.running.remove(request)
+        manager = self.block_manager
+        num_blocks = len({b for seq in request.seqs for b in seq.block_table})
+        num_tokens = sum(seq.num_computed_tokens for seq in request.seqs)
+        if self.preemption.prefers_swap(num_blocks, num_tokens) and manager.can_swap_out(request):
+            log.info("preempting %s by swapping %d blocks out", request.request_id, num_blocks)
+            self.counters["swap"] += 1
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            self.swapped.sort(key=lambda r: r.arrival_time)
+            return manager.swap_out(request)
+        log.info("preempting %s by recompute", request.request_id)
+        self.counters["recompute"] += 1
+        for seq in request.seqs:
+            manager.free(seq)
+            if seq.num_tokens_known_to_worker:
+                self.preempted_on_worker.append(seq.seq_id)
+            seq.forget_worker_copy()
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        return []
+
+    def _build_step(self, scheduled, copies, swap_out, swap_in) -> Step:
         new_sequences: list[NewSequence] = []
         entries: list[ScheduledSequence] = []
-        for seq, num_tokens, new_blocks in scheduled:
+        for seq, num_tokens in scheduled:
             known = seq.num_tokens_known_to_worker
             if known == 0:
                 new_sequences.append(
-                    NewSequence(seq.seq_id, seq.token_ids(), seq.num_prompt_tokens, seq.sampling)
+                    NewSequence(seq.seq_id, seq.token_ids(), seq.request.num_prompt_tokens,
+                                seq.request.sampling, seq.index)
                 )
                 appended: list[int] = []
+                seq.first_unsynced_block = 0
             else:
-                appended = seq.output_token_ids[known - seq.num_prompt_tokens :]
+                appended = seq.output_token_ids[known - seq.request.num_prompt_tokens :]
             seq.num_tokens_known_to_worker = seq.num_tokens
+            start = seq.first_unsynced_block
             entries.append(
-                ScheduledSequence(seq.seq_id, seq.num_computed_tokens, num_tokens, appended, new_blocks)
+                ScheduledSequence(seq.seq_id, seq.num_computed_tokens, num_tokens, appended,
+                                  start, seq.block_table[start:])
             )
+            seq.first_unsynced_block = len(seq.block_table)
             seq.num_computed_tokens += num_tokens
+            self.counters["computed"] += max(0, min(seq.num_computed_tokens, seq.request.num_prompt_tokens)
+                                             - (seq.num_computed_tokens - num_tokens))
+        forks = [f for f in self.pending_forks if self.sequences.get(f.seq_id) is not None
+                 and self.sequences[f.seq_id].num_tokens_known_to_worker]
         step = Step(
-            self.num_steps,
-            new_sequences,
-            entries,
-            self._dropped_on_worker,
-            self._preempted_on_worker,
+            self.counters["steps"], forks, self.dropped_on_worker, self.preempted_on_worker,
+            new_sequences, entries, swap_out, swap_in, copies,
         )
-        self._dropped_on_worker, self._preempted_on_worker = [], []
-        self.num_steps += 1
+        self.pending_forks, self.dropped_on_worker, self.preempted_on_worker = [], [], []
+        self.last_scheduled = [seq for seq, _ in scheduled]
+        self.counters["steps"] += 1
         return step
 
-    def _preempt(self, seq: Sequence) -> None:
-        log.info("preempting sequence %d of %s by recompute", seq.seq_id, seq.request_id)
-        self.block_manager.free(seq)
-        self.running.remove(seq)
+    # --- sequences and requests ending ---------------------------------------------------
+
+    def new_sequence(self, request: Request, index: int, tokens: list[int] | None = None) -> Sequence:
+        seq = Sequence(self._next_seq_id, request, index, tokens)
+        self._next_seq_id += 1
+        self.sequences[seq.seq_id] = seq
+        request.seqs.append(seq)
+        return seq
+
+    def finish_sequence(self, seq: Sequence, reason: str) -> None:
+        pool = self.block_manager.cpu if seq.request.status is RequestStatus.SWAPPED else None
+        self.block_manager.free(seq, pool)
         if seq.num_tokens_known_to_worker:
-            self._preempted_on_worker.append(seq.seq_id)
-        seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+            self.dropped_on_worker.append(seq.seq_id)
+        seq.finish_reason = reason
+        seq.request.seqs.remove(seq)
+        seq.request.finished_seqs.append(seq)
+        del self.sequences[seq.seq_id]
 
-    # --- results coming back -------------------------------------------------------------
-
-    def update(self, result: StepResult) -> list[RequestOutput]:
-        """Append the sampled tokens, apply the stop rules, and report what changed."""
-        outputs = []
-        for sampled in result.sampled:
-            seq = self.sequences.get(sampled.seq_id)
-            if seq is None or seq.status is not Status.RUNNING:
-                continue  # aborted or preempted while the step ran
-            seq.output_token_ids.append(sampled.token_id)
-            finish_reason = self._stop_reason(seq, sampled.token_id)
-            top = dict(zip(sampled.top_ids, sampled.top_logprobs))
-            delta = SequenceDelta(0, [sampled.token_id], [sampled.logprob], [top], finish_reason)
-            if finish_reason is not None:
-                self._finish(seq, finish_reason)
-            outputs.append(
-                RequestOutput(seq.request_id, seq.num_prompt_tokens, [delta], finish_reason is not None)
-            )
-        return outputs
+    def finish_request(self, request: Request) -> None:
+        for seq in list(request.seqs):
+            self.finish_sequence(seq, seq.finish_reason or "abort")
+        queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
+                 RequestStatus.SWAPPED: self.swapped}.get(request.status)
+        if queue is not None:
+            queue.remove(request)
+        request.status = RequestStatus.FINISHED
+        del self.requests[request.request_id]
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request: the worker could not run a step."""
         outputs = []
-        for seq in list(self.running) + list(self.waiting):
-            if seq.status is Status.WAITING:
-                self.waiting.remove(seq)
-            self._finish(seq, "error")
-            outputs.append(_error_output(seq.request_id, seq.num_prompt_tokens, error, "error"))
+        for request in list(self.requests.values()):
+            self.finish_request(request)
+            outputs.append(error_output(request.request_id, request.num_prompt_tokens, error, "error"))
         return outputs
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
-        sampling = seq.sampling
-        if token_id in self.eos_token_ids and not sampling.ignore_eos:
-            return "stop"
-        if token_id in sampling.stop_token_ids:
-            return "stop"
-        if len(seq.output_token_ids) >= sampling.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.budgets.max_model_len:
-            return "length"
-        return None
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-        self.block_manager.free(seq)
-        if seq.num_tokens_known_to_worker:
-            self._dropped_on_worker.append(seq.seq_id)
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
-        del self.sequences[seq.seq_id]
-        del self.by_request[seq.request_id]
+    def update(self, result) -> list[RequestOutput]:
+        return self.results.apply(result)
 
     def stats(self) -> Stats:
+        gpu, cpu = self.block_manager.gpu, self.block_manager.cpu
         return Stats(
-            self.block_manager.num_blocks,
-            self.block_manager.num_free_blocks,
-            len(self.running),
-            len(self.waiting),
-            self.num_preemptions,
-            self.num_steps,
+            gpu.num_blocks, gpu.num_free, gpu.num_evictable, cpu.num_blocks, cpu.num_available,
+            sum(len(r.seqs) for r in self.running), len(self.waiting), len(self.swapped),
+            self.counters["swap"], self.counters["recompute"], self.counters["steps"],
+            self.counters["computed"], self.counters["cached"],
         )
 
 
-def _error_output(request_id: str, num_prompt_tokens: int, message: str, reason: str) -> RequestOutput:
+def error_output(request_id: str, num_prompt_tokens: int, message: str, reason: str) -> RequestOutput:
     """`reason` is "rejected" for a request that can never run, "error" for a failure."""
-    return RequestOutput(
-        request_id, num_prompt_tokens, [SequenceDelta(0, [], [], [], reason)], True, message
-    )
+    return RequestOutput(request_id, num_prompt_tokens, [SequenceDelta(0, [], [], [], reason)], True, message)

@@ -13,7 +13,7 @@ import time
 import zmq
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.scheduler import Budgets, Scheduler
+from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
 from shared.protocol import (
@@ -140,16 +140,23 @@ class SchedulerServer:
             raise RuntimeError(
                 f"worker block size {first.block_size} != scheduler's {self.config.block_size}"
             )
-        num_blocks = self.config.num_gpu_blocks_override or min(r.num_gpu_blocks for r in self.ready)
-        block_manager = BlockManager(num_blocks, self.config.block_size, self.config.watermark)
-        usable_tokens = (num_blocks - block_manager.watermark_blocks) * self.config.block_size
-        max_model_len = min(self.config.max_model_len or first.max_model_len, usable_tokens)
-        max_batched = self.config.max_num_batched_tokens or max(max_model_len, 2048)
-        budgets = Budgets(self.config.max_num_seqs, max_batched, max_model_len)
-        self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids)
-        self.info = SchedulerInfo(
-            self.config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids
+        config = self.config
+        num_blocks = config.num_gpu_blocks_override or min(r.num_gpu_blocks for r in self.ready)
+        num_cpu_blocks = min(r.num_cpu_blocks for r in self.ready)
+        block_manager = BlockManager(
+            num_blocks, config.block_size, num_cpu_blocks, config.watermark, config.enable_prefix_caching
         )
+        usable_tokens = (num_blocks - block_manager.watermark_blocks) * config.block_size
+        max_model_len = min(config.max_model_len or first.max_model_len, usable_tokens)
+        default_batched = 2048 if config.enable_chunked_prefill else max(max_model_len, 2048)
+        max_batched = config.max_num_batched_tokens or default_batched
+        budgets = Budgets(config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill)
+        preemption = PreemptionPolicy(
+            config.preemption_mode, first.block_bytes, first.swap_bytes_per_second,
+            first.prefill_tokens_per_second,
+        )
+        self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids, preemption)
+        self.info = SchedulerInfo(config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids)
         log.info("scheduling with %d GPU blocks, context %d tokens", num_blocks, max_model_len)
         for api in self.waiting_hellos:
             sockets.send(self.api_socket, self.info, to=api)

@@ -22,7 +22,12 @@ class SequenceMirror:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling: SamplingParams
+    index: int
     block_table: list[int] = field(default_factory=list)
+
+    def copy(self, index: int) -> "SequenceMirror":
+        return SequenceMirror(list(self.token_ids), self.num_prompt_tokens, self.sampling, index,
+                              list(self.block_table))
 
 
 class StepError(RuntimeError):
@@ -40,10 +45,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
         started = time.perf_counter()
+        for fork in step.forks:
+            parent = self.mirrors.get(fork.parent_seq_id)
+            if parent is None:
+                raise StepError(f"step {step.step_id} forks unknown sequence {fork.parent_seq_id}")
+            self.mirrors[fork.seq_id] = parent.copy(fork.index)
         for seq_id in step.finished_seq_ids + step.preempted_seq_ids:
             self.mirrors.pop(seq_id, None)
         for new in step.new_sequences:
             self.mirrors[new.seq_id] = _mirror_of(new)
+        self.cache.swap_out(step.swap_out)
+        self.cache.swap_in(step.swap_in)
+        self.cache.copy_blocks(step.copies)
         if not step.scheduled:
             return StepResult(step.step_id, [], 0.0, 0.0)
 
@@ -55,7 +68,8 @@ class ModelRunner:
             if mirror is None:
                 raise StepError(f"step {step.step_id} names unknown sequence {entry.seq_id}")
             mirror.token_ids.extend(entry.appended_token_ids)
-            mirror.block_table.extend(entry.new_block_ids)
+            del mirror.block_table[entry.table_start :]
+            mirror.block_table.extend(entry.block_ids)
             end = entry.start + entry.num_tokens
             if end > len(mirror.token_ids) or end > len(mirror.block_table) * block_size:
                 raise StepError(f"sequence {entry.seq_id}: tokens or blocks missing for {end}")
@@ -86,26 +100,49 @@ class ModelRunner:
         logits = self.model.logits(hidden[last_rows])
         sampled_at = time.perf_counter()
 
-        rows = []
-        for i in to_sample:
-            mirror = self.mirrors[step.scheduled[i].seq_id]
-            rows.append(SampleRow(mirror.sampling, len(mirror.token_ids) - mirror.num_prompt_tokens))
-        samples = self.sampler(logits, rows) if rows else None
-        sampled = []
-        for j, i in enumerate(to_sample):
-            sampled.append(
-                SampledToken(
-                    step.scheduled[i].seq_id,
-                    samples.token_ids[j],
-                    samples.logprobs[j],
-                    samples.top_ids[j],
-                    samples.top_logprobs[j],
-                )
-            )
+        rows = [self._sample_row(self.mirrors[step.scheduled[i].seq_id]) for i in to_sample]
+        samples = self.sampler(logits, rows) if rows else []
+        sampled = [
+            SampledToken(step.scheduled[i].seq_id, s.token_id, s.logprob, s.top_ids, s.top_logprobs)
+            for i, row_samples in zip(to_sample, samples)
+            for s in row_samples
+        ]
         done = time.perf_counter()
         return StepResult(
             step.step_id, sampled, (sampled_at - started) * 1e3, (done - sampled_at) * 1e3
         )
+
+    @torch.inference_mode()
+    def measure_prefill_rate(self, num_tokens: int = 256) -> float:
+        """Prompt tokens per second of one forward pass, on scratch blocks, before serving."""
+        block_size = self.cache.block_size
+        num_tokens = min(num_tokens, self.cache.num_blocks * block_size)
+        num_blocks = -(-num_tokens // block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None, :],
+            query_start_loc=[0, num_tokens],
+            context_lens=[num_tokens],
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        self.model(ids, positions, self.cache.layers, meta)  # warm up
+        self._sync()
+        started = time.perf_counter()
+        self.model(ids, positions, self.cache.layers, meta)
+        self._sync()
+        return num_tokens / max(time.perf_counter() - started, 1e-9)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @staticmethod
+    def _sample_row(mirror: SequenceMirror) -> SampleRow:
+        generated = len(mirror.token_ids) - mirror.num_prompt_tokens
+        sampling = mirror.sampling
+        forks = generated == 0 and not sampling.use_beam_search and sampling.num_samples > 1
+        return SampleRow(sampling, generated, mirror.index, sampling.num_samples if forks else 1)
 
     def reset(self) -> None:
         """Forget every sequence: after a failed step the scheduler ends them all."""
@@ -113,7 +150,7 @@ class ModelRunner:
 
 
 def _mirror_of(new: NewSequence) -> SequenceMirror:
-    return SequenceMirror(list(new.token_ids), new.num_prompt_tokens, new.sampling)
+    return SequenceMirror(list(new.token_ids), new.num_prompt_tokens, new.sampling, new.index)
 
 
 def _pad(tables: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -1,8 +1,8 @@
-"""Turn the last-position logits of each sequence into its next token.
+"""Turn the last-position logits of each sequence into its next token(s).
 
 Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw
-with the exponential-race trick (argmax of p / E, E ~ Exp(1)). A seeded request draws E from its
-own generator, reseeded from (seed, number of tokens generated so far), so its tokens do not
+with the exponential-race trick (argmax of p / E, E ~ Exp(1)). A seeded request draws E from a
+generator reseeded from (seed, sample index, tokens generated so far), so its tokens do not
 depend on what else is in the batch, nor on whether it was preempted and recomputed.
 """
 
@@ -19,14 +19,16 @@ from shared.sampling import SamplingParams
 class SampleRow:
     params: SamplingParams
     num_generated: int  # tokens this sequence had produced before this one
+    index: int = 0  # the sequence's sample index within its request
+    num_samples: int = 1  # > 1 when a finished prompt forks into best_of samples
 
 
 @dataclass(slots=True)
-class Samples:
-    token_ids: list[int]
-    logprobs: list[float]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
+class Sample:
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 class Sampler:
@@ -35,32 +37,31 @@ class Sampler:
         self.unseeded.manual_seed(seed)
         self.seeded = torch.Generator(device="cpu")
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> Samples:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[Sample]]:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        chosen = logits.argmax(dim=-1)
+        greedy = logits.argmax(dim=-1).tolist()
+        choices: list[list[int]] = [[token] * row.num_samples for token, row in zip(greedy, rows)]
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
             probs = filtered_probs(logits[index], [rows[i].params for i in random_rows]).cpu()
             for j, i in enumerate(random_rows):
-                chosen[i] = self._draw(probs[j], rows[i])
-        token_ids = chosen.tolist()
-        logprobs = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
-        top_ids: list[list[int]] = []
-        top_logprobs: list[list[float]] = []
+                choices[i] = [self._draw(probs[j], rows[i], k) for k in range(rows[i].num_samples)]
+        samples = []
         for i, row in enumerate(rows):
-            k = row.params.logprobs or 0
-            values, ids = raw_logprobs[i].topk(k) if k else (raw_logprobs[i][:0], chosen[:0])
-            top_ids.append(ids.tolist())
-            top_logprobs.append(values.tolist())
-        return Samples(token_ids, logprobs, top_ids, top_logprobs)
+            k = row.params.num_top_logprobs
+            top_values, top_ids = raw_logprobs[i].topk(k) if k else (None, None)
+            top = (top_ids.tolist(), top_values.tolist()) if k else ([], [])
+            chosen = raw_logprobs[i, choices[i]].tolist()
+            samples.append([Sample(t, lp, *top) for t, lp in zip(choices[i], chosen)])
+        return samples
 
-    def _draw(self, probs: torch.Tensor, row: SampleRow) -> int:
+    def _draw(self, probs: torch.Tensor, row: SampleRow, sample: int) -> int:
         generator = self.unseeded
         if row.params.seed is not None:
             generator = self.seeded
-            generator.manual_seed(_mix(row.params.seed, row.num_generated))
+            generator.manual_seed(_mix(row.params.seed, row.index + sample, row.num_generated))
         noise = torch.empty_like(probs).exponential_(generator=generator)
         return int((probs / noise).argmax())
 
@@ -88,5 +89,5 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return torch.softmax(filtered, dim=-1)
 
 
-def _mix(seed: int, counter: int) -> int:
-    return (seed * 0x9E3779B97F4A7C15 + counter * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+def _mix(seed: int, index: int, counter: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + index * 0x94D049BB133111EB + counter * 0xBF58476D1CE4E5B9) % (2**63 - 1)

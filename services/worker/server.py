@@ -8,7 +8,7 @@ import traceback
 import torch
 import zmq
 
-from services.worker.kv_cache import KVCache, bytes_per_block, num_blocks_that_fit
+from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
 from services.worker.loader import eos_token_ids, load_model
 from services.worker.model_runner import ModelRunner
 from shared import sockets
@@ -38,16 +38,21 @@ class WorkerServer:
         )
         if num_blocks < 1:
             raise RuntimeError("no memory left for a single KV block; lower the model or raise the limit")
+        num_cpu_blocks = int(args.swap_space * GIB // block_bytes)
         cache = KVCache(
             config.num_hidden_layers, num_blocks, args.block_size, model.num_kv_heads,
-            model.head_dim, dtype, device,
+            model.head_dim, dtype, device, num_cpu_blocks,
         )
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, args.block_size,
-                 num_blocks * block_bytes / 2**20)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB); swap space: %d blocks", num_blocks,
+                 args.block_size, num_blocks * block_bytes / 2**20, num_cpu_blocks)
         self.runner = ModelRunner(model, cache, device, args.seed)
+        swap_rate = cache.measure_swap_bandwidth()
+        prefill_rate = self.runner.measure_prefill_rate()
+        log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s", swap_rate / 1e9, prefill_rate)
         self.ready = Ready(
-            rank, world_size, num_blocks, args.block_size, config.max_position_embeddings,
-            eos_token_ids(args.model, config),
+            rank, world_size, num_blocks, num_cpu_blocks, args.block_size,
+            config.max_position_embeddings, eos_token_ids(args.model, config), block_bytes,
+            swap_rate, prefill_rate,
         )
         self.context = zmq.Context()
         self.socket = sockets.connect(

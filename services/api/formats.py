@@ -1,0 +1,187 @@
+"""OpenAI response bodies and SSE events for completions and chat completions."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.api.errors import ApiError
+from services.api.requests import GenerationRequest
+
+
+@dataclass(slots=True)
+class Chunk:
+    """What one engine output adds to one choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+
+
+def by_choice(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
+    choices: list[list[Chunk]] = [[] for _ in range(n)]
+    for chunk in chunks:
+        choices[chunk.index].append(chunk)
+    return choices
+
+
+class _Format:
+    """Shared by both endpoints: ids, envelopes, usage and the SSE framing."""
+
+    endpoint = ""
+    object_whole = ""
+    object_chunk = ""
+    id_prefix = ""
+
+    def __init__(self, model_name: str, tokenizer, generation: GenerationRequest):
+        self.model_name, self.tokenizer, self.generation = model_name, tokenizer, generation
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def envelope(self, kind: str, choices: list, usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model_name,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def whole(self, chunks: list[Chunk], num_prompt: int) -> dict:
+        choices = [self.whole_choice(i, c) for i, c in enumerate(by_choice(chunks, self.generation.sampling.n))]
+        return self.envelope(self.object_whole, choices, self.usage(num_prompt, chunks))
+
+    async def stream(self, chunks: AsyncIterator[Chunk], num_prompt: int) -> AsyncIterator[str]:
+        for opening in self.stream_openings():
+            yield event(self.envelope(self.object_chunk, [opening]))
+        seen: list[Chunk] = []
+        offsets = [0] * self.generation.sampling.n
+        async for chunk in errors_as_events(chunks):
+            if isinstance(chunk, str):
+                yield chunk
+                return
+            seen.append(chunk)
+            choice = self.chunk_choice(chunk, offsets[chunk.index])
+            offsets[chunk.index] += len(chunk.text)
+            yield event(self.envelope(self.object_chunk, [choice]))
+        if self.generation.include_usage:
+            yield event(self.envelope(self.object_chunk, [], self.usage(num_prompt, seen)))
+        yield "data: [DONE]\n\n"
+
+    def stream_openings(self) -> list[dict]:
+        return []
+
+    def usage(self, num_prompt: int, chunks: list[Chunk]) -> dict:
+        completion = sum(len(c.token_ids) for c in chunks)
+        usage = {"prompt_tokens": num_prompt, "completion_tokens": completion,
+                 "total_tokens": num_prompt + completion}
+        cached = max((c.num_cached_tokens for c in chunks), default=0)
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+    def add_token_ids(self, choice: dict, chunks: list[Chunk]) -> dict:
+        if self.generation.return_token_ids:
+            choice["token_ids"] = [t for c in chunks for t in c.token_ids]
+        return choice
+
+    def whole_choice(self, index: int, chunks: list[Chunk]) -> dict:
+        raise NotImplementedError
+
+    def chunk_choice(self, chunk: Chunk, offset: int) -> dict:
+        raise NotImplementedError
+
+
+class CompletionFormat(_Format):
+    endpoint = "completions"
+    object_whole = object_chunk = "text_completion"
+    id_prefix = "cmpl"
+
+    def whole_choice(self, index: int, chunks: list[Chunk]) -> dict:
+        choice = {
+            "index": index,
+            "text": "".join(c.text for c in chunks),
+            "logprobs": self._logprobs(chunks, 0),
+            "finish_reason": chunks[-1].finish_reason if chunks else None,
+        }
+        return self.add_token_ids(choice, chunks)
+
+    def chunk_choice(self, chunk: Chunk, offset: int) -> dict:
+        choice = {"index": chunk.index, "text": chunk.text, "logprobs": self._logprobs([chunk], offset),
+                  "finish_reason": chunk.finish_reason}
+        return self.add_token_ids(choice, [chunk])
+
+    def _logprobs(self, chunks: list[Chunk], offset: int) -> dict | None:
+        if self.generation.sampling.logprobs is None:
+            return None
+        decode = self.tokenizer.decode
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for chunk in chunks:
+            for token_id, logprob, top in zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs):
+                text = decode([token_id])
+                offsets.append(offset)
+                offset += len(text)
+                tokens.append(text)
+                token_logprobs.append(logprob)
+                tops.append({decode([t]): lp for t, lp in top.items()} if top else None)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+class ChatFormat(_Format):
+    endpoint = "chat"
+    object_whole = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def stream_openings(self) -> list[dict]:
+        return [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(self.generation.sampling.n)
+        ]
+
+    def whole_choice(self, index: int, chunks: list[Chunk]) -> dict:
+        choice = {
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(c.text for c in chunks)},
+            "logprobs": self._logprobs(chunks),
+            "finish_reason": chunks[-1].finish_reason if chunks else None,
+        }
+        return self.add_token_ids(choice, chunks)
+
+    def chunk_choice(self, chunk: Chunk, offset: int) -> dict:
+        delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
+        choice = {"index": chunk.index, "delta": delta, "logprobs": self._logprobs([chunk]),
+                  "finish_reason": chunk.finish_reason}
+        return self.add_token_ids(choice, [chunk])
+
+    def _logprobs(self, chunks: list[Chunk]) -> dict | None:
+        if self.generation.sampling.logprobs is None:
+            return None
+        decode = self.tokenizer.decode
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = decode([token_id])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for chunk in chunks:
+            for token_id, logprob, top in zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs):
+                content.append({**entry(token_id, logprob), "top_logprobs": [entry(t, lp) for t, lp in top.items()]})
+        return {"content": content}
+
+
+def event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def errors_as_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk | str]:
+    """Once a stream has started its status is sent, so an error becomes a last SSE event."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except ApiError as exc:
+        yield event(exc.body()) + "data: [DONE]\n\n"

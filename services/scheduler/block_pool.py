@@ -1,0 +1,102 @@
+"""A pool of physical KV blocks with reference counts, and an optional prefix cache.
+
+Every block is in exactly one of three states: free, referenced (by one or more block tables),
+or cached-and-evictable (no references, but its content is findable by hash and is reused on
+a hit, or evicted least-recently-freed first when a free block is needed).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = False):
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0 first
+        self._ref_counts = [0] * num_blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[int, int] = {}
+        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, tokens)
+
+    # --- counts --------------------------------------------------------------------------
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can take: free ones, and cached ones nobody references."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_referenced(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._evictable)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref_counts[block]
+
+    # --- allocation ----------------------------------------------------------------------
+
+    def allocate(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+        else:
+            raise OutOfBlocks("no free block")
+        self._ref_counts[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        """One more block table references `block` (a fork, or a prefix-cache hit)."""
+        if self._ref_counts[block] == 0:
+            if block not in self._evictable:
+                raise ValueError(f"block {block} is free; it cannot be shared")
+            del self._evictable[block]
+        self._ref_counts[block] += 1
+
+    def release(self, block: int) -> None:
+        count = self._ref_counts[block]
+        if count <= 0:
+            raise ValueError(f"block {block} is already free")
+        self._ref_counts[block] = count - 1
+        if count == 1:
+            if block in self._key_of:
+                self._evictable[block] = None  # most recently freed last
+            else:
+                self._free.append(block)
+
+    # --- prefix cache --------------------------------------------------------------------
+
+    def cache(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Make a full, referenced block findable by its content."""
+        if not self.enable_caching or block in self._key_of or block_hash in self._by_hash:
+            return
+        self._by_hash[block_hash] = block
+        self._key_of[block] = (block_hash, tokens)
+
+    def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """The cached block holding exactly `tokens` after the same prefix, if any."""
+        block = self._by_hash.get(block_hash)
+        if block is None or self._key_of[block][1] != tokens:
+            return None  # a miss, or a hash collision: never return wrong KV
+        return block
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
+
+    def _forget(self, block: int) -> None:
+        block_hash, _ = self._key_of.pop(block)
+        del self._by_hash[block_hash]

@@ -1,0 +1,93 @@
+"""Requests and their sequences as the scheduler sees them.
+
+A request is the unit of scheduling and preemption. It starts with one sequence holding the
+prompt; with n > 1, best_of > 1 or beam search it forks into several sequences that share the
+prompt's KV blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from shared.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not yet started, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # its blocks are in the worker's CPU swap space
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request: "Request", index: int, output_token_ids: list[int] | None = None):
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index  # which sample of its request this is (seeds its draws)
+        self.output_token_ids: list[int] = output_token_ids or []
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []  # GPU block ids, or CPU ones while swapped
+        self.block_hashes: list[int] = []  # prefix-cache keys of the full blocks so far
+        self.num_tokens_known_to_worker = 0  # 0: the worker holds no copy of this sequence
+        self.first_unsynced_block = 0  # block table entries from here on are new to the worker
+        self.finish_reason: str | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, position: int) -> int:
+        num_prompt = len(self.request.prompt_token_ids)
+        if position < num_prompt:
+            return self.request.prompt_token_ids[position]
+        return self.output_token_ids[position - num_prompt]
+
+    def forget_worker_copy(self) -> None:
+        """After a recompute preemption: compute everything again from the tokens."""
+        self.num_computed_tokens = 0
+        self.num_tokens_known_to_worker = 0
+        self.first_unsynced_block = 0
+        self.block_hashes.clear()
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_time: float):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self.arrival_time = arrival_time
+        self.status = RequestStatus.WAITING
+        self.seqs: list[Sequence] = []  # live sequences
+        self.finished_seqs: list[Sequence] = []
+        self.beam = None  # BeamSearch state when sampling.use_beam_search
+        self.beam_pending: dict = {}  # seq_id -> SampledToken, until every beam has reported
+        self.num_cached_prompt_tokens = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return sum(seq.num_uncomputed_tokens for seq in self.seqs)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id}, {self.status.value}, seqs={[s.seq_id for s in self.seqs]})"
