@@ -102,3 +102,23 @@ def _hf_model(directory: str):
     if directory not in _HF_MODELS:
         _HF_MODELS[directory] = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     return _HF_MODELS[directory]
+
+
+def hf_beam_search(directory: str, prompt_ids: list[int], width: int, max_new_tokens: int, **options) -> list[list[int]]:
+    """The oracle for beam search: HF's `generate(num_beams=width, num_return_sequences=width)`."""
+    model = _hf_model(directory)
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            num_beams=width,
+            num_return_sequences=width,
+            max_new_tokens=max_new_tokens,
+            **options,
+        )
+    beams = []
+    for row in out[:, len(prompt_ids) :].tolist():
+        beams.append(row[: row.index(eos) + 1] if eos in row else row)
+    return beams

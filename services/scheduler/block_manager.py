@@ -87,14 +87,6 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def can_start(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
-        """Whether a waiting sequence may start, leaving the watermark free for running ones."""
-        total = len(hits) * self.block_size + num_new_tokens
-        needed = -(-total // self.block_size) - len(hits)
-        revived = sum(1 for block in hits if self.gpu.is_evictable(block))
-        left = self.gpu.num_available - revived - needed
-        return needed + len(hits) <= self.gpu.num_blocks and left >= self.watermark_blocks
-
     def start(self, seq: Sequence, hits: list[int]) -> None:
         """Attach the prefix-cache hits; the tokens they hold count as computed."""
         for block in hits:

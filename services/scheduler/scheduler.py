@@ -206,33 +206,61 @@ class Scheduler:
             request = self.waiting[0]
             if self._num_running_seqs() + len(request.seqs) > self.budgets.max_num_seqs:
                 break
-            plans = []
-            left = budget[0]
-            for seq in request.seqs:
-                hits = self.block_manager.match_prefix(seq)
-                n = seq.num_tokens - len(hits) * self.block_manager.block_size
-                n = min(n, left) if self.budgets.chunked_prefill else (n if n <= left else 0)
-                plans.append((seq, hits, n))
-                left -= n
-            if all(n == 0 for _, _, n in plans):
-                break
-            if not self._can_start(plans):
+            plan = self._plan_start(request, budget[0])
+            if plan is None:
                 break
             self.waiting.popleft()
-            for seq, hits, n in plans:
-                self.block_manager.start(seq, hits)
-                request.num_cached_prompt_tokens = max(request.num_cached_prompt_tokens, seq.num_computed_tokens)
-                self.counters["cached"] += seq.num_computed_tokens
             self._mark_running(request)
-            copies += self._take([(seq, n) for seq, _, n in plans if n > 0], scheduled, budget)
+            (leader, hits, n), shared_blocks, followers = plan
+            self._begin(leader, hits, from_cache=True)
+            copies += self._take([(leader, n)] if n else [], scheduled, budget)
+            for seq, n in followers:
+                self._begin(seq, leader.block_table[:shared_blocks], from_cache=False)
+                copies += self._take([(seq, n)] if n else [], scheduled, budget)
 
-    def _can_start(self, plans) -> bool:
-        if len(plans) == 1:
-            seq, hits, n = plans[0]
-            return self.block_manager.can_start(seq, hits, n)
+    def _plan_start(self, request: Request, budget: int):
+        """How a waiting request starts, or None if it does not fit now.
+
+        The first sequence starts from its prefix-cache hits. The others (only a request that
+        was preempted by recompute after forking has them) share the full blocks of the prefix
+        they have in common with the first, as far as the first computes it in this very step:
+        the worker writes a step's keys and values before any attention reads them.
+        """
         size = self.block_manager.block_size
-        needed = sum(-(-n // size) + len(hits) for _, hits, n in plans)
-        return self.block_manager.num_free_blocks - needed >= self.block_manager.watermark_blocks
+        leader, *others = request.seqs
+        hits = self.block_manager.match_prefix(leader)
+        n = self._fit(leader.num_tokens - len(hits) * size, budget)
+        budget -= n
+        needed = -(-(len(hits) * size + n) // size) - len(hits)
+        shared_blocks = min(_common_prefix(request.seqs) - 1, len(hits) * size + n) // size if others else 0
+        followers = []
+        for seq in others:
+            n_seq = self._fit(seq.num_tokens - shared_blocks * size, budget)
+            budget -= n_seq
+            needed += -(-(shared_blocks * size + n_seq) // size) - shared_blocks
+            followers.append((seq, n_seq))
+        if n == 0 and not any(n_seq for _, n_seq in followers):
+            return None
+        revived = sum(1 for block in hits if self.block_manager.gpu.is_evictable(block))
+        left = self.block_manager.num_free_blocks - revived - needed
+        if left < self.block_manager.watermark_blocks:
+            return None
+        return (leader, hits, n), shared_blocks, followers
+
+    def _fit(self, num_tokens: int, budget: int) -> int:
+        """Tokens of a prompt to run now: all, a chunk, or none if it must wait for a later step."""
+        if num_tokens <= budget:
+            return num_tokens
+        return budget if self.budgets.chunked_prefill else 0
+
+    def _begin(self, seq: Sequence, computed_blocks: list[int], from_cache: bool) -> None:
+        self.block_manager.start(seq, computed_blocks)
+        if not from_cache:
+            return
+        request = seq.request
+        cached = min(seq.num_computed_tokens, request.num_prompt_tokens)
+        request.num_cached_prompt_tokens = max(request.num_cached_prompt_tokens, cached)
+        self.counters["cached"] += cached
 
     def _mark_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -350,3 +378,17 @@ class Scheduler:
 def error_output(request_id: str, num_prompt_tokens: int, message: str, reason: str) -> RequestOutput:
     """`reason` is "rejected" for a request that can never run, "error" for a failure."""
     return RequestOutput(request_id, num_prompt_tokens, [SequenceDelta(0, [], [], [], reason)], True, message)
+
+
+def _common_prefix(seqs: list[Sequence]) -> int:
+    """Tokens at the start that all the sequences have in common."""
+    first = seqs[0].token_ids()
+    length = len(first)
+    for seq in seqs[1:]:
+        other = seq.token_ids()
+        length = min(length, len(other))
+        for i in range(seq.request.num_prompt_tokens, length):
+            if other[i] != first[i]:
+                length = i
+                break
+    return length

@@ -96,7 +96,7 @@ class ModelRunner:
             self.cache.layers,
             meta,
         )
-        last_rows = torch.tensor([starts[i + 1] - 1 for i in to_sample], device=self.device)
+        last_rows = torch.tensor([starts[i + 1] - 1 for i in to_sample], dtype=torch.int64, device=self.device)
         logits = self.model.logits(hidden[last_rows])
         sampled_at = time.perf_counter()
 

@@ -1,0 +1,137 @@
+"""Random interleavings of block operations never lose, leak or double-count a block."""
+
+import itertools
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import Request, RequestStatus, Sequence
+from shared.sampling import SamplingParams
+
+BLOCK_SIZE = 4
+GPU_BLOCKS = 24
+CPU_BLOCKS = 12
+tokens = st.lists(st.integers(0, 3), min_size=1, max_size=20)  # few symbols: many prefix hits
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.manager = BlockManager(GPU_BLOCKS, BLOCK_SIZE, CPU_BLOCKS, watermark=0.0, enable_prefix_caching=True)
+        self.requests: list[Request] = []
+        self.freed = []
+        self.ids = itertools.count()
+
+    def _running_seqs(self):
+        return [s for r in self.requests if r.status is RequestStatus.RUNNING for s in r.seqs]
+
+    def _compute(self, seq, num_tokens):
+        self.manager.append_slots(seq, num_tokens)
+        seq.num_computed_tokens += num_tokens
+        self.manager.cache_full_blocks(seq)
+
+    @precondition(lambda self: self.freed)
+    @rule(data=st.data(), extra=tokens)
+    def start_from_a_freed_sequences_tokens(self, data, extra):
+        """Its full blocks are likely still cached: a prefix hit, or an eviction if they were reused."""
+        self.start(data.draw(st.sampled_from(self.freed)).token_ids() + extra)
+
+    @rule(prompt=tokens)
+    def start_new(self, prompt):
+        self.start(prompt)
+
+    def start(self, prompt):
+        request = Request(f"r{next(self.ids)}", prompt, SamplingParams(), 0.0)
+        seq = Sequence(next(self.ids), request, 0)
+        request.seqs.append(seq)
+        hits = self.manager.match_prefix(seq)
+        remaining = seq.num_tokens - len(hits) * BLOCK_SIZE
+        needed = -(-seq.num_tokens // BLOCK_SIZE) - len(hits)
+        revived = sum(1 for b in hits if self.manager.gpu.is_evictable(b))
+        if needed + revived > self.manager.gpu.num_available:
+            return
+        self.manager.start(seq, hits)
+        assert seq.token_ids()[: len(hits) * BLOCK_SIZE] == prompt[: len(hits) * BLOCK_SIZE]
+        self._compute(seq, remaining)
+        request.status = RequestStatus.RUNNING
+        self.requests.append(request)
+
+    @precondition(lambda self: self._running_seqs())
+    @rule(data=st.data(), new=tokens)
+    def append(self, data, new):
+        seq = data.draw(st.sampled_from(self._running_seqs()))
+        if not self.manager.can_append([(seq, len(new))]):
+            return
+        index = len(seq.block_table) - 1
+        shared = seq.num_computed_tokens % BLOCK_SIZE and self.manager.gpu.ref_count(seq.block_table[index]) > 1
+        before = seq.block_table[index]
+        seq.output_token_ids.extend(new)
+        self._compute(seq, len(new))
+        if shared:  # the write went to a private copy; the other holders keep the original
+            assert seq.block_table[index] != before
+            assert self.manager.gpu.ref_count(seq.block_table[index]) == 1
+            assert self.manager.gpu.ref_count(before) >= 1
+
+    @precondition(lambda self: self._running_seqs())
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self._running_seqs()))
+        child = Sequence(next(self.ids), parent.request, len(parent.request.seqs), list(parent.output_token_ids))
+        self.manager.fork(parent, child)
+        parent.request.seqs.append(child)
+
+    @precondition(lambda self: self._running_seqs())
+    @rule(data=st.data())
+    def free_sequence(self, data):
+        seq = data.draw(st.sampled_from(self._running_seqs()))
+        self.manager.free(seq)
+        seq.request.seqs.remove(seq)
+        self.freed.append(seq)
+        if not seq.request.seqs:
+            self.requests.remove(seq.request)
+
+    @precondition(lambda self: any(r.status is RequestStatus.RUNNING for r in self.requests))
+    @rule(data=st.data())
+    def swap_out(self, data):
+        request = data.draw(st.sampled_from([r for r in self.requests if r.status is RequestStatus.RUNNING]))
+        if self.manager.can_swap_out(request):
+            pairs = self.manager.swap_out(request)
+            assert len(pairs) == len({b for s in request.seqs for b in s.block_table})
+            request.status = RequestStatus.SWAPPED
+
+    @precondition(lambda self: any(r.status is RequestStatus.SWAPPED for r in self.requests))
+    @rule(data=st.data())
+    def swap_in(self, data):
+        request = data.draw(st.sampled_from([r for r in self.requests if r.status is RequestStatus.SWAPPED]))
+        if self.manager.can_swap_in(request):
+            self.manager.swap_in(request)
+            request.status = RequestStatus.RUNNING
+
+    @invariant()
+    def every_block_is_free_referenced_or_cached(self):
+        for pool in (self.manager.gpu, self.manager.cpu):
+            assert pool.num_free + pool.num_referenced + pool.num_evictable == pool.num_blocks
+
+    @invariant()
+    def reference_counts_match_the_block_tables(self):
+        for pool, status in ((self.manager.gpu, RequestStatus.RUNNING), (self.manager.cpu, RequestStatus.SWAPPED)):
+            counts = {}
+            for request in self.requests:
+                if request.status is status:
+                    for seq in request.seqs:
+                        for block in seq.block_table:
+                            counts[block] = counts.get(block, 0) + 1
+            for block in range(pool.num_blocks):
+                assert pool.ref_count(block) == counts.get(block, 0)
+                if counts.get(block):
+                    assert not pool.is_evictable(block)
+
+    @invariant()
+    def freed_sequences_hold_nothing(self):
+        assert all(seq.block_table == [] for seq in self.freed)
+
+
+TestBlockManager = BlockManagerMachine.TestCase
+TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
