@@ -1,13 +1,47 @@
-"""The kernel boundary the model calls: picks an implementation for the tensors' device.
+"""The kernel boundary the model calls: Triton on CUDA, the torch reference elsewhere.
 
-Only the torch references exist so far; `PAGEDSERVE_KERNELS=reference` will keep choosing
-them once device kernels are added.
+`PAGEDSERVE_KERNELS=reference` forces the references (on any device); `PAGEDSERVE_KERNELS=triton`
+forces Triton (on CPU that needs `TRITON_INTERPRET=1`, as the tests use).
 """
 
 from __future__ import annotations
 
-from kernels.kv_write import write_kv_reference
-from kernels.paged_attention import paged_attention_reference
+import os
 
-paged_attention = paged_attention_reference
-write_kv = write_kv_reference
+import torch
+
+from kernels import block_copy, kv_write, paged_attention as attention
+from kernels.batch import PagedBatch
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    mode = os.environ.get("PAGEDSERVE_KERNELS", "auto")
+    if mode not in ("auto", "reference", "triton"):
+        raise ValueError(f"PAGEDSERVE_KERNELS={mode!r}: expected auto, reference or triton")
+    if mode == "reference":
+        return False
+    if attention.triton is None:
+        if mode == "triton":
+            raise RuntimeError("PAGEDSERVE_KERNELS=triton, but triton is not installed")
+        return False
+    return mode == "triton" or tensor.is_cuda
+
+
+def paged_attention(query, key_cache, value_cache, batch: PagedBatch, scale: float, window: int | None = None):
+    if use_triton(query):
+        return attention.paged_attention_triton(query, key_cache, value_cache, batch, scale, window)
+    return attention.paged_attention_reference(query, key_cache, value_cache, batch, scale, window)
+
+
+def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+    if use_triton(key):
+        kv_write.write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        kv_write.write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(cache: torch.Tensor, pairs: torch.Tensor) -> None:
+    if use_triton(cache):
+        block_copy.copy_blocks_triton(cache, pairs)
+    else:
+        block_copy.copy_blocks_reference(cache, pairs)

@@ -56,3 +56,26 @@ def test_paged_greedy_equals_hf_generate(model_dirs, family, block_size):
     got = greedy_through_runner(model_dir, block_size, num_new_tokens=8, shuffle_seed=block_size)
     expected = [hf_greedy(model_dir, p, 8) for p in PROMPTS]
     assert got == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_with_the_triton_kernels_equals_hf_generate(model_dirs, family, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")  # interpreted on a CPU, compiled on a GPU
+    model_dir = model_dirs[family]
+    got = greedy_through_runner(model_dir, block_size=8, num_new_tokens=6, shuffle_seed=5)
+    assert got == [hf_greedy(model_dir, p, 6) for p in PROMPTS]
+
+
+def test_copy_on_write_and_swaps_move_whole_blocks_in_every_layer():
+    cache = KVCache(3, 8, 4, 2, 16, torch.float32, torch.device("cpu"), num_cpu_blocks=4)
+    cache.cache.copy_(torch.randn(cache.cache.shape))
+    original = cache.cache.clone()
+    cache.copy_blocks([(1, 5)])
+    assert torch.equal(cache.cache[:, :, 5], original[:, :, 1])
+    cache.swap_out([(2, 0), (3, 3)])
+    cache.finish_swaps()
+    cache.cache[:, :, 2:4] = 0
+    cache.swap_in([(0, 6), (3, 7)])
+    assert torch.equal(cache.cache[:, :, 6], original[:, :, 2])
+    assert torch.equal(cache.cache[:, :, 7], original[:, :, 3])

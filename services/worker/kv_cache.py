@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from kernels import dispatch
+
 GIB = 1 << 30
 
 
@@ -35,48 +37,76 @@ def num_blocks_that_fit(
 
 
 class KVCache:
+    """One tensor `[layers, 2, blocks, block_size, kv_heads, head_dim]` on the device (each
+    layer's view is what attention reads), and the swap space of the same layout on the host."""
+
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
                  num_cpu_blocks: int = 0):
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        cpu_shape = (2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
-        pin = self.device.type == "cuda"
-        self.swap_space = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.cache = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+                                 dtype=dtype, device=self.device)
+        self.layers = list(self.cache.unbind(0))
+        on_cuda = self.device.type == "cuda"
+        self.swap_space = torch.empty((num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim),
+                                      dtype=dtype, pin_memory=on_cuda)
+        self._side_stream = torch.cuda.Stream(self.device) if on_cuda else None
+        self._pending_out: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block dst becomes a copy of block src, in every layer."""
-        if not pairs:
-            return
-        src, dst = self._indices(pairs, self.device)
-        for layer in self.layers:
-            layer[:, dst] = layer[:, src]
+        """Copy-on-write: block dst becomes a copy of block src, in every layer, in one launch."""
+        if pairs:
+            dispatch.copy_blocks(self.cache, torch.tensor(pairs, dtype=torch.int64, device=self.device))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """(device block, CPU block) pairs."""
+        """(device block, CPU block) pairs. On CUDA the copy to pinned memory runs on a side
+        stream, overlapping this step's forward pass; `finish_swaps` lands it before the next step."""
         if not pairs:
             return
-        src, dst = self._indices(pairs, self.device)
-        cpu_dst = dst.cpu()
-        for layer, swap in zip(self.layers, self.swap_space):
-            swap[:, cpu_dst] = layer[:, src].to("cpu", non_blocking=False)
+        src, dst = _columns(pairs)
+        if self._side_stream is None:
+            self.swap_space[:, :, dst] = self.cache[:, :, src.to(self.device)]
+            return
+        gathered = self.cache[:, :, src.to(self.device)]  # ordered before this step's writes
+        ready = torch.cuda.Event()
+        ready.record()
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        with torch.cuda.stream(self._side_stream):
+            self._side_stream.wait_event(ready)
+            host.copy_(gathered, non_blocking=True)
+            gathered.record_stream(self._side_stream)
+            done = torch.cuda.Event()
+            done.record()
+        self._pending_out.append((done, host, dst))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """(CPU block, device block) pairs."""
+        """(CPU block, device block) pairs; the blocks are in place before the forward reads them."""
         if not pairs:
             return
-        src, dst = self._indices(pairs, self.device)
-        cpu_src = src.cpu()
-        for layer, swap in zip(self.layers, self.swap_space):
-            layer[:, dst] = swap[:, cpu_src].to(self.device)
+        self.finish_swaps()
+        src, dst = _columns(pairs)
+        if self._side_stream is None:
+            self.cache[:, :, dst] = self.swap_space[:, :, src]
+            return
+        staged = torch.empty(self.swap_space[:, :, src[:1]].shape[:2] + (len(src),) + self.swap_space.shape[3:],
+                             dtype=self.swap_space.dtype, pin_memory=True)
+        torch.index_select(self.swap_space, 2, src, out=staged)
+        with torch.cuda.stream(self._side_stream):
+            on_device = staged.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        torch.cuda.current_stream(self.device).wait_event(done)
+        on_device.record_stream(torch.cuda.current_stream(self.device))
+        self.cache[:, :, dst.to(self.device)] = on_device
 
-    @staticmethod
-    def _indices(pairs, device) -> tuple[torch.Tensor, torch.Tensor]:
-        both = torch.tensor(pairs, dtype=torch.int64, device=device)
-        return both[:, 0], both[:, 1]
+    def finish_swaps(self) -> None:
+        """Wait for swap-outs in flight and file them into the swap space."""
+        for done, host, dst in self._pending_out:
+            done.synchronize()
+            self.swap_space[:, :, dst] = host
+        self._pending_out.clear()
 
     def measure_swap_bandwidth(self, num_blocks: int = 8) -> float:
         """Bytes per second moved by a round trip of a few blocks to the swap space and back."""
@@ -85,15 +115,20 @@ class KVCache:
             return 0.0
         pairs = [(i, i) for i in range(num_blocks)]
         self.swap_out(pairs)  # warm up
-        self._sync()
+        self.finish_swaps()
         started = time.perf_counter()
         self.swap_out(pairs)
         self.swap_in(pairs)
         self._sync()
         seconds = time.perf_counter() - started
-        moved = 2 * num_blocks * sum(layer[:, 0].numel() * layer.element_size() for layer in self.layers)
+        moved = 2 * num_blocks * self.cache[:, :, 0].numel() * self.cache.element_size()
         return moved / max(seconds, 1e-9)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _columns(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    both = torch.tensor(pairs, dtype=torch.int64)
+    return both[:, 0], both[:, 1]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.attention_metadata import AttentionMetadata
+from kernels.batch import PagedBatch
 from services.worker.kv_cache import KVCache
 from services.worker.sampler import SampleRow, Sampler
 from shared.protocol import NewSequence, SampledToken, Step, StepResult
@@ -54,6 +54,7 @@ class ModelRunner:
             self.mirrors.pop(seq_id, None)
         for new in step.new_sequences:
             self.mirrors[new.seq_id] = _mirror_of(new)
+        self.cache.finish_swaps()
         self.cache.swap_out(step.swap_out)
         self.cache.swap_in(step.swap_in)
         self.cache.copy_blocks(step.copies)
@@ -84,17 +85,12 @@ class ModelRunner:
             if end == len(mirror.token_ids):
                 to_sample.append(len(starts) - 2)
 
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_tables=_pad(tables, self.device),
-            query_start_loc=starts,
-            context_lens=context_lens,
-        )
+        batch = PagedBatch.build(slots, tables, starts, context_lens, self.device)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.cache.layers,
-            meta,
+            batch,
         )
         last_rows = torch.tensor([starts[i + 1] - 1 for i in to_sample], dtype=torch.int64, device=self.device)
         logits = self.model.logits(hidden[last_rows])
@@ -118,18 +114,14 @@ class ModelRunner:
         block_size = self.cache.block_size
         num_tokens = min(num_tokens, self.cache.num_blocks * block_size)
         num_blocks = -(-num_tokens // block_size)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None, :],
-            query_start_loc=[0, num_tokens],
-            context_lens=[num_tokens],
-        )
+        batch = PagedBatch.build(list(range(num_tokens)), [list(range(num_blocks))], [0, num_tokens],
+                                 [num_tokens], self.device)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
-        self.model(ids, positions, self.cache.layers, meta)  # warm up
+        self.model(ids, positions, self.cache.layers, batch)  # warm up
         self._sync()
         started = time.perf_counter()
-        self.model(ids, positions, self.cache.layers, meta)
+        self.model(ids, positions, self.cache.layers, batch)
         self._sync()
         return num_tokens / max(time.perf_counter() - started, 1e-9)
 
@@ -153,6 +145,3 @@ def _mirror_of(new: NewSequence) -> SequenceMirror:
     return SequenceMirror(list(new.token_ids), new.num_prompt_tokens, new.sampling, new.index)
 
 
-def _pad(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)

@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels import dispatch
-from services.worker.attention_metadata import AttentionMetadata
+from kernels.batch import PagedBatch
 
 
 class RMSNorm(nn.Module):
@@ -67,6 +67,7 @@ class Attention(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = self.head_dim**-0.5
+        self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -78,7 +79,7 @@ class Attention(nn.Module):
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
+        batch: PagedBatch,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
@@ -86,16 +87,8 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        dispatch.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        out = dispatch.paged_attention(
-            q,
-            kv_cache[0],
-            kv_cache[1],
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.context_lens,
-            self.scale,
-        )
+        dispatch.write_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping)
+        out = dispatch.paged_attention(q, kv_cache[0], kv_cache[1], batch, self.scale, self.window)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -120,8 +113,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos_sin, kv_cache, meta):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
+    def forward(self, hidden, cos_sin, kv_cache, batch):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -161,13 +154,13 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        batch: PagedBatch,
     ) -> torch.Tensor:
         """Returns the final hidden states, `[num_tokens, hidden_size]`."""
         hidden = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, cos_sin, kv_cache, meta)
+            hidden = layer(hidden, cos_sin, kv_cache, batch)
         return self.model.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Every Triton kernel against its torch reference, over a table of shapes.
+
+On a CPU these run under TRITON_INTERPRET=1 (set in conftest), so shapes stay small; on a GPU
+the same tests run compiled, and a few larger cases are added.
+"""
+
+import random
+
+import pytest
+import torch
+
+from kernels.batch import PagedBatch
+from kernels.block_copy import copy_blocks_reference, copy_blocks_triton
+from kernels.kv_write import write_kv_reference, write_kv_triton
+from kernels.paged_attention import paged_attention_reference, paged_attention_triton
+
+pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+TOLERANCE = {torch.float32: 2e-4, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def make_batch(shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """shapes: (query_len, context_len) per sequence; blocks are handed out in shuffled order."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-ctx // block_size) for _, ctx in shapes]
+    num_blocks = sum(blocks_needed) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in blocks_needed]
+    starts, slots = [0], []
+    for (q_len, ctx), table in zip(shapes, tables):
+        starts.append(starts[-1] + q_len)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype).to(DEVICE)
+    value_cache = torch.randn(shape, generator=generator).to(dtype).to(DEVICE)
+    query = torch.randn((starts[-1], num_heads, head_dim), generator=generator).to(dtype).to(DEVICE)
+    batch = PagedBatch.build(slots, tables, starts, [ctx for _, ctx in shapes], DEVICE)
+    return query, key_cache, value_cache, batch
+
+
+def reference_in_float32(query, key_cache, value_cache, batch, scale, window=None):
+    return paged_attention_reference(query.float(), key_cache.float(), value_cache.float(), batch, scale, window)
+
+
+ATTENTION_CASES = [
+    # (shapes, heads, kv_heads, head_dim, block_size, dtype)
+    ([(1, 17), (1, 5), (1, 33)], 4, 4, 64, 16, torch.float32),  # decode, ragged, GQA 1
+    ([(7, 7), (3, 20), (1, 9)], 8, 2, 64, 8, torch.float32),  # prefill + chunk + decode, GQA 4
+    ([(5, 18), (1, 40)], 8, 1, 128, 32, torch.float16),  # MQA (GQA 8)
+    ([(4, 4), (1, 12)], 5, 1, 64, 16, torch.float32),  # group of 5 heads
+    ([(3, 11), (1, 26)], 4, 1, 80, 8, torch.float16),  # head size 80
+    ([(2, 19), (1, 3)], 4, 2, 96, 16, torch.bfloat16),  # head size 96
+    ([(6, 6), (1, 21)], 2, 2, 256, 16, torch.float32),  # head size 256
+    ([(9, 30)], 4, 4, 128, 32, torch.bfloat16),  # chunk over a cached prefix
+    ([(1, 1), (1, 2)], 4, 1, 64, 8, torch.float16),  # first tokens
+]
+
+
+@pytest.mark.parametrize("shapes, heads, kv_heads, head_dim, block_size, dtype", ATTENTION_CASES)
+def test_paged_attention_matches_reference(shapes, heads, kv_heads, head_dim, block_size, dtype):
+    query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, block_size, dtype)
+    scale = head_dim**-0.5
+    out = paged_attention_triton(query, key_cache, value_cache, batch, scale)
+    expected = reference_in_float32(query, key_cache, value_cache, batch, scale)
+    torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("window", [4, 9])
+def test_sliding_window_attention_matches_reference(window):
+    query, key_cache, value_cache, batch = make_batch([(6, 23), (1, 17), (4, 4)], 4, 2, 64, 8, torch.float32)
+    out = paged_attention_triton(query, key_cache, value_cache, batch, 0.125, window)
+    expected = reference_in_float32(query, key_cache, value_cache, batch, 0.125, window)
+    torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+def test_split_kv_decode_merges_to_the_same_result(num_splits):
+    # Splits that end up empty (context 3 over 5 splits) must not disturb the merge.
+    query, key_cache, value_cache, batch = make_batch([(1, 70), (1, 3), (1, 129)], 8, 2, 64, 16, torch.float32)
+    out = paged_attention_triton(query, key_cache, value_cache, batch, 0.125, num_splits=num_splits)
+    expected = reference_in_float32(query, key_cache, value_cache, batch, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_block_size_one_and_sixteen_agree():
+    shapes = [(3, 21), (1, 14)]
+    outs = []
+    for block_size in (1, 16):
+        query, key_cache, value_cache, batch = make_batch(shapes, 4, 2, 64, block_size, torch.float32, seed=3)
+        # Same logical keys whatever the paging: copy them from a contiguous source.
+        source = torch.randn((2, 21, 2, 64), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+        query = torch.randn(query.shape, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+        for s, (_, ctx) in enumerate(shapes):
+            for p in range(ctx):
+                block = batch.block_tables[s, p // block_size]
+                key_cache[block, p % block_size] = source[s, p]
+                value_cache[block, p % block_size] = -source[s, p]
+        outs.append(paged_attention_triton(query, key_cache, value_cache, batch, 0.125))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=2e-4)
+
+
+def test_bad_shapes_get_clear_errors():
+    query, key_cache, value_cache, batch = make_batch([(1, 5)], 4, 2, 64, 8, torch.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention_triton(query[..., :32].contiguous(), key_cache, value_cache, batch, 1.0)
+    with pytest.raises(ValueError, match="do not split"):
+        paged_attention_triton(query[:, :3].contiguous(), key_cache, value_cache, batch, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention_triton(query.half(), key_cache, value_cache, batch, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads, head_dim, block_size", [(2, 64, 8), (1, 80, 16), (4, 128, 32)])
+def test_kv_write_matches_reference(dtype, kv_heads, head_dim, block_size):
+    generator = torch.Generator().manual_seed(1)
+    num_blocks, tokens = 6, 11
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    caches = [torch.randn(shape, generator=generator).to(dtype).to(DEVICE) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    key = torch.randn((tokens, kv_heads, head_dim), generator=generator).to(dtype).to(DEVICE)
+    value = torch.randn((tokens, kv_heads, head_dim), generator=generator).to(dtype).to(DEVICE)
+    slots = random.Random(2).sample(range(num_blocks * block_size), tokens)
+    slots[3] = -1  # padding: skipped
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    write_kv_triton(key, value, caches[0], caches[1], slot_mapping)
+    write_kv_reference(key, value, expected[0], expected[1], slot_mapping)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_block_copy_copies_every_pair_in_every_layer():
+    generator = torch.Generator().manual_seed(4)
+    cache = torch.randn((3, 2, 8, 4, 2, 64), generator=generator).to(DEVICE)
+    expected = cache.clone()
+    pairs = torch.tensor([[1, 5], [2, 6], [1, 7]], dtype=torch.int64, device=DEVICE)
+    copy_blocks_triton(cache, pairs)
+    copy_blocks_reference(expected, pairs)
+    assert torch.equal(cache, expected)
+    assert torch.equal(cache[:, :, 7], cache[:, :, 1])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU with room for an int32-overflowing pool")
+def test_offsets_past_int32_do_not_overflow():
+    # 2^31 elements of float16 keys: block ids near the end overflow a 32-bit offset.
+    block_size, kv_heads, head_dim = 16, 8, 128
+    num_blocks = (2**31) // (block_size * kv_heads * head_dim) + 64
+    key_cache = torch.zeros((num_blocks, block_size, kv_heads, head_dim), dtype=torch.float16, device=DEVICE)
+    value_cache = torch.zeros_like(key_cache)
+    last = [num_blocks - 1, num_blocks - 2]
+    key_cache[last] = torch.randn_like(key_cache[last])
+    value_cache[last] = torch.randn_like(value_cache[last])
+    query = torch.randn((1, 8, head_dim), dtype=torch.float16, device=DEVICE)
+    batch = PagedBatch.build([last[1] * block_size + 15], [last], [0, 1], [32], DEVICE)
+    out = paged_attention_triton(query, key_cache, value_cache, batch, head_dim**-0.5)
+    expected = reference_in_float32(query, key_cache, value_cache, batch, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
