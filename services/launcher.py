@@ -45,7 +45,7 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
 SCHEDULER_FLAGS = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                    "num_gpu_blocks_override", "enable_prefix_caching", "enable_chunked_prefill",
                    "preemption_mode"]
-WORKER_FLAGS = ["model", "device", "dtype", "gpu_memory_utilization", "kv_cache_memory", "swap_space",
+WORKER_FLAGS = ["model", "device", "dtype", "load_format", "gpu_memory_utilization", "kv_cache_memory", "swap_space",
                 "seed", "block_size", "num_gpu_blocks_override"]
 API_FLAGS = ["model", "host", "port", "served_model_name"]
 

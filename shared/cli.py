@@ -27,6 +27,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("worker")
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
+    group.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                       help="dummy: random weights from config.json alone, for benchmarks")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache on CPU")
     group.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space for KV blocks")

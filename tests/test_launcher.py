@@ -1,9 +1,15 @@
 """`pagedserve up` supervises its three processes."""
 
+import os
+import shutil
 import subprocess
 import sys
 
+import httpx
+import pytest
+
 from tests.conftest import ROOT, free_port, serve
+from tests.tiny_models import build_model, hf_greedy
 
 
 def test_the_launcher_exits_non_zero_when_a_child_dies(tmp_path):
@@ -12,10 +18,30 @@ def test_the_launcher_exits_non_zero_when_a_child_dies(tmp_path):
            "--port", str(free_port()), "--device", "cpu", "--ready-timeout", "60"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert done.returncode != 0
-    assert "exited" in done.stderr
+    assert "cannot load the model" in done.stderr and "model.safetensors is missing" in done.stderr
+    assert "worker exited" in done.stderr
 
 
 def test_the_launcher_forwards_sigint_and_exits_cleanly(llama_dir, tmp_path):
     with serve(llama_dir, str(tmp_path)) as server:  # leaving the block sends SIGINT
         pass
     assert server.process.returncode == 0
+
+
+@pytest.mark.parametrize("family", ["opt", "gpt2"])
+def test_other_families_serve_through_the_api(family, tmp_path):
+    model_dir = build_model(str(tmp_path / family), family)
+    prompt = [5, 9, 13, 200, 17, 44]
+    with serve(model_dir, str(tmp_path)) as server:
+        body = {"model": server.model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert response.json()["choices"][0]["token_ids"] == hf_greedy(model_dir, prompt, 8)
+
+
+def test_a_dummy_weight_model_serves_requests(llama_dir, tmp_path):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(llama_dir, name), tmp_path)
+    with serve(str(tmp_path), str(tmp_path), "--load-format", "dummy") as server:
+        response = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                              json={"model": server.model, "prompt": "def f():", "max_tokens": 5, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5

@@ -8,7 +8,16 @@ import sysconfig
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    OPTConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -17,10 +26,29 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512)
 CONFIGS = {
-    "llama": (LlamaConfig, dict(num_key_value_heads=2)),
-    "qwen2": (Qwen2Config, dict(num_key_value_heads=2)),
+    "llama": (LlamaConfig, _DECODER),
+    "qwen2": (Qwen2Config, _DECODER),
+    # Llama 3's RoPE scaling, tied embeddings, and a head_dim that is not hidden / heads.
+    "llama3": (LlamaConfig, dict(_DECODER, tie_word_embeddings=True, head_dim=32, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    # A window shorter than the prompts, so the sliding window matters.
+    "mistral": (MistralConfig, dict(_DECODER, sliding_window=8)),
+    "qwen3": (Qwen3Config, dict(_DECODER, head_dim=16)),
+    "opt": (OPTConfig, dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                            word_embed_proj_dim=64, max_position_embeddings=512, init_std=0.2)),
+    # OPT-350m's shape: embeddings projected in and out, LayerNorm after each block.
+    "opt-post-ln": (OPTConfig, dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                                    word_embed_proj_dim=32, do_layer_norm_before=False,
+                                    max_position_embeddings=512, init_std=0.2)),
+    "gpt2": (GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)),
 }
+
+
+ARCHITECTURE_OF = {"gpt2": "GPT2LMHeadModel"}
 
 
 def corpus(limit: int = 40) -> list[str]:
@@ -57,22 +85,19 @@ def build_model(directory: str, family: str = "llama", seed: int = 0, **override
     config_class, family_defaults = CONFIGS[family]
     settings = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
         # Wider than the default init, so next-token logits are far apart and float rounding
         # never changes a greedy choice.
         initializer_range=0.2,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
-        tie_word_embeddings=False,
+        pad_token_id=tokenizer.eos_token_id,
     )
+    if family in ("llama", "qwen2", "mistral", "qwen3"):
+        settings["tie_word_embeddings"] = False
     settings.update(family_defaults)
     settings.update(overrides)
     config = config_class(**settings)
-    config.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [ARCHITECTURE_OF.get(family, config_class.__name__.replace("Config", "ForCausalLM"))]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -1,7 +1,9 @@
 """`python -m services.worker`: run one worker rank alone, for deployment."""
 
 import argparse
+import logging
 import os
+import sys
 
 from shared.cli import add_scheduler_args, add_worker_args, setup_logging
 
@@ -17,9 +19,15 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging(f"worker{args.rank}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from services.worker.server import WorkerServer  # torch loads only after flags parse
+    from services.worker.loader import ModelLoadError  # torch loads only after flags parse
+    from services.worker.server import WorkerServer
 
-    WorkerServer(args, args.rank, args.world_size).run()
+    try:
+        server = WorkerServer(args, args.rank, args.world_size)
+    except ModelLoadError as exc:
+        logging.getLogger("services.worker").error("cannot load the model: %s", exc)
+        sys.exit(2)
+    server.run()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,10 @@ class ModelLoadError(RuntimeError):
 def load_config(model_dir: str):
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ModelLoadError(f"{model_dir} has no config.json")
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"{model_dir}/config.json is not a usable model config: {exc}") from None
 
 
 def resolve_dtype(config, name: str, device: torch.device) -> torch.dtype:
@@ -38,23 +41,53 @@ def resolve_dtype(config, name: str, device: torch.device) -> torch.dtype:
     return declared if declared in (torch.float16, torch.bfloat16) else torch.float16
 
 
-def load_model(model_dir: str, dtype_name: str, device: torch.device):
-    config = load_config(model_dir)
+def model_class_for(config):
     architecture = (getattr(config, "architectures", None) or ["?"])[0]
     model_class = ARCHITECTURES.get(architecture)
     if model_class is None:
         raise ModelLoadError(
             f"architecture {architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}"
         )
-    dtype = resolve_dtype(config, dtype_name, device)
+    return model_class
+
+
+def build_on_meta(config):
+    """The model's structure without memory: enough to count or describe it."""
     with torch.device("meta"):
-        model = model_class(config)
-    state = read_weights(model_dir)
-    if model.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-        if "model.embed_tokens.weight" in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model = model_class_for(config)(config)
+    model.tie_weights()
+    return model
+
+
+def count_parameters(model_dir: str) -> int:
+    return sum(p.numel() for p in build_on_meta(load_config(model_dir)).parameters())
+
+
+def load_model(model_dir: str, dtype_name: str, device: torch.device, load_format: str = "auto", seed: int = 0):
+    config = load_config(model_dir)
+    dtype = resolve_dtype(config, dtype_name, device)
+    model = build_on_meta(config)
+    if load_format == "dummy":
+        state = random_weights(model, config, seed)
+    else:
+        state = checked_weights(model, read_weights(model_dir, getattr(model, "ignored_weights", ())), model_dir)
+    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    model.eval()
+    log.info("loaded %s (%s weights, %.1fM parameters) from %s as %s on %s", type(model).__name__, load_format,
+             sum(p.numel() for p in model.parameters()) / 1e6, model_dir, dtype, device)
+    return model, config
+
+
+def checked_weights(model, state: dict[str, torch.Tensor], model_dir: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, once every name and shape matches what config.json implies."""
     expected = model.state_dict()
+    if model.tie_word_embeddings:
+        embedding = model.embedding_weight
+        state.pop("lm_head.weight", None)
+        if embedding in state:
+            state["lm_head.weight"] = state[embedding]
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -68,15 +101,29 @@ def load_model(model_dir: str, dtype_name: str, device: torch.device):
                 f"weight {name} has shape {tuple(state[name].shape)}, config.json implies "
                 f"{tuple(tensor.shape)}"
             )
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    model.tie_weights()
-    model.eval()
-    log.info("loaded %s from %s as %s on %s", architecture, model_dir, dtype, device)
-    return model, config
+    return state
 
 
-def read_weights(model_dir: str) -> dict[str, torch.Tensor]:
+def random_weights(model, config, seed: int) -> dict[str, torch.Tensor]:
+    """`--load-format dummy`: weights of the right shapes from a seeded normal distribution."""
+    generator = torch.Generator().manual_seed(seed)
+    std = getattr(config, "initializer_range", 0.02)
+    norms = {name for name, module in model.named_modules() if "norm" in type(module).__name__.lower()}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        owner, _, kind = name.rpartition(".")
+        if owner in norms:
+            state[name] = torch.ones(tensor.shape) if kind == "weight" else torch.zeros(tensor.shape)
+        elif kind == "bias":
+            state[name] = torch.zeros(tensor.shape)
+        else:
+            state[name] = torch.randn(tensor.shape, generator=generator) * std
+    if model.tie_word_embeddings:
+        state["lm_head.weight"] = state[model.embedding_weight]
+    return state
+
+
+def read_weights(model_dir: str, ignored: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         with open(index_path) as f:
@@ -92,7 +139,8 @@ def read_weights(model_dir: str) -> dict[str, torch.Tensor]:
             state.update(load_file(path))
         except Exception as exc:  # safetensors reports corruption with several error types
             raise ModelLoadError(f"weight file {path} is unreadable: {exc}") from None
-    return {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    ignored = ignored + ("rotary_emb.inv_freq",)
+    return {k: v for k, v in state.items() if not k.endswith(ignored)}
 
 
 def eos_token_ids(model_dir: str, config) -> list[int]:

@@ -28,7 +28,7 @@ class WorkerServer:
         self.rank, self.world_size = rank, world_size
         device = pick_device(args.device)
         torch.manual_seed(args.seed)
-        model, config = load_model(args.model, args.dtype, device)
+        model, config = load_model(args.model, args.dtype, device, args.load_format, args.seed)
         dtype = model.lm_head.weight.dtype
         block_bytes = bytes_per_block(
             config.num_hidden_layers, args.block_size, model.num_kv_heads, model.head_dim, dtype

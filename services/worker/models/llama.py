@@ -1,4 +1,4 @@
-"""Llama-style decoder (Llama, Qwen2) whose attention reads and writes the paged KV cache.
+"""Llama-style decoders (Llama, Mistral, Qwen2, Qwen3) whose attention uses the paged KV cache.
 
 Module and parameter names follow the HF checkpoints, so a safetensors file loads as it is.
 All tokens of a step come in one flattened batch: `[num_tokens]` ids and positions, no padding.
@@ -11,8 +11,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels import dispatch
 from kernels.batch import PagedBatch
+from services.worker.models.paged import paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -40,7 +40,8 @@ class RotaryEmbedding:
             inv_freq = 1.0 / (theta**exponents)
             self.scaling = 1.0
         else:
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            with torch.device("cpu"):  # real numbers even while the model is built on "meta"
+                inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         self.inv_freq = inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +62,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -73,6 +74,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        if qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
 
     def forward(
         self,
@@ -85,10 +90,11 @@ class Attention(nn.Module):
         q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        dispatch.write_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping)
-        out = dispatch.paged_attention(q, kv_cache[0], kv_cache[1], batch, self.scale, self.window)
+        out = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -106,9 +112,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, o_bias)
+        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -119,11 +125,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, o_bias) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -131,14 +137,16 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama and its close relatives, which differ in where the attention projections have biases."""
 
+    embedding_weight = "model.embed_tokens.weight"  # what lm_head shares when embeddings are tied
+
     def __init__(self, config):
         super().__init__()
         bias = bool(getattr(config, "attention_bias", False))
         self._build(config, qkv_bias=bias, o_bias=bias)
 
-    def _build(self, config, qkv_bias: bool, o_bias: bool) -> None:
+    def _build(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
         self.config = config
-        self.model = DecoderModel(config, qkv_bias, o_bias)
+        self.model = DecoderModel(config, qkv_bias, o_bias, qk_norm)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         attention = self.model.layers[0].self_attn
@@ -171,3 +179,10 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def __init__(self, config):
         nn.Module.__init__(self)
         self._build(config, qkv_bias=True, o_bias=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config):
+        nn.Module.__init__(self)
+        bias = bool(getattr(config, "attention_bias", False))
+        self._build(config, qkv_bias=bias, o_bias=bias, qk_norm=True)

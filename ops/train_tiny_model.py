@@ -1,0 +1,174 @@
+"""Train pagedserve's shipped default model: a tiny Llama that writes Python.
+
+The corpus is the Python standard library's own source, which every machine has offline. The
+script trains a byte-level BPE tokenizer with `tokenizers`, then a small Llama-architecture
+causal LM with HF transformers, on the CPU, seeded. It writes the model in plain HF format
+(config, safetensors, tokenizer with a chat template, generation config) and its loss curve as
+a PNG, and records how it was made in `training.json`.
+
+    python ops/train_tiny_model.py --threads 1   # about 30 minutes on one CPU core
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import platform
+import random
+import sys
+import sysconfig
+import time
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def corpus_files() -> list[str]:
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
+    skip = ("/test", "site-packages", "idlelib", "/lib2to3/tests")
+    return [f for f in files if not any(s in f for s in skip)]
+
+
+def read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="ignore") as f:
+        return f.read()
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+
+
+def batches(tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int):
+    """Random windows of the token stream, in a seeded order."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(tokens) - seq_len - 1, (batch_size,), generator=generator)
+        window = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
+        yield window[:, :-1], window[:, 1:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-python"))
+    parser.add_argument("--steps", type=int, default=900)
+    parser.add_argument("--minutes", type=float, default=45.0, help="stop early after this long")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's choice")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    files = corpus_files()
+    texts = [read(f) for f in files]
+    tokenizer = train_tokenizer(texts, args.vocab_size)
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer.encode(text))
+        ids.append(eos)
+    tokens = torch.tensor(ids, dtype=torch.long)
+    print(f"corpus: {len(files)} files, {len(tokens):,} tokens", flush=True)
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos, pad_token_id=eos,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    model = LlamaForCausalLM(config)
+    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = 100
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return args.lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, args.steps - warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    losses: list[tuple[int, float]] = []
+    started = time.monotonic()
+    model.train()
+    step = 0
+    for step, (inputs, targets) in enumerate(batches(tokens, args.seq_len, args.batch_size, args.seed)):
+        if step >= args.steps or time.monotonic() - started > args.minutes * 60:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append((step, loss.item()))
+        if step % 50 == 0:
+            print(f"step {step:5d}  loss {loss.item():.3f}  {time.monotonic() - started:6.0f}s", flush=True)
+
+    model.eval()
+    os.makedirs(args.out, exist_ok=True)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    model.save_pretrained(args.out, safe_serialization=True)
+    tokenizer.save_pretrained(args.out, save_jinja_files=False)  # the template inside tokenizer_config.json
+    with open(os.path.join(args.out, "training.json"), "w") as f:
+        json.dump({
+            "steps": len(losses), "tokens_seen": len(losses) * args.batch_size * args.seq_len,
+            "final_loss": sum(loss for _, loss in losses[-50:]) / max(1, len(losses[-50:])),
+            "seconds": round(time.monotonic() - started), "seed": args.seed, "corpus_files": len(files),
+            "corpus_tokens": len(tokens), "python": platform.python_version(), "torch": torch.__version__,
+            "argv": sys.argv[1:],
+        }, f, indent=2)
+    plot(losses, os.path.join(args.out, "loss.png"))
+
+
+def plot(losses: list[tuple[int, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s for s, _ in losses]
+    values = [v for _, v in losses]
+    window = 25
+    smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+              for i in range(len(values))]
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot(steps, values, alpha=0.3, label="loss")
+    axes.plot(steps, smooth, label=f"mean of {window}")
+    axes.set_xlabel("step")
+    axes.set_ylabel("cross-entropy (nats/token)")
+    axes.set_title("tiny-python: training loss on the Python standard library")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""OPT, the PagedAttention paper's main family: learned positions (offset by 2), ReLU, LayerNorm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from kernels.batch import PagedBatch
+from services.worker.models.paged import paged_attention
+
+POSITION_OFFSET = 2  # OPT's position table starts two rows in
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden, bias = config.hidden_size, getattr(config, "enable_bias", True)
+        self.num_heads = config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+
+    def forward(self, hidden, kv_cache, batch: PagedBatch):
+        tokens = hidden.shape[0]
+        shape = (tokens, self.num_heads, self.head_dim)
+        q, k, v = self.q_proj(hidden).view(shape), self.k_proj(hidden).view(shape), self.v_proj(hidden).view(shape)
+        out = paged_attention(q, k, v, kv_cache, batch, self.head_dim**-0.5)
+        return self.out_proj(out.reshape(tokens, -1))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden, bias = config.hidden_size, getattr(config, "enable_bias", True)
+        affine = getattr(config, "layer_norm_elementwise_affine", True)
+        self.self_attn = OPTAttention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
+        self.fc1 = nn.Linear(hidden, config.ffn_dim, bias=bias)
+        self.fc2 = nn.Linear(config.ffn_dim, hidden, bias=bias)
+        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
+        self.activation = ACT2FN[config.activation_function]
+        self.pre_norm = config.do_layer_norm_before
+
+    def forward(self, hidden, kv_cache, batch):
+        residual = hidden
+        if self.pre_norm:
+            hidden = self.self_attn_layer_norm(hidden)
+        hidden = residual + self.self_attn(hidden, kv_cache, batch)
+        if not self.pre_norm:
+            hidden = self.self_attn_layer_norm(hidden)
+        residual = hidden
+        if self.pre_norm:
+            hidden = self.final_layer_norm(hidden)
+        hidden = residual + self.fc2(self.activation(self.fc1(hidden)))
+        if not self.pre_norm:
+            hidden = self.final_layer_norm(hidden)
+        return hidden
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        projected = config.word_embed_proj_dim
+        self.embed_tokens = nn.Embedding(config.vocab_size, projected)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
+        if projected != config.hidden_size:
+            self.project_in = nn.Linear(projected, config.hidden_size, bias=False)
+            self.project_out = nn.Linear(config.hidden_size, projected, bias=False)
+        if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
+            affine = getattr(config, "layer_norm_elementwise_affine", True)
+            self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
+        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+
+
+class _OPTModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.decoder = OPTDecoder(config)
+
+
+class OPTForCausalLM(nn.Module):
+    embedding_weight = "model.decoder.embed_tokens.weight"  # what lm_head shares when embeddings are tied
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = _OPTModel(config)
+        self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.num_kv_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.decoder.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], batch: PagedBatch):
+        decoder = self.model.decoder
+        hidden = decoder.embed_tokens(input_ids)
+        if hasattr(decoder, "project_in"):
+            hidden = decoder.project_in(hidden)
+        hidden = hidden + decoder.embed_positions(positions + POSITION_OFFSET)
+        for layer, kv_cache in zip(decoder.layers, kv_caches):
+            hidden = layer(hidden, kv_cache, batch)
+        if hasattr(decoder, "final_layer_norm"):
+            hidden = decoder.final_layer_norm(hidden)
+        if hasattr(decoder, "project_out"):
+            hidden = decoder.project_out(hidden)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

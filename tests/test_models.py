@@ -1,0 +1,131 @@
+"""Every supported family against HF transformers, the loader's formats, and its clear errors."""
+
+import json
+import os
+import resource
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from services.worker.loader import ModelLoadError, count_parameters, load_config, load_model
+from services.worker.models import ARCHITECTURES
+from tests.conftest import ROOT
+from tests.engine_harness import Engine
+from tests.tiny_models import CONFIGS, build_model, hf_greedy
+
+PROMPTS = [[5, 9, 13, 200, 17], [7] * 23, list(range(20, 57)), [400, 3]]
+CONFIG_DIR = os.path.join(ROOT, "ops", "configs")
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    return {family: build_model(str(tmp_path_factory.mktemp(family)), family) for family in CONFIGS}
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_each_family_gives_hf_greedy_tokens(family_dirs, family):
+    model_dir = family_dirs[family]
+    got = Engine(model_dir, block_size=4).generate(PROMPTS, max_tokens=10)
+    assert got == [hf_greedy(model_dir, p, 10) for p in PROMPTS]
+
+
+def test_sharded_safetensors_with_an_index_load_the_same_weights(family_dirs, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(family_dirs["llama"])
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    shutil.copy(os.path.join(family_dirs["llama"], "tokenizer.json"), tmp_path)
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+    sharded, _ = load_model(str(tmp_path), "float32", torch.device("cpu"))
+    whole, _ = load_model(family_dirs["llama"], "float32", torch.device("cpu"))
+    for (name, a), (_, b) in zip(sharded.state_dict().items(), whole.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_dtype_flag_sets_the_weights_dtype(family_dirs, dtype):
+    model, _ = load_model(family_dirs["qwen2"], dtype, torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(CONFIG_DIR)))
+def test_shipped_configs_count_parameters_without_allocating_them(name):
+    model_dir = os.path.join(CONFIG_DIR, name)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ours = count_parameters(model_dir)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in AutoModelForCausalLM.from_config(load_config(model_dir)).parameters())
+    assert ours == theirs
+    assert grown_mib < 200  # billions of parameters, counted on the meta device
+
+
+def test_llama_3_1_8b_has_its_published_parameter_count():
+    assert count_parameters(os.path.join(CONFIG_DIR, "llama-3.1-8b")) == 8_030_261_248
+
+
+def test_dummy_weights_need_only_a_config(family_dirs, tmp_path):
+    shutil.copy(os.path.join(family_dirs["opt"], "config.json"), tmp_path)
+    model, _ = load_model(str(tmp_path), "float32", torch.device("cpu"), load_format="dummy", seed=1)
+    again, _ = load_model(str(tmp_path), "float32", torch.device("cpu"), load_format="dummy", seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    norms = [p for n, p in model.named_parameters() if "layer_norm" in n and n.endswith("weight")]
+    assert norms and all(torch.all(p == 1) for p in norms)
+
+
+# --- bad model directories fail fast, naming the problem ------------------------------------
+
+
+def _copy(model_dir, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(model_dir, target)
+    return target
+
+
+def test_an_unsupported_architecture_lists_the_supported_ones(family_dirs, tmp_path):
+    target = _copy(family_dirs["llama"], tmp_path)
+    config = json.loads((target / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as error:
+        load_model(str(target), "auto", torch.device("cpu"))
+    assert "FalconForCausalLM" in str(error.value)
+    assert all(name in str(error.value) for name in ARCHITECTURES)
+
+
+def test_a_missing_weight_file_is_named(family_dirs, tmp_path):
+    target = _copy(family_dirs["llama"], tmp_path)
+    os.remove(target / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="model.safetensors is missing"):
+        load_model(str(target), "auto", torch.device("cpu"))
+
+
+def test_a_corrupt_weight_file_is_named(family_dirs, tmp_path):
+    target = _copy(family_dirs["llama"], tmp_path)
+    data = (target / "model.safetensors").read_bytes()
+    (target / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="unreadable"):
+        load_model(str(target), "auto", torch.device("cpu"))
+
+
+def test_weights_that_do_not_match_the_config_are_named(family_dirs, tmp_path):
+    target = _copy(family_dirs["llama"], tmp_path)
+    config = json.loads((target / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"mlp\.\w+_proj\.weight has shape"):
+        load_model(str(target), "auto", torch.device("cpu"))
+    weights = load_file(target / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, target / "model.safetensors")
+    config["intermediate_size"] = 128
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="missing.*model.norm.weight"):
+        load_model(str(target), "auto", torch.device("cpu"))
+
+
+def test_a_directory_without_a_config_is_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path), "auto", torch.device("cpu"))
