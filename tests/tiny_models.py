@@ -109,15 +109,28 @@ def build_model(directory: str, family: str = "llama", seed: int = 0, **override
 
 def hf_greedy(directory: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """The oracle: HF transformers' own greedy generate, one prompt at a time (no padding)."""
+    return _hf_generate(directory, prompt_ids, max_new_tokens)[0]
+
+
+def hf_beam_search(directory: str, prompt_ids: list[int], width: int, max_new_tokens: int, **options) -> list[list[int]]:
+    """The oracle for beam search: HF's `generate(num_beams=width, num_return_sequences=width)`."""
+    return _hf_generate(directory, prompt_ids, max_new_tokens, num_beams=width, num_return_sequences=width, **options)
+
+
+def _hf_generate(directory: str, prompt_ids: list[int], max_new_tokens: int, **options) -> list[list[int]]:
+    """Generated ids of each returned sequence, up to and including the first EOS."""
     model = _hf_model(directory)
+    eos = model.generation_config.eos_token_id
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
             do_sample=False,
             max_new_tokens=max_new_tokens,
+            **options,
         )
-    return out[0, len(prompt_ids) :].tolist()
+    rows = out[:, len(prompt_ids) :].tolist()
+    return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
 
 
 _HF_MODELS: dict[str, object] = {}
@@ -128,22 +141,3 @@ def _hf_model(directory: str):
         _HF_MODELS[directory] = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     return _HF_MODELS[directory]
 
-
-def hf_beam_search(directory: str, prompt_ids: list[int], width: int, max_new_tokens: int, **options) -> list[list[int]]:
-    """The oracle for beam search: HF's `generate(num_beams=width, num_return_sequences=width)`."""
-    model = _hf_model(directory)
-    eos = model.generation_config.eos_token_id
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            num_beams=width,
-            num_return_sequences=width,
-            max_new_tokens=max_new_tokens,
-            **options,
-        )
-    beams = []
-    for row in out[:, len(prompt_ids) :].tolist():
-        beams.append(row[: row.index(eos) + 1] if eos in row else row)
-    return beams
