@@ -27,13 +27,13 @@ from shared.sampling import SamplingParams  # noqa: E402
 
 NUM_SEQS = 256
 PROMPT_LEN = 128
-ITERATIONS = 2000
+ITERATIONS = int(os.environ.get("PAGEDSERVE_BENCH_ITERATIONS", "2000"))
 
 
 def decoding_scheduler() -> Scheduler:
     """A scheduler with NUM_SEQS sequences past their prompts, all decoding."""
     scheduler = Scheduler(
-        BlockManager(num_blocks=40_000, block_size=16, watermark=0.01),
+        BlockManager(num_gpu_blocks=40_000, block_size=16, watermark=0.01),
         Budgets(max_num_seqs=NUM_SEQS, max_num_batched_tokens=NUM_SEQS * PROMPT_LEN, max_model_len=8192),
         eos_token_ids=[0],
     )
@@ -88,13 +88,13 @@ def bench_round_trip(num_seqs: int) -> dict:
     endpoint = f"ipc://{directory}/workers.sock"
     context = zmq.Context()
     router = sockets.bind(context, zmq.ROUTER, endpoint)
-    worker = multiprocessing.get_context("spawn").Process(target=empty_worker, args=(endpoint,))
+    worker = multiprocessing.get_context("spawn").Process(target=empty_worker, args=(endpoint,), daemon=True)
     worker.start()
     identity, _ = router.recv_multipart()
     scheduler = decoding_scheduler() if num_seqs else None
     times = []
     for i in range(ITERATIONS):
-        step = scheduler.schedule() if scheduler else Step(i, [], [], [], [])
+        step = scheduler.schedule() if scheduler else Step(i, [], [], [], [], [])
         if num_seqs and len(step.scheduled) > num_seqs:
             step.scheduled = step.scheduled[:num_seqs]
         t0 = time.perf_counter()
@@ -131,7 +131,7 @@ def main() -> None:
                        ("round_trip_256_decodes", "round trip, 256 decodes, no forward (ms)")]:
         r = results[key]
         print(f"{label:<48}{r['median_ms']:>10.3f}{r['p99_ms']:>10.3f}")
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    out = os.environ.get("PAGEDSERVE_BENCH_OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "scheduler_bench.json"), "w") as f:
         json.dump(results, f, indent=2)

@@ -17,12 +17,14 @@ import urllib.request
 from shared.cli import add_api_args, add_scheduler_args, add_worker_args
 from shared.config import Endpoints
 
+SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models", "tiny-python")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pagedserve")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="serve a model with all three processes on this machine")
-    up.add_argument("--model", required=True, help="local HF-format model directory")
+    up.add_argument("--model", default=SHIPPED_MODEL, help="local HF-format model directory (default: the shipped tiny-python)")
     add_api_args(up)
     add_scheduler_args(up)
     add_worker_args(up)

@@ -61,17 +61,18 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(model_dir: str, log_dir: str, *flags: str):
-    """Run `pagedserve up` on a free port until the block exits."""
+def serve(model_dir: str | None, log_dir: str, *flags: str):
+    """Run `pagedserve up` on a free port until the block exits; no model_dir: the default model."""
     port = free_port()
     log_path = os.path.join(log_dir, f"server-{port}.log")
-    cmd = [sys.executable, "-m", "services.launcher", "up", "--model", model_dir,
+    model = ["--model", model_dir] if model_dir else []
+    cmd = [sys.executable, "-m", "services.launcher", "up", *model,
            "--port", str(port), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05", *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
-    server = Server(process, base_url, os.path.basename(os.path.normpath(model_dir)), log_path)
+    server = Server(process, base_url, os.path.basename(os.path.normpath(model_dir or "tiny-python")), log_path)
     try:
         deadline = time.monotonic() + 120
         while True:

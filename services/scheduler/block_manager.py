@@ -42,8 +42,8 @@ class BlockManager:
         if num_new_tokens == 0:
             return 0
         total = seq.num_computed_tokens + num_new_tokens
-        needed = max(0, -(-total // self.block_size) - len(seq.block_table))
-        return needed + (1 if self._write_hits_shared_block(seq) else 0)
+        needed = -(-total // self.block_size) - len(seq.block_table)
+        return max(0, needed) + self._write_hits_shared_block(seq)
 
     def can_append(self, seqs: list[tuple[Sequence, int]]) -> bool:
         return sum(self.blocks_needed(seq, n) for seq, n in seqs) <= self.gpu.num_available
@@ -65,8 +65,7 @@ class BlockManager:
         return copies
 
     def _write_hits_shared_block(self, seq: Sequence) -> bool:
-        offset = seq.num_computed_tokens % self.block_size
-        return offset != 0 and self.gpu.ref_count(seq.block_table[-1]) > 1
+        return seq.num_computed_tokens % self.block_size != 0 and self.gpu.ref_count(seq.block_table[-1]) > 1
 
     # --- starting a sequence -------------------------------------------------------------
 

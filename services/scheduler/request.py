@@ -23,6 +23,7 @@ class Sequence:
     def __init__(self, seq_id: int, request: "Request", index: int, output_token_ids: list[int] | None = None):
         self.seq_id = seq_id
         self.request = request
+        self.num_prompt_tokens = len(request.prompt_token_ids)
         self.index = index  # which sample of its request this is (seeds its draws)
         self.output_token_ids: list[int] = output_token_ids or []
         self.output_logprobs: list[float] = []
@@ -41,11 +42,11 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_prompt_tokens + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def finished(self) -> bool:
@@ -55,10 +56,9 @@ class Sequence:
         return self.request.prompt_token_ids + self.output_token_ids
 
     def token_at(self, position: int) -> int:
-        num_prompt = len(self.request.prompt_token_ids)
-        if position < num_prompt:
+        if position < self.num_prompt_tokens:
             return self.request.prompt_token_ids[position]
-        return self.output_token_ids[position - num_prompt]
+        return self.output_token_ids[position - self.num_prompt_tokens]
 
     def forget_worker_copy(self) -> None:
         """After a recompute preemption: compute everything again from the tokens."""

@@ -19,9 +19,10 @@ class ResultProcessor:
 
     def apply(self, result: StepResult) -> list[RequestOutput]:
         manager = self.scheduler.block_manager
-        for seq in self.scheduler.last_scheduled:
-            if not seq.finished and seq.request.status is RequestStatus.RUNNING:
-                manager.cache_full_blocks(seq)
+        if manager.gpu.enable_caching:
+            for seq in self.scheduler.last_scheduled:
+                if not seq.finished and seq.request.status is RequestStatus.RUNNING:
+                    manager.cache_full_blocks(seq)
         by_request: dict[str, list[tuple[Sequence, SampledToken]]] = {}
         for sampled in result.sampled:
             seq = self.scheduler.sequences.get(sampled.seq_id)
@@ -51,7 +52,7 @@ class ResultProcessor:
             ]
         deltas = []
         for seq, sampled in items:
-            top = dict(zip(sampled.top_ids, sampled.top_logprobs))
+            top = dict(zip(sampled.top_ids, sampled.top_logprobs)) if sampled.top_ids else {}
             _append(seq, sampled.token_id, sampled.logprob, top)
             reason = self._stop_reason(seq, sampled.token_id)
             if reason is not None:

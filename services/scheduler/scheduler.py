@@ -139,13 +139,19 @@ class Scheduler:
         preempted = False
 
         queue = list(self.running)
-        while queue:
-            request = queue.pop(0)
+        next_index, end = 0, len(queue)  # victims are taken from the end
+        while next_index < end:
+            request = queue[next_index]
+            next_index += 1
             wants = self._wants(request, budget[0])
             if not wants:
                 continue
             while not self.block_manager.can_append(wants):
-                victim = queue.pop() if queue else request
+                if end > next_index:
+                    end -= 1
+                    victim = queue[end]
+                else:
+                    victim = request
                 swap_out += self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -293,27 +299,25 @@ class Scheduler:
     def _build_step(self, scheduled, copies, swap_out, swap_in) -> Step:
         new_sequences: list[NewSequence] = []
         entries: list[ScheduledSequence] = []
+        prompt_tokens_computed = 0
         for seq, num_tokens in scheduled:
-            known = seq.num_tokens_known_to_worker
+            known, num_prompt, computed = seq.num_tokens_known_to_worker, seq.num_prompt_tokens, seq.num_computed_tokens
             if known == 0:
                 new_sequences.append(
-                    NewSequence(seq.seq_id, seq.token_ids(), seq.request.num_prompt_tokens,
-                                seq.request.sampling, seq.index)
+                    NewSequence(seq.seq_id, seq.token_ids(), num_prompt, seq.request.sampling, seq.index)
                 )
                 appended: list[int] = []
                 seq.first_unsynced_block = 0
             else:
-                appended = seq.output_token_ids[known - seq.request.num_prompt_tokens :]
-            seq.num_tokens_known_to_worker = seq.num_tokens
-            start = seq.first_unsynced_block
-            entries.append(
-                ScheduledSequence(seq.seq_id, seq.num_computed_tokens, num_tokens, appended,
-                                  start, seq.block_table[start:])
-            )
-            seq.first_unsynced_block = len(seq.block_table)
-            seq.num_computed_tokens += num_tokens
-            self.counters["computed"] += max(0, min(seq.num_computed_tokens, seq.request.num_prompt_tokens)
-                                             - (seq.num_computed_tokens - num_tokens))
+                appended = seq.output_token_ids[known - num_prompt :]
+            seq.num_tokens_known_to_worker = num_prompt + len(seq.output_token_ids)
+            start, table = seq.first_unsynced_block, seq.block_table
+            entries.append(ScheduledSequence(seq.seq_id, computed, num_tokens, appended, start, table[start:]))
+            seq.first_unsynced_block = len(table)
+            seq.num_computed_tokens = computed + num_tokens
+            if computed < num_prompt:
+                prompt_tokens_computed += min(computed + num_tokens, num_prompt) - computed
+        self.counters["computed"] += prompt_tokens_computed
         forks = [f for f in self.pending_forks if self.sequences.get(f.seq_id) is not None
                  and self.sequences[f.seq_id].num_tokens_known_to_worker]
         step = Step(

@@ -1,0 +1,32 @@
+"""The benchmark scripts still run (at a tiny scale): they print figures, they are not timed here."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scheduler_bench_runs(tmp_path):
+    env = dict(os.environ, PAGEDSERVE_BENCH_ITERATIONS="5", PAGEDSERVE_BENCH_OUT=str(tmp_path))
+    script = os.path.join(ROOT, "benchmarks", "scheduler_bench.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "schedule()+encode" in done.stdout and "round trip" in done.stdout
+
+
+@pytest.mark.parametrize("mode, width", [("parallel", 2), ("beam", 2)])
+def test_sharing_bench_finds_savings(monkeypatch, mode, width):
+    bench = load("sharing_bench")
+    monkeypatch.setattr(bench, "NUM_REQUESTS", 20)
+    assert 0 < bench.run(mode, width)["saving_percent"] < 100

@@ -1,0 +1,33 @@
+"""The monitoring that ships in ops/ refers only to metrics the api really exports."""
+
+import json
+import os
+import re
+
+import httpx
+import yaml
+
+from tests.conftest import ROOT
+
+
+def test_every_dashboard_query_uses_an_exported_metric(llama_server):
+    httpx.post(f"{llama_server.base_url}/v1/completions", timeout=60,
+               json={"model": llama_server.model, "prompt": "x", "max_tokens": 2})
+    exported = {name.split("{")[0] for name in llama_server.metrics()}
+    with open(os.path.join(ROOT, "ops", "grafana", "dashboards", "pagedserve.json")) as f:
+        dashboard = json.load(f)
+    used = {name for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"pagedserve_\w+", target["expr"])}
+    assert used and used <= exported, used - exported
+
+
+def test_compose_runs_the_three_services_with_the_shipped_model():
+    with open(os.path.join(ROOT, "compose.yaml")) as f:
+        compose = yaml.safe_load(f)
+    services = compose["services"]
+    assert {"scheduler", "worker", "worker-cpu", "api", "prometheus", "grafana"} <= set(services)
+    assert "nvidia" in json.dumps(services["worker"]["deploy"])
+    assert "deploy" not in services["worker-cpu"]
+    model = compose["x-pagedserve"]["environment"]["MODEL"]
+    assert "ops/models/tiny-python" in model
+    assert os.path.isfile(os.path.join(ROOT, "ops", "models", "tiny-python", "config.json"))
