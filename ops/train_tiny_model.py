@@ -6,7 +6,7 @@ causal LM with HF transformers, on the CPU, seeded. It writes the model in plain
 (config, safetensors, tokenizer with a chat template, generation config) and its loss curve as
 a PNG, and records how it was made in `training.json`.
 
-    python ops/train_tiny_model.py --threads 1   # about 30 minutes on one CPU core
+    pip install -e ".[worker,train]" && python ops/train_tiny_model.py --threads 1   # ~30 min, one core
 """
 
 from __future__ import annotations
@@ -77,13 +77,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's choice")
+    parser.add_argument("--files", type=int, default=0, help="use only the first N corpus files (quick checks)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the loss curve (needs matplotlib)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
-    files = corpus_files()
+    files = corpus_files()[: args.files or None]
     texts = [read(f) for f in files]
     tokenizer = train_tokenizer(texts, args.vocab_size)
     eos = tokenizer.eos_token_id
@@ -145,7 +147,8 @@ def main() -> None:
             "corpus_tokens": len(tokens), "python": platform.python_version(), "torch": torch.__version__,
             "argv": sys.argv[1:],
         }, f, indent=2)
-    plot(losses, os.path.join(args.out, "loss.png"))
+    if not args.no_plot:
+        plot(losses, os.path.join(args.out, "loss.png"))
 
 
 def plot(losses: list[tuple[int, float]], path: str) -> None:

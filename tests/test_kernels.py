@@ -8,13 +8,13 @@ import random
 
 import pytest
 import torch
+import triton  # noqa: F401  (installed with the test extra: these tests must run, never skip)
 
 from kernels.batch import PagedBatch
 from kernels.block_copy import copy_blocks_reference, copy_blocks_triton
 from kernels.kv_write import write_kv_reference, write_kv_triton
 from kernels.paged_attention import paged_attention_reference, paged_attention_triton
 
-pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}

@@ -3,10 +3,13 @@
 import json
 import os
 import re
+import subprocess
+import sys
 
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import ROOT, serve
@@ -72,3 +75,17 @@ def test_pagedserve_up_without_a_model_serves_it(tmp_path):
         completion = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
     assert [m["id"] for m in models["data"]] == ["tiny-python"]
     assert completion["usage"]["completion_tokens"] >= 1 and completion["choices"][0]["text"]
+
+
+def test_training_is_seeded_and_reproducible(tmp_path):
+    script = os.path.join(ROOT, "ops", "train_tiny_model.py")
+    outs = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        args = [sys.executable, script, "--out", str(out), "--steps", "3", "--files", "15", "--vocab-size", "400",
+                "--batch-size", "2", "--seq-len", "32", "--threads", "1", "--no-plot"]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outs.append(load_file(out / "model.safetensors"))
+    assert outs[0].keys() == outs[1].keys()
+    assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
