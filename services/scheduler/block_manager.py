@@ -46,6 +46,8 @@ class BlockManager:
         return max(0, needed) + self._write_hits_shared_block(seq)
 
     def can_append(self, seqs: list[tuple[Sequence, int]]) -> bool:
+        if len(seqs) == 1:  # the common case, on the hot path
+            return self.blocks_needed(*seqs[0]) <= self.gpu.num_available
         return sum(self.blocks_needed(seq, n) for seq, n in seqs) <= self.gpu.num_available
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:

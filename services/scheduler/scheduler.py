@@ -172,7 +172,7 @@ class Scheduler:
         """(sequence, tokens) to compute for a request this step, within the token budget."""
         wants = []
         for seq in request.seqs:
-            n = seq.num_uncomputed_tokens
+            n = seq.num_prompt_tokens + len(seq.output_token_ids) - seq.num_computed_tokens
             if n > budget:
                 n = budget if self.budgets.chunked_prefill else 0
             if n > 0:
