@@ -66,6 +66,9 @@ def commands(args: argparse.Namespace, endpoints: Endpoints) -> dict[str, list[s
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not os.path.isdir(args.model):
+        print(f"pagedserve: --model {args.model} is not a directory", file=sys.stderr)
+        return 2
     endpoints = Endpoints.local()
     children = {name: subprocess.Popen(cmd) for name, cmd in commands(args, endpoints).items()}
     stopping = False
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     while not stopping:
         dead = {name: c.returncode for name, c in children.items() if c.poll() is not None}
         if dead:
-            print(f"pagedserve: {', '.join(dead)} exited ({dead}); stopping", file=sys.stderr)
+            for name, code in dead.items():
+                print(f"pagedserve: {name} exited with code {code}; stopping", file=sys.stderr)
             failed = True
             stop(signal.SIGTERM, None)
             break

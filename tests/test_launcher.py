@@ -19,7 +19,7 @@ def test_the_launcher_exits_non_zero_when_a_child_dies(tmp_path):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert done.returncode != 0
     assert "cannot load the model" in done.stderr and "model.safetensors is missing" in done.stderr
-    assert "worker exited" in done.stderr
+    assert "worker exited with code 2" in done.stderr
 
 
 def test_the_launcher_forwards_sigint_and_exits_cleanly(llama_dir, tmp_path):

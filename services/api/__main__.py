@@ -2,7 +2,9 @@
 
 import argparse
 import json
+import logging
 import os
+import sys
 
 import uvicorn
 
@@ -21,9 +23,13 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer  # after the flags, so --help stays quick
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    with open(os.path.join(args.model, "config.json")) as f:
-        vocab_size = json.load(f)["vocab_size"]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        with open(os.path.join(args.model, "config.json")) as f:
+            vocab_size = json.load(f)["vocab_size"]
+    except (OSError, ValueError, KeyError) as exc:
+        logging.getLogger("services.api").error("cannot load the tokenizer and config of %s: %s", args.model, exc)
+        sys.exit(2)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(EngineClient(args.scheduler_endpoint), tokenizer, name, vocab_size)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
