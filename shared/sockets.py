@@ -41,14 +41,11 @@ def send(sock: zmq.Socket, message: object, to: bytes | None = None) -> None:
 def receive(sock: zmq.Socket, routed: bool = False) -> tuple[bytes | None, object | None]:
     """Receive one message as (sender, message); a malformed frame is logged and gives None."""
     if routed:
-        sender, frame = _split(sock.recv_multipart())
+        frames = sock.recv_multipart()  # [peer identity, frame]
+        sender, frame = frames[0], frames[-1]
     else:
         sender, frame = None, sock.recv()
     return sender, _decode_or_log(frame, sender)
-
-
-def _split(frames: list[bytes]) -> tuple[bytes, bytes]:
-    return frames[0], frames[-1]
 
 
 def _decode_or_log(frame: bytes, sender: bytes | None) -> object | None:
