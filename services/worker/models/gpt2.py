@@ -7,6 +7,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from kernels.batch import PagedBatch
+from services.worker.models.base import PagedCausalLM
 from services.worker.models.paged import paged_attention
 
 
@@ -75,30 +76,19 @@ class _GPT2Model(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(PagedCausalLM):
+    embedding_weight = "transformer.wte.weight"
     # Older checkpoints carry the causal mask as buffers; they are not weights.
     ignored_weights = (".attn.bias", ".attn.masked_bias")
 
-    embedding_weight = "transformer.wte.weight"  # what lm_head shares when embeddings are tied
-
     def __init__(self, config):
         super().__init__()
-        self.config = config
         self.transformer = _GPT2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.num_kv_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
-
-    def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
+        heads = config.num_attention_heads
+        self.init_head(config, config.hidden_size, heads, config.hidden_size // heads)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], batch: PagedBatch):
         hidden = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
         for block, kv_cache in zip(self.transformer.h, kv_caches):
             hidden = block(hidden, kv_cache, batch)
         return self.transformer.ln_f(hidden)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

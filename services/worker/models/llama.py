@@ -12,6 +12,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.batch import PagedBatch
+from services.worker.models.base import PagedCausalLM
 from services.worker.models.paged import paged_attention
 
 
@@ -134,10 +135,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(PagedCausalLM):
     """Llama and its close relatives, which differ in where the attention projections have biases."""
 
-    embedding_weight = "model.embed_tokens.weight"  # what lm_head shares when embeddings are tied
+    embedding_weight = "model.embed_tokens.weight"
 
     def __init__(self, config):
         super().__init__()
@@ -145,17 +146,10 @@ class LlamaForCausalLM(nn.Module):
         self._build(config, qkv_bias=bias, o_bias=bias)
 
     def _build(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
-        self.config = config
         self.model = DecoderModel(config, qkv_bias, o_bias, qk_norm)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         attention = self.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attention.num_kv_heads, attention.head_dim
+        self.init_head(config, config.hidden_size, attention.num_kv_heads, attention.head_dim)
         self.rotary = RotaryEmbedding(config, self.head_dim)
-
-    def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self,
@@ -171,18 +165,15 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, cos_sin, kv_cache, batch)
         return self.model.norm(hidden)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     def __init__(self, config):
-        nn.Module.__init__(self)
+        PagedCausalLM.__init__(self)
         self._build(config, qkv_bias=True, o_bias=False)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config):
-        nn.Module.__init__(self)
+        PagedCausalLM.__init__(self)
         bias = bool(getattr(config, "attention_bias", False))
         self._build(config, qkv_bias=bias, o_bias=bias, qk_norm=True)

@@ -7,6 +7,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from kernels.batch import PagedBatch
+from services.worker.models.base import PagedCausalLM
 from services.worker.models.paged import paged_attention
 
 POSITION_OFFSET = 2  # OPT's position table starts two rows in
@@ -81,21 +82,14 @@ class _OPTModel(nn.Module):
         self.decoder = OPTDecoder(config)
 
 
-class OPTForCausalLM(nn.Module):
-    embedding_weight = "model.decoder.embed_tokens.weight"  # what lm_head shares when embeddings are tied
+class OPTForCausalLM(PagedCausalLM):
+    embedding_weight = "model.decoder.embed_tokens.weight"
 
     def __init__(self, config):
         super().__init__()
-        self.config = config
         self.model = _OPTModel(config)
-        self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.num_kv_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
-
-    def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.decoder.embed_tokens.weight
+        heads = config.num_attention_heads
+        self.init_head(config, config.word_embed_proj_dim, heads, config.hidden_size // heads)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], batch: PagedBatch):
         decoder = self.model.decoder
@@ -110,6 +104,3 @@ class OPTForCausalLM(nn.Module):
         if hasattr(decoder, "project_out"):
             hidden = decoder.project_out(hidden)
         return hidden
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

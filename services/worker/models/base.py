@@ -1,0 +1,23 @@
+"""What the loader and the runner need of every model: an LM head, tied or not, and the KV shape."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PagedCausalLM(nn.Module):
+    embedding_weight = ""  # the parameter the LM head shares when embeddings are tied
+
+    def init_head(self, config, head_input_size: int, num_kv_heads: int, head_dim: int) -> None:
+        self.config = config
+        self.lm_head = nn.Linear(head_input_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.get_parameter(self.embedding_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
