@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from shared.protocol import (
     Abort,
@@ -41,6 +42,7 @@ class EngineClient:
         self._stats_waiters: list[asyncio.Future] = []
         self._info_ready = asyncio.Event()
         self._receiver: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         self.handlers = {
             RequestOutputs: self._on_outputs,
             SchedulerInfo: self._on_info,
@@ -50,14 +52,31 @@ class EngineClient:
     async def start(self, timeout: float | None = None) -> SchedulerInfo:
         """Introduce this api to the scheduler and wait until its workers are ready."""
         self._receiver = asyncio.create_task(self._receive_loop())
+        self._watcher = asyncio.create_task(self._watch_connection())
         await self._send(Hello(self.socket.getsockopt(zmq.IDENTITY).decode()))
         await asyncio.wait_for(self._info_ready.wait(), timeout)
         return self.info
 
     async def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.cancel()
+        for task in (self._receiver, self._watcher):
+            if task is not None:
+                task.cancel()
         self.context.destroy(linger=0)
+
+    async def _watch_connection(self) -> None:
+        """If the scheduler goes away, its requests are lost: end them with an error now, and
+        introduce this api again when a scheduler is back."""
+        events = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        while True:
+            event = parse_monitor_message(await events.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                log.error("lost the scheduler; failing %d request(s)", len(self._queues))
+                self.info = None
+                self._info_ready.clear()
+                for request_id, queue in self._queues.items():
+                    queue.put_nowait(RequestOutput(request_id, 0, [], True, "the scheduler went away"))
+            elif self.info is None:
+                await self._send(Hello(self.socket.getsockopt(zmq.IDENTITY).decode()))
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float

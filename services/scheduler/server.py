@@ -60,12 +60,20 @@ class SchedulerServer:
         poller = zmq.Poller()
         poller.register(self.api_socket, zmq.POLLIN)
         poller.register(self.worker_socket, zmq.POLLIN)
+        # A worker's connection closing (its process died) shows here, so no request waits forever.
+        worker_events = self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller.register(worker_events, zmq.POLLIN)
         log.info("scheduler waiting for %d worker rank(s)", self.world_size)
         while self.running:
             self._maybe_send_step()
             for sock, _ in poller.poll():
+                if sock is worker_events:
+                    worker_events.recv_multipart()
+                    self.on_worker_lost()
+                    continue
                 handlers = self.api_handlers if sock is self.api_socket else self.worker_handlers
                 self._drain(sock, handlers)
+        self.worker_socket.disable_monitor()
         self._stop_workers()
         self.context.destroy(linger=0)
 
@@ -161,6 +169,17 @@ class SchedulerServer:
         for api in self.waiting_hellos:
             sockets.send(self.api_socket, self.info, to=api)
         self.waiting_hellos.clear()
+
+    def on_worker_lost(self) -> None:
+        """End every request with an error and wait for the ranks to come back (a restart)."""
+        if not self.workers:
+            return
+        log.error("a worker rank disconnected; failing every request and waiting for the ranks again")
+        if self.scheduler is not None:
+            self._route(self.scheduler.fail_all("a worker rank disconnected"))
+        self.scheduler, self.info, self.step_in_flight = None, None, False
+        self.workers.clear()
+        self.ready.clear()
 
     def on_step_result(self, sender: bytes, message: StepResult) -> None:
         self.step_in_flight = False

@@ -55,21 +55,36 @@ class WorkerServer:
             swap_rate, prefill_rate,
         )
         self.context = zmq.Context()
-        self.socket = sockets.connect(
-            self.context, zmq.DEALER, args.worker_endpoint, identity=f"worker-{rank}".encode()
-        )
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.IDENTITY, f"worker-{rank}".encode())
+        # Watch before connecting, so the first connection's event is seen too.
+        self.connection_events = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self.socket.connect(args.worker_endpoint)
         self.running = True
         self.handlers = {Step: self.on_step, Shutdown: self.on_shutdown}
 
     def run(self) -> None:
-        sockets.send(self.socket, self.ready)
+        # Each (re)connection to a scheduler is answered with Ready: a restarted scheduler
+        # learns this rank again, and knows none of the sequences the old one had.
+        events = self.connection_events
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(events, zmq.POLLIN)
         while self.running:
-            _, message = sockets.receive(self.socket)
-            handler = self.handlers.get(type(message))
-            if handler is not None:
-                handler(message)
-            elif message is not None:
-                log.error("no handler for %s", type(message).__name__)
+            for sock, _ in poller.poll():
+                if sock is events:
+                    events.recv_multipart()
+                    self.runner.reset()
+                    sockets.send(self.socket, self.ready)
+                    continue
+                _, message = sockets.receive(self.socket)
+                handler = self.handlers.get(type(message))
+                if handler is not None:
+                    handler(message)
+                elif message is not None:
+                    log.error("no handler for %s", type(message).__name__)
+        self.socket.disable_monitor()
         self.context.destroy(linger=0)
 
     def on_step(self, step: Step) -> None:

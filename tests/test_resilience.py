@@ -1,0 +1,113 @@
+"""Services run alone (as deployed) and survive a worker that dies: requests fail, not hang."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from tests.conftest import ROOT, free_port
+
+
+def start(*args: str, log: str) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_healthy(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} not healthy in time")
+
+
+def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir, tmp_path):
+    sockets = tempfile.mkdtemp(prefix="pagedserve-test-")
+    scheduler_ep, worker_ep = f"ipc://{sockets}/scheduler.sock", f"ipc://{sockets}/workers.sock"
+    port = free_port()
+    worker_args = ("services.worker", "--model", llama_dir, "--worker-endpoint", worker_ep, "--device", "cpu",
+                   "--kv-cache-memory", "0.05", "--swap-space", "0.05")
+    processes = [
+        start("services.scheduler", "--scheduler-endpoint", scheduler_ep, "--worker-endpoint", worker_ep,
+              log=str(tmp_path / "scheduler.log")),
+        start(*worker_args, log=str(tmp_path / "worker1.log")),
+        start("services.api", "--model", llama_dir, "--scheduler-endpoint", scheduler_ep, "--port", str(port),
+              log=str(tmp_path / "api.log")),
+    ]
+    base = f"http://127.0.0.1:{port}"
+    model = os.path.basename(llama_dir)
+    long_request = {"model": model, "prompt": "import os", "max_tokens": 500, "ignore_eos": True,
+                    "temperature": 0, "stream": True}
+    try:
+        wait_healthy(f"{base}/health")
+        started = time.monotonic()
+        with httpx.stream("POST", f"{base}/v1/completions", json=long_request, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            processes[1].kill()  # the worker dies mid-request
+            rest = [line for line in lines if line.startswith("data:")]
+        assert time.monotonic() - started < 30, "the request hung after its worker died"
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert "worker" in error["message"] and error["type"] == "server_error"
+        assert len(rest) + 1 < 500  # it ended early, with an error rather than all its tokens
+        assert first
+
+        processes.append(start(*worker_args, log=str(tmp_path / "worker2.log")))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            again = httpx.post(f"{base}/v1/completions", timeout=60,
+                               json={"model": model, "prompt": "import os", "max_tokens": 4})
+            if again.status_code == 200:
+                break
+            time.sleep(0.5)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def test_a_dead_scheduler_fails_requests_and_a_restarted_one_is_found_again(llama_dir, tmp_path):
+    sockets = tempfile.mkdtemp(prefix="pagedserve-test-")
+    scheduler_ep, worker_ep = f"ipc://{sockets}/scheduler.sock", f"ipc://{sockets}/workers.sock"
+    port = free_port()
+    scheduler_args = ("services.scheduler", "--scheduler-endpoint", scheduler_ep, "--worker-endpoint", worker_ep)
+    processes = [
+        start(*scheduler_args, log=str(tmp_path / "scheduler1.log")),
+        start("services.worker", "--model", llama_dir, "--worker-endpoint", worker_ep, "--device", "cpu",
+              "--kv-cache-memory", "0.05", "--swap-space", "0.05", log=str(tmp_path / "worker.log")),
+        start("services.api", "--model", llama_dir, "--scheduler-endpoint", scheduler_ep, "--port", str(port),
+              log=str(tmp_path / "api.log")),
+    ]
+    base = f"http://127.0.0.1:{port}"
+    model = os.path.basename(llama_dir)
+    try:
+        wait_healthy(f"{base}/health")
+        body = {"model": model, "prompt": "import os", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        started = time.monotonic()
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            processes[0].kill()  # the scheduler dies mid-request
+            rest = [line for line in lines if line.startswith("data:")]
+        assert time.monotonic() - started < 30
+        assert "scheduler" in json.loads(rest[-2][len("data: "):])["error"]["message"]
+        assert httpx.get(f"{base}/health").status_code == 503
+
+        processes.append(start(*scheduler_args, log=str(tmp_path / "scheduler2.log")))
+        wait_healthy(f"{base}/health", timeout=60)  # the worker and the api found it again
+        again = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": model, "prompt": "x", "max_tokens": 3})
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
