@@ -12,8 +12,9 @@ from tests.conftest import ROOT, free_port, serve
 from tests.tiny_models import build_model, hf_greedy
 
 
-def test_the_launcher_exits_non_zero_when_a_child_dies(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+def test_the_launcher_exits_non_zero_when_a_child_dies(llama_dir, tmp_path):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # all but the weights
+        shutil.copy(os.path.join(llama_dir, name), tmp_path)
     cmd = [sys.executable, "-m", "services.launcher", "up", "--model", str(tmp_path),
            "--port", str(free_port()), "--device", "cpu", "--ready-timeout", "60"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
