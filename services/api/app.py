@@ -9,7 +9,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.requests import Request

@@ -37,16 +37,8 @@ class Sequence:
         self.finish_reason: str | None = None
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids
-
-    @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + len(self.output_token_ids)
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return self.num_prompt_tokens + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def finished(self) -> bool:
@@ -84,10 +76,6 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return sum(seq.num_uncomputed_tokens for seq in self.seqs)
 
     def __repr__(self) -> str:
         return f"Request({self.request_id}, {self.status.value}, seqs={[s.seq_id for s in self.seqs]})"
