@@ -5,10 +5,17 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
+import zmq
 
+from services.scheduler.server import SchedulerServer
+from shared import sockets
+from shared.config import Endpoints, SchedulerConfig
+from shared.protocol import AddRequest, Hello, Ready, SampledToken, SchedulerInfo, Shutdown, Step, StepResult
+from shared.sampling import SamplingParams
 from tests.conftest import ROOT, free_port
 
 
@@ -102,6 +109,8 @@ def test_a_dead_scheduler_fails_requests_and_a_restarted_one_is_found_again(llam
         assert time.monotonic() - started < 30
         assert "scheduler" in json.loads(rest[-2][len("data: "):])["error"]["message"]
         assert httpx.get(f"{base}/health").status_code == 503
+        meanwhile = httpx.post(f"{base}/v1/completions", timeout=10, json={"model": model, "prompt": "x"})
+        assert meanwhile.status_code == 503 and meanwhile.json()["error"]["code"] == "not_ready"
 
         processes.append(start(*scheduler_args, log=str(tmp_path / "scheduler2.log")))
         wait_healthy(f"{base}/health", timeout=60)  # the worker and the api found it again
@@ -111,3 +120,29 @@ def test_a_dead_scheduler_fails_requests_and_a_restarted_one_is_found_again(llam
         for process in processes:
             process.kill()
             process.wait()
+
+
+def test_a_result_left_over_from_a_previous_scheduler_is_ignored(tmp_path):
+    """A worker's socket keeps what it queued for a scheduler that died and hands it to the next."""
+    endpoints = Endpoints.local(str(tmp_path))
+    server = SchedulerServer(SchedulerConfig(block_size=4), endpoints)
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    context = zmq.Context()
+    worker = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"worker-0")
+    api = sockets.connect(context, zmq.DEALER, endpoints.scheduler, identity=b"api-test")
+    try:
+        sockets.send(worker, StepResult(0, [SampledToken(0, 5, -0.1, [], [])], 1.0, 1.0))
+        sockets.send(worker, Ready(0, 1, 64, 0, 4, 128, [0], 1024, 1e9, 1e4))
+        sockets.send(api, Hello("api-test"))
+        assert api.poll(5000), "the scheduler did not survive the stale result"
+        assert isinstance(sockets.receive(api)[1], SchedulerInfo)
+
+        sockets.send(api, AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=1), time.time()))
+        assert worker.poll(5000)
+        step = sockets.receive(worker)[1]
+        assert isinstance(step, Step) and [s.seq_id for s in step.scheduled] == [0]
+    finally:
+        sockets.send(api, Shutdown())
+        loop.join(timeout=5)
+        context.destroy(linger=0)

@@ -99,7 +99,11 @@ class OpenAIServer:
             )
 
     def _fit_to_context(self, generation: GenerationRequest, prompt_ids: list[int]) -> None:
-        context = self.client.info.max_model_len
+        info = self.client.info
+        if info is None:  # the scheduler is (re)starting or its workers are not ready
+            raise ApiError("the server is not ready to generate; retry shortly", status=503,
+                           type="server_error", code="not_ready")
+        context = info.max_model_len
         if not prompt_ids:
             raise ApiError("the prompt is empty", param="prompt")
         if len(prompt_ids) >= context:

@@ -45,7 +45,7 @@ class SchedulerServer:
         self.info: SchedulerInfo | None = None
         self.waiting_hellos: list[bytes] = []
         self.owner_of: dict[str, bytes] = {}
-        self.step_in_flight = False
+        self.step_in_flight: int | None = None  # the id of the step the workers are executing
         self.running = True
         self.api_handlers = {
             Hello: self.on_hello,
@@ -88,14 +88,14 @@ class SchedulerServer:
             handler(sender, message)
 
     def _maybe_send_step(self) -> None:
-        if self.scheduler is None or self.step_in_flight or not self.scheduler.has_work():
+        if self.scheduler is None or self.step_in_flight is not None or not self.scheduler.has_work():
             return
         step = self.scheduler.schedule()
         if step is None:
             return
         for identity in self.workers.values():
             sockets.send(self.worker_socket, step, to=identity)
-        self.step_in_flight = True
+        self.step_in_flight = step.step_id
 
     # --- api messages --------------------------------------------------------------------
 
@@ -177,12 +177,17 @@ class SchedulerServer:
         log.error("a worker rank disconnected; failing every request and waiting for the ranks again")
         if self.scheduler is not None:
             self._route(self.scheduler.fail_all("a worker rank disconnected"))
-        self.scheduler, self.info, self.step_in_flight = None, None, False
+        self.scheduler, self.info, self.step_in_flight = None, None, None
         self.workers.clear()
         self.ready.clear()
 
     def on_step_result(self, sender: bytes, message: StepResult) -> None:
-        self.step_in_flight = False
+        if message.step_id != self.step_in_flight:
+            # A worker's connection outlives a scheduler restart, so a result queued for the
+            # old scheduler can arrive here first; it belongs to no step of ours.
+            log.warning("ignored a result for step %d, which is not in flight", message.step_id)
+            return
+        self.step_in_flight = None
         if message.error is not None:
             log.error("step %d failed on the worker: %s", message.step_id, message.error)
             self._route(self.scheduler.fail_all(f"the worker failed: {message.error}"))
