@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from kernels import block_copy, kv_write, paged_attention as attention
+from kernels import block_copy, kv_write
+from kernels import paged_attention as attention
 from kernels.batch import PagedBatch
 
 

@@ -28,7 +28,7 @@ class Endpoints:
     workers: str
 
     @staticmethod
-    def local(directory: str | None = None) -> "Endpoints":
+    def local(directory: str | None = None) -> Endpoints:
         base = directory or tempfile.mkdtemp(prefix="pagedserve-")
         return Endpoints(
             scheduler=f"ipc://{os.path.join(base, 'scheduler.sock')}",

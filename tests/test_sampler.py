@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from services.worker.sampler import SampleRow, Sampler, filtered_probs
+from services.worker.sampler import Sampler, SampleRow, filtered_probs
 from shared.sampling import SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625]]))

@@ -18,8 +18,8 @@ from starlette.routing import Route
 from services.api.detokenizer import IncrementalDetokenizer
 from services.api.engine_client import EngineClient
 from services.api.errors import ApiError
-from services.api.metrics import ApiMetrics
 from services.api.formats import ChatFormat, Chunk, CompletionFormat
+from services.api.metrics import ApiMetrics
 from services.api.requests import GenerationRequest, parse_chat, parse_completion
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, seq_id: int, request: "Request", index: int, output_token_ids: list[int] | None = None):
+    def __init__(self, seq_id: int, request: Request, index: int, output_token_ids: list[int] | None = None):
         self.seq_id = seq_id
         self.request = request
         self.num_prompt_tokens = len(request.prompt_token_ids)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 class ResultProcessor:
-    def __init__(self, scheduler: "Scheduler"):
+    def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
 
     def apply(self, result: StepResult) -> list[RequestOutput]:

@@ -10,7 +10,7 @@ import torch
 
 from kernels.batch import PagedBatch
 from services.worker.kv_cache import KVCache
-from services.worker.sampler import SampleRow, Sampler
+from services.worker.sampler import Sampler, SampleRow
 from shared.protocol import NewSequence, SampledToken, Step, StepResult
 from shared.sampling import SamplingParams
 
@@ -25,7 +25,7 @@ class SequenceMirror:
     index: int
     block_table: list[int] = field(default_factory=list)
 
-    def copy(self, index: int) -> "SequenceMirror":
+    def copy(self, index: int) -> SequenceMirror:
         return SequenceMirror(list(self.token_ids), self.num_prompt_tokens, self.sampling, index,
                               list(self.block_table))
 
