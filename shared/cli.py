@@ -19,8 +19,11 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None, help="context length limit")
     group.add_argument("--num-gpu-blocks-override", type=int, default=None)
     group.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt blocks")
-    group.add_argument("--enable-chunked-prefill", action="store_true", help="split long prompts over steps")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="split long prompts over steps, mixed with decodes (default: on)")
     group.add_argument("--preemption-mode", choices=["swap", "recompute", "auto"], default="auto")
+    group.add_argument("--step-timeout", type=float, default=180.0,
+                       help="seconds a step may take before its worker counts as lost (default: 180)")
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +43,8 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--served-model-name", default=None, help="the name clients ask for")
+    group.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                       help="larger request bodies get 413 (default: 8 MiB)")
 
 
 def add_endpoint_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -58,6 +63,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode,
+        step_timeout=args.step_timeout,
     )
 
 

@@ -16,8 +16,10 @@ class SchedulerConfig:
     num_gpu_blocks_override: int | None = None
     watermark: float = 0.01  # fraction of GPU blocks kept free when admitting new prompts
     enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True  # long prompts never wait behind decodes
     preemption_mode: str = "auto"  # swap | recompute | auto
+    step_timeout: float = 180.0  # seconds a step may take before its worker counts as lost
+    api_send_queue: int = 10_000  # messages queued for one api before it counts as not reading
 
 
 @dataclass(slots=True)

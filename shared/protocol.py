@@ -5,8 +5,8 @@ lists of their fields in declaration order. Decoding checks the version, the tag
 of fields and the type of every field, so a malformed frame raises `ProtocolError` and never
 reaches a handler half-built. Nothing here is ever pickled.
 
-    api ──AddRequest/Abort/Hello/GetStats──▶ scheduler ──Step/Shutdown──▶ worker ranks
-        ◀──RequestOutputs/SchedulerInfo/Stats──        ◀──Ready/StepResult──
+    api ──AddRequest/Abort/Hello/GetStats──▶ scheduler ──Step/Reset/Shutdown──▶ worker ranks
+        ◀──RequestOutputs/SchedulerInfo/Unavailable/Stats──   ◀──Ready/StepResult──
 """
 
 from __future__ import annotations
@@ -38,11 +38,21 @@ class Hello:
 
 @dataclass(slots=True)
 class SchedulerInfo:
+    """Sent when the workers are ready: the api serves from then on."""
+
     block_size: int
     num_gpu_blocks: int
     max_model_len: int
     max_num_batched_tokens: int
     eos_token_ids: list[int]
+    max_num_seqs: int = 0
+
+
+@dataclass(slots=True)
+class Unavailable:
+    """The workers were lost (gone, hung, or failed): the api answers 503 until the next `SchedulerInfo`."""
+
+    reason: str
 
 
 @dataclass(slots=True)
@@ -123,6 +133,7 @@ class Ready:
     block_bytes: int
     swap_bytes_per_second: float  # measured host<->device copy rate
     prefill_tokens_per_second: float  # measured at start-up on a dummy prompt
+    vocab_size: int = 0
 
 
 @dataclass(slots=True)
@@ -189,7 +200,13 @@ class StepResult:
     sampled: list[SampledToken]
     forward_ms: float
     sample_ms: float
-    error: str | None = None
+    error: str | None = None  # the whole step failed; the worker forgot every sequence
+    failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why the worker refused it
+
+
+@dataclass(slots=True)
+class Reset:
+    """The scheduler gave up on this rank's state (a step timed out): forget it and report Ready."""
 
 
 @dataclass(slots=True)
@@ -209,6 +226,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Step,
     StepResult,
     Shutdown,
+    Unavailable,
+    Reset,
 )
 _TAG_OF = {cls: cls.__name__ for cls in MESSAGE_TYPES}
 _CLASS_OF = {name: cls for cls, name in _TAG_OF.items()}

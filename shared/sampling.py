@@ -1,8 +1,23 @@
-"""Sampling parameters of one request, shared by the api, the scheduler and the worker."""
+"""Sampling parameters of one request, shared by the api, the scheduler and the worker.
+
+`validate` is the one range check of every field. The api runs it before anything is queued
+and the scheduler runs it again on every `AddRequest`, whoever sent it, so no value the worker
+cannot hold (an integer beyond 64 bits, a NaN, a top_k past the vocabulary) ever reaches a step.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+GREEDY_BELOW = 1e-5  # temperatures under this are served as greedy, as vLLM does
+MAX_SAMPLES = 16
+MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LENGTH_PENALTY = 100.0
+MAX_TEMPERATURE = 100.0  # OpenAI allows 2; past 100 every distribution here is flat anyway
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+MAX_TOKENS_LIMIT = 2**31 - 1
 
 
 class InvalidParameter(ValueError):
@@ -45,24 +60,48 @@ class SamplingParams:
         wanted = self.logprobs or 0
         return max(wanted, 2 * self.num_samples) if self.use_beam_search else wanted
 
-    def validate(self) -> None:
-        if not 1 <= self.n <= 16:
-            raise InvalidParameter("n", "n must be between 1 and 16")
-        if self.best_of is not None and not self.n <= self.best_of <= 16:
-            raise InvalidParameter("best_of", "best_of must be at least n and at most 16")
-        if self.early_stopping not in (True, False, "never"):
+    def validate(self, vocab_size: int | None = None, max_num_seqs: int = MAX_SAMPLES) -> None:
+        """Raise `InvalidParameter` for the first field out of range; serve tiny temperatures as greedy."""
+        limit = min(MAX_SAMPLES, max_num_seqs)
+        _integer("n", self.n, 1, limit)
+        if self.best_of is not None:
+            _integer("best_of", self.best_of, self.n, limit, f"best_of must be at least n and at most {limit}")
+        if type(self.use_beam_search) is not bool or type(self.ignore_eos) is not bool:
+            raise InvalidParameter("use_beam_search", "use_beam_search and ignore_eos must be booleans")
+        if self.early_stopping not in (True, False, "never") or type(self.early_stopping) not in (bool, str):
             raise InvalidParameter("early_stopping", 'early_stopping must be true, false or "never"')
-        if self.temperature < 0:
-            raise InvalidParameter("temperature", "temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
+        _number("length_penalty", self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
+        _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE,
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}]")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        _number("top_p", self.top_p, 0.0, 1.0, "top_p must be in (0, 1]")
+        if self.top_p == 0.0:
             raise InvalidParameter("top_p", "top_p must be in (0, 1]")
-        if self.top_k < -1 or self.top_k == 0:
+        _number("min_p", self.min_p, 0.0, 1.0, "min_p must be in [0, 1]")
+        top_k_limit = vocab_size if vocab_size else UINT64_MAX
+        _integer("top_k", self.top_k, -1, top_k_limit,
+                 f"top_k must be -1 (disabled) or between 1 and the vocabulary size ({top_k_limit})")
+        if self.top_k == 0:
             raise InvalidParameter("top_k", "top_k must be -1 (disabled) or at least 1")
-        if not 0 <= self.min_p <= 1:
-            raise InvalidParameter("min_p", "min_p must be in [0, 1]")
-        if self.max_tokens < 1:
-            raise InvalidParameter("max_tokens", "max_tokens must be at least 1")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidParameter("logprobs", "logprobs must be in [0, 20]")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidParameter("stop_token_ids", "stop_token_ids must be non-negative")
+        if self.seed is not None:
+            _integer("seed", self.seed, INT64_MIN, UINT64_MAX, "seed must fit in 64 bits")
+        _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if type(self.stop_token_ids) is not list or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParameter("stop_token_ids", f"stop_token_ids must be a list of at most "
+                                                     f"{MAX_STOP_TOKEN_IDS} token ids")
+        id_limit = (vocab_size - 1) if vocab_size else UINT64_MAX
+        for token in self.stop_token_ids:
+            _integer("stop_token_ids", token, 0, id_limit, f"stop_token_ids must be in [0, {id_limit}]")
+
+
+def _integer(param: str, value: object, low: int, high: int, message: str = "") -> None:
+    if type(value) is not int or not low <= value <= high:
+        raise InvalidParameter(param, message or f"{param} must be an integer in [{low}, {high}]")
+
+
+def _number(param: str, value: object, low: float, high: float, message: str = "") -> None:
+    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
+        raise InvalidParameter(param, message or f"{param} must be a finite number in [{low}, {high}]")

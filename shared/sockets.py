@@ -38,6 +38,20 @@ def send(sock: zmq.Socket, message: object, to: bytes | None = None) -> None:
         sock.send_multipart([to, frame])
 
 
+def try_send(sock: zmq.Socket, message: object, to: bytes | None = None) -> bool:
+    """Send without blocking; False if the peer is gone or its queue is full."""
+    frame = encode(message)
+    try:
+        if to is None:
+            sock.send(frame, zmq.NOBLOCK)
+        else:
+            sock.send_multipart([to, frame], zmq.NOBLOCK)
+    except zmq.ZMQError as exc:  # Again (queue full) or EHOSTUNREACH (ROUTER_MANDATORY, peer gone)
+        log.debug("send to %r failed: %s", to, exc)
+        return False
+    return True
+
+
 def receive(sock: zmq.Socket, routed: bool = False) -> tuple[bytes | None, object | None]:
     """Receive one message as (sender, message); a malformed frame is logged and gives None."""
     if routed:

@@ -17,6 +17,7 @@ from services.worker.loader import eos_token_ids, load_model
 from services.worker.model_runner import ModelRunner
 from shared.protocol import AddRequest
 from shared.sampling import SamplingParams
+from tests.scheduler_harness import check_block_accounting
 
 _ids = itertools.count()
 
@@ -36,6 +37,8 @@ class Engine:
         manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark=0.0,
                                enable_prefix_caching=prefix_caching)
         context = min(config.max_position_embeddings, num_gpu_blocks * block_size)
+        if not chunked_prefill:  # a recomputed request must fit one step
+            context = min(context, max_num_batched_tokens)
         budgets = Budgets(max_num_seqs, max_num_batched_tokens, context, chunked_prefill)
         self.scheduler = Scheduler(manager, budgets, eos_token_ids(model_dir, config), policy)
         self.max_running_seqs = 0
@@ -75,20 +78,3 @@ class Engine:
 
     def stats(self):
         return self.scheduler.stats()
-
-
-def check_block_accounting(scheduler: Scheduler) -> None:
-    """Every block is free, referenced, or cached-and-evictable, and reference counts match."""
-    manager = scheduler.block_manager
-    for pool, status in ((manager.gpu, "gpu"), (manager.cpu, "cpu")):
-        assert pool.num_free + pool.num_referenced + pool.num_evictable == pool.num_blocks
-        references: dict[int, int] = {}
-        for request in scheduler.requests.values():
-            on_cpu = request.status.value == "swapped"
-            if (status == "cpu") != on_cpu:
-                continue
-            for seq in request.seqs:
-                for block in seq.block_table:
-                    references[block] = references.get(block, 0) + 1
-        for block in range(pool.num_blocks):
-            assert pool.ref_count(block) == references.get(block, 0), (status, block)

@@ -13,22 +13,31 @@ EOS = 0
 
 
 class StandInWorker:
-    """Keeps each sequence's token count as a worker would, and samples `next_token(seq_id, n)`."""
+    """Keeps each sequence's tokens as a worker would, and samples `next_token(seq_id, n)`.
+
+    Like the real worker it forks a finished prompt into best_of samples and reports the top
+    2 x width candidates of every beam."""
 
     def __init__(self, next_token=lambda seq_id, position: 100 + position):
         self.next_token = next_token
         self.tokens: dict[int, list[int]] = {}
         self.tables: dict[int, list[int]] = {}
+        self.prompts: dict[int, tuple[int, SamplingParams]] = {}
         self.steps: list[Step] = []
 
     def run(self, step: Step) -> StepResult:
         self.steps.append(step)
+        for fork in step.forks:
+            self.tokens[fork.seq_id] = list(self.tokens[fork.parent_seq_id])
+            self.tables[fork.seq_id] = list(self.tables[fork.parent_seq_id])
+            self.prompts[fork.seq_id] = self.prompts[fork.parent_seq_id]
         for seq_id in step.finished_seq_ids + step.preempted_seq_ids:
             self.tokens.pop(seq_id, None)
             self.tables.pop(seq_id, None)
         for new in step.new_sequences:
             self.tokens[new.seq_id] = list(new.token_ids)
             self.tables[new.seq_id] = []
+            self.prompts[new.seq_id] = (new.num_prompt_tokens, new.sampling)
         sampled = []
         for entry in step.scheduled:
             tokens = self.tokens[entry.seq_id]
@@ -36,18 +45,33 @@ class StandInWorker:
             del self.tables[entry.seq_id][entry.table_start :]
             self.tables[entry.seq_id].extend(entry.block_ids)
             end = entry.start + entry.num_tokens
+            assert end <= len(tokens)
             if end == len(tokens):
-                token = self.next_token(entry.seq_id, len(tokens))
-                sampled.append(SampledToken(entry.seq_id, token, -1.0, [], []))
+                sampled += self._sample(entry.seq_id, tokens)
         return StepResult(step.step_id, sampled, 0.0, 0.0)
+
+    def _sample(self, seq_id: int, tokens: list[int]) -> list[SampledToken]:
+        num_prompt, sampling = self.prompts[seq_id]
+        token = self.next_token(seq_id, len(tokens))
+        if sampling.use_beam_search:
+            width = 2 * sampling.num_samples
+            ids = [(token + 7 * i) % 997 for i in range(width)]
+            logprobs = [-0.1 * (i + 1) - 0.01 * (hash((seq_id, len(tokens))) % 7) for i in range(width)]
+            return [SampledToken(seq_id, ids[0], logprobs[0], ids, logprobs)]
+        forks = len(tokens) == num_prompt and sampling.num_samples > 1
+        count = sampling.num_samples if forks else 1
+        return [SampledToken(seq_id, self.next_token(seq_id + 1000 * i, len(tokens)), -1.0, [], [])
+                for i in range(count)]
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, context=256,
                    num_cpu_blocks=0, preemption="recompute", prefix_caching=False, chunked=False):
     manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=0.0,
                            enable_prefix_caching=prefix_caching)
+    if not chunked:  # a recomputed request must fit one step
+        context = min(context, max_tokens_per_step)
     budgets = Budgets(max_num_seqs, max_tokens_per_step, context, chunked_prefill=chunked)
-    return Scheduler(manager, budgets, [EOS], PreemptionPolicy(preemption))
+    return Scheduler(manager, budgets, [EOS], PreemptionPolicy(preemption), vocab_size=1000)
 
 
 _ids = itertools.count()
@@ -57,6 +81,23 @@ def request(prompt_len=5, max_tokens=4, arrival=None, **sampling) -> AddRequest:
     n = next(_ids)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
     return AddRequest(f"req-{n}", list(range(1, prompt_len + 1)), params, float(arrival if arrival is not None else n))
+
+
+def check_block_accounting(scheduler: Scheduler) -> None:
+    """Every block is free, referenced, or cached-and-evictable, and reference counts match."""
+    manager = scheduler.block_manager
+    for pool, status in ((manager.gpu, "gpu"), (manager.cpu, "cpu")):
+        assert pool.num_free + pool.num_referenced + pool.num_evictable == pool.num_blocks
+        references: dict[int, int] = {}
+        for request in scheduler.requests.values():
+            on_cpu = request.status.value == "swapped"
+            if (status == "cpu") != on_cpu:
+                continue
+            for seq in request.seqs:
+                for block in seq.block_table:
+                    references[block] = references.get(block, 0) + 1
+        for block in range(pool.num_blocks):
+            assert pool.ref_count(block) == references.get(block, 0), (status, block)
 
 
 def run_to_completion(scheduler: Scheduler, worker: StandInWorker, max_steps=10_000) -> dict[str, list]:

@@ -51,7 +51,7 @@ def test_beam_search_survives_preemption(llama_dir):
     prompt = list(range(20, 45))
     expected = hf_beam_search(llama_dir, prompt, 4, 10)
     for mode in ("swap", "recompute"):
-        engine = Engine(llama_dir, block_size=4, num_gpu_blocks=16, num_cpu_blocks=64, preemption=mode)
+        engine = Engine(llama_dir, block_size=4, num_gpu_blocks=18, num_cpu_blocks=64, preemption=mode)
         ids = [engine.add(prompt, use_beam_search=True, best_of=4, n=4, max_tokens=10) for _ in range(2)]
         tokens = engine.run()
         stats = engine.stats()

@@ -30,3 +30,11 @@ def test_sharing_bench_finds_savings(monkeypatch, mode, width):
     bench = load("sharing_bench")
     monkeypatch.setattr(bench, "NUM_REQUESTS", 20)
     assert 0 < bench.run(mode, width)["saving_percent"] < 100
+
+
+def test_beam_memory_bench_runs(tmp_path):
+    env = dict(os.environ, PAGEDSERVE_BENCH_LENGTHS="40,80", PAGEDSERVE_BENCH_OUT=str(tmp_path))
+    script = os.path.join(ROOT, "benchmarks", "beam_memory_bench.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "MiB per 1k tokens" in done.stdout and (tmp_path / "beam_memory_bench.json").exists()

@@ -78,3 +78,22 @@ def test_copy_on_write_and_swaps_move_whole_blocks_in_every_layer():
     cache.swap_in([(0, 6), (3, 7)])
     assert torch.equal(cache.cache[:, :, 6], original[:, :, 2])
     assert torch.equal(cache.cache[:, :, 7], original[:, :, 3])
+
+
+def test_the_worker_refuses_a_bad_sequence_alone_and_serves_the_rest(llama_dir):
+    model, config = load_model(llama_dir, "float32", torch.device("cpu"))
+    cache = KVCache(config.num_hidden_layers, 16, 4, model.num_kv_heads, model.head_dim, torch.float32,
+                    torch.device("cpu"))
+    runner = ModelRunner(model, cache, torch.device("cpu"), seed=0)
+    greedy = SamplingParams(temperature=0)
+    news = [NewSequence(0, [5, 9, 13], 3, greedy, 0),
+            NewSequence(1, [5, config.vocab_size], 2, greedy, 0),  # a token id past the vocabulary
+            NewSequence(2, [5, 9], 2, greedy, 0)]
+    entries = [ScheduledSequence(0, 0, 3, [], 0, [0]),
+               ScheduledSequence(1, 0, 2, [], 0, [1]),
+               ScheduledSequence(2, 0, 2, [], 0, [-1])]  # a block id that would wrap around
+    result = runner.execute(Step(0, [], [], [], news, entries))
+    assert result.error is None
+    assert set(result.failures) == {1, 2} and "vocabulary" in result.failures[1] and "block" in result.failures[2]
+    assert [s.seq_id for s in result.sampled] == [0]
+    assert result.sampled[0].token_id == hf_greedy(llama_dir, [5, 9, 13], 1)[0]

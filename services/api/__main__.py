@@ -31,7 +31,8 @@ def main() -> None:
         logging.getLogger("services.api").error("cannot load the tokenizer and config of %s: %s", args.model, exc)
         sys.exit(2)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    app = build_app(EngineClient(args.scheduler_endpoint), tokenizer, name, vocab_size)
+    app = build_app(EngineClient(args.scheduler_endpoint), tokenizer, name, vocab_size,
+                    args.max_request_body_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -21,27 +22,33 @@ from services.api.errors import ApiError
 from services.api.formats import ChatFormat, Chunk, CompletionFormat
 from services.api.metrics import ApiMetrics
 from services.api.requests import GenerationRequest, parse_chat, parse_completion
+from shared.sampling import InvalidParameter
 
 log = logging.getLogger(__name__)
 
 
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # vLLM sets none; 8 MiB holds any prompt a context can take
+
+
 class OpenAIServer:
-    def __init__(self, client: EngineClient, tokenizer, model_name: str, vocab_size: int):
+    def __init__(self, client: EngineClient, tokenizer, model_name: str, vocab_size: int,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = vocab_size
+        self.max_body_bytes = max_body_bytes
         self.metrics = ApiMetrics()
         self.created = int(time.time())
 
     # --- routes --------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        body = await _json_body(request)
+        body = await self._json_body(request)
         generation = parse_completion(body)
         self._check_model(generation.model)
         if generation.prompt is not None:
-            prompt_ids = self.tokenizer.encode(generation.prompt)
+            prompt_ids = await self._tokenize(self.tokenizer.encode, generation.prompt)
         else:
             prompt_ids = generation.prompt_token_ids
             if any(not 0 <= t < self.vocab_size for t in prompt_ids):
@@ -50,16 +57,17 @@ class OpenAIServer:
         return await self._respond(request, generation, prompt_ids, CompletionFormat(self.model_name, self.tokenizer, generation))
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _json_body(request)
+        body = await self._json_body(request)
         generation = parse_chat(body)
         self._check_model(generation.model)
         try:
-            text = self.tokenizer.apply_chat_template(
-                generation.messages, add_generation_prompt=True, tokenize=False
+            text = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template, generation.messages, add_generation_prompt=True,
+                tokenize=False,
             )
         except Exception as exc:  # templates raise whatever their authors chose
             raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = await self._tokenize(self.tokenizer.encode, text, add_special_tokens=False)
         self._fit_to_context(generation, prompt_ids)
         return await self._respond(request, generation, prompt_ids, ChatFormat(self.model_name, self.tokenizer, generation))
 
@@ -74,6 +82,7 @@ class OpenAIServer:
                         "object": "model",
                         "created": self.created,
                         "owned_by": "pagedserve",
+                        "root": self.model_name,
                         "max_model_len": info.max_model_len if info else None,
                     }
                 ],
@@ -88,6 +97,32 @@ class OpenAIServer:
     async def prometheus(self, request: Request) -> Response:
         stats = await self.client.stats(timeout=1.0) if self.client.info else None
         return Response(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    # --- input ---------------------------------------------------------------------------
+
+    async def _json_body(self, request: Request) -> object:
+        """The body as JSON, at most `max_body_bytes`, every string valid Unicode."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise _too_large(self.max_body_bytes)
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self.max_body_bytes:
+                raise _too_large(self.max_body_bytes)
+            parts.append(part)
+        try:
+            body = json.loads(b"".join(parts))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError("the JSON body is nested too deeply", code="invalid_json") from None
+        _check_unicode(body)
+        return body
+
+    async def _tokenize(self, encode, text: str, **kwargs) -> list[int]:
+        # Off the event loop: a long prompt takes seconds, and the tokenizer releases the GIL.
+        return await asyncio.to_thread(encode, text, **kwargs)
 
     # --- generation ----------------------------------------------------------------------
 
@@ -111,6 +146,10 @@ class OpenAIServer:
                 f"this model's maximum context length is {context} tokens; the prompt has "
                 f"{len(prompt_ids)} tokens", param="prompt", code="context_length_exceeded",
             )
+        try:
+            generation.sampling.validate(self.vocab_size, info.max_num_seqs or 16)
+        except InvalidParameter as exc:
+            raise ApiError(str(exc), param=exc.param) from None
         room = context - len(prompt_ids)
         max_tokens = generation.max_tokens if generation.max_tokens is not None else room
         if max_tokens > room:
@@ -124,15 +163,17 @@ class OpenAIServer:
     async def _respond(self, request, generation, prompt_ids, fmt) -> Response:
         chunks = self._generate(generation, prompt_ids, fmt.endpoint)
         if generation.stream:
-            return StreamingResponse(fmt.stream(chunks, len(prompt_ids)), media_type="text/event-stream")
-        collect = asyncio.ensure_future(_collect(chunks))
-        watch = asyncio.ensure_future(_wait_for_disconnect(request))
-        done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if collect not in done:
-            collect.cancel()  # the client left: closing the generator aborts the request
+            # The first chunk comes before the status line, so a request the scheduler rejects
+            # gets a 4xx, never a 200 followed by an error event.
+            first = await _unless_disconnected(request, _first(chunks))
+            if first is _DISCONNECTED:
+                return Response(status_code=499)
+            return StreamingResponse(fmt.stream(_prepend(first, chunks), len(prompt_ids)),
+                                     media_type="text/event-stream")
+        collected = await _unless_disconnected(request, _collect(chunks))
+        if collected is _DISCONNECTED:
             return Response(status_code=499)
-        watch.cancel()
-        return JSONResponse(fmt.whole(collect.result(), len(prompt_ids)))
+        return JSONResponse(fmt.whole(collected, len(prompt_ids)))
 
     async def _generate(
         self, generation: GenerationRequest, prompt_ids: list[int], endpoint: str
@@ -151,7 +192,7 @@ class OpenAIServer:
             async for output in outputs:
                 if output.error is not None:
                     outcome = "error"
-                    raise _engine_error(output)
+                    raise _engine_error(output, ready=self.client.info is not None)
                 for delta in output.sequences:
                     if done[delta.index]:
                         continue  # a stop string already ended this choice
@@ -172,10 +213,12 @@ class OpenAIServer:
             self.metrics.generation_tokens.inc(num_generated)
 
 
-def _engine_error(output) -> ApiError:
+def _engine_error(output, ready: bool) -> ApiError:
     rejected = bool(output.sequences) and output.sequences[0].finish_reason == "rejected"
     if rejected:
         return ApiError(output.error)
+    if not ready:
+        return ApiError(output.error, status=503, type="server_error", code="not_ready")
     return ApiError(output.error, status=500, type="server_error")
 
 
@@ -183,21 +226,67 @@ async def _collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
     return [chunk async for chunk in chunks]
 
 
+async def _first(chunks: AsyncIterator[Chunk]) -> Chunk | None:
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _prepend(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    if first is not None:
+        yield first
+    async for chunk in rest:
+        yield chunk
+
+
+_DISCONNECTED = object()
+
+
+async def _unless_disconnected(request: Request, work):
+    """`work`'s result, or _DISCONNECTED (with `work` cancelled) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()  # the client left: closing the generator aborts the request
+        return _DISCONNECTED
+    return task.result()
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.25)
 
 
-async def _json_body(request: Request) -> object:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+def _too_large(limit: int) -> ApiError:
+    return ApiError(f"the request body is larger than {limit} bytes", status=413, code="body_too_large")
 
 
-def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int) -> Starlette:
-    server = OpenAIServer(client, tokenizer, model_name, vocab_size)
+def _check_unicode(body: object) -> None:
+    """Reject strings with lone surrogates (JSON allows them; UTF-8 and the tokenizer do not)."""
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError("a string in the body is not valid Unicode (a lone surrogate)",
+                               code="invalid_unicode") from None
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+
+
+def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -209,6 +298,15 @@ def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int)
     async def on_api_error(request: Request, exc: ApiError) -> Response:
         return exc.response()
 
+    async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return ApiError(message, status=exc.status_code, code=kind).response()
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return ApiError(f"internal error: {type(exc).__name__}", status=500, type="server_error").response()
+
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
@@ -216,6 +314,7 @@ def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int)
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={ApiError: on_api_error})
+    handlers = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.server = server
     return app

@@ -21,6 +21,7 @@ from shared.protocol import (
     RequestOutputs,
     SchedulerInfo,
     Stats,
+    Unavailable,
     decode,
     encode,
 )
@@ -47,6 +48,7 @@ class EngineClient:
             RequestOutputs: self._on_outputs,
             SchedulerInfo: self._on_info,
             Stats: self._on_stats,
+            Unavailable: self._on_unavailable,
         }
 
     async def start(self, timeout: float | None = None) -> SchedulerInfo:
@@ -86,7 +88,10 @@ class EngineClient:
         self._queues[request_id] = queue
         finished = False
         try:
-            await self._send(AddRequest(request_id, prompt_token_ids, sampling, arrival))
+            if self.info is None:  # the scheduler went away after the caller checked
+                queue.put_nowait(RequestOutput(request_id, 0, [], True, "the scheduler is not ready"))
+            else:
+                await self._send(AddRequest(request_id, prompt_token_ids, sampling, arrival))
             while not finished:
                 output = await queue.get()
                 finished = output.finished
@@ -135,6 +140,11 @@ class EngineClient:
     def _on_info(self, message: SchedulerInfo) -> None:
         self.info = message
         self._info_ready.set()
+
+    def _on_unavailable(self, message: Unavailable) -> None:
+        log.error("the scheduler lost its workers: %s", message.reason)
+        self.info = None
+        self._info_ready.clear()
 
     def _on_stats(self, message: Stats) -> None:
         self.latest_stats = message

@@ -52,6 +52,13 @@ class _Body:
             raise _type_error(name, what or _describe(types))
         return value
 
+    def number(self, name: str, default: float) -> float:
+        value = self.get(name, _NUMBER, default, what="a number")
+        try:
+            return float(value)
+        except OverflowError:  # an integer too large for a float
+            raise ApiError(f"'{name}' is out of range", param=name) from None
+
 
 def parse_completion(body: object) -> GenerationRequest:
     fields = _Body(body)
@@ -116,17 +123,17 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
         raise _type_error("stop_token_ids", "a list of token ids")
     sampling = SamplingParams(
         n=fields.get("n", int, 1, what="an integer"),
-        temperature=float(fields.get("temperature", _NUMBER, 1.0, what="a number")),
-        top_p=float(fields.get("top_p", _NUMBER, 1.0, what="a number")),
+        temperature=fields.number("temperature", 1.0),
+        top_p=fields.number("top_p", 1.0),
         top_k=fields.get("top_k", int, -1, what="an integer"),
-        min_p=float(fields.get("min_p", _NUMBER, 0.0, what="a number")),
+        min_p=fields.number("min_p", 0.0),
         seed=fields.get("seed", int, what="an integer"),
         max_tokens=max_tokens or 1,  # the real value is set once the prompt is tokenized
         stop_token_ids=stop_token_ids,
         ignore_eos=fields.get("ignore_eos", bool, False, what="a boolean"),
         best_of=fields.get("best_of", int, what="an integer"),
         use_beam_search=fields.get("use_beam_search", bool, False, what="a boolean"),
-        length_penalty=float(fields.get("length_penalty", _NUMBER, 1.0, what="a number")),
+        length_penalty=fields.number("length_penalty", 1.0),
         early_stopping=fields.get("early_stopping", (bool, str), False, what='a boolean or "never"'),
     )
     return GenerationRequest(

@@ -1,6 +1,7 @@
 """`python -m services.scheduler`: run the scheduler alone, for deployment."""
 
 import argparse
+import sys
 
 from services.scheduler.server import SchedulerServer
 from shared.cli import add_endpoint_args, add_scheduler_args, scheduler_config, setup_logging
@@ -15,7 +16,7 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging("scheduler")
     endpoints = Endpoints(scheduler=args.scheduler_endpoint, workers=args.worker_endpoint)
-    SchedulerServer(scheduler_config(args), endpoints, args.world_size).run()
+    sys.exit(SchedulerServer(scheduler_config(args), endpoints, args.world_size).run())
 
 
 if __name__ == "__main__":

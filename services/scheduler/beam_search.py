@@ -11,7 +11,19 @@ hypotheses exist).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+
+def length_normalized(cumulative_logprob: float, length: int, length_penalty: float) -> float:
+    """cumulative_logprob / length ** length_penalty, finite for every allowed penalty."""
+    try:
+        return cumulative_logprob / length**length_penalty
+    except (OverflowError, ZeroDivisionError):
+        if cumulative_logprob == 0:
+            return 0.0
+        exponent = math.log(abs(cumulative_logprob)) - length_penalty * math.log(length)
+        return math.copysign(math.exp(min(exponent, 700.0)), cumulative_logprob)
 
 
 @dataclass(slots=True)
@@ -63,7 +75,6 @@ class BeamSearch:
         running = [c for c, end in zip(candidates, ends) if not end][: self.width]
         full = len(self.finished) == self.width
         if self.improvable and not (full and self.early_stopping is True):
-            divisor = new_length**self.length_penalty
             for c, end in zip(candidates[: self.width], ends[: self.width]):
                 if end:
                     parent = beams[c.beam]
@@ -71,7 +82,7 @@ class BeamSearch:
                         Hypothesis(
                             parent.output_token_ids + [c.token_id],
                             parent.output_logprobs + [c.logprob],
-                            c.cumulative_logprob / divisor,
+                            length_normalized(c.cumulative_logprob, new_length, self.length_penalty),
                         )
                     )
             self.finished.sort(key=lambda h: h.score, reverse=True)
@@ -92,7 +103,7 @@ class BeamSearch:
             return True
         if self.early_stopping == "never" and self.length_penalty > 0:
             length = self.max_new_tokens
-        best_possible = running[0].cumulative_logprob / length**self.length_penalty
+        best_possible = length_normalized(running[0].cumulative_logprob, length, self.length_penalty)
         return best_possible > min(h.score for h in self.finished)
 
     def best(self, n: int) -> list[Hypothesis]:

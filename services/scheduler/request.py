@@ -61,11 +61,14 @@ class Sequence:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_time: float):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_time: float,
+                 order: int = 0):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self.arrival_time = arrival_time
+        self.order = order  # arrival order at the scheduler: FCFS ranks by it
+        self.forked = False
         self.status = RequestStatus.WAITING
         self.seqs: list[Sequence] = []  # live sequences
         self.finished_seqs: list[Sequence] = []
@@ -76,6 +79,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_seats(self) -> int:
+        """Sequences this request counts against max_num_seqs: those it runs or will fork."""
+        if self.sampling.use_beam_search or not self.forked:
+            return self.sampling.num_samples
+        return len(self.seqs)
 
     def __repr__(self) -> str:
         return f"Request({self.request_id}, {self.status.value}, seqs={[s.seq_id for s in self.seqs]})"

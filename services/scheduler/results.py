@@ -13,11 +13,17 @@ if TYPE_CHECKING:
     from services.scheduler.scheduler import Scheduler
 
 
+def error_output(request_id: str, num_prompt_tokens: int, message: str, reason: str) -> RequestOutput:
+    """`reason` is "rejected" for a request that can never run, "error" for a failure."""
+    return RequestOutput(request_id, num_prompt_tokens, [SequenceDelta(0, [], [], [], reason)], True, message)
+
+
 class ResultProcessor:
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
 
     def apply(self, result: StepResult) -> list[RequestOutput]:
+        outputs = self._fail_refused(result.failures)
         manager = self.scheduler.block_manager
         if manager.gpu.enable_caching:
             for seq in self.scheduler.last_scheduled:
@@ -29,7 +35,6 @@ class ResultProcessor:
             if seq is None or seq.request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             by_request.setdefault(seq.request.request_id, []).append((seq, sampled))
-        outputs = []
         for items in by_request.values():
             request = items[0][0].request
             if request.sampling.use_beam_search:
@@ -38,6 +43,19 @@ class ResultProcessor:
                 output = self._append_samples(request, items)
             if output is not None:
                 outputs.append(output)
+        return outputs
+
+    def _fail_refused(self, failures: dict[int, str]) -> list[RequestOutput]:
+        """Requests with a sequence the worker refused end with an error; nobody else notices."""
+        outputs = []
+        for seq_id, reason in failures.items():
+            seq = self.scheduler.sequences.get(seq_id)
+            if seq is None:
+                continue
+            request = seq.request
+            self.scheduler.finish_request(request)
+            outputs.append(error_output(request.request_id, request.num_prompt_tokens,
+                                        f"the worker refused this request: {reason}", "error"))
         return outputs
 
     # --- sampling (n, best_of) -----------------------------------------------------------
@@ -129,6 +147,7 @@ class ResultProcessor:
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         scheduler = self.scheduler
+        parent.request.forked = True
         child = scheduler.new_sequence(parent.request, index, list(parent.output_token_ids))
         child.output_logprobs = list(parent.output_logprobs)
         child.output_top_logprobs = list(parent.output_top_logprobs)

@@ -1,11 +1,17 @@
 """The policy: first-come-first-served continuous batching with whole-request preemption.
 
 Each call to `schedule` decides one iteration. Running requests come first (one token per
-sequence for a decode, a chunk for a prompt), then swapped requests are brought back, then
-waiting ones start in arrival order while the token, sequence and block budgets allow. When a
-running request needs blocks that are not there, the latest-arrived running request is
+sequence for a decode, a chunk for a prompt), then preempted and new requests resume in
+arrival order, swapped and waiting alike, while the token, sequence and block budgets allow.
+When a running request needs blocks that are not there, the latest-arrived running request is
 preempted, all its sequences together: swapped to the worker's CPU memory, or freed and
 recomputed later from its tokens.
+
+Liveness: admission refuses a request whose samples could together outgrow the pool, so the
+earliest request, alone, always fits. Every running request arrived before every waiting or
+swapped one, so the earliest request is either running (scheduled first, never a victim) or
+resumes as soon as nothing runs; it gains at least one token per step. A swapped request that
+cannot come back even then is recomputed instead.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, RequestStatus, Sequence
-from services.scheduler.results import ResultProcessor
+from services.scheduler.results import ResultProcessor, error_output
 from shared.protocol import (
     AddRequest,
     Fork,
@@ -27,8 +33,13 @@ from shared.protocol import (
     Stats,
     Step,
 )
+from shared.sampling import InvalidParameter
 
 log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """Budgets with which some admissible request could never run."""
 
 
 @dataclass(slots=True)
@@ -37,6 +48,18 @@ class Budgets:
     max_num_batched_tokens: int
     max_model_len: int
     chunked_prefill: bool = False
+
+    def check(self) -> None:
+        if self.max_num_seqs < 1 or self.max_model_len < 2:
+            raise ConfigError("max_num_seqs must be at least 1 and the context at least 2 tokens")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be at least 1")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below the context "
+                f"({self.max_model_len}) with chunked prefill off: a long request could never be "
+                "recomputed; raise it, lower --max-model-len, or enable chunked prefill"
+            )
 
 
 @dataclass(slots=True)
@@ -65,9 +88,12 @@ class Scheduler:
         budgets: Budgets,
         eos_token_ids: list[int],
         preemption: PreemptionPolicy | None = None,
+        vocab_size: int | None = None,
     ):
+        budgets.check()
         self.block_manager = block_manager
         self.budgets = budgets
+        self.vocab_size = vocab_size or None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.preemption = preemption or PreemptionPolicy()
         self.waiting: deque[Request] = deque()
@@ -81,16 +107,22 @@ class Scheduler:
         self.preempted_on_worker: list[int] = []
         self.last_scheduled: list[Sequence] = []
         self._next_seq_id = 0
+        self._next_order = 0
         self.results = ResultProcessor(self)
 
     # --- requests coming in --------------------------------------------------------------
 
     def add(self, message: AddRequest) -> RequestOutput | None:
         """Queue a request; returns an error output instead if it can never run."""
-        problem = self._admission_problem(message)
+        try:
+            problem = self._admission_problem(message)
+        except InvalidParameter as exc:
+            problem = f"{exc.param}: {exc}"
         if problem is not None:
             return error_output(message.request_id, len(message.prompt_token_ids), problem, "rejected")
-        request = Request(message.request_id, list(message.prompt_token_ids), message.sampling, message.arrival_time)
+        request = Request(message.request_id, list(message.prompt_token_ids), message.sampling,
+                          message.arrival_time, self._next_order)
+        self._next_order += 1
         self.new_sequence(request, index=0)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -107,9 +139,13 @@ class Scheduler:
     def _admission_problem(self, message: AddRequest) -> str | None:
         if message.request_id in self.requests:
             return f"request id {message.request_id!r} is already in use"
+        message.sampling.validate(self.vocab_size, self.budgets.max_num_seqs)
         num_prompt = len(message.prompt_token_ids)
         if num_prompt == 0:
             return "the prompt is empty"
+        id_limit = self.vocab_size or 2**63
+        if any(not 0 <= t < id_limit for t in message.prompt_token_ids):
+            return f"prompt token ids must be in [0, {id_limit})"
         if num_prompt >= self.budgets.max_model_len:
             return (
                 f"the prompt has {num_prompt} tokens; this server's context is "
@@ -122,7 +158,23 @@ class Scheduler:
             )
         if message.sampling.num_samples > self.budgets.max_num_seqs:
             return f"best_of/n exceeds max_num_seqs ({self.budgets.max_num_seqs})"
+        worst = self._worst_case_blocks(num_prompt, message.sampling)
+        usable = self.block_manager.num_blocks - self.block_manager.watermark_blocks
+        if worst > usable:
+            return (
+                f"this request could need {worst} KV blocks with all its {message.sampling.num_samples} "
+                f"sample(s) at max_tokens; the cache holds {usable}: lower max_tokens, n or best_of"
+            )
         return None
+
+    def _worst_case_blocks(self, num_prompt: int, sampling) -> int:
+        """Blocks a request may hold at once: its samples share the prompt's full blocks (a
+        recompute shares them again when the first sample's prompt fits one step), and each
+        may own every later block up to max_tokens."""
+        size = self.block_manager.block_size
+        max_new = min(sampling.max_tokens, self.budgets.max_model_len - num_prompt)
+        shared = (num_prompt - 1) // size if num_prompt <= self.budgets.max_num_batched_tokens else 0
+        return shared + sampling.num_samples * (-(-(num_prompt + max_new) // size) - shared)
 
     # --- one iteration -------------------------------------------------------------------
 
@@ -160,9 +212,7 @@ class Scheduler:
                 copies += self._take(wants, scheduled, budget)
 
         if not preempted:
-            swap_in += self._resume_swapped(scheduled, copies, budget)
-        if not preempted and not self.swapped:
-            self._start_waiting(scheduled, copies, budget)
+            swap_in += self._resume(scheduled, copies, budget)
 
         if not (scheduled or swap_out or swap_in):
             return None
@@ -188,41 +238,70 @@ class Scheduler:
             budget[0] -= n
         return copies
 
-    def _num_running_seqs(self) -> int:
-        return sum(len(r.seqs) for r in self.running)
+    def _num_running_seats(self) -> int:
+        return sum(r.num_seats for r in self.running)
 
-    def _resume_swapped(self, scheduled, copies, budget) -> list[tuple[int, int]]:
+    def _next_to_resume(self) -> Request | None:
+        """The earliest arrival among the swapped and the waiting requests."""
+        swapped = self.swapped[0] if self.swapped else None
+        waiting = self.waiting[0] if self.waiting else None
+        if swapped is None or (waiting is not None and waiting.order < swapped.order):
+            return waiting
+        return swapped
+
+    def _resume(self, scheduled, copies, budget) -> list[tuple[int, int]]:
+        """Bring back swapped requests and start waiting ones, strictly in arrival order."""
         swap_in = []
-        while self.swapped:
-            request = self.swapped[0]
-            if self._num_running_seqs() + len(request.seqs) > self.budgets.max_num_seqs:
+        while (request := self._next_to_resume()) is not None:
+            if self._num_running_seats() + request.num_seats > self.budgets.max_num_seqs:
                 break
-            if not self.block_manager.can_swap_in(request):
+            if request.status is RequestStatus.SWAPPED:
+                if self.block_manager.can_swap_in(request):
+                    self.swapped.pop(0)
+                    swap_in += self.block_manager.swap_in(request)
+                    self._mark_running(request)
+                    wants = self._wants(request, budget[0])
+                    if wants and self.block_manager.can_append(wants):
+                        copies += self._take(wants, scheduled, budget)
+                    continue
+                if self.running:
+                    break  # they will finish and free blocks
+                self._recompute_instead(request)  # it cannot come back even into an idle pool
+                continue
+            if budget[0] <= 0 or not self._start(request, scheduled, copies, budget):
                 break
-            self.swapped.pop(0)
-            swap_in += self.block_manager.swap_in(request)
-            self._mark_running(request)
-            wants = self._wants(request, budget[0])
-            if wants and self.block_manager.can_append(wants):
-                copies += self._take(wants, scheduled, budget)
         return swap_in
 
-    def _start_waiting(self, scheduled, copies, budget) -> None:
-        while self.waiting and budget[0] > 0:
-            request = self.waiting[0]
-            if self._num_running_seqs() + len(request.seqs) > self.budgets.max_num_seqs:
-                break
-            plan = self._plan_start(request, budget[0])
-            if plan is None:
-                break
-            self.waiting.popleft()
-            self._mark_running(request)
-            (leader, hits, n), shared_blocks, followers = plan
-            self._begin(leader, hits, from_cache=True)
-            copies += self._take([(leader, n)] if n else [], scheduled, budget)
-            for seq, n in followers:
-                self._begin(seq, leader.block_table[:shared_blocks], from_cache=False)
-                copies += self._take([(seq, n)] if n else [], scheduled, budget)
+    def _start(self, request: Request, scheduled, copies, budget) -> bool:
+        plan = self._plan_start(request, budget[0])
+        if plan is None:
+            return False
+        self.waiting.popleft()
+        self._mark_running(request)
+        (leader, hits, n), shared_blocks, followers = plan
+        self._begin(leader, hits, from_cache=True)
+        copies += self._take([(leader, n)] if n else [], scheduled, budget)
+        for seq, n in followers:
+            self._begin(seq, leader.block_table[:shared_blocks], from_cache=False)
+            copies += self._take([(seq, n)] if n else [], scheduled, budget)
+        return True
+
+    def _recompute_instead(self, request: Request) -> None:
+        log.info("%s cannot swap back in; recomputing it instead", request.request_id)
+        self.swapped.remove(request)
+        for seq in request.seqs:
+            self.block_manager.free(seq, self.block_manager.cpu)
+            seq.forget_worker_copy()
+        request.status = RequestStatus.WAITING
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        """Back into the waiting queue at its arrival position."""
+        self.waiting.appendleft(request)
+        i = 0
+        while i + 1 < len(self.waiting) and self.waiting[i + 1].order < request.order:
+            self.waiting[i], self.waiting[i + 1] = self.waiting[i + 1], self.waiting[i]
+            i += 1
 
     def _plan_start(self, request: Request, budget: int):
         """How a waiting request starts, or None if it does not fit now.
@@ -271,7 +350,7 @@ class Scheduler:
     def _mark_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self.running.sort(key=lambda r: r.arrival_time)
+        self.running.sort(key=lambda r: r.order)
 
     def _preempt(self, request: Request) -> list[tuple[int, int]]:
         self.running.remove(request)
@@ -283,7 +362,7 @@ class Scheduler:
             self.counters["swap"] += 1
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
-            self.swapped.sort(key=lambda r: r.arrival_time)
+            self.swapped.sort(key=lambda r: r.order)
             return manager.swap_out(request)
         log.info("preempting %s by recompute", request.request_id)
         self.counters["recompute"] += 1
@@ -293,7 +372,7 @@ class Scheduler:
                 self.preempted_on_worker.append(seq.seq_id)
             seq.forget_worker_copy()
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self._requeue(request)
         return []
 
     def _build_step(self, scheduled, copies, swap_out, swap_in) -> Step:
@@ -345,7 +424,8 @@ class Scheduler:
             self.dropped_on_worker.append(seq.seq_id)
         seq.finish_reason = reason
         seq.request.seqs.remove(seq)
-        seq.request.finished_seqs.append(seq)
+        if not seq.request.sampling.use_beam_search:  # beams' results live in their BeamSearch
+            seq.request.finished_seqs.append(seq)
         del self.sequences[seq.seq_id]
 
     def finish_request(self, request: Request) -> None:
@@ -377,11 +457,6 @@ class Scheduler:
             self.counters["swap"], self.counters["recompute"], self.counters["steps"],
             self.counters["computed"], self.counters["cached"],
         )
-
-
-def error_output(request_id: str, num_prompt_tokens: int, message: str, reason: str) -> RequestOutput:
-    """`reason` is "rejected" for a request that can never run, "error" for a failure."""
-    return RequestOutput(request_id, num_prompt_tokens, [SequenceDelta(0, [], [], [], reason)], True, message)
 
 
 def _common_prefix(seqs: list[Sequence]) -> int:

@@ -3,6 +3,12 @@
 The api's requests arrive on a ROUTER socket; worker ranks connect to a second ROUTER socket.
 At most one step is in flight: when its result comes back, the outputs go to the api that owns
 each request and the next step is scheduled at once.
+
+Nothing here waits on a peer. Sends never block: an api that stops reading loses its requests
+(aborted, blocks freed) and nobody else notices. A step that gets no result within
+`step_timeout` counts as a lost worker: its requests end with an error, the apis answer 503,
+and the rank is told to reset and report Ready again. An exception while handling one message
+fails at most the request it concerns.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import time
 import zmq
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
+from services.scheduler.results import error_output
+from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy, Scheduler
 from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
 from shared.protocol import (
@@ -24,9 +31,11 @@ from shared.protocol import (
     Ready,
     RequestOutput,
     RequestOutputs,
+    Reset,
     SchedulerInfo,
     Shutdown,
     StepResult,
+    Unavailable,
 )
 
 log = logging.getLogger(__name__)
@@ -38,15 +47,19 @@ class SchedulerServer:
         self.world_size = world_size
         self.context = zmq.Context()
         self.api_socket = sockets.bind(self.context, zmq.ROUTER, endpoints.scheduler)
+        self.api_socket.setsockopt(zmq.SNDHWM, config.api_send_queue)
         self.worker_socket = sockets.bind(self.context, zmq.ROUTER, endpoints.workers)
         self.workers: dict[int, bytes] = {}
         self.ready: list[Ready] = []
         self.scheduler: Scheduler | None = None
         self.info: SchedulerInfo | None = None
-        self.waiting_hellos: list[bytes] = []
+        self.apis: set[bytes] = set()
         self.owner_of: dict[str, bytes] = {}
+        self.cut_off: dict[bytes, list[str]] = {}  # api -> its requests aborted while it did not read
         self.step_in_flight: int | None = None  # the id of the step the workers are executing
+        self.step_deadline = 0.0
         self.running = True
+        self.exit_code = 0
         self.api_handlers = {
             Hello: self.on_hello,
             AddRequest: self.on_add_request,
@@ -56,7 +69,7 @@ class SchedulerServer:
         }
         self.worker_handlers = {Ready: self.on_ready, StepResult: self.on_step_result}
 
-    def run(self) -> None:
+    def run(self) -> int:
         poller = zmq.Poller()
         poller.register(self.api_socket, zmq.POLLIN)
         poller.register(self.worker_socket, zmq.POLLIN)
@@ -66,51 +79,76 @@ class SchedulerServer:
         log.info("scheduler waiting for %d worker rank(s)", self.world_size)
         while self.running:
             self._maybe_send_step()
-            for sock, _ in poller.poll():
+            for sock, _ in poller.poll(self._poll_timeout_ms()):
                 if sock is worker_events:
                     worker_events.recv_multipart()
-                    self.on_worker_lost()
+                    self.on_worker_lost("a worker rank disconnected")
                     continue
                 handlers = self.api_handlers if sock is self.api_socket else self.worker_handlers
                 self._drain(sock, handlers)
+            if self.step_in_flight is not None and time.monotonic() > self.step_deadline:
+                self.on_worker_lost(f"a worker rank did not finish a step in {self.config.step_timeout:g} s",
+                                   reset=True)
         self.worker_socket.disable_monitor()
         self._stop_workers()
         self.context.destroy(linger=0)
+        return self.exit_code
+
+    def _poll_timeout_ms(self) -> int | None:
+        if self.step_in_flight is None:
+            return None
+        return max(0, int((self.step_deadline - time.monotonic()) * 1000)) + 1
 
     def _drain(self, sock: zmq.Socket, handlers: dict) -> None:
-        while sock.poll(0, zmq.POLLIN):
+        while self.running and sock.poll(0, zmq.POLLIN):
             sender, message = sockets.receive(sock, routed=True)
             handler = handlers.get(type(message))
             if handler is None:
                 if message is not None:
                     log.error("no handler for %s from %r", type(message).__name__, sender)
                 continue
-            handler(sender, message)
+            try:
+                handler(sender, message)
+            except ConfigError as exc:
+                log.error("cannot schedule with this configuration: %s", exc)
+                self.running, self.exit_code = False, 2
+            except Exception:
+                log.exception("handling %s from %r failed", type(message).__name__, sender)
+                if isinstance(message, AddRequest):
+                    self._fail_one(sender, message)
+                elif isinstance(message, StepResult):
+                    self.on_worker_lost("the scheduler could not apply a step's result", reset=True)
 
     def _maybe_send_step(self) -> None:
         if self.scheduler is None or self.step_in_flight is not None or not self.scheduler.has_work():
             return
-        step = self.scheduler.schedule()
+        try:
+            step = self.scheduler.schedule()
+        except Exception:
+            log.exception("scheduling failed")
+            self.on_worker_lost("the scheduler failed to plan a step", reset=True)
+            return
         if step is None:
             return
         for identity in self.workers.values():
-            sockets.send(self.worker_socket, step, to=identity)
+            if not sockets.try_send(self.worker_socket, step, to=identity):
+                self.on_worker_lost("a worker rank is not accepting steps", reset=True)
+                return
         self.step_in_flight = step.step_id
+        self.step_deadline = time.monotonic() + self.config.step_timeout
 
     # --- api messages --------------------------------------------------------------------
 
     def on_hello(self, sender: bytes, message: Hello) -> None:
-        if self.info is None:
-            self.waiting_hellos.append(sender)
-        else:
-            sockets.send(self.api_socket, self.info, to=sender)
+        self._know_api(sender)
+        if self.info is not None:
+            self._send_api(sender, self.info)
 
     def on_add_request(self, sender: bytes, message: AddRequest) -> None:
+        self._know_api(sender)
         if self.scheduler is None:
-            self._send_outputs(
-                sender,
-                [RequestOutput(message.request_id, 0, [], True, "the workers are not ready yet")],
-            )
+            self._send_outputs(sender, [error_output(message.request_id, 0, "the workers are not ready yet",
+                                                     "error")])
             return
         error = self.scheduler.add(message)
         if error is not None:
@@ -119,35 +157,44 @@ class SchedulerServer:
             self.owner_of[message.request_id] = sender
 
     def on_abort(self, sender: bytes, message: Abort) -> None:
+        self._know_api(sender)
         if self.scheduler is None:
             return
         for request_id in message.request_ids:
+            if self.owner_of.get(request_id) != sender:
+                continue  # only the api that sent a request may abort it
             output = self.scheduler.abort(request_id)
             if output is not None:
                 self._route([output])
 
     def on_get_stats(self, sender: bytes, message: GetStats) -> None:
+        self._know_api(sender)
         if self.scheduler is not None:
-            sockets.send(self.api_socket, self.scheduler.stats(), to=sender)
+            self._send_api(sender, self.scheduler.stats())
 
     def on_shutdown(self, sender: bytes, message: Shutdown) -> None:
         self.running = False
+
+    def _fail_one(self, sender: bytes, message: AddRequest) -> None:
+        if self.scheduler is not None and message.request_id in self.scheduler.requests:
+            self.scheduler.abort(message.request_id)
+        self.owner_of.pop(message.request_id, None)
+        self._send_outputs(sender, [error_output(message.request_id, 0, "the scheduler could not take this "
+                                                 "request", "error")])
 
     # --- worker messages -----------------------------------------------------------------
 
     def on_ready(self, sender: bytes, message: Ready) -> None:
         log.info("worker rank %d ready with %d GPU blocks", message.rank, message.num_gpu_blocks)
         self.workers[message.rank] = sender
-        self.ready.append(message)
+        self.ready = [r for r in self.ready if r.rank != message.rank] + [message]
         if len(self.workers) == self.world_size and self.scheduler is None:
             self._start_scheduling()
 
     def _start_scheduling(self) -> None:
         first = self.ready[0]
         if first.block_size != self.config.block_size:
-            raise RuntimeError(
-                f"worker block size {first.block_size} != scheduler's {self.config.block_size}"
-            )
+            raise ConfigError(f"worker block size {first.block_size} != scheduler's {self.config.block_size}")
         config = self.config
         num_blocks = config.num_gpu_blocks_override or min(r.num_gpu_blocks for r in self.ready)
         num_cpu_blocks = min(r.num_cpu_blocks for r in self.ready)
@@ -163,28 +210,33 @@ class SchedulerServer:
             config.preemption_mode, first.block_bytes, first.swap_bytes_per_second,
             first.prefill_tokens_per_second,
         )
-        self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids, preemption)
-        self.info = SchedulerInfo(config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids)
+        self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids, preemption, first.vocab_size)
+        self.info = SchedulerInfo(config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids,
+                                  config.max_num_seqs)
         log.info("scheduling with %d GPU blocks, context %d tokens", num_blocks, max_model_len)
-        for api in self.waiting_hellos:
-            sockets.send(self.api_socket, self.info, to=api)
-        self.waiting_hellos.clear()
+        for api in list(self.apis):
+            self._send_api(api, self.info)
 
-    def on_worker_lost(self) -> None:
-        """End every request with an error and wait for the ranks to come back (a restart)."""
+    def on_worker_lost(self, reason: str, reset: bool = False) -> None:
+        """End every request with an error, tell the apis, and wait for the ranks to report again."""
         if not self.workers:
             return
-        log.error("a worker rank disconnected; failing every request and waiting for the ranks again")
+        log.error("%s; failing every request and waiting for the ranks again", reason)
         if self.scheduler is not None:
-            self._route(self.scheduler.fail_all("a worker rank disconnected"))
+            self._route(self.scheduler.fail_all(reason))
+        if reset:  # the rank may still be alive (hung, or slow): have it start over
+            for identity in self.workers.values():
+                sockets.try_send(self.worker_socket, Reset(), to=identity)
         self.scheduler, self.info, self.step_in_flight = None, None, None
         self.workers.clear()
         self.ready.clear()
+        for api in list(self.apis):
+            self._send_api(api, Unavailable(reason))
 
     def on_step_result(self, sender: bytes, message: StepResult) -> None:
-        if message.step_id != self.step_in_flight:
-            # A worker's connection outlives a scheduler restart, so a result queued for the
-            # old scheduler can arrive here first; it belongs to no step of ours.
+        if message.step_id != self.step_in_flight or self.scheduler is None:
+            # A worker's connection outlives a scheduler restart, and a step that timed out may
+            # still finish: such a result belongs to no step of ours.
             log.warning("ignored a result for step %d, which is not in flight", message.step_id)
             return
         self.step_in_flight = None
@@ -194,7 +246,14 @@ class SchedulerServer:
             return
         self._route(self.scheduler.update(message))
 
-    # --- helpers -------------------------------------------------------------------------
+    # --- sending to apis, never blocking -------------------------------------------------
+
+    def _know_api(self, api: bytes) -> None:
+        self.apis.add(api)
+        notices = self.cut_off.pop(api, None)
+        if notices:  # it reads again: tell it which of its requests were aborted meanwhile
+            self._send_outputs(api, [error_output(r, 0, "aborted: this api stopped reading its results", "abort")
+                                     for r in notices])
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         by_owner: dict[bytes, list[RequestOutput]] = {}
@@ -209,19 +268,24 @@ class SchedulerServer:
             self._send_outputs(owner, batch)
 
     def _send_outputs(self, owner: bytes, outputs: list[RequestOutput]) -> None:
-        try:
-            sockets.send(self.api_socket, RequestOutputs(outputs), to=owner)
-        except zmq.ZMQError as exc:  # the api went away; its requests are aborted below
-            log.warning("api %r unreachable (%s); aborting its requests", owner, exc)
-            for output in outputs:
-                if not output.finished and self.scheduler is not None:
-                    self.scheduler.abort(output.request_id)
-                self.owner_of.pop(output.request_id, None)
+        self._send_api(owner, RequestOutputs(outputs), outputs)
+
+    def _send_api(self, api: bytes, message: object, outputs: list[RequestOutput] = ()) -> None:
+        if api in self.cut_off or sockets.try_send(self.api_socket, message, to=api):
+            if api in self.cut_off:
+                self.cut_off[api] += [o.request_id for o in outputs if not o.finished]
+            return
+        # Gone, or its queue is full because it stopped reading: drop it, abort its requests.
+        mine = [r for r, owner in self.owner_of.items() if owner == api]
+        log.warning("api %r is not reading (%d requests); aborting them", api, len(mine))
+        for request_id in mine:
+            if self.scheduler is not None:
+                self.scheduler.abort(request_id)
+            del self.owner_of[request_id]
+        self.apis.discard(api)
+        self.cut_off[api] = mine + [o.request_id for o in outputs if o.request_id not in mine and not o.finished]
 
     def _stop_workers(self) -> None:
         for identity in self.workers.values():
-            try:
-                sockets.send(self.worker_socket, Shutdown(), to=identity)
-            except zmq.ZMQError:
-                pass
+            sockets.try_send(self.worker_socket, Shutdown(), to=identity)
         time.sleep(0.05)

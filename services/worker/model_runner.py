@@ -11,8 +11,8 @@ import torch
 from kernels.batch import PagedBatch
 from services.worker.kv_cache import KVCache
 from services.worker.sampler import Sampler, SampleRow
-from shared.protocol import NewSequence, SampledToken, Step, StepResult
-from shared.sampling import SamplingParams
+from shared.protocol import NewSequence, SampledToken, ScheduledSequence, Step, StepResult
+from shared.sampling import InvalidParameter, SamplingParams
 
 
 @dataclass(slots=True)
@@ -35,45 +35,47 @@ class StepError(RuntimeError):
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, device: torch.device, seed: int):
+    def __init__(self, model, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None):
         self.model = model
         self.cache = cache
         self.device = device
         self.sampler = Sampler(seed)
+        self.vocab_size = vocab_size or model.lm_head.weight.shape[0]
         self.mirrors: dict[int, SequenceMirror] = {}
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
         started = time.perf_counter()
+        failures: dict[int, str] = {}
         for fork in step.forks:
             parent = self.mirrors.get(fork.parent_seq_id)
             if parent is None:
-                raise StepError(f"step {step.step_id} forks unknown sequence {fork.parent_seq_id}")
+                failures[fork.seq_id] = f"forks unknown sequence {fork.parent_seq_id}"
+                continue
             self.mirrors[fork.seq_id] = parent.copy(fork.index)
         for seq_id in step.finished_seq_ids + step.preempted_seq_ids:
             self.mirrors.pop(seq_id, None)
         for new in step.new_sequences:
-            self.mirrors[new.seq_id] = _mirror_of(new)
+            problem = self._refusal(new)
+            if problem is None:
+                self.mirrors[new.seq_id] = _mirror_of(new)
+            else:
+                failures[new.seq_id] = problem
+        self._check_block_pairs(step)
         self.cache.finish_swaps()
         self.cache.swap_out(step.swap_out)
         self.cache.swap_in(step.swap_in)
         self.cache.copy_blocks(step.copies)
-        if not step.scheduled:
-            return StepResult(step.step_id, [], 0.0, 0.0)
+        scheduled = [entry for entry in step.scheduled if self._accepts(entry, failures)]
+        if not scheduled:
+            return StepResult(step.step_id, [], 0.0, 0.0, failures=failures)
 
         input_ids, positions, slots, starts, context_lens, tables = [], [], [], [0], [], []
         to_sample: list[int] = []
         block_size = self.cache.block_size
-        for entry in step.scheduled:
-            mirror = self.mirrors.get(entry.seq_id)
-            if mirror is None:
-                raise StepError(f"step {step.step_id} names unknown sequence {entry.seq_id}")
-            mirror.token_ids.extend(entry.appended_token_ids)
-            del mirror.block_table[entry.table_start :]
-            mirror.block_table.extend(entry.block_ids)
+        for entry in scheduled:
+            mirror = self.mirrors[entry.seq_id]
             end = entry.start + entry.num_tokens
-            if end > len(mirror.token_ids) or end > len(mirror.block_table) * block_size:
-                raise StepError(f"sequence {entry.seq_id}: tokens or blocks missing for {end}")
             table = mirror.block_table
             for pos in range(entry.start, end):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
@@ -96,17 +98,65 @@ class ModelRunner:
         logits = self.model.logits(hidden[last_rows])
         sampled_at = time.perf_counter()
 
-        rows = [self._sample_row(self.mirrors[step.scheduled[i].seq_id]) for i in to_sample]
+        rows = [self._sample_row(self.mirrors[scheduled[i].seq_id]) for i in to_sample]
         samples = self.sampler(logits, rows) if rows else []
         sampled = [
-            SampledToken(step.scheduled[i].seq_id, s.token_id, s.logprob, s.top_ids, s.top_logprobs)
+            SampledToken(scheduled[i].seq_id, s.token_id, s.logprob, s.top_ids, s.top_logprobs)
             for i, row_samples in zip(to_sample, samples)
             for s in row_samples
         ]
         done = time.perf_counter()
         return StepResult(
-            step.step_id, sampled, (sampled_at - started) * 1e3, (done - sampled_at) * 1e3
+            step.step_id, sampled, (sampled_at - started) * 1e3, (done - sampled_at) * 1e3, failures=failures
         )
+
+    # --- checks: a bad sequence is refused alone; a bad block operation fails the step ----
+
+    def _refusal(self, new: NewSequence) -> str | None:
+        if not all(0 <= t < self.vocab_size for t in new.token_ids):
+            return "a token id outside the vocabulary"
+        if not 0 < new.num_prompt_tokens <= len(new.token_ids):
+            return "a prompt length that does not match its tokens"
+        try:
+            new.sampling.validate(self.vocab_size)
+        except InvalidParameter as exc:
+            return f"{exc.param}: {exc}"
+        return None
+
+    def _accepts(self, entry: ScheduledSequence, failures: dict[int, str]) -> bool:
+        """Apply the entry's differences to its mirror, or refuse the sequence."""
+        mirror = self.mirrors.get(entry.seq_id)
+        if mirror is None:
+            failures.setdefault(entry.seq_id, "unknown sequence")
+            return False
+        problem = None
+        if not all(0 <= t < self.vocab_size for t in entry.appended_token_ids):
+            problem = "a token id outside the vocabulary"
+        elif not all(0 <= b < self.cache.num_blocks for b in entry.block_ids):
+            problem = f"a block id outside [0, {self.cache.num_blocks})"
+        elif not 0 <= entry.table_start <= len(mirror.block_table) or entry.start < 0 or entry.num_tokens < 1:
+            problem = "an inconsistent step entry"
+        if problem is None:
+            mirror.token_ids.extend(entry.appended_token_ids)
+            del mirror.block_table[entry.table_start :]
+            mirror.block_table.extend(entry.block_ids)
+            end = entry.start + entry.num_tokens
+            if end > len(mirror.token_ids) or end > len(mirror.block_table) * self.cache.block_size:
+                problem = f"tokens or blocks missing for position {end}"
+        if problem is not None:
+            failures[entry.seq_id] = problem
+            self.mirrors.pop(entry.seq_id, None)
+            return False
+        return True
+
+    def _check_block_pairs(self, step: Step) -> None:
+        gpu, cpu = self.cache.num_blocks, self.cache.num_cpu_blocks
+        for name, pairs, (first, second) in (("swap_out", step.swap_out, (gpu, cpu)),
+                                             ("swap_in", step.swap_in, (cpu, gpu)),
+                                             ("copies", step.copies, (gpu, gpu))):
+            for a, b in pairs:
+                if not (0 <= a < first and 0 <= b < second):
+                    raise StepError(f"step {step.step_id}: {name} pair ({a}, {b}) is out of range")
 
     @torch.inference_mode()
     def measure_prefill_rate(self, num_tokens: int = 256) -> float:

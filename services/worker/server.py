@@ -12,7 +12,7 @@ from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_t
 from services.worker.loader import eos_token_ids, load_model
 from services.worker.model_runner import ModelRunner
 from shared import sockets
-from shared.protocol import Ready, Shutdown, Step, StepResult
+from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class WorkerServer:
         self.ready = Ready(
             rank, world_size, num_blocks, num_cpu_blocks, args.block_size,
             config.max_position_embeddings, eos_token_ids(args.model, config), block_bytes,
-            swap_rate, prefill_rate,
+            swap_rate, prefill_rate, self.runner.vocab_size,
         )
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
@@ -62,7 +62,7 @@ class WorkerServer:
         self.connection_events = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED)
         self.socket.connect(args.worker_endpoint)
         self.running = True
-        self.handlers = {Step: self.on_step, Shutdown: self.on_shutdown}
+        self.handlers = {Step: self.on_step, Reset: self.on_reset, Shutdown: self.on_shutdown}
 
     def run(self) -> None:
         # Each (re)connection to a scheduler is answered with Ready: a restarted scheduler
@@ -96,6 +96,11 @@ class WorkerServer:
             result = StepResult(step.step_id, [], 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
         if self.rank == 0:
             sockets.send(self.socket, result)
+
+    def on_reset(self, message: Reset) -> None:
+        log.warning("the scheduler reset this rank; reporting ready again")
+        self.runner.reset()
+        sockets.send(self.socket, self.ready)
 
     def on_shutdown(self, message: Shutdown) -> None:
         self.running = False

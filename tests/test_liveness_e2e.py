@@ -1,0 +1,195 @@
+"""Liveness through the three processes: rejections before a stream starts, a hung worker, a
+huge prompt, and an api peer that stops reading."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import zmq
+
+from services.scheduler.server import SchedulerServer
+from shared import sockets
+from shared.config import Endpoints, SchedulerConfig
+from shared.protocol import AddRequest, Hello, Ready, RequestOutputs, SchedulerInfo, Shutdown, Step
+from shared.sampling import SamplingParams
+from tests.conftest import serve
+from tests.scheduler_harness import StandInWorker
+
+
+@pytest.fixture(scope="module")
+def small_server(llama_dir, tmp_path_factory):
+    flags = ("--num-gpu-blocks-override", "40", "--step-timeout", "3")
+    with serve(llama_dir, str(tmp_path_factory.mktemp("logs")), *flags) as server:
+        yield server
+
+
+def _children(pid: int) -> dict[str, int]:
+    """The launcher's children by service name."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+        except OSError:
+            continue
+        if parent == pid and b"-m" in cmdline:
+            found[cmdline[cmdline.index(b"-m") + 1].decode().split(".")[-1]] = int(entry)
+    return found
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _health(base: str) -> int:
+    try:
+        return httpx.get(f"{base}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def test_a_request_the_scheduler_rejects_gets_a_4xx_before_its_stream_starts(small_server):
+    body = {"model": small_server.model, "prompt": "import os", "n": 2, "max_tokens": 400, "stream": True}
+    response = httpx.post(f"{small_server.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert "KV blocks" in response.json()["error"]["message"]
+
+
+def test_a_huge_prompt_neither_stalls_streams_nor_health(small_server):
+    base = small_server.base_url
+    gaps: list[float] = []
+    health_latencies: list[float] = []
+    huge_done = threading.Event()
+
+    def stream():
+        body = {"model": small_server.model, "prompt": "import os", "max_tokens": 300, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        last = None
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    now = time.monotonic()
+                    if last is not None and not huge_done.is_set():
+                        gaps.append(now - last)
+                    last = now
+
+    def huge():
+        prompt = "def f(x):\n    return x + 1\n" * 190_000  # about 5 MB
+        response = httpx.post(f"{base}/v1/completions", timeout=300,
+                              json={"model": small_server.model, "prompt": prompt, "max_tokens": 1})
+        huge_done.set()
+        assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    time.sleep(0.5)
+    poster = threading.Thread(target=huge)
+    poster.start()
+    while poster.is_alive():
+        started = time.monotonic()
+        assert _health(base) == 200
+        health_latencies.append(time.monotonic() - started)
+        time.sleep(0.2)
+    poster.join()
+    streamer.join(120)
+    assert huge_done.is_set() and len(health_latencies) >= 3
+    assert max(health_latencies) < 1.0
+    assert gaps and max(gaps) < 1.0, f"the stream stalled for {max(gaps):.2f} s"
+
+
+def test_a_hung_worker_fails_its_requests_within_the_step_timeout_and_recovery_follows(small_server):
+    base = small_server.base_url
+    worker = _children(small_server.process.pid)["worker"]
+    body = {"model": small_server.model, "prompt": "import os", "max_tokens": 300, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            os.kill(worker, signal.SIGSTOP)
+            stopped = time.monotonic()
+            rest = [line for line in lines if line.startswith("data:")]
+        assert time.monotonic() - stopped < 3 + 5
+        assert "did not finish a step" in json.loads(rest[-2][len("data: "):])["error"]["message"]
+        assert _health(base) == 503
+        refused = httpx.post(f"{base}/v1/completions", json={"model": small_server.model, "prompt": "x"}, timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert _wait_for(lambda: _health(base) == 200, 30)
+    again = httpx.post(f"{base}/v1/completions", timeout=60,
+                       json={"model": small_server.model, "prompt": "import os", "max_tokens": 4})
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+    assert small_server.metrics()["pagedserve_gpu_blocks_used"] == 0
+
+
+def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tmp_path):
+    endpoints = Endpoints.local(str(tmp_path))
+    config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=4)
+    server = SchedulerServer(config, endpoints)
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    context = zmq.Context()
+    stop = threading.Event()
+
+    def worker_loop():
+        sock = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"worker-0")
+        sockets.send(sock, Ready(0, 1, 4096, 0, 4, 100_000, [0], 1024, 1e9, 1e4, 1000))
+        stand_in = StandInWorker(lambda seq_id, position: 100 + position % 800)
+        while not stop.is_set():
+            if sock.poll(100):
+                message = sockets.receive(sock)[1]
+                if isinstance(message, Step):
+                    sockets.send(sock, stand_in.run(message))
+        sock.close()
+
+    worker = threading.Thread(target=worker_loop, daemon=True)
+    worker.start()
+    stuck = context.socket(zmq.DEALER)
+    stuck.setsockopt(zmq.IDENTITY, b"api-stuck")
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.RCVBUF, 4096)
+    stuck.connect(endpoints.scheduler)
+    good = sockets.connect(context, zmq.DEALER, endpoints.scheduler, identity=b"api-good")
+    try:
+        sockets.send(good, Hello("api-good"))
+        assert good.poll(10_000) and isinstance(sockets.receive(good)[1], SchedulerInfo)
+        for i in range(4):
+            sockets.send(stuck, AddRequest(f"stuck-{i}", [1, 2, 3], SamplingParams(max_tokens=50_000,
+                                           temperature=0.0, ignore_eos=True), time.time()))
+        time.sleep(0.5)
+        sockets.send(good, AddRequest("good", [1, 2, 3], SamplingParams(max_tokens=300, temperature=0.0,
+                                      ignore_eos=True), time.time()))
+        tokens, finished = [], False
+        deadline = time.monotonic() + 60
+        while not finished and time.monotonic() < deadline:
+            if good.poll(1000):
+                message = sockets.receive(good)[1]
+                if isinstance(message, RequestOutputs):
+                    for output in message.outputs:
+                        assert output.request_id == "good" and output.error is None
+                        tokens += output.sequences[0].token_ids
+                        finished = output.finished
+        assert finished and tokens == [100 + p for p in range(3, 303)]
+        assert _wait_for(lambda: not any(r.startswith("stuck") for r in server.scheduler.requests), 30)
+        assert server.scheduler.block_manager.gpu.num_referenced == 0
+    finally:
+        stop.set()
+        sockets.send(good, Shutdown())
+        loop.join(timeout=5)
+        context.destroy(linger=0)
