@@ -23,6 +23,16 @@ def test_the_launcher_exits_non_zero_when_a_child_dies(llama_dir, tmp_path):
     assert "worker exited with code 2" in done.stderr
 
 
+def test_start_up_refuses_budgets_that_could_never_run_a_full_length_request(llama_dir):
+    cmd = [sys.executable, "-m", "services.launcher", "up", "--model", llama_dir, "--port", str(free_port()),
+           "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05", "--ready-timeout", "60",
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens", "64"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert done.returncode != 0
+    assert "max_num_batched_tokens (64) is below the context (512)" in done.stderr
+    assert "scheduler exited with code 2" in done.stderr
+
+
 def test_the_launcher_forwards_sigint_and_exits_cleanly(llama_dir, tmp_path):
     with serve(llama_dir, str(tmp_path)) as server:  # leaving the block sends SIGINT
         pass
