@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ class PagedBatch:
     context_lens: torch.Tensor  # [num_seqs] int32, on the device
     query_start_list: list[int]  # the same two on the host, for the reference and for sizing
     context_lens_list: list[int]
+    derived: dict = field(default_factory=dict)  # tensors the kernels compute once per step, not per layer
 
     @property
     def num_seqs(self) -> int:

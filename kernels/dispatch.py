@@ -1,7 +1,8 @@
-"""The kernel boundary the model calls: Triton on CUDA, the torch reference elsewhere.
+"""The kernel boundary the model calls: Triton on CUDA, vectorized torch elsewhere.
 
-`PAGEDSERVE_KERNELS=reference` forces the references (on any device); `PAGEDSERVE_KERNELS=triton`
-forces Triton (on CPU that needs `TRITON_INTERPRET=1`, as the tests use).
+`PAGEDSERVE_KERNELS=reference` forces the per-sequence references (on any device), the oracle the
+others are tested against; `PAGEDSERVE_KERNELS=triton` forces Triton (on CPU that needs
+`TRITON_INTERPRET=1`, as the tests use).
 """
 
 from __future__ import annotations
@@ -11,14 +12,20 @@ import os
 import torch
 
 from kernels import block_copy, kv_write
+from kernels.cpu_attention import paged_attention_cpu
 from kernels import paged_attention as attention
 from kernels.batch import PagedBatch
 
 
-def use_triton(tensor: torch.Tensor) -> bool:
+def _mode() -> str:
     mode = os.environ.get("PAGEDSERVE_KERNELS", "auto")
     if mode not in ("auto", "reference", "triton"):
         raise ValueError(f"PAGEDSERVE_KERNELS={mode!r}: expected auto, reference or triton")
+    return mode
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    mode = _mode()
     if mode == "reference":
         return False
     if attention.triton is None:
@@ -31,14 +38,18 @@ def use_triton(tensor: torch.Tensor) -> bool:
 def paged_attention(query, key_cache, value_cache, batch: PagedBatch, scale: float, window: int | None = None):
     if use_triton(query):
         return attention.paged_attention_triton(query, key_cache, value_cache, batch, scale, window)
-    return attention.paged_attention_reference(query, key_cache, value_cache, batch, scale, window)
+    if _mode() == "reference":
+        return attention.paged_attention_reference(query, key_cache, value_cache, batch, scale, window)
+    return paged_attention_cpu(query, key_cache, value_cache, batch, scale, window)
 
 
 def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
     if use_triton(key):
         kv_write.write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
-    else:
+    elif _mode() == "reference":
         kv_write.write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        kv_write.write_kv_indexed(key, value, key_cache, value_cache, slot_mapping)
 
 
 def copy_blocks(cache: torch.Tensor, pairs: torch.Tensor) -> None:

@@ -50,7 +50,7 @@ SCHEDULER_FLAGS = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_
                    "num_gpu_blocks_override", "enable_prefix_caching", "enable_chunked_prefill",
                    "preemption_mode", "step_timeout"]
 WORKER_FLAGS = ["model", "device", "dtype", "load_format", "gpu_memory_utilization", "kv_cache_memory", "swap_space",
-                "seed", "block_size", "num_gpu_blocks_override"]
+                "seed", "cpu_threads", "block_size", "num_gpu_blocks_override"]
 API_FLAGS = ["model", "host", "port", "served_model_name", "max_request_body_bytes"]
 
 

@@ -36,6 +36,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache on CPU")
     group.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space for KV blocks")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--cpu-threads", type=int, default=0,
+                       help="torch threads of a worker on a CPU device (default 0: one per core but one, "
+                            "which the api and scheduler keep)")
 
 
 def add_api_args(parser: argparse.ArgumentParser) -> None:

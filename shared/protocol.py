@@ -88,6 +88,8 @@ class Stats:
     num_steps: int
     num_prompt_tokens_computed: int
     num_prompt_tokens_cached: int
+    worker_busy_seconds: float = 0.0  # rank 0's time computing steps
+    worker_waiting_seconds: float = 0.0  # rank 0's time between steps while the scheduler had work
 
 
 @dataclass(slots=True)
@@ -202,6 +204,7 @@ class StepResult:
     sample_ms: float
     error: str | None = None  # the whole step failed; the worker forgot every sequence
     failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why the worker refused it
+    idle_ms: float = 0.0  # the worker's wait between sending its previous result and getting this step
 
 
 @dataclass(slots=True)

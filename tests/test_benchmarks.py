@@ -1,6 +1,7 @@
 """The benchmark scripts still run (at a tiny scale): they print figures, they are not timed here."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -38,3 +39,20 @@ def test_beam_memory_bench_runs(tmp_path):
     done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "MiB per 1k tokens" in done.stdout and (tmp_path / "beam_memory_bench.json").exists()
+
+
+def test_peer_bench_runs_pagedserve_alone_with_our_client_and_reports_worker_idle_time(tmp_path):
+    out = tmp_path / "peer.json"
+    script = os.path.join(ROOT, "benchmarks", "peer_bench.py")
+    done = subprocess.run(
+        [sys.executable, script, "--scenarios", "throughput,throughput_loaded", "--repeats", "1",
+         "--num-prompts-scale", "0.04", "--kv-cache-gib", "0.05", "--port", "8391", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads(out.read_text())
+    [run] = record["runs"]["pagedserve"]
+    assert run["throughput"]["completed"] == 8 and run["throughput"]["failed"] == 0
+    assert run["throughput"]["output_throughput"] > 0
+    assert "| throughput | output_throughput |" in done.stdout
+    assert 0 <= run["throughput"]["worker_waiting_share"] < 1

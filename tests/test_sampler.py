@@ -64,3 +64,14 @@ def test_a_finished_prompt_draws_one_token_per_sample_and_each_matches_its_forke
     # Each forked sequence j would have drawn the same token alone with its own index.
     alone = [Sampler(seed=0)(logits, [SampleRow(params, 0, index=j)])[0][0].token_id for j in range(3)]
     assert [s.token_id for s in first] == alone
+
+
+def test_sampled_tokens_follow_the_filtered_distribution_and_never_a_dropped_token():
+    logits = LOGITS.repeat(4000, 1)
+    plain = [SampleRow(SamplingParams(), 0)] * 4000
+    counts = torch.bincount(torch.tensor([s.token_id for [s] in Sampler(seed=3)(logits, plain)]), minlength=5)
+    expected = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]) * 4000
+    assert ((counts - expected).abs() < 5 * expected.sqrt()).all(), counts  # five standard deviations
+    top_two = [SampleRow(SamplingParams(top_k=2), 0)] * 4000
+    counts = torch.bincount(torch.tensor([s.token_id for [s] in Sampler(seed=3)(logits, top_two)]), minlength=5)
+    assert counts[2:].sum() == 0 and abs(counts[0] - 4000 * 2 / 3) < 5 * math.sqrt(4000 * 2 / 9), counts

@@ -44,6 +44,13 @@ class SchedulerStatsCollector:
         preemptions.add_metric(["recompute"], stats.num_preemptions_recompute)
         yield preemptions
         yield CounterMetricFamily("pagedserve_steps", "steps scheduled", value=stats.num_steps)
+        yield CounterMetricFamily("pagedserve_worker_busy_seconds", "time the worker spent computing steps",
+                                  value=stats.worker_busy_seconds)
+        yield CounterMetricFamily(
+            "pagedserve_worker_waiting_seconds",
+            "time the worker waited for its next step while the scheduler had work (overhead, not idleness)",
+            value=stats.worker_waiting_seconds,
+        )
         yield CounterMetricFamily(
             "pagedserve_prompt_tokens_computed", "prompt tokens run through the model",
             value=stats.num_prompt_tokens_computed,

@@ -58,6 +58,9 @@ class SchedulerServer:
         self.cut_off: dict[bytes, list[str]] = {}  # api -> its requests aborted while it did not read
         self.step_in_flight: int | None = None  # the id of the step the workers are executing
         self.step_deadline = 0.0
+        self.result_just_applied = False  # the next step leaves as soon as the last result is in
+        self.step_back_to_back = False
+        self.worker_busy = self.worker_waiting = 0.0  # seconds, for the idle-time metric
         self.running = True
         self.exit_code = 0
         self.api_handlers = {
@@ -120,6 +123,7 @@ class SchedulerServer:
                     self.on_worker_lost("the scheduler could not apply a step's result", reset=True)
 
     def _maybe_send_step(self) -> None:
+        back_to_back, self.result_just_applied = self.result_just_applied, False
         if self.scheduler is None or self.step_in_flight is not None or not self.scheduler.has_work():
             return
         try:
@@ -135,6 +139,7 @@ class SchedulerServer:
                 self.on_worker_lost("a worker rank is not accepting steps", reset=True)
                 return
         self.step_in_flight = step.step_id
+        self.step_back_to_back = back_to_back
         self.step_deadline = time.monotonic() + self.config.step_timeout
 
     # --- api messages --------------------------------------------------------------------
@@ -170,7 +175,9 @@ class SchedulerServer:
     def on_get_stats(self, sender: bytes, message: GetStats) -> None:
         self._know_api(sender)
         if self.scheduler is not None:
-            self._send_api(sender, self.scheduler.stats())
+            stats = self.scheduler.stats()
+            stats.worker_busy_seconds, stats.worker_waiting_seconds = self.worker_busy, self.worker_waiting
+            self._send_api(sender, stats)
 
     def on_shutdown(self, sender: bytes, message: Shutdown) -> None:
         self.running = False
@@ -244,7 +251,13 @@ class SchedulerServer:
             log.error("step %d failed on the worker: %s", message.step_id, message.error)
             self._route(self.scheduler.fail_all(f"the worker failed: {message.error}"))
             return
-        self._route(self.scheduler.update(message))
+        self.worker_busy += (message.forward_ms + message.sample_ms) / 1e3
+        if self.step_back_to_back:  # the worker waited on us, not on work to arrive
+            self.worker_waiting += message.idle_ms / 1e3
+        outputs = self.scheduler.update(message)
+        self.result_just_applied = True
+        self._maybe_send_step()  # the worker computes the next step while the apis stream this one
+        self._route(outputs)
 
     # --- sending to apis, never blocking -------------------------------------------------
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.batch import PagedBatch
+from services.worker.block_tables import BlockTables
 from services.worker.kv_cache import KVCache
 from services.worker.sampler import Sampler, SampleRow
 from shared.protocol import NewSequence, SampledToken, ScheduledSequence, Step, StepResult
@@ -23,10 +24,11 @@ class SequenceMirror:
     num_prompt_tokens: int
     sampling: SamplingParams
     index: int
+    row: int  # its row in the runner's BlockTables
     block_table: list[int] = field(default_factory=list)
 
-    def copy(self, index: int) -> SequenceMirror:
-        return SequenceMirror(list(self.token_ids), self.num_prompt_tokens, self.sampling, index,
+    def copy(self, index: int, row: int) -> SequenceMirror:
+        return SequenceMirror(list(self.token_ids), self.num_prompt_tokens, self.sampling, index, row,
                               list(self.block_table))
 
 
@@ -42,6 +44,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.vocab_size = vocab_size or model.lm_head.weight.shape[0]
         self.mirrors: dict[int, SequenceMirror] = {}
+        self.tables = BlockTables(device)
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
@@ -52,13 +55,18 @@ class ModelRunner:
             if parent is None:
                 failures[fork.seq_id] = f"forks unknown sequence {fork.parent_seq_id}"
                 continue
-            self.mirrors[fork.seq_id] = parent.copy(fork.index)
+            self._drop(fork.seq_id)
+            row = self.tables.claim()
+            self.tables.copy_row(parent.row, row)
+            self.mirrors[fork.seq_id] = parent.copy(fork.index, row)
         for seq_id in step.finished_seq_ids + step.preempted_seq_ids:
-            self.mirrors.pop(seq_id, None)
+            self._drop(seq_id)
         for new in step.new_sequences:
             problem = self._refusal(new)
             if problem is None:
-                self.mirrors[new.seq_id] = _mirror_of(new)
+                self._drop(new.seq_id)
+                self.mirrors[new.seq_id] = SequenceMirror(list(new.token_ids), new.num_prompt_tokens, new.sampling,
+                                                          new.index, self.tables.claim())
             else:
                 failures[new.seq_id] = problem
         self._check_block_pairs(step)
@@ -70,29 +78,23 @@ class ModelRunner:
         if not scheduled:
             return StepResult(step.step_id, [], 0.0, 0.0, failures=failures)
 
-        input_ids, positions, slots, starts, context_lens, tables = [], [], [], [0], [], []
+        input_ids, positions, starts, context_lens, rows = [], [], [0], [], []
         to_sample: list[int] = []
-        block_size = self.cache.block_size
         for entry in scheduled:
             mirror = self.mirrors[entry.seq_id]
             end = entry.start + entry.num_tokens
-            table = mirror.block_table
-            for pos in range(entry.start, end):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
             input_ids.extend(mirror.token_ids[entry.start : end])
             positions.extend(range(entry.start, end))
             starts.append(starts[-1] + entry.num_tokens)
             context_lens.append(end)
-            tables.append(table)
+            rows.append(mirror.row)
             if end == len(mirror.token_ids):
                 to_sample.append(len(starts) - 2)
 
-        batch = PagedBatch.build(slots, tables, starts, context_lens, self.device)
+        batch = self._batch(rows, positions, starts, context_lens)
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            self.cache.layers,
-            batch,
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device), batch.derived["positions"],
+            self.cache.layers, batch,
         )
         last_rows = torch.tensor([starts[i + 1] - 1 for i in to_sample], dtype=torch.int64, device=self.device)
         logits = self.model.logits(hidden[last_rows])
@@ -140,14 +142,38 @@ class ModelRunner:
             mirror.token_ids.extend(entry.appended_token_ids)
             del mirror.block_table[entry.table_start :]
             mirror.block_table.extend(entry.block_ids)
+            self.tables.write(mirror.row, entry.table_start, entry.block_ids)
             end = entry.start + entry.num_tokens
             if end > len(mirror.token_ids) or end > len(mirror.block_table) * self.cache.block_size:
                 problem = f"tokens or blocks missing for position {end}"
         if problem is not None:
             failures[entry.seq_id] = problem
-            self.mirrors.pop(entry.seq_id, None)
+            self._drop(entry.seq_id)
             return False
         return True
+
+    def _batch(self, rows: list[int], positions: list[int], starts: list[int], context_lens: list[int]) -> PagedBatch:
+        """The kernels' view of the step, gathered from the persistent block tables."""
+        device, block_size = self.device, self.cache.block_size
+        row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+        query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.int64, device=device)
+        position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
+        slot_mapping = self.tables.slot_mapping(row_index.repeat_interleave(query_lens), position_tensor, block_size)
+        batch = PagedBatch(
+            slot_mapping=slot_mapping,
+            block_tables=self.tables.gather(row_index, -(-max(context_lens) // block_size)),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            query_start_list=starts,
+            context_lens_list=context_lens,
+        )
+        batch.derived["positions"] = position_tensor
+        return batch
+
+    def _drop(self, seq_id: int) -> None:
+        mirror = self.mirrors.pop(seq_id, None)
+        if mirror is not None:
+            self.tables.release(mirror.row)
 
     def _check_block_pairs(self, step: Step) -> None:
         gpu, cpu = self.cache.num_blocks, self.cache.num_cpu_blocks
@@ -189,9 +215,6 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every sequence: after a failed step the scheduler ends them all."""
         self.mirrors.clear()
-
-
-def _mirror_of(new: NewSequence) -> SequenceMirror:
-    return SequenceMirror(list(new.token_ids), new.num_prompt_tokens, new.sampling, new.index)
+        self.tables.reset()
 
 

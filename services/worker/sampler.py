@@ -1,7 +1,7 @@
 """Turn the last-position logits of each sequence into its next token(s).
 
-Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw
-with the exponential-race trick (argmax of p / E, E ~ Exp(1)). A seeded request draws E from a
+Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw by
+inverse CDF: one uniform number per sample, batched. A seeded request draws its number from a
 generator reseeded from (seed, sample index, tokens generated so far), so its tokens do not
 depend on what else is in the batch, nor on whether it was preempted and recomputed.
 """
@@ -39,31 +39,50 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[Sample]]:
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        greedy = logits.argmax(dim=-1).tolist()
-        choices: list[list[int]] = [[token] * row.num_samples for token, row in zip(greedy, rows)]
-        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if random_rows:
-            index = torch.tensor(random_rows, device=logits.device)
-            probs = filtered_probs(logits[index], [rows[i].params for i in random_rows]).cpu()
-            for j, i in enumerate(random_rows):
-                choices[i] = [self._draw(probs[j], rows[i], k) for k in range(rows[i].num_samples)]
-        samples = []
-        for i, row in enumerate(rows):
-            k = row.params.num_top_logprobs
-            top_values, top_ids = raw_logprobs[i].topk(k) if k else (None, None)
-            top = (top_ids.tolist(), top_values.tolist()) if k else ([], [])
-            chosen = raw_logprobs[i, choices[i]].tolist()
-            samples.append([Sample(t, lp, *top) for t, lp in zip(choices[i], chosen)])
+        owners = [i for i, row in enumerate(rows) for _ in range(row.num_samples)]
+        draws = [k for row in rows for k in range(row.num_samples)]
+        owner_index = torch.tensor(owners, dtype=torch.int64, device=logits.device)
+        choices = logits.argmax(dim=-1)[owner_index]
+        random_draws = [j for j, i in enumerate(owners) if not rows[i].params.greedy]
+        if random_draws:
+            choices[random_draws] = self._draw(logits, rows, [owners[j] for j in random_draws],
+                                               [draws[j] for j in random_draws])
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs[owner_index, choices].tolist()
+        choices = choices.tolist()
+        num_top = max(row.params.num_top_logprobs for row in rows)
+        top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+        top_values = top_values.tolist() if num_top else None
+        top_ids = top_ids.tolist() if num_top else None
+        samples: list[list[Sample]] = [[] for _ in rows]
+        for j, i in enumerate(owners):
+            k = rows[i].params.num_top_logprobs
+            top = (top_ids[i][:k], top_values[i][:k]) if k else ([], [])
+            samples[i].append(Sample(choices[j], chosen[j], *top))
         return samples
 
-    def _draw(self, probs: torch.Tensor, row: SampleRow, sample: int) -> int:
-        generator = self.unseeded
-        if row.params.seed is not None:
-            generator = self.seeded
-            generator.manual_seed(_mix(row.params.seed, row.index + sample, row.num_generated))
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        return int((probs / noise).argmax())
+    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], owners: list[int], draws: list[int]) -> torch.Tensor:
+        """One batched draw, except that seeded rows take their uniform from their own reseeded
+        generator so that batch company cannot change their tokens."""
+        params = [rows[i].params for i in owners]
+        picked = logits if owners == list(range(len(rows))) else logits[owners]
+        if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
+            temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+            weights = torch.softmax(picked / temperature[:, None], dim=-1)  # what filtering would give
+        else:
+            weights = filtered_probs(picked, params)
+        last = weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)
+        cdf = weights.cumsum_(dim=-1)
+        uniform = torch.rand(len(owners), generator=self.unseeded)
+        for j, (i, k) in enumerate(zip(owners, draws)):
+            row = rows[i]
+            if row.params.seed is not None:
+                self.seeded.manual_seed(_mix(row.params.seed, row.index + k, row.num_generated))
+                uniform[j] = torch.rand((), generator=self.seeded)
+        targets = uniform.to(cdf.device)[:, None] * cdf[:, -1:]
+        picks = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+        # Rounding can put a target at the very top: take the last token that has any weight.
+        return torch.minimum(picks, last)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 import traceback
 
 import torch
@@ -23,10 +25,20 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_threads(requested: int) -> int:
+    """Threads for the forward pass on a CPU. By default one core is left to the api and the
+    scheduler: threads that share cores with them wait at every barrier for a descheduled sibling."""
+    if requested > 0:
+        return requested
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 class WorkerServer:
     def __init__(self, args, rank: int = 0, world_size: int = 1):
         self.rank, self.world_size = rank, world_size
         device = pick_device(args.device)
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_threads(args.cpu_threads))
         torch.manual_seed(args.seed)
         model, config = load_model(args.model, args.dtype, device, args.load_format, args.seed)
         dtype = model.lm_head.weight.dtype
@@ -62,6 +74,7 @@ class WorkerServer:
         self.connection_events = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED)
         self.socket.connect(args.worker_endpoint)
         self.running = True
+        self.last_sent = time.perf_counter()
         self.handlers = {Step: self.on_step, Reset: self.on_reset, Shutdown: self.on_shutdown}
 
     def run(self) -> None:
@@ -88,14 +101,17 @@ class WorkerServer:
         self.context.destroy(linger=0)
 
     def on_step(self, step: Step) -> None:
+        idle_ms = (time.perf_counter() - self.last_sent) * 1e3
         try:
             result = self.runner.execute(step)
         except Exception as exc:  # report it; the scheduler ends the affected requests
             log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
             self.runner.reset()
             result = StepResult(step.step_id, [], 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
+        result.idle_ms = idle_ms
         if self.rank == 0:
             sockets.send(self.socket, result)
+        self.last_sent = time.perf_counter()
 
     def on_reset(self, message: Reset) -> None:
         log.warning("the scheduler reset this rank; reporting ready again")

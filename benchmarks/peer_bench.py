@@ -1,0 +1,301 @@
+"""pagedserve against vLLM on the same machine, model, KV budget, block size, dtype and batch limits.
+
+Each repetition starts each system in turn (A B A B ...), runs every scenario against it with the
+same client, and stops it. The client is `vllm bench serve` from `--vllm-venv` when given (vLLM's
+own judge), otherwise our `serve_client.py`, which reports the same metrics; without `--vllm-venv`
+only pagedserve runs. vLLM is never a dependency: it lives in its own virtual environment.
+
+    python benchmarks/peer_bench.py --vllm-venv /work/vllm-venv --repeats 2
+    python benchmarks/peer_bench.py --scenarios throughput,latency --repeats 1   # pagedserve alone
+    python benchmarks/peer_bench.py --vllm-venv /work/vllm-venv --sweep 1,2,4,8   # TPOT vs rate plot
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks import serve_client  # noqa: E402
+
+SERVED_NAME = "bench-model"
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    input_len: int
+    output_len: int
+    num_prompts: int
+    max_concurrency: int | None = None
+    request_rate: float = float("inf")
+    cpu_load: bool = False  # one busy process per core-to-load runs beside the server
+    metrics: tuple[str, ...] = ("output_throughput", "mean_tpot_ms")
+
+
+SCENARIOS = {
+    "throughput": Scenario(128, 128, 200, max_concurrency=64),
+    "latency": Scenario(32, 64, 20, max_concurrency=1, metrics=("mean_tpot_ms", "mean_ttft_ms")),
+    # ShareGPT's mean lengths; all at once, so request throughput is the highest sustainable rate.
+    "sharegpt_saturation": Scenario(161, 338, 200, metrics=("request_throughput", "output_throughput")),
+    "sharegpt_rate2": Scenario(161, 338, 60, request_rate=2.0, metrics=("mean_tpot_ms", "mean_ttft_ms")),
+    "throughput_loaded": Scenario(128, 128, 200, max_concurrency=64, cpu_load=True),
+}
+HIGHER_IS_BETTER = {"output_throughput", "request_throughput"}
+
+
+class Server:
+    def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log_dir: Path):
+        self.name, self.port = name, port
+        log = open(log_dir / f"{name}-{port}.log", "w")
+        self.process = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} was not ready in {timeout:g} s")
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.process.pid, sig)
+                self.process.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+            except ProcessLookupError:
+                return
+
+
+def pagedserve_command(args, port: int) -> tuple[list[str], dict[str, str]]:
+    command = [sys.executable, "-c", "from services.launcher import main_entry; main_entry()", "up",
+               "--model", args.model, "--port", str(port), "--served-model-name", SERVED_NAME,
+               "--device", "cpu", "--dtype", args.dtype, "--block-size", str(args.block_size),
+               "--kv-cache-memory", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens)] + args.pagedserve_args.split()
+    return command, {}
+
+
+def vllm_command(args, port: int) -> tuple[list[str], dict[str, str]]:
+    command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", args.model, "--port", str(port),
+               "--served-model-name", SERVED_NAME, "--dtype", args.dtype, "--block-size", str(args.block_size),
+               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+               str(args.max_num_batched_tokens)]
+    return command, {"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}"}
+
+
+def run_client(args, port: int, scenario: Scenario, seed: int, scratch: Path) -> dict:
+    base_url = f"http://127.0.0.1:{port}"
+    if args.client == "ours":
+        return asyncio.run(serve_client.run(base_url, SERVED_NAME, scenario.input_len, scenario.output_len,
+                                            scenario.num_prompts, scenario.request_rate,
+                                            scenario.max_concurrency, seed))
+    result_file = f"result-{time.monotonic_ns()}.json"
+    command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
+               "--base-url", base_url, "--model", SERVED_NAME, "--tokenizer", args.model,
+               "--dataset-name", "random", "--random-input-len", str(scenario.input_len),
+               "--random-output-len", str(scenario.output_len), "--num-prompts", str(scenario.num_prompts),
+               "--request-rate", str(scenario.request_rate), "--ignore-eos", "--seed", str(seed),
+               "--save-result", "--result-dir", str(scratch), "--result-filename", result_file]
+    if scenario.max_concurrency:
+        command += ["--max-concurrency", str(scenario.max_concurrency)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads((scratch / result_file).read_text())
+
+
+def worker_seconds(port: int) -> tuple[float, float]:
+    """pagedserve's counters of worker time computing and waiting between steps on the scheduler."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        for name in ("busy", "waiting"):
+            if line.startswith(f"pagedserve_worker_{name}_seconds_total "):
+                values[name] = float(line.split()[1])
+    return values.get("busy", 0.0), values.get("waiting", 0.0)
+
+
+def cpu_burners(count: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def run_system(args, name: str, port: int, scenarios: dict[str, Scenario], seed: int, scratch: Path,
+               rates: list[float]) -> tuple[dict, dict]:
+    command, env = (pagedserve_command if name == "pagedserve" else vllm_command)(args, port)
+    server = Server(name, command, env, port, scratch)
+    results, sweep = {}, {}
+    try:
+        server.wait_ready()
+        run_client(args, port, Scenario(32, 16, 8, max_concurrency=8), seed, scratch)  # warm-up
+        for scenario_name, scenario in scenarios.items():
+            burners = cpu_burners(args.load_cores) if scenario.cpu_load else []
+            before = worker_seconds(port) if name == "pagedserve" else None
+            try:
+                results[scenario_name] = run_client(args, port, scenario, seed, scratch)
+            finally:
+                for burner in burners:
+                    burner.kill()
+            if before is not None:
+                busy, waiting = (b - a for a, b in zip(before, worker_seconds(port)))
+                results[scenario_name]["worker_waiting_share"] = waiting / busy if busy else 0.0
+            print(f"  {name} {scenario_name}: " + ", ".join(
+                f"{m} {results[scenario_name][m]:.1f}" for m in scenario.metrics), flush=True)
+        for rate in rates:
+            sweep[rate] = run_client(args, port, Scenario(161, 338, args.sweep_prompts, request_rate=rate),
+                                     seed, scratch)
+            print(f"  {name} rate {rate:g}: mean TPOT {sweep[rate]['mean_tpot_ms']:.1f} ms", flush=True)
+    finally:
+        server.stop()
+    return results, sweep
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:,.1f}"
+    return f"{statistics.median(values):,.1f} ({min(values):,.1f}–{max(values):,.1f})"
+
+
+def table(runs: dict[str, list[dict]], scenarios: dict[str, Scenario]) -> list[dict]:
+    rows = []
+    for scenario_name, scenario in scenarios.items():
+        for metric in scenario.metrics:
+            ours = [r[scenario_name][metric] for r in runs.get("pagedserve", [])]
+            theirs = [r[scenario_name][metric] for r in runs.get("vllm", [])]
+            ratios = [a / b if metric in HIGHER_IS_BETTER else b / a for a, b in zip(ours, theirs) if a and b]
+            rows.append({"scenario": scenario_name, "metric": metric, "pagedserve": ours, "vllm": theirs,
+                         "ratio": ratios})
+    for scenario_name in scenarios:  # pagedserve's worker waiting on the scheduler, as a share of its busy time
+        shares = [r[scenario_name]["worker_waiting_share"] for r in runs.get("pagedserve", [])]
+        rows.append({"scenario": scenario_name, "metric": "worker waiting / busy", "system": "pagedserve",
+                     "share": shares})
+    for system, system_runs in runs.items():  # saturation under load as a share of the quiet figure
+        if "throughput" in scenarios and "throughput_loaded" in scenarios:
+            shares = [r["throughput_loaded"]["output_throughput"] / r["throughput"]["output_throughput"]
+                      for r in system_runs]
+            rows.append({"scenario": "loaded / quiet", "metric": "output_throughput share", "system": system,
+                         "share": shares})
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| scenario | metric | pagedserve | vLLM | pagedserve advantage (×) |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        if "share" in row:
+            print(f"| {row['scenario']} ({row['system']}) | {row['metric']} | {spread([100 * s for s in row['share']])} % | | |")
+        else:
+            print(f"| {row['scenario']} | {row['metric']} | {spread(row['pagedserve'])} | {spread(row['vllm'])} "
+                  f"| {spread([round(x, 3) for x in row['ratio']])} |")
+    print("advantage: throughput ratio, or vLLM's time over ours; above 1 means pagedserve is better")
+
+
+def plot(sweeps: dict[str, dict[float, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for system, by_rate in sweeps.items():
+        rates = sorted(by_rate)
+        axis.plot(rates, [by_rate[r]["mean_tpot_ms"] for r in rates], marker="o", label=system)
+    axis.set_xlabel("request rate (req/s, Poisson)")
+    axis.set_ylabel("mean time per output token (ms)")
+    axis.set_title("ShareGPT-like lengths (161 in / 338 out)")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(ROOT / "ops" / "models" / "tiny-python"))
+    parser.add_argument("--vllm-venv", default=None, help="a virtual environment with vllm (optional)")
+    parser.add_argument("--client", choices=["auto", "vllm", "ours"], default="auto")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--load-cores", type=int, default=1, help="busy processes in the loaded scenario")
+    parser.add_argument("--pagedserve-args", default="", help="extra flags for `pagedserve up`")
+    parser.add_argument("--sweep", default="", help="request rates for the TPOT-vs-rate plot, e.g. 1,2,4,8")
+    parser.add_argument("--sweep-prompts", type=int, default=40)
+    parser.add_argument("--num-prompts-scale", type=float, default=1.0, help="shrink every scenario (tests)")
+    parser.add_argument("--port", type=int, default=8300)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peer_bench.json"))
+    parser.add_argument("--plot", default=str(ROOT / "docs" / "tpot_vs_rate.png"))
+    args = parser.parse_args()
+    if args.client == "auto":
+        args.client = "vllm" if args.vllm_venv else "ours"
+    if args.client == "vllm" and not args.vllm_venv:
+        parser.error("--client vllm needs --vllm-venv")
+    scenarios = {}
+    for name in filter(None, args.scenarios.split(",")):
+        base = SCENARIOS[name]
+        prompts = max(2, round(base.num_prompts * args.num_prompts_scale))
+        scenarios[name] = Scenario(base.input_len, base.output_len, prompts, base.max_concurrency,
+                                   base.request_rate, base.cpu_load, base.metrics)
+    systems = ["pagedserve"] + (["vllm"] if args.vllm_venv else [])
+    rates = [float(r) for r in args.sweep.split(",") if r]
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    sweeps: dict[str, dict[float, dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="peer-bench-") as scratch:
+        for repeat in range(args.repeats):
+            for system in systems:
+                print(f"repetition {repeat + 1}/{args.repeats}: {system}", flush=True)
+                results, sweep = run_system(args, system, args.port, scenarios, seed=repeat, scratch=Path(scratch),
+                                            rates=rates if repeat == 0 else [])
+                runs[system].append(results)
+                if sweep:
+                    sweeps[system] = sweep
+    rows = table(runs, scenarios)
+    print_table(rows)
+    record = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "date": time.strftime("%Y-%m-%d"), "client": args.client, "model": args.model,
+        "settings": {k: getattr(args, k) for k in ("block_size", "dtype", "kv_cache_gib", "max_num_seqs",
+                                                    "max_num_batched_tokens", "load_cores", "pagedserve_args")},
+        "scenarios": {name: {"input_len": s.input_len, "output_len": s.output_len, "num_prompts": s.num_prompts,
+                             "max_concurrency": s.max_concurrency, "request_rate": str(s.request_rate),
+                             "cpu_load": s.cpu_load} for name, s in scenarios.items()},
+        "table": rows, "runs": runs,
+        "sweep": {system: {str(rate): result for rate, result in sweep.items()} for system, sweep in sweeps.items()},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    if sweeps:
+        plot(sweeps, Path(args.plot))
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Paged attention for the CPU: a whole step in a few vectorized calls per layer.
+
+Decode sequences (one query each) go together: their blocks are gathered into one padded
+`[seqs, context, kv_heads, head_dim]` workspace with `index_select`, and a single masked
+`scaled_dot_product_attention` (grouped-query aware) serves them all. Sequences with several
+queries (prompt chunks) are few per step and go one call each, causal where the chunk is the
+whole context. Same contract as `paged_attention_reference`, which stays the oracle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels.batch import PagedBatch
+
+
+class Workspace:
+    """Scratch tensors reused across layers and steps; allocating them fresh costs more than the copy."""
+
+    def __init__(self):
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        size = math.prod(shape)
+        tensor = self._tensors.get(name)
+        if tensor is None or tensor.numel() < size or tensor.dtype != dtype or tensor.device != device:
+            tensor = torch.empty(max(size, 1), dtype=dtype, device=device)
+            self._tensors[name] = tensor
+        return tensor[:size].view(shape)
+
+
+_workspace = Workspace()
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    batch: PagedBatch,
+    scale: float,
+    window: int | None = None,
+    workspace: Workspace = _workspace,
+) -> torch.Tensor:
+    starts, lens = batch.query_start_list, batch.context_lens_list
+    decode = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    if len(decode) == len(lens):
+        return _decode(query, key_cache, value_cache, batch, None, scale, window, workspace)
+    out = torch.empty_like(query)
+    if decode:
+        rows = torch.tensor([starts[s] for s in decode], dtype=torch.int64, device=query.device)
+        seqs = torch.tensor(decode, dtype=torch.int64, device=query.device)
+        out[rows] = _decode(query[rows], key_cache, value_cache, batch, seqs, scale, window, workspace,
+                            [lens[s] for s in decode])
+    for s, context_len in enumerate(lens):
+        begin, end = starts[s], starts[s + 1]
+        if end - begin > 1:
+            out[begin:end] = attend_one(query[begin:end], key_cache, value_cache, batch.block_tables[s],
+                                        context_len, scale, window)
+    return out
+
+
+def _decode(query, key_cache, value_cache, batch: PagedBatch, seqs: torch.Tensor | None, scale, window,
+            workspace: Workspace, lens: list[int] | None = None) -> torch.Tensor:
+    """One query per sequence: gather every sequence's keys and values, attend in one call."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    lens = batch.context_lens_list if lens is None else lens
+    num_blocks = -(-max(lens) // block_size)
+    width = num_blocks * block_size
+    derived = batch.derived.get(("decode", block_size, window))
+    if derived is None:  # the same for every layer of the step
+        tables = batch.block_tables[:, :num_blocks] if seqs is None else batch.block_tables[seqs, :num_blocks]
+        context = torch.tensor(lens, dtype=torch.int64, device=query.device)[:, None]
+        key_pos = torch.arange(width, device=query.device)[None, :]
+        mask = key_pos < context
+        if window is not None:
+            mask &= key_pos >= context - window
+        derived = batch.derived[("decode", block_size, window)] = (tables.reshape(-1), mask[:, None, None, :])
+    flat, mask = derived
+    shape = (num_seqs * num_blocks, block_size, num_kv_heads, head_dim)
+    keys = torch.index_select(key_cache, 0, flat, out=workspace.take("keys", shape, key_cache.dtype, query.device))
+    values = torch.index_select(value_cache, 0, flat,
+                                out=workspace.take("values", shape, value_cache.dtype, query.device))
+    keys = keys.view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
+    values = values.view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
+    out = F.scaled_dot_product_attention(query.view(num_seqs, num_heads, 1, head_dim), keys, values,
+                                         attn_mask=mask, scale=scale,
+                                         enable_gqa=num_heads != num_kv_heads)
+    return out.view(num_seqs, num_heads, head_dim)
+
+
+def attend_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
+               context_len: int, scale: float, window: int | None) -> torch.Tensor:
+    """One sequence's queries (its last `len(query)` tokens) against its `context_len` keys."""
+    num_queries, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    blocks = table[: -(-context_len // block_size)].long()
+    keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len].transpose(0, 1).to(query.dtype)
+    values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len].transpose(0, 1).to(query.dtype)
+    gqa = num_heads != num_kv_heads
+    q = query.transpose(0, 1)  # [heads, queries, dim]
+    if num_queries == context_len and window is None:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        query_pos = torch.arange(context_len - num_queries, context_len, device=query.device)[:, None]
+        key_pos = torch.arange(context_len, device=query.device)[None, :]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)
