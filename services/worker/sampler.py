@@ -42,18 +42,20 @@ class Sampler:
         owners = [i for i, row in enumerate(rows) for _ in range(row.num_samples)]
         draws = [k for row in rows for k in range(row.num_samples)]
         owner_index = torch.tensor(owners, dtype=torch.int64, device=logits.device)
-        choices = logits.argmax(dim=-1)[owner_index]
+        greedy = logits.argmax(dim=-1)
+        choices = greedy[owner_index]
         random_draws = [j for j, i in enumerate(owners) if not rows[i].params.greedy]
         if random_draws:
-            choices[random_draws] = self._draw(logits, rows, [owners[j] for j in random_draws],
-                                               [draws[j] for j in random_draws])
-        logprobs = torch.log_softmax(logits, dim=-1)
-        chosen = logprobs[owner_index, choices].tolist()
+            random_owners = [owners[j] for j in random_draws]
+            choices[random_draws] = self._draw(logits, rows, random_owners, [draws[j] for j in random_draws],
+                                               greedy[random_owners])
+        log_total = torch.logsumexp(logits, dim=-1)  # log-probabilities without the whole table
+        chosen = (logits[owner_index, choices] - log_total[owner_index]).tolist()
         choices = choices.tolist()
         num_top = max(row.params.num_top_logprobs for row in rows)
-        top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
-        top_values = top_values.tolist() if num_top else None
-        top_ids = top_ids.tolist() if num_top else None
+        if num_top:
+            top_values, top_ids = logits.topk(num_top, dim=-1)
+            top_values, top_ids = (top_values - log_total[:, None]).tolist(), top_ids.tolist()
         samples: list[list[Sample]] = [[] for _ in rows]
         for j, i in enumerate(owners):
             k = rows[i].params.num_top_logprobs
@@ -61,7 +63,8 @@ class Sampler:
             samples[i].append(Sample(choices[j], chosen[j], *top))
         return samples
 
-    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], owners: list[int], draws: list[int]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], owners: list[int], draws: list[int],
+              most_likely: torch.Tensor) -> torch.Tensor:
         """One batched draw, except that seeded rows take their uniform from their own reseeded
         generator so that batch company cannot change their tokens."""
         params = [rows[i].params for i in owners]
@@ -71,7 +74,6 @@ class Sampler:
             weights = torch.softmax(picked / temperature[:, None], dim=-1)  # what filtering would give
         else:
             weights = filtered_probs(picked, params)
-        last = weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)
         cdf = weights.cumsum_(dim=-1)
         uniform = torch.rand(len(owners), generator=self.unseeded)
         for j, (i, k) in enumerate(zip(owners, draws)):
@@ -80,9 +82,9 @@ class Sampler:
                 self.seeded.manual_seed(_mix(row.params.seed, row.index + k, row.num_generated))
                 uniform[j] = torch.rand((), generator=self.seeded)
         targets = uniform.to(cdf.device)[:, None] * cdf[:, -1:]
-        picks = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-        # Rounding can put a target at the very top: take the last token that has any weight.
-        return torch.minimum(picks, last)
+        picks = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[-1] - 1)
+        # Rounding can put a target at the very top, past every token: take the most likely one there.
+        return torch.where(cdf.gather(1, picks) > targets, picks, most_likely[:, None]).squeeze(1)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
