@@ -33,6 +33,7 @@ class Workspace:
 
 
 _workspace = Workspace()
+CHUNK_BYTES = 4 << 20  # gathered keys and values per attention call
 
 
 def paged_attention_cpu(
@@ -80,15 +81,26 @@ def _decode(query, key_cache, value_cache, batch: PagedBatch, seqs: torch.Tensor
             mask &= key_pos >= context - window
         derived = batch.derived[("decode", block_size, window)] = (tables.reshape(-1), mask[:, None, None, :])
     flat, mask = derived
-    shape = (num_seqs * num_blocks, block_size, num_kv_heads, head_dim)
-    keys = torch.index_select(key_cache, 0, flat, out=workspace.take("keys", shape, key_cache.dtype, query.device))
-    values = torch.index_select(value_cache, 0, flat,
-                                out=workspace.take("values", shape, value_cache.dtype, query.device))
-    keys = keys.view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
-    values = values.view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
-    out = F.scaled_dot_product_attention(query.view(num_seqs, num_heads, 1, head_dim), keys, values,
-                                         attn_mask=mask, scale=scale,
-                                         enable_gqa=num_heads != num_kv_heads)
+    # A few sequences at a time, so that the gathered keys and values are still in cache when
+    # attention reads them: memory traffic, not arithmetic, bounds this loop.
+    seq_bytes = 2 * width * num_kv_heads * head_dim * key_cache.element_size()
+    chunk = max(1, min(num_seqs, CHUNK_BYTES // seq_bytes))
+    shape = (chunk * num_blocks, block_size, num_kv_heads, head_dim)
+    key_buffer = workspace.take("keys", shape, key_cache.dtype, query.device)
+    value_buffer = workspace.take("values", shape, value_cache.dtype, query.device)
+    queries = query.view(num_seqs, num_heads, 1, head_dim)
+    out = torch.empty_like(queries)
+    for first in range(0, num_seqs, chunk):
+        last = min(num_seqs, first + chunk)
+        rows = slice(first * num_blocks, last * num_blocks)
+        count = (last - first) * num_blocks
+        keys = torch.index_select(key_cache, 0, flat[rows], out=key_buffer[:count])
+        values = torch.index_select(value_cache, 0, flat[rows], out=value_buffer[:count])
+        keys = keys.view(last - first, width, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
+        values = values.view(last - first, width, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
+        out[first:last] = F.scaled_dot_product_attention(queries[first:last], keys, values,
+                                                         attn_mask=mask[first:last], scale=scale,
+                                                         enable_gqa=num_heads != num_kv_heads)
     return out.view(num_seqs, num_heads, head_dim)
 
 

@@ -37,3 +37,16 @@ def test_indexed_kv_write_matches_the_reference():
         write_kv_indexed(key, value, caches[0], caches[1], slots)
         write_kv_reference(key, value, caches[2], caches[3], slots)
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_decode_attention_in_chunks_of_any_size_matches_the_reference(monkeypatch):
+    import kernels.cpu_attention as cpu_attention
+
+    query, key_cache, value_cache, batch = make_batch([(1, 9), (1, 30), (1, 17), (1, 2), (1, 25)], 4, 2, 64, 8,
+                                                      torch.float32, seed=7)
+    expected = reference_in_float32(query, key_cache, value_cache, batch, 0.125)
+    for chunk_bytes in (1, 2 * 32 * 2 * 64 * 4 * 2, 1 << 30):  # one sequence, two, all
+        monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", chunk_bytes)
+        batch.derived.clear()
+        out = paged_attention_cpu(query, key_cache, value_cache, batch, 0.125, workspace=Workspace())
+        torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
