@@ -171,12 +171,12 @@ def run_system(args, name: str, port: int, scenarios: dict[str, Scenario], seed:
     return results, sweep
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float], digits: int = 1) -> str:
     if not values:
         return "-"
     if len(values) == 1:
-        return f"{values[0]:,.1f}"
-    return f"{statistics.median(values):,.1f} ({min(values):,.1f}–{max(values):,.1f})"
+        return f"{values[0]:,.{digits}f}"
+    return f"{statistics.median(values):,.{digits}f} ({min(values):,.{digits}f}–{max(values):,.{digits}f})"
 
 
 def table(runs: dict[str, list[dict]], scenarios: dict[str, Scenario]) -> list[dict]:
@@ -209,7 +209,7 @@ def print_table(rows: list[dict]) -> None:
             print(f"| {row['scenario']} ({row['system']}) | {row['metric']} | {spread([100 * s for s in row['share']])} % | | |")
         else:
             print(f"| {row['scenario']} | {row['metric']} | {spread(row['pagedserve'])} | {spread(row['vllm'])} "
-                  f"| {spread([round(x, 3) for x in row['ratio']])} |")
+                  f"| {spread(row['ratio'], 2)} |")
     print("advantage: throughput ratio, or vLLM's time over ours; above 1 means pagedserve is better")
 
 
@@ -252,7 +252,16 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8300)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peer_bench.json"))
     parser.add_argument("--plot", default=str(ROOT / "docs" / "tpot_vs_rate.png"))
+    parser.add_argument("--from-json", default=None, help="print the table and plot again from a saved run")
     args = parser.parse_args()
+    if args.from_json:
+        record = json.loads(Path(args.from_json).read_text())
+        print_table(record["table"])
+        if record["sweep"]:
+            plot({s: {float(r): v for r, v in sweep.items()} for s, sweep in record["sweep"].items()},
+                 Path(args.plot))
+            print(f"wrote {args.plot}")
+        return
     if args.client == "auto":
         args.client = "vllm" if args.vllm_venv else "ours"
     if args.client == "vllm" and not args.vllm_venv:
