@@ -59,9 +59,9 @@ HIGHER_IS_BETTER = {"output_throughput", "request_throughput"}
 class Server:
     def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log_dir: Path):
         self.name, self.port = name, port
-        log = open(log_dir / f"{name}-{port}.log", "w")
-        self.process = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        with open(log_dir / f"{name}-{port}.log", "w") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(command, env={**os.environ, **env}, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout

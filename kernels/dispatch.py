@@ -12,9 +12,9 @@ import os
 import torch
 
 from kernels import block_copy, kv_write
-from kernels.cpu_attention import paged_attention_cpu
 from kernels import paged_attention as attention
 from kernels.batch import PagedBatch
+from kernels.cpu_attention import paged_attention_cpu
 
 
 def _mode() -> str:

@@ -1,8 +1,9 @@
 """The scheduler process: one loop over two sockets, dispatching each message to its handler.
 
 The api's requests arrive on a ROUTER socket; worker ranks connect to a second ROUTER socket.
-At most one step is in flight: when its result comes back, the outputs go to the api that owns
-each request and the next step is scheduled at once.
+At most one step is in flight: when its result comes back, the next step is scheduled and sent at
+once, and only then do the outputs go to the api that owns each request, so that the apis stream
+one step while the workers compute the next.
 
 Nothing here waits on a peer. Sends never block: an api that stops reading loses its requests
 (aborted, blocks freed) and nobody else notices. A step that gets no result within
@@ -58,8 +59,7 @@ class SchedulerServer:
         self.cut_off: dict[bytes, list[str]] = {}  # api -> its requests aborted while it did not read
         self.step_in_flight: int | None = None  # the id of the step the workers are executing
         self.step_deadline = 0.0
-        self.result_just_applied = False  # the next step leaves as soon as the last result is in
-        self.step_back_to_back = False
+        self.step_back_to_back = False  # sent as soon as the previous result was in
         self.worker_busy = self.worker_waiting = 0.0  # seconds, for the idle-time metric
         self.running = True
         self.exit_code = 0
@@ -122,8 +122,7 @@ class SchedulerServer:
                 elif isinstance(message, StepResult):
                     self.on_worker_lost("the scheduler could not apply a step's result", reset=True)
 
-    def _maybe_send_step(self) -> None:
-        back_to_back, self.result_just_applied = self.result_just_applied, False
+    def _maybe_send_step(self, back_to_back: bool = False) -> None:
         if self.scheduler is None or self.step_in_flight is not None or not self.scheduler.has_work():
             return
         try:
@@ -255,8 +254,7 @@ class SchedulerServer:
         if self.step_back_to_back:  # the worker waited on us, not on work to arrive
             self.worker_waiting += message.idle_ms / 1e3
         outputs = self.scheduler.update(message)
-        self.result_just_applied = True
-        self._maybe_send_step()  # the worker computes the next step while the apis stream this one
+        self._maybe_send_step(back_to_back=True)  # the worker computes the next step while the apis stream this one
         self._route(outputs)
 
     # --- sending to apis, never blocking -------------------------------------------------

@@ -4,7 +4,7 @@ and sample a token for every sequence whose tokens are now all computed."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,12 +24,12 @@ class SequenceMirror:
     num_prompt_tokens: int
     sampling: SamplingParams
     index: int
-    row: int  # its row in the runner's BlockTables
-    block_table: list[int] = field(default_factory=list)
+    row: int  # its block table is this row of the runner's BlockTables
+    num_blocks: int = 0  # entries of that row in use
 
     def copy(self, index: int, row: int) -> SequenceMirror:
         return SequenceMirror(list(self.token_ids), self.num_prompt_tokens, self.sampling, index, row,
-                              list(self.block_table))
+                              self.num_blocks)
 
 
 class StepError(RuntimeError):
@@ -91,11 +91,10 @@ class ModelRunner:
             if end == len(mirror.token_ids):
                 to_sample.append(len(starts) - 2)
 
-        batch = self._batch(rows, positions, starts, context_lens)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device), batch.derived["positions"],
-            self.cache.layers, batch,
-        )
+        position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        batch = self._batch(rows, position_tensor, starts, context_lens)
+        input_tensor = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_tensor, position_tensor, self.cache.layers, batch)
         last_rows = torch.tensor([starts[i + 1] - 1 for i in to_sample], dtype=torch.int64, device=self.device)
         logits = self.model.logits(hidden[last_rows])
         sampled_at = time.perf_counter()
@@ -136,15 +135,14 @@ class ModelRunner:
             problem = "a token id outside the vocabulary"
         elif not all(0 <= b < self.cache.num_blocks for b in entry.block_ids):
             problem = f"a block id outside [0, {self.cache.num_blocks})"
-        elif not 0 <= entry.table_start <= len(mirror.block_table) or entry.start < 0 or entry.num_tokens < 1:
+        elif not 0 <= entry.table_start <= mirror.num_blocks or entry.start < 0 or entry.num_tokens < 1:
             problem = "an inconsistent step entry"
         if problem is None:
             mirror.token_ids.extend(entry.appended_token_ids)
-            del mirror.block_table[entry.table_start :]
-            mirror.block_table.extend(entry.block_ids)
             self.tables.write(mirror.row, entry.table_start, entry.block_ids)
+            mirror.num_blocks = entry.table_start + len(entry.block_ids)
             end = entry.start + entry.num_tokens
-            if end > len(mirror.token_ids) or end > len(mirror.block_table) * self.cache.block_size:
+            if end > len(mirror.token_ids) or end > mirror.num_blocks * self.cache.block_size:
                 problem = f"tokens or blocks missing for position {end}"
         if problem is not None:
             failures[entry.seq_id] = problem
@@ -152,14 +150,13 @@ class ModelRunner:
             return False
         return True
 
-    def _batch(self, rows: list[int], positions: list[int], starts: list[int], context_lens: list[int]) -> PagedBatch:
+    def _batch(self, rows: list[int], positions: torch.Tensor, starts: list[int], context_lens: list[int]) -> PagedBatch:
         """The kernels' view of the step, gathered from the persistent block tables."""
         device, block_size = self.device, self.cache.block_size
         row_index = torch.tensor(rows, dtype=torch.int64, device=device)
         query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.int64, device=device)
-        position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
-        slot_mapping = self.tables.slot_mapping(row_index.repeat_interleave(query_lens), position_tensor, block_size)
-        batch = PagedBatch(
+        slot_mapping = self.tables.slot_mapping(row_index.repeat_interleave(query_lens), positions, block_size)
+        return PagedBatch(
             slot_mapping=slot_mapping,
             block_tables=self.tables.gather(row_index, -(-max(context_lens) // block_size)),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -167,8 +164,6 @@ class ModelRunner:
             query_start_list=starts,
             context_lens_list=context_lens,
         )
-        batch.derived["positions"] = position_tensor
-        return batch
 
     def _drop(self, seq_id: int) -> None:
         mirror = self.mirrors.pop(seq_id, None)
