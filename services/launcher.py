@@ -39,8 +39,8 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
         flag = f"--{name.replace('_', '-')}"
         if value is True:
             flags.append(flag)
-        elif value is False and name == "enable_chunked_prefill":
-            flags.append("--no-enable-chunked-prefill")
+        elif value is False and name in ("enable_chunked_prefill", "async_scheduling"):
+            flags.append(f"--no-{flag[2:]}")
         elif value is not None and value is not False:
             flags += [flag, str(value)]
     return flags
@@ -48,7 +48,7 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
 
 SCHEDULER_FLAGS = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                    "num_gpu_blocks_override", "enable_prefix_caching", "enable_chunked_prefill",
-                   "preemption_mode", "step_timeout"]
+                   "preemption_mode", "async_scheduling", "step_timeout"]
 WORKER_FLAGS = ["model", "device", "dtype", "load_format", "gpu_memory_utilization", "kv_cache_memory", "swap_space",
                 "seed", "cpu_threads", "block_size", "num_gpu_blocks_override"]
 API_FLAGS = ["model", "host", "port", "served_model_name", "max_request_body_bytes"]

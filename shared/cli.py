@@ -22,6 +22,8 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="split long prompts over steps, mixed with decodes (default: on)")
     group.add_argument("--preemption-mode", choices=["swap", "recompute", "auto"], default="auto")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                       help="plan each step while the workers compute the one before")
     group.add_argument("--step-timeout", type=float, default=180.0,
                        help="seconds a step may take before its worker counts as lost (default: 180)")
 
@@ -66,6 +68,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode,
+        async_scheduling=args.async_scheduling,
         step_timeout=args.step_timeout,
     )
 

@@ -18,6 +18,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = True  # long prompts never wait behind decodes
     preemption_mode: str = "auto"  # swap | recompute | auto
+    async_scheduling: bool = True  # plan the next step while the workers compute this one
     step_timeout: float = 180.0  # seconds a step may take before its worker counts as lost
     api_send_queue: int = 10_000  # messages queued for one api before it counts as not reading
 

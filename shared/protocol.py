@@ -165,7 +165,9 @@ class ScheduledSequence:
     seq_id: int
     start: int
     num_tokens: int
-    appended_token_ids: list[int]  # tokens sampled since the worker last saw this sequence
+    # Tokens the worker lacks. It appends what it samples for a sequence with one sample and no
+    # beam search itself, so a plain decode sends none; beams and forked samples get theirs here.
+    appended_token_ids: list[int]
     table_start: int  # the worker's block table keeps entries before this index...
     block_ids: list[int]  # ...and these replace the rest
 

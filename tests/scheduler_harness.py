@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
-from shared.protocol import AddRequest, SampledToken, Step, StepResult
+from shared.protocol import AddRequest, RequestOutput, SampledToken, Step, StepResult
 from shared.sampling import SamplingParams
 
 EOS = 0
@@ -15,8 +16,8 @@ EOS = 0
 class StandInWorker:
     """Keeps each sequence's tokens as a worker would, and samples `next_token(seq_id, n)`.
 
-    Like the real worker it forks a finished prompt into best_of samples and reports the top
-    2 x width candidates of every beam."""
+    Like the real worker it forks a finished prompt into best_of samples, reports the top
+    2 x width candidates of every beam, and appends a sequence's single sample itself."""
 
     def __init__(self, next_token=lambda seq_id, position: 100 + position):
         self.next_token = next_token
@@ -47,7 +48,10 @@ class StandInWorker:
             end = entry.start + entry.num_tokens
             assert end <= len(tokens)
             if end == len(tokens):
-                sampled += self._sample(entry.seq_id, tokens)
+                samples = self._sample(entry.seq_id, tokens)
+                if len(samples) == 1 and not self.prompts[entry.seq_id][1].use_beam_search:
+                    tokens.append(samples[0].token_id)
+                sampled += samples
         return StepResult(step.step_id, sampled, 0.0, 0.0)
 
     def _sample(self, seq_id: int, tokens: list[int]) -> list[SampledToken]:
@@ -100,13 +104,36 @@ def check_block_accounting(scheduler: Scheduler) -> None:
             assert pool.ref_count(block) == references.get(block, 0), (status, block)
 
 
-def run_to_completion(scheduler: Scheduler, worker: StandInWorker, max_steps=10_000) -> dict[str, list]:
+class Pipeline:
+    """Steps as the scheduler server runs them: up to `depth` planned ahead of the worker."""
+
+    def __init__(self, scheduler: Scheduler, worker: StandInWorker, depth: int = 1):
+        self.scheduler, self.worker, self.depth = scheduler, worker, depth
+        self.in_flight: deque[Step] = deque()
+
+    def fill(self) -> None:
+        scheduler = self.scheduler
+        while len(self.in_flight) < self.depth and scheduler.has_work():
+            if self.in_flight and scheduler.needs_drain:
+                return
+            step = scheduler.schedule()
+            if step is None:
+                return
+            self.in_flight.append(step)
+
+    def advance(self) -> list[RequestOutput]:
+        """Run the oldest step in flight and apply its result."""
+        return self.scheduler.update(self.worker.run(self.in_flight.popleft()))
+
+
+def run_to_completion(scheduler: Scheduler, worker: StandInWorker, max_steps=10_000, depth=1) -> dict[str, list]:
     """Step until idle; returns each request's outputs in order."""
     outputs: dict[str, list] = {}
+    pipeline = Pipeline(scheduler, worker, depth)
     for _ in range(max_steps):
-        step = scheduler.schedule()
-        if step is None:
+        pipeline.fill()
+        if not pipeline.in_flight:
             break
-        for output in scheduler.update(worker.run(step)):
+        for output in pipeline.advance():
             outputs.setdefault(output.request_id, []).append(output)
     return outputs

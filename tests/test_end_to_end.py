@@ -43,11 +43,11 @@ def complete_all(server, prompt_ids, max_tokens=MAX_TOKENS):
         return list(pool.map(one, prompt_ids))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_concurrent_greedy_completions_equal_hf_generate(model_dirs, family, tmp_path):
+@pytest.mark.parametrize("family,flags", [("llama", []), ("qwen2", []), ("llama", ["--no-async-scheduling"])])
+def test_concurrent_greedy_completions_equal_hf_generate(model_dirs, family, flags, tmp_path):
     model_dir = model_dirs[family]
     prompt_ids = prompts(model_dir)
-    with serve(model_dir, str(tmp_path)) as server:
+    with serve(model_dir, str(tmp_path), *flags) as server:
         got = complete_all(server, prompt_ids)
     assert got == [hf_greedy(model_dir, p, MAX_TOKENS) for p in prompt_ids]
 

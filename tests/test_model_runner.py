@@ -34,8 +34,8 @@ def greedy_through_runner(model_dir, block_size, num_new_tokens, shuffle_seed=0)
             needed = -(-(computed[i] + n) // block_size) - blocks[i]
             new_blocks = [free.pop() for _ in range(needed)]
             blocks[i] += needed
-            appended = [] if step_id == 0 else tokens[i][-1:]
-            entries.append(ScheduledSequence(i, computed[i], n, appended, blocks[i] - needed, new_blocks))
+            # No tokens to send: the runner appends each sequence's sample to its copy itself.
+            entries.append(ScheduledSequence(i, computed[i], n, [], blocks[i] - needed, new_blocks))
             computed[i] += n
         result = runner.execute(Step(step_id, [], [], [], news if step_id == 0 else [], entries))
         for sampled in result.sampled:

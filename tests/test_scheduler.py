@@ -17,7 +17,7 @@ def test_blocks_are_allocated_one_at_a_time_as_a_sequence_grows():
     assert held == [2, 2, 2, 3, 3, 3]
 
 
-def test_decode_steps_send_only_the_last_token_and_new_blocks():
+def test_decode_steps_send_no_tokens_and_only_new_blocks():
     scheduler, worker = make_scheduler(block_size=4), StandInWorker()
     scheduler.add(request(prompt_len=4, max_tokens=3))
     first = scheduler.schedule()
@@ -26,7 +26,9 @@ def test_decode_steps_send_only_the_last_token_and_new_blocks():
     second = scheduler.schedule()
     assert second.new_sequences == []
     entry = second.scheduled[0]
-    assert (entry.start, entry.num_tokens, entry.appended_token_ids) == (4, 1, [104])
+    # The worker appended the token it sampled (104) itself.
+    assert (entry.start, entry.num_tokens, entry.appended_token_ids) == (4, 1, [])
+    assert worker.tokens[entry.seq_id][-1] == 104
     assert len(entry.block_ids) == 1  # the 5th token opens a second block
 
 

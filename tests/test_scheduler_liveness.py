@@ -69,6 +69,19 @@ def test_a_swapped_request_that_cannot_come_back_is_recomputed():
     assert scheduler.block_manager.cpu.num_referenced == 0
 
 
+def test_a_request_alone_that_cannot_copy_its_shared_block_is_recomputed_at_once():
+    # One prompt token, four samples: each needs its own copy of the shared block (5 blocks)
+    # in a pool of 4. Swapping it out and back in would change nothing; recomputing unshares it.
+    scheduler, worker = make_scheduler(num_blocks=4, block_size=4, num_cpu_blocks=8, preemption="swap",
+                                       context=4), StandInWorker()
+    scheduler.add(request(prompt_len=1, max_tokens=2, n=4))
+    steps = [_step(scheduler, worker)[0] for _ in range(2)]
+    assert steps[1].preempted_seq_ids == [0, 1, 2, 3]  # dropped and started again in the same step
+    assert [n.seq_id for n in steps[1].new_sequences] == [0, 1, 2, 3]
+    assert scheduler.counters == {**scheduler.counters, "swap": 0, "recompute": 1}
+    assert not scheduler.has_work()
+
+
 def test_max_num_seqs_counts_the_samples_a_request_will_fork():
     scheduler, worker = make_scheduler(max_num_seqs=4), StandInWorker()
     for _ in range(4):

@@ -100,7 +100,8 @@ class BlockManager:
         """Register the blocks that computation has filled since the last call."""
         if not self.gpu.enable_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        # A step planned ahead may have scheduled the position of a token not sampled yet.
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         for index in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else 0
             chunk = tuple(seq.token_at(p) for p in range(index * self.block_size, (index + 1) * self.block_size))

@@ -29,7 +29,8 @@ class Sequence:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # may run one token past num_tokens: see num_pending
+        self.num_pending = 0  # samples that steps in flight will bring: their positions may be scheduled
         self.block_table: list[int] = []  # GPU block ids, or CPU ones while swapped
         self.block_hashes: list[int] = []  # prefix-cache keys of the full blocks so far
         self.num_tokens_known_to_worker = 0  # 0: the worker holds no copy of this sequence
@@ -55,6 +56,7 @@ class Sequence:
     def forget_worker_copy(self) -> None:
         """After a recompute preemption: compute everything again from the tokens."""
         self.num_computed_tokens = 0
+        self.num_pending = 0
         self.num_tokens_known_to_worker = 0
         self.first_unsynced_block = 0
         self.block_hashes.clear()

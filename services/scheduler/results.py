@@ -22,11 +22,11 @@ class ResultProcessor:
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
 
-    def apply(self, result: StepResult) -> list[RequestOutput]:
+    def apply(self, result: StepResult, scheduled: list[Sequence]) -> list[RequestOutput]:
         outputs = self._fail_refused(result.failures)
         manager = self.scheduler.block_manager
         if manager.gpu.enable_caching:
-            for seq in self.scheduler.last_scheduled:
+            for seq in scheduled:
                 if not seq.finished and seq.request.status is RequestStatus.RUNNING:
                     manager.cache_full_blocks(seq)
         by_request: dict[str, list[tuple[Sequence, SampledToken]]] = {}
@@ -68,6 +68,10 @@ class ResultProcessor:
             items = [(first, items[0][1])] + [
                 (self._fork(first, index=j), sampled) for j, (_, sampled) in enumerate(items[1:], 1)
             ]
+        else:  # one sample per sequence: the worker appended it to its copy itself
+            for seq, _ in items:
+                if seq.num_tokens_known_to_worker:
+                    seq.num_tokens_known_to_worker += 1
         deltas = []
         for seq, sampled in items:
             top = dict(zip(sampled.top_ids, sampled.top_logprobs)) if sampled.top_ids else {}

@@ -12,6 +12,14 @@ earliest request, alone, always fits. Every running request arrived before every
 swapped one, so the earliest request is either running (scheduled first, never a victim) or
 resumes as soon as nothing runs; it gains at least one token per step. A swapped request that
 cannot come back even then is recomputed instead.
+
+Planning ahead: `schedule` may be called again before the result of the step in flight is in,
+so that the workers never wait for the scheduler. A sequence whose sample that step will bring
+is then scheduled at the position of the token not yet known (the worker appends the tokens it
+samples itself), unless the sample may change what comes next: beam search, the first sample of
+a request that forks, or a sample that may be its last by length. An end by a stop token costs
+one wasted position. Nothing is preempted ahead: a running request that finds no blocks ends the
+plan, and the next one waits for the steps in flight to finish (`needs_drain`).
 """
 
 from __future__ import annotations
@@ -105,7 +113,9 @@ class Scheduler:
         self.pending_forks: list[Fork] = []
         self.dropped_on_worker: list[int] = []
         self.preempted_on_worker: list[int] = []
-        self.last_scheduled: list[Sequence] = []
+        # step id -> (sequences scheduled, those it samples), for each step in flight
+        self.in_flight: dict[int, tuple[list[Sequence], list[Sequence]]] = {}
+        self.needs_drain = False  # the last plan stopped short of a preemption
         self._next_seq_id = 0
         self._next_order = 0
         self.results = ResultProcessor(self)
@@ -189,6 +199,8 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         preempted = False
+        ahead = bool(self.in_flight)
+        self.needs_drain = False
 
         queue = list(self.running)
         next_index, end = 0, len(queue)  # victims are taken from the end
@@ -198,6 +210,9 @@ class Scheduler:
             wants = self._wants(request, budget[0])
             if not wants:
                 continue
+            if ahead and not self.block_manager.can_append(wants):
+                self.needs_drain = True
+                break
             while not self.block_manager.can_append(wants):
                 if end > next_index:
                     end -= 1
@@ -211,7 +226,7 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:
                 copies += self._take(wants, scheduled, budget)
 
-        if not preempted:
+        if not (preempted and self.running) and not self.needs_drain:  # the head resumes once nothing runs
             swap_in += self._resume(scheduled, copies, budget)
 
         if not (scheduled or swap_out or swap_in):
@@ -222,13 +237,23 @@ class Scheduler:
         """(sequence, tokens) to compute for a request this step, within the token budget."""
         wants = []
         for seq in request.seqs:
-            n = seq.num_prompt_tokens + len(seq.output_token_ids) - seq.num_computed_tokens
+            if seq.num_pending and not self._runs_ahead(seq):
+                continue
+            n = seq.num_tokens + seq.num_pending - seq.num_computed_tokens
             if n > budget:
                 n = budget if self.budgets.chunked_prefill else 0
             if n > 0:
                 wants.append((seq, n))
                 budget -= n
         return wants
+
+    def _runs_ahead(self, seq: Sequence) -> bool:
+        """Whether a sequence's next position may be scheduled before its pending sample is known."""
+        request, sampling = seq.request, seq.request.sampling
+        if sampling.use_beam_search or (sampling.num_samples > 1 and not request.forked):
+            return False
+        return (len(seq.output_token_ids) + seq.num_pending < sampling.max_tokens
+                and seq.num_tokens + seq.num_pending < self.budgets.max_model_len)
 
     def _take(self, wants, scheduled, budget) -> list[tuple[int, int]]:
         copies = []
@@ -353,11 +378,14 @@ class Scheduler:
         self.running.sort(key=lambda r: r.order)
 
     def _preempt(self, request: Request) -> list[tuple[int, int]]:
+        # Alone and still short of blocks (its samples' copies of a shared block): swapping out
+        # and back in would give the same state, while a recompute starts its samples unshared.
+        alone = self.running == [request]
         self.running.remove(request)
         manager = self.block_manager
         num_blocks = len({b for seq in request.seqs for b in seq.block_table})
         num_tokens = sum(seq.num_computed_tokens for seq in request.seqs)
-        if self.preemption.prefers_swap(num_blocks, num_tokens) and manager.can_swap_out(request):
+        if not alone and self.preemption.prefers_swap(num_blocks, num_tokens) and manager.can_swap_out(request):
             log.info("preempting %s by swapping %d blocks out", request.request_id, num_blocks)
             self.counters["swap"] += 1
             request.status = RequestStatus.SWAPPED
@@ -378,6 +406,7 @@ class Scheduler:
     def _build_step(self, scheduled, copies, swap_out, swap_in) -> Step:
         new_sequences: list[NewSequence] = []
         entries: list[ScheduledSequence] = []
+        sampled: list[Sequence] = []
         prompt_tokens_computed = 0
         for seq, num_tokens in scheduled:
             known, num_prompt, computed = seq.num_tokens_known_to_worker, seq.num_prompt_tokens, seq.num_computed_tokens
@@ -394,6 +423,9 @@ class Scheduler:
             entries.append(ScheduledSequence(seq.seq_id, computed, num_tokens, appended, start, table[start:]))
             seq.first_unsynced_block = len(table)
             seq.num_computed_tokens = computed + num_tokens
+            if seq.num_computed_tokens == seq.num_tokens + seq.num_pending:  # this step samples it
+                seq.num_pending += 1
+                sampled.append(seq)
             if computed < num_prompt:
                 prompt_tokens_computed += min(computed + num_tokens, num_prompt) - computed
         self.counters["computed"] += prompt_tokens_computed
@@ -404,7 +436,7 @@ class Scheduler:
             new_sequences, entries, swap_out, swap_in, copies,
         )
         self.pending_forks, self.dropped_on_worker, self.preempted_on_worker = [], [], []
-        self.last_scheduled = [seq for seq, _ in scheduled]
+        self.in_flight[step.step_id] = ([seq for seq, _ in scheduled], sampled)
         self.counters["steps"] += 1
         return step
 
@@ -441,13 +473,18 @@ class Scheduler:
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request: the worker could not run a step."""
         outputs = []
+        self.in_flight.clear()
         for request in list(self.requests.values()):
             self.finish_request(request)
             outputs.append(error_output(request.request_id, request.num_prompt_tokens, error, "error"))
         return outputs
 
     def update(self, result) -> list[RequestOutput]:
-        return self.results.apply(result)
+        """Apply a step's result; steps' results come in the order the steps were planned."""
+        scheduled, sampled = self.in_flight.pop(result.step_id, ([], []))
+        for seq in sampled:
+            seq.num_pending = max(0, seq.num_pending - 1)  # 0 already if preempted meanwhile
+        return self.results.apply(result, scheduled)
 
     def stats(self) -> Stats:
         gpu, cpu = self.block_manager.gpu, self.block_manager.cpu

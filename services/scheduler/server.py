@@ -1,9 +1,10 @@
 """The scheduler process: one loop over two sockets, dispatching each message to its handler.
 
 The api's requests arrive on a ROUTER socket; worker ranks connect to a second ROUTER socket.
-At most one step is in flight: when its result comes back, the next step is scheduled and sent at
-once, and only then do the outputs go to the api that owns each request, so that the apis stream
-one step while the workers compute the next.
+With async scheduling (the default) two steps are in flight: while the workers compute one, the
+next is planned ahead and already queued on their sockets, so they never wait for the scheduler
+(see `Scheduler` on what is planned ahead). When a result comes back, the step after next is
+planned and sent at once, and only then do the outputs go to the api that owns each request.
 
 Nothing here waits on a peer. Sends never block: an api that stops reading loses its requests
 (aborted, blocks freed) and nobody else notices. A step that gets no result within
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import zmq
 
@@ -57,9 +59,9 @@ class SchedulerServer:
         self.apis: set[bytes] = set()
         self.owner_of: dict[str, bytes] = {}
         self.cut_off: dict[bytes, list[str]] = {}  # api -> its requests aborted while it did not read
-        self.step_in_flight: int | None = None  # the id of the step the workers are executing
-        self.step_deadline = 0.0
-        self.step_back_to_back = False  # sent as soon as the previous result was in
+        self.in_flight: deque[tuple[int, bool]] = deque()  # (step id, sent while the workers had work)
+        self.depth = 2 if config.async_scheduling else 1
+        self.step_deadline = 0.0  # for the oldest step in flight
         self.worker_busy = self.worker_waiting = 0.0  # seconds, for the idle-time metric
         self.running = True
         self.exit_code = 0
@@ -81,7 +83,7 @@ class SchedulerServer:
         poller.register(worker_events, zmq.POLLIN)
         log.info("scheduler waiting for %d worker rank(s)", self.world_size)
         while self.running:
-            self._maybe_send_step()
+            self._send_steps()
             for sock, _ in poller.poll(self._poll_timeout_ms()):
                 if sock is worker_events:
                     worker_events.recv_multipart()
@@ -89,7 +91,7 @@ class SchedulerServer:
                     continue
                 handlers = self.api_handlers if sock is self.api_socket else self.worker_handlers
                 self._drain(sock, handlers)
-            if self.step_in_flight is not None and time.monotonic() > self.step_deadline:
+            if self.in_flight and time.monotonic() > self.step_deadline:
                 self.on_worker_lost(f"a worker rank did not finish a step in {self.config.step_timeout:g} s",
                                    reset=True)
         self.worker_socket.disable_monitor()
@@ -98,7 +100,7 @@ class SchedulerServer:
         return self.exit_code
 
     def _poll_timeout_ms(self) -> int | None:
-        if self.step_in_flight is None:
+        if not self.in_flight:
             return None
         return max(0, int((self.step_deadline - time.monotonic()) * 1000)) + 1
 
@@ -122,24 +124,26 @@ class SchedulerServer:
                 elif isinstance(message, StepResult):
                     self.on_worker_lost("the scheduler could not apply a step's result", reset=True)
 
-    def _maybe_send_step(self, back_to_back: bool = False) -> None:
-        if self.scheduler is None or self.step_in_flight is not None or not self.scheduler.has_work():
-            return
-        try:
-            step = self.scheduler.schedule()
-        except Exception:
-            log.exception("scheduling failed")
-            self.on_worker_lost("the scheduler failed to plan a step", reset=True)
-            return
-        if step is None:
-            return
-        for identity in self.workers.values():
-            if not sockets.try_send(self.worker_socket, step, to=identity):
-                self.on_worker_lost("a worker rank is not accepting steps", reset=True)
+    def _send_steps(self, back_to_back: bool = False) -> None:
+        """Plan and send steps until `depth` are in flight or there is nothing to plan."""
+        while (scheduler := self.scheduler) is not None and len(self.in_flight) < self.depth:
+            if not scheduler.has_work() or (self.in_flight and scheduler.needs_drain):
+                return  # with needs_drain, a preemption is due: planned once the steps in flight are done
+            try:
+                step = scheduler.schedule()
+            except Exception:
+                log.exception("scheduling failed")
+                self.on_worker_lost("the scheduler failed to plan a step", reset=True)
                 return
-        self.step_in_flight = step.step_id
-        self.step_back_to_back = back_to_back
-        self.step_deadline = time.monotonic() + self.config.step_timeout
+            if step is None:
+                return
+            for identity in self.workers.values():
+                if not sockets.try_send(self.worker_socket, step, to=identity):
+                    self.on_worker_lost("a worker rank is not accepting steps", reset=True)
+                    return
+            if not self.in_flight:
+                self.step_deadline = time.monotonic() + self.config.step_timeout
+            self.in_flight.append((step.step_id, back_to_back or bool(self.in_flight)))
 
     # --- api messages --------------------------------------------------------------------
 
@@ -233,28 +237,31 @@ class SchedulerServer:
         if reset:  # the rank may still be alive (hung, or slow): have it start over
             for identity in self.workers.values():
                 sockets.try_send(self.worker_socket, Reset(), to=identity)
-        self.scheduler, self.info, self.step_in_flight = None, None, None
+        self.scheduler, self.info = None, None
+        self.in_flight.clear()
         self.workers.clear()
         self.ready.clear()
         for api in list(self.apis):
             self._send_api(api, Unavailable(reason))
 
     def on_step_result(self, sender: bytes, message: StepResult) -> None:
-        if message.step_id != self.step_in_flight or self.scheduler is None:
+        if not self.in_flight or message.step_id != self.in_flight[0][0] or self.scheduler is None:
             # A worker's connection outlives a scheduler restart, and a step that timed out may
             # still finish: such a result belongs to no step of ours.
             log.warning("ignored a result for step %d, which is not in flight", message.step_id)
             return
-        self.step_in_flight = None
+        _, had_work = self.in_flight.popleft()
+        self.step_deadline = time.monotonic() + self.config.step_timeout  # the next one starts now
         if message.error is not None:
             log.error("step %d failed on the worker: %s", message.step_id, message.error)
+            self.in_flight.clear()  # a step after it finds its sequences gone; its result is ignored
             self._route(self.scheduler.fail_all(f"the worker failed: {message.error}"))
             return
         self.worker_busy += (message.forward_ms + message.sample_ms) / 1e3
-        if self.step_back_to_back:  # the worker waited on us, not on work to arrive
+        if had_work:  # the worker waited on us, not on work to arrive
             self.worker_waiting += message.idle_ms / 1e3
         outputs = self.scheduler.update(message)
-        self._maybe_send_step(back_to_back=True)  # the worker computes the next step while the apis stream this one
+        self._send_steps(back_to_back=True)  # the worker computes the next step while the apis stream this one
         self._route(outputs)
 
     # --- sending to apis, never blocking -------------------------------------------------

@@ -101,11 +101,13 @@ class ModelRunner:
 
         rows = [self._sample_row(self.mirrors[scheduled[i].seq_id]) for i in to_sample]
         samples = self.sampler(logits, rows) if rows else []
-        sampled = [
-            SampledToken(scheduled[i].seq_id, s.token_id, s.logprob, s.top_ids, s.top_logprobs)
-            for i, row_samples in zip(to_sample, samples)
-            for s in row_samples
-        ]
+        sampled = []
+        for i, row, row_samples in zip(to_sample, rows, samples):
+            seq_id = scheduled[i].seq_id
+            sampled += [SampledToken(seq_id, s.token_id, s.logprob, s.top_ids, s.top_logprobs) for s in row_samples]
+            if row.num_samples == 1 and not row.params.use_beam_search:
+                # Its next token is known here first: the scheduler may already have planned it.
+                self.mirrors[seq_id].token_ids.append(row_samples[0].token_id)
         done = time.perf_counter()
         return StepResult(
             step.step_id, sampled, (sampled_at - started) * 1e3, (done - sampled_at) * 1e3, failures=failures
