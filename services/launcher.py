@@ -1,20 +1,23 @@
 """`pagedserve up`: start the worker, the scheduler and the api on this machine, and watch them.
 
 It waits until the api answers /health, forwards SIGINT/SIGTERM to the children, and exits
-non-zero as soon as any child dies.
+non-zero as soon as any child dies. The children talk over Unix sockets in a private temporary
+directory, removed when the launcher exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
-from shared.cli import add_api_args, add_scheduler_args, add_worker_args
+from shared.cli import API_KEY_ENV, add_api_args, add_scheduler_args, add_worker_args
 from shared.config import Endpoints
 
 SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models", "tiny-python")
@@ -71,8 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(args.model):
         print(f"pagedserve: --model {args.model} is not a directory", file=sys.stderr)
         return 2
-    endpoints = Endpoints.local()
-    children = {name: subprocess.Popen(cmd) for name, cmd in commands(args, endpoints).items()}
+    directory = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700
+    try:
+        return _supervise(args, Endpoints.local(directory))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _supervise(args: argparse.Namespace, endpoints: Endpoints) -> int:
+    env = {"api": dict(os.environ, **{API_KEY_ENV: args.api_key})} if args.api_key else {}
+    children = {name: subprocess.Popen(cmd, env=env.get(name)) for name, cmd in commands(args, endpoints).items()}
     stopping = False
     failed = False
 

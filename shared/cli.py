@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from shared.config import SchedulerConfig
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"  # the launcher hands the key to the api this way, not on a command line
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +53,8 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", default=None, help="the name clients ask for")
     group.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                        help="larger request bodies get 413 (default: 8 MiB)")
+    group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                       help=f"/v1/* then needs 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
 
 
 def add_endpoint_args(parser: argparse.ArgumentParser, required: bool = True) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 
 
@@ -31,9 +30,9 @@ class Endpoints:
     workers: str
 
     @staticmethod
-    def local(directory: str | None = None) -> Endpoints:
-        base = directory or tempfile.mkdtemp(prefix="pagedserve-")
+    def local(directory: str) -> Endpoints:
+        """Unix sockets in `directory`, which should be private to the user (mode 0700)."""
         return Endpoints(
-            scheduler=f"ipc://{os.path.join(base, 'scheduler.sock')}",
-            workers=f"ipc://{os.path.join(base, 'workers.sock')}",
+            scheduler=f"ipc://{os.path.join(directory, 'scheduler.sock')}",
+            workers=f"ipc://{os.path.join(directory, 'workers.sock')}",
         )

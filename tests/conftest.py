@@ -61,14 +61,14 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(model_dir: str | None, log_dir: str, *flags: str):
+def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] | None = None):
     """Run `pagedserve up` on a free port until the block exits; no model_dir: the default model."""
     port = free_port()
     log_path = os.path.join(log_dir, f"server-{port}.log")
     model = ["--model", model_dir] if model_dir else []
     cmd = [sys.executable, "-m", "services.launcher", "up", *model,
            "--port", str(port), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05", *flags]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"

@@ -32,7 +32,7 @@ def main() -> None:
         sys.exit(2)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(EngineClient(args.scheduler_endpoint), tokenizer, name, vocab_size,
-                    args.max_request_body_bytes)
+                    args.max_request_body_bytes, args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -12,10 +12,12 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.api.auth import RequireApiKey
 from services.api.detokenizer import IncrementalDetokenizer
 from services.api.engine_client import EngineClient
 from services.api.errors import ApiError
@@ -285,7 +287,7 @@ def _check_unicode(body: object) -> None:
 
 
 def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None) -> Starlette:
     server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes)
 
     @asynccontextmanager
@@ -315,6 +317,7 @@ def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
         Route("/metrics", server.prometheus, methods=["GET"]),
     ]
     handlers = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected}
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    middleware = [Middleware(RequireApiKey, api_key=api_key)] if api_key else []
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)
     app.state.server = server
     return app

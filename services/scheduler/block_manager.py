@@ -9,8 +9,23 @@ starts from every cached block its prompt matches.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections.abc import Sequence as Tokens
+
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.request import Request, Sequence
+
+ROOT = b""  # the parent key of a sequence's first block
+
+
+def chain_key(parent: bytes, tokens: Tokens[int]) -> bytes:
+    """A full block's prefix-cache key: SHA-256 over its parent's key and its token ids.
+
+    A cryptographic chain, so that no crafted prompt can take the key of another prompt's prefix
+    (Python's hash() of integers can be collided at will); the pool still compares the block's
+    own tokens on a hit."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
 class BlockManager:
@@ -78,10 +93,10 @@ class BlockManager:
             return []
         tokens = seq.token_ids()
         hits: list[int] = []
-        parent = 0
+        parent = ROOT
         for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start : start + self.block_size])
-            parent = hash((parent, chunk))
+            parent = chain_key(parent, chunk)
             block = self.gpu.lookup(parent, chunk)
             if block is None:
                 break
@@ -103,16 +118,16 @@ class BlockManager:
         # A step planned ahead may have scheduled the position of a token not sampled yet.
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         for index in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else 0
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT
             chunk = tuple(seq.token_at(p) for p in range(index * self.block_size, (index + 1) * self.block_size))
-            block_hash = hash((parent, chunk))
+            block_hash = chain_key(parent, chunk)
             seq.block_hashes.append(block_hash)
             self.gpu.cache(seq.block_table[index], block_hash, chunk)
 
-    def _chain(self, seq: Sequence, num_blocks: int) -> list[int]:
-        hashes, parent, tokens = [], 0, seq.token_ids()
+    def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        hashes, parent, tokens = [], ROOT, seq.token_ids()
         for index in range(num_blocks):
-            parent = hash((parent, tuple(tokens[index * self.block_size : (index + 1) * self.block_size])))
+            parent = chain_key(parent, tokens[index * self.block_size : (index + 1) * self.block_size])
             hashes.append(parent)
         return hashes
 

@@ -21,8 +21,8 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0 first
         self._ref_counts = [0] * num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._by_hash: dict[int, int] = {}
-        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, tokens)
+        self._by_hash: dict[bytes, int] = {}
+        self._key_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (key, tokens)
 
     # --- counts --------------------------------------------------------------------------
 
@@ -80,14 +80,14 @@ class BlockPool:
 
     # --- prefix cache --------------------------------------------------------------------
 
-    def cache(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+    def cache(self, block: int, block_hash: bytes, tokens: tuple[int, ...]) -> None:
         """Make a full, referenced block findable by its content."""
         if not self.enable_caching or block in self._key_of or block_hash in self._by_hash:
             return
         self._by_hash[block_hash] = block
         self._key_of[block] = (block_hash, tokens)
 
-    def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+    def lookup(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:
         """The cached block holding exactly `tokens` after the same prefix, if any."""
         block = self._by_hash.get(block_hash)
         if block is None or self._key_of[block][1] != tokens:

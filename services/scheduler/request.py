@@ -32,7 +32,7 @@ class Sequence:
         self.num_computed_tokens = 0  # may run one token past num_tokens: see num_pending
         self.num_pending = 0  # samples that steps in flight will bring: their positions may be scheduled
         self.block_table: list[int] = []  # GPU block ids, or CPU ones while swapped
-        self.block_hashes: list[int] = []  # prefix-cache keys of the full blocks so far
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of the full blocks so far
         self.num_tokens_known_to_worker = 0  # 0: the worker holds no copy of this sequence
         self.first_unsynced_block = 0  # block table entries from here on are new to the worker
         self.finish_reason: str | None = None
