@@ -1,19 +1,25 @@
-"""Paged attention for the CPU: a whole step in a few vectorized calls per layer.
+"""Paged attention for the CPU.
 
-Decode sequences (one query each) go together: their blocks are gathered into one padded
+`paged_attention_native` runs the C kernel of `cpu_attention.c` over the whole step, split over
+the torch threads by sequence. Where it cannot be compiled, or for dtypes other than float32,
+`paged_attention_torch` serves a whole step in a few vectorized calls per layer: decode sequences (one query each) go together: their blocks are gathered into one padded
 `[seqs, context, kv_heads, head_dim]` workspace with `index_select`, and a single masked
 `scaled_dot_product_attention` (grouped-query aware) serves them all. Sequences with several
 queries (prompt chunks) are few per step and go one call each, causal where the chunk is the
-whole context. Same contract as `paged_attention_reference`, which stays the oracle.
+whole context. Both keep the contract of `paged_attention_reference`, which stays the oracle.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels.batch import PagedBatch
 
 
@@ -36,7 +42,91 @@ _workspace = Workspace()
 CHUNK_BYTES = 4 << 20  # gathered keys and values per attention call
 
 
-def paged_attention_cpu(
+def paged_attention_cpu(query, key_cache, value_cache, batch: PagedBatch, scale: float,
+                        window: int | None = None) -> torch.Tensor:
+    if native_kernel() is not None and native_accepts(query, key_cache, value_cache):
+        return paged_attention_native(query, key_cache, value_cache, batch, scale, window)
+    return paged_attention_torch(query, key_cache, value_cache, batch, scale, window)
+
+
+@functools.cache
+def native_kernel():
+    library = native.load("cpu_attention")
+    if library is None:
+        return None
+    kernel = library.paged_attention_f32
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    kernel.argtypes = [pointer, pointer, pointer, pointer, integer, pointer, pointer, integer, integer,
+                       integer, integer, integer, integer, ctypes.c_float, integer, pointer, pointer]
+    kernel.restype = None
+    return kernel
+
+
+def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    return (query.device.type == "cpu" and query.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+            and query.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and query.shape[1] % key_cache.shape[2] == 0)
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def paged_attention_native(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], float32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], float32
+    value_cache: torch.Tensor,
+    batch: PagedBatch,
+    scale: float,
+    window: int | None = None,
+    workspace: Workspace = _workspace,
+) -> torch.Tensor:
+    global _pool
+    kernel = native_kernel()
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    derived = batch.derived.get("native")
+    if derived is None:  # the same for every layer of the step
+        derived = batch.derived["native"] = (
+            batch.block_tables.to(torch.int32).contiguous(), batch.query_start_loc.to(torch.int32).contiguous(),
+            batch.context_lens.to(torch.int32).contiguous(), _split(batch, torch.get_num_threads()))
+    tables, starts, lens, parts = derived
+    out = torch.empty_like(query)
+    scratch = num_heads // num_kv_heads * max(batch.context_lens_list)
+
+    def run(part: int) -> None:
+        first, last = parts[part]
+        scores = workspace.take(f"scores{part}", (scratch,), torch.float32, query.device)
+        kernel(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+               starts.data_ptr(), lens.data_ptr(), first, last, num_heads, num_kv_heads, head_dim, block_size,
+               scale, window or 0, scores.data_ptr(), out.data_ptr())
+
+    if len(parts) == 1:
+        run(0)
+    else:  # ctypes lets go of the GIL, so the parts run on as many cores
+        if _pool is None or _pool._max_workers < len(parts):
+            _pool = ThreadPoolExecutor(len(parts), thread_name_prefix="attention")
+        list(_pool.map(run, range(len(parts))))
+    return out
+
+
+def _split(batch: PagedBatch, threads: int) -> list[tuple[int, int]]:
+    """Consecutive ranges of sequences with about equal work (queries times context) each."""
+    starts, lens = batch.query_start_list, batch.context_lens_list
+    costs = [(starts[s + 1] - starts[s]) * lens[s] for s in range(len(lens))]
+    parts = min(threads, len(lens))
+    if parts <= 1:
+        return [(0, len(lens))]
+    share, ranges, first, running = sum(costs) / parts, [], 0, 0
+    for s, cost in enumerate(costs):
+        running += cost
+        if running >= share * (len(ranges) + 1) and len(ranges) < parts - 1:
+            ranges.append((first, s + 1))
+            first = s + 1
+    ranges.append((first, len(lens)))
+    return [r for r in ranges if r[0] < r[1]]
+
+
+def paged_attention_torch(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,

@@ -1,8 +1,10 @@
-"""The kernel boundary the model calls: Triton on CUDA, vectorized torch elsewhere.
+"""The kernel boundary the model calls: Triton on CUDA; on a CPU, the compiled C kernel where it
+builds, vectorized torch elsewhere.
 
 `PAGEDSERVE_KERNELS=reference` forces the per-sequence references (on any device), the oracle the
-others are tested against; `PAGEDSERVE_KERNELS=triton` forces Triton (on CPU that needs
-`TRITON_INTERPRET=1`, as the tests use).
+others are tested against; `PAGEDSERVE_KERNELS=torch` keeps the CPU in torch (no C compiler
+needed); `PAGEDSERVE_KERNELS=triton` forces Triton (on CPU that needs `TRITON_INTERPRET=1`, as
+the tests use).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import torch
 from kernels import block_copy, kv_write
 from kernels import paged_attention as attention
 from kernels.batch import PagedBatch
-from kernels.cpu_attention import paged_attention_cpu
+from kernels.cpu_attention import paged_attention_cpu, paged_attention_torch
 
 
 def _mode() -> str:
     mode = os.environ.get("PAGEDSERVE_KERNELS", "auto")
-    if mode not in ("auto", "reference", "triton"):
-        raise ValueError(f"PAGEDSERVE_KERNELS={mode!r}: expected auto, reference or triton")
+    if mode not in ("auto", "reference", "torch", "triton"):
+        raise ValueError(f"PAGEDSERVE_KERNELS={mode!r}: expected auto, reference, torch or triton")
     return mode
 
 
@@ -38,8 +40,11 @@ def use_triton(tensor: torch.Tensor) -> bool:
 def paged_attention(query, key_cache, value_cache, batch: PagedBatch, scale: float, window: int | None = None):
     if use_triton(query):
         return attention.paged_attention_triton(query, key_cache, value_cache, batch, scale, window)
-    if _mode() == "reference":
+    mode = _mode()
+    if mode == "reference":
         return attention.paged_attention_reference(query, key_cache, value_cache, batch, scale, window)
+    if mode == "torch":
+        return paged_attention_torch(query, key_cache, value_cache, batch, scale, window)
     return paged_attention_cpu(query, key_cache, value_cache, batch, scale, window)
 
 

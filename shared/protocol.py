@@ -193,7 +193,7 @@ class SampledToken:
 
     seq_id: int
     token_id: int
-    logprob: float
+    logprob: float  # 0.0 where the request reads none (`SamplingParams.needs_logprobs`)
     top_ids: list[int]
     top_logprobs: list[float]
 

@@ -55,6 +55,12 @@ class SamplingParams:
         return self.best_of if self.best_of is not None else self.n
 
     @property
+    def needs_logprobs(self) -> bool:
+        """Whether anyone reads its tokens' log-probabilities: the client, or the ranking of beams
+        and of best_of samples."""
+        return self.logprobs is not None or self.use_beam_search or self.num_samples > self.n
+
+    @property
     def num_top_logprobs(self) -> int:
         """Alternatives the worker reports per token: beam search needs 2 per beam."""
         wanted = self.logprobs or 0

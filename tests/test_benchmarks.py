@@ -33,6 +33,17 @@ def test_sharing_bench_finds_savings(monkeypatch, mode, width):
     assert 0 < bench.run(mode, width)["saving_percent"] < 100
 
 
+def test_cpu_attention_bench_runs(tmp_path):
+    env = dict(os.environ, PAGEDSERVE_BENCH_REPEATS="1", PAGEDSERVE_BENCH_OUT=str(tmp_path))
+    script = os.path.join(ROOT, "benchmarks", "cpu_attention_bench.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+    if "no C compiler" in done.stderr:
+        pytest.skip("no C compiler here: the compiled CPU attention kernel cannot be built")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "cpu_attention_bench.json").read_text())["rows"]
+    assert len(rows) == 5 and all(row["torch_ms"] > 0 and row["compiled_ms"] > 0 for row in rows)
+
+
 def test_beam_memory_bench_runs(tmp_path):
     env = dict(os.environ, PAGEDSERVE_BENCH_LENGTHS="40,80", PAGEDSERVE_BENCH_OUT=str(tmp_path))
     script = os.path.join(ROOT, "benchmarks", "beam_memory_bench.py")

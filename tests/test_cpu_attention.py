@@ -1,27 +1,77 @@
-"""The vectorized CPU attention against the per-sequence reference, over the kernel tests' shapes."""
+"""The CPU attention paths, the compiled C kernel and vectorized torch, against the per-sequence
+reference over the kernel tests' shapes."""
 
 import pytest
 import torch
 
-from kernels.cpu_attention import Workspace, paged_attention_cpu
+from kernels import cpu_attention
+from kernels.cpu_attention import (Workspace, native_accepts, native_kernel, paged_attention_native,
+                                   paged_attention_torch)
 from tests.test_kernels import ATTENTION_CASES, TOLERANCE, make_batch, reference_in_float32
+
+
+def compiled_kernel():
+    if native_kernel() is None:
+        pytest.skip("no C compiler here: the compiled CPU attention kernel cannot be built")
 
 
 @pytest.mark.parametrize("shapes, heads, kv_heads, head_dim, block_size, dtype", ATTENTION_CASES)
 @pytest.mark.parametrize("window", [None, 5])
-def test_cpu_attention_matches_reference(shapes, heads, kv_heads, head_dim, block_size, dtype, window):
+def test_torch_cpu_attention_matches_reference(shapes, heads, kv_heads, head_dim, block_size, dtype, window):
     query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, block_size, dtype)
     scale = head_dim**-0.5
-    out = paged_attention_cpu(query, key_cache, value_cache, batch, scale, window)
+    out = paged_attention_torch(query, key_cache, value_cache, batch, scale, window)
     expected = reference_in_float32(query, key_cache, value_cache, batch, scale, window)
     torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_a_reused_workspace_gives_the_same_answers_for_batches_of_other_sizes():
+FLOAT32_CASES = [case for case in ATTENTION_CASES if case[-1] == torch.float32] + [
+    ([(5, 18), (1, 40)], 8, 1, 128, 32, torch.float32),  # the other head size compiled on its own
+]
+
+
+@pytest.mark.parametrize("shapes, heads, kv_heads, head_dim, block_size, dtype", FLOAT32_CASES)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_compiled_cpu_attention_matches_reference(shapes, heads, kv_heads, head_dim, block_size, dtype, window,
+                                                  threads):
+    compiled_kernel()
+    query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, block_size, dtype)
+    scale = head_dim**-0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_attention_native(query, key_cache, value_cache, batch, scale, window)
+    finally:
+        torch.set_num_threads(before)
+    expected = reference_in_float32(query, key_cache, value_cache, batch, scale, window)
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_the_compiled_kernel_takes_float32_only_and_leaves_other_dtypes_to_torch():
+    for dtype, taken in ((torch.float32, True), (torch.bfloat16, False), (torch.float16, False)):
+        query, key_cache, value_cache, _ = make_batch([(1, 5)], 4, 2, 64, 8, dtype)
+        assert native_accepts(query, key_cache, value_cache) is taken
+
+
+def test_sequences_are_split_over_threads_by_work_and_none_is_left_out():
+    _, _, _, batch = make_batch([(1, 100), (30, 30), (1, 5), (1, 5), (1, 90), (1, 8)], 4, 2, 16, 8, torch.float32)
+    parts = cpu_attention._split(batch, 3)
+    assert len(parts) == 3 and parts[0][0] == 0 and parts[-1][1] == batch.num_seqs
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(parts, parts[1:]))
+    _, _, _, even = make_batch([(1, 20)] * 6, 4, 2, 16, 8, torch.float32)
+    assert cpu_attention._split(even, 3) == [(0, 2), (2, 4), (4, 6)]
+    assert cpu_attention._split(even, 1) == [(0, 6)]
+
+
+@pytest.mark.parametrize("attention", [paged_attention_torch, paged_attention_native])
+def test_a_reused_workspace_gives_the_same_answers_for_batches_of_other_sizes(attention):
+    if attention is paged_attention_native:
+        compiled_kernel()
     workspace = Workspace()
     for seed, shapes in enumerate([[(1, 40)] * 6, [(1, 3), (1, 70)], [(1, 17)] * 9]):
         query, key_cache, value_cache, batch = make_batch(shapes, 4, 2, 64, 8, torch.float32, seed=seed)
-        out = paged_attention_cpu(query, key_cache, value_cache, batch, 0.125, workspace=workspace)
+        out = attention(query, key_cache, value_cache, batch, 0.125, workspace=workspace)
         expected = reference_in_float32(query, key_cache, value_cache, batch, 0.125)
         torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
 
@@ -40,13 +90,35 @@ def test_indexed_kv_write_matches_the_reference():
 
 
 def test_decode_attention_in_chunks_of_any_size_matches_the_reference(monkeypatch):
-    import kernels.cpu_attention as cpu_attention
-
     query, key_cache, value_cache, batch = make_batch([(1, 9), (1, 30), (1, 17), (1, 2), (1, 25)], 4, 2, 64, 8,
                                                       torch.float32, seed=7)
     expected = reference_in_float32(query, key_cache, value_cache, batch, 0.125)
     for chunk_bytes in (1, 2 * 32 * 2 * 64 * 4 * 2, 1 << 30):  # one sequence, two, all
         monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", chunk_bytes)
         batch.derived.clear()
-        out = paged_attention_cpu(query, key_cache, value_cache, batch, 0.125, workspace=Workspace())
+        out = paged_attention_torch(query, key_cache, value_cache, batch, 0.125, workspace=Workspace())
         torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_the_kernel_is_built_into_a_directory_only_its_user_can_write(tmp_path, monkeypatch):
+    from kernels import native
+
+    compiled_kernel()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load("cpu_attention") is not None
+    directory = tmp_path / "pagedserve" / "kernels"
+    assert directory.stat().st_mode & 0o777 == 0o700 and len(list(directory.glob("cpu_attention-*.so"))) == 1
+
+    directory.chmod(0o777)  # anyone could plant a library here: build privately and leave nothing
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load("cpu_attention") is not None
+    assert len(list(directory.glob("cpu_attention-*.so"))) == 1
+
+
+def test_without_a_compiler_the_kernel_is_not_built_and_torch_serves(monkeypatch):
+    from kernels import native
+
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load("cpu_attention") is None

@@ -32,10 +32,19 @@ def test_temperature_sharpens_the_distribution():
     assert math.isclose(cold[0].item() / cold[1].item(), 4.0, rel_tol=1e-5)
 
 
-def test_greedy_takes_the_argmax_and_reports_its_logprob():
-    [[sample]] = Sampler(seed=0)(LOGITS, [SampleRow(SamplingParams(temperature=0.0), 0)])
+def test_greedy_takes_the_argmax_and_reports_its_logprob_when_asked():
+    [[sample]] = Sampler(seed=0)(LOGITS, [SampleRow(SamplingParams(temperature=0.0, logprobs=0), 0)])
     assert sample.token_id == 0
     assert math.isclose(sample.logprob, math.log(0.5), rel_tol=1e-5)
+
+
+def test_log_probabilities_are_computed_only_where_someone_reads_them():
+    unread, read = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, n=1, best_of=2)
+    assert not unread.needs_logprobs and read.needs_logprobs  # best_of ranks by them
+    [[alone]] = Sampler(seed=0)(LOGITS, [SampleRow(unread, 0)])
+    assert alone.token_id == 0 and alone.logprob == 0.0
+    [[mixed], [ranked]] = Sampler(seed=0)(LOGITS.repeat(2, 1), [SampleRow(unread, 1), SampleRow(read, 1)])
+    assert math.isclose(ranked.logprob, math.log(0.5), rel_tol=1e-5)
 
 
 def test_top_logprobs_are_returned_when_asked():

@@ -7,7 +7,7 @@ image="${1:-pagedserve-base:bookworm}"
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 rootfs="$(mktemp -d)"
 trap 'rm -rf "$rootfs"' EXIT
-debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates,gcc,libc6-dev \
   bookworm "$rootfs" "$mirror"
 rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
 tar -C "$rootfs" -c . | docker import - "$image"

@@ -49,8 +49,13 @@ class Sampler:
             random_owners = [owners[j] for j in random_draws]
             choices[random_draws] = self._draw(logits, rows, random_owners, [draws[j] for j in random_draws],
                                                greedy[random_owners])
-        log_total = torch.logsumexp(logits, dim=-1)  # log-probabilities without the whole table
-        chosen = (logits[owner_index, choices] - log_total[owner_index]).tolist()
+        # Log-probabilities without the whole table, and only where someone reads them: the
+        # exponentials cost more than the rest of sampling.
+        if any(row.params.needs_logprobs for row in rows):
+            log_total = torch.logsumexp(logits, dim=-1)
+            chosen = (logits[owner_index, choices] - log_total[owner_index]).tolist()
+        else:
+            chosen = [0.0] * len(owners)
         choices = choices.tolist()
         num_top = max(row.params.num_top_logprobs for row in rows)
         if num_top:

@@ -1,0 +1,95 @@
+/* Paged attention for the CPU in float32, reading keys and values straight from the paged cache.
+ *
+ * The contract is paged_attention_reference's (kernels/paged_attention.py): query row i of
+ * sequence s sits at position context_lens[s] - num_queries + i and sees that sequence's keys up
+ * to its own position (within the sliding window when window > 0), found through its row of the
+ * block table. Nothing is gathered into a workspace first, so each key and value is read once per
+ * query; the query heads that share a KV head are served together from the same loads.
+ * Built with -O3 -ffast-math so the head_dim loops become SIMD and expf the vector library's.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline __attribute__((always_inline)) void attend_range(
+    const float *restrict query, const float *restrict key_cache, const float *restrict value_cache,
+    const int32_t *restrict block_tables, int64_t table_stride, const int32_t *restrict query_start,
+    const int32_t *restrict context_lens, int64_t first_seq, int64_t last_seq, int64_t num_heads,
+    int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    float *restrict scores, float *restrict out)
+{
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim; /* floats per cached token */
+    for (int64_t s = first_seq; s < last_seq; s++) {
+        const int32_t *table = block_tables + s * table_stride;
+        const int64_t first = query_start[s], num_queries = query_start[s + 1] - first;
+        const int64_t context = context_lens[s];
+        for (int64_t i = 0; i < num_queries; i++) {
+            const int64_t position = context - num_queries + i;
+            const int64_t lowest = (window > 0 && position - window + 1 > 0) ? position - window + 1 : 0;
+            const int64_t n = position + 1 - lowest;
+            const float *token_query = query + (first + i) * num_heads * head_dim;
+            float *token_out = out + (first + i) * num_heads * head_dim;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const float *q = token_query + h * group * head_dim;
+                for (int64_t t = 0; t < n; t++) {
+                    const int64_t p = lowest + t;
+                    const float *k = key_cache + ((int64_t)table[p / block_size] * block_size + p % block_size)
+                                                 * token_stride + h * head_dim;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float *qg = q + g * head_dim;
+                        float dot = 0.f;
+                        for (int64_t d = 0; d < head_dim; d++)
+                            dot += qg[d] * k[d];
+                        scores[g * n + t] = dot * scale;
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    float *row = scores + g * n;
+                    float top = row[0];
+                    for (int64_t t = 1; t < n; t++)
+                        top = row[t] > top ? row[t] : top;
+                    float total = 0.f;
+                    for (int64_t t = 0; t < n; t++) {
+                        row[t] = expf(row[t] - top);
+                        total += row[t];
+                    }
+                    const float inverse = 1.f / total;
+                    for (int64_t t = 0; t < n; t++)
+                        row[t] *= inverse;
+                    memset(token_out + (h * group + g) * head_dim, 0, head_dim * sizeof(float));
+                }
+                for (int64_t t = 0; t < n; t++) {
+                    const int64_t p = lowest + t;
+                    const float *v = value_cache + ((int64_t)table[p / block_size] * block_size + p % block_size)
+                                                   * token_stride + h * head_dim;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float weight = scores[g * n + t];
+                        float *o = token_out + (h * group + g) * head_dim;
+                        for (int64_t d = 0; d < head_dim; d++)
+                            o[d] += weight * v[d];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* scores: scratch of num_heads / num_kv_heads * max(context_lens) floats. */
+void paged_attention_f32(
+    const float *query, const float *key_cache, const float *value_cache, const int32_t *block_tables,
+    int64_t table_stride, const int32_t *query_start, const int32_t *context_lens, int64_t first_seq,
+    int64_t last_seq, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, int64_t window, float *scores, float *out)
+{
+#define ATTEND(DIM)                                                                                   \
+    attend_range(query, key_cache, value_cache, block_tables, table_stride, query_start, context_lens, \
+                 first_seq, last_seq, num_heads, num_kv_heads, DIM, block_size, scale, window, scores, out)
+    /* A constant head_dim lets the compiler unroll the inner loops into whole vectors. */
+    switch (head_dim) {
+    case 64: ATTEND(64); break;
+    case 128: ATTEND(128); break;
+    default: ATTEND(head_dim);
+    }
+#undef ATTEND
+}
