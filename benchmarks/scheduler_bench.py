@@ -1,4 +1,5 @@
-"""Scheduler overhead: schedule() plus step encoding, and the scheduler->worker->scheduler round trip.
+"""Scheduler overhead: schedule() plus step encoding, and the scheduler->worker->scheduler round trip,
+over ipc:// (as `pagedserve up` runs) and over tcp:// with and without CURVE (as compose runs).
 
 Prints a table and writes benchmarks/results/scheduler_bench.json. No torch: the worker here
 decodes each step and answers it without running a model ("empty forward").
@@ -10,6 +11,7 @@ import json
 import multiprocessing
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -24,6 +26,7 @@ from services.scheduler.scheduler import Budgets, Scheduler  # noqa: E402
 from shared import sockets  # noqa: E402
 from shared.protocol import AddRequest, SampledToken, Shutdown, Step, StepResult, encode  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
+from shared.wire_security import load_keys, make_keys, start_authenticator  # noqa: E402
 
 NUM_SEQS = 256
 PROMPT_LEN = 128
@@ -72,9 +75,10 @@ def bench_schedule() -> dict:
     }
 
 
-def empty_worker(endpoint: str) -> None:
+def empty_worker(endpoint: str, keys_dir: str | None) -> None:
     context = zmq.Context()
-    sock = sockets.connect(context, zmq.DEALER, endpoint, identity=b"worker-0")
+    keys = load_keys(os.path.join(keys_dir, "worker"), "worker") if keys_dir else None
+    sock = sockets.connect(context, zmq.DEALER, endpoint, identity=b"worker-0", keys=keys)
     sock.send(b"ready")
     while True:
         _, step = sockets.receive(sock)
@@ -83,12 +87,21 @@ def empty_worker(endpoint: str) -> None:
         sockets.send(sock, answer(step))
 
 
-def bench_round_trip(num_seqs: int) -> dict:
+def bench_round_trip(num_seqs: int, transport: str = "ipc") -> dict:
+    """transport: ipc (what `pagedserve up` uses), tcp, or tcp+curve (what compose uses)."""
     directory = tempfile.mkdtemp(prefix="pagedserve-bench-")
-    endpoint = f"ipc://{directory}/workers.sock"
+    endpoint = f"ipc://{directory}/workers.sock" if transport == "ipc" else "tcp://127.0.0.1:*"
+    keys_dir = os.path.join(directory, "keys") if transport == "tcp+curve" else None
+    keys = None
+    if keys_dir:
+        make_keys(keys_dir)
+        keys = load_keys(os.path.join(keys_dir, "scheduler"), "scheduler")
     context = zmq.Context()
-    router = sockets.bind(context, zmq.ROUTER, endpoint)
-    worker = multiprocessing.get_context("spawn").Process(target=empty_worker, args=(endpoint,), daemon=True)
+    authenticator = start_authenticator(context, keys)
+    router = sockets.bind(context, zmq.ROUTER, endpoint, keys, "worker")
+    endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+    worker = multiprocessing.get_context("spawn").Process(target=empty_worker, args=(endpoint, keys_dir),
+                                                          daemon=True)
     worker.start()
     identity, _ = router.recv_multipart()
     scheduler = decoding_scheduler() if num_seqs else None
@@ -105,7 +118,10 @@ def bench_round_trip(num_seqs: int) -> dict:
             scheduler.update(result)
     sockets.send(router, Shutdown(), to=identity)
     worker.join(5)
+    if authenticator is not None:
+        authenticator.stop()
     context.destroy(linger=0)
+    shutil.rmtree(directory, ignore_errors=True)
     return {"median_ms": statistics.median(times), "p99_ms": _p99(times)}
 
 
@@ -120,7 +136,15 @@ def main() -> None:
         "schedule": bench_schedule(),
         "round_trip_empty_step": bench_round_trip(0),
         "round_trip_256_decodes": bench_round_trip(NUM_SEQS),
+        "round_trip_empty_step_tcp": bench_round_trip(0, "tcp"),
+        "round_trip_empty_step_tcp_curve": bench_round_trip(0, "tcp+curve"),
+        "round_trip_256_decodes_tcp": bench_round_trip(NUM_SEQS, "tcp"),
+        "round_trip_256_decodes_tcp_curve": bench_round_trip(NUM_SEQS, "tcp+curve"),
     }
+    # The empty step isolates the wire: the 256-decode round trip adds milliseconds of decoding
+    # and bookkeeping whose noise hides a difference this small.
+    results["curve_cost_per_step_ms"] = (results["round_trip_empty_step_tcp_curve"]["median_ms"]
+                                         - results["round_trip_empty_step_tcp"]["median_ms"])
     print(f"{'measure':<48}{'median':>10}{'p99':>10}")
     s = results["schedule"]
     print(f"{'schedule()+encode, 256 decoding seqs (ms)':<48}{s['schedule_plus_encode_ms_median']:>10.3f}"
@@ -128,9 +152,14 @@ def main() -> None:
     print(f"{'update() with 256 sampled tokens (ms)':<48}{s['update_ms_median']:>10.3f}{'':>10}")
     print(f"{'step frame for 256 decodes (bytes)':<48}{s['step_frame_bytes_median']:>10.0f}{'':>10}")
     for key, label in [("round_trip_empty_step", "round trip, empty step (ms)"),
-                       ("round_trip_256_decodes", "round trip, 256 decodes, no forward (ms)")]:
+                       ("round_trip_empty_step_tcp", "  the same over tcp:// (ms)"),
+                       ("round_trip_empty_step_tcp_curve", "  the same over tcp:// with CURVE (ms)"),
+                       ("round_trip_256_decodes", "round trip, 256 decodes, no forward (ms)"),
+                       ("round_trip_256_decodes_tcp", "  the same over tcp:// (ms)"),
+                       ("round_trip_256_decodes_tcp_curve", "  the same over tcp:// with CURVE (ms)")]:
         r = results[key]
         print(f"{label:<48}{r['median_ms']:>10.3f}{r['p99_ms']:>10.3f}")
+    print(f"{'CURVE cost per step, empty step (ms)':<48}{results['curve_cost_per_step_ms']:>10.3f}")
     out = os.environ.get("PAGEDSERVE_BENCH_OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "scheduler_bench.json"), "w") as f:

@@ -11,7 +11,6 @@ whole context. Both keep the contract of `paged_attention_reference`, which stay
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -51,15 +50,9 @@ def paged_attention_cpu(query, key_cache, value_cache, batch: PagedBatch, scale:
 
 @functools.cache
 def native_kernel():
-    library = native.load("cpu_attention")
-    if library is None:
-        return None
-    kernel = library.paged_attention_f32
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    kernel.argtypes = [pointer, pointer, pointer, pointer, integer, pointer, pointer, integer, integer,
-                       integer, integer, integer, integer, ctypes.c_float, integer, pointer, pointer]
-    kernel.restype = None
-    return kernel
+    p, i = native.POINTER, native.INT64
+    return native.function("cpu_attention", "paged_attention_f32",
+                           [p, p, p, p, i, p, p, i, i, i, i, i, i, native.FLOAT, i, p, p])
 
 
 def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

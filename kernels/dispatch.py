@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from kernels import block_copy, kv_write
+from kernels import block_copy, kv_write, rotary
 from kernels import paged_attention as attention
 from kernels.batch import PagedBatch
 from kernels.cpu_attention import paged_attention_cpu, paged_attention_torch
@@ -46,6 +46,13 @@ def paged_attention(query, key_cache, value_cache, batch: PagedBatch, scale: flo
     if mode == "torch":
         return paged_attention_torch(query, key_cache, value_cache, batch, scale, window)
     return paged_attention_cpu(query, key_cache, value_cache, batch, scale, window)
+
+
+def rotate_and_write_kv(query, key, value, cos, sin, key_cache, value_cache, slot_mapping) -> bool:
+    """The compiled CPU fusion of rotary embedding and `write_kv`; False where it does not apply."""
+    if _mode() != "auto" or use_triton(query):
+        return False
+    return rotary.rotate_and_write_native(query, key, value, cos, sin, key_cache, value_cache, slot_mapping)
 
 
 def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:

@@ -20,8 +20,8 @@ log = logging.getLogger("pagedserve.kernels")
 
 SOURCES = Path(__file__).parent
 FLAG_SETS = (  # the vector math library where glibc has one; plain -lm elsewhere
-    ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"],
-    ["-O3", "-ffast-math", "-shared", "-fPIC"],
+    ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"],
+    ["-O3", "-ffast-math", "-fPIC"],
 )
 LIBRARIES = (["-lmvec", "-lm"], ["-lm"])
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -32,6 +32,19 @@ def load(name: str) -> ctypes.CDLL | None:
     if name not in _loaded:
         _loaded[name] = _build_and_load(name)
     return _loaded[name]
+
+
+def function(name: str, symbol: str, argument_types: list, result_type=None):
+    """A typed ctypes function of the compiled `kernels/<name>.c`, or None where it cannot be built."""
+    library = load(name)
+    if library is None:
+        return None
+    kernel = getattr(library, symbol)
+    kernel.argtypes, kernel.restype = argument_types, result_type
+    return kernel
+
+
+POINTER, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 def _build_and_load(name: str) -> ctypes.CDLL | None:
@@ -64,13 +77,20 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
 
 
 def _compile(compiler: str, source: Path, flags: list[str], libraries: list[str], target: Path) -> bool:
+    """Compile, then link without -ffast-math: linked with it, the library would switch the
+    whole process to flushing subnormal numbers to zero when it loads."""
     partial = target.with_suffix(f".{os.getpid()}.tmp")
-    command = [compiler, *flags, "-o", str(partial), str(source), *libraries]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        log.debug("%s failed: %s", " ".join(command), done.stderr.strip())
-        partial.unlink(missing_ok=True)
-        return False
+    objects = target.with_suffix(f".{os.getpid()}.o")
+    try:
+        for command in ([compiler, *flags, "-c", "-o", str(objects), str(source)],
+                        [compiler, "-shared", "-o", str(partial), str(objects), *libraries]):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                log.debug("%s failed: %s", " ".join(command), done.stderr.strip())
+                partial.unlink(missing_ok=True)
+                return False
+    finally:
+        objects.unlink(missing_ok=True)
     os.replace(partial, target)  # atomic: a concurrent process loads a whole library or builds its own
     return True
 

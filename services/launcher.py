@@ -1,4 +1,5 @@
 """`pagedserve up`: start the worker, the scheduler and the api on this machine, and watch them.
+`pagedserve keys DIR`: make the CURVE keys the services need on tcp:// endpoints.
 
 It waits until the api answers /health, forwards SIGINT/SIGTERM to the children, and exits
 non-zero as soon as any child dies. The children talk over Unix sockets in a private temporary
@@ -32,7 +33,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_scheduler_args(up)
     add_worker_args(up)
     up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    keys = commands.add_parser("keys", help="make CURVE key pairs for the scheduler, the api and the workers")
+    keys.add_argument("directory", help="gets one folder per service: scheduler/, api/, worker/")
+    keys.add_argument("--force", action="store_true", help="replace keys already there")
     return parser.parse_args(argv)
+
+
+def make_keys(args: argparse.Namespace) -> int:
+    from shared.wire_security import make_keys as write_keys
+
+    if os.path.exists(os.path.join(args.directory, "scheduler", "scheduler.key_secret")) and not args.force:
+        print(f"pagedserve: keys already in {args.directory} (--force replaces them)", file=sys.stderr)
+        return 0
+    for path in write_keys(args.directory):
+        print(path)
+    return 0
 
 
 def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
@@ -71,6 +86,8 @@ def commands(args: argparse.Namespace, endpoints: Endpoints) -> dict[str, list[s
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command == "keys":
+        return make_keys(args)
     if not os.path.isdir(args.model):
         print(f"pagedserve: --model {args.model} is not a directory", file=sys.stderr)
         return 2

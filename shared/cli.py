@@ -10,6 +10,8 @@ import logging
 import os
 
 from shared.config import SchedulerConfig
+from shared.sockets import MAX_MESSAGE_BYTES
+from shared.wire_security import add_wire_security_args
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"  # the launcher hands the key to the api this way, not on a command line
 
@@ -57,10 +59,19 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                        help=f"/v1/* then needs 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
 
 
-def add_endpoint_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+def add_endpoint_args(parser: argparse.ArgumentParser, required: bool = True, worker: bool = True) -> None:
     group = parser.add_argument_group("endpoints")
     group.add_argument("--scheduler-endpoint", required=required, help="e.g. tcp://0.0.0.0:5555")
-    group.add_argument("--worker-endpoint", required=required, help="e.g. tcp://0.0.0.0:5556")
+    if worker:
+        group.add_argument("--worker-endpoint", required=required, help="e.g. tcp://0.0.0.0:5556")
+    add_wire_args(parser)
+
+
+def add_wire_args(parser: argparse.ArgumentParser) -> None:
+    add_wire_security_args(parser)
+    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
+                        help="larger frames on the internal wire drop their sender's connection "
+                             f"(default: {MAX_MESSAGE_BYTES >> 20} MiB)")
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

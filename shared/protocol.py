@@ -247,9 +247,30 @@ def encode(message: object) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, tag, *_field_values(message)], default=_field_values)
 
 
-def decode(frame: bytes) -> object:
+class _ContainerBudget:
+    """Stops decoding at the n-th array or map: each costs at least 56 bytes in Python for one
+    byte on the wire, so a frame of empty containers would otherwise grow some 60-fold."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+
+    def __call__(self, container):
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError("more arrays and maps than this socket's messages ever hold")
+        return container
+
+
+def decode(frame: bytes, max_containers: int | None = None) -> object:
+    """`max_containers` bounds the arrays and maps of the frame (None: no bound)."""
+    hooks = {}
+    if max_containers is not None:
+        budget = _ContainerBudget(max_containers)
+        hooks = {"list_hook": budget, "object_pairs_hook": lambda pairs: dict(budget(pairs))}
     try:
-        raw = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=False, **hooks)
+    except ProtocolError:
+        raise
     except Exception as exc:  # msgpack raises several unrelated types for bad bytes
         raise ProtocolError(f"not msgpack: {exc}") from None
     if not isinstance(raw, list) or len(raw) < 2:

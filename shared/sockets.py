@@ -1,4 +1,9 @@
-"""ZeroMQ helpers: every process talks through these, so framing and options live in one place."""
+"""ZeroMQ helpers: every process talks through these, so framing and options live in one place.
+
+Every socket has a frame size limit (`zmq.MAXMSGSIZE`: ZeroMQ drops the connection of a peer that
+sends more), and every receive a bound on the arrays and maps a frame may decode to, so no frame
+costs more than a small multiple of its bytes.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +12,39 @@ import logging
 import zmq
 
 from shared.protocol import ProtocolError, decode, encode
+from shared.wire_security import WireKeys, connect_securely, serve_securely
 
 log = logging.getLogger(__name__)
 
+MAX_MESSAGE_BYTES = 64 << 20  # a Step resuming hundreds of long sequences carries all their tokens
 
-def bind(context: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
+
+def trusted_peer_containers(frame: bytes) -> int:
+    """The container bound for what the scheduler sends: its densest messages spend a few bytes
+    per array, so this caps any frame at a few dozen times its size in memory."""
+    return len(frame) // 2 + 64
+
+
+def bind(context: zmq.Context, kind: int, endpoint: str, keys: WireKeys | None = None, domain: str = "",
+         max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    serve_securely(sock, keys, domain)
     sock.bind(endpoint)
     return sock
 
 
-def connect(context: zmq.Context, kind: int, endpoint: str, identity: bytes | None = None):
+def connect(context: zmq.Context, kind: int, endpoint: str, identity: bytes | None = None,
+            keys: WireKeys | None = None, max_bytes: int = MAX_MESSAGE_BYTES):
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    connect_securely(sock, keys)
     sock.connect(endpoint)
     return sock
 
@@ -52,19 +72,28 @@ def try_send(sock: zmq.Socket, message: object, to: bytes | None = None) -> bool
     return True
 
 
-def receive(sock: zmq.Socket, routed: bool = False) -> tuple[bytes | None, object | None]:
+def receive(sock: zmq.Socket, routed: bool = False,
+            max_containers: int | None = None) -> tuple[bytes | None, object | None]:
     """Receive one message as (sender, message); a malformed frame is logged and gives None."""
     if routed:
         frames = sock.recv_multipart()  # [peer identity, frame]
         sender, frame = frames[0], frames[-1]
     else:
         sender, frame = None, sock.recv()
-    return sender, _decode_or_log(frame, sender)
+    return sender, decode_or_log(frame, sender, max_containers)
 
 
-def _decode_or_log(frame: bytes, sender: bytes | None) -> object | None:
+def receive_with_connection(sock: zmq.Socket, max_containers: int) -> tuple[bytes, int, object | None]:
+    """On a ROUTER: (sender, the file descriptor of its connection, message). The descriptor is
+    what the socket monitor names when that connection closes."""
+    frames = sock.recv_multipart(copy=False)
+    return frames[0].bytes, frames[-1].get(zmq.SRCFD), decode_or_log(frames[-1].bytes, frames[0].bytes,
+                                                                      max_containers)
+
+
+def decode_or_log(frame: bytes, sender: bytes | None, max_containers: int | None) -> object | None:
     try:
-        return decode(frame)
+        return decode(frame, max_containers)
     except ProtocolError as exc:
-        log.error("dropped a malformed frame from %r: %s", sender, exc)
+        log.error("dropped a malformed frame of %d bytes from %r: %s", len(frame), sender, exc)
         return None

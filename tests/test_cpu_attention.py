@@ -122,3 +122,33 @@ def test_without_a_compiler_the_kernel_is_not_built_and_torch_serves(monkeypatch
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setattr(native, "_loaded", {})
     assert native.load("cpu_attention") is None
+
+
+def test_loading_the_kernel_leaves_subnormal_numbers_alone():
+    compiled_kernel()  # linked with -ffast-math, a library would set flush-to-zero for the whole process
+    assert (torch.tensor([1e-40]) * 1.0).item() != 0.0
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (8, 1, 128), (3, 3, 16)])
+def test_compiled_rotary_and_kv_write_are_bit_for_bit_the_torch_reference(heads, kv_heads, head_dim):
+    from kernels.kv_write import write_kv_reference
+    from kernels.rotary import apply_rope, native_kernel as rotary_kernel, rotate_and_write_native
+
+    if rotary_kernel() is None:
+        pytest.skip("no C compiler here: the compiled rotary kernel cannot be built")
+    generator = torch.Generator().manual_seed(heads)
+    tokens, block_size, num_blocks = 7, 4, 5
+    query = torch.randn(tokens, heads, head_dim, generator=generator)
+    key, value = (torch.randn(tokens, kv_heads, head_dim, generator=generator) for _ in range(2))
+    angles = torch.rand(tokens, head_dim // 2, generator=generator) * 50
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    slots = torch.tensor([3, 9, -1, 0, 17, 12, 5])
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim) for _ in range(4)]
+
+    rotated = query.clone()
+    assert rotate_and_write_native(rotated, key, value, cos, sin, caches[0], caches[1], slots)
+    write_kv_reference(apply_rope(key, cos, sin), value, caches[2], caches[3], slots)
+    assert torch.equal(rotated, apply_rope(query, cos, sin))
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert not rotate_and_write_native(query.half(), key.half(), value.half(), cos.half(), sin.half(),
+                                       caches[0].half(), caches[1].half(), slots)  # float32 only

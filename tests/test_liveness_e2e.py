@@ -16,7 +16,7 @@ import zmq
 from services.scheduler.server import SchedulerServer
 from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
-from shared.protocol import AddRequest, Hello, Ready, RequestOutputs, SchedulerInfo, Shutdown, Step
+from shared.protocol import AddRequest, Hello, Ready, RequestOutputs, SchedulerInfo, Step
 from shared.sampling import SamplingParams
 from tests.conftest import serve
 from tests.scheduler_harness import StandInWorker
@@ -190,6 +190,6 @@ def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tm
         assert server.scheduler.block_manager.gpu.num_referenced == 0
     finally:
         stop.set()
-        sockets.send(good, Shutdown())
+        server.stop()
         loop.join(timeout=5)
         context.destroy(linger=0)

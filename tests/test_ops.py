@@ -31,3 +31,14 @@ def test_compose_runs_the_three_services_with_the_shipped_model():
     model = compose["x-pagedserve"]["environment"]["MODEL"]
     assert "ops/models/tiny-python" in model
     assert os.path.isfile(os.path.join(ROOT, "ops", "models", "tiny-python", "config.json"))
+
+
+def test_compose_gives_each_service_only_its_own_wire_keys():
+    with open(os.path.join(ROOT, "compose.yaml")) as f:
+        services = yaml.safe_load(f)["services"]
+    assert services["keys"]["command"].startswith("pagedserve keys /keys")
+    for name, role in (("scheduler", "scheduler"), ("api", "api"), ("worker", "worker"), ("worker-cpu", "worker")):
+        service = services[name]
+        assert "--keys-dir /keys" in service["command"] and "--insecure-wire" not in service["command"]
+        assert service["volumes"] == [f"./ops/keys/{role}:/keys:ro"]
+        assert service["depends_on"]["keys"] == {"condition": "service_completed_successfully"}

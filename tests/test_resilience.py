@@ -14,7 +14,7 @@ import zmq
 from services.scheduler.server import SchedulerServer
 from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
-from shared.protocol import AddRequest, Hello, Ready, SampledToken, SchedulerInfo, Shutdown, Step, StepResult
+from shared.protocol import AddRequest, Hello, Ready, SampledToken, SchedulerInfo, Step, StepResult
 from shared.sampling import SamplingParams
 from tests.conftest import ROOT, free_port
 
@@ -146,6 +146,6 @@ def test_a_result_left_over_from_a_previous_scheduler_is_ignored(tmp_path):
         step = sockets.receive(worker)[1]
         assert isinstance(step, Step) and [s.seq_id for s in step.scheduled] == [0]
     finally:
-        sockets.send(api, Shutdown())
+        server.stop()
         loop.join(timeout=5)
         context.destroy(linger=0)

@@ -10,7 +10,8 @@ import uvicorn
 
 from services.api.app import build_app
 from services.api.engine_client import EngineClient
-from shared.cli import add_api_args, setup_logging
+from shared.cli import add_api_args, add_wire_args, setup_logging
+from shared.wire_security import WireSecurityError, keys_for
 
 
 def main() -> None:
@@ -18,8 +19,13 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="model directory (tokenizer and config.json)")
     parser.add_argument("--scheduler-endpoint", required=True)
     add_api_args(parser)
+    add_wire_args(parser)
     args = parser.parse_args()
     setup_logging("api")
+    try:
+        keys = keys_for(args, "api", [args.scheduler_endpoint])
+    except WireSecurityError as exc:
+        sys.exit(f"api: {exc}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer  # after the flags, so --help stays quick
 
@@ -31,7 +37,7 @@ def main() -> None:
         logging.getLogger("services.api").error("cannot load the tokenizer and config of %s: %s", args.model, exc)
         sys.exit(2)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    app = build_app(EngineClient(args.scheduler_endpoint), tokenizer, name, vocab_size,
+    app = build_app(EngineClient(args.scheduler_endpoint, keys, args.max_message_bytes), tokenizer, name, vocab_size,
                     args.max_request_body_bytes, args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -26,16 +26,20 @@ from shared.protocol import (
     encode,
 )
 from shared.sampling import SamplingParams
+from shared.sockets import MAX_MESSAGE_BYTES, trusted_peer_containers
+from shared.wire_security import WireKeys, connect_securely
 
 log = logging.getLogger(__name__)
 
 
 class EngineClient:
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, keys: WireKeys | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.socket.setsockopt(zmq.IDENTITY, f"api-{uuid.uuid4().hex[:8]}".encode())
+        connect_securely(self.socket, keys)
         self.socket.connect(endpoint)
         self.info: SchedulerInfo | None = None
         self.latest_stats: Stats | None = None
@@ -121,7 +125,7 @@ class EngineClient:
         while True:
             frame = await self.socket.recv()
             try:
-                message = decode(frame)
+                message = decode(frame, trusted_peer_containers(frame))
             except ProtocolError as exc:
                 log.error("dropped a malformed frame from the scheduler: %s", exc)
                 continue

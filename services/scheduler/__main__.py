@@ -6,6 +6,7 @@ import sys
 from services.scheduler.server import SchedulerServer
 from shared.cli import add_endpoint_args, add_scheduler_args, scheduler_config, setup_logging
 from shared.config import Endpoints
+from shared.wire_security import WireSecurityError, keys_for
 
 
 def main() -> None:
@@ -16,7 +17,12 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging("scheduler")
     endpoints = Endpoints(scheduler=args.scheduler_endpoint, workers=args.worker_endpoint)
-    sys.exit(SchedulerServer(scheduler_config(args), endpoints, args.world_size).run())
+    try:
+        keys = keys_for(args, "scheduler", [endpoints.scheduler, endpoints.workers])
+    except WireSecurityError as exc:
+        sys.exit(f"scheduler: {exc}")
+    server = SchedulerServer(scheduler_config(args), endpoints, args.world_size, keys, args.max_message_bytes)
+    sys.exit(server.run())
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ next is planned ahead and already queued on their sockets, so they never wait fo
 (see `Scheduler` on what is planned ahead). When a result comes back, the step after next is
 planned and sent at once, and only then do the outputs go to the api that owns each request.
 
+Each socket hears only its own role's messages, and with CURVE keys admits only its own role's
+peers (`shared/wire_security.py`). A rank belongs to the first peer that reports `Ready` for it
+until that peer leaves; a connection or departure of any other peer changes nothing. `Shutdown`
+is not taken from the wire: the scheduler stops on a signal, or by `stop()` in its own process.
+
 Nothing here waits on a peer. Sends never block: an api that stops reading loses its requests
 (aborted, blocks freed) and nobody else notices. A step that gets no result within
 `step_timeout` counts as a lost worker: its requests end with an error, the apis answer 503,
@@ -20,12 +25,15 @@ import time
 from collections import deque
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.results import error_output
 from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy, Scheduler
 from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
+from shared.sampling import MAX_SAMPLES
+from shared.wire_security import WireKeys, start_authenticator
 from shared.protocol import (
     Abort,
     AddRequest,
@@ -43,15 +51,31 @@ from shared.protocol import (
 
 log = logging.getLogger(__name__)
 
+API_MESSAGE_CONTAINERS = 16  # an AddRequest holds 4 arrays; Abort, Hello and GetStats fewer
+
 
 class SchedulerServer:
-    def __init__(self, config: SchedulerConfig, endpoints: Endpoints, world_size: int = 1):
+    def __init__(self, config: SchedulerConfig, endpoints: Endpoints, world_size: int = 1,
+                 keys: WireKeys | None = None, max_message_bytes: int = sockets.MAX_MESSAGE_BYTES):
         self.config = config
         self.world_size = world_size
         self.context = zmq.Context()
-        self.api_socket = sockets.bind(self.context, zmq.ROUTER, endpoints.scheduler)
+        self.authenticator = start_authenticator(self.context, keys)  # before any peer can connect
+        self.api_socket = sockets.bind(self.context, zmq.ROUTER, endpoints.scheduler, keys, "api", max_message_bytes)
         self.api_socket.setsockopt(zmq.SNDHWM, config.api_send_queue)
-        self.worker_socket = sockets.bind(self.context, zmq.ROUTER, endpoints.workers)
+        self.worker_socket = sockets.bind(self.context, zmq.ROUTER, endpoints.workers, keys, "worker",
+                                          max_message_bytes)
+        # Closed connections show here, named by file descriptor: a rank's (its process died)
+        # fails its requests at once; any other peer's changes nothing.
+        self.closed = {self.api_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED): "api",
+                       self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED): "worker"}
+        # A StepResult holds a token, its alternatives and a list around them per sample.
+        self.worker_message_containers = 4 * config.max_num_seqs * MAX_SAMPLES + 64
+        self.control_endpoint = f"inproc://scheduler-control-{id(self)}"
+        self.control = self.context.socket(zmq.PAIR)
+        self.control.bind(self.control_endpoint)
+        self.rank_connections: dict[int, int] = {}  # rank -> file descriptor of its connection
+        self.connection = -1  # the descriptor the message being handled came over
         self.workers: dict[int, bytes] = {}
         self.ready: list[Ready] = []
         self.scheduler: Scheduler | None = None
@@ -70,7 +94,7 @@ class SchedulerServer:
             AddRequest: self.on_add_request,
             Abort: self.on_abort,
             GetStats: self.on_get_stats,
-            Shutdown: self.on_shutdown,
+            Shutdown: self.on_refused_shutdown,
         }
         self.worker_handlers = {Ready: self.on_ready, StepResult: self.on_step_result}
 
@@ -78,35 +102,49 @@ class SchedulerServer:
         poller = zmq.Poller()
         poller.register(self.api_socket, zmq.POLLIN)
         poller.register(self.worker_socket, zmq.POLLIN)
-        # A worker's connection closing (its process died) shows here, so no request waits forever.
-        worker_events = self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        poller.register(worker_events, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
+        for monitor in self.closed:
+            poller.register(monitor, zmq.POLLIN)
         log.info("scheduler waiting for %d worker rank(s)", self.world_size)
         while self.running:
             self._send_steps()
             for sock, _ in poller.poll(self._poll_timeout_ms()):
-                if sock is worker_events:
-                    worker_events.recv_multipart()
-                    self.on_worker_lost("a worker rank disconnected")
-                    continue
-                handlers = self.api_handlers if sock is self.api_socket else self.worker_handlers
-                self._drain(sock, handlers)
+                if sock is self.control:
+                    self.running = False
+                elif sock in self.closed:
+                    self.on_connection_closed(recv_monitor_message(sock)["value"], self.closed[sock])
+                elif sock is self.api_socket:
+                    self._drain(sock, self.api_handlers, API_MESSAGE_CONTAINERS)
+                else:
+                    self._drain(sock, self.worker_handlers, self.worker_message_containers)
             if self.in_flight and time.monotonic() > self.step_deadline:
                 self.on_worker_lost(f"a worker rank did not finish a step in {self.config.step_timeout:g} s",
                                    reset=True)
+        for monitor in self.closed:
+            monitor.close()
+        self.api_socket.disable_monitor()
         self.worker_socket.disable_monitor()
         self._stop_workers()
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.context.destroy(linger=0)
         return self.exit_code
+
+    def stop(self) -> None:
+        """Stop the loop from another thread of this process."""
+        control = self.context.socket(zmq.PAIR)
+        control.connect(self.control_endpoint)
+        control.send(b"")
+        control.close(linger=1000)
 
     def _poll_timeout_ms(self) -> int | None:
         if not self.in_flight:
             return None
         return max(0, int((self.step_deadline - time.monotonic()) * 1000)) + 1
 
-    def _drain(self, sock: zmq.Socket, handlers: dict) -> None:
+    def _drain(self, sock: zmq.Socket, handlers: dict, max_containers: int) -> None:
         while self.running and sock.poll(0, zmq.POLLIN):
-            sender, message = sockets.receive(sock, routed=True)
+            sender, self.connection, message = sockets.receive_with_connection(sock, max_containers)
             handler = handlers.get(type(message))
             if handler is None:
                 if message is not None:
@@ -182,8 +220,8 @@ class SchedulerServer:
             stats.worker_busy_seconds, stats.worker_waiting_seconds = self.worker_busy, self.worker_waiting
             self._send_api(sender, stats)
 
-    def on_shutdown(self, sender: bytes, message: Shutdown) -> None:
-        self.running = False
+    def on_refused_shutdown(self, sender: bytes, message: Shutdown) -> None:
+        log.warning("refused a Shutdown from %r: the scheduler stops on a signal, not by message", sender)
 
     def _fail_one(self, sender: bytes, message: AddRequest) -> None:
         if self.scheduler is not None and message.request_id in self.scheduler.requests:
@@ -195,8 +233,20 @@ class SchedulerServer:
     # --- worker messages -----------------------------------------------------------------
 
     def on_ready(self, sender: bytes, message: Ready) -> None:
+        holder = self.workers.get(message.rank)
+        if holder is not None and holder != sender:
+            log.warning("refused Ready for rank %d from %r: the rank is held by %r", message.rank, sender, holder)
+            return
+        if not 0 <= message.rank < self.world_size or message.world_size != self.world_size:
+            log.warning("refused Ready for rank %d of %d from %r: this scheduler runs %d rank(s)", message.rank,
+                        message.world_size, sender, self.world_size)
+            return
+        if sender in self.workers.values() and holder != sender:
+            log.warning("refused Ready for rank %d from %r: that peer holds another rank", message.rank, sender)
+            return
         log.info("worker rank %d ready with %d GPU blocks", message.rank, message.num_gpu_blocks)
         self.workers[message.rank] = sender
+        self.rank_connections[message.rank] = self.connection
         self.ready = [r for r in self.ready if r.rank != message.rank] + [message]
         if len(self.workers) == self.world_size and self.scheduler is None:
             self._start_scheduling()
@@ -227,6 +277,13 @@ class SchedulerServer:
         for api in list(self.apis):
             self._send_api(api, self.info)
 
+    def on_connection_closed(self, descriptor: int, role: str) -> None:
+        if role == "worker" and descriptor in self.rank_connections.values():
+            self.on_worker_lost("a worker rank disconnected")
+        else:  # libzmq drops the connection of a peer whose frame is over the limit, silently
+            log.info("a connection to the %s socket closed (its peer stopped, failed the handshake, or sent a "
+                     "frame over --max-message-bytes)", role)
+
     def on_worker_lost(self, reason: str, reset: bool = False) -> None:
         """End every request with an error, tell the apis, and wait for the ranks to report again."""
         if not self.workers:
@@ -240,11 +297,15 @@ class SchedulerServer:
         self.scheduler, self.info = None, None
         self.in_flight.clear()
         self.workers.clear()
+        self.rank_connections.clear()
         self.ready.clear()
         for api in list(self.apis):
             self._send_api(api, Unavailable(reason))
 
     def on_step_result(self, sender: bytes, message: StepResult) -> None:
+        if sender != self.workers.get(0):
+            log.warning("ignored a result for step %d from %r, which is not rank 0", message.step_id, sender)
+            return
         if not self.in_flight or message.step_id != self.in_flight[0][0] or self.scheduler is None:
             # A worker's connection outlives a scheduler restart, and a step that timed out may
             # still finish: such a result belongs to no step of ours.

@@ -5,7 +5,8 @@ import logging
 import os
 import sys
 
-from shared.cli import add_scheduler_args, add_worker_args, setup_logging
+from shared.cli import add_scheduler_args, add_wire_args, add_worker_args, setup_logging
+from shared.wire_security import WireSecurityError, keys_for
 
 
 def main() -> None:
@@ -16,14 +17,19 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=1)
     add_worker_args(parser)
     add_scheduler_args(parser)
+    add_wire_args(parser)
     args = parser.parse_args()
     setup_logging(f"worker{args.rank}")
+    try:
+        keys = keys_for(args, "worker", [args.worker_endpoint])
+    except WireSecurityError as exc:
+        sys.exit(f"worker: {exc}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from services.worker.loader import ModelLoadError  # torch loads only after flags parse
     from services.worker.server import WorkerServer
 
     try:
-        server = WorkerServer(args, args.rank, args.world_size)
+        server = WorkerServer(args, args.rank, args.world_size, keys)
     except ModelLoadError as exc:
         logging.getLogger("services.worker").error("cannot load the model: %s", exc)
         sys.exit(2)

@@ -15,6 +15,7 @@ from services.worker.loader import eos_token_ids, load_model
 from services.worker.model_runner import ModelRunner
 from shared import sockets
 from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
+from shared.wire_security import WireKeys, connect_securely
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def cpu_threads(requested: int) -> int:
 
 
 class WorkerServer:
-    def __init__(self, args, rank: int = 0, world_size: int = 1):
+    def __init__(self, args, rank: int = 0, world_size: int = 1, keys: WireKeys | None = None):
         self.rank, self.world_size = rank, world_size
         device = pick_device(args.device)
         if device.type == "cpu":
@@ -69,9 +70,12 @@ class WorkerServer:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.IDENTITY, f"worker-{rank}".encode())
+        self.socket.setsockopt(zmq.MAXMSGSIZE, args.max_message_bytes)
+        # No fixed identity: the scheduler's socket names each connection, so no one who
+        # connects first under a rank's name can keep the rank's worker out.
+        connect_securely(self.socket, keys)
         # Watch before connecting, so the first connection's event is seen too.
-        self.connection_events = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self.connection_events = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.socket.connect(args.worker_endpoint)
         self.running = True
         self.last_sent = time.perf_counter()
@@ -91,7 +95,8 @@ class WorkerServer:
                     self.runner.reset()
                     sockets.send(self.socket, self.ready)
                     continue
-                _, message = sockets.receive(self.socket)
+                frame = self.socket.recv()
+                message = sockets.decode_or_log(frame, None, sockets.trusted_peer_containers(frame))
                 handler = self.handlers.get(type(message))
                 if handler is not None:
                     handler(message)

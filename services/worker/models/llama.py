@@ -55,16 +55,6 @@ class RotaryEmbedding:
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos, sin: [tokens, head_dim]."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
-
-
 class Attention(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False):
         super().__init__()
@@ -96,9 +86,7 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window)
+        out = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window, rope=cos_sin)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 

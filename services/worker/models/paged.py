@@ -1,4 +1,4 @@
-"""The one place a model touches the paged KV cache: store this step's keys and values, then attend."""
+"""The one place a model touches the paged KV cache: rotate q and k, store keys and values, attend."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 
 from kernels import dispatch
 from kernels.batch import PagedBatch
+from kernels.rotary import apply_rope
 
 
 def paged_attention(
@@ -16,6 +17,11 @@ def paged_attention(
     batch: PagedBatch,
     scale: float,
     window: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin): rotate q and k first
 ) -> torch.Tensor:
-    dispatch.write_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping)
+    if rope is None:
+        dispatch.write_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping)
+    elif not dispatch.rotate_and_write_kv(q, k, v, *rope, kv_cache[0], kv_cache[1], batch.slot_mapping):
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        dispatch.write_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping)
     return dispatch.paged_attention(q, kv_cache[0], kv_cache[1], batch, scale, window)

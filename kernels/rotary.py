@@ -1,0 +1,44 @@
+"""Rotary position embedding ("rotate half", as HF's Llama applies it), and on a CPU its fusion
+with storing the step's keys and values into the paged cache (`rotary_write.c`)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels import native
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos, sin: [tokens, head_dim]."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+@functools.cache
+def native_kernel():
+    p, i = native.POINTER, native.INT64
+    return native.function("rotary_write", "rotate_and_write_f32", [p, i, p, i, p, i, p, p, p, i, i, i, i, p, p], i)
+
+
+def rotate_and_write_native(query, key, value, cos, sin, key_cache, value_cache, slot_mapping) -> bool:
+    """Rotate `query` in place and store the rotated keys and the values in their slots; False,
+    with nothing done, where the compiled kernel does not apply (then rotate and store in torch)."""
+    kernel = native_kernel()
+    tensors = (query, key, value, cos, sin, key_cache, value_cache)
+    if (kernel is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+            or slot_mapping.dtype != torch.int64 or not key_cache.is_contiguous() or not value_cache.is_contiguous()
+            or not cos.is_contiguous() or not sin.is_contiguous() or not slot_mapping.is_contiguous()):
+        return False
+    if any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (query, key, value)):
+        return False  # each token's heads must be one row
+    num_tokens, num_heads, head_dim = query.shape
+    done = kernel(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
+                  value.stride(0), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), num_tokens, num_heads,
+                  key.shape[1], head_dim, key_cache.data_ptr(), value_cache.data_ptr())
+    return done == 0

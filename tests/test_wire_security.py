@@ -1,0 +1,245 @@
+"""The internal wire on tcp://127.0.0.1, as compose runs it: CURVE keys, roles, ranks, bounded frames."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from shared import sockets
+from shared.protocol import AddRequest, Hello, Ready, SampledToken, SchedulerInfo, Shutdown, StepResult, encode
+from shared.sampling import SamplingParams
+from shared.wire_security import load_keys
+from tests.conftest import ROOT, free_port
+from tests.test_resilience import start, wait_healthy
+from tests.tiny_models import hf_greedy
+
+PROMPT = [5, 17, 42, 9]
+LONG = 160  # tokens: long enough that the attacks land while the stream runs
+
+
+@pytest.fixture(scope="module")
+def keys_dir(tmp_path_factory) -> str:
+    directory = str(tmp_path_factory.mktemp("keys"))
+    done = subprocess.run([sys.executable, "-m", "services.launcher", "keys", directory], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for role in ("scheduler", "api", "worker"):
+        assert os.stat(os.path.join(directory, role, f"{role}.key_secret")).st_mode & 0o077 == 0
+    assert not os.path.exists(os.path.join(directory, "api", "worker.key_secret"))  # each holds its own secret
+    return directory
+
+
+class Services:
+    def __init__(self, base: str, scheduler_port: int, worker_port: int, logs: dict[str, str]):
+        self.base, self.scheduler_port, self.worker_port, self.logs = base, scheduler_port, worker_port, logs
+
+    def log(self, name: str) -> str:
+        with open(self.logs[name]) as f:
+            return f.read()
+
+
+@contextlib.contextmanager
+def tcp_services(model_dir: str, tmp_path, keys_dir: str, *scheduler_flags: str):
+    scheduler_port, worker_port, http_port = free_port(), free_port(), free_port()
+    scheduler_ep, worker_ep = f"tcp://127.0.0.1:{scheduler_port}", f"tcp://127.0.0.1:{worker_port}"
+    logs = {name: str(tmp_path / f"{name}.log") for name in ("scheduler", "worker", "api")}
+    processes = [
+        start("services.scheduler", "--scheduler-endpoint", scheduler_ep, "--worker-endpoint", worker_ep,
+              "--keys-dir", f"{keys_dir}/scheduler", *scheduler_flags, log=logs["scheduler"]),
+        start("services.worker", "--model", model_dir, "--worker-endpoint", worker_ep, "--device", "cpu",
+              "--kv-cache-memory", "0.05", "--swap-space", "0.05", "--keys-dir", f"{keys_dir}/worker",
+              log=logs["worker"]),
+        start("services.api", "--model", model_dir, "--scheduler-endpoint", scheduler_ep, "--port", str(http_port),
+              "--keys-dir", f"{keys_dir}/api", log=logs["api"]),
+    ]
+    services = Services(f"http://127.0.0.1:{http_port}", scheduler_port, worker_port, logs)
+    try:
+        wait_healthy(f"{services.base}/health")
+        yield services
+        assert all(p.poll() is None for p in processes), "a service stopped"
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(10)
+
+
+def stream_in_background(services: Services, model: str, max_tokens: int = LONG):
+    """Start a greedy stream; returns (started event, thread, result dict with its token ids)."""
+    result: dict = {"token_ids": [], "error": None}
+    started = threading.Event()
+
+    def run():
+        body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        with httpx.stream("POST", f"{services.base}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        result["error"] = chunk["error"]
+                    else:
+                        result["token_ids"] += chunk["choices"][0].get("token_ids", [])
+                        started.set()
+        started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(60)
+    return thread, result
+
+
+def equals_hf_greedy(model_dir: str, token_ids: list[int]) -> bool:
+    """HF stops at its first EOS; the stream (ignore_eos) goes on past it."""
+    expected = hf_greedy(model_dir, PROMPT, LONG)
+    return len(token_ids) == LONG and token_ids[:len(expected)] == expected
+
+
+def zmq_peer(port: int, keys=None) -> tuple[zmq.Context, zmq.Socket]:
+    context = zmq.Context()
+    return context, sockets.connect(context, zmq.DEALER, f"tcp://127.0.0.1:{port}", keys=keys)
+
+
+def test_an_unkeyed_peer_gets_nothing_through_and_disturbs_no_stream(llama_dir, tmp_path, keys_dir):
+    model = os.path.basename(llama_dir)
+    with tcp_services(llama_dir, tmp_path, keys_dir) as services:
+        thread, result = stream_in_background(services, model)
+        for port in (services.scheduler_port, services.worker_port):
+            socket.create_connection(("127.0.0.1", port)).close()  # a bare connect and close
+            with socket.create_connection(("127.0.0.1", port)) as raw:
+                raw.sendall(os.urandom(4096))
+            context, peer = zmq_peer(port)  # well-formed messages, but no key
+            for message in (Ready(0, 1, 64, 0, 16, 128, [0], 1024, 1e9, 1e4), Shutdown(),
+                            AddRequest("rogue", [1, 2, 3], SamplingParams(max_tokens=4), time.time()),
+                            Hello("rogue")):
+                sockets.try_send(peer, message)
+            assert not peer.poll(1500), "an unkeyed peer received a message"
+            context.destroy(linger=0)
+        thread.join(120)
+        assert result["error"] is None
+        assert equals_hf_greedy(llama_dir, result["token_ids"])
+        after = httpx.post(f"{services.base}/v1/completions", timeout=60,
+                           json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert after.status_code == 200  # nothing was stopped
+        assert "refused a CURVE peer" not in services.log("scheduler")  # no key at all: no handshake to refuse
+
+
+def test_a_keyed_rogue_api_cannot_act_as_a_worker_or_stop_anything_and_a_second_worker_cannot_take_a_rank(
+        llama_dir, tmp_path, keys_dir):
+    model = os.path.basename(llama_dir)
+    api_keys = load_keys(f"{keys_dir}/api", "api")
+    worker_keys = load_keys(f"{keys_dir}/worker", "worker")
+    with tcp_services(llama_dir, tmp_path, keys_dir) as services:
+        thread, result = stream_in_background(services, model)
+        # An api key does not open the worker socket.
+        context, rogue = zmq_peer(services.worker_port, api_keys)
+        sockets.try_send(rogue, Ready(0, 1, 64, 0, 16, 128, [0], 1024, 1e9, 1e4))
+        assert not rogue.poll(1500)
+        context.destroy(linger=0)
+        # On the api socket, worker and operator messages are refused.
+        context, rogue = zmq_peer(services.scheduler_port, api_keys)
+        for message in (Ready(0, 1, 64, 0, 16, 128, [0], 1024, 1e9, 1e4),
+                        StepResult(0, [SampledToken(0, 5, -0.1, [], [])], 1.0, 1.0), Shutdown()):
+            sockets.send(rogue, message)
+        time.sleep(1)
+        context.destroy(linger=0)
+        # A second worker with a worker key claims rank 0, sees no step, and leaves: nothing changes.
+        context, second = zmq_peer(services.worker_port, worker_keys)
+        sockets.send(second, Ready(0, 1, 64, 0, 16, 128, [0], 1024, 1e9, 1e4))
+        assert not second.poll(1500), "the second worker got a step"
+        context.destroy(linger=0)
+        thread.join(120)
+        assert result["error"] is None and equals_hf_greedy(llama_dir, result["token_ids"])
+        after = httpx.post(f"{services.base}/v1/completions", timeout=60,
+                           json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert after.status_code == 200
+        log = services.log("scheduler")
+        assert "refused a CURVE peer on the worker socket" in log
+        assert "refused a Shutdown" in log and "no handler for Ready" in log and "no handler for StepResult" in log
+        assert "refused Ready for rank 0" in log
+
+
+def peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+
+
+def test_oversized_frames_and_frames_of_empty_containers_are_dropped_within_a_memory_bound(tmp_path, keys_dir):
+    """The scheduler alone, a keyed fake worker making it ready; a keyed api sends the frames."""
+    limit = 8 << 20
+    scheduler_port, worker_port = free_port(), free_port()
+    log_path = str(tmp_path / "scheduler.log")
+    scheduler = start("services.scheduler", "--scheduler-endpoint", f"tcp://127.0.0.1:{scheduler_port}",
+                      "--worker-endpoint", f"tcp://127.0.0.1:{worker_port}", "--keys-dir", f"{keys_dir}/scheduler",
+                      "--max-message-bytes", str(limit), log=log_path)
+    api_keys = load_keys(f"{keys_dir}/api", "api")
+    contexts = []
+    try:
+        context, worker = zmq_peer(worker_port, load_keys(f"{keys_dir}/worker", "worker"))
+        contexts.append(context)
+        sockets.send(worker, Ready(0, 1, 64, 0, 16, 128, [0], 1024, 1e9, 1e4))
+
+        def scheduler_answers() -> bool:
+            context, api = zmq_peer(scheduler_port, api_keys)
+            contexts.append(context)
+            sockets.send(api, Hello("probe"))
+            return api.poll(10_000) and isinstance(sockets.receive(api)[1], SchedulerInfo)
+
+        assert scheduler_answers()
+        before = peak_rss_kib(scheduler.pid)
+        empties = 4_000_000
+        frame = msgpack.packb([1, "AddRequest", "r", [[] for _ in range(empties)], [], 0.0])
+        assert len(frame) < limit
+        context, attacker = zmq_peer(scheduler_port, api_keys)
+        contexts.append(context)
+        attacker.send(frame)
+        attacker.send(b"\x00" * (limit + 1))  # over the limit: the connection is dropped
+        time.sleep(2)
+        assert scheduler_answers(), "the scheduler stopped answering"
+        growth_bytes = (peak_rss_kib(scheduler.pid) - before) * 1024
+        # Python would build 64 bytes per empty array; decoding stops at the 16th, and what is
+        # left is the frame, its copy and the outer array's preallocated slots: 8 bytes per element.
+        bound = 12 * len(frame)
+        print(f"scheduler peak memory grew {growth_bytes / 2**20:.1f} MiB for a {len(frame) / 2**20:.1f} MiB "
+              f"frame of {empties:,} empty arrays (bound {bound / 2**20:.0f} MiB)")
+        assert growth_bytes < bound
+        with open(log_path) as f:
+            log = f.read()
+        assert "more arrays and maps than this socket's messages ever hold" in log
+        assert "sent a frame over --max-message-bytes" in log
+        assert scheduler.poll() is None
+    finally:
+        for context in contexts:
+            context.destroy(linger=0)
+        scheduler.terminate()
+        scheduler.wait(10)
+
+
+def test_tcp_endpoints_without_keys_refuse_to_start_unless_the_wire_is_declared_insecure(tmp_path):
+    endpoints = ["--scheduler-endpoint", f"tcp://127.0.0.1:{free_port()}", "--worker-endpoint",
+                 f"tcp://127.0.0.1:{free_port()}"]
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_KEYS_DIR"}
+    done = subprocess.run([sys.executable, "-m", "services.scheduler", *endpoints], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "pagedserve keys DIR" in done.stderr
+    log = str(tmp_path / "insecure.log")
+    scheduler = start("services.scheduler", *endpoints, "--insecure-wire", log=log)
+    try:
+        time.sleep(2)
+        assert scheduler.poll() is None
+        with open(log) as f:
+            assert "--insecure-wire" in f.read()
+    finally:
+        scheduler.terminate()
+        scheduler.wait(10)
