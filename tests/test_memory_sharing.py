@@ -129,3 +129,14 @@ def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llama
     assert len(candidates) == 5
     assert [tokens[0], tokens[1]] == [c.output_token_ids for c in candidates[:2]]
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+
+
+def test_cached_prompt_tokens_are_counted_once_per_request_even_when_it_is_recomputed(llama_dir):
+    engine = Engine(llama_dir, block_size=4, num_gpu_blocks=20, prefix_caching=True, preemption="recompute")
+    prefix = list(range(30, 46))  # four full blocks, shared by every request
+    prompts = [prefix + [i, i + 1] for i in range(200, 212, 2)]
+    outputs = engine.generate(prompts, max_tokens=16)
+    stats = engine.stats()
+    assert stats.num_preemptions_recompute > 0  # some request resumed and found its blocks cached again
+    assert 0 < stats.num_prompt_tokens_cached <= sum(len(p) for p in prompts)
+    assert outputs == Engine(llama_dir, block_size=4).generate(prompts, max_tokens=16)

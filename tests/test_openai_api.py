@@ -146,3 +146,30 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(llama_serve
     good = httpx.post(f"{llama_server.base_url}/v1/completions", timeout=30,
                       json={"model": llama_server.model, "prompt": "ok", "max_tokens": 2})
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_latency_histograms_count_every_request_and_requests_are_counted_by_finish_reason(llama_server):
+    before = llama_server.metrics()
+    base = {"model": llama_server.model, "prompt": "import os", "temperature": 0}
+    for stream in (False, True, False):
+        body = {**base, "max_tokens": 6, "ignore_eos": True, "stream": stream}
+        with httpx.stream("POST", f"{llama_server.base_url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            response.read()
+    full = httpx.post(f"{llama_server.base_url}/v1/completions", timeout=60,
+                      json={**base, "max_tokens": 12, "ignore_eos": True}).json()["choices"][0]["text"]
+    stopped = httpx.post(f"{llama_server.base_url}/v1/completions", timeout=60,
+                         json={**base, "max_tokens": 12, "ignore_eos": True, "stop": [full[4:7]]}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    after = llama_server.metrics()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    label = 'pagedserve_requests_total{endpoint="completions",finish_reason="%s"}'
+    assert grew(label % "length") == 4 and grew(label % "stop") == 1
+    for histogram in ("time_to_first_token", "e2e_request_latency"):
+        assert grew(f"pagedserve_{histogram}_seconds_count") == 5
+    # every token after a request's first is one gap: 5 + 5 + 5 + 11 + (at most 11)
+    assert 26 <= grew("pagedserve_time_per_output_token_seconds_count") <= 37
+    assert grew("pagedserve_time_to_first_token_seconds_sum") > 0

@@ -187,14 +187,25 @@ class OpenAIServer:
             for _ in range(generation.sampling.n)
         ]
         done = [False] * len(detokenizers)
+        arrival = last_output = time.monotonic()
         outputs = self.client.generate(request_id, prompt_ids, generation.sampling, time.time())
-        outcome = "abort"
+        outcome, first_reason = "abort", None  # the request's, and its first choice's finish reason
         num_generated = 0
         try:
             async for output in outputs:
                 if output.error is not None:
                     outcome = "error"
                     raise _engine_error(output, ready=self.client.info is not None)
+                new_tokens = sum(len(delta.token_ids) for delta in output.sequences)
+                if new_tokens:
+                    now = time.monotonic()
+                    if num_generated == 0:
+                        self.metrics.time_to_first_token.observe(now - arrival)
+                    else:
+                        gap = (now - last_output) / new_tokens
+                        for _ in range(new_tokens):
+                            self.metrics.time_per_output_token.observe(gap)
+                    last_output = now
                 for delta in output.sequences:
                     if done[delta.index]:
                         continue  # a stop string already ended this choice
@@ -203,10 +214,13 @@ class OpenAIServer:
                     num_generated += len(delta.token_ids)
                     reason = "stop" if detokenizer.stopped else delta.finish_reason
                     done[delta.index] = reason is not None
+                    if reason is not None and delta.index == 0:
+                        first_reason = reason
                     yield Chunk(delta.index, detokenizer.pending(final=reason is not None), delta.token_ids,
                                 delta.logprobs, delta.top_logprobs, reason, output.num_cached_tokens)
                 if all(done):
-                    outcome = "finished"
+                    outcome = first_reason if first_reason in ("stop", "length") else "abort"
+                    self.metrics.e2e_request_latency.observe(time.monotonic() - arrival)
                     break  # closing `outputs` aborts whatever still runs and frees its blocks
         finally:
             await outputs.aclose()

@@ -369,8 +369,9 @@ class Scheduler:
             return
         request = seq.request
         cached = min(seq.num_computed_tokens, request.num_prompt_tokens)
+        # Counted once per request: a recomputed request that hits its own blocks again is no new hit.
+        self.counters["cached"] += max(0, cached - request.num_cached_prompt_tokens)
         request.num_cached_prompt_tokens = max(request.num_cached_prompt_tokens, cached)
-        self.counters["cached"] += cached
 
     def _mark_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
