@@ -31,6 +31,8 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
                        help="plan each step while the workers compute the one before")
     group.add_argument("--step-timeout", type=float, default=180.0,
                        help="seconds a step may take before its worker counts as lost (default: 180)")
+    group.add_argument("--log-stats-interval", type=float, default=10.0,
+                       help="seconds between log lines of throughput, queues and KV use (default: 10; 0: none)")
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +88,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         preemption_mode=args.preemption_mode,
         async_scheduling=args.async_scheduling,
         step_timeout=args.step_timeout,
+        log_stats_interval=args.log_stats_interval,
     )
 
 

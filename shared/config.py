@@ -19,6 +19,7 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # swap | recompute | auto
     async_scheduling: bool = True  # plan the next step while the workers compute this one
     step_timeout: float = 180.0  # seconds a step may take before its worker counts as lost
+    log_stats_interval: float = 10.0  # seconds between the periodic stats lines; 0: none
     api_send_queue: int = 10_000  # messages queued for one api before it counts as not reading
 
 

@@ -173,3 +173,18 @@ def test_latency_histograms_count_every_request_and_requests_are_counted_by_fini
     # every token after a request's first is one gap: 5 + 5 + 5 + 11 + (at most 11)
     assert 26 <= grew("pagedserve_time_per_output_token_seconds_count") <= 37
     assert grew("pagedserve_time_to_first_token_seconds_sum") > 0
+
+
+def test_the_log_has_a_line_per_request_and_a_periodic_line_while_serving(llama_dir, tmp_path):
+    from tests.conftest import serve
+
+    with serve(llama_dir, str(tmp_path), "--log-stats-interval", "0.5") as server:
+        body = {"model": server.model, "prompt": "import os", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+        assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+        time.sleep(1.5)
+        log = server.log()
+    access = [line for line in log.splitlines() if "pagedserve.access" in line]
+    assert len(access) == 1 and "completions: length; prompt" in access[0] and "generated 40" in access[0]
+    periodic = [line for line in log.splitlines() if "pagedserve.stats" in line]
+    assert periodic and "generation" in periodic[0] and "KV blocks" in periodic[0]
+    assert len(periodic) <= 3  # nothing is written while idle

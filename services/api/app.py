@@ -27,6 +27,7 @@ from services.api.requests import GenerationRequest, parse_chat, parse_completio
 from shared.sampling import InvalidParameter
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("pagedserve.access")
 
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # vLLM sets none; 8 MiB holds any prompt a context can take
@@ -190,6 +191,7 @@ class OpenAIServer:
         arrival = last_output = time.monotonic()
         outputs = self.client.generate(request_id, prompt_ids, generation.sampling, time.time())
         outcome, first_reason = "abort", None  # the request's, and its first choice's finish reason
+        first_token = None
         num_generated = 0
         try:
             async for output in outputs:
@@ -200,7 +202,8 @@ class OpenAIServer:
                 if new_tokens:
                     now = time.monotonic()
                     if num_generated == 0:
-                        self.metrics.time_to_first_token.observe(now - arrival)
+                        first_token = now - arrival
+                        self.metrics.time_to_first_token.observe(first_token)
                     else:
                         gap = (now - last_output) / new_tokens
                         for _ in range(new_tokens):
@@ -227,6 +230,9 @@ class OpenAIServer:
             self.metrics.requests.labels(endpoint, outcome).inc()
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             self.metrics.generation_tokens.inc(num_generated)
+            access_log.info("%s %s: %s; prompt %d tokens, generated %d; first token %s, total %.3f s", request_id,
+                            endpoint, outcome, len(prompt_ids), num_generated,
+                            "-" if first_token is None else f"{first_token:.3f} s", time.monotonic() - arrival)
 
 
 def _engine_error(output, ready: bool) -> ApiError:

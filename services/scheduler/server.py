@@ -30,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.results import error_output
 from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy, Scheduler
+from services.scheduler.stats_log import StatsLog
 from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
 from shared.sampling import MAX_SAMPLES
@@ -87,6 +88,7 @@ class SchedulerServer:
         self.depth = 2 if config.async_scheduling else 1
         self.step_deadline = 0.0  # for the oldest step in flight
         self.worker_busy = self.worker_waiting = 0.0  # seconds, for the idle-time metric
+        self.stats_log = StatsLog(config.log_stats_interval)
         self.running = True
         self.exit_code = 0
         self.api_handlers = {
@@ -117,6 +119,8 @@ class SchedulerServer:
                     self._drain(sock, self.api_handlers, API_MESSAGE_CONTAINERS)
                 else:
                     self._drain(sock, self.worker_handlers, self.worker_message_containers)
+            if self.scheduler is not None and self.stats_log.due_in() == 0.0:
+                self.stats_log.write(self.scheduler.stats())
             if self.in_flight and time.monotonic() > self.step_deadline:
                 self.on_worker_lost(f"a worker rank did not finish a step in {self.config.step_timeout:g} s",
                                    reset=True)
@@ -138,9 +142,11 @@ class SchedulerServer:
         control.close(linger=1000)
 
     def _poll_timeout_ms(self) -> int | None:
-        if not self.in_flight:
-            return None
-        return max(0, int((self.step_deadline - time.monotonic()) * 1000)) + 1
+        waits = [self.stats_log.due_in()]
+        if self.in_flight:
+            waits.append(self.step_deadline - time.monotonic())
+        waits = [w for w in waits if w is not None]
+        return max(0, int(min(waits) * 1000)) + 1 if waits else None
 
     def _drain(self, sock: zmq.Socket, handlers: dict, max_containers: int) -> None:
         while self.running and sock.poll(0, zmq.POLLIN):
@@ -319,6 +325,7 @@ class SchedulerServer:
             self._route(self.scheduler.fail_all(f"the worker failed: {message.error}"))
             return
         self.worker_busy += (message.forward_ms + message.sample_ms) / 1e3
+        self.stats_log.count(len(message.sampled))
         if had_work:  # the worker waited on us, not on work to arrive
             self.worker_waiting += message.idle_ms / 1e3
         outputs = self.scheduler.update(message)
