@@ -1,0 +1,121 @@
+"""The shipped dashboard's queries on a real Prometheus scraping pagedserve under load.
+
+Two servers, one preempting by swap and one by recompute, both with prefix caching and a KV
+cache small enough that the load preempts; Prometheus scrapes both every second. Every PromQL
+expression of the dashboard must parse and return data, and the latency histograms must count
+exactly the requests sent. Needs Debian's `prometheus` (.ci/run installs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, free_port, serve
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus)")
+
+SMALL_KV = ["--block-size", "4", "--num-gpu-blocks-override", "40", "--enable-prefix-caching"]
+PREFIX = "def handler(request, response):\n    response.status = 200\n    return response\n"
+
+
+def dashboard_queries() -> list[str]:
+    with open(os.path.join(ROOT, "ops", "grafana", "dashboards", "pagedserve.json")) as f:
+        return [target["expr"] for panel in json.load(f)["panels"] for target in panel["targets"]]
+
+
+@contextlib.contextmanager
+def prometheus(targets: list[str], directory: str):
+    port = free_port()
+    config = os.path.join(directory, "prometheus.yml")
+    with open(config, "w") as f:
+        f.write("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: pagedserve\n"
+                f"    static_configs:\n      - targets: {json.dumps(targets)}\n")
+    with open(os.path.join(directory, "prometheus.log"), "w") as log:
+        process = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={directory}/data",
+                                    f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/-/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and process.poll() is None, "prometheus did not start"
+            time.sleep(0.3)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def query(base: str, expr: str) -> list:
+    response = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10).json()
+    assert response["status"] == "success", (expr, response)
+    return response["data"]["result"]
+
+
+def eventually(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def scraped_count(base: str) -> float:
+    result = query(base, "sum(pagedserve_e2e_request_latency_seconds_count)")
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def load(server, count: int) -> None:
+    def one(i: int) -> None:
+        body = {"model": server.model, "prompt": PREFIX + f"# request {i}\n", "max_tokens": 48, "ignore_eos": True,
+                "temperature": 0, "stream": i % 2 == 0}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            response.read()
+
+    with ThreadPoolExecutor(count) as pool:
+        list(pool.map(one, range(count)))
+
+
+def test_every_dashboard_query_returns_data_and_histograms_count_every_request(llama_dir, tmp_path):
+    count = 12
+    with (serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "swap") as swapping,
+          serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "recompute") as recomputing):
+        targets = [server.base_url.removeprefix("http://") for server in (swapping, recomputing)]
+        with prometheus(targets, str(tmp_path)) as base:
+            assert eventually(lambda: len(query(base, "up")) == 2), "prometheus never scraped both servers"
+            for server in (swapping, recomputing):
+                load(server, count)
+                load(server, 2)  # the shared prefix is cached by now
+            for server, mode in ((swapping, "swap"), (recomputing, "recompute")):
+                assert server.metrics()[f'pagedserve_preemptions_total{{mode="{mode}"}}'] > 0
+                assert server.metrics()["pagedserve_prompt_tokens_cached_total"] > 0
+            sent = 2 * (count + 2)
+            assert eventually(lambda: scraped_count(base) == sent), f"{scraped_count(base)} of {sent} requests"
+            time.sleep(2)  # one more scrape, so every rate has two points after the load
+            up = query(base, "up")
+            assert len(up) == 2 and all(series["value"][1] == "1" for series in up)
+            empty = [expr for expr in dashboard_queries() if not query(base, expr)]
+            assert not empty, f"no data for {empty}"
+            for histogram in ("time_to_first_token", "e2e_request_latency"):
+                [total] = query(base, f"sum(pagedserve_{histogram}_seconds_count)")
+                assert float(total["value"][1]) == sent
+            [finished] = query(base, 'sum(pagedserve_requests_total{finish_reason="length"})')
+            assert float(finished["value"][1]) == sent
+            [cached] = query(base, "sum(pagedserve_prompt_tokens_cached_total) <= sum(pagedserve_prompt_tokens_total)")
+            assert cached
