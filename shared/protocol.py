@@ -90,6 +90,12 @@ class Stats:
     num_prompt_tokens_cached: int
     worker_busy_seconds: float = 0.0  # rank 0's time computing steps
     worker_waiting_seconds: float = 0.0  # rank 0's time between steps while the scheduler had work
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    blocks_copied: int = 0  # copy-on-write copies
+    tokens_scheduled: int = 0  # over all steps: prompt and decode tokens run through the model
+    kv_slots_holding_tokens: int = 0  # in the device blocks referenced now, a shared block once
+    block_size: int = 0
 
 
 @dataclass(slots=True)

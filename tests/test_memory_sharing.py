@@ -140,3 +140,23 @@ def test_cached_prompt_tokens_are_counted_once_per_request_even_when_it_is_recom
     assert stats.num_preemptions_recompute > 0  # some request resumed and found its blocks cached again
     assert 0 < stats.num_prompt_tokens_cached <= sum(len(p) for p in prompts)
     assert outputs == Engine(llama_dir, block_size=4).generate(prompts, max_tokens=16)
+
+
+def test_kv_utilization_counts_shared_blocks_once_and_wastes_at_most_each_last_block(llama_dir):
+    engine = Engine(llama_dir, block_size=4, num_gpu_blocks=256)
+    engine.add(list(range(20, 38)), max_tokens=10, n=4, temperature=1.0, seed=3)  # 18 shared prompt tokens
+    engine.add(list(range(60, 69)), max_tokens=10)
+    seen = []
+
+    def check(engine):
+        stats = engine.stats()
+        used = stats.num_gpu_blocks - stats.num_free_gpu_blocks - stats.num_cached_gpu_blocks
+        if used:
+            slots = used * stats.block_size
+            # Every referenced block is full except, at most, the last block of each live sequence.
+            assert slots - (stats.block_size - 1) * stats.num_running <= stats.kv_slots_holding_tokens <= slots
+            seen.append(stats.kv_slots_holding_tokens / slots)
+
+    engine.run(on_step=check)
+    assert seen and min(seen) > 0.5
+    assert engine.stats().tokens_scheduled >= 18 + 9 + 4 * 9 + 9

@@ -105,6 +105,7 @@ def test_every_dashboard_query_returns_data_and_histograms_count_every_request(l
             for server, mode in ((swapping, "swap"), (recomputing, "recompute")):
                 assert server.metrics()[f'pagedserve_preemptions_total{{mode="{mode}"}}'] > 0
                 assert server.metrics()["pagedserve_prompt_tokens_cached_total"] > 0
+            assert swapping.metrics()['pagedserve_blocks_swapped_total{direction="out"}'] > 0
             sent = 2 * (count + 2)
             assert eventually(lambda: scraped_count(base) == sent), f"{scraped_count(base)} of {sent} requests"
             time.sleep(2)  # one more scrape, so every rate has two points after the load

@@ -40,6 +40,22 @@ class SchedulerStatsCollector:
             "pagedserve_gpu_cache_usage_ratio", "fraction of GPU KV blocks referenced",
             value=used / stats.num_gpu_blocks if stats.num_gpu_blocks else 0.0,
         )
+        referenced_slots = used * stats.block_size
+        yield GaugeMetricFamily(
+            "pagedserve_kv_utilization_ratio",
+            "share of the referenced KV slots on the device that hold token states (the rest: the unfilled "
+            "end of each sequence's last block)",
+            value=stats.kv_slots_holding_tokens / referenced_slots if referenced_slots else 1.0,
+        )
+        swapped = CounterMetricFamily("pagedserve_blocks_swapped", "KV blocks moved between device and swap space",
+                                      labels=["direction"])
+        swapped.add_metric(["out"], stats.blocks_swapped_out)
+        swapped.add_metric(["in"], stats.blocks_swapped_in)
+        yield swapped
+        yield CounterMetricFamily("pagedserve_blocks_copied", "KV blocks copied on write (a shared block written)",
+                                  value=stats.blocks_copied)
+        yield CounterMetricFamily("pagedserve_tokens_scheduled", "prompt and decode tokens run through the model; "
+                                  "over pagedserve_steps_total, the tokens per step", value=stats.tokens_scheduled)
         preemptions = CounterMetricFamily("pagedserve_preemptions", "requests preempted", labels=["mode"])
         preemptions.add_metric(["swap"], stats.num_preemptions_swap)
         preemptions.add_metric(["recompute"], stats.num_preemptions_recompute)

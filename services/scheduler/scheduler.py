@@ -109,7 +109,8 @@ class Scheduler:
         self.swapped: list[Request] = []  # in arrival order
         self.requests: dict[str, Request] = {}
         self.sequences: dict[int, Sequence] = {}
-        self.counters = {"swap": 0, "recompute": 0, "steps": 0, "computed": 0, "cached": 0}
+        self.counters = {"swap": 0, "recompute": 0, "steps": 0, "computed": 0, "cached": 0, "swapped_out": 0,
+                         "swapped_in": 0, "copied": 0, "scheduled_tokens": 0}
         self.pending_forks: list[Fork] = []
         self.dropped_on_worker: list[int] = []
         self.preempted_on_worker: list[int] = []
@@ -430,6 +431,10 @@ class Scheduler:
             if computed < num_prompt:
                 prompt_tokens_computed += min(computed + num_tokens, num_prompt) - computed
         self.counters["computed"] += prompt_tokens_computed
+        self.counters["swapped_out"] += len(swap_out)
+        self.counters["swapped_in"] += len(swap_in)
+        self.counters["copied"] += len(copies)
+        self.counters["scheduled_tokens"] += sum(n for _, n in scheduled)
         forks = [f for f in self.pending_forks if self.sequences.get(f.seq_id) is not None
                  and self.sequences[f.seq_id].num_tokens_known_to_worker]
         step = Step(
@@ -494,7 +499,22 @@ class Scheduler:
             sum(len(r.seqs) for r in self.running), len(self.waiting), len(self.swapped),
             self.counters["swap"], self.counters["recompute"], self.counters["steps"],
             self.counters["computed"], self.counters["cached"],
+            blocks_swapped_out=self.counters["swapped_out"], blocks_swapped_in=self.counters["swapped_in"],
+            blocks_copied=self.counters["copied"], tokens_scheduled=self.counters["scheduled_tokens"],
+            kv_slots_holding_tokens=self._slots_holding_tokens(), block_size=self.block_manager.block_size,
         )
+
+    def _slots_holding_tokens(self) -> int:
+        """Token states in the device's referenced blocks, a block shared by several sequences
+        counted once: over all referenced slots, the paper's KV utilization."""
+        fill: dict[int, int] = {}
+        size = self.block_manager.block_size
+        for request in self.running:
+            for seq in request.seqs:
+                for i, block in enumerate(seq.block_table):
+                    held = min(size, max(0, seq.num_computed_tokens - i * size))
+                    fill[block] = max(fill.get(block, 0), held)
+        return sum(fill.values())
 
 
 def _common_prefix(seqs: list[Sequence]) -> int:
