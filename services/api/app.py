@@ -20,6 +20,7 @@ from starlette.routing import Route
 from services.api.auth import RequireApiKey
 from services.api.detokenizer import IncrementalDetokenizer
 from services.api.engine_client import EngineClient
+from services.api.utility import utility_routes
 from services.api.errors import ApiError
 from services.api.formats import ChatFormat, Chunk, CompletionFormat
 from services.api.metrics import ApiMetrics
@@ -75,22 +76,18 @@ class OpenAIServer:
         return await self._respond(request, generation, prompt_ids, ChatFormat(self.model_name, self.tokenizer, generation))
 
     async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    def model_card(self) -> dict:
         info = self.client.info
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_name,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "pagedserve",
-                        "root": self.model_name,
-                        "max_model_len": info.max_model_len if info else None,
-                    }
-                ],
-            }
-        )
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pagedserve",
+            "root": self.model_name,
+            "max_model_len": info.max_model_len if info else None,
+        }
 
     async def health(self, request: Request) -> Response:
         if self.client.info is None:
@@ -335,6 +332,7 @@ def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
+        *utility_routes(server),
     ]
     handlers = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected}
     middleware = [Middleware(RequireApiKey, api_key=api_key)] if api_key else []

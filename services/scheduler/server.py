@@ -250,7 +250,7 @@ class SchedulerServer:
         if sender in self.workers.values() and holder != sender:
             log.warning("refused Ready for rank %d from %r: that peer holds another rank", message.rank, sender)
             return
-        log.info("worker rank %d ready with %d GPU blocks", message.rank, message.num_gpu_blocks)
+        log.info("worker rank %d ready with %d KV blocks on its device", message.rank, message.num_gpu_blocks)
         self.workers[message.rank] = sender
         self.rank_connections[message.rank] = self.connection
         self.ready = [r for r in self.ready if r.rank != message.rank] + [message]
@@ -279,7 +279,7 @@ class SchedulerServer:
         self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids, preemption, first.vocab_size)
         self.info = SchedulerInfo(config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids,
                                   config.max_num_seqs)
-        log.info("scheduling with %d GPU blocks, context %d tokens", num_blocks, max_model_len)
+        log.info("scheduling with %d device KV blocks, context %d tokens", num_blocks, max_model_len)
         for api in list(self.apis):
             self._send_api(api, self.info)
 

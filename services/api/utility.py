@@ -1,0 +1,85 @@
+"""The endpoints beside generation that vLLM users reach for, in vLLM's shapes: `/tokenize`,
+`/detokenize`, `/version`, `/ping`, and `/v1/models/{model}`."""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import metadata
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from services.api.errors import ApiError
+
+
+def utility_routes(server) -> list[Route]:
+    """`server` is the api's OpenAIServer: its tokenizer, model name and scheduler link."""
+
+    async def tokenize(request: Request) -> Response:
+        body = await _object(server, request)
+        if "model" in body:
+            server._check_model(body["model"])
+        special = _flag(body, "add_special_tokens", True)
+        if "messages" in body:
+            if not isinstance(body["messages"], list):
+                raise ApiError("messages must be a list of messages", param="messages")
+            try:
+                text = await asyncio.to_thread(
+                    server.tokenizer.apply_chat_template, body["messages"], tokenize=False,
+                    add_generation_prompt=_flag(body, "add_generation_prompt", True))
+            except Exception as exc:  # templates raise whatever their authors chose
+                raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
+            special = _flag(body, "add_special_tokens", False)
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        else:
+            raise ApiError("give a prompt (a string) or messages", param="prompt")
+        tokens = await asyncio.to_thread(server.tokenizer.encode, text, add_special_tokens=special)
+        info = server.client.info
+        answer = {"count": len(tokens), "max_model_len": info.max_model_len if info else None, "tokens": tokens}
+        if _flag(body, "return_token_strs", False):
+            answer["token_strs"] = server.tokenizer.convert_ids_to_tokens(tokens)
+        return JSONResponse(answer)
+
+    async def detokenize(request: Request) -> Response:
+        body = await _object(server, request)
+        if "model" in body:
+            server._check_model(body["model"])
+        tokens = body.get("tokens")
+        if (not isinstance(tokens, list)
+                or not all(type(t) is int and 0 <= t < server.vocab_size for t in tokens)):
+            raise ApiError(f"tokens must be a list of token ids in [0, {server.vocab_size})", param="tokens")
+        return JSONResponse({"prompt": server.tokenizer.decode(tokens)})
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": metadata.version("pagedserve")})
+
+    async def ping(request: Request) -> Response:
+        return Response(status_code=200 if server.client.info is not None else 503)
+
+    async def model(request: Request) -> Response:
+        server._check_model(request.path_params["model"])
+        return JSONResponse(server.model_card())
+
+    return [
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/ping", ping, methods=["GET", "POST"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+    ]
+
+
+async def _object(server, request: Request) -> dict:
+    body = await server._json_body(request)
+    if not isinstance(body, dict):
+        raise ApiError("the body must be a JSON object")
+    return body
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if type(value) is not bool:
+        raise ApiError(f"{name} must be true or false", param=name)
+    return value
