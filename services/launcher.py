@@ -18,25 +18,29 @@ import tempfile
 import time
 import urllib.request
 
-from shared.cli import API_KEY_ENV, add_api_args, add_scheduler_args, add_worker_args
+from shared.cli import API_KEY_ENV, HelpFormatter, add_api_args, add_scheduler_args, add_worker_args
 from shared.config import Endpoints
 
 SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models", "tiny-python")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="pagedserve")
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    up = commands.add_parser("up", help="serve a model with all three processes on this machine")
+    up = commands.add_parser("up", formatter_class=HelpFormatter, help="serve a model with all three processes on this machine")
     up.add_argument("--model", default=SHIPPED_MODEL, help="local HF-format model directory (default: the shipped tiny-python)")
     add_api_args(up)
     add_scheduler_args(up)
     add_worker_args(up)
     up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
-    keys = commands.add_parser("keys", help="make CURVE key pairs for the scheduler, the api and the workers")
+    keys = commands.add_parser("keys", formatter_class=HelpFormatter, help="make CURVE key pairs for the scheduler, the api and the workers")
     keys.add_argument("directory", help="gets one folder per service: scheduler/, api/, worker/")
     keys.add_argument("--force", action="store_true", help="replace keys already there")
-    return parser.parse_args(argv)
+    return parser
 
 
 def make_keys(args: argparse.Namespace) -> int:

@@ -16,49 +16,65 @@ from shared.wire_security import add_wire_security_args
 API_KEY_ENV = "PAGEDSERVE_API_KEY"  # the launcher hands the key to the api this way, not on a command line
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help shows its default, except defaults taken from the environment (a key)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.dest in ("api_key", "keys_dir") or action.required or "(default:" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("scheduler")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
-    group.add_argument("--max-model-len", type=int, default=None, help="context length limit")
-    group.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step; None: 2048 with chunked prefill, else max(context, 2048)")
+    group.add_argument("--max-model-len", type=int, default=None, help="context length limit; None: the model's own")
+    group.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="KV blocks on the device, instead of what memory allows (for tests and benchmarks)")
     group.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt blocks")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                       help="split long prompts over steps, mixed with decodes (default: on)")
-    group.add_argument("--preemption-mode", choices=["swap", "recompute", "auto"], default="auto")
+                       help="split long prompts over steps, mixed with decodes")
+    group.add_argument("--preemption-mode", choices=["swap", "recompute", "auto"], default="auto",
+                       help="what happens to a preempted request: swapped to CPU memory, dropped and recomputed, "
+                            "or whichever costs less for it")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="plan each step while the workers compute the one before")
     group.add_argument("--step-timeout", type=float, default=180.0,
-                       help="seconds a step may take before its worker counts as lost (default: 180)")
+                       help="seconds a step may take before its worker counts as lost")
     group.add_argument("--log-stats-interval", type=float, default=10.0,
-                       help="seconds between log lines of throughput, queues and KV use (default: 10; 0: none)")
+                       help="seconds between log lines of throughput, queues and KV use (0: none)")
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("worker")
-    group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
+    group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                       help="where the model runs; auto: cuda where there is one")
+    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                       help="weights and KV cache; auto: float32 on CPU, the checkpoint's half type on CUDA")
     group.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                        help="dummy: random weights from config.json alone, for benchmarks")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="share of the GPU's memory for weights, activations and KV cache")
     group.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache on CPU")
     group.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space for KV blocks")
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without one")
     group.add_argument("--cpu-threads", type=int, default=0,
-                       help="torch threads of a worker on a CPU device (default 0: one per core but one, "
+                       help="torch threads of a worker on a CPU device (0: one per core but one, "
                             "which the api and scheduler keep)")
 
 
 def add_api_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("api")
-    group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--served-model-name", default=None, help="the name clients ask for")
+    group.add_argument("--host", default="127.0.0.1", help="address the api listens on")
+    group.add_argument("--port", type=int, default=8000, help="port the api listens on")
+    group.add_argument("--served-model-name", default=None, help="the name clients ask for; None: the model directory's name")
     group.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
-                       help="larger request bodies get 413 (default: 8 MiB)")
+                       help="larger request bodies get 413")
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                       help=f"/v1/* then needs 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+                       help=f"/v1/* then needs 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; never shown)")
 
 
 def add_endpoint_args(parser: argparse.ArgumentParser, required: bool = True, worker: bool = True) -> None:
@@ -73,7 +89,7 @@ def add_wire_args(parser: argparse.ArgumentParser) -> None:
     add_wire_security_args(parser)
     parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
                         help="larger frames on the internal wire drop their sender's connection "
-                             f"(default: {MAX_MESSAGE_BYTES >> 20} MiB)")
+                             f"({MAX_MESSAGE_BYTES >> 20} MiB by default)")
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

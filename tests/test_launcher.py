@@ -56,3 +56,32 @@ def test_a_dummy_weight_model_serves_requests(llama_dir, tmp_path):
         response = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
                               json={"model": server.model, "prompt": "def f():", "max_tokens": 5, "ignore_eos": True})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+
+
+def _parsers():
+    import argparse
+
+    from services.api.__main__ import build_parser as api_parser
+    from services.launcher import build_parser as launcher_parser
+    from services.scheduler.__main__ import build_parser as scheduler_parser
+    from services.worker.__main__ import build_parser as worker_parser
+
+    launcher = launcher_parser()
+    commands = next(a for a in launcher._actions if isinstance(a, argparse._SubParsersAction))
+    return {"pagedserve up": commands.choices["up"], "pagedserve keys": commands.choices["keys"],
+            "services.api": api_parser(), "services.scheduler": scheduler_parser(), "services.worker": worker_parser()}
+
+
+@pytest.mark.parametrize("name", ["pagedserve up", "pagedserve keys", "services.api", "services.scheduler",
+                                  "services.worker"])
+def test_every_flag_has_help_and_shows_its_default(name):
+    parser = _parsers()[name]
+    text = parser.format_help()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{name}: {action.option_strings or action.dest} has no help"
+        shown = parser.formatter_class(prog=name)._get_help_string(action)
+        if action.option_strings and not action.required:
+            assert "(default:" in shown, f"{name}: {action.option_strings} shows no default"
+    assert "never shown" in text or name in ("pagedserve keys", "services.scheduler", "services.worker")

@@ -10,17 +10,21 @@ import uvicorn
 
 from services.api.app import build_app
 from services.api.engine_client import EngineClient
-from shared.cli import add_api_args, add_wire_args, setup_logging
+from shared.cli import HelpFormatter, add_api_args, add_wire_args, setup_logging
 from shared.wire_security import WireSecurityError, keys_for
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.api")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.api", formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True, help="model directory (tokenizer and config.json)")
-    parser.add_argument("--scheduler-endpoint", required=True)
+    parser.add_argument("--scheduler-endpoint", required=True, help="where the scheduler listens, e.g. tcp://scheduler:5555")
     add_api_args(parser)
     add_wire_args(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     setup_logging("api")
     try:
         keys = keys_for(args, "api", [args.scheduler_endpoint])

@@ -4,17 +4,21 @@ import argparse
 import sys
 
 from services.scheduler.server import SchedulerServer
-from shared.cli import add_endpoint_args, add_scheduler_args, scheduler_config, setup_logging
+from shared.cli import HelpFormatter, add_endpoint_args, add_scheduler_args, scheduler_config, setup_logging
 from shared.config import Endpoints
 from shared.wire_security import WireSecurityError, keys_for
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.scheduler")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.scheduler", formatter_class=HelpFormatter)
     add_scheduler_args(parser)
     add_endpoint_args(parser)
     parser.add_argument("--world-size", type=int, default=1, help="worker ranks to wait for")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     setup_logging("scheduler")
     endpoints = Endpoints(scheduler=args.scheduler_endpoint, workers=args.worker_endpoint)
     try:
