@@ -1,4 +1,5 @@
-"""`pagedserve up`: start the worker, the scheduler and the api on this machine, and watch them.
+"""`pagedserve up` (or `pagedserve serve MODEL`): start the worker, the scheduler and the api on
+this machine, and watch them.
 `pagedserve keys DIR`: make the CURVE keys the services need on tcp:// endpoints.
 
 It waits until the api answers /health, forwards SIGINT/SIGTERM to the children, and exits
@@ -12,6 +13,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,10 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", formatter_class=HelpFormatter, help="serve a model with all three processes on this machine")
     up.add_argument("--model", default=SHIPPED_MODEL, help="local HF-format model directory (default: the shipped tiny-python)")
-    add_api_args(up)
-    add_scheduler_args(up)
-    add_worker_args(up)
-    up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    serve = commands.add_parser("serve", formatter_class=HelpFormatter,
+                                help="the same as up, with the model as the first argument (as `vllm serve MODEL`)")
+    serve.add_argument("model", help="local HF-format model directory")
+    for command in (up, serve):
+        add_api_args(command)
+        add_scheduler_args(command)
+        add_worker_args(command)
+        command.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
     keys = commands.add_parser("keys", formatter_class=HelpFormatter, help="make CURVE key pairs for the scheduler, the api and the workers")
     keys.add_argument("directory", help="gets one folder per service: scheduler/, api/, worker/")
     keys.add_argument("--force", action="store_true", help="replace keys already there")
@@ -93,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         return make_keys(args)
     if not os.path.isdir(args.model):
-        print(f"pagedserve: --model {args.model} is not a directory", file=sys.stderr)
+        print(f"pagedserve: the model {args.model} is not a directory", file=sys.stderr)
+        return 2
+    problem = _port_problem(args.host, args.port)
+    if problem:  # before any model loads, so a busy port costs no start-up time
+        print(f"pagedserve: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)
         return 2
     directory = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700
     try:
@@ -141,6 +151,17 @@ def _supervise(args: argparse.Namespace, endpoints: Endpoints) -> int:
     for child in children.values():
         _reap(child)
     return 1 if failed else 0
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _healthy(url: str) -> bool:

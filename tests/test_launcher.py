@@ -68,12 +68,13 @@ def _parsers():
 
     launcher = launcher_parser()
     commands = next(a for a in launcher._actions if isinstance(a, argparse._SubParsersAction))
-    return {"pagedserve up": commands.choices["up"], "pagedserve keys": commands.choices["keys"],
+    return {"pagedserve up": commands.choices["up"], "pagedserve serve": commands.choices["serve"],
+            "pagedserve keys": commands.choices["keys"],
             "services.api": api_parser(), "services.scheduler": scheduler_parser(), "services.worker": worker_parser()}
 
 
-@pytest.mark.parametrize("name", ["pagedserve up", "pagedserve keys", "services.api", "services.scheduler",
-                                  "services.worker"])
+@pytest.mark.parametrize("name", ["pagedserve up", "pagedserve serve", "pagedserve keys", "services.api",
+                                  "services.scheduler", "services.worker"])
 def test_every_flag_has_help_and_shows_its_default(name):
     parser = _parsers()[name]
     text = parser.format_help()
@@ -85,3 +86,44 @@ def test_every_flag_has_help_and_shows_its_default(name):
         if action.option_strings and not action.required:
             assert "(default:" in shown, f"{name}: {action.option_strings} shows no default"
     assert "never shown" in text or name in ("pagedserve keys", "services.scheduler", "services.worker")
+
+
+def test_a_busy_port_fails_at_once_with_one_line_and_loads_no_model(llama_dir):
+    import socket
+    import time
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
+                               "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - started
+    assert done.returncode == 2 and elapsed < 2.0  # the interpreter start included; no model loaded
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0]
+
+
+def test_serve_takes_the_model_as_its_first_argument(llama_dir, tmp_path):
+    import signal
+    import time
+
+    port = free_port()
+    with open(tmp_path / "serve.log", "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
+                                    "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
+                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        assert models["data"][0]["id"] == os.path.basename(llama_dir)
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(30)
