@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "keys":
         return make_keys(args)
-    if not os.path.isdir(args.model):
-        print(f"pagedserve: the model {args.model} is not a directory", file=sys.stderr)
+    problem = _startup_problem(args)
+    if problem:
+        print(f"pagedserve: {problem}", file=sys.stderr)
         return 2
     problem = _port_problem(args.host, args.port)
     if problem:  # before any model loads, so a busy port costs no start-up time
@@ -151,6 +152,20 @@ def _supervise(args: argparse.Namespace, endpoints: Endpoints) -> int:
     for child in children.values():
         _reap(child)
     return 1 if failed else 0
+
+
+def _startup_problem(args: argparse.Namespace) -> str | None:
+    """What would stop the services from starting, found before any of them loads anything."""
+    if not os.path.isdir(args.model):
+        return f"the model {args.model} is not a directory"
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        return f"{args.model} has no config.json: it is not a Hugging Face model directory"
+    if args.device == "cuda":
+        import torch  # only here: it takes a second or two to import
+
+        if not torch.cuda.is_available():
+            return "--device cuda, but torch sees no CUDA device here (use --device cpu or auto)"
+    return None
 
 
 def _port_problem(host: str, port: int) -> str | None:

@@ -127,3 +127,18 @@ def test_serve_takes_the_model_as_its_first_argument(llama_dir, tmp_path):
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(30)
+
+
+@pytest.mark.parametrize("case", ["empty model directory", "no cuda"])
+def test_startup_failures_are_one_line_and_a_non_zero_exit(tmp_path, llama_dir, case):
+    import torch
+
+    if case == "no cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    model, expected = (str(tmp_path), "has no config.json") if case == "empty model directory" else \
+        (llama_dir, "--device cuda, but torch sees no CUDA device")
+    device = "cuda" if case == "no cuda" else "cpu"
+    done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", model, "--port", str(free_port()),
+                           "--device", device], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and expected in lines[0]
