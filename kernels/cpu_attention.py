@@ -62,6 +62,7 @@ def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 
 
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 
 
 def paged_attention_native(
@@ -73,7 +74,7 @@ def paged_attention_native(
     window: int | None = None,
     workspace: Workspace = _workspace,
 ) -> torch.Tensor:
-    global _pool
+    global _pool, _pool_size
     kernel = native_kernel()
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -96,8 +97,8 @@ def paged_attention_native(
     if len(parts) == 1:
         run(0)
     else:  # ctypes lets go of the GIL, so the parts run on as many cores
-        if _pool is None or _pool._max_workers < len(parts):
-            _pool = ThreadPoolExecutor(len(parts), thread_name_prefix="attention")
+        if _pool_size < len(parts):
+            _pool, _pool_size = ThreadPoolExecutor(len(parts), thread_name_prefix="attention"), len(parts)
         list(_pool.map(run, range(len(parts))))
     return out
 

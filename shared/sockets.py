@@ -74,26 +74,27 @@ def try_send(sock: zmq.Socket, message: object, to: bytes | None = None) -> bool
 
 def receive(sock: zmq.Socket, routed: bool = False,
             max_containers: int | None = None) -> tuple[bytes | None, object | None]:
-    """Receive one message as (sender, message); a malformed frame is logged and gives None."""
+    """Receive one message as (sender, message); a malformed frame is logged and gives None.
+    Without `max_containers`, the frame gets the bound of what the scheduler sends."""
     if routed:
         frames = sock.recv_multipart()  # [peer identity, frame]
         sender, frame = frames[0], frames[-1]
     else:
         sender, frame = None, sock.recv()
-    return sender, decode_or_log(frame, sender, max_containers)
+    return sender, _decode_or_log(frame, sender, max_containers)
 
 
 def receive_with_connection(sock: zmq.Socket, max_containers: int) -> tuple[bytes, int, object | None]:
     """On a ROUTER: (sender, the file descriptor of its connection, message). The descriptor is
     what the socket monitor names when that connection closes."""
     frames = sock.recv_multipart(copy=False)
-    return frames[0].bytes, frames[-1].get(zmq.SRCFD), decode_or_log(frames[-1].bytes, frames[0].bytes,
-                                                                      max_containers)
+    return frames[0].bytes, frames[-1].get(zmq.SRCFD), _decode_or_log(frames[-1].bytes, frames[0].bytes,
+                                                                       max_containers)
 
 
-def decode_or_log(frame: bytes, sender: bytes | None, max_containers: int | None) -> object | None:
+def _decode_or_log(frame: bytes, sender: bytes | None, max_containers: int | None) -> object | None:
     try:
-        return decode(frame, max_containers)
+        return decode(frame, trusted_peer_containers(frame) if max_containers is None else max_containers)
     except ProtocolError as exc:
         log.error("dropped a malformed frame of %d bytes from %r: %s", len(frame), sender, exc)
         return None

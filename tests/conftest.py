@@ -36,6 +36,16 @@ def llama_dir(model_dirs) -> str:
     return model_dirs["llama"]
 
 
+def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:
+    """Poll `predicate` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -107,7 +107,8 @@ def test_a_busy_port_fails_at_once_with_one_line_and_loads_no_model(llama_dir):
 
 def test_serve_takes_the_model_as_its_first_argument(llama_dir, tmp_path):
     import signal
-    import time
+
+    from tests.test_resilience import wait_healthy
 
     port = free_port()
     with open(tmp_path / "serve.log", "w") as log:
@@ -115,13 +116,7 @@ def test_serve_takes_the_model_as_its_first_argument(llama_dir, tmp_path):
                                     "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
                                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        wait_healthy(f"http://127.0.0.1:{port}/health")
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
         assert models["data"][0]["id"] == os.path.basename(llama_dir)
     finally:

@@ -18,7 +18,7 @@ from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
 from shared.protocol import AddRequest, Hello, Ready, RequestOutputs, SchedulerInfo, Step
 from shared.sampling import SamplingParams
-from tests.conftest import serve
+from tests.conftest import serve, wait_until
 from tests.scheduler_harness import StandInWorker
 
 
@@ -45,15 +45,6 @@ def _children(pid: int) -> dict[str, int]:
         if parent == pid and b"-m" in cmdline:
             found[cmdline[cmdline.index(b"-m") + 1].decode().split(".")[-1]] = int(entry)
     return found
-
-
-def _wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def _health(base: str) -> int:
@@ -131,7 +122,7 @@ def test_a_hung_worker_fails_its_requests_within_the_step_timeout_and_recovery_f
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
     finally:
         os.kill(worker, signal.SIGCONT)
-    assert _wait_for(lambda: _health(base) == 200, 30)
+    assert wait_until(lambda: _health(base) == 200, 30)
     again = httpx.post(f"{base}/v1/completions", timeout=60,
                        json={"model": small_server.model, "prompt": "import os", "max_tokens": 4})
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
@@ -186,7 +177,7 @@ def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tm
                         tokens += output.sequences[0].token_ids
                         finished = output.finished
         assert finished and tokens == [100 + p for p in range(3, 303)]
-        assert _wait_for(lambda: not any(r.startswith("stuck") for r in server.scheduler.requests), 30)
+        assert wait_until(lambda: not any(r.startswith("stuck") for r in server.scheduler.requests), 30)
         assert server.scheduler.block_manager.gpu.num_referenced == 0
     finally:
         stop.set()

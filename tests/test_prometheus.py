@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import ROOT, free_port, serve
+from tests.conftest import ROOT, free_port, serve, wait_until
+from tests.test_resilience import healthy
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus)")
@@ -45,15 +46,8 @@ def prometheus(targets: list[str], directory: str):
                                     f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and process.poll() is None, "prometheus did not start"
-            time.sleep(0.3)
+        assert wait_until(lambda: process.poll() is not None or healthy(f"{base}/-/ready"), 60, 0.3)
+        assert process.poll() is None, "prometheus did not start"
         yield base
     finally:
         process.terminate()
@@ -64,15 +58,6 @@ def query(base: str, expr: str) -> list:
     response = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10).json()
     assert response["status"] == "success", (expr, response)
     return response["data"]["result"]
-
-
-def eventually(condition, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.5)
-    return False
 
 
 def scraped_count(base: str) -> float:
@@ -98,7 +83,7 @@ def test_every_dashboard_query_returns_data_and_histograms_count_every_request(l
           serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "recompute") as recomputing):
         targets = [server.base_url.removeprefix("http://") for server in (swapping, recomputing)]
         with prometheus(targets, str(tmp_path)) as base:
-            assert eventually(lambda: len(query(base, "up")) == 2), "prometheus never scraped both servers"
+            assert wait_until(lambda: len(query(base, "up")) == 2, 30, 0.5), "prometheus never scraped both servers"
             for server in (swapping, recomputing):
                 load(server, count)
                 load(server, 2)  # the shared prefix is cached by now
@@ -107,7 +92,7 @@ def test_every_dashboard_query_returns_data_and_histograms_count_every_request(l
                 assert server.metrics()["pagedserve_prompt_tokens_cached_total"] > 0
             assert swapping.metrics()['pagedserve_blocks_swapped_total{direction="out"}'] > 0
             sent = 2 * (count + 2)
-            assert eventually(lambda: scraped_count(base) == sent), f"{scraped_count(base)} of {sent} requests"
+            assert wait_until(lambda: scraped_count(base) == sent, 30, 0.5), f"{scraped_count(base)} of {sent} requests"
             time.sleep(2)  # one more scrape, so every rate has two points after the load
             up = query(base, "up")
             assert len(up) == 2 and all(series["value"][1] == "1" for series in up)

@@ -16,7 +16,7 @@ from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
 from shared.protocol import AddRequest, Hello, Ready, SampledToken, SchedulerInfo, Step, StepResult
 from shared.sampling import SamplingParams
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, wait_until
 
 
 def start(*args: str, log: str) -> subprocess.Popen:
@@ -24,16 +24,15 @@ def start(*args: str, log: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
 
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def wait_healthy(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{url} not healthy in time")
+    assert wait_until(lambda: healthy(url), timeout, 0.3), f"{url} not healthy in time"
 
 
 def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir, tmp_path):

@@ -11,6 +11,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from shared import sockets
 from shared.protocol import (
     Abort,
     AddRequest,
@@ -27,7 +28,7 @@ from shared.protocol import (
 )
 from shared.sampling import SamplingParams
 from shared.sockets import MAX_MESSAGE_BYTES, trusted_peer_containers
-from shared.wire_security import WireKeys, connect_securely
+from shared.wire_security import WireKeys
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,8 @@ log = logging.getLogger(__name__)
 class EngineClient:
     def __init__(self, endpoint: str, keys: WireKeys | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.context = zmq.asyncio.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self.socket.setsockopt(zmq.IDENTITY, f"api-{uuid.uuid4().hex[:8]}".encode())
-        connect_securely(self.socket, keys)
-        self.socket.connect(endpoint)
+        self.socket = sockets.connect(self.context, zmq.DEALER, endpoint, f"api-{uuid.uuid4().hex[:8]}".encode(),
+                                      keys, max_message_bytes)
         self.info: SchedulerInfo | None = None
         self.latest_stats: Stats | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}

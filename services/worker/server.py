@@ -95,8 +95,7 @@ class WorkerServer:
                     self.runner.reset()
                     sockets.send(self.socket, self.ready)
                     continue
-                frame = self.socket.recv()
-                message = sockets.decode_or_log(frame, None, sockets.trusted_peer_containers(frame))
+                _, message = sockets.receive(self.socket)
                 handler = self.handlers.get(type(message))
                 if handler is not None:
                     handler(message)
