@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -9,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import zmq
 
 from services.scheduler.server import SchedulerServer
@@ -35,8 +37,16 @@ def wait_healthy(url: str, timeout: float = 120) -> None:
     assert wait_until(lambda: healthy(url), timeout, 0.3), f"{url} not healthy in time"
 
 
-def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir, tmp_path):
-    sockets = tempfile.mkdtemp(prefix="pagedserve-test-")
+@pytest.fixture
+def socket_dir():
+    """A short private directory for ipc:// sockets (tmp_path can exceed their path limit)."""
+    directory = tempfile.mkdtemp(prefix="pagedserve-test-")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir, tmp_path, socket_dir):
+    sockets = socket_dir
     scheduler_ep, worker_ep = f"ipc://{sockets}/scheduler.sock", f"ipc://{sockets}/workers.sock"
     port = free_port()
     worker_args = ("services.worker", "--model", llama_dir, "--worker-endpoint", worker_ep, "--device", "cpu",
@@ -85,8 +95,8 @@ def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir
             process.wait()
 
 
-def test_a_dead_scheduler_fails_requests_and_a_restarted_one_is_found_again(llama_dir, tmp_path):
-    sockets = tempfile.mkdtemp(prefix="pagedserve-test-")
+def test_a_dead_scheduler_fails_requests_and_a_restarted_one_is_found_again(llama_dir, tmp_path, socket_dir):
+    sockets = socket_dir
     scheduler_ep, worker_ep = f"ipc://{sockets}/scheduler.sock", f"ipc://{sockets}/workers.sock"
     port = free_port()
     scheduler_args = ("services.scheduler", "--scheduler-endpoint", scheduler_ep, "--worker-endpoint", worker_ep)
