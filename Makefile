@@ -8,8 +8,8 @@ ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch 2.13.0 first: on a machine without CUDA this takes the CPU build.
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first: the CPU build on a machine without CUDA (ops/install_torch.py says from where).
+	$(PY) ops/install_torch.py
 	$(PY) -m pip install -q -e '.[worker,test]'
 	touch $@
 

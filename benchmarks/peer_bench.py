@@ -96,7 +96,8 @@ def pagedserve_command(args, port: int) -> tuple[list[str], dict[str, str]]:
                "--model", args.model, "--port", str(port), "--served-model-name", SERVED_NAME,
                "--device", "cpu", "--dtype", args.dtype, "--block-size", str(args.block_size),
                "--kv-cache-memory", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens)] + args.pagedserve_args.split()
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+               "--scheduler-metrics-port", str(port + 1), "--worker-metrics-port", "0"] + args.pagedserve_args.split()
     return command, {}
 
 
@@ -129,8 +130,9 @@ def run_client(args, port: int, scenario: Scenario, seed: int, scratch: Path) ->
 
 
 def worker_seconds(port: int) -> tuple[float, float]:
-    """pagedserve's counters of worker time computing and waiting between steps on the scheduler."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+    """pagedserve's counters of worker time computing and waiting between steps on the scheduler,
+    from the scheduler's /metrics (on the api's port + 1)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=5) as response:
         text = response.read().decode()
     values = {}
     for line in text.splitlines():

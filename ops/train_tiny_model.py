@@ -6,7 +6,7 @@ causal LM with HF transformers, on the CPU, seeded. It writes the model in plain
 (config, safetensors, tokenizer with a chat template, generation config) and its loss curve as
 a PNG, and records how it was made in `training.json`.
 
-    pip install -e ".[worker,train]" && python ops/train_tiny_model.py --threads 1   # ~30 min, one core
+    pip install -e ".[worker,train]" && python ops/train_tiny_model.py --threads 1   # ~75 min, one core
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ def read(path: str) -> str:
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # A newline is always a token of its own, so a prompt that ends with one ("def f():\n") is
+    # split as the training text was, not cut inside a newline-and-indent token.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split("\n", behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -69,8 +72,9 @@ def batches(tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-python"))
-    parser.add_argument("--steps", type=int, default=900)
-    parser.add_argument("--minutes", type=float, default=45.0, help="stop early after this long")
+    parser.add_argument("--steps", type=int, default=1600)
+    parser.add_argument("--minutes", type=float, default=120.0, help="stop early after this long")
+    parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -97,7 +101,7 @@ def main() -> None:
     print(f"corpus: {len(files)} files, {len(tokens):,} tokens", flush=True)
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=704, num_hidden_layers=args.layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos, pad_token_id=eos,
@@ -137,6 +141,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
+    model.to(torch.bfloat16)  # half the file; bf16 to float32 is exact, so nothing changes on loading
+    model.config.dtype = torch.bfloat16
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out, save_jinja_files=False)  # the template inside tokenizer_config.json
     with open(os.path.join(args.out, "training.json"), "w") as f:

@@ -21,7 +21,7 @@ import time
 import urllib.request
 
 from shared.cli import API_KEY_ENV, HelpFormatter, add_api_args, add_scheduler_args, add_worker_args
-from shared.config import Endpoints
+from shared.config import SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints
 
 SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models", "tiny-python")
 
@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_scheduler_args(command)
         add_worker_args(command)
         command.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
+        command.add_argument("--scheduler-metrics-port", type=int, default=SCHEDULER_METRICS_PORT,
+                             help="port of the scheduler's Prometheus /metrics, on --host (0: none)")
+        command.add_argument("--worker-metrics-port", type=int, default=WORKER_METRICS_PORT,
+                             help="port of the worker's Prometheus /metrics, on --host (0: none)")
     keys = commands.add_parser("keys", formatter_class=HelpFormatter, help="make CURVE key pairs for the scheduler, the api and the workers")
     keys.add_argument("directory", help="gets one folder per service: scheduler/, api/, worker/")
     keys.add_argument("--force", action="store_true", help="replace keys already there")
@@ -86,9 +90,10 @@ def commands(args: argparse.Namespace, endpoints: Endpoints) -> dict[str, list[s
     python = [sys.executable, "-m"]
     return {
         "scheduler": python + ["services.scheduler", "--scheduler-endpoint", endpoints.scheduler,
-                               "--worker-endpoint", endpoints.workers] + _flags(args, SCHEDULER_FLAGS),
+                               "--worker-endpoint", endpoints.workers] + _flags(args, SCHEDULER_FLAGS)
+        + ["--metrics-host", args.host, "--metrics-port", str(args.scheduler_metrics_port)],
         "worker": python + ["services.worker", "--worker-endpoint", endpoints.workers]
-        + _flags(args, WORKER_FLAGS),
+        + _flags(args, WORKER_FLAGS) + ["--metrics-host", args.host, "--metrics-port", str(args.worker_metrics_port)],
         "api": python + ["services.api", "--scheduler-endpoint", endpoints.scheduler]
         + _flags(args, API_FLAGS),
     }
@@ -102,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"pagedserve: {problem}", file=sys.stderr)
         return 2
-    problem = _port_problem(args.host, args.port)
-    if problem:  # before any model loads, so a busy port costs no start-up time
-        print(f"pagedserve: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)
-        return 2
+    for port in (args.port, args.scheduler_metrics_port, args.worker_metrics_port):
+        problem = _port_problem(args.host, port) if port else None
+        if problem:  # before any model loads, so a busy port costs no start-up time
+            print(f"pagedserve: cannot listen on {args.host}:{port}: {problem}", file=sys.stderr)
+            return 2
     directory = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700
     try:
         return _supervise(args, Endpoints.local(directory))

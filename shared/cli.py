@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import sys
 
 from shared.config import SchedulerConfig
 from shared.sockets import MAX_MESSAGE_BYTES
@@ -92,6 +94,13 @@ def add_wire_args(parser: argparse.ArgumentParser) -> None:
                              f"({MAX_MESSAGE_BYTES >> 20} MiB by default)")
 
 
+def add_metrics_args(parser: argparse.ArgumentParser, default_port: int, what: str = "") -> None:
+    group = parser.add_argument_group("metrics")
+    group.add_argument("--metrics-host", default="127.0.0.1", help="address of this service's /metrics")
+    group.add_argument("--metrics-port", type=int, default=default_port,
+                       help=f"port of this service's Prometheus /metrics{what} (0: none)")
+
+
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         block_size=args.block_size,
@@ -106,6 +115,28 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         step_timeout=args.step_timeout,
         log_stats_interval=args.log_stats_interval,
     )
+
+
+def stop_on_signals() -> None:
+    """SIGINT or SIGTERM (Ctrl-C, docker stop, the launcher) stops a service by a KeyboardInterrupt
+    in the main thread, which the service turns into a clean exit. Only the first: a Ctrl-C in a
+    terminal reaches the launcher's children twice, from the terminal and from the launcher."""
+    def interrupt(signum, frame):
+        for each in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(each, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
+
+
+def exit_at_once(code: int = 0) -> None:
+    """Exit without the interpreter's teardown: with torch and transformers loaded it takes a
+    second or more, and a stopped service has nothing left to flush but its log."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def setup_logging(name: str) -> None:

@@ -37,3 +37,7 @@ class Endpoints:
             scheduler=f"ipc://{os.path.join(directory, 'scheduler.sock')}",
             workers=f"ipc://{os.path.join(directory, 'workers.sock')}",
         )
+
+
+SCHEDULER_METRICS_PORT = 8001  # each service's own /metrics; the api's is on its HTTP port
+WORKER_METRICS_PORT = 8002  # rank r: this + r

@@ -5,8 +5,8 @@ lists of their fields in declaration order. Decoding checks the version, the tag
 of fields and the type of every field, so a malformed frame raises `ProtocolError` and never
 reaches a handler half-built. Nothing here is ever pickled.
 
-    api ──AddRequest/Abort/Hello/GetStats──▶ scheduler ──Step/Reset/Shutdown──▶ worker ranks
-        ◀──RequestOutputs/SchedulerInfo/Unavailable/Stats──   ◀──Ready/StepResult──
+    api ──AddRequest/Abort/Hello──▶ scheduler ──Step/Reset/Shutdown──▶ worker ranks
+        ◀──RequestOutputs/SchedulerInfo/Unavailable── ◀──Ready/StepResult──
 """
 
 from __future__ import annotations
@@ -69,36 +69,6 @@ class Abort:
 
 
 @dataclass(slots=True)
-class GetStats:
-    pass
-
-
-@dataclass(slots=True)
-class Stats:
-    num_gpu_blocks: int
-    num_free_gpu_blocks: int  # free, not counting cached-and-evictable ones
-    num_cached_gpu_blocks: int  # cached and evictable: reusable by a prefix hit
-    num_cpu_blocks: int
-    num_free_cpu_blocks: int
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_preemptions_swap: int
-    num_preemptions_recompute: int
-    num_steps: int
-    num_prompt_tokens_computed: int
-    num_prompt_tokens_cached: int
-    worker_busy_seconds: float = 0.0  # rank 0's time computing steps
-    worker_waiting_seconds: float = 0.0  # rank 0's time between steps while the scheduler had work
-    blocks_swapped_out: int = 0
-    blocks_swapped_in: int = 0
-    blocks_copied: int = 0  # copy-on-write copies
-    tokens_scheduled: int = 0  # over all steps: prompt and decode tokens run through the model
-    kv_slots_holding_tokens: int = 0  # in the device blocks referenced now, a shared block once
-    block_size: int = 0
-
-
-@dataclass(slots=True)
 class SequenceDelta:
     """What one sequence of a request produced since the last output."""
 
@@ -117,6 +87,10 @@ class RequestOutput:
     finished: bool
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # With SamplingParams.prompt_logprobs, once: each prompt token's log-probability from the
+    # second on, and its alternatives.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass(slots=True)
@@ -142,6 +116,7 @@ class Ready:
     swap_bytes_per_second: float  # measured host<->device copy rate
     prefill_tokens_per_second: float  # measured at start-up on a dummy prompt
     vocab_size: int = 0
+    device: str = "cpu"  # the device type its KV cache lives on: cpu or cuda
 
 
 @dataclass(slots=True)
@@ -205,6 +180,17 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens `start`, `start` + 1, ... of a sequence, computed in a step."""
+
+    seq_id: int
+    start: int
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass(slots=True)
 class StepResult:
     step_id: int
     sampled: list[SampledToken]
@@ -213,6 +199,7 @@ class StepResult:
     error: str | None = None  # the whole step failed; the worker forgot every sequence
     failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why the worker refused it
     idle_ms: float = 0.0  # the worker's wait between sending its previous result and getting this step
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -230,8 +217,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     SchedulerInfo,
     AddRequest,
     Abort,
-    GetStats,
-    Stats,
     RequestOutputs,
     Ready,
     Step,

@@ -18,6 +18,10 @@ MAX_LENGTH_PENALTY = 100.0
 MAX_TEMPERATURE = 100.0  # OpenAI allows 2; past 100 every distribution here is flat anyway
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as in OpenAI's API
+MAX_REPETITION_PENALTY = 2.0  # (0, 2], as in vLLM
+MAX_LOGIT_BIAS = 100.0  # each bias in [-100, 100], as in OpenAI's API
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 class InvalidParameter(ValueError):
@@ -44,6 +48,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence among the generated tokens
+    repetition_penalty: float = 1.0  # divides positive, multiplies negative logits of tokens seen (prompt too)
+    min_tokens: int = 0  # no EOS or stop token before this many tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    prompt_logprobs: int | None = None  # log-probabilities of the prompt's tokens, with this many alternatives
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +115,22 @@ class SamplingParams:
         id_limit = (vocab_size - 1) if vocab_size else UINT64_MAX
         for token in self.stop_token_ids:
             _integer("stop_token_ids", token, 0, id_limit, f"stop_token_ids must be in [0, {id_limit}]")
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        _number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
+        if self.repetition_penalty == 0.0:
+            raise InvalidParameter("repetition_penalty", f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
+        _integer("min_tokens", self.min_tokens, 0, self.max_tokens, "min_tokens must be an integer in [0, max_tokens]")
+        if type(self.logit_bias) is not dict or len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidParameter("logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} token ids "
+                                                 "to biases")
+        for token, bias in self.logit_bias.items():
+            _integer("logit_bias", token, 0, id_limit, f"logit_bias keys must be token ids in [0, {id_limit}]")
+            _number("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS,
+                    f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
 
 def _integer(param: str, value: object, low: int, high: int, message: str = "") -> None:

@@ -52,22 +52,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    def __init__(self, process: subprocess.Popen, base_url: str, model: str, log_path: str):
-        self.process, self.base_url, self.model, self.log_path = process, base_url, model, log_path
+DEVICE_BLOCKS_USED = 'pagedserve_kv_blocks{device="cpu",pool="device",state="used"}'
+SWAP_BLOCKS_USED = 'pagedserve_kv_blocks{device="cpu",pool="swap",state="used"}'
 
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+
+def metrics_port_flags() -> list[str]:
+    """Free ports for the scheduler's and the worker's /metrics, for a launcher under test."""
+    return ["--scheduler-metrics-port", str(free_port()), "--worker-metrics-port", str(free_port())]
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen, base_url: str, model: str, log_path: str,
+                 metrics_ports: dict[str, int]):
+        self.process, self.base_url, self.model, self.log_path = process, base_url, model, log_path
+        self.metrics_urls = {"api": f"{base_url}/metrics"} | {
+            service: f"http://127.0.0.1:{port}/metrics" for service, port in metrics_ports.items()}
+
+    def metrics(self, service: str | None = None) -> dict[str, float]:
+        """Samples by name with labels, from one service's /metrics or from all three's."""
         values = {}
-        for line in text.splitlines():
-            if line.startswith("pagedserve_"):
-                name, value = line.rsplit(" ", 1)
-                values[name] = float(value)
+        for name, url in self.metrics_urls.items():
+            if service in (None, name):
+                values |= parse_metrics(httpx.get(url, timeout=10).text)
         return values
+
+    def is_idle(self) -> bool:
+        """No request running and no KV block in use, on the device or in swap, as the scheduler's
+        metrics say."""
+        metrics = self.metrics("scheduler")
+        return (metrics[DEVICE_BLOCKS_USED] == 0 and metrics[SWAP_BLOCKS_USED] == 0
+                and metrics["pagedserve_num_requests_running"] == 0)
 
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("pagedserve_"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
 
 
 @contextlib.contextmanager
@@ -76,13 +103,14 @@ def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] 
     port = free_port()
     log_path = os.path.join(log_dir, f"server-{port}.log")
     model = ["--model", model_dir] if model_dir else []
-    cmd = [sys.executable, "-m", "services.launcher", "up", *model,
-           "--port", str(port), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05", *flags]
+    ports = metrics_port_flags()
+    cmd = [sys.executable, "-m", "services.launcher", "up", *model, "--port", str(port), *ports, "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05", *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
-    server = Server(process, base_url, os.path.basename(os.path.normpath(model_dir or "tiny-python")), log_path)
+    server = Server(process, base_url, os.path.basename(os.path.normpath(model_dir or "tiny-python")), log_path,
+                    {"scheduler": int(ports[1]), "worker": int(ports[3])})
     try:
         deadline = time.monotonic() + 120
         while True:

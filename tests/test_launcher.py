@@ -8,7 +8,7 @@ import sys
 import httpx
 import pytest
 
-from tests.conftest import ROOT, free_port, serve
+from tests.conftest import ROOT, free_port, metrics_port_flags, serve
 from tests.tiny_models import build_model, hf_greedy
 
 
@@ -16,7 +16,7 @@ def test_the_launcher_exits_non_zero_when_a_child_dies(llama_dir, tmp_path):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # all but the weights
         shutil.copy(os.path.join(llama_dir, name), tmp_path)
     cmd = [sys.executable, "-m", "services.launcher", "up", "--model", str(tmp_path),
-           "--port", str(free_port()), "--device", "cpu", "--ready-timeout", "60"]
+           "--port", str(free_port()), *metrics_port_flags(), "--device", "cpu", "--ready-timeout", "60"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert done.returncode != 0
     assert "cannot load the model" in done.stderr and "model.safetensors is missing" in done.stderr
@@ -24,7 +24,7 @@ def test_the_launcher_exits_non_zero_when_a_child_dies(llama_dir, tmp_path):
 
 
 def test_start_up_refuses_budgets_that_could_never_run_a_full_length_request(llama_dir):
-    cmd = [sys.executable, "-m", "services.launcher", "up", "--model", llama_dir, "--port", str(free_port()),
+    cmd = [sys.executable, "-m", "services.launcher", "up", "--model", llama_dir, "--port", str(free_port()), *metrics_port_flags(),
            "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05", "--ready-timeout", "60",
            "--no-enable-chunked-prefill", "--max-num-batched-tokens", "64"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
@@ -113,7 +113,7 @@ def test_serve_takes_the_model_as_its_first_argument(llama_dir, tmp_path):
     port = free_port()
     with open(tmp_path / "serve.log", "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
-                                    "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
+                                    *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
                                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health")
@@ -133,7 +133,7 @@ def test_startup_failures_are_one_line_and_a_non_zero_exit(tmp_path, llama_dir, 
     model, expected = (str(tmp_path), "has no config.json") if case == "empty model directory" else \
         (llama_dir, "--device cuda, but torch sees no CUDA device")
     device = "cuda" if case == "no cuda" else "cpu"
-    done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", model, "--port", str(free_port()),
+    done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", model, "--port", str(free_port()), *metrics_port_flags(),
                            "--device", device], cwd=ROOT, capture_output=True, text=True, timeout=60)
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and expected in lines[0]

@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import DEVICE_BLOCKS_USED, wait_until
+
 
 @pytest.fixture(scope="module")
 def client(llama_server):
@@ -89,16 +91,11 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(llama_server):
         events = response.iter_lines()
         received = [line for line, _ in zip(events, range(6)) if line.startswith("data:")]
         assert received
-        assert llama_server.metrics()["pagedserve_gpu_blocks_used"] > 0
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        metrics = llama_server.metrics()
-        if metrics["pagedserve_gpu_blocks_used"] == 0 and metrics["pagedserve_num_requests_running"] == 0:
-            break
-        time.sleep(0.05)
-    assert metrics["pagedserve_gpu_blocks_used"] == 0
+        assert wait_until(lambda: llama_server.metrics("scheduler")[DEVICE_BLOCKS_USED] > 0, 5)
+    assert wait_until(llama_server.is_idle, 10, 0.05)
     aborted = 'pagedserve_requests_total{endpoint="completions",finish_reason="abort"}'
-    assert metrics[aborted] == before.get(aborted, 0) + 1
+    assert wait_until(lambda: llama_server.metrics("api").get(aborted) == before.get(aborted, 0) + 1, 5)
+    metrics = llama_server.metrics()
     generated = metrics["pagedserve_generation_tokens_total"] - before["pagedserve_generation_tokens_total"]
     assert generated < 480
 

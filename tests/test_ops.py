@@ -25,8 +25,8 @@ def test_compose_runs_the_three_services_with_the_shipped_model():
     with open(os.path.join(ROOT, "compose.yaml")) as f:
         compose = yaml.safe_load(f)
     services = compose["services"]
-    assert {"scheduler", "worker", "worker-cpu", "api", "prometheus", "grafana"} <= set(services)
-    assert "nvidia" in json.dumps(services["worker"]["deploy"])
+    assert {"scheduler", "worker-gpu", "worker-cpu", "api", "prometheus", "grafana"} <= set(services)
+    assert "nvidia" in json.dumps(services["worker-gpu"]["deploy"])
     assert "deploy" not in services["worker-cpu"]
     model = compose["x-pagedserve"]["environment"]["MODEL"]
     assert "ops/models/tiny-python" in model
@@ -37,8 +37,22 @@ def test_compose_gives_each_service_only_its_own_wire_keys():
     with open(os.path.join(ROOT, "compose.yaml")) as f:
         services = yaml.safe_load(f)["services"]
     assert services["keys"]["command"].startswith("pagedserve keys /keys")
-    for name, role in (("scheduler", "scheduler"), ("api", "api"), ("worker", "worker"), ("worker-cpu", "worker")):
+    for name, role in (("scheduler", "scheduler"), ("api", "api"), ("worker-gpu", "worker"), ("worker-cpu", "worker")):
         service = services[name]
         assert "--keys-dir /keys" in service["command"] and "--insecure-wire" not in service["command"]
         assert service["volumes"] == [f"./ops/keys/{role}:/keys:ro"]
         assert service["depends_on"]["keys"] == {"condition": "service_completed_successfully"}
+
+
+def test_compose_needs_no_registry_for_the_serving_stack_and_prometheus():
+    with open(os.path.join(ROOT, "compose.yaml")) as f:
+        services = yaml.safe_load(f)["services"]
+    pulled = {name for name, service in services.items() if "build" not in service
+              and not service.get("image", "").startswith("pagedserve")}
+    assert pulled == {"grafana"} and services["grafana"]["profiles"] == ["grafana"]
+    assert "profiles" not in services["prometheus"] and "build" in services["prometheus"]
+    for name in ("scheduler", "worker-cpu", "api"):
+        assert services[name]["healthcheck"]["test"][0] == "CMD"
+    with open(os.path.join(ROOT, "ops", "prometheus.yml")) as f:
+        scraped = {job["job_name"]: job["static_configs"][0]["targets"] for job in yaml.safe_load(f)["scrape_configs"]}
+    assert scraped == {"api": ["api:8000"], "scheduler": ["scheduler:8001"], "worker": ["worker:8002"]}

@@ -1,7 +1,8 @@
 """The shipped dashboard's queries on a real Prometheus scraping pagedserve under load.
 
 Two servers, one preempting by swap and one by recompute, both with prefix caching and a KV
-cache small enough that the load preempts; Prometheus scrapes both every second. Every PromQL
+cache small enough that the load preempts; Prometheus scrapes all six services (each server's
+api, scheduler and worker) every second. Every PromQL
 expression of the dashboard must parse and return data, and the latency histograms must count
 exactly the requests sent. Needs Debian's `prometheus` (.ci/run installs it).
 """
@@ -81,21 +82,22 @@ def test_every_dashboard_query_returns_data_and_histograms_count_every_request(l
     count = 12
     with (serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "swap") as swapping,
           serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "recompute") as recomputing):
-        targets = [server.base_url.removeprefix("http://") for server in (swapping, recomputing)]
+        targets = [url.removeprefix("http://").removesuffix("/metrics")
+                   for server in (swapping, recomputing) for url in server.metrics_urls.values()]
         with prometheus(targets, str(tmp_path)) as base:
-            assert wait_until(lambda: len(query(base, "up")) == 2, 30, 0.5), "prometheus never scraped both servers"
+            assert wait_until(lambda: len(query(base, "up == 1")) == 6, 30, 0.5), "prometheus never scraped all six"
             for server in (swapping, recomputing):
                 load(server, count)
                 load(server, 2)  # the shared prefix is cached by now
             for server, mode in ((swapping, "swap"), (recomputing, "recompute")):
                 assert server.metrics()[f'pagedserve_preemptions_total{{mode="{mode}"}}'] > 0
-                assert server.metrics()["pagedserve_prompt_tokens_cached_total"] > 0
+                assert server.metrics()["pagedserve_prefix_cache_hits_total"] > 0
             assert swapping.metrics()['pagedserve_blocks_swapped_total{direction="out"}'] > 0
             sent = 2 * (count + 2)
             assert wait_until(lambda: scraped_count(base) == sent, 30, 0.5), f"{scraped_count(base)} of {sent} requests"
             time.sleep(2)  # one more scrape, so every rate has two points after the load
             up = query(base, "up")
-            assert len(up) == 2 and all(series["value"][1] == "1" for series in up)
+            assert len(up) == 6 and all(series["value"][1] == "1" for series in up)
             empty = [expr for expr in dashboard_queries() if not query(base, expr)]
             assert not empty, f"no data for {empty}"
             for histogram in ("time_to_first_token", "e2e_request_latency"):
@@ -103,5 +105,5 @@ def test_every_dashboard_query_returns_data_and_histograms_count_every_request(l
                 assert float(total["value"][1]) == sent
             [finished] = query(base, 'sum(pagedserve_requests_total{finish_reason="length"})')
             assert float(finished["value"][1]) == sent
-            [cached] = query(base, "sum(pagedserve_prompt_tokens_cached_total) <= sum(pagedserve_prompt_tokens_total)")
+            [cached] = query(base, "sum(pagedserve_prefix_cache_hits_total) <= sum(pagedserve_prompt_tokens_total)")
             assert cached

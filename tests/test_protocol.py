@@ -54,7 +54,7 @@ def test_request_carries_sampling_params():
         (msgpack.packb([PROTOCOL_VERSION, "Abort"]), "fields"),
         (msgpack.packb([PROTOCOL_VERSION, "Abort", [1]]), "Abort.request_ids: expected a list of str"),
         (msgpack.packb([PROTOCOL_VERSION, "Abort", "x"]), "expected a list"),
-        (msgpack.packb([PROTOCOL_VERSION, "GetStats", 1]), "fields"),
+        (msgpack.packb([PROTOCOL_VERSION, "Hello", "a", 2]), "fields"),
         (msgpack.packb([PROTOCOL_VERSION, "AddRequest", "r", [1, True], [], 0.0]), "prompt_token_ids: expected a list of int"),
     ],
 )

@@ -15,7 +15,7 @@ import pytest
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, Sequence
 from shared.sampling import SamplingParams
-from tests.conftest import ROOT, free_port, serve
+from tests.conftest import ROOT, free_port, metrics_port_flags, serve
 from tests.tiny_models import hf_greedy
 
 
@@ -58,7 +58,7 @@ def test_the_launcher_removes_its_socket_directory_however_it_exits(llama_dir, t
     broken.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(llama_dir, name), broken)
-    cmd = [sys.executable, "-m", "services.launcher", "up", "--model", str(broken), "--port", str(free_port()),
+    cmd = [sys.executable, "-m", "services.launcher", "up", "--model", str(broken), "--port", str(free_port()), *metrics_port_flags(),
            "--device", "cpu", "--ready-timeout", "60"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90,
                           env=dict(os.environ, TMPDIR=str(temp)))

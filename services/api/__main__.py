@@ -10,7 +10,7 @@ import uvicorn
 
 from services.api.app import build_app
 from services.api.engine_client import EngineClient
-from shared.cli import HelpFormatter, add_api_args, add_wire_args, setup_logging
+from shared.cli import HelpFormatter, add_api_args, add_wire_args, exit_at_once, setup_logging
 from shared.wire_security import WireSecurityError, keys_for
 
 
@@ -43,8 +43,22 @@ def main() -> None:
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(EngineClient(args.scheduler_endpoint, keys, args.max_message_bytes), tokenizer, name, vocab_size,
                     args.max_request_body_bytes, args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=0.5)
+    OnceStoppedServer(config).run()
+
+
+class OnceStoppedServer(uvicorn.Server):
+    """Stops on SIGINT or SIGTERM, cutting streams still open half a second later. A second
+    signal changes nothing: a Ctrl-C in a terminal reaches the api twice (from the terminal and
+    from the launcher), and uvicorn would abandon its shutdown halfway, with a traceback."""
+
+    def handle_exit(self, sig, frame) -> None:
+        self.should_exit = True
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # before uvicorn started
+        pass
+    exit_at_once()

@@ -58,7 +58,11 @@ class OpenAIServer:
             if any(not 0 <= t < self.vocab_size for t in prompt_ids):
                 raise ApiError(f"token ids must be in [0, {self.vocab_size})", param="prompt")
         self._fit_to_context(generation, prompt_ids)
-        return await self._respond(request, generation, prompt_ids, CompletionFormat(self.model_name, self.tokenizer, generation))
+        fmt = CompletionFormat(self.model_name, self.tokenizer, generation)
+        if generation.echo:
+            fmt.echo = generation.prompt if generation.prompt is not None else self.tokenizer.decode(prompt_ids)
+            fmt.echo_token_ids = prompt_ids
+        return await self._respond(request, generation, prompt_ids, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._json_body(request)
@@ -95,8 +99,7 @@ class OpenAIServer:
         return JSONResponse({"status": "ok"})
 
     async def prometheus(self, request: Request) -> Response:
-        stats = await self.client.stats(timeout=1.0) if self.client.info else None
-        return Response(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # --- input ---------------------------------------------------------------------------
 
@@ -146,10 +149,6 @@ class OpenAIServer:
                 f"this model's maximum context length is {context} tokens; the prompt has "
                 f"{len(prompt_ids)} tokens", param="prompt", code="context_length_exceeded",
             )
-        try:
-            generation.sampling.validate(self.vocab_size, info.max_num_seqs or 16)
-        except InvalidParameter as exc:
-            raise ApiError(str(exc), param=exc.param) from None
         room = context - len(prompt_ids)
         max_tokens = generation.max_tokens if generation.max_tokens is not None else room
         if max_tokens > room:
@@ -159,6 +158,10 @@ class OpenAIServer:
                 param="max_tokens", code="context_length_exceeded",
             )
         generation.sampling.max_tokens = max_tokens
+        try:
+            generation.sampling.validate(self.vocab_size, info.max_num_seqs or 16)
+        except InvalidParameter as exc:
+            raise ApiError(str(exc), param=exc.param) from None
 
     async def _respond(self, request, generation, prompt_ids, fmt) -> Response:
         chunks = self._generate(generation, prompt_ids, fmt.endpoint)
@@ -181,7 +184,8 @@ class OpenAIServer:
         """Chunks of every choice as they come; closing it early aborts the request."""
         request_id = uuid.uuid4().hex
         detokenizers = [
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, generation.stop, generation.skip_special_tokens)
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, generation.stop, generation.skip_special_tokens,
+                                   generation.sampling.min_tokens)
             for _ in range(generation.sampling.n)
         ]
         done = [False] * len(detokenizers)
@@ -217,7 +221,8 @@ class OpenAIServer:
                     if reason is not None and delta.index == 0:
                         first_reason = reason
                     yield Chunk(delta.index, detokenizer.pending(final=reason is not None), delta.token_ids,
-                                delta.logprobs, delta.top_logprobs, reason, output.num_cached_tokens)
+                                delta.logprobs, delta.top_logprobs, reason, output.num_cached_tokens,
+                                output.prompt_logprobs, output.prompt_top_logprobs)
                 if all(done):
                     outcome = first_reason if first_reason in ("stop", "length") else "abort"
                     self.metrics.e2e_request_latency.observe(time.monotonic() - arrival)
@@ -309,8 +314,8 @@ def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
 
     @asynccontextmanager
     async def lifespan(app):
-        await client.start()
-        log.info("scheduler ready; serving %s", model_name)
+        await client.start()  # /health answers 503 until the scheduler's workers are ready
+        log.info("serving %s once the scheduler is ready", model_name)
         yield
         await client.close()
 

@@ -11,8 +11,11 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading spaces co
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens  # stop strings count from this many generated tokens on
+        self.num_generated = 0
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
@@ -29,6 +32,7 @@ class IncrementalDetokenizer:
             if self.stopped:
                 return
             self.token_ids.append(token_id)
+            self.num_generated += 1
             piece = self._next_piece()
             if piece:
                 self._append(piece)
@@ -64,6 +68,8 @@ class IncrementalDetokenizer:
     def _append(self, piece: str) -> None:
         search_from = max(0, len(self.text) - self.holdback)
         self.text += piece
+        if self.num_generated < self.min_tokens:
+            return
         hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
         if hits:
             self.text = self.text[: min(hits)]

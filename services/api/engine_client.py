@@ -15,13 +15,11 @@ from shared import sockets
 from shared.protocol import (
     Abort,
     AddRequest,
-    GetStats,
     Hello,
     ProtocolError,
     RequestOutput,
     RequestOutputs,
     SchedulerInfo,
-    Stats,
     Unavailable,
     decode,
     encode,
@@ -39,26 +37,21 @@ class EngineClient:
         self.socket = sockets.connect(self.context, zmq.DEALER, endpoint, f"api-{uuid.uuid4().hex[:8]}".encode(),
                                       keys, max_message_bytes)
         self.info: SchedulerInfo | None = None
-        self.latest_stats: Stats | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._stats_waiters: list[asyncio.Future] = []
         self._info_ready = asyncio.Event()
         self._receiver: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self.handlers = {
             RequestOutputs: self._on_outputs,
             SchedulerInfo: self._on_info,
-            Stats: self._on_stats,
             Unavailable: self._on_unavailable,
         }
 
-    async def start(self, timeout: float | None = None) -> SchedulerInfo:
-        """Introduce this api to the scheduler and wait until its workers are ready."""
+    async def start(self) -> None:
+        """Introduce this api to the scheduler; `info` is set when its workers are ready."""
         self._receiver = asyncio.create_task(self._receive_loop())
         self._watcher = asyncio.create_task(self._watch_connection())
         await self._send(Hello(self.socket.getsockopt(zmq.IDENTITY).decode()))
-        await asyncio.wait_for(self._info_ready.wait(), timeout)
-        return self.info
 
     async def close(self) -> None:
         for task in (self._receiver, self._watcher):
@@ -106,15 +99,6 @@ class EngineClient:
         # Not awaited: this runs in cleanup paths, where the task may be cancelled already.
         self.socket.send(encode(Abort([request_id])), zmq.NOBLOCK)
 
-    async def stats(self, timeout: float = 2.0) -> Stats | None:
-        waiter = asyncio.get_running_loop().create_future()
-        self._stats_waiters.append(waiter)
-        await self._send(GetStats())
-        try:
-            return await asyncio.wait_for(waiter, timeout)
-        except asyncio.TimeoutError:
-            return self.latest_stats
-
     async def _send(self, message: object) -> None:
         await self.socket.send(encode(message))
 
@@ -139,6 +123,8 @@ class EngineClient:
                 queue.put_nowait(output)
 
     def _on_info(self, message: SchedulerInfo) -> None:
+        if self.info is None:
+            log.info("the scheduler is ready: serving")
         self.info = message
         self._info_ready.set()
 
@@ -146,10 +132,3 @@ class EngineClient:
         log.error("the scheduler lost its workers: %s", message.reason)
         self.info = None
         self._info_ready.clear()
-
-    def _on_stats(self, message: Stats) -> None:
-        self.latest_stats = message
-        waiters, self._stats_waiters = self._stats_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(message)

@@ -23,6 +23,8 @@ class Chunk:
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[float] | None = None  # from the second prompt token on, with echo
+    prompt_top_logprobs: list[dict[int, float]] | None = None
 
 
 def by_choice(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
@@ -100,34 +102,49 @@ class CompletionFormat(_Format):
     endpoint = "completions"
     object_whole = object_chunk = "text_completion"
     id_prefix = "cmpl"
+    echo = ""  # the prompt's text, when the request asks for it back
+    echo_token_ids: list[int] = []
+
+    def __init__(self, model_name: str, tokenizer, generation: GenerationRequest):
+        super().__init__(model_name, tokenizer, generation)
+        self.echoed: set[int] = set()  # choices whose stream carried the prompt already
 
     def whole_choice(self, index: int, chunks: list[Chunk]) -> dict:
         choice = {
             "index": index,
-            "text": "".join(c.text for c in chunks),
-            "logprobs": self._logprobs(chunks, 0),
+            "text": self.echo + "".join(c.text for c in chunks),
+            "logprobs": self._logprobs(chunks, 0, with_prompt=bool(self.echo)),
             "finish_reason": chunks[-1].finish_reason if chunks else None,
         }
         return self.add_token_ids(choice, chunks)
 
     def chunk_choice(self, chunk: Chunk, offset: int) -> dict:
-        choice = {"index": chunk.index, "text": chunk.text, "logprobs": self._logprobs([chunk], offset),
+        text, first = chunk.text, self.echo and chunk.index not in self.echoed
+        if first:  # a choice's first chunk carries the prompt
+            self.echoed.add(chunk.index)
+            text = self.echo + text
+        logprobs = self._logprobs([chunk], 0 if first else offset + len(self.echo), with_prompt=first)
+        choice = {"index": chunk.index, "text": text, "logprobs": logprobs,
                   "finish_reason": chunk.finish_reason}
         return self.add_token_ids(choice, [chunk])
 
-    def _logprobs(self, chunks: list[Chunk], offset: int) -> dict | None:
+    def _logprobs(self, chunks: list[Chunk], offset: int, with_prompt: bool = False) -> dict | None:
         if self.generation.sampling.logprobs is None:
             return None
+        entries = []  # (token id, logprob, alternatives)
+        prompt = next((c for c in chunks if c.prompt_logprobs is not None), None) if with_prompt else None
+        if prompt is not None:  # echo: the prompt's tokens first, the very first without a logprob
+            entries += zip(self.echo_token_ids, [None] + prompt.prompt_logprobs, [None] + prompt.prompt_top_logprobs)
+        entries += [entry for chunk in chunks for entry in zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)]
         decode = self.tokenizer.decode
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        for chunk in chunks:
-            for token_id, logprob, top in zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs):
-                text = decode([token_id])
-                offsets.append(offset)
-                offset += len(text)
-                tokens.append(text)
-                token_logprobs.append(logprob)
-                tops.append({decode([t]): lp for t, lp in top.items()} if top else None)
+        for token_id, logprob, top in entries:
+            text = decode([token_id])
+            offsets.append(offset)
+            offset += len(text)
+            tokens.append(text)
+            token_logprobs.append(logprob)
+            tops.append({decode([t]): lp for t, lp in top.items()} if top else None)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.api.errors import ApiError
-from shared.sampling import InvalidParameter, SamplingParams
+from shared.sampling import MAX_TOKENS_LIMIT, InvalidParameter, SamplingParams
 
 _NUMBER = (int, float)
 _UNSUPPORTED_IF_SET = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
     "suffix": None,
-    "echo": False,
     "tools": None,
     "response_format": None,
 }
@@ -32,6 +28,7 @@ class GenerationRequest:
     include_usage: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # extension: each choice also lists its token ids
+    echo: bool = False  # completions: each choice's text starts with the prompt
 
 
 class _Body:
@@ -78,6 +75,9 @@ def parse_completion(body: object) -> GenerationRequest:
         raise _type_error("prompt", "a string or a list of token ids")
     logprobs = fields.get("logprobs", int, what="an integer")
     request.sampling.logprobs = logprobs
+    request.echo = fields.get("echo", bool, False, what="a boolean")
+    if request.echo and logprobs is not None:
+        request.sampling.prompt_logprobs = logprobs  # the prompt's tokens come back with theirs
     _validate(request)
     return request
 
@@ -128,7 +128,12 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
         top_k=fields.get("top_k", int, -1, what="an integer"),
         min_p=fields.number("min_p", 0.0),
         seed=fields.get("seed", int, what="an integer"),
-        max_tokens=max_tokens or 1,  # the real value is set once the prompt is tokenized
+        max_tokens=max_tokens or MAX_TOKENS_LIMIT,  # the real value is set once the prompt is tokenized
+        presence_penalty=fields.number("presence_penalty", 0.0),
+        frequency_penalty=fields.number("frequency_penalty", 0.0),
+        repetition_penalty=fields.number("repetition_penalty", 1.0),
+        min_tokens=fields.get("min_tokens", int, 0, what="an integer"),
+        logit_bias=_logit_bias(fields),
         stop_token_ids=stop_token_ids,
         ignore_eos=fields.get("ignore_eos", bool, False, what="a boolean"),
         best_of=fields.get("best_of", int, what="an integer"),
@@ -146,6 +151,24 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
         skip_special_tokens=fields.get("skip_special_tokens", bool, True, what="a boolean"),
         return_token_ids=fields.get("return_token_ids", bool, False, what="a boolean"),
     )
+
+
+def _logit_bias(fields: _Body) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids as JSON object keys (strings), biases as numbers."""
+    raw = fields.get("logit_bias", dict, {}, what="an object mapping token ids to biases")
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(f"logit_bias keys must be token ids, not {key!r}", param="logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, _NUMBER):
+            raise _type_error("logit_bias", "an object mapping token ids to numbers")
+        try:
+            bias[token] = float(value)
+        except OverflowError:
+            raise ApiError("logit_bias values must be numbers in [-100, 100]", param="logit_bias") from None
+    return bias
 
 
 def _validate(request: GenerationRequest) -> None:

@@ -4,8 +4,10 @@ import argparse
 import sys
 
 from services.scheduler.server import SchedulerServer
-from shared.cli import HelpFormatter, add_endpoint_args, add_scheduler_args, scheduler_config, setup_logging
-from shared.config import Endpoints
+from shared.cli import (HelpFormatter, add_endpoint_args, add_metrics_args, add_scheduler_args, scheduler_config,
+                        setup_logging, stop_on_signals)
+from shared.config import SCHEDULER_METRICS_PORT, Endpoints
+from shared.metrics_http import MetricsPortError, serve_metrics
 from shared.wire_security import WireSecurityError, keys_for
 
 
@@ -14,11 +16,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_scheduler_args(parser)
     add_endpoint_args(parser)
     parser.add_argument("--world-size", type=int, default=1, help="worker ranks to wait for")
+    add_metrics_args(parser, SCHEDULER_METRICS_PORT)
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
+    stop_on_signals()
     setup_logging("scheduler")
     endpoints = Endpoints(scheduler=args.scheduler_endpoint, workers=args.worker_endpoint)
     try:
@@ -26,6 +30,10 @@ def main() -> None:
     except WireSecurityError as exc:
         sys.exit(f"scheduler: {exc}")
     server = SchedulerServer(scheduler_config(args), endpoints, args.world_size, keys, args.max_message_bytes)
+    try:
+        serve_metrics(server.metrics.registry, args.metrics_host, args.metrics_port, "scheduler")
+    except MetricsPortError as exc:
+        sys.exit(f"scheduler: {exc}")
     sys.exit(server.run())
 
 

@@ -8,6 +8,7 @@ prompt's KV blocks.
 from __future__ import annotations
 
 import enum
+import time
 
 from shared.sampling import SamplingParams
 
@@ -77,6 +78,16 @@ class Request:
         self.beam = None  # BeamSearch state when sampling.use_beam_search
         self.beam_pending: dict = {}  # seq_id -> SampledToken, until every beam has reported
         self.num_cached_prompt_tokens = 0
+        self.looked_up = False  # in the prefix cache: counted once, however often it is recomputed
+        self.received = time.monotonic()  # at the scheduler, for its queue time
+        self.first_scheduled: float | None = None
+        # With sampling.prompt_logprobs: per prompt position from 1 on, filled as steps compute them.
+        self.prompt_logprobs: list[float | None] | None = None
+        self.prompt_top_logprobs: list[dict[int, float]] = []
+        if sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * (len(prompt_token_ids) - 1)
+            self.prompt_top_logprobs = [{} for _ in range(len(prompt_token_ids) - 1)]
+        self.prompt_logprobs_sent = False
 
     @property
     def num_prompt_tokens(self) -> int:

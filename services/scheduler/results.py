@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from services.scheduler.beam_search import BeamInput, BeamSearch
 from services.scheduler.request import Request, RequestStatus, Sequence
-from shared.protocol import Fork, RequestOutput, SampledToken, SequenceDelta, StepResult
+from shared.protocol import Fork, PromptLogprobs, RequestOutput, SampledToken, SequenceDelta, StepResult
 
 if TYPE_CHECKING:
     from services.scheduler.scheduler import Scheduler
@@ -29,6 +29,8 @@ class ResultProcessor:
             for seq in scheduled:
                 if not seq.finished and seq.request.status is RequestStatus.RUNNING:
                     manager.cache_full_blocks(seq)
+        for computed in result.prompt_logprobs:
+            self._record_prompt_logprobs(computed)
         by_request: dict[str, list[tuple[Sequence, SampledToken]]] = {}
         for sampled in result.sampled:
             seq = self.scheduler.sequences.get(sampled.seq_id)
@@ -175,9 +177,24 @@ class ResultProcessor:
             return "length"
         return None
 
+    def _record_prompt_logprobs(self, computed: PromptLogprobs) -> None:
+        seq = self.scheduler.sequences.get(computed.seq_id)
+        request = seq.request if seq is not None else None
+        if request is None or request.prompt_logprobs is None or request.prompt_logprobs_sent:
+            return
+        for k, logprob in enumerate(computed.logprobs):
+            position = computed.start + k - 1  # the lists start at prompt position 1
+            request.prompt_logprobs[position] = logprob
+            request.prompt_top_logprobs[position] = dict(zip(computed.top_ids[k], computed.top_logprobs[k]))
+
     def _output(self, request: Request, deltas: list[SequenceDelta], finished: bool) -> RequestOutput:
-        return RequestOutput(request.request_id, request.num_prompt_tokens, deltas, finished,
-                             num_cached_tokens=request.num_cached_prompt_tokens)
+        output = RequestOutput(request.request_id, request.num_prompt_tokens, deltas, finished,
+                               num_cached_tokens=request.num_cached_prompt_tokens)
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs_sent = True  # the prompt is done once anything is sampled
+            output.prompt_logprobs = request.prompt_logprobs
+            output.prompt_top_logprobs = request.prompt_top_logprobs
+        return output
 
 
 def _append(seq: Sequence, token_id: int, logprob: float, top: dict[int, float]) -> None:

@@ -25,11 +25,13 @@ plan, and the next one waits for the steps in flight to finish (`needs_drain`).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, RequestStatus, Sequence
+from services.scheduler.stats import Stats
 from services.scheduler.results import ResultProcessor, error_output
 from shared.protocol import (
     AddRequest,
@@ -38,7 +40,6 @@ from shared.protocol import (
     RequestOutput,
     ScheduledSequence,
     SequenceDelta,
-    Stats,
     Step,
 )
 from shared.sampling import InvalidParameter
@@ -110,13 +111,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.sequences: dict[int, Sequence] = {}
         self.counters = {"swap": 0, "recompute": 0, "steps": 0, "computed": 0, "cached": 0, "swapped_out": 0,
-                         "swapped_in": 0, "copied": 0, "scheduled_tokens": 0}
+                         "swapped_in": 0, "copied": 0, "scheduled_tokens": 0, "queried": 0}
         self.pending_forks: list[Fork] = []
         self.dropped_on_worker: list[int] = []
         self.preempted_on_worker: list[int] = []
         # step id -> (sequences scheduled, those it samples), for each step in flight
         self.in_flight: dict[int, tuple[list[Sequence], list[Sequence]]] = {}
         self.needs_drain = False  # the last plan stopped short of a preemption
+        self.queue_times: list[float] = []  # of requests started since the server last took them
         self._next_seq_id = 0
         self._next_order = 0
         self.results = ResultProcessor(self)
@@ -339,7 +341,9 @@ class Scheduler:
         """
         size = self.block_manager.block_size
         leader, *others = request.seqs
-        hits = self.block_manager.match_prefix(leader)
+        # Prompt log-probabilities come from computing the prompt: no cached blocks until they are out.
+        wants_prompt = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
+        hits = [] if wants_prompt else self.block_manager.match_prefix(leader)
         n = self._fit(leader.num_tokens - len(hits) * size, budget)
         budget -= n
         needed = -(-(len(hits) * size + n) // size) - len(hits)
@@ -369,6 +373,12 @@ class Scheduler:
         if not from_cache:
             return
         request = seq.request
+        if request.first_scheduled is None:
+            request.first_scheduled = time.monotonic()
+            self.queue_times.append(request.first_scheduled - request.received)
+        if not request.looked_up and self.block_manager.gpu.enable_caching:
+            request.looked_up = True
+            self.counters["queried"] += request.num_prompt_tokens
         cached = min(seq.num_computed_tokens, request.num_prompt_tokens)
         # Counted once per request: a recomputed request that hits its own blocks again is no new hit.
         self.counters["cached"] += max(0, cached - request.num_cached_prompt_tokens)
@@ -502,6 +512,7 @@ class Scheduler:
             blocks_swapped_out=self.counters["swapped_out"], blocks_swapped_in=self.counters["swapped_in"],
             blocks_copied=self.counters["copied"], tokens_scheduled=self.counters["scheduled_tokens"],
             kv_slots_holding_tokens=self._slots_holding_tokens(), block_size=self.block_manager.block_size,
+            prefix_cache_queries=self.counters["queried"],
         )
 
     def _slots_holding_tokens(self) -> int:

@@ -21,6 +21,7 @@ fails at most the request it concerns.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 
@@ -28,8 +29,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.results import error_output
 from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy, Scheduler
+from services.scheduler.stats import Stats
 from services.scheduler.stats_log import StatsLog
 from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
@@ -38,7 +41,6 @@ from shared.wire_security import WireKeys, start_authenticator
 from shared.protocol import (
     Abort,
     AddRequest,
-    GetStats,
     Hello,
     Ready,
     RequestOutput,
@@ -52,7 +54,7 @@ from shared.protocol import (
 
 log = logging.getLogger(__name__)
 
-API_MESSAGE_CONTAINERS = 16  # an AddRequest holds 4 arrays; Abort, Hello and GetStats fewer
+API_MESSAGE_CONTAINERS = 16  # an AddRequest holds 4 arrays; Abort and Hello fewer
 
 
 class SchedulerServer:
@@ -89,13 +91,20 @@ class SchedulerServer:
         self.step_deadline = 0.0  # for the oldest step in flight
         self.worker_busy = self.worker_waiting = 0.0  # seconds, for the idle-time metric
         self.stats_log = StatsLog(config.log_stats_interval)
+        # A scrape of /metrics, in its HTTP thread, asks the loop for a snapshot over this socket.
+        self.snapshot_endpoint = f"inproc://scheduler-snapshot-{id(self)}"
+        self.snapshot_requests = self.context.socket(zmq.PULL)
+        self.snapshot_requests.bind(self.snapshot_endpoint)
+        self.snapshot: tuple[Stats | None, str] = (None, "cpu")
+        self.snapshots_taken = 0
+        self.snapshot_taken = threading.Condition()
+        self.metrics = SchedulerMetrics(self.fresh_stats)
         self.running = True
         self.exit_code = 0
         self.api_handlers = {
             Hello: self.on_hello,
             AddRequest: self.on_add_request,
             Abort: self.on_abort,
-            GetStats: self.on_get_stats,
             Shutdown: self.on_refused_shutdown,
         }
         self.worker_handlers = {Ready: self.on_ready, StepResult: self.on_step_result}
@@ -105,25 +114,15 @@ class SchedulerServer:
         poller.register(self.api_socket, zmq.POLLIN)
         poller.register(self.worker_socket, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
+        poller.register(self.snapshot_requests, zmq.POLLIN)
         for monitor in self.closed:
             poller.register(monitor, zmq.POLLIN)
         log.info("scheduler waiting for %d worker rank(s)", self.world_size)
-        while self.running:
-            self._send_steps()
-            for sock, _ in poller.poll(self._poll_timeout_ms()):
-                if sock is self.control:
-                    self.running = False
-                elif sock in self.closed:
-                    self.on_connection_closed(recv_monitor_message(sock)["value"], self.closed[sock])
-                elif sock is self.api_socket:
-                    self._drain(sock, self.api_handlers, API_MESSAGE_CONTAINERS)
-                else:
-                    self._drain(sock, self.worker_handlers, self.worker_message_containers)
-            if self.scheduler is not None and self.stats_log.due_in() == 0.0:
-                self.stats_log.write(self.scheduler.stats())
-            if self.in_flight and time.monotonic() > self.step_deadline:
-                self.on_worker_lost(f"a worker rank did not finish a step in {self.config.step_timeout:g} s",
-                                   reset=True)
+        try:
+            while self.running:
+                self._iterate(poller)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM, which __main__ maps to it
+            log.info("stopping")
         for monitor in self.closed:
             monitor.close()
         self.api_socket.disable_monitor()
@@ -134,12 +133,59 @@ class SchedulerServer:
         self.context.destroy(linger=0)
         return self.exit_code
 
+    def _iterate(self, poller: zmq.Poller) -> None:
+        self._send_steps()
+        for sock, _ in poller.poll(self._poll_timeout_ms()):
+            if sock is self.control:
+                self.running = False
+            elif sock is self.snapshot_requests:
+                self._take_snapshot()
+            elif sock in self.closed:
+                self.on_connection_closed(recv_monitor_message(sock)["value"], self.closed[sock])
+            elif sock is self.api_socket:
+                self._drain(sock, self.api_handlers, API_MESSAGE_CONTAINERS)
+            else:
+                self._drain(sock, self.worker_handlers, self.worker_message_containers)
+        if self.scheduler is not None and self.stats_log.due_in() == 0.0:
+            self.stats_log.write(self.scheduler.stats())
+        if self.in_flight and time.monotonic() > self.step_deadline:
+            self.on_worker_lost(f"a worker rank did not finish a step in {self.config.step_timeout:g} s", reset=True)
+
     def stop(self) -> None:
         """Stop the loop from another thread of this process."""
         control = self.context.socket(zmq.PAIR)
         control.connect(self.control_endpoint)
         control.send(b"")
         control.close(linger=1000)
+
+    def fresh_stats(self) -> tuple[Stats | None, str]:
+        """A snapshot taken by the loop now, for a caller in another thread (a scrape)."""
+        with self.snapshot_taken:
+            wanted = self.snapshots_taken + 1
+        request = self.context.socket(zmq.PUSH)
+        try:
+            request.connect(self.snapshot_endpoint)
+            request.send(b"", zmq.NOBLOCK)
+        finally:
+            request.close(linger=0)
+        with self.snapshot_taken:  # the loop may be busy with a long step: then the last one
+            self.snapshot_taken.wait_for(lambda: self.snapshots_taken >= wanted, timeout=1.0)
+            return self.snapshot
+
+    def _take_snapshot(self) -> None:
+        while self.snapshot_requests.poll(0, zmq.POLLIN):
+            self.snapshot_requests.recv()
+        snapshot = (self.stats(), self.ready[0].device if self.ready else "cpu")
+        with self.snapshot_taken:
+            self.snapshot, self.snapshots_taken = snapshot, self.snapshots_taken + 1
+            self.snapshot_taken.notify_all()
+
+    def stats(self) -> Stats | None:
+        if self.scheduler is None:
+            return None
+        stats = self.scheduler.stats()
+        stats.worker_busy_seconds, stats.worker_waiting_seconds = self.worker_busy, self.worker_waiting
+        return stats
 
     def _poll_timeout_ms(self) -> int | None:
         waits = [self.stats_log.due_in()]
@@ -174,13 +220,19 @@ class SchedulerServer:
             if not scheduler.has_work() or (self.in_flight and scheduler.needs_drain):
                 return  # with needs_drain, a preemption is due: planned once the steps in flight are done
             try:
+                started = time.perf_counter()
                 step = scheduler.schedule()
+                self.metrics.schedule_seconds.observe(time.perf_counter() - started)
             except Exception:
                 log.exception("scheduling failed")
                 self.on_worker_lost("the scheduler failed to plan a step", reset=True)
                 return
             if step is None:
                 return
+            self.metrics.tokens_per_step.observe(sum(entry.num_tokens for entry in step.scheduled))
+            for waited in scheduler.queue_times:
+                self.metrics.queue_time.observe(waited)
+            scheduler.queue_times.clear()
             for identity in self.workers.values():
                 if not sockets.try_send(self.worker_socket, step, to=identity):
                     self.on_worker_lost("a worker rank is not accepting steps", reset=True)
@@ -218,13 +270,6 @@ class SchedulerServer:
             output = self.scheduler.abort(request_id)
             if output is not None:
                 self._route([output])
-
-    def on_get_stats(self, sender: bytes, message: GetStats) -> None:
-        self._know_api(sender)
-        if self.scheduler is not None:
-            stats = self.scheduler.stats()
-            stats.worker_busy_seconds, stats.worker_waiting_seconds = self.worker_busy, self.worker_waiting
-            self._send_api(sender, stats)
 
     def on_refused_shutdown(self, sender: bytes, message: Shutdown) -> None:
         log.warning("refused a Shutdown from %r: the scheduler stops on a signal, not by message", sender)

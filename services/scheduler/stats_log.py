@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from shared.protocol import Stats
+from services.scheduler.stats import Stats
 
 log = logging.getLogger("pagedserve.stats")
 

@@ -5,7 +5,10 @@ import logging
 import os
 import sys
 
-from shared.cli import HelpFormatter, add_scheduler_args, add_wire_args, add_worker_args, setup_logging
+from shared.cli import (HelpFormatter, add_metrics_args, add_scheduler_args, add_wire_args, add_worker_args,
+                        exit_at_once, setup_logging, stop_on_signals)
+from shared.config import WORKER_METRICS_PORT
+from shared.metrics_http import MetricsPortError, serve_metrics
 from shared.wire_security import WireSecurityError, keys_for
 
 
@@ -18,11 +21,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_args(parser)
     add_scheduler_args(parser)
     add_wire_args(parser)
+    add_metrics_args(parser, WORKER_METRICS_PORT, "; rank r serves on this port + r")
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
+    stop_on_signals()
     setup_logging(f"worker{args.rank}")
     try:
         keys = keys_for(args, "worker", [args.worker_endpoint])
@@ -30,10 +35,17 @@ def main() -> None:
         sys.exit(f"worker: {exc}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from services.worker.loader import ModelLoadError  # torch loads only after flags parse
+    from services.worker.metrics import WorkerMetrics
     from services.worker.server import WorkerServer
 
+    metrics = WorkerMetrics(args.rank)
+    try:  # before the model loads, so a busy port costs no start-up time
+        port = args.metrics_port + args.rank if args.metrics_port else 0
+        serve_metrics(metrics.registry, args.metrics_host, port, f"worker rank {args.rank}")
+    except MetricsPortError as exc:
+        sys.exit(f"worker: {exc}")
     try:
-        server = WorkerServer(args, args.rank, args.world_size, keys)
+        server = WorkerServer(args, args.rank, args.world_size, keys, metrics)
     except ModelLoadError as exc:
         logging.getLogger("services.worker").error("cannot load the model: %s", exc)
         sys.exit(2)
@@ -45,3 +57,4 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:
         pass
+    exit_at_once()

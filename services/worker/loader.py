@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import torch
 from safetensors.torch import load_file
@@ -64,9 +65,12 @@ def count_parameters(model_dir: str) -> int:
 
 
 def load_model(model_dir: str, dtype_name: str, device: torch.device, load_format: str = "auto", seed: int = 0):
+    started = time.monotonic()
     config = load_config(model_dir)
     dtype = resolve_dtype(config, dtype_name, device)
     model = build_on_meta(config)
+    log.info("loading %s (%.1fM parameters, %s weights) from %s", type(model).__name__,
+             sum(p.numel() for p in model.parameters()) / 1e6, load_format, model_dir)
     if load_format == "dummy":
         state = random_weights(model, config, seed)
     else:
@@ -75,8 +79,7 @@ def load_model(model_dir: str, dtype_name: str, device: torch.device, load_forma
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     model.eval()
-    log.info("loaded %s (%s weights, %.1fM parameters) from %s as %s on %s", type(model).__name__, load_format,
-             sum(p.numel() for p in model.parameters()) / 1e6, model_dir, dtype, device)
+    log.info("loaded %s as %s on %s in %.1f s", type(model).__name__, dtype, device, time.monotonic() - started)
     return model, config
 
 
@@ -131,10 +134,12 @@ def read_weights(model_dir: str, ignored: tuple[str, ...] = ()) -> dict[str, tor
     else:
         files = ["model.safetensors"]
     state: dict[str, torch.Tensor] = {}
-    for name in files:
+    for i, name in enumerate(files):
         path = os.path.join(model_dir, name)
         if not os.path.isfile(path):
             raise ModelLoadError(f"weight file {path} is missing")
+        log.info("reading weights: file %d of %d, %s (%.0f MiB)", i + 1, len(files), name,
+                 os.path.getsize(path) / 2**20)
         try:
             state.update(load_file(path))
         except Exception as exc:  # safetensors reports corruption with several error types

@@ -12,7 +12,7 @@ from kernels.batch import PagedBatch
 from services.worker.block_tables import BlockTables
 from services.worker.kv_cache import KVCache
 from services.worker.sampler import Sampler, SampleRow
-from shared.protocol import NewSequence, SampledToken, ScheduledSequence, Step, StepResult
+from shared.protocol import PromptLogprobs, NewSequence, SampledToken, ScheduledSequence, Step, StepResult
 from shared.sampling import InvalidParameter, SamplingParams
 
 
@@ -37,11 +37,12 @@ class StepError(RuntimeError):
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None):
+    def __init__(self, model, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None,
+                 eos_token_ids: list[int] = ()):
         self.model = model
         self.cache = cache
         self.device = device
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, frozenset(eos_token_ids))
         self.vocab_size = vocab_size or model.lm_head.weight.shape[0]
         self.mirrors: dict[int, SequenceMirror] = {}
         self.tables = BlockTables(device)
@@ -97,6 +98,7 @@ class ModelRunner:
         hidden = self.model(input_tensor, position_tensor, self.cache.layers, batch)
         last_rows = torch.tensor([starts[i + 1] - 1 for i in to_sample], dtype=torch.int64, device=self.device)
         logits = self.model.logits(hidden[last_rows])
+        prompt_logprobs = self._prompt_logprobs(scheduled, starts, hidden)
         sampled_at = time.perf_counter()
 
         rows = [self._sample_row(self.mirrors[scheduled[i].seq_id]) for i in to_sample]
@@ -110,8 +112,26 @@ class ModelRunner:
                 self.mirrors[seq_id].token_ids.append(row_samples[0].token_id)
         done = time.perf_counter()
         return StepResult(
-            step.step_id, sampled, (sampled_at - started) * 1e3, (done - sampled_at) * 1e3, failures=failures
+            step.step_id, sampled, (sampled_at - started) * 1e3, (done - sampled_at) * 1e3, failures=failures,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(self, scheduled, starts: list[int], hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """For requests that ask: how likely each prompt token computed in this step was."""
+        found = []
+        for i, entry in enumerate(scheduled):
+            mirror = self.mirrors[entry.seq_id]
+            wanted = mirror.sampling.prompt_logprobs
+            last = min(entry.start + entry.num_tokens, mirror.num_prompt_tokens - 1)  # positions predicting a prompt token
+            if wanted is None or entry.start >= last:
+                continue
+            rows = torch.arange(starts[i], starts[i] + last - entry.start, device=self.device)
+            logprobs = torch.log_softmax(self.model.logits(hidden[rows]).float(), dim=-1)
+            targets = torch.tensor(mirror.token_ids[entry.start + 1 : last + 1], device=self.device)
+            chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+            top_values, top_ids = logprobs.topk(wanted, dim=-1) if wanted else (logprobs[:, :0], logprobs[:, :0].long())
+            found.append(PromptLogprobs(entry.seq_id, entry.start + 1, chosen, top_ids.tolist(), top_values.tolist()))
+        return found
 
     # --- checks: a bad sequence is refused alone; a bad block operation fails the step ----
 
@@ -207,7 +227,8 @@ class ModelRunner:
         generated = len(mirror.token_ids) - mirror.num_prompt_tokens
         sampling = mirror.sampling
         forks = generated == 0 and not sampling.use_beam_search and sampling.num_samples > 1
-        return SampleRow(sampling, generated, mirror.index, sampling.num_samples if forks else 1)
+        return SampleRow(sampling, generated, mirror.index, sampling.num_samples if forks else 1, mirror.token_ids,
+                         mirror.num_prompt_tokens)
 
     def reset(self) -> None:
         """Forget every sequence: after a failed step the scheduler ends them all."""

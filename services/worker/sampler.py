@@ -1,6 +1,7 @@
 """Turn the last-position logits of each sequence into its next token(s).
 
-Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw by
+Logits are first processed as the request asks (`logits_processing.py`: logit bias, min_tokens,
+penalties). Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw by
 inverse CDF: one uniform number per sample, batched. A seeded request draws its number from a
 generator reseeded from (seed, sample index, tokens generated so far), so its tokens do not
 depend on what else is in the batch, nor on whether it was preempted and recomputed.
@@ -8,10 +9,11 @@ depend on what else is in the batch, nor on whether it was preempted and recompu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from services.worker.logits_processing import process_logits
 from shared.sampling import SamplingParams
 
 
@@ -21,6 +23,8 @@ class SampleRow:
     num_generated: int  # tokens this sequence had produced before this one
     index: int = 0  # the sequence's sample index within its request
     num_samples: int = 1  # > 1 when a finished prompt forks into best_of samples
+    token_ids: list[int] = field(default_factory=list)  # prompt and output so far, for the penalties
+    num_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -32,13 +36,16 @@ class Sample:
 
 
 class Sampler:
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, stop_ids: frozenset[int] = frozenset()):
+        self.stop_ids = stop_ids  # the model's EOS ids, held back before min_tokens
         self.unseeded = torch.Generator(device="cpu")
         self.unseeded.manual_seed(seed)
         self.seeded = torch.Generator(device="cpu")
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[Sample]]:
         logits = logits.float()
+        if any(row.params.logit_bias or row.params.min_tokens or row.params.penalized for row in rows):
+            logits = process_logits(logits, rows, self.stop_ids)
         owners = [i for i, row in enumerate(rows) for _ in range(row.num_samples)]
         draws = [k for row in rows for k in range(row.num_samples)]
         owner_index = torch.tensor(owners, dtype=torch.int64, device=logits.device)

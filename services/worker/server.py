@@ -12,6 +12,7 @@ import zmq
 
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
 from services.worker.loader import eos_token_ids, load_model
+from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 from shared import sockets
 from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
@@ -35,7 +36,8 @@ def cpu_threads(requested: int) -> int:
 
 
 class WorkerServer:
-    def __init__(self, args, rank: int = 0, world_size: int = 1, keys: WireKeys | None = None):
+    def __init__(self, args, rank: int = 0, world_size: int = 1, keys: WireKeys | None = None,
+                 metrics: WorkerMetrics | None = None):
         self.rank, self.world_size = rank, world_size
         device = pick_device(args.device)
         if device.type == "cpu":
@@ -58,15 +60,17 @@ class WorkerServer:
         )
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB); swap space: %d blocks", num_blocks,
                  args.block_size, num_blocks * block_bytes / 2**20, num_cpu_blocks)
-        self.runner = ModelRunner(model, cache, device, args.seed)
+        eos_ids = eos_token_ids(args.model, config)
+        self.runner = ModelRunner(model, cache, device, args.seed, eos_token_ids=eos_ids)
         swap_rate = cache.measure_swap_bandwidth()
         prefill_rate = self.runner.measure_prefill_rate()
         log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s", swap_rate / 1e9, prefill_rate)
         self.ready = Ready(
             rank, world_size, num_blocks, num_cpu_blocks, args.block_size,
-            config.max_position_embeddings, eos_token_ids(args.model, config), block_bytes,
-            swap_rate, prefill_rate, self.runner.vocab_size,
+            config.max_position_embeddings, eos_ids, block_bytes,
+            swap_rate, prefill_rate, self.runner.vocab_size, device.type,
         )
+        self.metrics = metrics or WorkerMetrics(rank)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -113,6 +117,7 @@ class WorkerServer:
             self.runner.reset()
             result = StepResult(step.step_id, [], 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
         result.idle_ms = idle_ms
+        self.metrics.observe(result)
         if self.rank == 0:
             sockets.send(self.socket, result)
         self.last_sent = time.perf_counter()

@@ -1,0 +1,105 @@
+"""The scheduler's Prometheus metrics, served on its own port: queues, KV blocks on the device
+and in swap, the memory manager's traffic, and how long planning a step takes.
+
+The HTTP server runs in a thread of its own, so it never reads the scheduler's live state: each
+scrape asks the loop for a `Stats` snapshot (`fresh_stats`) and waits for it, a second at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.scheduler.stats import Stats
+
+SCHEDULE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+TOKENS_PER_STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class SchedulerMetrics:
+    def __init__(self, fresh_stats: Callable[[], tuple[Stats | None, str]]):
+        self.registry = CollectorRegistry()
+        self.registry.register(StatsCollector(fresh_stats))
+        self.schedule_seconds = Histogram(
+            "pagedserve_step_phase_seconds", "time of one phase of a step: schedule here, forward and sample on "
+            "each worker rank", ["phase"], buckets=SCHEDULE_BUCKETS, registry=self.registry,
+        ).labels("schedule")
+        self.tokens_per_step = Histogram(
+            "pagedserve_tokens_per_step", "prompt and decode tokens in one step", buckets=TOKENS_PER_STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            "pagedserve_request_queue_time_seconds", "from a request's arrival at the scheduler to its first step",
+            buckets=QUEUE_BUCKETS, registry=self.registry,
+        )
+
+
+class StatsCollector:
+    """Gauges and counters of a fresh snapshot; none before the workers are ready."""
+
+    def __init__(self, fresh_stats: Callable[[], tuple[Stats | None, str]]):
+        self.fresh_stats = fresh_stats  # the snapshot, and the workers' device type
+
+    def collect(self):
+        stats, device = self.fresh_stats()
+        if stats is None:
+            return
+        used = stats.num_gpu_blocks - stats.num_free_gpu_blocks - stats.num_cached_gpu_blocks
+        swap_used = stats.num_cpu_blocks - stats.num_free_cpu_blocks
+        pools = {  # pool: (device, used, cached, free, total)
+            "device": (device, used, stats.num_cached_gpu_blocks, stats.num_free_gpu_blocks,
+                       stats.num_gpu_blocks),
+            "swap": ("cpu", swap_used, 0, stats.num_free_cpu_blocks, stats.num_cpu_blocks),
+        }
+        blocks = GaugeMetricFamily("pagedserve_kv_blocks", "KV blocks by pool (the device's cache, or the swap "
+                                   "space in CPU memory) and state: used by sequences, cached for prefix reuse "
+                                   "(evictable), free", labels=["pool", "device", "state"])
+        capacity = GaugeMetricFamily("pagedserve_kv_blocks_capacity", "KV blocks in the pool",
+                                     labels=["pool", "device"])
+        usage = GaugeMetricFamily("pagedserve_kv_usage_ratio", "share of the pool's KV blocks used by sequences",
+                                  labels=["pool", "device"])
+        for pool, (device, in_use, cached, free, total) in pools.items():
+            for state, value in (("used", in_use), ("cached", cached), ("free", free)):
+                blocks.add_metric([pool, device, state], value)
+            capacity.add_metric([pool, device], total)
+            usage.add_metric([pool, device], in_use / total if total else 0.0)
+        yield from (blocks, capacity, usage)
+        referenced_slots = used * stats.block_size
+        yield GaugeMetricFamily(
+            "pagedserve_kv_utilization_ratio",
+            "share of the KV slots in the device blocks used by sequences that hold token states (the rest: the "
+            "unfilled end of each sequence's last block); the paper's memory utilization",
+            value=stats.kv_slots_holding_tokens / referenced_slots if referenced_slots else 1.0,
+        )
+        for state, value in (("running", stats.num_running), ("waiting", stats.num_waiting),
+                             ("swapped", stats.num_swapped)):
+            yield GaugeMetricFamily(f"pagedserve_num_requests_{state}",
+                                    f"{'sequences' if state == 'running' else 'requests'} {state}", value=value)
+        preemptions = CounterMetricFamily("pagedserve_preemptions", "requests preempted, by mode", labels=["mode"])
+        preemptions.add_metric(["swap"], stats.num_preemptions_swap)
+        preemptions.add_metric(["recompute"], stats.num_preemptions_recompute)
+        yield preemptions
+        swapped = CounterMetricFamily("pagedserve_blocks_swapped", "KV blocks moved between the device and swap "
+                                      "space", labels=["direction"])
+        swapped.add_metric(["out"], stats.blocks_swapped_out)
+        swapped.add_metric(["in"], stats.blocks_swapped_in)
+        yield swapped
+        counters = {
+            "blocks_copied": ("KV blocks copied on write (a shared block written)", stats.blocks_copied),
+            "tokens_scheduled": ("prompt and decode tokens run through the model", stats.tokens_scheduled),
+            "steps": ("steps scheduled", stats.num_steps),
+            "prompt_tokens_computed": ("prompt tokens run through the model (again after a recompute)",
+                                       stats.num_prompt_tokens_computed),
+            "prefix_cache_queries": ("prompt tokens looked up in the prefix cache, once per request",
+                                     stats.prefix_cache_queries),
+            "prefix_cache_hits": ("prompt tokens found in the prefix cache, once per request",
+                                  stats.num_prompt_tokens_cached),
+            "worker_busy_seconds": ("time rank 0 spent computing steps", stats.worker_busy_seconds),
+            "worker_waiting_seconds": ("time rank 0 waited for its next step while the scheduler had work "
+                                       "(overhead, not idleness)", stats.worker_waiting_seconds),
+        }
+        for name, (help_text, value) in counters.items():
+            yield CounterMetricFamily(f"pagedserve_{name}", help_text, value=value)

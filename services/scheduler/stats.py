@@ -1,0 +1,31 @@
+"""A snapshot of the scheduler's queues, KV pools and counters, for its metrics and its log line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Stats:
+    num_gpu_blocks: int
+    num_free_gpu_blocks: int  # free, not counting cached-and-evictable ones
+    num_cached_gpu_blocks: int  # cached and evictable: reusable by a prefix hit
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions_swap: int
+    num_preemptions_recompute: int
+    num_steps: int
+    num_prompt_tokens_computed: int
+    num_prompt_tokens_cached: int
+    worker_busy_seconds: float = 0.0  # rank 0's time computing steps
+    worker_waiting_seconds: float = 0.0  # rank 0's time between steps while the scheduler had work
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    blocks_copied: int = 0  # copy-on-write copies
+    tokens_scheduled: int = 0  # over all steps: prompt and decode tokens run through the model
+    kv_slots_holding_tokens: int = 0  # in the device blocks referenced now, a shared block once
+    block_size: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, once per request

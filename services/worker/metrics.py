@@ -1,0 +1,26 @@
+"""A worker rank's Prometheus metrics, served on its own port: how long each step's phases take."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from shared.protocol import StepResult
+
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class WorkerMetrics:
+    def __init__(self, rank: int):
+        self.registry = CollectorRegistry()
+        phases = Histogram(
+            "pagedserve_step_phase_seconds", "time of one phase of a step: schedule on the scheduler, forward "
+            "(with the step's block copies and swaps) and sample here", ["phase", "rank"],
+            buckets=PHASE_BUCKETS, registry=self.registry,
+        )
+        self.forward = phases.labels("forward", str(rank))
+        self.sample = phases.labels("sample", str(rank))
+
+    def observe(self, result: StepResult) -> None:
+        if result.error is None:
+            self.forward.observe(result.forward_ms / 1e3)
+            self.sample.observe(result.sample_ms / 1e3)

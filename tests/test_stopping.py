@@ -1,0 +1,100 @@
+"""Ctrl-C or SIGTERM stops pagedserve within 2 s, with no traceback and no temp directory left:
+the launcher with a stream in flight, and each service run alone."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, free_port, metrics_port_flags, wait_until
+from tests.test_resilience import wait_healthy
+
+STOP_SECONDS = 2.0
+
+
+def start(cmd: list[str], log_path, tmp_dir) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_dir))
+    with open(log_path, "w") as log:  # its own session: Ctrl-C reaches the whole group, as in a terminal
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop_and_time(process: subprocess.Popen, signum: int, whole_group: bool) -> float:
+    started = time.monotonic()
+    if whole_group:
+        os.killpg(process.pid, signum)
+    else:
+        process.send_signal(signum)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return time.monotonic() - started
+
+
+def stream_forever(base_url: str, model: str) -> None:
+    body = {"model": model, "prompt": "import os", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as response:
+            for _ in response.iter_lines():
+                pass
+    except httpx.HTTPError:
+        pass  # the server went away mid-stream, as it should
+
+
+@pytest.mark.parametrize("signum, whole_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["ctrl-c", "sigterm-to-the-launcher"])
+def test_the_launcher_stops_within_two_seconds_mid_stream(llama_dir, tmp_path, signum, whole_group):
+    port, temp = free_port(), tmp_path / "tmp"
+    temp.mkdir()
+    process = start([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
+                     *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
+                    tmp_path / "launcher.log", temp)
+    wait_healthy(f"http://127.0.0.1:{port}/health")
+    client = threading.Thread(target=stream_forever, args=(f"http://127.0.0.1:{port}", os.path.basename(llama_dir)))
+    client.start()
+    time.sleep(0.15)
+    took = stop_and_time(process, signum, whole_group)
+    client.join(30)
+    output = (tmp_path / "launcher.log").read_text()
+    assert took < STOP_SECONDS, f"took {took:.1f} s:\n{output}"
+    assert process.returncode == 0, output
+    assert "Traceback" not in output and "Error" not in output.split("ready at")[-1], output
+    assert re.search(r"completions: (error|abort)", output), "the stream had ended before the stop"
+    assert list(temp.iterdir()) == []
+
+
+def service_commands(llama_dir: str, sockets: str) -> dict[str, list[str]]:
+    scheduler, workers = f"ipc://{sockets}/scheduler.sock", f"ipc://{sockets}/workers.sock"
+    python = [sys.executable, "-m"]
+    return {
+        "scheduler": python + ["services.scheduler", "--scheduler-endpoint", scheduler, "--worker-endpoint", workers,
+                               "--metrics-port", str(free_port())],
+        "worker": python + ["services.worker", "--model", llama_dir, "--worker-endpoint", workers, "--device", "cpu",
+                            "--kv-cache-memory", "0.05", "--swap-space", "0.05", "--metrics-port", str(free_port())],
+        "api": python + ["services.api", "--model", llama_dir, "--scheduler-endpoint", scheduler,
+                         "--port", str(free_port())],
+    }
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("service", ["scheduler", "worker", "api"])
+def test_each_service_alone_stops_within_two_seconds(llama_dir, tmp_path, service, signum):
+    log_path = tmp_path / f"{service}.log"
+    process = start(service_commands(llama_dir, str(tmp_path))[service], log_path, tmp_path)
+    ready_line = {"scheduler": "waiting for 1 worker rank", "worker": "measured:", "api": "once the scheduler is ready"}
+    assert wait_until(lambda: ready_line[service] in log_path.read_text() or process.poll() is not None, 60), \
+        log_path.read_text()
+    assert process.poll() is None, log_path.read_text()
+    took = stop_and_time(process, signum, whole_group=False)
+    output = log_path.read_text()
+    assert took < STOP_SECONDS, f"took {took:.1f} s:\n{output}"
+    assert process.returncode in (0, -signum, 128 + signum) and "Traceback" not in output, output
