@@ -82,7 +82,7 @@ SCHEDULER_FLAGS = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_
                    "num_gpu_blocks_override", "enable_prefix_caching", "enable_chunked_prefill",
                    "preemption_mode", "async_scheduling", "step_timeout", "log_stats_interval"]
 WORKER_FLAGS = ["model", "device", "dtype", "load_format", "gpu_memory_utilization", "kv_cache_memory", "swap_space",
-                "seed", "cpu_threads", "block_size", "num_gpu_blocks_override"]
+                "seed", "cpu_threads", "block_size", "num_gpu_blocks_override", "tensor_parallel_size"]
 API_FLAGS = ["model", "host", "port", "served_model_name", "max_request_body_bytes"]
 
 
@@ -90,7 +90,8 @@ def commands(args: argparse.Namespace, endpoints: Endpoints) -> dict[str, list[s
     python = [sys.executable, "-m"]
     return {
         "scheduler": python + ["services.scheduler", "--scheduler-endpoint", endpoints.scheduler,
-                               "--worker-endpoint", endpoints.workers] + _flags(args, SCHEDULER_FLAGS)
+                               "--worker-endpoint", endpoints.workers, "--world-size", str(args.tensor_parallel_size)]
+        + _flags(args, SCHEDULER_FLAGS)
         + ["--metrics-host", args.host, "--metrics-port", str(args.scheduler_metrics_port)],
         "worker": python + ["services.worker", "--worker-endpoint", endpoints.workers]
         + _flags(args, WORKER_FLAGS) + ["--metrics-host", args.host, "--metrics-port", str(args.worker_metrics_port)],

@@ -63,6 +63,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache on CPU")
     group.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space for KV blocks")
     group.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without one")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="worker ranks that split the model's attention heads and MLP among them, one "
+                            "process each (on GPUs: one GPU each)")
     group.add_argument("--cpu-threads", type=int, default=0,
                        help="torch threads of a worker on a CPU device (0: one per core but one, "
                             "which the api and scheduler keep)")

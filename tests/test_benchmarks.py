@@ -67,3 +67,15 @@ def test_peer_bench_runs_pagedserve_alone_with_our_client_and_reports_worker_idl
     assert run["throughput"]["output_throughput"] > 0
     assert "| throughput | output_throughput |" in done.stdout
     assert 0 <= run["throughput"]["worker_waiting_share"] < 1
+
+
+def test_tp_memory_bench_reports_each_rank_and_the_ratio(tmp_path):
+    out = tmp_path / "tp.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tp_memory_bench.py"), "--hidden", "128",
+                           "--layers", "2", "--heads", "4", "--vocab", "512", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(out.read_text())
+    assert len(results["rss_mib"]["1"]) == 1 and len(results["rss_mib"]["2"]) == 2
+    assert all(value > 0 for values in results["rss_mib"].values() for value in values)
+    assert "TP 2 / TP 1, per rank" in done.stdout

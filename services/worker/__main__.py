@@ -16,8 +16,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.worker", formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True, help="local HF-format model directory")
     parser.add_argument("--worker-endpoint", required=True, help="the scheduler's worker endpoint")
-    parser.add_argument("--rank", type=int, default=0, help="this worker's rank among the tensor-parallel workers")
-    parser.add_argument("--world-size", type=int, default=1, help="tensor-parallel workers in all")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="this worker's rank among the tensor-parallel workers, to join a group by hand")
+    parser.add_argument("--world-size", type=int, default=1, help="tensor-parallel workers in all, with --rank")
+    parser.add_argument("--dist-init-method", default="tcp://127.0.0.1:29500",
+                        help="where the ranks of a group started by hand meet (torch.distributed's init_method)")
     add_worker_args(parser)
     add_scheduler_args(parser)
     add_wire_args(parser)
@@ -27,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    if args.tensor_parallel_size > 1:
+        setup_logging("worker")
+        from services.worker.rank_group import run_group
+
+        sys.exit(run_group(without_tensor_parallel_size(sys.argv[1:]), args.tensor_parallel_size))
     stop_on_signals()
     setup_logging(f"worker{args.rank}")
     try:
@@ -50,6 +58,19 @@ def main() -> None:
         logging.getLogger("services.worker").error("cannot load the model: %s", exc)
         sys.exit(2)
     server.run()
+
+
+def without_tensor_parallel_size(argv: list[str]) -> list[str]:
+    """The flags each rank of a group gets: all but the group's size."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--tensor-parallel-size", "-tp"):
+            skip = True
+        elif not arg.startswith(("--tensor-parallel-size=", "-tp=")):
+            kept.append(arg)
+    return kept
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ import os
 import time
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from transformers import AutoConfig
 
 from services.worker.models import ARCHITECTURES
+from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,16 @@ def model_class_for(config):
     return model_class
 
 
-def build_on_meta(config):
-    """The model's structure without memory: enough to count or describe it."""
-    with torch.device("meta"):
-        model = model_class_for(config)(config)
+def build_on_meta(config, tp: TensorParallel = SINGLE):
+    """The model's structure (this rank's share of it) without memory: enough to count or describe it."""
+    model_class = model_class_for(config)
+    if tp.world_size > 1 and not hasattr(model_class, "shards"):
+        raise ModelLoadError(f"{model_class.__name__} cannot be split over tensor-parallel ranks yet")
+    try:
+        with torch.device("meta"):
+            model = model_class(config, tp) if tp.world_size > 1 else model_class(config)
+    except ValueError as exc:  # heads or widths that do not divide among the ranks
+        raise ModelLoadError(str(exc)) from None
     model.tie_weights()
     return model
 
@@ -64,17 +71,19 @@ def count_parameters(model_dir: str) -> int:
     return sum(p.numel() for p in build_on_meta(load_config(model_dir)).parameters())
 
 
-def load_model(model_dir: str, dtype_name: str, device: torch.device, load_format: str = "auto", seed: int = 0):
+def load_model(model_dir: str, dtype_name: str, device: torch.device, load_format: str = "auto", seed: int = 0,
+               tp: TensorParallel = SINGLE):
     started = time.monotonic()
     config = load_config(model_dir)
     dtype = resolve_dtype(config, dtype_name, device)
-    model = build_on_meta(config)
+    model = build_on_meta(config, tp)
     log.info("loading %s (%.1fM parameters, %s weights) from %s", type(model).__name__,
              sum(p.numel() for p in model.parameters()) / 1e6, load_format, model_dir)
     if load_format == "dummy":
         state = random_weights(model, config, seed)
     else:
-        state = checked_weights(model, read_weights(model_dir, getattr(model, "ignored_weights", ())), model_dir)
+        shards = model.shards() if tp.world_size > 1 else {}
+        state = checked_weights(model, read_weights(model_dir, getattr(model, "ignored_weights", ()), shards), model_dir)
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
@@ -126,7 +135,9 @@ def random_weights(model, config, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_weights(model_dir: str, ignored: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def read_weights(model_dir: str, ignored: tuple[str, ...] = (), shards: dict[str, Shard] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, or of `shards` only this rank's part, read as such."""
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         with open(index_path) as f:
@@ -134,6 +145,7 @@ def read_weights(model_dir: str, ignored: tuple[str, ...] = ()) -> dict[str, tor
     else:
         files = ["model.safetensors"]
     state: dict[str, torch.Tensor] = {}
+    ignored = ignored + ("rotary_emb.inv_freq",)
     for i, name in enumerate(files):
         path = os.path.join(model_dir, name)
         if not os.path.isfile(path):
@@ -141,11 +153,14 @@ def read_weights(model_dir: str, ignored: tuple[str, ...] = ()) -> dict[str, tor
         log.info("reading weights: file %d of %d, %s (%.0f MiB)", i + 1, len(files), name,
                  os.path.getsize(path) / 2**20)
         try:
-            state.update(load_file(path))
+            with safe_open(path, "pt") as f:
+                for key in f.keys():
+                    if not key.endswith(ignored):
+                        shard = (shards or {}).get(key)
+                        state[key] = shard.take(f.get_slice(key)) if shard else f.get_tensor(key)
         except Exception as exc:  # safetensors reports corruption with several error types
             raise ModelLoadError(f"weight file {path} is unreadable: {exc}") from None
-    ignored = ignored + ("rotary_emb.inv_freq",)
-    return {k: v for k, v in state.items() if not k.endswith(ignored)}
+    return state
 
 
 def eos_token_ids(model_dir: str, config) -> list[int]:

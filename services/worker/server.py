@@ -8,12 +8,14 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
 import zmq
 
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
 from services.worker.loader import eos_token_ids, load_model
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
+from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
 from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
 from shared.wire_security import WireKeys, connect_securely
@@ -21,29 +23,43 @@ from shared.wire_security import WireKeys, connect_securely
 log = logging.getLogger(__name__)
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, rank: int = 0) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device(name)
 
 
-def cpu_threads(requested: int) -> int:
+def cpu_threads(requested: int, num_ranks: int = 1) -> int:
     """Threads for the forward pass on a CPU. By default one core is left to the api and the
-    scheduler: threads that share cores with them wait at every barrier for a descheduled sibling."""
+    scheduler (threads that share cores with them wait at every barrier for a descheduled
+    sibling), and the rest is shared among the tensor-parallel ranks."""
     if requested > 0:
         return requested
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // num_ranks)
+
+
+def join_rank_group(rank: int, world_size: int, init_method: str, device: torch.device) -> TensorParallel:
+    """The process group of the tensor-parallel ranks: NCCL among GPUs, gloo on CPUs."""
+    if world_size == 1:
+        return TensorParallel()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    log.info("rank %d of %d joining the %s group at %s", rank, world_size, backend, init_method)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return TensorParallel(rank, world_size)
 
 
 class WorkerServer:
     def __init__(self, args, rank: int = 0, world_size: int = 1, keys: WireKeys | None = None,
                  metrics: WorkerMetrics | None = None):
         self.rank, self.world_size = rank, world_size
-        device = pick_device(args.device)
+        device = pick_device(args.device, rank)
         if device.type == "cpu":
-            torch.set_num_threads(cpu_threads(args.cpu_threads))
-        torch.manual_seed(args.seed)
-        model, config = load_model(args.model, args.dtype, device, args.load_format, args.seed)
+            torch.set_num_threads(cpu_threads(args.cpu_threads, world_size))
+        tp = join_rank_group(rank, world_size, args.dist_init_method, device)
+        torch.manual_seed(args.seed)  # the same on every rank: they sample the same tokens
+        model, config = load_model(args.model, args.dtype, device, args.load_format, args.seed, tp)
         dtype = model.lm_head.weight.dtype
         block_bytes = bytes_per_block(
             config.num_hidden_layers, args.block_size, model.num_kv_heads, model.head_dim, dtype

@@ -9,6 +9,7 @@ from transformers.activations import ACT2FN
 from kernels.batch import PagedBatch
 from services.worker.models.base import PagedCausalLM
 from services.worker.models.paged import paged_attention
+from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel
 
 
 class Conv1D(nn.Module):
@@ -22,15 +23,23 @@ class Conv1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.addmm(self.bias, x, self.weight)
 
+    def row_parallel(self, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """With the input split over the ranks (rows of the weight)."""
+        return self(x) if tp.world_size == 1 else row_parallel(x, self.weight, self.bias, tp, transposed=True)
+
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config, layer_index: int):
+    """This rank's heads: all of them on one rank."""
+
+    def __init__(self, config, layer_index: int, tp: TensorParallel):
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.c_attn = Conv1D(hidden, 3 * hidden)
-        self.c_proj = Conv1D(hidden, hidden)
+        self.head_dim = hidden // config.num_attention_heads
+        self.first_head, self.num_heads = tp.split(config.num_attention_heads, "the number of attention heads")
+        width = self.num_heads * self.head_dim
+        self.c_attn = Conv1D(hidden, 3 * width)
+        self.c_proj = Conv1D(width, hidden)
+        self.tp, self.hidden = tp, hidden
         self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             self.scale /= layer_index + 1
@@ -39,28 +48,41 @@ class GPT2Attention(nn.Module):
         tokens = hidden.shape[0]
         q, k, v = self.c_attn(hidden).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
         out = paged_attention(q, k, v, kv_cache, batch, self.scale)
-        return self.c_proj(out.reshape(tokens, -1))
+        return self.c_proj.row_parallel(out.reshape(tokens, -1), self.tp)
+
+    def shards(self, prefix: str) -> dict[str, Shard]:
+        width = self.num_heads * self.head_dim
+        start = self.first_head * self.head_dim
+        return {f"{prefix}.c_attn.weight": Shard(1, start, width, parts=3, stride=self.hidden),
+                f"{prefix}.c_attn.bias": Shard(0, start, width, parts=3, stride=self.hidden),
+                f"{prefix}.c_proj.weight": Shard(0, start, width)}
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel):
         super().__init__()
-        inner = config.n_inner or 4 * config.hidden_size
+        self.first, inner = tp.split(config.n_inner or 4 * config.hidden_size, "the MLP's inner width")
         self.c_fc = Conv1D(config.hidden_size, inner)
         self.c_proj = Conv1D(inner, config.hidden_size)
         self.act = ACT2FN[config.activation_function]
+        self.tp = tp
 
     def forward(self, x):
-        return self.c_proj(self.act(self.c_fc(x)))
+        return self.c_proj.row_parallel(self.act(self.c_fc(x)), self.tp)
+
+    def shards(self, prefix: str) -> dict[str, Shard]:
+        inner = self.c_proj.weight.shape[0]
+        return {f"{prefix}.c_fc.weight": Shard(1, self.first, inner), f"{prefix}.c_fc.bias": Shard(0, self.first, inner),
+                f"{prefix}.c_proj.weight": Shard(0, self.first, inner)}
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config, layer_index: int):
+    def __init__(self, config, layer_index: int, tp: TensorParallel):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.attn = GPT2Attention(config, layer_index)
+        self.attn = GPT2Attention(config, layer_index, tp)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, tp)
 
     def forward(self, hidden, kv_cache, batch):
         hidden = hidden + self.attn(self.ln_1(hidden), kv_cache, batch)
@@ -68,11 +90,11 @@ class GPT2Block(nn.Module):
 
 
 class _GPT2Model(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel):
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.h = nn.ModuleList(GPT2Block(config, i, tp) for i in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
 
@@ -81,11 +103,18 @@ class GPT2LMHeadModel(PagedCausalLM):
     # Older checkpoints carry the causal mask as buffers; they are not weights.
     ignored_weights = (".attn.bias", ".attn.masked_bias")
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.transformer = _GPT2Model(config)
-        heads = config.num_attention_heads
-        self.init_head(config, config.hidden_size, heads, config.hidden_size // heads)
+        self.transformer = _GPT2Model(config, tp)
+        attention = self.transformer.h[0].attn
+        self.init_head(config, config.hidden_size, attention.num_heads, attention.head_dim)
+
+    def shards(self) -> dict[str, Shard]:
+        """The checkpoint tensors this rank loads only part of; every other one it loads whole."""
+        shards = {}
+        for i, block in enumerate(self.transformer.h):
+            shards |= block.attn.shards(f"transformer.h.{i}.attn") | block.mlp.shards(f"transformer.h.{i}.mlp")
+        return shards
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], batch: PagedBatch):
         hidden = self.transformer.wte(input_ids) + self.transformer.wpe(positions)

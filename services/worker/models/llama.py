@@ -15,6 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kernels.batch import PagedBatch
 from services.worker.models.base import PagedCausalLM
 from services.worker.models.paged import paged_attention
+from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
 
 
 class RMSNorm(nn.Module):
@@ -56,11 +57,16 @@ class RotaryEmbedding:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False):
+    """This rank's heads: all of them on one rank."""
+
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.first_head, self.num_heads = tp.split(total_heads, "the number of attention heads")
+        self.first_kv_head, self.num_kv_heads = tp.kv_heads(total_kv_heads)
+        self.tp = tp
         self.scale = self.head_dim**-0.5
         self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         hidden = config.hidden_size
@@ -87,30 +93,50 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         out = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window, rope=cos_sin)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return row_parallel_linear(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), self.tp)
+
+    def shards(self, prefix: str) -> dict[str, Shard]:
+        hd = self.head_dim
+        q, kv = Shard(0, self.first_head * hd, self.num_heads * hd), Shard(0, self.first_kv_head * hd, self.num_kv_heads * hd)
+        shards = {f"{prefix}.q_proj.weight": q, f"{prefix}.k_proj.weight": kv, f"{prefix}.v_proj.weight": kv,
+                  f"{prefix}.o_proj.weight": Shard(1, q.start, q.size)}
+        if self.q_proj.bias is not None:
+            shards |= {f"{prefix}.q_proj.bias": q, f"{prefix}.k_proj.bias": kv, f"{prefix}.v_proj.bias": kv}
+        return shards
+
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel = SINGLE):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.first, width = tp.split(config.intermediate_size, "the MLP's intermediate size")
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=bias)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=bias)
+        self.tp = tp
         self.act = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.silu:  # in place: no extra activations-sized tensors per layer
-            return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return row_parallel_linear(self.down_proj, F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)),
+                                       self.tp)
+        return row_parallel_linear(self.down_proj, self.act(self.gate_proj(x)) * self.up_proj(x), self.tp)
+
+    def shards(self, prefix: str) -> dict[str, Shard]:
+        inner = Shard(0, self.first, self.up_proj.out_features)
+        shards = {f"{prefix}.{name}.weight": inner for name in ("gate_proj", "up_proj")}
+        if self.up_proj.bias is not None:
+            shards |= {f"{prefix}.{name}.bias": inner for name in ("gate_proj", "up_proj")}
+        return shards | {f"{prefix}.down_proj.weight": Shard(1, inner.start, inner.size)}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel):
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -120,11 +146,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, o_bias, qk_norm, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -134,16 +160,23 @@ class LlamaForCausalLM(PagedCausalLM):
 
     embedding_weight = "model.embed_tokens.weight"
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel = SINGLE):
         super().__init__()
         bias = bool(getattr(config, "attention_bias", False))
-        self._build(config, qkv_bias=bias, o_bias=bias)
+        self._build(config, tp, qkv_bias=bias, o_bias=bias)
 
-    def _build(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
-        self.model = DecoderModel(config, qkv_bias, o_bias, qk_norm)
+    def _build(self, config, tp: TensorParallel, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
+        self.model = DecoderModel(config, qkv_bias, o_bias, qk_norm, tp)
         attention = self.model.layers[0].self_attn
         self.init_head(config, config.hidden_size, attention.num_kv_heads, attention.head_dim)
         self.rotary = RotaryEmbedding(config, self.head_dim)
+
+    def shards(self) -> dict[str, Shard]:
+        """The checkpoint tensors this rank loads only part of; every other one it loads whole."""
+        shards = {}
+        for i, layer in enumerate(self.model.layers):
+            shards |= layer.self_attn.shards(f"model.layers.{i}.self_attn") | layer.mlp.shards(f"model.layers.{i}.mlp")
+        return shards
 
     def forward(
         self,
@@ -161,13 +194,13 @@ class LlamaForCausalLM(PagedCausalLM):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel = SINGLE):
         PagedCausalLM.__init__(self)
-        self._build(config, qkv_bias=True, o_bias=False)
+        self._build(config, tp, qkv_bias=True, o_bias=False)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel = SINGLE):
         PagedCausalLM.__init__(self)
         bias = bool(getattr(config, "attention_bias", False))
-        self._build(config, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        self._build(config, tp, qkv_bias=bias, o_bias=bias, qk_norm=True)

@@ -9,38 +9,51 @@ from transformers.activations import ACT2FN
 from kernels.batch import PagedBatch
 from services.worker.models.base import PagedCausalLM
 from services.worker.models.paged import paged_attention
+from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
 
 POSITION_OFFSET = 2  # OPT's position table starts two rows in
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, config):
+    """This rank's heads: all of them on one rank."""
+
+    def __init__(self, config, tp: TensorParallel):
         super().__init__()
         hidden, bias = config.hidden_size, getattr(config, "enable_bias", True)
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.head_dim = hidden // config.num_attention_heads
+        self.first_head, self.num_heads = tp.split(config.num_attention_heads, "the number of attention heads")
+        width = self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, width, bias=bias)
+        self.k_proj = nn.Linear(hidden, width, bias=bias)
+        self.v_proj = nn.Linear(hidden, width, bias=bias)
+        self.out_proj = nn.Linear(width, hidden, bias=bias)
+        self.tp = tp
 
     def forward(self, hidden, kv_cache, batch: PagedBatch):
         tokens = hidden.shape[0]
         shape = (tokens, self.num_heads, self.head_dim)
         q, k, v = self.q_proj(hidden).view(shape), self.k_proj(hidden).view(shape), self.v_proj(hidden).view(shape)
         out = paged_attention(q, k, v, kv_cache, batch, self.head_dim**-0.5)
-        return self.out_proj(out.reshape(tokens, -1))
+        return row_parallel_linear(self.out_proj, out.reshape(tokens, -1), self.tp)
+
+    def shards(self, prefix: str) -> dict[str, Shard]:
+        heads = Shard(0, self.first_head * self.head_dim, self.num_heads * self.head_dim)
+        shards = {f"{prefix}.{name}.{kind}": heads for name in ("q_proj", "k_proj", "v_proj")
+                  for kind in ("weight", "bias")}
+        return shards | {f"{prefix}.out_proj.weight": Shard(1, heads.start, heads.size)}
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel):
         super().__init__()
         hidden, bias = config.hidden_size, getattr(config, "enable_bias", True)
         affine = getattr(config, "layer_norm_elementwise_affine", True)
-        self.self_attn = OPTAttention(config)
+        self.self_attn = OPTAttention(config, tp)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = nn.Linear(hidden, config.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(config.ffn_dim, hidden, bias=bias)
+        self.first_inner, inner = tp.split(config.ffn_dim, "the MLP's inner width")
+        self.fc1 = nn.Linear(hidden, inner, bias=bias)
+        self.fc2 = nn.Linear(inner, hidden, bias=bias)
+        self.tp = tp
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.activation = ACT2FN[config.activation_function]
         self.pre_norm = config.do_layer_norm_before
@@ -55,14 +68,20 @@ class OPTDecoderLayer(nn.Module):
         residual = hidden
         if self.pre_norm:
             hidden = self.final_layer_norm(hidden)
-        hidden = residual + self.fc2(self.activation(self.fc1(hidden)))
+        hidden = residual + row_parallel_linear(self.fc2, self.activation(self.fc1(hidden)), self.tp)
         if not self.pre_norm:
             hidden = self.final_layer_norm(hidden)
         return hidden
 
+    def shards(self, prefix: str) -> dict[str, Shard]:
+        inner = Shard(0, self.first_inner, self.fc1.out_features)
+        return self.self_attn.shards(f"{prefix}.self_attn") | {
+            f"{prefix}.fc1.weight": inner, f"{prefix}.fc1.bias": inner,
+            f"{prefix}.fc2.weight": Shard(1, inner.start, inner.size)}
+
 
 class OPTDecoder(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel):
         super().__init__()
         projected = config.word_embed_proj_dim
         self.embed_tokens = nn.Embedding(config.vocab_size, projected)
@@ -73,23 +92,30 @@ class OPTDecoder(nn.Module):
         if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
             affine = getattr(config, "layer_norm_elementwise_affine", True)
             self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
-        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
 
 
 class _OPTModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel):
         super().__init__()
-        self.decoder = OPTDecoder(config)
+        self.decoder = OPTDecoder(config, tp)
 
 
 class OPTForCausalLM(PagedCausalLM):
     embedding_weight = "model.decoder.embed_tokens.weight"
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.model = _OPTModel(config)
-        heads = config.num_attention_heads
-        self.init_head(config, config.word_embed_proj_dim, heads, config.hidden_size // heads)
+        self.model = _OPTModel(config, tp)
+        attention = self.model.decoder.layers[0].self_attn
+        self.init_head(config, config.word_embed_proj_dim, attention.num_heads, attention.head_dim)
+
+    def shards(self) -> dict[str, Shard]:
+        """The checkpoint tensors this rank loads only part of; every other one it loads whole."""
+        shards = {}
+        for i, layer in enumerate(self.model.decoder.layers):
+            shards |= layer.shards(f"model.decoder.layers.{i}")
+        return shards
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], batch: PagedBatch):
         decoder = self.model.decoder
