@@ -40,6 +40,7 @@ def family_dirs(tmp_path_factory, llama_dir) -> dict[str, str]:
 
 CASES = [(family, 2, mode) for family in ("llama", "qwen2", "opt", "gpt2") for mode in ("swap", "recompute")]
 CASES += [("llama", 4, "swap"), ("llama", 4, "recompute")]  # 4 ranks, 2 KV heads: ranks share them
+CASES += [(family, 4, mode) for family, mode in (("qwen2", "recompute"), ("opt", "swap"), ("gpt2", "recompute"))]
 
 
 @pytest.mark.parametrize("family, size, mode", CASES)
@@ -50,15 +51,17 @@ def test_greedy_tokens_at_tp_n_equal_hf_under_preemption_and_prefix_caching(fami
                *SMALL_KV) as server:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: greedy(server, p), PROMPTS))
-        got.append(greedy(server, PROMPTS[3]))  # its first block is cached by now
+        # Alone, twice: the second finds the first's blocks in the prefix cache, whatever the
+        # preempting batch evicted.
+        got += [greedy(server, PROMPTS[3]), greedy(server, PROMPTS[3])]
         assert wait_until(server.is_idle, 10)
         preempted = server.metrics("scheduler")[f'pagedserve_preemptions_total{{mode="{mode}"}}']
         cached = server.metrics("scheduler")["pagedserve_prefix_cache_hits_total"]
-    assert got == [hf_greedy(model_dir, p, MAX_TOKENS) for p in PROMPTS + PROMPTS[3:]]
+    assert got == [hf_greedy(model_dir, p, MAX_TOKENS) for p in PROMPTS + PROMPTS[3:] * 2]
     assert preempted > 0 and cached > 0
 
 
-@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "gpt2"])
 def test_beam_search_at_tp_2_equals_hf(family_dirs, tmp_path, family):
     model_dir = family_dirs[family]
     with serve(model_dir, str(tmp_path), "--tensor-parallel-size", "2") as server:
