@@ -58,10 +58,10 @@ class OpenAIServer:
             if any(not 0 <= t < self.vocab_size for t in prompt_ids):
                 raise ApiError(f"token ids must be in [0, {self.vocab_size})", param="prompt")
         self._fit_to_context(generation, prompt_ids)
-        fmt = CompletionFormat(self.model_name, self.tokenizer, generation)
+        echo = ""
         if generation.echo:
-            fmt.echo = generation.prompt if generation.prompt is not None else self.tokenizer.decode(prompt_ids)
-            fmt.echo_token_ids = prompt_ids
+            echo = generation.prompt if generation.prompt is not None else self.tokenizer.decode(prompt_ids)
+        fmt = CompletionFormat(self.model_name, self.tokenizer, generation, echo, prompt_ids if echo else [])
         return await self._respond(request, generation, prompt_ids, fmt)
 
     async def chat_completions(self, request: Request) -> Response:

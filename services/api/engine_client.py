@@ -38,7 +38,6 @@ class EngineClient:
                                       keys, max_message_bytes)
         self.info: SchedulerInfo | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._info_ready = asyncio.Event()
         self._receiver: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self.handlers = {
@@ -68,7 +67,6 @@ class EngineClient:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 log.error("lost the scheduler; failing %d request(s)", len(self._queues))
                 self.info = None
-                self._info_ready.clear()
                 for request_id, queue in self._queues.items():
                     queue.put_nowait(RequestOutput(request_id, 0, [], True, "the scheduler went away"))
             elif self.info is None:
@@ -126,9 +124,7 @@ class EngineClient:
         if self.info is None:
             log.info("the scheduler is ready: serving")
         self.info = message
-        self._info_ready.set()
 
     def _on_unavailable(self, message: Unavailable) -> None:
         log.error("the scheduler lost its workers: %s", message.reason)
         self.info = None
-        self._info_ready.clear()

@@ -102,11 +102,10 @@ class CompletionFormat(_Format):
     endpoint = "completions"
     object_whole = object_chunk = "text_completion"
     id_prefix = "cmpl"
-    echo = ""  # the prompt's text, when the request asks for it back
-    echo_token_ids: list[int] = []
-
-    def __init__(self, model_name: str, tokenizer, generation: GenerationRequest):
+    def __init__(self, model_name: str, tokenizer, generation: GenerationRequest, echo: str = "",
+                 echo_token_ids: list[int] = ()):
         super().__init__(model_name, tokenizer, generation)
+        self.echo, self.echo_token_ids = echo, echo_token_ids  # the prompt, when the request asks it back
         self.echoed: set[int] = set()  # choices whose stream carried the prompt already
 
     def whole_choice(self, index: int, chunks: list[Chunk]) -> dict:

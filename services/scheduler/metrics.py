@@ -2,13 +2,15 @@
 and in swap, the memory manager's traffic, and how long planning a step takes.
 
 The HTTP server runs in a thread of its own, so it never reads the scheduler's live state: each
-scrape asks the loop for a `Stats` snapshot (`fresh_stats`) and waits for it, a second at most.
+scrape asks the loop for a `Stats` snapshot (`Snapshots`) and waits for it, a second at most.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
+import zmq
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -37,6 +39,42 @@ class SchedulerMetrics:
         )
 
 
+class Snapshots:
+    """A scrape, in the HTTP thread, asks over an inproc socket; the loop, which polls `requests`,
+    answers with `take`. A loop busy with a long step leaves the scrape the last snapshot."""
+
+    def __init__(self, context: zmq.Context, name: str):
+        self.context = context
+        self.endpoint = f"inproc://scheduler-snapshot-{name}"
+        self.requests = context.socket(zmq.PULL)
+        self.requests.bind(self.endpoint)
+        self.latest: tuple[Stats | None, str] = (None, "cpu")  # the stats, and the workers' device type
+        self.taken = 0
+        self.condition = threading.Condition()
+
+    def fresh(self) -> tuple[Stats | None, str]:
+        """For another thread: a snapshot the loop takes now."""
+        with self.condition:
+            wanted = self.taken + 1
+        request = self.context.socket(zmq.PUSH)
+        try:
+            request.connect(self.endpoint)
+            request.send(b"", zmq.NOBLOCK)
+        finally:
+            request.close(linger=0)
+        with self.condition:
+            self.condition.wait_for(lambda: self.taken >= wanted, timeout=1.0)
+            return self.latest
+
+    def take(self, snapshot: tuple[Stats | None, str]) -> None:
+        """For the loop, when `requests` is readable."""
+        while self.requests.poll(0, zmq.POLLIN):
+            self.requests.recv()
+        with self.condition:
+            self.latest, self.taken = snapshot, self.taken + 1
+            self.condition.notify_all()
+
+
 class StatsCollector:
     """Gauges and counters of a fresh snapshot; none before the workers are ready."""
 
@@ -47,7 +85,7 @@ class StatsCollector:
         stats, device = self.fresh_stats()
         if stats is None:
             return
-        used = stats.num_gpu_blocks - stats.num_free_gpu_blocks - stats.num_cached_gpu_blocks
+        used = stats.num_used_gpu_blocks
         swap_used = stats.num_cpu_blocks - stats.num_free_cpu_blocks
         pools = {  # pool: (device, used, cached, free, total)
             "device": (device, used, stats.num_cached_gpu_blocks, stats.num_free_gpu_blocks,

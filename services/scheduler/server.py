@@ -21,7 +21,6 @@ fails at most the request it concerns.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 
@@ -29,7 +28,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.metrics import SchedulerMetrics, Snapshots
 from services.scheduler.results import error_output
 from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy, Scheduler
 from services.scheduler.stats import Stats
@@ -91,14 +90,8 @@ class SchedulerServer:
         self.step_deadline = 0.0  # for the oldest step in flight
         self.worker_busy = self.worker_waiting = 0.0  # seconds, for the idle-time metric
         self.stats_log = StatsLog(config.log_stats_interval)
-        # A scrape of /metrics, in its HTTP thread, asks the loop for a snapshot over this socket.
-        self.snapshot_endpoint = f"inproc://scheduler-snapshot-{id(self)}"
-        self.snapshot_requests = self.context.socket(zmq.PULL)
-        self.snapshot_requests.bind(self.snapshot_endpoint)
-        self.snapshot: tuple[Stats | None, str] = (None, "cpu")
-        self.snapshots_taken = 0
-        self.snapshot_taken = threading.Condition()
-        self.metrics = SchedulerMetrics(self.fresh_stats)
+        self.snapshots = Snapshots(self.context, str(id(self)))  # what a scrape of /metrics reads
+        self.metrics = SchedulerMetrics(self.snapshots.fresh)
         self.running = True
         self.exit_code = 0
         self.api_handlers = {
@@ -114,7 +107,7 @@ class SchedulerServer:
         poller.register(self.api_socket, zmq.POLLIN)
         poller.register(self.worker_socket, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
-        poller.register(self.snapshot_requests, zmq.POLLIN)
+        poller.register(self.snapshots.requests, zmq.POLLIN)
         for monitor in self.closed:
             poller.register(monitor, zmq.POLLIN)
         log.info("scheduler waiting for %d worker rank(s)", self.world_size)
@@ -138,8 +131,8 @@ class SchedulerServer:
         for sock, _ in poller.poll(self._poll_timeout_ms()):
             if sock is self.control:
                 self.running = False
-            elif sock is self.snapshot_requests:
-                self._take_snapshot()
+            elif sock is self.snapshots.requests:
+                self.snapshots.take((self.stats(), self.ready[0].device if self.ready else "cpu"))
             elif sock in self.closed:
                 self.on_connection_closed(recv_monitor_message(sock)["value"], self.closed[sock])
             elif sock is self.api_socket:
@@ -157,28 +150,6 @@ class SchedulerServer:
         control.connect(self.control_endpoint)
         control.send(b"")
         control.close(linger=1000)
-
-    def fresh_stats(self) -> tuple[Stats | None, str]:
-        """A snapshot taken by the loop now, for a caller in another thread (a scrape)."""
-        with self.snapshot_taken:
-            wanted = self.snapshots_taken + 1
-        request = self.context.socket(zmq.PUSH)
-        try:
-            request.connect(self.snapshot_endpoint)
-            request.send(b"", zmq.NOBLOCK)
-        finally:
-            request.close(linger=0)
-        with self.snapshot_taken:  # the loop may be busy with a long step: then the last one
-            self.snapshot_taken.wait_for(lambda: self.snapshots_taken >= wanted, timeout=1.0)
-            return self.snapshot
-
-    def _take_snapshot(self) -> None:
-        while self.snapshot_requests.poll(0, zmq.POLLIN):
-            self.snapshot_requests.recv()
-        snapshot = (self.stats(), self.ready[0].device if self.ready else "cpu")
-        with self.snapshot_taken:
-            self.snapshot, self.snapshots_taken = snapshot, self.snapshots_taken + 1
-            self.snapshot_taken.notify_all()
 
     def stats(self) -> Stats | None:
         if self.scheduler is None:

@@ -29,3 +29,8 @@ class Stats:
     kv_slots_holding_tokens: int = 0  # in the device blocks referenced now, a shared block once
     block_size: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, once per request
+
+    @property
+    def num_used_gpu_blocks(self) -> int:
+        """Device blocks referenced by sequences: neither free nor only cached."""
+        return self.num_gpu_blocks - self.num_free_gpu_blocks - self.num_cached_gpu_blocks

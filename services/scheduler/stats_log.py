@@ -35,7 +35,7 @@ class StatsLog:
         elapsed = max(now - self.last_time, 1e-9)
         computed, cached, generated = stats.num_prompt_tokens_computed, stats.num_prompt_tokens_cached, self.generated
         new_computed, new_cached = computed - self.last[0], cached - self.last[1]
-        used = stats.num_gpu_blocks - stats.num_free_gpu_blocks - stats.num_cached_gpu_blocks
+        used = stats.num_used_gpu_blocks
         hit_rate = new_cached / (new_computed + new_cached) if new_computed + new_cached else 0.0
         log.info(
             "prompt %.1f tok/s, generation %.1f tok/s; running %d, waiting %d, swapped %d; KV blocks %d/%d used "

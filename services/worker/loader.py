@@ -56,11 +56,9 @@ def model_class_for(config):
 def build_on_meta(config, tp: TensorParallel = SINGLE):
     """The model's structure (this rank's share of it) without memory: enough to count or describe it."""
     model_class = model_class_for(config)
-    if tp.world_size > 1 and not hasattr(model_class, "shards"):
-        raise ModelLoadError(f"{model_class.__name__} cannot be split over tensor-parallel ranks yet")
     try:
         with torch.device("meta"):
-            model = model_class(config, tp) if tp.world_size > 1 else model_class(config)
+            model = model_class(config, tp)
     except ValueError as exc:  # heads or widths that do not divide among the ranks
         raise ModelLoadError(str(exc)) from None
     model.tie_weights()

@@ -81,9 +81,12 @@ class ModelRunner:
 
         input_ids, positions, starts, context_lens, rows = [], [], [0], [], []
         to_sample: list[int] = []
+        prompt_logprob_entries: list[int] = []  # of entries whose prompt tokens' logprobs are wanted
         for entry in scheduled:
             mirror = self.mirrors[entry.seq_id]
             end = entry.start + entry.num_tokens
+            if mirror.sampling.prompt_logprobs is not None and entry.start < mirror.num_prompt_tokens - 1:
+                prompt_logprob_entries.append(len(starts) - 1)
             input_ids.extend(mirror.token_ids[entry.start : end])
             positions.extend(range(entry.start, end))
             starts.append(starts[-1] + entry.num_tokens)
@@ -98,7 +101,7 @@ class ModelRunner:
         hidden = self.model(input_tensor, position_tensor, self.cache.layers, batch)
         last_rows = torch.tensor([starts[i + 1] - 1 for i in to_sample], dtype=torch.int64, device=self.device)
         logits = self.model.logits(hidden[last_rows])
-        prompt_logprobs = self._prompt_logprobs(scheduled, starts, hidden)
+        prompt_logprobs = [self._prompt_logprobs(scheduled[i], starts[i], hidden) for i in prompt_logprob_entries]
         sampled_at = time.perf_counter()
 
         rows = [self._sample_row(self.mirrors[scheduled[i].seq_id]) for i in to_sample]
@@ -116,22 +119,17 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _prompt_logprobs(self, scheduled, starts: list[int], hidden: torch.Tensor) -> list[PromptLogprobs]:
-        """For requests that ask: how likely each prompt token computed in this step was."""
-        found = []
-        for i, entry in enumerate(scheduled):
-            mirror = self.mirrors[entry.seq_id]
-            wanted = mirror.sampling.prompt_logprobs
-            last = min(entry.start + entry.num_tokens, mirror.num_prompt_tokens - 1)  # positions predicting a prompt token
-            if wanted is None or entry.start >= last:
-                continue
-            rows = torch.arange(starts[i], starts[i] + last - entry.start, device=self.device)
-            logprobs = torch.log_softmax(self.model.logits(hidden[rows]).float(), dim=-1)
-            targets = torch.tensor(mirror.token_ids[entry.start + 1 : last + 1], device=self.device)
-            chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-            top_values, top_ids = logprobs.topk(wanted, dim=-1) if wanted else (logprobs[:, :0], logprobs[:, :0].long())
-            found.append(PromptLogprobs(entry.seq_id, entry.start + 1, chosen, top_ids.tolist(), top_values.tolist()))
-        return found
+    def _prompt_logprobs(self, entry, first_row: int, hidden: torch.Tensor) -> PromptLogprobs:
+        """How likely each prompt token this step computed for `entry` was (its hidden rows start at `first_row`)."""
+        mirror = self.mirrors[entry.seq_id]
+        wanted = mirror.sampling.prompt_logprobs
+        last = min(entry.start + entry.num_tokens, mirror.num_prompt_tokens - 1)  # positions predicting a prompt token
+        rows = torch.arange(first_row, first_row + last - entry.start, device=self.device)
+        logprobs = torch.log_softmax(self.model.logits(hidden[rows]).float(), dim=-1)
+        targets = torch.tensor(mirror.token_ids[entry.start + 1 : last + 1], device=self.device)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+        top_values, top_ids = logprobs.topk(wanted, dim=-1) if wanted else (logprobs[:, :0], logprobs[:, :0].long())
+        return PromptLogprobs(entry.seq_id, entry.start + 1, chosen, top_ids.tolist(), top_values.tolist())
 
     # --- checks: a bad sequence is refused alone; a bad block operation fails the step ----
 

@@ -19,5 +19,14 @@ class PagedCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.get_parameter(self.embedding_weight)
 
+    def shards(self) -> dict:
+        """The checkpoint tensors a tensor-parallel rank loads only part of, by name (every other
+        one it loads whole): what each of its modules with a `shards(prefix)` says."""
+        found = {}
+        for name, module in self.named_modules():
+            if module is not self and hasattr(module, "shards"):
+                found |= module.shards(name)
+        return found
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

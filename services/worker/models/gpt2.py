@@ -109,13 +109,6 @@ class GPT2LMHeadModel(PagedCausalLM):
         attention = self.transformer.h[0].attn
         self.init_head(config, config.hidden_size, attention.num_heads, attention.head_dim)
 
-    def shards(self) -> dict[str, Shard]:
-        """The checkpoint tensors this rank loads only part of; every other one it loads whole."""
-        shards = {}
-        for i, block in enumerate(self.transformer.h):
-            shards |= block.attn.shards(f"transformer.h.{i}.attn") | block.mlp.shards(f"transformer.h.{i}.mlp")
-        return shards
-
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], batch: PagedBatch):
         hidden = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
         for block, kv_cache in zip(self.transformer.h, kv_caches):

@@ -171,13 +171,6 @@ class LlamaForCausalLM(PagedCausalLM):
         self.init_head(config, config.hidden_size, attention.num_kv_heads, attention.head_dim)
         self.rotary = RotaryEmbedding(config, self.head_dim)
 
-    def shards(self) -> dict[str, Shard]:
-        """The checkpoint tensors this rank loads only part of; every other one it loads whole."""
-        shards = {}
-        for i, layer in enumerate(self.model.layers):
-            shards |= layer.self_attn.shards(f"model.layers.{i}.self_attn") | layer.mlp.shards(f"model.layers.{i}.mlp")
-        return shards
-
     def forward(
         self,
         input_ids: torch.Tensor,

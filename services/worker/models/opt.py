@@ -74,10 +74,10 @@ class OPTDecoderLayer(nn.Module):
         return hidden
 
     def shards(self, prefix: str) -> dict[str, Shard]:
+        """The MLP's; the attention's come from `self_attn`."""
         inner = Shard(0, self.first_inner, self.fc1.out_features)
-        return self.self_attn.shards(f"{prefix}.self_attn") | {
-            f"{prefix}.fc1.weight": inner, f"{prefix}.fc1.bias": inner,
-            f"{prefix}.fc2.weight": Shard(1, inner.start, inner.size)}
+        return {f"{prefix}.fc1.weight": inner, f"{prefix}.fc1.bias": inner,
+                f"{prefix}.fc2.weight": Shard(1, inner.start, inner.size)}
 
 
 class OPTDecoder(nn.Module):
@@ -109,13 +109,6 @@ class OPTForCausalLM(PagedCausalLM):
         self.model = _OPTModel(config, tp)
         attention = self.model.decoder.layers[0].self_attn
         self.init_head(config, config.word_embed_proj_dim, attention.num_heads, attention.head_dim)
-
-    def shards(self) -> dict[str, Shard]:
-        """The checkpoint tensors this rank loads only part of; every other one it loads whole."""
-        shards = {}
-        for i, layer in enumerate(self.model.decoder.layers):
-            shards |= layer.shards(f"model.decoder.layers.{i}")
-        return shards
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], batch: PagedBatch):
         decoder = self.model.decoder
