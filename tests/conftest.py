@@ -46,10 +46,32 @@ def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:
     return False
 
 
-def free_port() -> int:
+_handed_out: set[int] = set()
+
+
+def free_port(span: int = 1) -> int:
+    """A port that is free now, with the `span - 1` ports above it, and never handed out before.
+
+    The kernel may give a just-closed port again, so two calls could otherwise return the same one
+    and two services of one launch would fight over it.
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        wanted = range(port, port + span)
+        if not _handed_out.intersection(wanted) and all(_bindable(p) for p in wanted[1:]):
+            _handed_out.update(wanted)
+            return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 DEVICE_BLOCKS_USED = 'pagedserve_kv_blocks{device="cpu",pool="device",state="used"}'
@@ -57,8 +79,8 @@ SWAP_BLOCKS_USED = 'pagedserve_kv_blocks{device="cpu",pool="swap",state="used"}'
 
 
 def metrics_port_flags() -> list[str]:
-    """Free ports for the scheduler's and the worker's /metrics, for a launcher under test."""
-    return ["--scheduler-metrics-port", str(free_port()), "--worker-metrics-port", str(free_port())]
+    """Free ports for the scheduler's and the workers' /metrics (one per rank, up to 4), for a launcher under test."""
+    return ["--scheduler-metrics-port", str(free_port()), "--worker-metrics-port", str(free_port(span=4))]
 
 
 class Server:
