@@ -4,7 +4,7 @@ Swap cost: moving the request's KV blocks to the CPU swap space and back (the wo
 swap path). Recompute cost: one prefill forward over the request's tokens. The model is a
 random-weight Llama of a realistic width built from a config (no download). Runs on CUDA when
 there is one, else on this machine's CPU. Prints a table and writes
-benchmarks/results/preemption_bench.json.
+benchmarks/results/preemption_bench.json and docs/fig19_preemption.png (the paper's Figure 19a).
 """
 
 from __future__ import annotations
@@ -75,6 +75,27 @@ def main() -> None:
     with open(os.path.join(out, "preemption_bench.json"), "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "device": name, "dtype": str(dtype),
                    "tokens": NUM_TOKENS, "rows": rows}, f, indent=2)
+    plot(rows, name, os.path.join(os.path.dirname(out), "..", "docs", "fig19_preemption.png"))
+
+
+def plot(rows: list[dict], device: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    sizes = [r["block_size"] for r in rows]
+    axes.plot(sizes, [r["swap_out_and_in_ms"] for r in rows], marker="o", label="swap out and in")
+    axes.plot(sizes, [r["recompute_ms"] for r in rows], marker="o", label="recompute")
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sizes, [str(s) for s in sizes])
+    axes.set_xlabel("block size (tokens)")
+    axes.set_ylabel(f"ms for one {NUM_TOKENS}-token request")
+    axes.set_title(f"preemption cost by block size, {device}")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(os.path.normpath(path), dpi=100)
 
 
 if __name__ == "__main__":

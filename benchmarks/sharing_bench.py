@@ -6,7 +6,8 @@ output lengths are drawn from log-normal distributions with the Alpaca means the
 paper reports (input 19.31, output 58.45 tokens). At every step it counts, over the running
 requests, the logical blocks (what each sequence would hold alone) and the physical blocks
 (distinct blocks actually held); the saving is 1 - physical / logical over the whole run, as in
-the paper's Figure 15. Prints a table and writes benchmarks/results/sharing_bench.json.
+the paper's Figure 15. Prints a table and writes benchmarks/results/sharing_bench.json and
+docs/fig15_sharing.png.
 """
 
 from __future__ import annotations
@@ -135,6 +136,25 @@ def main() -> None:
     with open(os.path.join(out, "sharing_bench.json"), "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "sigma": SIGMA,
                    "block_size": BLOCK_SIZE, "requests": NUM_REQUESTS, "rows": rows}, f, indent=2)
+    plot(rows, os.path.join(os.path.dirname(out), "..", "docs", "fig15_sharing.png"))
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(8, 3.5), sharey=True)
+    for axis, mode, title in ((axes[0], "parallel", "parallel sampling"), (axes[1], "beam", "beam search")):
+        picked = [r for r in rows if r["mode"] == mode]
+        axis.bar([str(r["width"]) for r in picked], [r["saving_percent"] for r in picked])
+        axis.set_title(title)
+        axis.set_xlabel("samples" if mode == "parallel" else "beam width")
+    axes[0].set_ylabel("KV blocks saved by sharing (%)")
+    figure.suptitle(f"Alpaca-like trace, {NUM_REQUESTS} requests, block size {BLOCK_SIZE}")
+    figure.tight_layout()
+    figure.savefig(os.path.normpath(path), dpi=100)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", choices=["swap", "recompute", "auto"], default="auto",
                        help="what happens to a preempted request: swapped to CPU memory, dropped and recomputed, "
                             "or whichever costs less for it")
+    group.add_argument("--kv-reservation", choices=["paged", "max", "pow2", "oracle"], default="paged",
+                       help="KV memory a request holds from its start: blocks on demand (paged), or, as baselines "
+                            "that reserve contiguous memory would, room for the whole context (max), for the next "
+                            "power of two of max_tokens (pow2) or for exactly max_tokens (oracle)")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="plan each step while the workers compute the one before")
     group.add_argument("--step-timeout", type=float, default=180.0,
@@ -114,6 +118,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode,
+        kv_reservation=args.kv_reservation,
         async_scheduling=args.async_scheduling,
         step_timeout=args.step_timeout,
         log_stats_interval=args.log_stats_interval,

@@ -17,6 +17,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = True  # long prompts never wait behind decodes
     preemption_mode: str = "auto"  # swap | recompute | auto
+    kv_reservation: str = "paged"  # paged | max | pow2 | oracle: the last three are baselines
     async_scheduling: bool = True  # plan the next step while the workers compute this one
     step_timeout: float = 180.0  # seconds a step may take before its worker counts as lost
     log_stats_interval: float = 10.0  # seconds between the periodic stats lines; 0: none

@@ -6,6 +6,7 @@ import itertools
 from collections import deque
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.reservation import Reservation
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from shared.protocol import AddRequest, RequestOutput, SampledToken, Step, StepResult
 from shared.sampling import SamplingParams
@@ -69,13 +70,15 @@ class StandInWorker:
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, context=256,
-                   num_cpu_blocks=0, preemption="recompute", prefix_caching=False, chunked=False):
+                   num_cpu_blocks=0, preemption="recompute", prefix_caching=False, chunked=False,
+                   reservation="paged"):
     manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=0.0,
                            enable_prefix_caching=prefix_caching)
     if not chunked:  # a recomputed request must fit one step
         context = min(context, max_tokens_per_step)
     budgets = Budgets(max_num_seqs, max_tokens_per_step, context, chunked_prefill=chunked)
-    return Scheduler(manager, budgets, [EOS], PreemptionPolicy(preemption), vocab_size=1000)
+    return Scheduler(manager, budgets, [EOS], PreemptionPolicy(preemption), vocab_size=1000,
+                     reservation=Reservation(reservation))
 
 
 _ids = itertools.count()

@@ -81,6 +81,11 @@ class BlockManager:
             seq.block_table.append(self.gpu.allocate())
         return copies
 
+    def reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Blocks for `num_tokens` slots at once, as a baseline that reserves memory would hold them."""
+        while len(seq.block_table) * self.block_size < num_tokens:
+            seq.block_table.append(self.gpu.allocate())
+
     def _write_hits_shared_block(self, seq: Sequence) -> bool:
         return seq.num_computed_tokens % self.block_size != 0 and self.gpu.ref_count(seq.block_table[-1]) > 1
 

@@ -112,6 +112,15 @@ class StatsCollector:
             "unfilled end of each sequence's last block); the paper's memory utilization",
             value=stats.kv_slots_holding_tokens / referenced_slots if referenced_slots else 1.0,
         )
+        slots = GaugeMetricFamily("pagedserve_kv_slots", "token slots of the device blocks used by sequences: "
+                                  "holding token states, reserved (empty, to be filled if each request runs to its "
+                                  "max_tokens), or unused (never to be filled: internal fragmentation)",
+                                  labels=["state"])
+        reserved = min(stats.kv_slots_reserved, referenced_slots - stats.kv_slots_holding_tokens)
+        slots.add_metric(["tokens"], stats.kv_slots_holding_tokens)
+        slots.add_metric(["reserved"], reserved)
+        slots.add_metric(["unused"], max(0, referenced_slots - stats.kv_slots_holding_tokens - reserved))
+        yield slots
         for state, value in (("running", stats.num_running), ("waiting", stats.num_waiting),
                              ("swapped", stats.num_swapped)):
             yield GaugeMetricFamily(f"pagedserve_num_requests_{state}",

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, RequestStatus, Sequence
+from services.scheduler.reservation import Reservation
 from services.scheduler.stats import Stats
 from services.scheduler.results import ResultProcessor, error_output
 from shared.protocol import (
@@ -98,8 +99,13 @@ class Scheduler:
         eos_token_ids: list[int],
         preemption: PreemptionPolicy | None = None,
         vocab_size: int | None = None,
+        reservation: Reservation | None = None,
     ):
         budgets.check()
+        self.reservation = reservation or Reservation()
+        if not self.reservation.paged and block_manager.gpu.enable_caching:
+            raise ConfigError(f"--kv-reservation {self.reservation.policy} is a baseline without sharing: "
+                              "it cannot run with prefix caching")
         self.block_manager = block_manager
         self.budgets = budgets
         self.vocab_size = vocab_size or None
@@ -171,6 +177,8 @@ class Scheduler:
             )
         if message.sampling.num_samples > self.budgets.max_num_seqs:
             return f"best_of/n exceeds max_num_seqs ({self.budgets.max_num_seqs})"
+        if message.sampling.num_samples > 1 and not self.reservation.paged:
+            return f"this server reserves KV memory per request ({self.reservation.policy}): one sample only"
         worst = self._worst_case_blocks(num_prompt, message.sampling)
         usable = self.block_manager.num_blocks - self.block_manager.watermark_blocks
         if worst > usable:
@@ -185,9 +193,14 @@ class Scheduler:
         recompute shares them again when the first sample's prompt fits one step), and each
         may own every later block up to max_tokens."""
         size = self.block_manager.block_size
+        if not self.reservation.paged:
+            return -(-self._reserved_tokens(num_prompt, sampling) // size)
         max_new = min(sampling.max_tokens, self.budgets.max_model_len - num_prompt)
         shared = (num_prompt - 1) // size if num_prompt <= self.budgets.max_num_batched_tokens else 0
         return shared + sampling.num_samples * (-(-(num_prompt + max_new) // size) - shared)
+
+    def _reserved_tokens(self, num_prompt: int, sampling) -> int:
+        return self.reservation.tokens(num_prompt, sampling.max_tokens, self.budgets.max_model_len)
 
     # --- one iteration -------------------------------------------------------------------
 
@@ -308,6 +321,8 @@ class Scheduler:
         self._mark_running(request)
         (leader, hits, n), shared_blocks, followers = plan
         self._begin(leader, hits, from_cache=True)
+        if not self.reservation.paged:
+            self.block_manager.reserve(leader, self._reserved_tokens(request.num_prompt_tokens, request.sampling))
         copies += self._take([(leader, n)] if n else [], scheduled, budget)
         for seq, n in followers:
             self._begin(seq, leader.block_table[:shared_blocks], from_cache=False)
@@ -356,6 +371,8 @@ class Scheduler:
             followers.append((seq, n_seq))
         if n == 0 and not any(n_seq for _, n_seq in followers):
             return None
+        if not self.reservation.paged:
+            needed = max(needed, -(-self._reserved_tokens(request.num_prompt_tokens, request.sampling) // size))
         revived = sum(1 for block in hits if self.block_manager.gpu.is_evictable(block))
         left = self.block_manager.num_free_blocks - revived - needed
         if left < self.block_manager.watermark_blocks:
@@ -504,6 +521,7 @@ class Scheduler:
 
     def stats(self) -> Stats:
         gpu, cpu = self.block_manager.gpu, self.block_manager.cpu
+        holding, reserved = self._slot_use()
         return Stats(
             gpu.num_blocks, gpu.num_free, gpu.num_evictable, cpu.num_blocks, cpu.num_available,
             sum(len(r.seqs) for r in self.running), len(self.waiting), len(self.swapped),
@@ -511,21 +529,25 @@ class Scheduler:
             self.counters["computed"], self.counters["cached"],
             blocks_swapped_out=self.counters["swapped_out"], blocks_swapped_in=self.counters["swapped_in"],
             blocks_copied=self.counters["copied"], tokens_scheduled=self.counters["scheduled_tokens"],
-            kv_slots_holding_tokens=self._slots_holding_tokens(), block_size=self.block_manager.block_size,
+            kv_slots_holding_tokens=holding, kv_slots_reserved=reserved, block_size=self.block_manager.block_size,
             prefix_cache_queries=self.counters["queried"],
         )
 
-    def _slots_holding_tokens(self) -> int:
-        """Token states in the device's referenced blocks, a block shared by several sequences
-        counted once: over all referenced slots, the paper's KV utilization."""
-        fill: dict[int, int] = {}
-        size = self.block_manager.block_size
+    def _slot_use(self) -> tuple[int, int]:
+        """Slots of the device's referenced blocks that hold token states (over all referenced slots:
+        the paper's KV utilization), and those still empty that the request would fill by its
+        max_tokens; a block shared by several sequences counted once."""
+        held: dict[int, int] = {}
+        wanted: dict[int, int] = {}
+        size, context = self.block_manager.block_size, self.budgets.max_model_len
         for request in self.running:
+            final = min(request.num_prompt_tokens + request.sampling.max_tokens, context)
             for seq in request.seqs:
                 for i, block in enumerate(seq.block_table):
-                    held = min(size, max(0, seq.num_computed_tokens - i * size))
-                    fill[block] = max(fill.get(block, 0), held)
-        return sum(fill.values())
+                    held[block] = max(held.get(block, 0), min(size, max(0, seq.num_computed_tokens - i * size)))
+                    wanted[block] = max(wanted.get(block, 0), min(size, max(0, final - i * size)))
+        holding = sum(held.values())
+        return holding, sum(max(0, wanted[b] - held[b]) for b in held)
 
 
 def _common_prefix(seqs: list[Sequence]) -> int:

@@ -29,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.metrics import SchedulerMetrics, Snapshots
+from services.scheduler.reservation import Reservation
 from services.scheduler.results import error_output
 from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy, Scheduler
 from services.scheduler.stats import Stats
@@ -292,7 +293,8 @@ class SchedulerServer:
             config.preemption_mode, first.block_bytes, first.swap_bytes_per_second,
             first.prefill_tokens_per_second,
         )
-        self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids, preemption, first.vocab_size)
+        self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids, preemption, first.vocab_size,
+                                   Reservation(config.kv_reservation))
         self.info = SchedulerInfo(config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids,
                                   config.max_num_seqs)
         log.info("scheduling with %d device KV blocks, context %d tokens", num_blocks, max_model_len)

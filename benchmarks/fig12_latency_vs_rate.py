@@ -1,0 +1,108 @@
+"""The paper's Figure 12: normalized latency against request rate, pagedserve against the three
+reservation baselines (Orca Max, Pow2, Oracle), on ShareGPT-like and Alpaca-like traces.
+
+Every system is the same server with the same model, kernels and KV budget (`--num-blocks`); only
+`--kv-reservation` differs. For each system and rate the same seeded trace arrives as a Poisson
+process. A system's sustained rate is where its normalized latency crosses `--slo` times the
+paged server's lowest-rate normalized latency (interpolated between measured rates). Prints a
+table, writes benchmarks/results/fig12_<workload><tag>.json and docs/fig12_<workload><tag>.png.
+
+    python benchmarks/fig12_latency_vs_rate.py --workload sharegpt --rates 0.5,1,2,3,4 --num-prompts 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.paper_harness import (ROOT, commit, machine, pagedserve, pyplot, run_at_rate,  # noqa: E402
+                                      save_figure, write_json)
+from benchmarks.workloads import WORKLOADS, describe  # noqa: E402
+
+POLICIES = ("paged", "oracle", "pow2", "max")
+LABELS = {"paged": "pagedserve", "oracle": "Orca (Oracle)", "pow2": "Orca (Pow2)", "max": "Orca (Max)"}
+
+
+def sustained_rate(points: list[tuple[float, float]], limit: float) -> float:
+    """The rate where normalized latency first crosses `limit`, interpolated; the highest measured
+    rate if it never does, 0 if even the lowest is above."""
+    previous = None
+    for rate, latency in points:
+        if latency > limit:
+            if previous is None:
+                return 0.0
+            (r0, l0) = previous
+            return r0 + (rate - r0) * (limit - l0) / (latency - l0)
+        previous = (rate, latency)
+    return points[-1][0] if points else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=["sharegpt", "alpaca"], default="sharegpt")
+    parser.add_argument("--rates", default="0.5,1,2,3,4", help="requests per second, comma separated")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--num-blocks", type=int, default=256, help="device KV blocks of every system")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--slo", type=float, default=2.0, help="latency limit, times paged's lowest-rate latency")
+    parser.add_argument("--model", default=None, help="model directory (default: the shipped model)")
+    parser.add_argument("--server-args", default="", help="more `pagedserve up` flags, e.g. "
+                        "'--device cuda --load-format dummy' for a real-shape model on a GPU")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default="", help="added to the result and plot file names")
+    parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--plot-dir", default=str(ROOT / "docs"))
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    policies = args.policies.split(",")
+    warmup = 2
+    jobs = WORKLOADS[args.workload](args.num_prompts + warmup, seed=args.seed, max_model_len=args.max_model_len)
+    runs: dict[str, list[dict]] = {}
+    for policy in policies:
+        flags = ["--kv-reservation", policy, "--num-gpu-blocks-override", str(args.num_blocks), "--block-size",
+                 str(args.block_size), "--max-model-len", str(args.max_model_len), "--preemption-mode", "recompute",
+                 *args.server_args.split()]
+        with pagedserve(*flags, model=args.model) as (api, metrics):
+            runs[policy] = []
+            for rate in rates:
+                result = run_at_rate(api, metrics, jobs, rate, seed=args.seed, warmup=warmup)
+                runs[policy].append({"rate": rate, **result})
+                print(f"{LABELS[policy]:<14} rate {rate:5.2f}/s  normalized {result['normalized_latency_s_per_token']:.4f} "
+                      f"s/token  throughput {result['request_throughput']:.2f} req/s  "
+                      f"tokens {result['kv_slots_percent']['tokens']:.1f} % of used KV", flush=True)
+    baseline = runs[policies[0]][0]["normalized_latency_s_per_token"]
+    limit = args.slo * baseline
+    sustained = {p: sustained_rate([(r["rate"], r["normalized_latency_s_per_token"]) for r in runs[p]], limit)
+                 for p in policies}
+    print(f"\nsustained rate at normalized latency <= {limit:.4f} s/token ({args.slo:g} x {LABELS[policies[0]]} "
+          "at the lowest rate):")
+    for policy in policies:
+        ratio = sustained[policies[0]] / sustained[policy] if sustained[policy] else float("inf")
+        print(f"  {LABELS[policy]:<14} {sustained[policy]:.2f} req/s   {LABELS[policies[0]]} / this: {ratio:.2f}x")
+    payload = {"figure": "12", "workload": args.workload, "trace": describe(jobs[warmup:]), "args": vars(args),
+               "commit": commit(), **machine(), "slo_s_per_token": limit, "sustained_rate": sustained, "runs": runs}
+    write_json(Path(args.out_dir) / f"fig12_{args.workload}{args.tag}.json", payload)
+    plot(runs, limit, f"{args.workload}-like trace, {args.num_blocks} KV blocks of {args.block_size}",
+         Path(args.plot_dir) / f"fig12_{args.workload}{args.tag}.png")
+
+
+def plot(runs: dict[str, list[dict]], limit: float, title: str, path: Path) -> None:
+    figure, axes = pyplot().subplots(figsize=(6, 4))
+    for policy, points in runs.items():
+        axes.plot([p["rate"] for p in points], [p["normalized_latency_s_per_token"] for p in points], marker="o",
+                  label=LABELS[policy])
+    axes.axhline(limit, color="grey", linestyle=":", label="latency limit")
+    axes.set_xlabel("request rate (req/s)")
+    axes.set_ylabel("normalized latency (s/token)")
+    axes.set_yscale("log")
+    axes.set_title(title)
+    axes.legend()
+    save_figure(figure, path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Synthetic request traces for the benchmarks: what to send, never how.
+
+Prompts are random token ids (the model's output does not matter, `ignore_eos` runs every request
+to its length). Lengths follow the PagedAttention paper's datasets in distribution shape and mean:
+ShareGPT (long conversations, long-tailed) and Alpaca (short instructions), drawn log-normally with
+the paper's means and capped to the server's context, so the means a capped trace really has are
+reported by `describe`. The shared-prefix traces put one fixed few-shot prefix before every prompt,
+as the paper's translation workload does (80 tokens one-shot, 341 five-shot).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Job:
+    prompt: list[int]
+    output_len: int
+    params: dict = field(default_factory=dict)  # extra request fields: n, best_of, use_beam_search
+
+
+SHAREGPT_MEANS = (161.31, 337.99)  # input, output tokens
+ALPACA_MEANS = (19.31, 58.45)
+PREFIX_LENGTHS = {1: 80, 5: 341}  # few-shot prefix tokens, by shots
+
+
+def _lognormal(rng: random.Random, mean: float, sigma: float) -> float:
+    return rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma)  # this mean before capping
+
+
+def _tokens(rng: random.Random, count: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(1, vocab_size) for _ in range(count)]
+
+
+def _traced(count: int, means: tuple[float, float], sigma: float, seed: int, max_model_len: int,
+            vocab_size: int) -> list[Job]:
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(count):
+        num_in = max(1, min(round(_lognormal(rng, means[0], sigma)), max_model_len // 2))
+        num_out = max(1, min(round(_lognormal(rng, means[1], sigma)), max_model_len - num_in))
+        jobs.append(Job(_tokens(rng, num_in, vocab_size), num_out))
+    return jobs
+
+
+def fixed(count: int, input_len: int = 128, output_len: int = 128, seed: int = 0, vocab_size: int = 4096,
+          max_model_len: int = 1 << 30) -> list[Job]:
+    rng = random.Random(seed)
+    return [Job(_tokens(rng, input_len, vocab_size), output_len) for _ in range(count)]
+
+
+def sharegpt(count: int, seed: int = 0, max_model_len: int = 1024, vocab_size: int = 4096) -> list[Job]:
+    return _traced(count, SHAREGPT_MEANS, 1.0, seed, max_model_len, vocab_size)
+
+
+def alpaca(count: int, seed: int = 0, max_model_len: int = 1024, vocab_size: int = 4096) -> list[Job]:
+    return _traced(count, ALPACA_MEANS, 0.8, seed, max_model_len, vocab_size)
+
+
+def shared_prefix(count: int, shots: int = 1, seed: int = 0, max_model_len: int = 1024,
+                  vocab_size: int = 4096) -> list[Job]:
+    rng = random.Random(seed)
+    prefix = _tokens(rng, PREFIX_LENGTHS[shots], vocab_size)
+    jobs = []
+    for _ in range(count):
+        room = max_model_len - len(prefix)
+        num_in = max(1, min(round(_lognormal(rng, 30, 0.5)), room // 2))
+        num_out = max(1, min(round(_lognormal(rng, 30, 0.5)), room - num_in))
+        jobs.append(Job(prefix + _tokens(rng, num_in, vocab_size), num_out))
+    return jobs
+
+
+def parallel_samples(count: int, n: int = 2, seed: int = 0, max_model_len: int = 1024,
+                     vocab_size: int = 4096) -> list[Job]:
+    jobs = alpaca(count, seed, max_model_len, vocab_size)
+    for job in jobs:
+        job.params = {"n": n, "temperature": 1.0, "seed": seed}
+    return jobs
+
+
+def beams(count: int, width: int = 2, seed: int = 0, max_model_len: int = 1024, vocab_size: int = 4096) -> list[Job]:
+    jobs = alpaca(count, seed, max_model_len, vocab_size)
+    for job in jobs:
+        job.params = {"n": width, "use_beam_search": True, "temperature": 0.0}
+    return jobs
+
+
+WORKLOADS = {
+    "fixed": fixed,
+    "sharegpt": sharegpt,
+    "alpaca": alpaca,
+    "prefix1": lambda count, **kw: shared_prefix(count, shots=1, **kw),
+    "prefix5": lambda count, **kw: shared_prefix(count, shots=5, **kw),
+    "parallel4": lambda count, **kw: parallel_samples(count, n=4, **kw),
+    "beam4": lambda count, **kw: beams(count, width=4, **kw),
+}
+
+
+def describe(jobs: list[Job]) -> dict:
+    inputs, outputs = [len(j.prompt) for j in jobs], [j.output_len for j in jobs]
+    return {"requests": len(jobs), "mean_input": statistics.mean(inputs), "mean_output": statistics.mean(outputs),
+            "max_input": max(inputs), "max_output": max(outputs)}
