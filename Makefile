@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: the CPU build on a machine without CUDA (ops/install_torch.py says from where).
 	$(PY) ops/install_torch.py
-	$(PY) -m pip install -q -e '.[worker,test]'
+	$(PY) -m pip install -q -e '.[worker,test,bench]'
 	touch $@
 
 install: $(VENV)/.installed

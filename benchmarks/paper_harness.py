@@ -33,16 +33,22 @@ SERVED_NAME = "bench-model"
 SLOT = re.compile(r'^pagedserve_kv_slots\{state="(\w+)"\} ([0-9.e+-]+)$', re.M)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """Ports free now, all different: the sockets stay bound until all are chosen."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @contextmanager
 def pagedserve(*flags: str, model: str | None = None):
     """A running `pagedserve up` on the CPU; yields (api url, scheduler /metrics url)."""
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     command = [sys.executable, "-m", "services.launcher", "up", "--port", str(port), "--served-model-name",
                SERVED_NAME, "--device", "cpu", "--scheduler-metrics-port", str(metrics_port),
                "--worker-metrics-port", "0", "--log-stats-interval", "0", *(["--model", model] if model else []),
