@@ -22,8 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.paper_harness import ROOT, commit, machine, pagedserve, run_at_rate, write_json  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Job, describe  # noqa: E402
-
-DEFAULT_MODEL = str(ROOT / "ops" / "models" / "tiny-python")
+from services.launcher import SHIPPED_MODEL  # noqa: E402
 
 
 def hf_generate(model_dir: str, jobs: list[Job], batch_size: int, threads: int, max_model_len: int) -> tuple[float, int]:
@@ -57,7 +56,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="torch threads for generate; pagedserve's CPU worker takes cores - 1 by default")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=SHIPPED_MODEL)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
