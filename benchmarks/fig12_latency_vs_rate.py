@@ -13,6 +13,7 @@ table, writes benchmarks/results/fig12_<workload><tag>.json and docs/fig12_<work
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -56,7 +57,11 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="added to the result and plot file names")
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--plot-dir", default=str(ROOT / "docs"))
+    parser.add_argument("--combine", nargs="+", metavar="JSON", help="run nothing: join the systems of earlier "
+                        "result files (each run the same way, e.g. in two calls on a lent GPU) into one figure")
     args = parser.parse_args()
+    if args.combine:
+        return combine(args)
     rates = [float(r) for r in args.rates.split(",")]
     policies = args.policies.split(",")
     warmup = 2
@@ -68,26 +73,51 @@ def main() -> None:
                  *args.server_args.split()]
         with pagedserve(*flags, model=args.model) as (api, metrics):
             runs[policy] = []
-            for rate in rates:
-                result = run_at_rate(api, metrics, jobs, rate, seed=args.seed, warmup=warmup)
+            for i, rate in enumerate(rates):
+                # The warm-up requests go once per server, before its first rate.
+                result = run_at_rate(api, metrics, jobs if i == 0 else jobs[warmup:], rate, seed=args.seed,
+                                     warmup=warmup if i == 0 else 0)
                 runs[policy].append({"rate": rate, **result})
                 print(f"{LABELS[policy]:<14} rate {rate:5.2f}/s  normalized {result['normalized_latency_s_per_token']:.4f} "
                       f"s/token  throughput {result['request_throughput']:.2f} req/s  "
                       f"tokens {result['kv_slots_percent']['tokens']:.1f} % of used KV", flush=True)
-    baseline = runs[policies[0]][0]["normalized_latency_s_per_token"]
-    limit = args.slo * baseline
-    sustained = {p: sustained_rate([(r["rate"], r["normalized_latency_s_per_token"]) for r in runs[p]], limit)
-                 for p in policies}
+        payload = summarize(runs, args, describe(jobs[warmup:]))  # after each system: a cut-off run keeps it
+        write_json(Path(args.out_dir) / f"fig12_{args.workload}{args.tag}.json", payload)
+    report(payload, args)
+
+
+def combine(args) -> None:
+    files = [json.loads(Path(name).read_text()) for name in args.combine]
+    runs = {policy: points for payload in files for policy, points in payload["runs"].items()}
+    runs = {policy: runs[policy] for policy in sorted(runs, key=POLICIES.index)}  # pagedserve first: the baseline
+    recorded = argparse.Namespace(**{**files[0]["args"], "slo": args.slo, "tag": args.tag, "combine": args.combine,
+                                     "policies": ",".join(runs)})
+    payload = {**summarize(runs, recorded, files[0]["trace"]), "commit": files[0]["commit"],
+               **{key: files[0][key] for key in ("machine", "processor", "cores", "gpu", "python", "date")}}
+    write_json(Path(args.out_dir) / f"fig12_{recorded.workload}{args.tag}.json", payload)
+    report(payload, argparse.Namespace(**{**vars(recorded), "out_dir": args.out_dir, "plot_dir": args.plot_dir}))
+
+
+def report(payload: dict, args) -> None:
+    runs, limit, sustained = payload["runs"], payload["slo_s_per_token"], payload["sustained_rate"]
+    policies = list(runs)
     print(f"\nsustained rate at normalized latency <= {limit:.4f} s/token ({args.slo:g} x {LABELS[policies[0]]} "
           "at the lowest rate):")
     for policy in policies:
         ratio = sustained[policies[0]] / sustained[policy] if sustained[policy] else float("inf")
         print(f"  {LABELS[policy]:<14} {sustained[policy]:.2f} req/s   {LABELS[policies[0]]} / this: {ratio:.2f}x")
-    payload = {"figure": "12", "workload": args.workload, "trace": describe(jobs[warmup:]), "args": vars(args),
-               "commit": commit(), **machine(), "slo_s_per_token": limit, "sustained_rate": sustained, "runs": runs}
-    write_json(Path(args.out_dir) / f"fig12_{args.workload}{args.tag}.json", payload)
-    plot(runs, limit, f"{args.workload}-like trace, {args.num_blocks} KV blocks of {args.block_size}",
+    model = Path(args.model).name if args.model else "tiny-python"
+    plot(runs, limit, f"{model}, {args.workload}-like trace, {args.num_blocks} KV blocks of {args.block_size}",
          Path(args.plot_dir) / f"fig12_{args.workload}{args.tag}.png")
+
+
+def summarize(runs: dict[str, list[dict]], args, trace: dict) -> dict:
+    first = next(iter(runs))
+    limit = args.slo * runs[first][0]["normalized_latency_s_per_token"]
+    sustained = {p: sustained_rate([(r["rate"], r["normalized_latency_s_per_token"]) for r in points], limit)
+                 for p, points in runs.items()}
+    return {"figure": "12", "workload": args.workload, "trace": trace, "args": vars(args),
+            "commit": commit(), **machine(), "slo_s_per_token": limit, "sustained_rate": sustained, "runs": runs}
 
 
 def plot(runs: dict[str, list[dict]], limit: float, title: str, path: Path) -> None:

@@ -54,7 +54,9 @@ def pagedserve(*flags: str, model: str | None = None):
                "--worker-metrics-port", "0", "--log-stats-interval", "0", *(["--model", model] if model else []),
                *flags]
     with tempfile.TemporaryDirectory() as logs:
-        server = Server("pagedserve", command, {"PYTHONPATH": str(ROOT)}, port, Path(logs))
+        logs = os.environ.get("BENCH_LOG_DIR", logs)  # where a run that must be read later keeps the servers' logs
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        server = Server("pagedserve", command, {"PYTHONPATH": path}, port, Path(logs))
         try:
             server.wait_ready(300)
             yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
@@ -132,8 +134,17 @@ def save_figure(figure, path: Path) -> None:
 
 def machine() -> dict:
     return {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "python": platform.python_version(),
+            "cores": os.cpu_count(), "gpu": gpu_name(), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def gpu_name() -> str | None:
+    try:
+        listing = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return listing.splitlines()[0] if listing else None
 
 
 def write_json(path: Path, payload: dict) -> None:

@@ -104,6 +104,8 @@ def paged_attention_triton(
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits,
         FP32_DOT=interpreted,
+        # float32 serving gets float32 products, as the model's own matmuls do; never TF32's 10-bit mantissa.
+        DOT_PRECISION="ieee" if interpreted or query.dtype == torch.float32 else "tf32",
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch.num_seqs, num_heads)](
@@ -153,7 +155,7 @@ if triton is not None:
         stride_table,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
         tile = tl.program_id(1)  # a query tile, or the key split of a decode
@@ -204,7 +206,7 @@ if triton is not None:
             if FP32_DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
             if WINDOW > 0:
                 visible &= pos[None, :] > q_pos[:, None] - WINDOW
@@ -214,7 +216,7 @@ if triton is not None:
             p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         has_keys = l_i > 0

@@ -80,6 +80,8 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address the api listens on")
     group.add_argument("--port", type=int, default=8000, help="port the api listens on")
     group.add_argument("--served-model-name", default=None, help="the name clients ask for; None: the model directory's name")
+    group.add_argument("--tokenizer", default=None,
+                       help="directory of the tokenizer; None: the model directory (a dummy-weight config needs one)")
     group.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                        help="larger request bodies get 413")
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,

@@ -74,8 +74,13 @@ def _bindable(port: int) -> bool:
         return True
 
 
-DEVICE_BLOCKS_USED = 'pagedserve_kv_blocks{device="cpu",pool="device",state="used"}'
 SWAP_BLOCKS_USED = 'pagedserve_kv_blocks{device="cpu",pool="swap",state="used"}'
+
+
+def device_blocks_used(metrics: dict[str, float]) -> float:
+    """KV blocks in use in the device pool, whatever device the worker runs on."""
+    return sum(value for key, value in metrics.items()
+               if key.startswith("pagedserve_kv_blocks{") and 'pool="device"' in key and 'state="used"' in key)
 
 
 def metrics_port_flags() -> list[str]:
@@ -102,7 +107,7 @@ class Server:
         """No request running and no KV block in use, on the device or in swap, as the scheduler's
         metrics say."""
         metrics = self.metrics("scheduler")
-        return (metrics[DEVICE_BLOCKS_USED] == 0 and metrics[SWAP_BLOCKS_USED] == 0
+        return (device_blocks_used(metrics) == 0 and metrics[SWAP_BLOCKS_USED] == 0
                 and metrics["pagedserve_num_requests_running"] == 0)
 
     def log(self) -> str:

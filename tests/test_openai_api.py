@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import DEVICE_BLOCKS_USED, wait_until
+from tests.conftest import device_blocks_used, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(llama_server):
         events = response.iter_lines()
         received = [line for line, _ in zip(events, range(6)) if line.startswith("data:")]
         assert received
-        assert wait_until(lambda: llama_server.metrics("scheduler")[DEVICE_BLOCKS_USED] > 0, 5)
+        assert wait_until(lambda: device_blocks_used(llama_server.metrics("scheduler")) > 0, 5)
     assert wait_until(llama_server.is_idle, 10, 0.05)
     aborted = 'pagedserve_requests_total{endpoint="completions",finish_reason="abort"}'
     assert wait_until(lambda: llama_server.metrics("api").get(aborted) == before.get(aborted, 0) + 1, 5)

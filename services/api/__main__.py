@@ -34,7 +34,7 @@ def main() -> None:
     from transformers import AutoTokenizer  # after the flags, so --help stays quick
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, local_files_only=True)
         with open(os.path.join(args.model, "config.json")) as f:
             vocab_size = json.load(f)["vocab_size"]
     except (OSError, ValueError, KeyError) as exc:

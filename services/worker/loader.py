@@ -78,11 +78,11 @@ def load_model(model_dir: str, dtype_name: str, device: torch.device, load_forma
     log.info("loading %s (%.1fM parameters, %s weights) from %s", type(model).__name__,
              sum(p.numel() for p in model.parameters()) / 1e6, load_format, model_dir)
     if load_format == "dummy":
-        state = random_weights(model, config, seed)
+        state = random_weights(model, config, seed, device, dtype)
     else:
         shards = model.shards() if tp.world_size > 1 else {}
         state = checked_weights(model, read_weights(model_dir, getattr(model, "ignored_weights", ()), shards), model_dir)
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+        state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     model.eval()
@@ -114,20 +114,23 @@ def checked_weights(model, state: dict[str, torch.Tensor], model_dir: str) -> di
     return state
 
 
-def random_weights(model, config, seed: int) -> dict[str, torch.Tensor]:
-    """`--load-format dummy`: weights of the right shapes from a seeded normal distribution."""
-    generator = torch.Generator().manual_seed(seed)
-    std = getattr(config, "initializer_range", 0.02)
+def random_weights(model, config, seed: int, device: torch.device, dtype: torch.dtype
+                   ) -> dict[str, torch.Tensor]:
+    """`--load-format dummy`: weights of the right shapes from a seeded normal distribution, drawn
+    on the device in the serving dtype (a 13B model never passes through host memory)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    std = getattr(config, "initializer_range", getattr(config, "init_std", 0.02))
     norms = {name for name, module in model.named_modules() if "norm" in type(module).__name__.lower()}
     state = {}
     for name, tensor in model.state_dict().items():
         owner, _, kind = name.rpartition(".")
+        like = {"device": device, "dtype": dtype}
         if owner in norms:
-            state[name] = torch.ones(tensor.shape) if kind == "weight" else torch.zeros(tensor.shape)
+            state[name] = torch.ones(tensor.shape, **like) if kind == "weight" else torch.zeros(tensor.shape, **like)
         elif kind == "bias":
-            state[name] = torch.zeros(tensor.shape)
+            state[name] = torch.zeros(tensor.shape, **like)
         else:
-            state[name] = torch.randn(tensor.shape, generator=generator) * std
+            state[name] = torch.randn(tensor.shape, generator=generator, **like).mul_(std)
     if model.tie_word_embeddings:
         state["lm_head.weight"] = state[model.embedding_weight]
     return state

@@ -1,0 +1,44 @@
+"""The three processes on a CUDA device: the compiled Triton kernels, the device KV cache and
+swapping to the worker's host memory give HF transformers' greedy tokens. Skips without CUDA;
+run on a GPU machine with `pytest tests/test_gpu.py tests/test_kernels.py`."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (benchmarks/run_on_gpu.sh runs it on one)", allow_module_level=True)
+
+from tests.conftest import serve, wait_until  # noqa: E402
+from tests.test_end_to_end import complete_all, prompts  # noqa: E402
+from tests.tiny_models import build_model, hf_greedy  # noqa: E402
+
+CUDA_FLAGS = ["--device", "cuda", "--dtype", "float32", "--num-gpu-blocks-override", "256"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "gpt2", "mistral"])
+def test_greedy_on_cuda_equals_hf_generate(family, tmp_path):
+    model_dir = build_model(str(tmp_path / family), family)
+    prompt_ids = prompts(model_dir)
+    with serve(model_dir, str(tmp_path), *CUDA_FLAGS) as server:
+        got = complete_all(server, prompt_ids)
+        assert wait_until(server.is_idle, 5)
+    assert got == [hf_greedy(model_dir, p, 16) for p in prompt_ids]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_on_cuda_gives_the_same_tokens(llama_dir, mode, tmp_path):
+    prompt_ids = prompts(llama_dir)
+    flags = [*CUDA_FLAGS, "--num-gpu-blocks-override", "20", "--block-size", "4", "--preemption-mode", mode]
+    with serve(llama_dir, str(tmp_path), *flags) as server:
+        got = complete_all(server, prompt_ids)
+        assert wait_until(server.is_idle, 5)
+        assert server.metrics()[f'pagedserve_preemptions_total{{mode="{mode}"}}'] > 0
+    assert got == [hf_greedy(llama_dir, p, 16) for p in prompt_ids]
+
+
+def test_half_precision_dummy_weights_serve_on_cuda(llama_dir, tmp_path):
+    flags = ["--device", "cuda", "--dtype", "float16", "--load-format", "dummy", "--num-gpu-blocks-override", "64"]
+    with serve(llama_dir, str(tmp_path), *flags) as server:
+        got = complete_all(server, prompts(llama_dir), max_tokens=24)
+        assert wait_until(server.is_idle, 5)
+    assert all(1 <= len(ids) <= 24 for ids in got)
