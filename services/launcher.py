@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _exited(children: dict[str, subprocess.Popen]) -> dict[str, int]:
+    return {name: child.returncode for name, child in children.items() if child.poll() is not None}
+
+
 def _supervise(args: argparse.Namespace, endpoints: Endpoints) -> int:
     env = {"api": dict(os.environ, **{API_KEY_ENV: args.api_key})} if args.api_key else {}
     children = {name: subprocess.Popen(cmd, env=env.get(name)) for name, cmd in commands(args, endpoints).items()}
@@ -139,9 +143,14 @@ def _supervise(args: argparse.Namespace, endpoints: Endpoints) -> int:
     deadline = time.monotonic() + args.ready_timeout
     ready = False
     while not stopping:
-        dead = {name: c.returncode for name, c in children.items() if c.poll() is not None}
+        dead = _exited(children)
         if dead:
-            for name, code in dead.items():
+            if not any(dead.values()):  # a clean exit follows another's failure: let the cause show first
+                grace = time.monotonic() + 1.0
+                while time.monotonic() < grace and not any(dead.values()):
+                    time.sleep(0.05)
+                    dead = _exited(children)
+            for name, code in sorted(dead.items(), key=lambda item: item[1] == 0):
                 print(f"pagedserve: {name} exited with code {code}; stopping", file=sys.stderr)
             failed = True
             stop(signal.SIGTERM, None)
