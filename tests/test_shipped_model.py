@@ -43,6 +43,26 @@ def test_hf_transformers_and_pagedserve_agree_on_greedy_output(tokenizer):
     assert got == [hf_greedy(MODEL_DIR, p, 24) for p in prompts]
 
 
+OPENINGS = [
+    "def fibonacci(n):\n", "import os\n", "class Stack:\n", "def main():\n", "for i in range(10):\n",
+    "import sys\n\n\ndef parse_args(argv):\n", "with open(path) as f:\n", "def __init__(self, name):\n", "try:\n",
+    'if __name__ == "__main__":\n', "def read_file(path):\n", "class Node:\n    def __init__(self, value):\n",
+    "import json\n\n", "def sort_list(items):\n", "while True:\n", "def add(a, b):\n",
+    "from collections import defaultdict\n\n", "def is_prime(n):\n", "class Config(object):\n",
+    'def parse(text):\n    """', "async def fetch(url):\n", "def __repr__(self):\n", "import re\n\nPATTERN = ",
+    "def test_add():\n",
+]
+
+
+def test_greedy_continuations_of_python_openings_never_repeat_a_line_more_than_three_times(tokenizer):
+    prompts = [tokenizer.encode(opening) for opening in OPENINGS]
+    continuations = Engine(MODEL_DIR, block_size=16).generate(prompts, max_tokens=64)
+    for opening, tokens in zip(OPENINGS, continuations):
+        lines = [line for line in tokenizer.decode(tokens).split("\n") if line.strip()]
+        line, count = max(((line, lines.count(line)) for line in lines), key=lambda pair: pair[1], default=("", 0))
+        assert count <= 3, f"{opening!r} goes on with {line!r} {count} times"
+
+
 def _keywords(text: str) -> set[str]:
     return set(re.findall(r"[A-Za-z_]+", text)) & KEYWORDS
 
@@ -89,3 +109,29 @@ def test_training_is_seeded_and_reproducible(tmp_path):
         outs.append(load_file(out / "model.safetensors"))
     assert outs[0].keys() == outs[1].keys()
     assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
+
+
+def test_unlikelihood_fine_tuning_starts_from_a_saved_model_and_records_the_chain(tmp_path):
+    script = os.path.join(ROOT, "ops", "train_tiny_model.py")
+    small = ["--files", "15", "--vocab-size", "400", "--batch-size", "2", "--seq-len", "32", "--threads", "1",
+             "--no-plot"]
+    for args in (["--out", str(tmp_path / "base"), "--steps", "3"],
+                 ["--out", str(tmp_path / "tuned"), "--init-from", str(tmp_path / "base"), "--steps", "0",
+                  "--unlikelihood-steps", "2"]):
+        done = subprocess.run([sys.executable, script, *args, *small], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "tuned" / "training.json").read_text())
+    assert record["init_from"]["steps"] == 3 and [s["step"] for s in record["unlikelihood"]] == [0, 1]
+    base, tuned = load_file(tmp_path / "base" / "model.safetensors"), load_file(tmp_path / "tuned" / "model.safetensors")
+    assert not all(torch.equal(base[k], tuned[k]) for k in base)
+
+
+def test_only_a_line_seen_twice_before_is_marked_and_only_its_visible_tokens():
+    sys.path.insert(0, os.path.join(ROOT, "ops"))
+    from train_tiny_model import repeated_line_positions
+
+    pieces = ["x = 1", "\n", "    ", "y", "else:"]
+    # lines: "x = 1", "else:", "x = 1", "    x = 1" (third time), "y", "else:" (second time)
+    sequence = [0, 1, 4, 1, 0, 1, 2, 0, 1, 3, 1, 4, 1]
+    assert repeated_line_positions(sequence, start=0, pieces=pieces) == [7]
+    assert repeated_line_positions(sequence, start=8, pieces=pieces) == []
