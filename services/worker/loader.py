@@ -122,9 +122,9 @@ def random_weights(model, config, seed: int, device: torch.device, dtype: torch.
     std = getattr(config, "initializer_range", getattr(config, "init_std", 0.02))
     norms = {name for name, module in model.named_modules() if "norm" in type(module).__name__.lower()}
     state = {}
+    like = {"device": device, "dtype": dtype}
     for name, tensor in model.state_dict().items():
         owner, _, kind = name.rpartition(".")
-        like = {"device": device, "dtype": dtype}
         if owner in norms:
             state[name] = torch.ones(tensor.shape, **like) if kind == "weight" else torch.zeros(tensor.shape, **like)
         elif kind == "bias":
