@@ -81,9 +81,9 @@ class BlockManager:
             seq.block_table.append(self.gpu.allocate())
         return copies
 
-    def reserve(self, seq: Sequence, num_tokens: int) -> None:
-        """Blocks for `num_tokens` slots at once, as a baseline that reserves memory would hold them."""
-        while len(seq.block_table) * self.block_size < num_tokens:
+    def reserve(self, seq: Sequence, num_blocks: int) -> None:
+        """`num_blocks` blocks at once, as a baseline that reserves memory would hold them."""
+        while len(seq.block_table) < num_blocks:
             seq.block_table.append(self.gpu.allocate())
 
     def _write_hits_shared_block(self, seq: Sequence) -> bool:

@@ -194,13 +194,15 @@ class Scheduler:
         may own every later block up to max_tokens."""
         size = self.block_manager.block_size
         if not self.reservation.paged:
-            return -(-self._reserved_tokens(num_prompt, sampling) // size)
+            return self._reserved_blocks(num_prompt, sampling)
         max_new = min(sampling.max_tokens, self.budgets.max_model_len - num_prompt)
         shared = (num_prompt - 1) // size if num_prompt <= self.budgets.max_num_batched_tokens else 0
         return shared + sampling.num_samples * (-(-(num_prompt + max_new) // size) - shared)
 
-    def _reserved_tokens(self, num_prompt: int, sampling) -> int:
-        return self.reservation.tokens(num_prompt, sampling.max_tokens, self.budgets.max_model_len)
+    def _reserved_blocks(self, num_prompt: int, sampling) -> int:
+        """Blocks a request holds from its start under a reservation baseline; 0 under paging."""
+        tokens = self.reservation.tokens(num_prompt, sampling.max_tokens, self.budgets.max_model_len)
+        return -(-tokens // self.block_manager.block_size)
 
     # --- one iteration -------------------------------------------------------------------
 
@@ -321,8 +323,7 @@ class Scheduler:
         self._mark_running(request)
         (leader, hits, n), shared_blocks, followers = plan
         self._begin(leader, hits, from_cache=True)
-        if not self.reservation.paged:
-            self.block_manager.reserve(leader, self._reserved_tokens(request.num_prompt_tokens, request.sampling))
+        self.block_manager.reserve(leader, self._reserved_blocks(request.num_prompt_tokens, request.sampling))
         copies += self._take([(leader, n)] if n else [], scheduled, budget)
         for seq, n in followers:
             self._begin(seq, leader.block_table[:shared_blocks], from_cache=False)
@@ -371,8 +372,7 @@ class Scheduler:
             followers.append((seq, n_seq))
         if n == 0 and not any(n_seq for _, n_seq in followers):
             return None
-        if not self.reservation.paged:
-            needed = max(needed, -(-self._reserved_tokens(request.num_prompt_tokens, request.sampling) // size))
+        needed = max(needed, self._reserved_blocks(request.num_prompt_tokens, request.sampling))
         revived = sum(1 for block in hits if self.block_manager.gpu.is_evictable(block))
         left = self.block_manager.num_free_blocks - revived - needed
         if left < self.block_manager.watermark_blocks:
