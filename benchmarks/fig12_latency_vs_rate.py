@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.paper_harness import (ROOT, commit, machine, pagedserve, pyplot, run_at_rate,  # noqa: E402
-                                      save_figure, write_json)
+from benchmarks.paper_harness import (ROOT, budget_flags, commit, machine, pagedserve, pyplot,  # noqa: E402
+                                      run_at_rate, save_figure, write_json)
 from benchmarks.workloads import WORKLOADS, describe  # noqa: E402
 
 POLICIES = ("paged", "oracle", "pow2", "max")
@@ -68,9 +68,7 @@ def main() -> None:
     jobs = WORKLOADS[args.workload](args.num_prompts + warmup, seed=args.seed, max_model_len=args.max_model_len)
     runs: dict[str, list[dict]] = {}
     for policy in policies:
-        flags = ["--kv-reservation", policy, "--num-gpu-blocks-override", str(args.num_blocks), "--block-size",
-                 str(args.block_size), "--max-model-len", str(args.max_model_len), "--preemption-mode", "recompute",
-                 *args.server_args.split()]
+        flags = ["--kv-reservation", policy, *budget_flags(args), *args.server_args.split()]
         with pagedserve(*flags, model=args.model) as (api, metrics):
             runs[policy] = []
             for i, rate in enumerate(rates):

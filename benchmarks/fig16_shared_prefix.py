@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.paper_harness import (ROOT, commit, machine, pagedserve, pyplot, run_at_rate,  # noqa: E402
-                                      save_figure, write_json)
+from benchmarks.paper_harness import (ROOT, budget_flags, commit, machine, pagedserve, pyplot,  # noqa: E402
+                                      run_at_rate, save_figure, write_json)
 from benchmarks.workloads import WORKLOADS, describe  # noqa: E402
 
 SYSTEMS = {  # name: flags
@@ -45,8 +45,7 @@ def main() -> None:
         jobs = WORKLOADS[workload](args.num_prompts + 2, seed=args.seed, max_model_len=args.max_model_len)
         traces[workload] = describe(jobs[2:])
         for system, extra in SYSTEMS.items():
-            flags = ["--num-gpu-blocks-override", str(args.num_blocks), "--block-size", str(args.block_size),
-                     "--max-model-len", str(args.max_model_len), "--preemption-mode", "recompute", *extra]
+            flags = [*budget_flags(args), *extra]
             with pagedserve(*flags, model=args.model) as (api, metrics):
                 result = run_at_rate(api, metrics, jobs, float("inf"), seed=args.seed)
             results.setdefault(workload, {})[system] = result

@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.fig12_latency_vs_rate import LABELS, POLICIES  # noqa: E402
-from benchmarks.paper_harness import (ROOT, commit, machine, pagedserve, pyplot, run_at_rate,  # noqa: E402
-                                      save_figure, write_json)
+from benchmarks.paper_harness import (ROOT, budget_flags, commit, machine, pagedserve, pyplot,  # noqa: E402
+                                      run_at_rate, save_figure, write_json)
 from benchmarks.workloads import WORKLOADS, describe  # noqa: E402
 
 STATES = (("tokens", "token states"), ("reserved", "reserved"), ("unused", "internal fragmentation"))
@@ -43,8 +43,7 @@ def main() -> None:
     breakdown = {}
     print(f"{'system':<14} {'token states':>13} {'reserved':>9} {'internal frag.':>15} {'external':>9}  samples")
     for policy in args.policies.split(","):
-        flags = ["--kv-reservation", policy, "--num-gpu-blocks-override", str(args.num_blocks), "--block-size",
-                 str(args.block_size), "--max-model-len", str(args.max_model_len), "--preemption-mode", "recompute"]
+        flags = ["--kv-reservation", policy, *budget_flags(args)]
         with pagedserve(*flags, model=args.model) as (api, metrics):
             result = run_at_rate(api, metrics, jobs, float("inf"), seed=args.seed)
         shares = result["kv_slots_percent"]

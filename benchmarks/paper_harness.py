@@ -1,9 +1,8 @@
 """What the paper-figure scripts share: a pagedserve to drive, a sampler of its KV slot metrics, and
 one run of a workload at a request rate.
 
-Each server runs on this machine's CPU with the shipped model (or `--model`), a fixed number of
-KV blocks, and the reservation policy under test, so only memory management differs between the
-systems compared.
+Each server runs with the shipped model (or `--model`), a fixed number of KV blocks, and the
+reservation policy under test, so only memory management differs between the systems compared.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,16 +44,25 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def budget_flags(args) -> list[str]:
+    """The KV budget every system compared shares (`args.num_blocks` blocks of `args.block_size`,
+    context `args.max_model_len`), and recompute preemption."""
+    return ["--num-gpu-blocks-override", str(args.num_blocks), "--block-size", str(args.block_size),
+            "--max-model-len", str(args.max_model_len), "--preemption-mode", "recompute"]
+
+
 @contextmanager
 def pagedserve(*flags: str, model: str | None = None):
-    """A running `pagedserve up` on the CPU; yields (api url, scheduler /metrics url)."""
+    """A running `pagedserve up`, on the CPU unless `flags` say `--device cuda`; yields (api url,
+    scheduler /metrics url). Its log goes to $BENCH_LOG_DIR when set, else to a directory that goes
+    with it."""
     port, metrics_port = free_ports(2)
     command = [sys.executable, "-m", "services.launcher", "up", "--port", str(port), "--served-model-name",
                SERVED_NAME, "--device", "cpu", "--scheduler-metrics-port", str(metrics_port),
                "--worker-metrics-port", "0", "--log-stats-interval", "0", *(["--model", model] if model else []),
                *flags]
-    with tempfile.TemporaryDirectory() as logs:
-        logs = os.environ.get("BENCH_LOG_DIR", logs)  # where a run that must be read later keeps the servers' logs
+    kept = os.environ.get("BENCH_LOG_DIR")
+    with nullcontext(kept) if kept else tempfile.TemporaryDirectory() as logs:
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         server = Server("pagedserve", command, {"PYTHONPATH": path}, port, Path(logs))
         try:
