@@ -41,6 +41,18 @@ class Outcome:
     token_times: list[float] = field(default_factory=list)
 
 
+async def _event_stream_lines(response: httpx.Response):
+    """An event stream's lines, broken at LF (and CRLF) only, as SSE breaks them: httpx's aiter_lines
+    also breaks at U+2028 and the like, which a server may send unescaped inside JSON text."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending
+
+
 async def _one(client: httpx.AsyncClient, url: str, payload: dict) -> Outcome:
     started = time.perf_counter()
     outcome = Outcome(ok=False)
@@ -48,7 +60,7 @@ async def _one(client: httpx.AsyncClient, url: str, payload: dict) -> Outcome:
         if response.status_code != 200:
             await response.aread()
             return outcome
-        async for line in response.aiter_lines():
+        async for line in _event_stream_lines(response):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

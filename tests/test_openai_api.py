@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from services.api.formats import event
 from tests.conftest import device_blocks_used, wait_until
 
 
@@ -185,3 +186,10 @@ def test_the_log_has_a_line_per_request_and_a_periodic_line_while_serving(llama_
     periodic = [line for line in log.splitlines() if "pagedserve.stats" in line]
     assert periodic and "generation" in periodic[0] and "KV blocks" in periodic[0]
     assert len(periodic) <= 3  # nothing is written while idle
+
+
+def test_a_streamed_event_is_one_line_to_any_line_reader_whatever_its_text_holds():
+    body = {"choices": [{"text": "a\u2028b\u2029c\x85d\ne\x1cf é"}]}
+    lines = event(body).splitlines()  # breaks at every character httpx's aiter_lines breaks at
+    assert len(lines) == 2 and lines[0].startswith("data: ") and lines[1] == ""
+    assert json.loads(lines[0].removeprefix("data: ")) == body

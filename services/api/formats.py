@@ -190,8 +190,13 @@ class ChatFormat(_Format):
         return {"content": content}
 
 
+# Valid inside JSON text, but line breaks to readers that split lines as str.splitlines() does (httpx
+# among them): one would cut an event in two.
+_LINE_BREAKS_ESCAPED = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def event(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS_ESCAPED)}\n\n"
 
 
 async def errors_as_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk | str]:
