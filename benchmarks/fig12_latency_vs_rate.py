@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -57,6 +58,9 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="added to the result and plot file names")
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--plot-dir", default=str(ROOT / "docs"))
+    parser.add_argument("--interleave", action="store_true", help="start every system at once and run them in "
+                        "turn at each rate, so that a drift in the machine's speed touches all alike (the CPU; on a "
+                        "GPU the systems' weights would not fit together)")
     parser.add_argument("--combine", nargs="+", metavar="JSON", help="run nothing: join the systems of earlier "
                         "result files (each run the same way, e.g. in two calls on a lent GPU) into one figure")
     args = parser.parse_args()
@@ -66,21 +70,39 @@ def main() -> None:
     policies = args.policies.split(",")
     warmup = 2
     jobs = WORKLOADS[args.workload](args.num_prompts + warmup, seed=args.seed, max_model_len=args.max_model_len)
-    runs: dict[str, list[dict]] = {}
-    for policy in policies:
-        flags = ["--kv-reservation", policy, *budget_flags(args), *args.server_args.split()]
-        with pagedserve(*flags, model=args.model) as (api, metrics):
-            runs[policy] = []
-            for i, rate in enumerate(rates):
-                # The warm-up requests go once per server, before its first rate.
-                result = run_at_rate(api, metrics, jobs if i == 0 else jobs[warmup:], rate, seed=args.seed,
-                                     warmup=warmup if i == 0 else 0)
-                runs[policy].append({"rate": rate, **result})
-                print(f"{LABELS[policy]:<14} rate {rate:5.2f}/s  normalized {result['normalized_latency_s_per_token']:.4f} "
-                      f"s/token  throughput {result['request_throughput']:.2f} req/s  "
-                      f"tokens {result['kv_slots_percent']['tokens']:.1f} % of used KV", flush=True)
-        payload = summarize(runs, args, describe(jobs[warmup:]))  # after each system: a cut-off run keeps it
+    runs: dict[str, list[dict]] = {policy: [] for policy in policies}
+
+    def measure(policy: str, server: tuple[str, str], i: int, rate: float) -> None:
+        # The warm-up requests go once per server, before its first rate.
+        result = run_at_rate(*server, jobs if i == 0 else jobs[warmup:], rate, seed=args.seed,
+                             warmup=warmup if i == 0 else 0)
+        runs[policy].append({"rate": rate, **result})
+        print(f"{LABELS[policy]:<14} rate {rate:5.2f}/s  normalized {result['normalized_latency_s_per_token']:.4f} "
+              f"s/token  throughput {result['request_throughput']:.2f} req/s  "
+              f"tokens {result['kv_slots_percent']['tokens']:.1f} % of KV used or stranded", flush=True)
+
+    def save() -> dict:  # after each system or rate: a cut-off run keeps what it measured
+        payload = summarize({p: points for p, points in runs.items() if points}, args, describe(jobs[warmup:]))
         write_json(Path(args.out_dir) / f"fig12_{args.workload}{args.tag}.json", payload)
+        return payload
+
+    def server(policy: str):
+        flags = ["--kv-reservation", policy, *budget_flags(args), *args.server_args.split()]
+        return pagedserve(*flags, model=args.model)
+
+    if args.interleave:
+        with ExitStack() as stack:
+            servers = {policy: stack.enter_context(server(policy)) for policy in policies}
+            for i, rate in enumerate(rates):
+                for policy in policies:
+                    measure(policy, servers[policy], i, rate)
+                payload = save()
+    else:
+        for policy in policies:
+            with server(policy) as running:
+                for i, rate in enumerate(rates):
+                    measure(policy, running, i, rate)
+            payload = save()
     report(payload, args)
 
 
@@ -105,7 +127,8 @@ def report(payload: dict, args) -> None:
         ratio = sustained[policies[0]] / sustained[policy] if sustained[policy] else float("inf")
         print(f"  {LABELS[policy]:<14} {sustained[policy]:.2f} req/s   {LABELS[policies[0]]} / this: {ratio:.2f}x")
     model = Path(args.model).name if args.model else "tiny-python"
-    plot(runs, limit, f"{model}, {args.workload}-like trace, {args.num_blocks} KV blocks of {args.block_size}",
+    plot(runs, limit, f"{model}, {args.workload}-like, {args.num_blocks} KV blocks of {args.block_size}, "
+         f"context {args.max_model_len}",
          Path(args.plot_dir) / f"fig12_{args.workload}{args.tag}.png")
 
 

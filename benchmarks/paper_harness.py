@@ -29,6 +29,7 @@ from benchmarks.peer_bench import Server  # noqa: E402
 from benchmarks.workloads import Job  # noqa: E402
 
 SERVED_NAME = "bench-model"
+SLOT_STATES = ("tokens", "reserved", "unused", "fragmented")
 SLOT = re.compile(r'^pagedserve_kv_slots\{state="(\w+)"\} ([0-9.e+-]+)$', re.M)
 
 
@@ -102,10 +103,11 @@ class SlotSampler:
                 self.samples.append(slots)
 
     def breakdown(self) -> dict[str, float]:
-        """Shares of the used KV slots, in percent, averaged over the samples."""
+        """Shares of the KV slots that are used or stranded between reservations (external
+        fragmentation), in percent, averaged over the samples."""
         if not self.samples:
-            return {"tokens": 0.0, "reserved": 0.0, "unused": 0.0, "samples": 0}
-        totals = {state: 0.0 for state in ("tokens", "reserved", "unused")}
+            return {**{state: 0.0 for state in SLOT_STATES}, "samples": 0}
+        totals = {state: 0.0 for state in SLOT_STATES}
         for sample in self.samples:
             used = sum(sample.values())
             for state in totals:

@@ -2,7 +2,7 @@
 # What a session with a lent GPU runs, from the repository root; logs and results go to $OUT.
 #   bash benchmarks/run_on_gpu.sh checks           compiled Triton kernel tests, the three processes
 #                                                  on CUDA, the kernel benchmark
-#   bash benchmarks/run_on_gpu.sh fig12 POLICIES RATES [NUM_PROMPTS]
+#   bash benchmarks/run_on_gpu.sh fig12 POLICIES RATES [NUM_PROMPTS]   (context $MAX_MODEL_LEN, default 2048 as OPT)
 #                                                  Figure 12 on a dummy-weight OPT-13B
 # Wheels the GPU image lacks (pyzmq, starlette, uvicorn) are installed from .whl/ when it exists.
 set -uo pipefail
@@ -33,7 +33,7 @@ checks)
 fig12)
     mkdir -p /tmp/bench-logs
     BENCH_LOG_DIR=/tmp/bench-logs timeout "${FIG12_TIMEOUT:-560}" python3 benchmarks/fig12_latency_vs_rate.py \
-        --model ops/configs/opt-13b --server-args "$OPT13B_FLAGS" --max-model-len "${MAX_MODEL_LEN:-1024}" --num-blocks 915 \
+        --model ops/configs/opt-13b --server-args "$OPT13B_FLAGS" --max-model-len "${MAX_MODEL_LEN:-2048}" --num-blocks 915 \
         --policies "$2" --rates "$3" --num-prompts "${4:-100}" --tag "${FIG12_TAG:-_opt13b_h100}" \
         --out-dir "$OUT" --plot-dir "$OUT" 2>&1 | tee "$OUT/fig12.log"
     tar czf "$OUT/bench_logs.tgz" -C /tmp bench-logs 2>/dev/null

@@ -71,8 +71,8 @@ class StandInWorker:
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, context=256,
                    num_cpu_blocks=0, preemption="recompute", prefix_caching=False, chunked=False,
-                   reservation="paged"):
-    manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=0.0,
+                   reservation="paged", watermark=0.0):
+    manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=watermark,
                            enable_prefix_caching=prefix_caching)
     if not chunked:  # a recomputed request must fit one step
         context = min(context, max_tokens_per_step)

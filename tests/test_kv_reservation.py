@@ -72,3 +72,55 @@ def test_the_baselines_share_nothing():
     rejected = scheduler.add(request(n=2))
     assert rejected is not None and "one sample only" in rejected.error
     assert scheduler.add(request()) is None
+
+
+@pytest.mark.parametrize("policy", ["max", "pow2", "oracle"])
+def test_a_reservation_is_one_run_of_consecutive_blocks(policy):
+    scheduler, worker = make_scheduler(num_blocks=40, block_size=4, context=64, reservation=policy), StandInWorker()
+    for i in range(3):
+        scheduler.add(request(prompt_len=3 + i, max_tokens=5 + 2 * i))
+    scheduler.update(worker.run(scheduler.schedule()))
+    for running in scheduler.running:
+        table = running.seqs[0].block_table
+        assert table == list(range(table[0], table[0] + len(table)))
+
+
+def test_free_blocks_in_runs_too_short_for_the_next_reservation_are_external_fragmentation():
+    # 12 blocks of 4 slots, Oracle: a (2 blocks), b (6) and c (3) fill blocks 0-10; d needs 3.
+    lengths = {"a": (4, 4), "b": (4, 20), "c": (4, 8), "d": (4, 8)}
+    scheduler, worker = make_scheduler(num_blocks=12, block_size=4, context=64, reservation="oracle"), StandInWorker()
+    for name, (prompt_len, max_tokens) in lengths.items():
+        message = request(prompt_len=prompt_len, max_tokens=max_tokens)
+        message.request_id = name
+        scheduler.add(message)
+    while "a" in scheduler.requests:
+        scheduler.update(worker.run(scheduler.schedule()))
+    # a's blocks 0-1 and block 11 are free: three blocks, but no run of three, so d waits.
+    stats = scheduler.stats()
+    assert [r.request_id for r in scheduler.waiting] == ["d"]
+    assert stats.num_free_gpu_blocks == 3 and stats.kv_slots_fragmented == 3 * 4
+    while "c" in scheduler.requests:
+        scheduler.update(worker.run(scheduler.schedule()))
+    scheduler.update(worker.run(scheduler.schedule()))
+    assert [r.request_id for r in scheduler.running] == ["b", "d"]
+    assert scheduler.running[1].seqs[0].block_table == [8, 9, 10]
+    assert scheduler.stats().kv_slots_fragmented == 0
+    run_to_completion(scheduler, worker)
+    check_block_accounting(scheduler)
+
+
+def test_paging_has_no_external_fragmentation():
+    scheduler, worker = make_scheduler(num_blocks=12, block_size=4, context=64), StandInWorker()
+    for prompt_len, max_tokens in [(4, 4), (4, 20), (4, 8), (4, 8), (30, 4)]:
+        scheduler.add(request(prompt_len=prompt_len, max_tokens=max_tokens))
+    while scheduler.has_work():
+        assert scheduler.stats().kv_slots_fragmented == 0
+        scheduler.update(worker.run(scheduler.schedule()))
+
+
+def test_reservations_fill_the_pool_to_the_last_block_as_they_never_grow_into_the_watermark():
+    scheduler = make_scheduler(num_blocks=32, block_size=4, context=64, reservation="max", watermark=0.1)
+    for _ in range(3):
+        scheduler.add(request(prompt_len=5, max_tokens=9))
+    assert len(scheduler.schedule().scheduled) == 2  # 16 blocks each: the whole pool
+    assert scheduler.block_manager.num_free_blocks == 0

@@ -57,14 +57,25 @@ def test_figure_12_compares_policies_at_each_rate_and_joins_systems_run_apart(tm
     assert set(result["sustained_rate"]) == {"paged", "max"} and "sustained rate" in out
 
 
+def test_figure_12_interleaved_runs_every_system_at_each_rate(tmp_path):
+    out = run_script("fig12_latency_vs_rate.py", tmp_path, "--plot-dir", str(tmp_path), "--num-prompts", "3",
+                     "--rates", "2,8", "--num-blocks", "128", "--policies", "paged,oracle", "--interleave")
+    result = json.loads((tmp_path / "fig12_sharegpt.json").read_text())
+    assert {policy: [r["rate"] for r in runs] for policy, runs in result["runs"].items()} == {
+        "paged": [2, 8], "oracle": [2, 8]}
+    lines = [line.split()[0] for line in out.splitlines() if "/s  normalized" in line]
+    assert lines == ["pagedserve", "Orca", "pagedserve", "Orca"]  # rate by rate, not system by system
+
+
 def test_figure_2_splits_used_kv_memory_and_reservation_wastes_it(tmp_path):
     run_script("fig2_memory_breakdown.py", tmp_path, "--plot-dir", str(tmp_path), "--num-prompts", "6",
                "--policies", "paged,max", "--num-blocks", "128")
     breakdown = json.loads((tmp_path / "fig2_memory_breakdown.json").read_text())["breakdown_percent"]
     for shares in breakdown.values():
         assert shares["samples"] > 0
-        assert shares["tokens"] + shares["reserved"] + shares["unused"] == pytest.approx(100.0)
+        assert shares["tokens"] + shares["reserved"] + shares["unused"] + shares["fragmented"] == pytest.approx(100.0)
     assert breakdown["paged"]["tokens"] > breakdown["max"]["tokens"]
+    assert breakdown["paged"]["fragmented"] == 0.0
     # A paged request fills every slot it takes by its end; only a request between its last step
     # and its blocks' release can show as unused for a moment.
     assert breakdown["paged"]["unused"] < 1.0 < breakdown["max"]["unused"]

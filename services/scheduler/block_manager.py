@@ -81,10 +81,18 @@ class BlockManager:
             seq.block_table.append(self.gpu.allocate())
         return copies
 
+    def can_reserve(self, num_blocks: int) -> bool:
+        return any(length >= num_blocks for _, length in self.gpu.free_runs())
+
     def reserve(self, seq: Sequence, num_blocks: int) -> None:
-        """`num_blocks` blocks at once, as a baseline that reserves memory would hold them."""
-        while len(seq.block_table) < num_blocks:
-            seq.block_table.append(self.gpu.allocate())
+        """`num_blocks` blocks at once, with consecutive ids: how a baseline with contiguous KV memory
+        holds them."""
+        if num_blocks > len(seq.block_table):
+            seq.block_table.extend(self.gpu.allocate_run(num_blocks - len(seq.block_table)))
+
+    def fragmented_blocks(self, num_blocks: int) -> int:
+        """Free blocks in runs too short for a reservation of `num_blocks`: external fragmentation."""
+        return sum(length for _, length in self.gpu.free_runs() if length < num_blocks)
 
     def _write_hits_shared_block(self, seq: Sequence) -> bool:
         return seq.num_computed_tokens % self.block_size != 0 and self.gpu.ref_count(seq.block_table[-1]) > 1

@@ -78,6 +78,36 @@ class BlockPool:
             else:
                 self._free.append(block)
 
+    # --- contiguous runs, for the reservation baselines -------------------------------
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """(first block, length) of each maximal run of unreferenced blocks with consecutive ids."""
+        runs, start = [], None
+        for block, count in enumerate(self._ref_counts):
+            if count == 0 and start is None:
+                start = block
+            elif count and start is not None:
+                runs.append((start, block - start))
+                start = None
+        if start is not None:
+            runs.append((start, self.num_blocks - start))
+        return runs
+
+    def allocate_run(self, count: int) -> list[int]:
+        """`count` blocks with consecutive ids from the first free run long enough (first fit), as an
+        allocator of contiguous memory hands them out."""
+        start = next((first for first, length in self.free_runs() if length >= count), None)
+        if start is None:
+            raise OutOfBlocks(f"no run of {count} free blocks")
+        run = range(start, start + count)
+        self._free = [block for block in self._free if not start <= block < start + count]
+        for block in run:
+            if block in self._evictable:
+                del self._evictable[block]
+                self._forget(block)
+            self._ref_counts[block] = 1
+        return list(run)
+
     # --- prefix cache --------------------------------------------------------------------
 
     def cache(self, block: int, block_hash: bytes, tokens: tuple[int, ...]) -> None:

@@ -114,12 +114,14 @@ class StatsCollector:
         )
         slots = GaugeMetricFamily("pagedserve_kv_slots", "token slots of the device blocks used by sequences: "
                                   "holding token states, reserved (empty, to be filled if each request runs to its "
-                                  "max_tokens), or unused (never to be filled: internal fragmentation)",
-                                  labels=["state"])
+                                  "max_tokens), or unused (never to be filled: internal fragmentation); and, under a "
+                                  "reservation baseline, fragmented: free slots in runs too short for the waiting "
+                                  "request's reservation (external fragmentation)", labels=["state"])
         reserved = min(stats.kv_slots_reserved, referenced_slots - stats.kv_slots_holding_tokens)
         slots.add_metric(["tokens"], stats.kv_slots_holding_tokens)
         slots.add_metric(["reserved"], reserved)
         slots.add_metric(["unused"], max(0, referenced_slots - stats.kv_slots_holding_tokens - reserved))
+        slots.add_metric(["fragmented"], stats.kv_slots_fragmented)
         yield slots
         for state, value in (("running", stats.num_running), ("waiting", stats.num_waiting),
                              ("swapped", stats.num_swapped)):

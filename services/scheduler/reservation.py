@@ -3,9 +3,10 @@
 `paged`, the product, takes a block only when a token needs one. The others are the baselines of
 the paper's evaluation, kept so that benchmarks can measure what paging gains with the same model,
 kernels and scheduler: like a system with contiguous KV memory, a request reserves at admission
-room for its prompt and for `max` the whole context, `pow2` the next power of two of its
-max_tokens, or `oracle` exactly max_tokens (its true length, when a benchmark sets max_tokens to
-it and ignores EOS). They share nothing: no prefix caching, no parallel samples or beams.
+one run of consecutive blocks (first fit) with room for its prompt and for `max` the whole
+context, `pow2` the next power of two of its max_tokens, or `oracle` exactly max_tokens (its true
+length, when a benchmark sets max_tokens to it and ignores EOS). They share nothing: no prefix
+caching, no parallel samples or beams.
 """
 
 from __future__ import annotations

@@ -372,10 +372,14 @@ class Scheduler:
             followers.append((seq, n_seq))
         if n == 0 and not any(n_seq for _, n_seq in followers):
             return None
-        needed = max(needed, self._reserved_blocks(request.num_prompt_tokens, request.sampling))
+        reserved = self._reserved_blocks(request.num_prompt_tokens, request.sampling)
+        if reserved and not self.block_manager.can_reserve(reserved):
+            return None
+        needed = max(needed, reserved)
         revived = sum(1 for block in hits if self.block_manager.gpu.is_evictable(block))
         left = self.block_manager.num_free_blocks - revived - needed
-        if left < self.block_manager.watermark_blocks:
+        # The watermark keeps room for running sequences to grow into; a reservation never grows.
+        if left < (self.block_manager.watermark_blocks if self.reservation.paged else 0):
             return None
         return (leader, hits, n), shared_blocks, followers
 
@@ -529,9 +533,19 @@ class Scheduler:
             self.counters["computed"], self.counters["cached"],
             blocks_swapped_out=self.counters["swapped_out"], blocks_swapped_in=self.counters["swapped_in"],
             blocks_copied=self.counters["copied"], tokens_scheduled=self.counters["scheduled_tokens"],
-            kv_slots_holding_tokens=holding, kv_slots_reserved=reserved, block_size=self.block_manager.block_size,
+            kv_slots_holding_tokens=holding, kv_slots_reserved=reserved,
+            kv_slots_fragmented=self._fragmented_blocks() * self.block_manager.block_size,
+            block_size=self.block_manager.block_size,
             prefix_cache_queries=self.counters["queried"],
         )
+
+    def _fragmented_blocks(self) -> int:
+        """While a request waits to start under a reservation baseline, the free blocks in runs too
+        short for its reservation; none under paging, where any free block will do."""
+        if self.reservation.paged or not self.waiting:
+            return 0
+        head = self.waiting[0]
+        return self.block_manager.fragmented_blocks(self._reserved_blocks(head.num_prompt_tokens, head.sampling))
 
     def _slot_use(self) -> tuple[int, int]:
         """Slots of the device's referenced blocks that hold token states (over all referenced slots:

@@ -28,6 +28,7 @@ class Stats:
     tokens_scheduled: int = 0  # over all steps: prompt and decode tokens run through the model
     kv_slots_holding_tokens: int = 0  # in the device blocks referenced now, a shared block once
     kv_slots_reserved: int = 0  # in those blocks, empty but to be filled if each request runs to max_tokens
+    kv_slots_fragmented: int = 0  # in free blocks, between reservations and too few for the next one
     block_size: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, once per request
 
