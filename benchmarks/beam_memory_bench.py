@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from services.scheduler.block_manager import BlockManager  # noqa: E402
 from services.scheduler.scheduler import Budgets, Scheduler  # noqa: E402
-from shared.protocol import AddRequest, SampledToken, StepResult  # noqa: E402
+from shared.protocol import AddRequest, SampledTokens, StepResult  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 WIDTH = 16
@@ -57,7 +57,7 @@ def run(length: int) -> dict:
         for entry in step.scheduled:
             tokens[entry.seq_id] = tokens.get(entry.seq_id, 0) + len(entry.appended_token_ids)
             ids, logprobs = _candidates(entry.seq_id, tokens[entry.seq_id])
-            sampled.append(SampledToken(entry.seq_id, ids[0], logprobs[0], ids, logprobs))
+            sampled.append(SampledTokens(entry.seq_id, [ids[0]], [logprobs[0]], [ids], [logprobs]))
         scheduler.update(StepResult(step.step_id, sampled, 0.0, 0.0))
         steps += 1
         if steps % SNAPSHOT_EVERY == 0:

@@ -8,12 +8,22 @@ only pagedserve runs. vLLM is never a dependency: it lives in its own virtual en
     python benchmarks/peer_bench.py --vllm-venv /work/vllm-venv --repeats 2
     python benchmarks/peer_bench.py --scenarios throughput,latency --repeats 1   # pagedserve alone
     python benchmarks/peer_bench.py --vllm-venv /work/vllm-venv --sweep 1,2,4,8   # TPOT vs rate plot
+
+Speculative decoding: `--speculative-config JSON` runs pagedserve without it, pagedserve with it and
+vLLM with the same config (A B C A B C ...), best on the code workload (prompts cut from Python
+sources, greedy, 128 tokens), and reports each system's mean acceptance length from its own
+counters beside the client's figures:
+
+    python benchmarks/peer_bench.py --vllm-venv /work/vllm-venv --repeats 3 \
+        --scenarios code_c1,code_c4,code_c48 --speculative-config \
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -29,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks import serve_client  # noqa: E402
+from benchmarks import serve_client, workloads  # noqa: E402
 
 SERVED_NAME = "bench-model"
 
@@ -43,6 +53,7 @@ class Scenario:
     request_rate: float = float("inf")
     cpu_load: bool = False  # one busy process per core-to-load runs beside the server
     metrics: tuple[str, ...] = ("output_throughput", "mean_tpot_ms")
+    workload: str = "random"  # random token prompts of input_len, or "code" (benchmarks/workloads.py)
 
 
 SCENARIOS = {
@@ -54,6 +65,13 @@ SCENARIOS = {
     "sharegpt_rate2": Scenario(161, 338, 60, request_rate=2.0,
                                metrics=("mean_tpot_ms", "mean_ttft_ms", "mean_e2el_ms")),
     "throughput_loaded": Scenario(128, 128, 200, max_concurrency=64, cpu_load=True),
+    # Code completion, greedy, for speculative decoding (about 350 prompt tokens, 128 out).
+    "code_c1": Scenario(0, 128, 24, max_concurrency=1, workload="code",
+                        metrics=("output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms")),
+    "code_c4": Scenario(0, 128, 48, max_concurrency=4, workload="code",
+                        metrics=("output_throughput", "mean_tpot_ms", "mean_ttft_ms")),
+    "code_c48": Scenario(0, 128, 192, max_concurrency=48, workload="code",
+                         metrics=("output_throughput", "mean_tpot_ms")),
 }
 HIGHER_IS_BETTER = {"output_throughput", "request_throughput"}
 
@@ -91,35 +109,60 @@ class Server:
                 return
 
 
-def pagedserve_command(args, port: int) -> tuple[list[str], dict[str, str]]:
+def pagedserve_command(args, port: int, speculative: bool = False) -> tuple[list[str], dict[str, str]]:
     command = [sys.executable, "-c", "from services.launcher import main_entry; main_entry()", "up",
                "--model", args.model, "--port", str(port), "--served-model-name", SERVED_NAME,
                "--device", "cpu", "--dtype", args.dtype, "--block-size", str(args.block_size),
                "--kv-cache-memory", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                "--scheduler-metrics-port", str(port + 1), "--worker-metrics-port", "0"] + args.pagedserve_args.split()
+    if speculative:
+        command += ["--speculative-config", args.speculative_config]
     return command, {}
 
 
-def vllm_command(args, port: int) -> tuple[list[str], dict[str, str]]:
+def vllm_command(args, port: int, speculative: bool = False) -> tuple[list[str], dict[str, str]]:
     command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", args.model, "--port", str(port),
                "--served-model-name", SERVED_NAME, "--dtype", args.dtype, "--block-size", str(args.block_size),
                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                str(args.max_num_batched_tokens)]
+    if speculative:
+        command += ["--speculative-config", args.speculative_config]
     return command, {"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}"}
+
+
+SYSTEMS = {  # name: (command, whether it speculates)
+    "pagedserve": (pagedserve_command, False),
+    "vllm": (vllm_command, False),
+    "pagedserve+spec": (pagedserve_command, True),
+    "vllm+spec": (vllm_command, True),
+}
 
 
 def run_client(args, port: int, scenario: Scenario, seed: int, scratch: Path) -> dict:
     base_url = f"http://127.0.0.1:{port}"
+    code = scenario.workload == "code"
     if args.client == "ours":
+        if code:
+            jobs = workloads.code(scenario.num_prompts, seed=seed, output_len=scenario.output_len)
+            return asyncio.run(serve_client.run_jobs(base_url, SERVED_NAME, jobs, scenario.request_rate,
+                                                     scenario.max_concurrency, seed))
         return asyncio.run(serve_client.run(base_url, SERVED_NAME, scenario.input_len, scenario.output_len,
                                             scenario.num_prompts, scenario.request_rate,
                                             scenario.max_concurrency, seed))
     result_file = f"result-{time.monotonic_ns()}.json"
+    if code:  # the same prompts as our client's, as a custom dataset, sent as they are (no chat template)
+        dataset = scratch / f"code-{seed}.jsonl"
+        dataset.write_text("".join(json.dumps({"prompt": job.prompt}) + "\n"
+                                   for job in workloads.code(scenario.num_prompts, seed=seed)))
+        prompts = ["--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+                   "--custom-output-len", str(scenario.output_len), "--disable-shuffle", "--temperature", "0"]
+    else:
+        prompts = ["--dataset-name", "random", "--random-input-len", str(scenario.input_len),
+                   "--random-output-len", str(scenario.output_len)]
     command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
-               "--base-url", base_url, "--model", SERVED_NAME, "--tokenizer", args.model,
-               "--dataset-name", "random", "--random-input-len", str(scenario.input_len),
-               "--random-output-len", str(scenario.output_len), "--num-prompts", str(scenario.num_prompts),
+               "--base-url", base_url, "--model", SERVED_NAME, "--tokenizer", args.model, *prompts,
+               "--num-prompts", str(scenario.num_prompts),
                "--request-rate", str(scenario.request_rate), "--ignore-eos", "--seed", str(seed),
                "--percentile-metrics", "ttft,tpot,itl,e2el",
                "--save-result", "--result-dir", str(scratch), "--result-filename", result_file]
@@ -142,13 +185,30 @@ def worker_seconds(port: int) -> tuple[float, float]:
     return values.get("busy", 0.0), values.get("waiting", 0.0)
 
 
+def acceptance_counters(name: str, port: int) -> tuple[float, float]:
+    """(accepted tokens, drafts) of a speculating server, from its own /metrics: pagedserve's
+    scheduler (on the api's port + 1), vLLM's api."""
+    url = f"http://127.0.0.1:{port + 1 if name.startswith('pagedserve') else port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    totals = {"accepted": 0.0, "drafts": 0.0}
+    for line in text.splitlines():
+        for key, suffix in (("accepted", "spec_decode_num_accepted_tokens_total"),
+                            ("drafts", "spec_decode_num_drafts_total")):
+            metric = line.split("{")[0].split(" ")[0]
+            if metric.endswith(suffix) and metric.split(":")[-1].removeprefix("pagedserve_") == suffix:
+                totals[key] += float(line.rsplit(" ", 1)[1])
+    return totals["accepted"], totals["drafts"]
+
+
 def cpu_burners(count: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
 def run_system(args, name: str, port: int, scenarios: dict[str, Scenario], seed: int, scratch: Path,
                rates: list[float]) -> tuple[dict, dict]:
-    command, env = (pagedserve_command if name == "pagedserve" else vllm_command)(args, port)
+    build, speculative = SYSTEMS[name]
+    command, env = build(args, port, speculative)
     server = Server(name, command, env, port, scratch)
     results, sweep = {}, {}
     try:
@@ -156,7 +216,8 @@ def run_system(args, name: str, port: int, scenarios: dict[str, Scenario], seed:
         run_client(args, port, Scenario(32, 16, 8, max_concurrency=8), seed, scratch)  # warm-up
         for scenario_name, scenario in scenarios.items():
             burners = cpu_burners(args.load_cores) if scenario.cpu_load else []
-            before = worker_seconds(port) if name == "pagedserve" else None
+            before = worker_seconds(port) if name.startswith("pagedserve") else None
+            counted = acceptance_counters(name, port) if speculative else None
             try:
                 results[scenario_name] = run_client(args, port, scenario, seed, scratch)
             finally:
@@ -165,6 +226,9 @@ def run_system(args, name: str, port: int, scenarios: dict[str, Scenario], seed:
             if before is not None:
                 busy, waiting = (b - a for a, b in zip(before, worker_seconds(port)))
                 results[scenario_name]["worker_waiting_share"] = waiting / busy if busy else 0.0
+            if counted is not None:  # vLLM's convention: the bonus token counts, 1 + accepted / drafts
+                accepted, drafts = (b - a for a, b in zip(counted, acceptance_counters(name, port)))
+                results[scenario_name]["acceptance_length"] = 1 + accepted / drafts if drafts else 1.0
             print(f"  {name} {scenario_name}: " + ", ".join(
                 f"{m} {results[scenario_name][m]:.1f}" for m in scenario.metrics), flush=True)
         for rate in rates:
@@ -204,6 +268,36 @@ def table(runs: dict[str, list[dict]], scenarios: dict[str, Scenario]) -> list[d
             rows.append({"scenario": "loaded / quiet", "metric": "output_throughput share", "system": system,
                          "share": shares})
     return rows
+
+
+SPEC_RATIOS = (("pagedserve+spec", "pagedserve"), ("pagedserve+spec", "vllm+spec"))
+
+
+def spec_table(runs: dict[str, list[dict]], scenarios: dict[str, Scenario]) -> list[dict]:
+    """With --speculative-config: every system's figure, and plain ratios (a / b, per repetition) of
+    pagedserve with speculation over pagedserve without, and over vLLM with the same config."""
+    rows = []
+    for scenario_name, scenario in scenarios.items():
+        for metric in (*scenario.metrics, "acceptance_length"):
+            values = {system: [r[scenario_name].get(metric) for r in system_runs]
+                      for system, system_runs in runs.items()}
+            values = {system: v for system, v in values.items() if all(x is not None for x in v)}
+            ratios = {f"{a} / {b}": [x / y for x, y in zip(values[a], values[b]) if y]
+                      for a, b in SPEC_RATIOS if a in values and b in values}
+            rows.append({"scenario": scenario_name, "metric": metric, "values": values, "ratios": ratios})
+    return rows
+
+
+def print_spec_table(rows: list[dict], systems: list[str]) -> None:
+    pairs = [f"{a} / {b}" for a, b in SPEC_RATIOS if a in systems and b in systems]
+    print("\n| scenario | metric | " + " | ".join(systems) + " | " + " | ".join(f"{p} (×)" for p in pairs) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in systems + pairs) + " |")
+    for row in rows:
+        cells = [spread(row["values"][s], 2 if row["metric"] == "acceptance_length" else 1) if s in row["values"]
+                 else "" for s in systems]
+        cells += [spread(row["ratios"].get(p, []), 2) for p in pairs]
+        print(f"| {row['scenario']} | {row['metric']} | " + " | ".join(cells) + " |")
+    print("a / b: the figure of a over that of b, per repetition (for TPOT lower is better, for throughput higher)")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -258,9 +352,14 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peer_bench.json"))
     parser.add_argument("--plot", default=str(ROOT / "docs" / "tpot_vs_rate.png"))
     parser.add_argument("--from-json", default=None, help="print the table and plot again from a saved run")
+    parser.add_argument("--speculative-config", default=None,
+                        help="run pagedserve without and with this config, and vLLM with it (JSON, vLLM's form)")
     args = parser.parse_args()
     if args.from_json:
         record = json.loads(Path(args.from_json).read_text())
+        if record.get("speculative_config"):
+            print_spec_table(record["table"], list(record["runs"]))
+            return
         print_table(record["table"])
         if record["sweep"]:
             plot({s: {float(r): v for r, v in sweep.items()} for s, sweep in record["sweep"].items()},
@@ -275,9 +374,11 @@ def main() -> None:
     for name in filter(None, args.scenarios.split(",")):
         base = SCENARIOS[name]
         prompts = max(2, round(base.num_prompts * args.num_prompts_scale))
-        scenarios[name] = Scenario(base.input_len, base.output_len, prompts, base.max_concurrency,
-                                   base.request_rate, base.cpu_load, base.metrics)
-    systems = ["pagedserve"] + (["vllm"] if args.vllm_venv else [])
+        scenarios[name] = dataclasses.replace(base, num_prompts=prompts)
+    if args.speculative_config:
+        systems = ["pagedserve", "pagedserve+spec"] + (["vllm+spec"] if args.vllm_venv else [])
+    else:
+        systems = ["pagedserve"] + (["vllm"] if args.vllm_venv else [])
     rates = [float(r) for r in args.sweep.split(",") if r]
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     sweeps: dict[str, dict[float, dict]] = {}
@@ -290,8 +391,12 @@ def main() -> None:
                 runs[system].append(results)
                 if sweep:
                     sweeps[system] = sweep
-    rows = table(runs, scenarios)
-    print_table(rows)
+    if args.speculative_config:
+        rows = spec_table(runs, scenarios)
+        print_spec_table(rows, systems)
+    else:
+        rows = table(runs, scenarios)
+        print_table(rows)
     record = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "date": time.strftime("%Y-%m-%d"), "client": args.client, "model": args.model,
@@ -299,8 +404,8 @@ def main() -> None:
                                                     "max_num_batched_tokens", "load_cores", "pagedserve_args")},
         "scenarios": {name: {"input_len": s.input_len, "output_len": s.output_len, "num_prompts": s.num_prompts,
                              "max_concurrency": s.max_concurrency, "request_rate": str(s.request_rate),
-                             "cpu_load": s.cpu_load} for name, s in scenarios.items()},
-        "table": rows, "runs": runs,
+                             "cpu_load": s.cpu_load, "workload": s.workload} for name, s in scenarios.items()},
+        "speculative_config": args.speculative_config, "table": rows, "runs": runs,
         "sweep": {system: {str(rate): result for rate, result in sweep.items()} for system, sweep in sweeps.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import zmq  # noqa: E402
 from services.scheduler.block_manager import BlockManager  # noqa: E402
 from services.scheduler.scheduler import Budgets, Scheduler  # noqa: E402
 from shared import sockets  # noqa: E402
-from shared.protocol import AddRequest, SampledToken, Shutdown, Step, StepResult, encode  # noqa: E402
+from shared.protocol import AddRequest, SampledTokens, Shutdown, Step, StepResult, encode  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.wire_security import load_keys, make_keys, start_authenticator  # noqa: E402
 
@@ -49,7 +49,7 @@ def decoding_scheduler() -> Scheduler:
 
 def answer(step: Step) -> StepResult:
     """What a worker returns: one token for every sequence that finished its tokens."""
-    sampled = [SampledToken(e.seq_id, 7, -0.5, [], []) for e in step.scheduled]
+    sampled = [SampledTokens(e.seq_id, [7], [-0.5], [], []) for e in step.scheduled]
     return StepResult(step.step_id, sampled, 0.0, 0.0)
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from services.scheduler.block_manager import BlockManager  # noqa: E402
 from services.scheduler.scheduler import Budgets, Scheduler  # noqa: E402
-from shared.protocol import AddRequest, SampledToken, StepResult  # noqa: E402
+from shared.protocol import AddRequest, SampledTokens, StepResult  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 MEAN_INPUT, MEAN_OUTPUT = 19.31, 58.45
@@ -61,11 +61,11 @@ class StandInWorker:
                 k = sampling.num_top_logprobs
                 ids = self.rng.sample(range(3, VOCAB), k)
                 logprobs = sorted((-abs(self.rng.gauss(2.0, 1.5)) for _ in ids), reverse=True)
-                sampled.append(SampledToken(entry.seq_id, ids[0], logprobs[0], ids, logprobs))
+                sampled.append(SampledTokens(entry.seq_id, [ids[0]], [logprobs[0]], [ids], [logprobs]))
                 continue
             draws = sampling.num_samples if not seq.output_token_ids and len(seq.request.seqs) == 1 else 1
             for _ in range(draws):
-                sampled.append(SampledToken(entry.seq_id, self.rng.randrange(3, VOCAB), -1.0, [], []))
+                sampled.append(SampledTokens(entry.seq_id, [self.rng.randrange(3, VOCAB)], [-1.0], [], []))
         return StepResult(step.step_id, sampled, 0.0, 0.0)
 
 
@@ -78,7 +78,7 @@ def end_with_eos(result: StepResult, scheduler: Scheduler, rng: random.Random, l
         key = (seq.request.request_id, seq.index, i if not seq.output_token_ids else 0)
         length = lengths.setdefault(key, lognormal_length(rng, MEAN_OUTPUT))
         if len(seq.output_token_ids) + 1 >= length:
-            token.token_id = EOS
+            token.token_ids = [EOS]
 
 
 def run(mode: str, width: int, seed: int = 0) -> dict:

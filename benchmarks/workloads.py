@@ -14,11 +14,12 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(slots=True)
 class Job:
-    prompt: list[int]
+    prompt: list[int] | str  # token ids, or text (the code workload)
     output_len: int
     params: dict = field(default_factory=dict)  # extra request fields: n, best_of, use_beam_search
 
@@ -89,7 +90,31 @@ def beams(count: int, width: int = 2, seed: int = 0, max_model_len: int = 1024, 
     return jobs
 
 
+def code(count: int, seed: int = 0, max_model_len: int = 1024, vocab_size: int = 4096, output_len: int = 128,
+         prompt_chars: int = 1100) -> list[Job]:
+    """Prompts cut from Python source files (this repository's, which the shipped model never saw),
+    each a run of whole lines of at most `prompt_chars` characters (about 350 of the shipped
+    model's tokens), greedy: the workload of code completion, where n-gram speculation pays."""
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(p for folder in ("services", "shared", "kernels") for p in (root / folder).rglob("*.py"))
+    rng = random.Random(seed)
+    jobs = []
+    while len(jobs) < count:
+        lines = rng.choice(files).read_text().splitlines(keepends=True)
+        if len(lines) < 40:
+            continue
+        start, text = rng.randrange(len(lines) - 30), ""
+        for line in lines[start:]:
+            if len(text) + len(line) > prompt_chars:
+                break
+            text += line
+        if len(text) > prompt_chars // 3:
+            jobs.append(Job(text, output_len, {"temperature": 0.0}))
+    return jobs
+
+
 WORKLOADS = {
+    "code": code,
     "fixed": fixed,
     "sharegpt": sharegpt,
     "alpaca": alpaca,
@@ -101,6 +126,7 @@ WORKLOADS = {
 
 
 def describe(jobs: list[Job]) -> dict:
+    """Lengths in tokens (in characters for text prompts)."""
     inputs, outputs = [len(j.prompt) for j in jobs], [j.output_len for j in jobs]
     return {"requests": len(jobs), "mean_input": statistics.mean(inputs), "mean_output": statistics.mean(outputs),
             "max_input": max(inputs), "max_output": max(outputs)}

@@ -21,7 +21,7 @@ import time
 import urllib.request
 
 from shared.cli import API_KEY_ENV, HelpFormatter, add_api_args, add_scheduler_args, add_worker_args
-from shared.config import SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints
+from shared.config import SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints, SpeculativeConfig
 
 SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models", "tiny-python")
 
@@ -69,7 +69,9 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
     for name in names:
         value = getattr(args, name)
         flag = f"--{name.replace('_', '-')}"
-        if value is True:
+        if isinstance(value, SpeculativeConfig):
+            flags += [flag, value.to_json()]
+        elif value is True:
             flags.append(flag)
         elif value is False and name in ("enable_chunked_prefill", "async_scheduling"):
             flags.append(f"--no-{flag[2:]}")
@@ -80,9 +82,11 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
 
 SCHEDULER_FLAGS = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                    "num_gpu_blocks_override", "enable_prefix_caching", "enable_chunked_prefill",
-                   "preemption_mode", "kv_reservation", "async_scheduling", "step_timeout", "log_stats_interval"]
+                   "preemption_mode", "kv_reservation", "async_scheduling", "step_timeout", "log_stats_interval",
+                   "speculative_config"]
 WORKER_FLAGS = ["model", "device", "dtype", "load_format", "gpu_memory_utilization", "kv_cache_memory", "swap_space",
-                "seed", "cpu_threads", "block_size", "num_gpu_blocks_override", "tensor_parallel_size"]
+                "seed", "cpu_threads", "block_size", "num_gpu_blocks_override", "tensor_parallel_size",
+                "speculative_config"]
 API_FLAGS = ["model", "tokenizer", "host", "port", "served_model_name", "max_request_body_bytes"]
 
 

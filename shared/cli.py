@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from shared.config import SchedulerConfig
+from shared.config import SchedulerConfig, SpeculativeConfig
 from shared.sockets import MAX_MESSAGE_BYTES
 from shared.wire_security import add_wire_security_args
 
@@ -52,6 +52,11 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
                        help="seconds a step may take before its worker counts as lost")
     group.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between log lines of throughput, queues and KV use (0: none)")
+    group.add_argument("--speculative-config", type=speculative_config, default=None,
+                       help="speculative decoding, as JSON in vLLM's form: "
+                            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                            '"prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": DIR, '
+                            '"num_speculative_tokens": 3}\' (default: none)')
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +115,14 @@ def add_metrics_args(parser: argparse.ArgumentParser, default_port: int, what: s
                        help=f"port of this service's Prometheus /metrics{what} (0: none)")
 
 
+def speculative_config(text: str) -> SpeculativeConfig | None:
+    """argparse's type for --speculative-config: a bad value is a usage error naming the problem."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         block_size=args.block_size,
@@ -124,6 +137,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         async_scheduling=args.async_scheduling,
         step_timeout=args.step_timeout,
         log_stats_interval=args.log_stats_interval,
+        speculative=args.speculative_config,
     )
 
 

@@ -19,7 +19,7 @@ import msgpack
 
 from shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a step verifies proposed tokens; a result lists the tokens each sequence keeps
 
 
 class ProtocolError(ValueError):
@@ -117,6 +117,7 @@ class Ready:
     prefill_tokens_per_second: float  # measured at start-up on a dummy prompt
     vocab_size: int = 0
     device: str = "cpu"  # the device type its KV cache lives on: cpu or cuda
+    can_draft: bool = False  # it runs a draft model (--speculative-config with draft_model)
 
 
 @dataclass(slots=True)
@@ -141,16 +142,28 @@ class Fork:
 
 @dataclass(slots=True)
 class ScheduledSequence:
-    """One sequence's share of a step: compute `num_tokens` tokens starting at position `start`."""
+    """One sequence's share of a step: compute `num_tokens` positions starting at `start`.
+
+    The last of them may be proposals to verify, which follow the sequence's last token: first
+    `proposed_token_ids` (the scheduler's), then `num_draft_tokens` that the worker's draft model
+    proposes itself. The result then lists the proposals the target model agrees with, and one
+    token after them."""
 
     seq_id: int
     start: int
     num_tokens: int
-    # Tokens the worker lacks. It appends what it samples for a sequence with one sample and no
-    # beam search itself, so a plain decode sends none; beams and forked samples get theirs here.
+    # Tokens the worker lacks. The worker appends what it samples to its own copy where
+    # `SamplingParams.worker_keeps_samples` says so (a plain decode then sends none); beams and
+    # forked samples get theirs here.
     appended_token_ids: list[int]
     table_start: int  # the worker's block table keeps entries before this index...
     block_ids: list[int]  # ...and these replace the rest
+    proposed_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+
+    @property
+    def num_proposals(self) -> int:
+        return len(self.proposed_token_ids) + self.num_draft_tokens
 
 
 @dataclass(slots=True)
@@ -169,14 +182,16 @@ class Step:
 
 
 @dataclass(slots=True)
-class SampledToken:
-    """A sequence's next token; several for one sequence when its request forks (n > 1)."""
+class SampledTokens:
+    """The tokens a step gives a sequence, in order: its next token, or the proposals the target
+    model accepted and the token it samples after them. A request that forks (n > 1) gets one
+    entry of one token per sample."""
 
     seq_id: int
-    token_id: int
-    logprob: float  # 0.0 where the request reads none (`SamplingParams.needs_logprobs`)
-    top_ids: list[int]
-    top_logprobs: list[float]
+    token_ids: list[int]
+    logprobs: list[float]  # each 0.0 where the request reads none (`SamplingParams.needs_logprobs`)
+    top_ids: list[list[int]]  # per token its alternatives; [] where none are asked for
+    top_logprobs: list[list[float]]
 
 
 @dataclass(slots=True)
@@ -193,7 +208,7 @@ class PromptLogprobs:
 @dataclass(slots=True)
 class StepResult:
     step_id: int
-    sampled: list[SampledToken]
+    sampled: list[SampledTokens]
     forward_ms: float
     sample_ms: float
     error: str | None = None  # the whole step failed; the worker forgot every sequence

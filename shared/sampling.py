@@ -68,6 +68,18 @@ class SamplingParams:
         """Sequences the request runs: best_of (the beam width for beam search)."""
         return self.best_of if self.best_of is not None else self.n
 
+    def worker_keeps_samples(self, num_generated: int) -> bool:
+        """Whether the worker appends what it samples for a sequence to its own copy, so that the
+        scheduler need not send it back: yes, unless the scheduler chooses among the samples
+        (beam search, or the first samples of a request that forks into n > 1)."""
+        return not self.use_beam_search and not (num_generated == 0 and self.num_samples > 1)
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether proposed tokens may be verified for it: not for beam search, whose beams the
+        scheduler picks from every step's alternatives."""
+        return not self.use_beam_search
+
     @property
     def needs_logprobs(self) -> bool:
         """Whether anyone reads its tokens' log-probabilities: the client, or the ranking of beams

@@ -12,9 +12,12 @@ import torch
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
+from services.scheduler.speculation import Speculation
+from services.worker.drafter import Drafter
 from services.worker.kv_cache import KVCache, bytes_per_block
 from services.worker.loader import eos_token_ids, load_model
 from services.worker.model_runner import ModelRunner
+from shared.config import SpeculativeConfig
 from shared.protocol import AddRequest
 from shared.sampling import SamplingParams
 from tests.scheduler_harness import check_block_accounting
@@ -25,11 +28,17 @@ _ids = itertools.count()
 class Engine:
     def __init__(self, model_dir: str, block_size=16, num_gpu_blocks=256, num_cpu_blocks=256,
                  preemption="recompute", prefix_caching=False, chunked_prefill=False,
-                 max_num_batched_tokens=512, max_num_seqs=64):
+                 max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None):
         model, config = load_model(model_dir, "float32", torch.device("cpu"))
         self.cache = KVCache(config.num_hidden_layers, num_gpu_blocks, block_size, model.num_kv_heads,
                              model.head_dim, torch.float32, torch.device("cpu"), num_cpu_blocks)
-        self.runner = ModelRunner(model, self.cache, torch.device("cpu"), seed=0)
+        drafter = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft, draft_config = load_model(speculative.model, "float32", torch.device("cpu"))
+            drafter = Drafter(draft, KVCache(draft_config.num_hidden_layers, num_gpu_blocks, block_size,
+                                             draft.num_kv_heads, draft.head_dim, torch.float32, torch.device("cpu"),
+                                             num_cpu_blocks), torch.device("cpu"))
+        self.runner = ModelRunner(model, self.cache, torch.device("cpu"), seed=0, drafter=drafter)
         block_bytes = bytes_per_block(config.num_hidden_layers, block_size, model.num_kv_heads,
                                       model.head_dim, torch.float32)
         policy = PreemptionPolicy(preemption, block_bytes, self.cache.measure_swap_bandwidth(),
@@ -40,8 +49,10 @@ class Engine:
         if not chunked_prefill:  # a recomputed request must fit one step
             context = min(context, max_num_batched_tokens)
         budgets = Budgets(max_num_seqs, max_num_batched_tokens, context, chunked_prefill)
-        self.scheduler = Scheduler(manager, budgets, eos_token_ids(model_dir, config), policy)
+        speculation = Speculation(speculative, context) if speculative is not None else None
+        self.scheduler = Scheduler(manager, budgets, eos_token_ids(model_dir, config), policy, speculation=speculation)
         self.max_running_seqs = 0
+        self.steps = []
 
     def add(self, prompt: list[int], **sampling) -> str:
         request_id = f"req-{next(_ids)}"
@@ -58,6 +69,7 @@ class Engine:
             if step is None:
                 assert not self.scheduler.has_work(), "work left that nothing schedules"
                 break
+            self.steps.append(step)
             result = self.runner.execute(step)
             assert result.error is None
             for output in self.scheduler.update(result):

@@ -8,7 +8,9 @@ from collections import deque
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.reservation import Reservation
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
-from shared.protocol import AddRequest, RequestOutput, SampledToken, Step, StepResult
+from services.scheduler.speculation import Speculation
+from shared.config import SpeculativeConfig
+from shared.protocol import AddRequest, RequestOutput, SampledTokens, Step, StepResult
 from shared.sampling import SamplingParams
 
 EOS = 0
@@ -18,14 +20,18 @@ class StandInWorker:
     """Keeps each sequence's tokens as a worker would, and samples `next_token(seq_id, n)`.
 
     Like the real worker it forks a finished prompt into best_of samples, reports the top
-    2 x width candidates of every beam, and appends a sequence's single sample itself."""
+    2 x width candidates of every beam, appends what it samples where the request lets it, and
+    verifies proposals: it keeps them while they equal what it samples at their positions, and
+    gives the token after them. Its "draft model" proposes `draft_token(seq_id, n)`."""
 
-    def __init__(self, next_token=lambda seq_id, position: 100 + position):
+    def __init__(self, next_token=lambda seq_id, position: 100 + position, draft_token=None):
         self.next_token = next_token
+        self.draft_token = draft_token or next_token
         self.tokens: dict[int, list[int]] = {}
         self.tables: dict[int, list[int]] = {}
         self.prompts: dict[int, tuple[int, SamplingParams]] = {}
         self.steps: list[Step] = []
+        self.verified: list[tuple[int, int]] = []  # (seq_id, proposals) of every sampled entry
 
     def run(self, step: Step) -> StepResult:
         self.steps.append(step)
@@ -46,39 +52,52 @@ class StandInWorker:
             tokens.extend(entry.appended_token_ids)
             del self.tables[entry.seq_id][entry.table_start :]
             self.tables[entry.seq_id].extend(entry.block_ids)
-            end = entry.start + entry.num_tokens
+            end = entry.start + entry.num_tokens - entry.num_proposals
             assert end <= len(tokens)
+            assert not entry.num_proposals or end == len(tokens), "proposals must follow the last token"
             if end == len(tokens):
-                samples = self._sample(entry.seq_id, tokens)
-                if len(samples) == 1 and not self.prompts[entry.seq_id][1].use_beam_search:
-                    tokens.append(samples[0].token_id)
+                proposals = list(entry.proposed_token_ids)
+                for _ in range(entry.num_draft_tokens):
+                    proposals.append(self.draft_token(entry.seq_id, len(tokens) + len(proposals)))
+                self.verified.append((entry.seq_id, len(proposals)))
+                samples = self._sample(entry.seq_id, tokens, proposals)
+                num_prompt, sampling = self.prompts[entry.seq_id]
+                if sampling.worker_keeps_samples(len(tokens) - num_prompt):
+                    tokens.extend(samples[0].token_ids)
                 sampled += samples
         return StepResult(step.step_id, sampled, 0.0, 0.0)
 
-    def _sample(self, seq_id: int, tokens: list[int]) -> list[SampledToken]:
+    def _sample(self, seq_id: int, tokens: list[int], proposals: list[int]) -> list[SampledTokens]:
         num_prompt, sampling = self.prompts[seq_id]
         token = self.next_token(seq_id, len(tokens))
         if sampling.use_beam_search:
             width = 2 * sampling.num_samples
             ids = [(token + 7 * i) % 997 for i in range(width)]
             logprobs = [-0.1 * (i + 1) - 0.01 * (hash((seq_id, len(tokens))) % 7) for i in range(width)]
-            return [SampledToken(seq_id, ids[0], logprobs[0], ids, logprobs)]
+            return [SampledTokens(seq_id, [ids[0]], [logprobs[0]], [ids], [logprobs])]
         forks = len(tokens) == num_prompt and sampling.num_samples > 1
-        count = sampling.num_samples if forks else 1
-        return [SampledToken(seq_id, self.next_token(seq_id + 1000 * i, len(tokens)), -1.0, [], [])
-                for i in range(count)]
+        if forks:
+            return [SampledTokens(seq_id, [self.next_token(seq_id + 1000 * i, len(tokens))], [-1.0], [], [])
+                    for i in range(sampling.num_samples)]
+        run = []
+        for i in range(len(proposals) + 1):
+            run.append(self.next_token(seq_id, len(tokens) + i))
+            if i == len(proposals) or run[-1] != proposals[i]:
+                break
+        return [SampledTokens(seq_id, run, [-1.0] * len(run), [], [])]
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, context=256,
                    num_cpu_blocks=0, preemption="recompute", prefix_caching=False, chunked=False,
-                   reservation="paged", watermark=0.0):
+                   reservation="paged", watermark=0.0, speculative: SpeculativeConfig | None = None):
     manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=watermark,
                            enable_prefix_caching=prefix_caching)
     if not chunked:  # a recomputed request must fit one step
         context = min(context, max_tokens_per_step)
     budgets = Budgets(max_num_seqs, max_tokens_per_step, context, chunked_prefill=chunked)
+    speculation = Speculation(speculative, context) if speculative is not None else None
     return Scheduler(manager, budgets, [EOS], PreemptionPolicy(preemption), vocab_size=1000,
-                     reservation=Reservation(reservation))
+                     reservation=Reservation(reservation), speculation=speculation)
 
 
 _ids = itertools.count()

@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import RequestStatus
+from services.scheduler.speculation import Speculation
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
+from shared.config import SpeculativeConfig
 from shared.protocol import AddRequest
 from shared.sampling import SamplingParams
 from tests.scheduler_harness import EOS, Pipeline, StandInWorker, check_block_accounting
@@ -64,13 +66,14 @@ def requests(draw):
     )
 
 
-def _build(config) -> Scheduler:
+def _build(config, speculative: SpeculativeConfig | None = None) -> Scheduler:
     manager = BlockManager(config["num_blocks"], config["block_size"], config["num_cpu_blocks"],
                            config["watermark"], config["prefix_caching"])
     budgets = Budgets(config["max_num_seqs"], config["budget"], config["context"], config["chunked"])
     policy = PreemptionPolicy(config["preemption"], block_bytes=1000, swap_bytes_per_second=1e6,
                               prefill_tokens_per_second=1e3)
-    return Scheduler(manager, budgets, [EOS], policy, vocab_size=1000)
+    speculation = Speculation(speculative, config["context"]) if speculative is not None else None
+    return Scheduler(manager, budgets, [EOS], policy, vocab_size=1000, speculation=speculation)
 
 
 def _token(seq_id: int, position: int) -> int:

@@ -39,8 +39,8 @@ def greedy_through_runner(model_dir, block_size, num_new_tokens, shuffle_seed=0)
             computed[i] += n
         result = runner.execute(Step(step_id, [], [], [], news if step_id == 0 else [], entries))
         for sampled in result.sampled:
-            tokens[sampled.seq_id].append(sampled.token_id)
-            outputs[sampled.seq_id].append(sampled.token_id)
+            tokens[sampled.seq_id] += sampled.token_ids
+            outputs[sampled.seq_id] += sampled.token_ids
     return [_through_first_eos(outputs[i], config.eos_token_id) for i in range(len(PROMPTS))]
 
 
@@ -96,4 +96,4 @@ def test_the_worker_refuses_a_bad_sequence_alone_and_serves_the_rest(llama_dir):
     assert result.error is None
     assert set(result.failures) == {1, 2} and "vocabulary" in result.failures[1] and "block" in result.failures[2]
     assert [s.seq_id for s in result.sampled] == [0]
-    assert result.sampled[0].token_id == hf_greedy(llama_dir, [5, 9, 13], 1)[0]
+    assert result.sampled[0].token_ids == hf_greedy(llama_dir, [5, 9, 13], 1)

@@ -7,6 +7,8 @@ import re
 import httpx
 import yaml
 
+from services.scheduler.metrics import speculation_metrics
+from services.scheduler.speculation import SpeculationStats
 from tests.conftest import ROOT
 
 
@@ -14,6 +16,9 @@ def test_every_dashboard_query_uses_an_exported_metric(llama_server):
     httpx.post(f"{llama_server.base_url}/v1/completions", timeout=60,
                json={"model": llama_server.model, "prompt": "x", "max_tokens": 2})
     exported = {name.split("{")[0] for name in llama_server.metrics()}
+    # A scheduler that speculates exports these too (llama_server does not speculate).
+    exported |= {sample.name for family in speculation_metrics(SpeculationStats(accepted_per_position=[0]))
+                 for sample in family.samples}
     with open(os.path.join(ROOT, "ops", "grafana", "dashboards", "pagedserve.json")) as f:
         dashboard = json.load(f)
     used = {name for panel in dashboard["panels"] for target in panel["targets"]
@@ -56,3 +61,13 @@ def test_compose_needs_no_registry_for_the_serving_stack_and_prometheus():
     with open(os.path.join(ROOT, "ops", "prometheus.yml")) as f:
         scraped = {job["job_name"]: job["static_configs"][0]["targets"] for job in yaml.safe_load(f)["scrape_configs"]}
     assert scraped == {"api": ["api:8000"], "scheduler": ["scheduler:8001"], "worker": ["worker:8002"]}
+
+
+def test_compose_hands_one_speculative_config_to_the_scheduler_and_every_worker():
+    with open(os.path.join(ROOT, "compose.yaml")) as f:
+        compose = yaml.safe_load(f)
+    assert compose["x-pagedserve"]["environment"]["SPECULATIVE_CONFIG"] == "${SPECULATIVE_CONFIG:-}"
+    for name in ("scheduler", "worker-gpu", "worker-cpu"):
+        command = compose["services"][name]["command"]
+        assert command.startswith("sh -c 'exec python -m services.")  # a shell reads the JSON from the environment
+        assert '--speculative-config "$$SPECULATIVE_CONFIG"' in command

@@ -1,7 +1,7 @@
 """The shipped dashboard's queries on a real Prometheus scraping pagedserve under load.
 
-Two servers, one preempting by swap and one by recompute, both with prefix caching and a KV
-cache small enough that the load preempts; Prometheus scrapes all six services (each server's
+Two servers, one preempting by swap and one by recompute (and speculating), both with prefix
+caching and a KV cache small enough that the load preempts; Prometheus scrapes all six services (each server's
 api, scheduler and worker) every second. Every PromQL
 expression of the dashboard must parse and return data, and the latency histograms must count
 exactly the requests sent. Needs Debian's `prometheus` (.ci/run installs it).
@@ -27,6 +27,9 @@ PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus)")
 
 SMALL_KV = ["--block-size", "4", "--num-gpu-blocks-override", "40", "--enable-prefix-caching"]
+# Proposals in every step (not only where the switch finds they pay), for the speculation panels.
+SPECULATING = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
+               '"adaptive": false}')
 PREFIX = "def handler(request, response):\n    response.status = 200\n    return response\n"
 
 
@@ -81,7 +84,8 @@ def load(server, count: int) -> None:
 def test_every_dashboard_query_returns_data_and_histograms_count_every_request(llama_dir, tmp_path):
     count = 12
     with (serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "swap") as swapping,
-          serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "recompute") as recomputing):
+          serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "recompute", "--speculative-config",
+                SPECULATING) as recomputing):
         targets = [url.removeprefix("http://").removesuffix("/metrics")
                    for server in (swapping, recomputing) for url in server.metrics_urls.values()]
         with prometheus(targets, str(tmp_path)) as base:

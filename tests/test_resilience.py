@@ -16,7 +16,7 @@ import zmq
 from services.scheduler.server import SchedulerServer
 from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
-from shared.protocol import AddRequest, Hello, Ready, SampledToken, SchedulerInfo, Step, StepResult
+from shared.protocol import AddRequest, Hello, Ready, SampledTokens, SchedulerInfo, Step, StepResult
 from shared.sampling import SamplingParams
 from tests.conftest import ROOT, free_port, wait_until
 
@@ -144,7 +144,7 @@ def test_a_result_left_over_from_a_previous_scheduler_is_ignored(tmp_path):
     worker = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"worker-0")
     api = sockets.connect(context, zmq.DEALER, endpoints.scheduler, identity=b"api-test")
     try:
-        sockets.send(worker, StepResult(0, [SampledToken(0, 5, -0.1, [], [])], 1.0, 1.0))
+        sockets.send(worker, StepResult(0, [SampledTokens(0, [5], [-0.1], [], [])], 1.0, 1.0))
         sockets.send(worker, Ready(0, 1, 64, 0, 4, 128, [0], 1024, 1e9, 1e4))
         sockets.send(api, Hello("api-test"))
         assert api.poll(5000), "the scheduler did not survive the stale result"

@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from shared import sockets
-from shared.protocol import AddRequest, Hello, Ready, SampledToken, SchedulerInfo, Shutdown, StepResult, encode
+from shared.protocol import AddRequest, Hello, Ready, SampledTokens, SchedulerInfo, Shutdown, StepResult, encode
 from shared.sampling import SamplingParams
 from shared.wire_security import load_keys
 from tests.conftest import ROOT, free_port
@@ -150,7 +150,7 @@ def test_a_keyed_rogue_api_cannot_act_as_a_worker_or_stop_anything_and_a_second_
         # On the api socket, worker and operator messages are refused.
         context, rogue = zmq_peer(services.scheduler_port, api_keys)
         for message in (Ready(0, 1, 64, 0, 16, 128, [0], 1024, 1e9, 1e4),
-                        StepResult(0, [SampledToken(0, 5, -0.1, [], [])], 1.0, 1.0), Shutdown()):
+                        StepResult(0, [SampledTokens(0, [5], [-0.1], [], [])], 1.0, 1.0), Shutdown()):
             sockets.send(rogue, message)
         time.sleep(1)
         context.destroy(linger=0)

@@ -199,7 +199,7 @@ class OpenAIServer:
                 if output.error is not None:
                     outcome = "error"
                     raise _engine_error(output, ready=self.client.info is not None)
-                new_tokens = sum(len(delta.token_ids) for delta in output.sequences)
+                new_tokens = sum(len(delta.token_ids) for delta in output.sequences if not done[delta.index])
                 if new_tokens:
                     now = time.monotonic()
                     if num_generated == 0:
@@ -214,14 +214,14 @@ class OpenAIServer:
                     if done[delta.index]:
                         continue  # a stop string already ended this choice
                     detokenizer = detokenizers[delta.index]
-                    detokenizer.add(delta.token_ids)
-                    num_generated += len(delta.token_ids)
+                    taken = detokenizer.add(delta.token_ids)  # up to a stop string: nothing after it is emitted
+                    num_generated += taken
                     reason = "stop" if detokenizer.stopped else delta.finish_reason
                     done[delta.index] = reason is not None
                     if reason is not None and delta.index == 0:
                         first_reason = reason
-                    yield Chunk(delta.index, detokenizer.pending(final=reason is not None), delta.token_ids,
-                                delta.logprobs, delta.top_logprobs, reason, output.num_cached_tokens,
+                    yield Chunk(delta.index, detokenizer.pending(final=reason is not None), delta.token_ids[:taken],
+                                delta.logprobs[:taken], delta.top_logprobs[:taken], reason, output.num_cached_tokens,
                                 output.prompt_logprobs, output.prompt_top_logprobs)
                 if all(done):
                     outcome = first_reason if first_reason in ("stop", "length") else "abort"

@@ -26,16 +26,19 @@ class IncrementalDetokenizer:
         self.emitted = 0
         self.stopped = False
 
-    def add(self, token_ids: list[int]) -> None:
-        """Take new tokens; sets `stopped` and cuts `text` when a stop string appears."""
-        for token_id in token_ids:
+    def add(self, token_ids: list[int]) -> int:
+        """Take new tokens; sets `stopped` and cuts `text` when a stop string appears. Returns how many
+        it took: all, or those up to the one that completed a stop string (a run of several tokens,
+        from speculative decoding, may go on past it)."""
+        for taken, token_id in enumerate(token_ids):
             if self.stopped:
-                return
+                return taken
             self.token_ids.append(token_id)
             self.num_generated += 1
             piece = self._next_piece()
             if piece:
                 self._append(piece)
+        return len(token_ids)
 
     def pending(self, final: bool) -> str:
         """Text not yet released; all of it when `final`, else all but the held-back tail."""

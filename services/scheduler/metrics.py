@@ -14,6 +14,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from services.scheduler.speculation import SpeculationStats
 from services.scheduler.stats import Stats
 
 SCHEDULE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -127,15 +128,10 @@ class StatsCollector:
                              ("swapped", stats.num_swapped)):
             yield GaugeMetricFamily(f"pagedserve_num_requests_{state}",
                                     f"{'sequences' if state == 'running' else 'requests'} {state}", value=value)
-        preemptions = CounterMetricFamily("pagedserve_preemptions", "requests preempted, by mode", labels=["mode"])
-        preemptions.add_metric(["swap"], stats.num_preemptions_swap)
-        preemptions.add_metric(["recompute"], stats.num_preemptions_recompute)
-        yield preemptions
-        swapped = CounterMetricFamily("pagedserve_blocks_swapped", "KV blocks moved between the device and swap "
-                                      "space", labels=["direction"])
-        swapped.add_metric(["out"], stats.blocks_swapped_out)
-        swapped.add_metric(["in"], stats.blocks_swapped_in)
-        yield swapped
+        yield labeled_counter("pagedserve_preemptions", "requests preempted, by mode", "mode",
+                              {"swap": stats.num_preemptions_swap, "recompute": stats.num_preemptions_recompute})
+        yield labeled_counter("pagedserve_blocks_swapped", "KV blocks moved between the device and swap space",
+                              "direction", {"out": stats.blocks_swapped_out, "in": stats.blocks_swapped_in})
         counters = {
             "blocks_copied": ("KV blocks copied on write (a shared block written)", stats.blocks_copied),
             "tokens_scheduled": ("prompt and decode tokens run through the model", stats.tokens_scheduled),
@@ -152,3 +148,30 @@ class StatsCollector:
         }
         for name, (help_text, value) in counters.items():
             yield CounterMetricFamily(f"pagedserve_{name}", help_text, value=value)
+        if stats.speculation is not None:
+            yield from speculation_metrics(stats.speculation)
+
+
+def speculation_metrics(stats: SpeculationStats):
+    """vLLM's counters of speculative decoding, under our prefix. The acceptance rate is
+    rate(..._num_accepted_tokens_total) / rate(..._num_draft_tokens_total), the mean acceptance
+    length 1 + rate(..._num_accepted_tokens_total) / rate(..._num_drafts_total)."""
+    for name, help_text, value in (
+        ("num_drafts", "sequences' proposals verified, one per sequence and step", stats.num_drafts),
+        ("num_draft_tokens", "proposed tokens verified", stats.num_draft_tokens),
+        ("num_accepted_tokens", "proposed tokens the target model accepted", stats.num_accepted_tokens),
+    ):
+        yield CounterMetricFamily(f"pagedserve_spec_decode_{name}", help_text, value=value)
+    yield labeled_counter("pagedserve_spec_decode_num_accepted_tokens_per_pos",
+                          "proposals accepted, by their position in the sequence's proposals (from 0)", "position",
+                          {str(position): value for position, value in enumerate(stats.accepted_per_position)})
+    yield labeled_counter("pagedserve_spec_decode_steps", "steps by whether they speculated (chosen by what each "
+                          "choice gave lately at the batch's size)", "choice",
+                          {"speculate": stats.steps_speculating, "plain": stats.steps_plain})
+
+
+def labeled_counter(name: str, help_text: str, label: str, values: dict[str, float]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=[label])
+    for label_value, value in values.items():
+        family.add_metric([label_value], value)
+    return family

@@ -37,6 +37,12 @@ class Sequence:
         self.num_tokens_known_to_worker = 0  # 0: the worker holds no copy of this sequence
         self.first_unsynced_block = 0  # block table entries from here on are new to the worker
         self.finish_reason: str | None = None
+        # Speculation: the proposals of the step being planned, and how many positions of the step in
+        # flight were proposals (counted in num_computed_tokens until its result settles them).
+        self.proposal: list[int] = []
+        self.num_drafts = 0
+        self.num_speculative = 0
+        self.lookup = None  # the n-gram proposer's index of its tokens, built on first use
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +64,7 @@ class Sequence:
         """After a recompute preemption: compute everything again from the tokens."""
         self.num_computed_tokens = 0
         self.num_pending = 0
+        self.num_speculative = 0
         self.num_tokens_known_to_worker = 0
         self.first_unsynced_block = 0
         self.block_hashes.clear()
@@ -76,7 +83,7 @@ class Request:
         self.seqs: list[Sequence] = []  # live sequences
         self.finished_seqs: list[Sequence] = []
         self.beam = None  # BeamSearch state when sampling.use_beam_search
-        self.beam_pending: dict = {}  # seq_id -> SampledToken, until every beam has reported
+        self.beam_pending: dict = {}  # seq_id -> SampledTokens, until every beam has reported
         self.num_cached_prompt_tokens = 0
         self.looked_up = False  # in the prefix cache: counted once, however often it is recomputed
         self.received = time.monotonic()  # at the scheduler, for its queue time

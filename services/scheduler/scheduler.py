@@ -20,6 +20,12 @@ samples itself), unless the sample may change what comes next: beam search, the 
 a request that forks, or a sample that may be its last by length. An end by a stop token costs
 one wasted position. Nothing is preempted ahead: a running request that finds no blocks ends the
 plan, and the next one waits for the steps in flight to finish (`needs_drain`).
+
+Speculation: in a step that speculates (`Speculation` decides which do), each decoding sequence
+also runs up to k proposed tokens, which take blocks only where blocks are free and never cause
+a preemption. The worker returns the proposals its model agrees with and one token after them;
+the rest of the positions count as not computed again, and their blocks go back. Proposals
+continue from a sequence's last token, so such a step is planned only once every result is in.
 """
 
 from __future__ import annotations
@@ -29,47 +35,32 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from services.scheduler.admission import Admission, Budgets, ConfigError
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, RequestStatus, Sequence
 from services.scheduler.reservation import Reservation
-from services.scheduler.stats import Stats
 from services.scheduler.results import ResultProcessor, error_output
-from shared.protocol import (
-    AddRequest,
-    Fork,
-    NewSequence,
-    RequestOutput,
-    ScheduledSequence,
-    SequenceDelta,
-    Step,
-)
+from services.scheduler.sequences import SequenceRegistry
+from services.scheduler.speculation import Speculation
+from services.scheduler.stats import Stats
+from services.scheduler.stopping import StopRule
+from shared.protocol import AddRequest, NewSequence, RequestOutput, ScheduledSequence, SequenceDelta, Step, StepResult
 from shared.sampling import InvalidParameter
+
+__all__ = ["Budgets", "ConfigError", "PreemptionPolicy", "Scheduler"]
 
 log = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
-    """Budgets with which some admissible request could never run."""
-
-
 @dataclass(slots=True)
-class Budgets:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    chunked_prefill: bool = False
+class _InFlight:
+    """What the scheduler remembers of a step until its result is in."""
 
-    def check(self) -> None:
-        if self.max_num_seqs < 1 or self.max_model_len < 2:
-            raise ConfigError("max_num_seqs must be at least 1 and the context at least 2 tokens")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError("max_num_batched_tokens must be at least 1")
-        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below the context "
-                f"({self.max_model_len}) with chunked prefill off: a long request could never be "
-                "recomputed; raise it, lower --max-model-len, or enable chunked prefill"
-            )
+    scheduled: list[Sequence]
+    sampled: list[Sequence]  # those the step samples
+    num_decoding: int  # sequences that decode in it (not a prompt's chunk)
+    speculated: bool
+    has_prompt_tokens: bool
 
 
 @dataclass(slots=True)
@@ -100,41 +91,50 @@ class Scheduler:
         preemption: PreemptionPolicy | None = None,
         vocab_size: int | None = None,
         reservation: Reservation | None = None,
+        speculation: Speculation | None = None,
     ):
         budgets.check()
         self.reservation = reservation or Reservation()
         if not self.reservation.paged and block_manager.gpu.enable_caching:
             raise ConfigError(f"--kv-reservation {self.reservation.policy} is a baseline without sharing: "
                               "it cannot run with prefix caching")
+        if not self.reservation.paged and speculation is not None:
+            raise ConfigError(f"--kv-reservation {self.reservation.policy} is a baseline: it does not speculate")
         self.block_manager = block_manager
         self.budgets = budgets
-        self.vocab_size = vocab_size or None
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.admission = Admission(budgets, block_manager, self.reservation, vocab_size or None)
         self.preemption = preemption or PreemptionPolicy()
+        self.speculation = speculation
+        self.registry = SequenceRegistry(block_manager, StopRule(frozenset(eos_token_ids), budgets.max_model_len))
+        self.results = ResultProcessor(self.registry, block_manager)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order
         self.swapped: list[Request] = []  # in arrival order
-        self.requests: dict[str, Request] = {}
-        self.sequences: dict[int, Sequence] = {}
         self.counters = {"swap": 0, "recompute": 0, "steps": 0, "computed": 0, "cached": 0, "swapped_out": 0,
                          "swapped_in": 0, "copied": 0, "scheduled_tokens": 0, "queried": 0}
-        self.pending_forks: list[Fork] = []
-        self.dropped_on_worker: list[int] = []
-        self.preempted_on_worker: list[int] = []
-        # step id -> (sequences scheduled, those it samples), for each step in flight
-        self.in_flight: dict[int, tuple[list[Sequence], list[Sequence]]] = {}
-        self.needs_drain = False  # the last plan stopped short of a preemption
+        self.in_flight: dict[int, _InFlight] = {}
+        self.needs_drain = False  # the last plan stopped short of a preemption, or it speculates
         self.queue_times: list[float] = []  # of requests started since the server last took them
-        self._next_seq_id = 0
         self._next_order = 0
-        self.results = ResultProcessor(self)
+        self._speculating = False  # whether the step being planned speculates
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.registry.requests
+
+    @property
+    def sequences(self) -> dict[int, Sequence]:
+        return self.registry.sequences
 
     # --- requests coming in --------------------------------------------------------------
 
     def add(self, message: AddRequest) -> RequestOutput | None:
         """Queue a request; returns an error output instead if it can never run."""
         try:
-            problem = self._admission_problem(message)
+            if message.request_id in self.requests:
+                problem = f"request id {message.request_id!r} is already in use"
+            else:
+                problem = self.admission.problem(message)
         except InvalidParameter as exc:
             problem = f"{exc.param}: {exc}"
         if problem is not None:
@@ -142,8 +142,7 @@ class Scheduler:
         request = Request(message.request_id, list(message.prompt_token_ids), message.sampling,
                           message.arrival_time, self._next_order)
         self._next_order += 1
-        self.new_sequence(request, index=0)
-        self.requests[request.request_id] = request
+        self.registry.add(request)
         self.waiting.append(request)
         return None
 
@@ -155,54 +154,8 @@ class Scheduler:
         deltas = [SequenceDelta(i, [], [], [], "abort") for i in range(request.sampling.n)]
         return RequestOutput(request_id, request.num_prompt_tokens, deltas, True)
 
-    def _admission_problem(self, message: AddRequest) -> str | None:
-        if message.request_id in self.requests:
-            return f"request id {message.request_id!r} is already in use"
-        message.sampling.validate(self.vocab_size, self.budgets.max_num_seqs)
-        num_prompt = len(message.prompt_token_ids)
-        if num_prompt == 0:
-            return "the prompt is empty"
-        id_limit = self.vocab_size or 2**63
-        if any(not 0 <= t < id_limit for t in message.prompt_token_ids):
-            return f"prompt token ids must be in [0, {id_limit})"
-        if num_prompt >= self.budgets.max_model_len:
-            return (
-                f"the prompt has {num_prompt} tokens; this server's context is "
-                f"{self.budgets.max_model_len} tokens"
-            )
-        if num_prompt > self.budgets.max_num_batched_tokens and not self.budgets.chunked_prefill:
-            return (
-                f"the prompt has {num_prompt} tokens, more than max_num_batched_tokens "
-                f"({self.budgets.max_num_batched_tokens}); enable chunked prefill for longer prompts"
-            )
-        if message.sampling.num_samples > self.budgets.max_num_seqs:
-            return f"best_of/n exceeds max_num_seqs ({self.budgets.max_num_seqs})"
-        if message.sampling.num_samples > 1 and not self.reservation.paged:
-            return f"this server reserves KV memory per request ({self.reservation.policy}): one sample only"
-        worst = self._worst_case_blocks(num_prompt, message.sampling)
-        usable = self.block_manager.num_blocks - self.block_manager.watermark_blocks
-        if worst > usable:
-            return (
-                f"this request could need {worst} KV blocks with all its {message.sampling.num_samples} "
-                f"sample(s) at max_tokens; the cache holds {usable}: lower max_tokens, n or best_of"
-            )
-        return None
-
-    def _worst_case_blocks(self, num_prompt: int, sampling) -> int:
-        """Blocks a request may hold at once: its samples share the prompt's full blocks (a
-        recompute shares them again when the first sample's prompt fits one step), and each
-        may own every later block up to max_tokens."""
-        size = self.block_manager.block_size
-        if not self.reservation.paged:
-            return self._reserved_blocks(num_prompt, sampling)
-        max_new = min(sampling.max_tokens, self.budgets.max_model_len - num_prompt)
-        shared = (num_prompt - 1) // size if num_prompt <= self.budgets.max_num_batched_tokens else 0
-        return shared + sampling.num_samples * (-(-(num_prompt + max_new) // size) - shared)
-
-    def _reserved_blocks(self, num_prompt: int, sampling) -> int:
-        """Blocks a request holds from its start under a reservation baseline; 0 under paging."""
-        tokens = self.reservation.tokens(num_prompt, sampling.max_tokens, self.budgets.max_model_len)
-        return -(-tokens // self.block_manager.block_size)
+    def _reserved_blocks(self, request: Request) -> int:
+        return self.admission.reserved_blocks(request.num_prompt_tokens, request.sampling)
 
     # --- one iteration -------------------------------------------------------------------
 
@@ -219,13 +172,17 @@ class Scheduler:
         preempted = False
         ahead = bool(self.in_flight)
         self.needs_drain = False
+        self._speculating = self.speculation is not None and self.speculation.decide(self._num_decoding())
+        if self._speculating and ahead:
+            self.needs_drain = True  # proposals continue from each sequence's last token: wait for it
+            return None
 
         queue = list(self.running)
         next_index, end = 0, len(queue)  # victims are taken from the end
         while next_index < end:
             request = queue[next_index]
             next_index += 1
-            wants = self._wants(request, budget[0])
+            wants = self._within_free_blocks(self._wants(request, budget[0]))
             if not wants:
                 continue
             if ahead and not self.block_manager.can_append(wants):
@@ -252,18 +209,39 @@ class Scheduler:
         return self._build_step(scheduled, copies, swap_out, swap_in)
 
     def _wants(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens) to compute for a request this step, within the token budget."""
+        """(sequence, positions) to compute for a request this step, within the token budget: a
+        prompt's chunk, or a decode's last token and, in a step that speculates, its proposals."""
         wants = []
         for seq in request.seqs:
+            seq.proposal, seq.num_drafts = [], 0
             if seq.num_pending and not self._runs_ahead(seq):
                 continue
             n = seq.num_tokens + seq.num_pending - seq.num_computed_tokens
             if n > budget:
                 n = budget if self.budgets.chunked_prefill else 0
+            if n == 1 and self._speculating and not seq.num_pending:
+                self.speculation.propose(seq, budget)
+                n += len(seq.proposal) + seq.num_drafts
             if n > 0:
                 wants.append((seq, n))
                 budget -= n
         return wants
+
+    def _within_free_blocks(self, wants: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """The request's wants, without its proposals where their blocks are not free: speculation
+        never makes anyone wait or be preempted."""
+        if not wants or self.block_manager.can_append(wants):
+            return wants
+        fitted = []
+        for seq, n in wants:
+            fitted.append((seq, n - len(seq.proposal) - seq.num_drafts))
+            seq.proposal, seq.num_drafts = [], 0
+        return fitted
+
+    def _num_decoding(self) -> int:
+        """Running sequences past their prompt: those a step that speculates gives proposals."""
+        return sum(1 for request in self.running for seq in request.seqs
+                   if seq.num_computed_tokens >= seq.num_prompt_tokens)
 
     def _runs_ahead(self, seq: Sequence) -> bool:
         """Whether a sequence's next position may be scheduled before its pending sample is known."""
@@ -303,7 +281,7 @@ class Scheduler:
                     self.swapped.pop(0)
                     swap_in += self.block_manager.swap_in(request)
                     self._mark_running(request)
-                    wants = self._wants(request, budget[0])
+                    wants = self._within_free_blocks(self._wants(request, budget[0]))
                     if wants and self.block_manager.can_append(wants):
                         copies += self._take(wants, scheduled, budget)
                     continue
@@ -323,7 +301,7 @@ class Scheduler:
         self._mark_running(request)
         (leader, hits, n), shared_blocks, followers = plan
         self._begin(leader, hits, from_cache=True)
-        self.block_manager.reserve(leader, self._reserved_blocks(request.num_prompt_tokens, request.sampling))
+        self.block_manager.reserve(leader, self._reserved_blocks(request))
         copies += self._take([(leader, n)] if n else [], scheduled, budget)
         for seq, n in followers:
             self._begin(seq, leader.block_table[:shared_blocks], from_cache=False)
@@ -335,7 +313,7 @@ class Scheduler:
         self.swapped.remove(request)
         for seq in request.seqs:
             self.block_manager.free(seq, self.block_manager.cpu)
-            seq.forget_worker_copy()
+            self.registry.forget_worker_copy(seq)
         request.status = RequestStatus.WAITING
         self._requeue(request)
 
@@ -372,7 +350,7 @@ class Scheduler:
             followers.append((seq, n_seq))
         if n == 0 and not any(n_seq for _, n_seq in followers):
             return None
-        reserved = self._reserved_blocks(request.num_prompt_tokens, request.sampling)
+        reserved = self._reserved_blocks(request)
         if reserved and not self.block_manager.can_reserve(reserved):
             return None
         needed = max(needed, reserved)
@@ -418,6 +396,8 @@ class Scheduler:
         manager = self.block_manager
         num_blocks = len({b for seq in request.seqs for b in seq.block_table})
         num_tokens = sum(seq.num_computed_tokens for seq in request.seqs)
+        for seq in request.seqs:
+            seq.proposal, seq.num_drafts = [], 0
         if not alone and self.preemption.prefers_swap(num_blocks, num_tokens) and manager.can_swap_out(request):
             log.info("preempting %s by swapping %d blocks out", request.request_id, num_blocks)
             self.counters["swap"] += 1
@@ -429,9 +409,7 @@ class Scheduler:
         self.counters["recompute"] += 1
         for seq in request.seqs:
             manager.free(seq)
-            if seq.num_tokens_known_to_worker:
-                self.preempted_on_worker.append(seq.seq_id)
-            seq.forget_worker_copy()
+            self.registry.forget_worker_copy(seq)
         request.status = RequestStatus.WAITING
         self._requeue(request)
         return []
@@ -440,72 +418,50 @@ class Scheduler:
         new_sequences: list[NewSequence] = []
         entries: list[ScheduledSequence] = []
         sampled: list[Sequence] = []
-        prompt_tokens_computed = 0
+        prompt_tokens_computed = num_decoding = 0
         for seq, num_tokens in scheduled:
-            known, num_prompt, computed = seq.num_tokens_known_to_worker, seq.num_prompt_tokens, seq.num_computed_tokens
-            if known == 0:
-                new_sequences.append(
-                    NewSequence(seq.seq_id, seq.token_ids(), num_prompt, seq.request.sampling, seq.index)
-                )
-                appended: list[int] = []
-                seq.first_unsynced_block = 0
-            else:
-                appended = seq.output_token_ids[known - num_prompt :]
-            seq.num_tokens_known_to_worker = num_prompt + len(seq.output_token_ids)
-            start, table = seq.first_unsynced_block, seq.block_table
-            entries.append(ScheduledSequence(seq.seq_id, computed, num_tokens, appended, start, table[start:]))
-            seq.first_unsynced_block = len(table)
-            seq.num_computed_tokens = computed + num_tokens
-            if seq.num_computed_tokens == seq.num_tokens + seq.num_pending:  # this step samples it
+            computed, num_prompt = seq.num_computed_tokens, seq.num_prompt_tokens
+            new, entry = self.registry.step_entry(seq, num_tokens)
+            if new is not None:
+                new_sequences.append(new)
+            entries.append(entry)
+            seq.num_computed_tokens = computed + num_tokens  # proposals included, until the result settles them
+            if seq.num_computed_tokens - entry.num_proposals == seq.num_tokens + seq.num_pending:  # it samples
                 seq.num_pending += 1
                 sampled.append(seq)
             if computed < num_prompt:
                 prompt_tokens_computed += min(computed + num_tokens, num_prompt) - computed
+            else:
+                num_decoding += 1
         self.counters["computed"] += prompt_tokens_computed
         self.counters["swapped_out"] += len(swap_out)
         self.counters["swapped_in"] += len(swap_in)
         self.counters["copied"] += len(copies)
         self.counters["scheduled_tokens"] += sum(n for _, n in scheduled)
-        forks = [f for f in self.pending_forks if self.sequences.get(f.seq_id) is not None
-                 and self.sequences[f.seq_id].num_tokens_known_to_worker]
-        step = Step(
-            self.counters["steps"], forks, self.dropped_on_worker, self.preempted_on_worker,
-            new_sequences, entries, swap_out, swap_in, copies,
-        )
-        self.pending_forks, self.dropped_on_worker, self.preempted_on_worker = [], [], []
-        self.in_flight[step.step_id] = ([seq for seq, _ in scheduled], sampled)
+        forks, dropped, preempted = self.registry.take_worker_notices()
+        step = Step(self.counters["steps"], forks, dropped, preempted, new_sequences, entries, swap_out, swap_in,
+                    copies)
+        self.in_flight[step.step_id] = _InFlight([seq for seq, _ in scheduled], sampled, num_decoding,
+                                                 self._speculating, prompt_tokens_computed > 0)
         self.counters["steps"] += 1
+        if self.speculation is not None:
+            self.speculation.built(self._speculating)
+            if any(entry.num_proposals for entry in entries):
+                self.needs_drain = True  # the next step needs the tokens this one verifies
         return step
 
     # --- sequences and requests ending ---------------------------------------------------
 
-    def new_sequence(self, request: Request, index: int, tokens: list[int] | None = None) -> Sequence:
-        seq = Sequence(self._next_seq_id, request, index, tokens)
-        self._next_seq_id += 1
-        self.sequences[seq.seq_id] = seq
-        request.seqs.append(seq)
-        return seq
-
-    def finish_sequence(self, seq: Sequence, reason: str) -> None:
-        pool = self.block_manager.cpu if seq.request.status is RequestStatus.SWAPPED else None
-        self.block_manager.free(seq, pool)
-        if seq.num_tokens_known_to_worker:
-            self.dropped_on_worker.append(seq.seq_id)
-        seq.finish_reason = reason
-        seq.request.seqs.remove(seq)
-        if not seq.request.sampling.use_beam_search:  # beams' results live in their BeamSearch
-            seq.request.finished_seqs.append(seq)
-        del self.sequences[seq.seq_id]
-
     def finish_request(self, request: Request) -> None:
-        for seq in list(request.seqs):
-            self.finish_sequence(seq, seq.finish_reason or "abort")
+        self.registry.release(request, swapped=request.status is RequestStatus.SWAPPED)
+        self._dequeue(request)
+
+    def _dequeue(self, request: Request) -> None:
         queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
                  RequestStatus.SWAPPED: self.swapped}.get(request.status)
         if queue is not None:
             queue.remove(request)
         request.status = RequestStatus.FINISHED
-        del self.requests[request.request_id]
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request: the worker could not run a step."""
@@ -516,12 +472,23 @@ class Scheduler:
             outputs.append(error_output(request.request_id, request.num_prompt_tokens, error, "error"))
         return outputs
 
-    def update(self, result) -> list[RequestOutput]:
-        """Apply a step's result; steps' results come in the order the steps were planned."""
-        scheduled, sampled = self.in_flight.pop(result.step_id, ([], []))
-        for seq in sampled:
+    def update(self, result: StepResult, worker_wait_ms: float = 0.0) -> list[RequestOutput]:
+        """Apply a step's result; steps' results come in the order the steps were planned.
+        `worker_wait_ms`: how long the worker waited for this step while the scheduler had work."""
+        step = self.in_flight.pop(result.step_id, None)
+        if step is None:
+            return []
+        for seq in step.sampled:
             seq.num_pending = max(0, seq.num_pending - 1)  # 0 already if preempted meanwhile
-        return self.results.apply(result, scheduled)
+        applied = self.results.apply(result, step.scheduled)
+        for request in applied.ended:
+            self._dequeue(request)
+        if self.speculation is not None:
+            self.speculation.verified(applied.verified)
+            if not step.has_prompt_tokens:  # a prompt's cost would hide what speculating costs
+                self.speculation.observe(step.num_decoding, step.speculated, applied.num_tokens,
+                                         result.forward_ms + result.sample_ms + worker_wait_ms)
+        return applied.outputs
 
     def stats(self) -> Stats:
         gpu, cpu = self.block_manager.gpu, self.block_manager.cpu
@@ -537,6 +504,7 @@ class Scheduler:
             kv_slots_fragmented=self._fragmented_blocks() * self.block_manager.block_size,
             block_size=self.block_manager.block_size,
             prefix_cache_queries=self.counters["queried"],
+            speculation=self.speculation.snapshot() if self.speculation is not None else None,
         )
 
     def _fragmented_blocks(self) -> int:
@@ -545,7 +513,7 @@ class Scheduler:
         if self.reservation.paged or not self.waiting:
             return 0
         head = self.waiting[0]
-        return self.block_manager.fragmented_blocks(self._reserved_blocks(head.num_prompt_tokens, head.sampling))
+        return self.block_manager.fragmented_blocks(self._reserved_blocks(head))
 
     def _slot_use(self) -> tuple[int, int]:
         """Slots of the device's referenced blocks that hold token states (over all referenced slots:

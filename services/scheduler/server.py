@@ -32,6 +32,7 @@ from services.scheduler.metrics import SchedulerMetrics, Snapshots
 from services.scheduler.reservation import Reservation
 from services.scheduler.results import error_output
 from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy, Scheduler
+from services.scheduler.speculation import Speculation
 from services.scheduler.stats import Stats
 from services.scheduler.stats_log import StatsLog
 from shared import sockets
@@ -72,8 +73,10 @@ class SchedulerServer:
         # fails its requests at once; any other peer's changes nothing.
         self.closed = {self.api_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED): "api",
                        self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED): "worker"}
-        # A StepResult holds a token, its alternatives and a list around them per sample.
-        self.worker_message_containers = 4 * config.max_num_seqs * MAX_SAMPLES + 64
+        # A StepResult holds per sample a list around its tokens, their logprobs and their alternatives
+        # (a list per token); a sequence that verified k proposals has k + 1 tokens.
+        k = config.speculative.num_speculative_tokens if config.speculative else 0
+        self.worker_message_containers = (7 * MAX_SAMPLES + 2 * k) * config.max_num_seqs + 64
         self.control_endpoint = f"inproc://scheduler-control-{id(self)}"
         self.control = self.context.socket(zmq.PAIR)
         self.control.bind(self.control_endpoint)
@@ -293,8 +296,13 @@ class SchedulerServer:
             config.preemption_mode, first.block_bytes, first.swap_bytes_per_second,
             first.prefill_tokens_per_second,
         )
+        speculative = config.speculative
+        if speculative is not None and speculative.method == "draft_model" and not all(r.can_draft for r in self.ready):
+            raise ConfigError("--speculative-config asks for a draft model, but a worker rank runs without one "
+                              "(start the workers with the same --speculative-config)")
+        speculation = Speculation(speculative, max_model_len) if speculative is not None else None
         self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids, preemption, first.vocab_size,
-                                   Reservation(config.kv_reservation))
+                                   Reservation(config.kv_reservation), speculation)
         self.info = SchedulerInfo(config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids,
                                   config.max_num_seqs)
         log.info("scheduling with %d device KV blocks, context %d tokens", num_blocks, max_model_len)
@@ -343,10 +351,10 @@ class SchedulerServer:
             self._route(self.scheduler.fail_all(f"the worker failed: {message.error}"))
             return
         self.worker_busy += (message.forward_ms + message.sample_ms) / 1e3
-        self.stats_log.count(len(message.sampled))
+        self.stats_log.count(sum(len(s.token_ids) for s in message.sampled))
         if had_work:  # the worker waited on us, not on work to arrive
             self.worker_waiting += message.idle_ms / 1e3
-        outputs = self.scheduler.update(message)
+        outputs = self.scheduler.update(message, message.idle_ms if had_work else 0.0)
         self._send_steps(back_to_back=True)  # the worker computes the next step while the apis stream this one
         self._route(outputs)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.scheduler.speculation import SpeculationStats
+
 
 @dataclass(slots=True)
 class Stats:
@@ -31,6 +33,7 @@ class Stats:
     kv_slots_fragmented: int = 0  # in free blocks, between reservations and too few for the next one
     block_size: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, once per request
+    speculation: SpeculationStats | None = None  # with --speculative-config
 
     @property
     def num_used_gpu_blocks(self) -> int:

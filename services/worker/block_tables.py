@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.batch import PagedBatch
+
 
 class BlockTables:
     def __init__(self, device: torch.device, rows: int = 64, columns: int = 16):
@@ -50,3 +52,19 @@ class BlockTables:
     def slot_mapping(self, token_rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
         blocks = self.table[token_rows, positions // block_size].long()
         return blocks * block_size + positions % block_size
+
+    def batch(self, rows: list[int], positions: torch.Tensor, starts: list[int], context_lens: list[int],
+              block_size: int) -> PagedBatch:
+        """The kernels' view of a flattened step: sequence `s` (row `rows[s]`) owns the tokens
+        `starts[s]:starts[s + 1]` at `positions`, and sees `context_lens[s]` positions."""
+        device = self.device
+        row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+        query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.int64, device=device)
+        return PagedBatch(
+            slot_mapping=self.slot_mapping(row_index.repeat_interleave(query_lens), positions, block_size),
+            block_tables=self.gather(row_index, -(-max(context_lens) // block_size)),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            query_start_list=starts,
+            context_lens_list=context_lens,
+        )

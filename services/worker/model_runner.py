@@ -1,5 +1,16 @@
 """Execute one `Step`: update the per-sequence mirrors, run the model over the flattened batch,
-and sample a token for every sequence whose tokens are now all computed."""
+and sample for every sequence whose tokens are now all computed.
+
+A sequence with proposals runs them as a short prefill after its last token, and every one of
+those positions is sampled as it would be without them (the same logits processing, the same
+seeded draw for the same position). The proposals are kept while they equal what is sampled at
+their positions, and the first sample that differs, or the one after the last proposal, ends
+the run. For proposals that are single tokens (n-gram lookups, greedy drafts) this is the
+rejection sampling of Leviathan et al. and Chen et al. (2023): a proposal x survives with the
+target's probability p(x), and a rejected position yields a draw from p without x, renormalized.
+So every emitted token has the target model's distribution, and a seeded request gives the same
+tokens with speculation as without.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +21,10 @@ import torch
 
 from kernels.batch import PagedBatch
 from services.worker.block_tables import BlockTables
+from services.worker.drafter import Drafter
 from services.worker.kv_cache import KVCache
-from services.worker.sampler import Sampler, SampleRow
-from shared.protocol import PromptLogprobs, NewSequence, SampledToken, ScheduledSequence, Step, StepResult
+from services.worker.sampler import Sample, Sampler, SampleRow
+from shared.protocol import NewSequence, PromptLogprobs, SampledTokens, ScheduledSequence, Step, StepResult
 from shared.sampling import InvalidParameter, SamplingParams
 
 
@@ -26,10 +38,11 @@ class SequenceMirror:
     index: int
     row: int  # its block table is this row of the runner's BlockTables
     num_blocks: int = 0  # entries of that row in use
+    num_drafted_positions: int = -1  # positions the draft model has computed; -1: as many as the target
 
     def copy(self, index: int, row: int) -> SequenceMirror:
         return SequenceMirror(list(self.token_ids), self.num_prompt_tokens, self.sampling, index, row,
-                              self.num_blocks)
+                              self.num_blocks, self.num_drafted_positions)
 
 
 class StepError(RuntimeError):
@@ -38,7 +51,7 @@ class StepError(RuntimeError):
 
 class ModelRunner:
     def __init__(self, model, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None,
-                 eos_token_ids: list[int] = ()):
+                 eos_token_ids: list[int] = (), drafter: Drafter | None = None):
         self.model = model
         self.cache = cache
         self.device = device
@@ -46,6 +59,8 @@ class ModelRunner:
         self.vocab_size = vocab_size or model.lm_head.weight.shape[0]
         self.mirrors: dict[int, SequenceMirror] = {}
         self.tables = BlockTables(device)
+        self.drafter = drafter  # a draft model with its own KV cache under the same block ids
+        self.caches = [cache] + ([drafter.cache] if drafter is not None else [])
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
@@ -71,10 +86,11 @@ class ModelRunner:
             else:
                 failures[new.seq_id] = problem
         self._check_block_pairs(step)
-        self.cache.finish_swaps()
-        self.cache.swap_out(step.swap_out)
-        self.cache.swap_in(step.swap_in)
-        self.cache.copy_blocks(step.copies)
+        for cache in self.caches:
+            cache.finish_swaps()
+            cache.swap_out(step.swap_out)
+            cache.swap_in(step.swap_in)
+            cache.copy_blocks(step.copies)
         scheduled = [entry for entry in step.scheduled if self._accepts(entry, failures)]
         if not scheduled:
             return StepResult(step.step_id, [], 0.0, 0.0, failures=failures)
@@ -82,37 +98,66 @@ class ModelRunner:
         input_ids, positions, starts, context_lens, rows = [], [], [0], [], []
         to_sample: list[int] = []
         prompt_logprob_entries: list[int] = []  # of entries whose prompt tokens' logprobs are wanted
-        for entry in scheduled:
+        proposals: dict[int, list[int]] = {}  # seq_id -> what its positions after its last token hold
+        for i, entry in enumerate(scheduled):
             mirror = self.mirrors[entry.seq_id]
             end = entry.start + entry.num_tokens
+            known_end = end - entry.num_proposals
             if mirror.sampling.prompt_logprobs is not None and entry.start < mirror.num_prompt_tokens - 1:
-                prompt_logprob_entries.append(len(starts) - 1)
-            input_ids.extend(mirror.token_ids[entry.start : end])
+                prompt_logprob_entries.append(i)
+            input_ids.extend(mirror.token_ids[entry.start : known_end])
+            if entry.num_proposals:
+                proposals[entry.seq_id] = list(entry.proposed_token_ids)
+                input_ids.extend(entry.proposed_token_ids)
+                input_ids.extend([0] * entry.num_draft_tokens)  # filled once drafted
             positions.extend(range(entry.start, end))
             starts.append(starts[-1] + entry.num_tokens)
             context_lens.append(end)
             rows.append(mirror.row)
-            if end == len(mirror.token_ids):
-                to_sample.append(len(starts) - 2)
+            if known_end == len(mirror.token_ids):
+                to_sample.append(i)
 
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        batch = self._batch(rows, position_tensor, starts, context_lens)
+        batch = self.tables.batch(rows, position_tensor, starts, context_lens, self.cache.block_size)
+        if self.drafter is not None:
+            drafted = self.drafter.draft(scheduled, self.mirrors, self.tables)
+            for i, entry in enumerate(scheduled):
+                if entry.num_draft_tokens:
+                    proposals[entry.seq_id] += drafted[entry.seq_id]
+                    input_ids[starts[i + 1] - entry.num_draft_tokens : starts[i + 1]] = drafted[entry.seq_id]
         input_tensor = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model(input_tensor, position_tensor, self.cache.layers, batch)
-        last_rows = torch.tensor([starts[i + 1] - 1 for i in to_sample], dtype=torch.int64, device=self.device)
-        logits = self.model.logits(hidden[last_rows])
+        # Every sampled entry's last position, and before it its proposals' positions.
+        logit_rows = [row for i in to_sample
+                      for row in range(starts[i + 1] - 1 - scheduled[i].num_proposals, starts[i + 1])]
+        logits = self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)])
         prompt_logprobs = [self._prompt_logprobs(scheduled[i], starts[i], hidden) for i in prompt_logprob_entries]
         sampled_at = time.perf_counter()
 
-        rows = [self._sample_row(self.mirrors[scheduled[i].seq_id]) for i in to_sample]
-        samples = self.sampler(logits, rows) if rows else []
+        sample_rows = [row for i in to_sample
+                       for row in self._sample_rows(self.mirrors[scheduled[i].seq_id],
+                                                    proposals.get(scheduled[i].seq_id, []))]
+        samples = iter(self.sampler(logits, sample_rows) if sample_rows else [])
         sampled = []
-        for i, row, row_samples in zip(to_sample, rows, samples):
+        for i in to_sample:
             seq_id = scheduled[i].seq_id
-            sampled += [SampledToken(seq_id, s.token_id, s.logprob, s.top_ids, s.top_logprobs) for s in row_samples]
-            if row.num_samples == 1 and not row.params.use_beam_search:
-                # Its next token is known here first: the scheduler may already have planned it.
-                self.mirrors[seq_id].token_ids.append(row_samples[0].token_id)
+            mirror = self.mirrors[seq_id]
+            verified = proposals.get(seq_id, [])
+            run = [next(samples) for _ in range(len(verified) + 1)]
+            if len(run[0]) > 1:  # a finished prompt forks into best_of samples: one token each
+                sampled += [SampledTokens(seq_id, [s.token_id], [s.logprob], [s.top_ids], [s.top_logprobs])
+                            for s in run[0]]
+                continue
+            kept = _accepted_run([row[0] for row in run], verified)
+            sampled.append(SampledTokens(seq_id, [s.token_id for s in kept], [s.logprob for s in kept],
+                                         [s.top_ids for s in kept] if kept[0].top_ids else [],
+                                         [s.top_logprobs for s in kept] if kept[0].top_ids else []))
+            generated = len(mirror.token_ids) - mirror.num_prompt_tokens
+            if mirror.sampling.worker_keeps_samples(generated):
+                # Its next tokens are known here first: the scheduler may already have planned the next.
+                mirror.token_ids.extend(s.token_id for s in kept)
+            if self.drafter is not None and verified:
+                self.drafter.settle(mirror, mirror.num_prompt_tokens + generated, len(kept) - 1)
         done = time.perf_counter()
         return StepResult(
             step.step_id, sampled, (sampled_at - started) * 1e3, (done - sampled_at) * 1e3, failures=failures,
@@ -151,39 +196,30 @@ class ModelRunner:
             failures.setdefault(entry.seq_id, "unknown sequence")
             return False
         problem = None
-        if not all(0 <= t < self.vocab_size for t in entry.appended_token_ids):
+        if not all(0 <= t < self.vocab_size for t in entry.appended_token_ids + entry.proposed_token_ids):
             problem = "a token id outside the vocabulary"
         elif not all(0 <= b < self.cache.num_blocks for b in entry.block_ids):
             problem = f"a block id outside [0, {self.cache.num_blocks})"
-        elif not 0 <= entry.table_start <= mirror.num_blocks or entry.start < 0 or entry.num_tokens < 1:
+        elif (not 0 <= entry.table_start <= mirror.num_blocks or entry.start < 0 or entry.num_draft_tokens < 0
+              or entry.num_tokens <= entry.num_proposals):
             problem = "an inconsistent step entry"
+        elif entry.num_draft_tokens and self.drafter is None:
+            problem = "draft tokens asked of a worker without a draft model"
         if problem is None:
             mirror.token_ids.extend(entry.appended_token_ids)
             self.tables.write(mirror.row, entry.table_start, entry.block_ids)
             mirror.num_blocks = entry.table_start + len(entry.block_ids)
             end = entry.start + entry.num_tokens
-            if end > len(mirror.token_ids) or end > mirror.num_blocks * self.cache.block_size:
+            known_end = end - entry.num_proposals
+            if known_end > len(mirror.token_ids) or end > mirror.num_blocks * self.cache.block_size:
                 problem = f"tokens or blocks missing for position {end}"
+            elif entry.num_proposals and known_end != len(mirror.token_ids):
+                problem = "proposals that do not follow the sequence's last token"
         if problem is not None:
             failures[entry.seq_id] = problem
             self._drop(entry.seq_id)
             return False
         return True
-
-    def _batch(self, rows: list[int], positions: torch.Tensor, starts: list[int], context_lens: list[int]) -> PagedBatch:
-        """The kernels' view of the step, gathered from the persistent block tables."""
-        device, block_size = self.device, self.cache.block_size
-        row_index = torch.tensor(rows, dtype=torch.int64, device=device)
-        query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.int64, device=device)
-        slot_mapping = self.tables.slot_mapping(row_index.repeat_interleave(query_lens), positions, block_size)
-        return PagedBatch(
-            slot_mapping=slot_mapping,
-            block_tables=self.tables.gather(row_index, -(-max(context_lens) // block_size)),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            query_start_list=starts,
-            context_lens_list=context_lens,
-        )
 
     def _drop(self, seq_id: int) -> None:
         mirror = self.mirrors.pop(seq_id, None)
@@ -221,12 +257,18 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @staticmethod
-    def _sample_row(mirror: SequenceMirror) -> SampleRow:
+    def _sample_rows(mirror: SequenceMirror, proposals: list[int]) -> list[SampleRow]:
+        """How to sample its last position and, before that, each of its proposals' positions: each
+        row as if the proposals before it were already the sequence's tokens."""
         generated = len(mirror.token_ids) - mirror.num_prompt_tokens
         sampling = mirror.sampling
         forks = generated == 0 and not sampling.use_beam_search and sampling.num_samples > 1
-        return SampleRow(sampling, generated, mirror.index, sampling.num_samples if forks else 1, mirror.token_ids,
-                         mirror.num_prompt_tokens)
+        rows = []
+        for j in range(len(proposals) + 1):
+            tokens = mirror.token_ids if not (j and sampling.penalized) else mirror.token_ids + proposals[:j]
+            rows.append(SampleRow(sampling, generated + j, mirror.index, sampling.num_samples if forks else 1, tokens,
+                                  mirror.num_prompt_tokens))
+        return rows
 
     def reset(self) -> None:
         """Forget every sequence: after a failed step the scheduler ends them all."""
@@ -234,3 +276,12 @@ class ModelRunner:
         self.tables.reset()
 
 
+
+
+def _accepted_run(samples: list[Sample], proposals: list[int]) -> list[Sample]:
+    """The samples up to the first that differs from its proposal, or all of them: the accepted
+    proposals and the token after them."""
+    for j, proposal in enumerate(proposals):
+        if samples[j].token_id != proposal:
+            return samples[: j + 1]
+    return samples

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import zmq
 
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
-from services.worker.loader import eos_token_ids, load_model
+from services.worker.drafter import Drafter
+from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 from services.worker.tensor_parallel import TensorParallel
@@ -50,6 +51,16 @@ def join_rank_group(rank: int, world_size: int, init_method: str, device: torch.
     return TensorParallel(rank, world_size)
 
 
+def load_draft_model(model_dir: str, target, dtype: torch.dtype, device: torch.device, args, tp: TensorParallel):
+    """The draft model of `--speculative-config`, in the target's dtype and tensor-parallel split."""
+    dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
+    draft, config = load_model(model_dir, dtype_name, device, args.load_format, args.seed, tp)
+    if draft.lm_head.weight.shape[0] != target.lm_head.weight.shape[0]:
+        raise ModelLoadError(f"the draft model {model_dir} has a vocabulary of {draft.lm_head.weight.shape[0]} "
+                             f"tokens, the target {target.lm_head.weight.shape[0]}: they must share the tokenizer")
+    return draft, config
+
+
 class WorkerServer:
     def __init__(self, args, rank: int = 0, world_size: int = 1, keys: WireKeys | None = None,
                  metrics: WorkerMetrics | None = None):
@@ -61,30 +72,39 @@ class WorkerServer:
         torch.manual_seed(args.seed)  # the same on every rank: they sample the same tokens
         model, config = load_model(args.model, args.dtype, device, args.load_format, args.seed, tp)
         dtype = model.lm_head.weight.dtype
-        block_bytes = bytes_per_block(
-            config.num_hidden_layers, args.block_size, model.num_kv_heads, model.head_dim, dtype
-        )
+        models = [(model, config)]
+        speculative = args.speculative_config
+        if speculative is not None and speculative.method == "draft_model":
+            models.append(load_draft_model(speculative.model, model, dtype, device, args, tp))
+        # The draft's cache lives under the same block ids, so a block costs both models' bytes.
+        layer_bytes = [bytes_per_block(c.num_hidden_layers, args.block_size, m.num_kv_heads, m.head_dim, dtype)
+                       for m, c in models]
+        block_bytes = sum(layer_bytes)
         num_blocks = args.num_gpu_blocks_override or num_blocks_that_fit(
             device, block_bytes, args.gpu_memory_utilization, args.kv_cache_memory
         )
         if num_blocks < 1:
             raise RuntimeError("no memory left for a single KV block; lower the model or raise the limit")
         num_cpu_blocks = int(args.swap_space * GIB // block_bytes)
-        cache = KVCache(
-            config.num_hidden_layers, num_blocks, args.block_size, model.num_kv_heads,
-            model.head_dim, dtype, device, num_cpu_blocks,
-        )
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB); swap space: %d blocks", num_blocks,
-                 args.block_size, num_blocks * block_bytes / 2**20, num_cpu_blocks)
+        cache, *draft_cache = [
+            KVCache(c.num_hidden_layers, num_blocks, args.block_size, m.num_kv_heads, m.head_dim, dtype, device,
+                    num_cpu_blocks)
+            for m, c in models
+        ]
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB%s); swap space: %d blocks", num_blocks,
+                 args.block_size, num_blocks * block_bytes / 2**20,
+                 f", of which the draft model's {num_blocks * layer_bytes[1] / 2**20:.1f}" if draft_cache else "",
+                 num_cpu_blocks)
+        drafter = Drafter(models[1][0], draft_cache[0], device) if draft_cache else None
         eos_ids = eos_token_ids(args.model, config)
-        self.runner = ModelRunner(model, cache, device, args.seed, eos_token_ids=eos_ids)
+        self.runner = ModelRunner(model, cache, device, args.seed, eos_token_ids=eos_ids, drafter=drafter)
         swap_rate = cache.measure_swap_bandwidth()
         prefill_rate = self.runner.measure_prefill_rate()
         log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s", swap_rate / 1e9, prefill_rate)
         self.ready = Ready(
             rank, world_size, num_blocks, num_cpu_blocks, args.block_size,
             config.max_position_embeddings, eos_ids, block_bytes,
-            swap_rate, prefill_rate, self.runner.vocab_size, device.type,
+            swap_rate, prefill_rate, self.runner.vocab_size, device.type, drafter is not None,
         )
         self.metrics = metrics or WorkerMetrics(rank)
         self.context = zmq.Context()
@@ -133,10 +153,10 @@ class WorkerServer:
             self.runner.reset()
             result = StepResult(step.step_id, [], 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
         result.idle_ms = idle_ms
-        self.metrics.observe(result)
         if self.rank == 0:
             sockets.send(self.socket, result)
         self.last_sent = time.perf_counter()
+        self.metrics.observe(result)  # after the send: the scheduler waits for the result, not for this
 
     def on_reset(self, message: Reset) -> None:
         log.warning("the scheduler reset this rank; reporting ready again")

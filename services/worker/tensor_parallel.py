@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.cpu_linear import linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +52,14 @@ def row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  transposed: bool = False) -> torch.Tensor:
     """A projection whose input is split over the ranks: partial sums, all-reduced, then the bias
     (`transposed`: a weight stored [in, out], as GPT-2's)."""
-    out = tp.all_reduce(x @ weight if transposed else F.linear(x, weight))
+    out = tp.all_reduce(x @ weight if transposed else linear(x, weight))
     return out + bias if bias is not None else out
 
 
-def row_parallel_linear(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def row_parallel_linear(projection: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     if tp.world_size == 1:
-        return linear(x)  # one fused call, bit for bit what it was before tensor parallelism
-    return row_parallel(x, linear.weight, linear.bias, tp)
+        return projection(x)  # one fused call, bit for bit what it was before tensor parallelism
+    return row_parallel(x, projection.weight, projection.bias, tp)
 
 
 @dataclass(frozen=True, slots=True)

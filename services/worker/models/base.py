@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.cpu_linear import Linear
 
 class PagedCausalLM(nn.Module):
     embedding_weight = ""  # the parameter the LM head shares when embeddings are tied
 
     def init_head(self, config, head_input_size: int, num_kv_heads: int, head_dim: int) -> None:
         self.config = config
-        self.lm_head = nn.Linear(head_input_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(head_input_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
 

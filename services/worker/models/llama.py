@@ -13,6 +13,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.batch import PagedBatch
+from kernels.cpu_linear import Linear
 from services.worker.models.base import PagedCausalLM
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
@@ -70,10 +71,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         if qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -111,9 +112,9 @@ class MLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.first, width = tp.split(config.intermediate_size, "the MLP's intermediate size")
-        self.gate_proj = nn.Linear(config.hidden_size, width, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, width, bias=bias)
-        self.down_proj = nn.Linear(width, config.hidden_size, bias=bias)
+        self.gate_proj = Linear(config.hidden_size, width, bias=bias)
+        self.up_proj = Linear(config.hidden_size, width, bias=bias)
+        self.down_proj = Linear(width, config.hidden_size, bias=bias)
         self.tp = tp
         self.act = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act == "silu"

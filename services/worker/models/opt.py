@@ -7,6 +7,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from kernels.batch import PagedBatch
+from kernels.cpu_linear import Linear
 from services.worker.models.base import PagedCausalLM
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
@@ -23,10 +24,10 @@ class OPTAttention(nn.Module):
         self.head_dim = hidden // config.num_attention_heads
         self.first_head, self.num_heads = tp.split(config.num_attention_heads, "the number of attention heads")
         width = self.num_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, width, bias=bias)
-        self.k_proj = nn.Linear(hidden, width, bias=bias)
-        self.v_proj = nn.Linear(hidden, width, bias=bias)
-        self.out_proj = nn.Linear(width, hidden, bias=bias)
+        self.q_proj = Linear(hidden, width, bias=bias)
+        self.k_proj = Linear(hidden, width, bias=bias)
+        self.v_proj = Linear(hidden, width, bias=bias)
+        self.out_proj = Linear(width, hidden, bias=bias)
         self.tp = tp
 
     def forward(self, hidden, kv_cache, batch: PagedBatch):
@@ -51,8 +52,8 @@ class OPTDecoderLayer(nn.Module):
         self.self_attn = OPTAttention(config, tp)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.first_inner, inner = tp.split(config.ffn_dim, "the MLP's inner width")
-        self.fc1 = nn.Linear(hidden, inner, bias=bias)
-        self.fc2 = nn.Linear(inner, hidden, bias=bias)
+        self.fc1 = Linear(hidden, inner, bias=bias)
+        self.fc2 = Linear(inner, hidden, bias=bias)
         self.tp = tp
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.activation = ACT2FN[config.activation_function]
@@ -87,8 +88,8 @@ class OPTDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, projected)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
         if projected != config.hidden_size:
-            self.project_in = nn.Linear(projected, config.hidden_size, bias=False)
-            self.project_out = nn.Linear(config.hidden_size, projected, bias=False)
+            self.project_in = Linear(projected, config.hidden_size, bias=False)
+            self.project_out = Linear(config.hidden_size, projected, bias=False)
         if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
             affine = getattr(config, "layer_norm_elementwise_affine", True)
             self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)

@@ -1,0 +1,38 @@
+"""RMSNorm, fused with the residual add before it: the compiled kernel of `cpu_norm.c` on a CPU for
+float32, torch elsewhere (and where no compiler is at hand)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+
+
+@functools.cache
+def native_kernel():
+    p, i = native.POINTER, native.INT64
+    return native.function("cpu_norm", "rms_norm_f32", [p, p, p, native.FLOAT, p, i, i, i], i)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` normalized over its last dimension and scaled by `weight`; with `residual`, first
+    `residual += x` (in place), and then `residual` is what is normalized."""
+    width = x.shape[-1]
+    if (x.dtype is torch.float32 and weight.dtype is torch.float32 and not x.is_cuda and x.is_contiguous()
+            and weight.is_contiguous() and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))
+            and not torch.is_grad_enabled() and (kernel := native_kernel()) is not None):
+        out = torch.empty_like(x)
+        rows = x.numel() // width
+        if kernel(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
+                  out.data_ptr(), rows, width, width) == 0:
+            return out
+    if residual is not None:
+        x = residual.add_(x)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    dtype = x.dtype  # half types: computed in float32, as HF does
+    x = x.to(torch.float32)
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)

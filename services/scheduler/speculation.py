@@ -1,0 +1,162 @@
+"""Speculative decoding, the scheduler's part: whether the next step speculates, what each decoding
+sequence proposes, and what verification accepted.
+
+A step that carries proposals needs its result before the next step can be planned (only then are
+the sequences' tokens known), so speculating gives up the overlap of planning with computing, and
+verifying k proposals costs the worker k more positions per sequence. Whether that pays depends on
+the machine, the model, the batch and the text, so it is measured, not assumed: `AdaptiveSwitch`
+keeps, per batch size (in powers of two), the tokens per sequence per millisecond of worker time
+that recent steps gave with speculation and without, takes the better, and now and then tries the
+other again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from services.scheduler.ngram import NgramProposer
+from services.scheduler.request import Sequence
+from shared.config import SpeculativeConfig
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Counted as vLLM counts them: a draft is one sequence's proposals in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    steps_speculating: int = 0
+    steps_plain: int = 0
+
+
+class _Choice:
+    """What one choice (speculate or not) gave in a bucket's recent steps."""
+
+    __slots__ = ("rates",)
+
+    def __init__(self, window: int):
+        self.rates: deque[float] = deque(maxlen=window)
+
+    @property
+    def rate(self) -> float:
+        return sum(self.rates) / len(self.rates)
+
+
+class _Bucket:
+    __slots__ = ("choices", "since_probe", "probe_every", "probe_left")
+
+    def __init__(self, window: int, probe_every: int):
+        self.choices = {True: _Choice(window), False: _Choice(window)}
+        self.since_probe = 0
+        self.probe_every = probe_every
+        self.probe_left = 0  # steps left of a probe of the other choice
+
+
+class AdaptiveSwitch:
+    """Speculate or not, per batch size, by what each choice delivered lately."""
+
+    WARMUP = 4  # steps of each choice in a bucket before the two are compared
+    WINDOW = 16  # recent steps a choice's rate is averaged over
+    PROBE_STEPS = 4  # steps of the other choice in one probe
+    PROBE_EVERY_MIN, PROBE_EVERY_MAX = 16, 256  # steps between probes; doubled each time a probe confirms
+
+    def __init__(self):
+        self.buckets: dict[int, _Bucket] = {}
+
+    def choose(self, num_decoding: int) -> bool:
+        bucket = self._bucket(num_decoding)
+        for choice in (True, False):
+            if len(bucket.choices[choice].rates) < self.WARMUP:
+                return choice
+        best = self._best(bucket)
+        if bucket.probe_left:
+            return not best
+        bucket.since_probe += 1
+        if bucket.since_probe >= bucket.probe_every:
+            bucket.since_probe, bucket.probe_left = 0, self.PROBE_STEPS
+            return not best
+        return best
+
+    def observe(self, num_decoding: int, speculated: bool, num_tokens: int, worker_ms: float) -> None:
+        """A step of `num_decoding` decoding sequences gave `num_tokens` tokens in `worker_ms` of the
+        worker's time (its wait for the step included)."""
+        if num_decoding <= 0 or worker_ms <= 0:
+            return
+        bucket = self._bucket(num_decoding)
+        was_best = self._best(bucket) if all(bucket.choices[c].rates for c in (True, False)) else speculated
+        bucket.choices[speculated].rates.append(num_tokens / (num_decoding * worker_ms))
+        if bucket.probe_left and speculated != was_best:
+            bucket.probe_left -= 1
+            if not bucket.probe_left:  # the probe is over: did it change the verdict?
+                confirmed = self._best(bucket) == was_best
+                bucket.probe_every = (min(2 * bucket.probe_every, self.PROBE_EVERY_MAX) if confirmed
+                                      else self.PROBE_EVERY_MIN)
+
+    def _bucket(self, num_decoding: int) -> _Bucket:
+        key = num_decoding.bit_length()
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = _Bucket(self.WINDOW, self.PROBE_EVERY_MIN)
+        return bucket
+
+    @staticmethod
+    def _best(bucket: _Bucket) -> bool:
+        return bucket.choices[True].rate >= bucket.choices[False].rate
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) \
+            if config.method == "ngram" else None
+        self.switch = AdaptiveSwitch() if config.adaptive else None
+        self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self._decision: bool | None = None  # for the next step built, once made
+
+    def decide(self, num_decoding: int) -> bool:
+        """Whether the next step speculates; the same answer until a step is built."""
+        if self._decision is None:
+            self._decision = self.switch.choose(num_decoding) if self.switch is not None else True
+        return self._decision
+
+    def built(self, speculating: bool) -> None:
+        self._decision = None
+        if speculating:
+            self.stats.steps_speculating += 1
+        else:
+            self.stats.steps_plain += 1
+
+    def propose(self, seq: Sequence, token_budget: int) -> None:
+        """Set the sequence's proposals for the step being planned, within what its request and the
+        context allow: each step may give it one token more than it proposes."""
+        sampling = seq.request.sampling
+        k = min(self.config.num_speculative_tokens, token_budget - 1,
+                sampling.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
+        if k <= 0 or not sampling.can_speculate:
+            seq.proposal, seq.num_drafts = [], 0
+        elif self.proposer is not None:
+            seq.proposal, seq.num_drafts = self.proposer.propose(seq, k), 0
+        else:
+            seq.proposal, seq.num_drafts = [], k
+
+    def verified(self, outcomes: list[tuple[int, int]]) -> None:
+        """(proposals, accepted) of each sequence a step verified."""
+        stats = self.stats
+        for proposed, accepted in outcomes:
+            stats.num_drafts += 1
+            stats.num_draft_tokens += proposed
+            stats.num_accepted_tokens += accepted
+            for position in range(accepted):
+                stats.accepted_per_position[position] += 1
+
+    def snapshot(self) -> SpeculationStats:
+        stats = self.stats
+        return replace(stats, accepted_per_position=list(stats.accepted_per_position))
+
+    def observe(self, num_decoding: int, speculated: bool, num_tokens: int, worker_ms: float) -> None:
+        if self.switch is not None:
+            self.switch.observe(num_decoding, speculated, num_tokens, worker_ms)

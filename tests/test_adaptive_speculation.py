@@ -1,0 +1,44 @@
+"""Whether a step speculates is chosen by what speculating and not speculating gave lately, per
+batch size: on a machine where a batch is compute-bound, speculation stops costing throughput."""
+
+from __future__ import annotations
+
+from services.scheduler.speculation import AdaptiveSwitch
+
+
+def run(switch: AdaptiveSwitch, batch: int, steps: int, worker_ms) -> list[bool]:
+    """Steps of `batch` decoding sequences; `worker_ms(speculated)` is what a step costs and
+    speculating gives 1.5 tokens per sequence, plain decoding one."""
+    choices = []
+    for _ in range(steps):
+        speculated = switch.choose(batch)
+        choices.append(speculated)
+        tokens = round(batch * (1.5 if speculated else 1.0))
+        switch.observe(batch, speculated, tokens, worker_ms(speculated))
+    return choices
+
+
+def test_it_speculates_where_speculating_gives_more_tokens_per_millisecond():
+    choices = run(AdaptiveSwitch(), batch=1, steps=1000, worker_ms=lambda speculated: 5.5 if speculated else 5.0)
+    assert sum(choices[100:]) / 900 > 0.97
+
+
+def test_it_stops_where_proposals_cost_more_than_they_give_and_probes_less_and_less():
+    choices = run(AdaptiveSwitch(), batch=48, steps=3000, worker_ms=lambda speculated: 30.0 if speculated else 15.0)
+    assert sum(choices[:200]) < 40  # the warm-up and the first probes
+    assert sum(choices[1000:]) <= 4 * 2000 / 256 + 4  # by then a probe of 4 steps every 256
+
+
+def test_batch_sizes_are_judged_apart():
+    switch = AdaptiveSwitch()
+    small = run(switch, batch=1, steps=500, worker_ms=lambda speculated: 5.5 if speculated else 5.0)
+    large = run(switch, batch=48, steps=500, worker_ms=lambda speculated: 30.0 if speculated else 15.0)
+    assert sum(small[-200:]) > 190 and sum(large[-200:]) < 20
+
+
+def test_a_change_of_verdict_is_found_by_the_probes():
+    switch = AdaptiveSwitch()
+    run(switch, batch=4, steps=2000, worker_ms=lambda speculated: 12.0 if speculated else 6.0)
+    # The text turns repetitive: now speculating pays.
+    after = run(switch, batch=4, steps=2000, worker_ms=lambda speculated: 6.5 if speculated else 6.0)
+    assert sum(after[-500:]) > 480

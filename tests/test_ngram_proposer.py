@@ -1,0 +1,90 @@
+"""The n-gram proposer proposes what vLLM's would: the tokens after the earliest earlier occurrence
+of the longest suffix n-gram (n from prompt_lookup_max down to prompt_lookup_min)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.scheduler.ngram import NgramProposer
+from services.scheduler.request import Request, Sequence
+from shared.config import SpeculativeConfig
+from shared.sampling import SamplingParams
+
+
+def reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The rule, written as plainly as possible."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) < n:
+            continue
+        suffix = tokens[-n:]
+        for start in range(0, len(tokens) - n):  # earlier occurrences only, the earliest first
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def sequence(prompt: list[int], output: list[int]) -> Sequence:
+    return Sequence(0, Request("r", list(prompt), SamplingParams(), 0.0), 0, list(output))
+
+
+def test_it_proposes_what_followed_the_suffix_earlier():
+    seq = sequence([1, 2, 3, 4, 9, 9, 1, 2], [])
+    assert NgramProposer(2, 4).propose(seq, 3) == [3, 4, 9]
+
+
+def test_the_longest_match_wins_and_then_the_earliest_occurrence():
+    # [7, 1, 2] occurs once (followed by 5); [1, 2] alone occurs earlier too (followed by 4).
+    seq = sequence([1, 2, 4, 7, 1, 2, 5, 0, 7, 1, 2], [])
+    assert NgramProposer(2, 3).propose(seq, 2) == [5, 0]
+    assert NgramProposer(2, 2).propose(seq, 2) == [4, 7]
+
+
+def test_no_proposal_for_a_new_suffix_or_a_sequence_shorter_than_min_n():
+    assert NgramProposer(2, 4).propose(sequence([1, 2, 3, 4], []), 4) == []
+    assert NgramProposer(3, 4).propose(sequence([5, 5], []), 4) == []
+
+
+def test_a_proposal_may_overlap_the_suffix_and_stops_at_the_last_token():
+    assert NgramProposer(2, 2).propose(sequence([6, 6, 6], []), 5) == [6]
+
+
+def test_the_index_follows_the_sequence_as_it_grows():
+    seq = sequence([1, 2, 3], [])
+    proposer = NgramProposer(1, 2)
+    assert proposer.propose(seq, 2) == []
+    seq.output_token_ids += [1, 2]
+    assert proposer.propose(seq, 2) == [3, 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=st.lists(st.integers(0, 4), min_size=1, max_size=40), output=st.lists(st.integers(0, 4), max_size=30),
+       split=st.integers(0, 30), bounds=st.tuples(st.integers(1, 4), st.integers(0, 3)), k=st.integers(1, 6))
+def test_it_agrees_with_the_plain_rule_at_every_length(prompt, output, split, bounds, k):
+    min_n, max_n = bounds[0], bounds[0] + bounds[1]
+    proposer = NgramProposer(min_n, max_n)
+    seq = sequence(prompt, output[:split])
+    proposer.propose(seq, k)  # an index built part way, then extended
+    seq.output_token_ids += output[split:]
+    assert proposer.propose(seq, k) == reference(prompt + output, min_n, max_n, k)
+
+
+def test_the_speculative_config_takes_vllms_json_and_names_what_is_wrong():
+    parsed = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                                     '"prompt_lookup_min": 2}')
+    assert (parsed.method, parsed.num_speculative_tokens, parsed.prompt_lookup_min, parsed.prompt_lookup_max) == \
+        ("ngram", 4, 2, 4)
+    assert SpeculativeConfig.parse(parsed.to_json()) == parsed
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').prompt_lookup_min == 5
+    assert SpeculativeConfig.parse('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}').model == "/m"
+    assert SpeculativeConfig.parse(None) is None
+    for bad, named in (('{"method": "eagle", "num_speculative_tokens": 3}', "method"),
+                       ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                       ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+                        '"prompt_lookup_max": 2}', "prompt_lookup"),
+                       ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
+                       ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "typo"),
+                       ("[1]", "object"), ("{", "JSON")):
+        with pytest.raises(ValueError, match=named):
+            SpeculativeConfig.parse(bad)
