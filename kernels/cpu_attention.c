@@ -3,13 +3,16 @@
  * The contract is paged_attention_reference's (kernels/paged_attention.py): query row i of
  * sequence s sits at position context_lens[s] - num_queries + i and sees that sequence's keys up
  * to its own position (within the sliding window when window > 0), found through its row of the
- * block table. Nothing is gathered into a workspace first, so each key and value is read once per
- * query; the query heads that share a KV head are served together from the same loads.
+ * block table. Nothing is gathered into a workspace first; each key and value is read once for up
+ * to QUERY_BLOCK queries of a sequence (a prompt's chunk, or a decode with the proposals it
+ * verifies) and for all the query heads that share its KV head.
  * Built with -O3 -ffast-math so the head_dim loops become SIMD and expf the vector library's.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#define QUERY_BLOCK 8 /* queries of one sequence served together: each key and value is read once for all */
 
 static inline __attribute__((always_inline)) void attend_range(
     const float *restrict query, const float *restrict key_cache, const float *restrict value_cache,
@@ -20,54 +23,68 @@ static inline __attribute__((always_inline)) void attend_range(
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim; /* floats per cached token */
+    int64_t low[QUERY_BLOCK], high[QUERY_BLOCK];          /* each query's visible positions, inclusive */
     for (int64_t s = first_seq; s < last_seq; s++) {
         const int32_t *table = block_tables + s * table_stride;
         const int64_t first = query_start[s], num_queries = query_start[s + 1] - first;
         const int64_t context = context_lens[s];
-        for (int64_t i = 0; i < num_queries; i++) {
-            const int64_t position = context - num_queries + i;
-            const int64_t lowest = (window > 0 && position - window + 1 > 0) ? position - window + 1 : 0;
-            const int64_t n = position + 1 - lowest;
-            const float *token_query = query + (first + i) * num_heads * head_dim;
-            float *token_out = out + (first + i) * num_heads * head_dim;
+        for (int64_t i0 = 0; i0 < num_queries; i0 += QUERY_BLOCK) {
+            const int64_t block = num_queries - i0 < QUERY_BLOCK ? num_queries - i0 : QUERY_BLOCK;
+            for (int64_t b = 0; b < block; b++) {
+                high[b] = context - num_queries + i0 + b;
+                low[b] = (window > 0 && high[b] - window + 1 > 0) ? high[b] - window + 1 : 0;
+            }
+            const int64_t lowest = low[0], n = high[block - 1] + 1 - lowest; /* span of the block's rows */
             for (int64_t h = 0; h < num_kv_heads; h++) {
-                const float *q = token_query + h * group * head_dim;
+                /* Row (b, g): query b of the block, head g of this KV head's group; its scores at p - lowest. */
                 for (int64_t t = 0; t < n; t++) {
                     const int64_t p = lowest + t;
                     const float *k = key_cache + ((int64_t)table[p / block_size] * block_size + p % block_size)
                                                  * token_stride + h * head_dim;
+                    for (int64_t b = 0; b < block; b++) {
+                        if (p < low[b] || p > high[b])
+                            continue;
+                        const float *q = query + ((first + i0 + b) * num_heads + h * group) * head_dim;
+                        for (int64_t g = 0; g < group; g++) {
+                            const float *qg = q + g * head_dim;
+                            float dot = 0.f;
+                            for (int64_t d = 0; d < head_dim; d++)
+                                dot += qg[d] * k[d];
+                            scores[(b * group + g) * n + t] = dot * scale;
+                        }
+                    }
+                }
+                for (int64_t b = 0; b < block; b++)
                     for (int64_t g = 0; g < group; g++) {
-                        const float *qg = q + g * head_dim;
-                        float dot = 0.f;
-                        for (int64_t d = 0; d < head_dim; d++)
-                            dot += qg[d] * k[d];
-                        scores[g * n + t] = dot * scale;
+                        float *row = scores + (b * group + g) * n;
+                        const int64_t from = low[b] - lowest, to = high[b] - lowest + 1;
+                        float top = row[from];
+                        for (int64_t t = from + 1; t < to; t++)
+                            top = row[t] > top ? row[t] : top;
+                        float total = 0.f;
+                        for (int64_t t = from; t < to; t++) {
+                            row[t] = expf(row[t] - top);
+                            total += row[t];
+                        }
+                        const float inverse = 1.f / total;
+                        for (int64_t t = from; t < to; t++)
+                            row[t] *= inverse;
+                        memset(out + ((first + i0 + b) * num_heads + h * group + g) * head_dim, 0,
+                               head_dim * sizeof(float));
                     }
-                }
-                for (int64_t g = 0; g < group; g++) {
-                    float *row = scores + g * n;
-                    float top = row[0];
-                    for (int64_t t = 1; t < n; t++)
-                        top = row[t] > top ? row[t] : top;
-                    float total = 0.f;
-                    for (int64_t t = 0; t < n; t++) {
-                        row[t] = expf(row[t] - top);
-                        total += row[t];
-                    }
-                    const float inverse = 1.f / total;
-                    for (int64_t t = 0; t < n; t++)
-                        row[t] *= inverse;
-                    memset(token_out + (h * group + g) * head_dim, 0, head_dim * sizeof(float));
-                }
                 for (int64_t t = 0; t < n; t++) {
                     const int64_t p = lowest + t;
                     const float *v = value_cache + ((int64_t)table[p / block_size] * block_size + p % block_size)
                                                    * token_stride + h * head_dim;
-                    for (int64_t g = 0; g < group; g++) {
-                        const float weight = scores[g * n + t];
-                        float *o = token_out + (h * group + g) * head_dim;
-                        for (int64_t d = 0; d < head_dim; d++)
-                            o[d] += weight * v[d];
+                    for (int64_t b = 0; b < block; b++) {
+                        if (p < low[b] || p > high[b])
+                            continue;
+                        for (int64_t g = 0; g < group; g++) {
+                            const float weight = scores[(b * group + g) * n + t];
+                            float *o = out + ((first + i0 + b) * num_heads + h * group + g) * head_dim;
+                            for (int64_t d = 0; d < head_dim; d++)
+                                o[d] += weight * v[d];
+                        }
                     }
                 }
             }
@@ -75,7 +92,7 @@ static inline __attribute__((always_inline)) void attend_range(
     }
 }
 
-/* scores: scratch of num_heads / num_kv_heads * max(context_lens) floats. */
+/* scores: scratch of QUERY_BLOCK * num_heads / num_kv_heads * max(context_lens) floats. */
 void paged_attention_f32(
     const float *query, const float *key_cache, const float *value_cache, const int32_t *block_tables,
     int64_t table_stride, const int32_t *query_start, const int32_t *context_lens, int64_t first_seq,

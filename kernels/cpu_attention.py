@@ -39,6 +39,7 @@ class Workspace:
 
 _workspace = Workspace()
 CHUNK_BYTES = 4 << 20  # gathered keys and values per attention call
+QUERY_BLOCK = 8  # queries of a sequence the compiled kernel serves together (cpu_attention.c)
 
 
 def paged_attention_cpu(query, key_cache, value_cache, batch: PagedBatch, scale: float,
@@ -85,7 +86,7 @@ def paged_attention_native(
             batch.context_lens.to(torch.int32).contiguous(), _split(batch, torch.get_num_threads()))
     tables, starts, lens, parts = derived
     out = torch.empty_like(query)
-    scratch = num_heads // num_kv_heads * max(batch.context_lens_list)
+    scratch = QUERY_BLOCK * num_heads // num_kv_heads * max(batch.context_lens_list)
 
     def run(part: int) -> None:
         first, last = parts[part]

@@ -445,8 +445,9 @@ class Scheduler:
                                                  self._speculating, prompt_tokens_computed > 0)
         self.counters["steps"] += 1
         if self.speculation is not None:
-            self.speculation.built(self._speculating)
-            if any(entry.num_proposals for entry in entries):
+            proposed = any(entry.num_proposals for entry in entries)
+            self.speculation.built(self._speculating, proposed)
+            if proposed:
                 self.needs_drain = True  # the next step needs the tokens this one verifies
         return step
 

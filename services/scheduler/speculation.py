@@ -20,6 +20,9 @@ from services.scheduler.request import Sequence
 from shared.config import SpeculativeConfig
 
 
+MAX_PLAIN_AFTER_EMPTY = 3
+
+
 @dataclass(slots=True)
 class SpeculationStats:
     """Counted as vLLM counts them: a draft is one sequence's proposals in one step."""
@@ -33,16 +36,18 @@ class SpeculationStats:
 
 
 class _Choice:
-    """What one choice (speculate or not) gave in a bucket's recent steps."""
+    """What one choice (speculate or not) gave in a bucket's recent steps: tokens, and sequences
+    times worker milliseconds, whose ratio is the choice's rate (a ratio of sums, so that the many
+    one-token steps of a sequence without a proposal weigh what they cost, not more)."""
 
-    __slots__ = ("rates",)
+    __slots__ = ("steps",)
 
     def __init__(self, window: int):
-        self.rates: deque[float] = deque(maxlen=window)
+        self.steps: deque[tuple[int, float]] = deque(maxlen=window)
 
     @property
     def rate(self) -> float:
-        return sum(self.rates) / len(self.rates)
+        return sum(tokens for tokens, _ in self.steps) / sum(cost for _, cost in self.steps)
 
 
 class _Bucket:
@@ -58,9 +63,9 @@ class _Bucket:
 class AdaptiveSwitch:
     """Speculate or not, per batch size, by what each choice delivered lately."""
 
-    WARMUP = 4  # steps of each choice in a bucket before the two are compared
-    WINDOW = 16  # recent steps a choice's rate is averaged over
-    PROBE_STEPS = 4  # steps of the other choice in one probe
+    WARMUP = 8  # steps of each choice in a bucket before the two are compared
+    WINDOW = 32  # recent steps a choice's rate is taken over
+    PROBE_STEPS = 8  # steps of the other choice in one probe
     PROBE_EVERY_MIN, PROBE_EVERY_MAX = 16, 256  # steps between probes; doubled each time a probe confirms
 
     def __init__(self):
@@ -69,7 +74,7 @@ class AdaptiveSwitch:
     def choose(self, num_decoding: int) -> bool:
         bucket = self._bucket(num_decoding)
         for choice in (True, False):
-            if len(bucket.choices[choice].rates) < self.WARMUP:
+            if len(bucket.choices[choice].steps) < self.WARMUP:
                 return choice
         best = self._best(bucket)
         if bucket.probe_left:
@@ -86,8 +91,8 @@ class AdaptiveSwitch:
         if num_decoding <= 0 or worker_ms <= 0:
             return
         bucket = self._bucket(num_decoding)
-        was_best = self._best(bucket) if all(bucket.choices[c].rates for c in (True, False)) else speculated
-        bucket.choices[speculated].rates.append(num_tokens / (num_decoding * worker_ms))
+        was_best = self._best(bucket) if all(bucket.choices[c].steps for c in (True, False)) else speculated
+        bucket.choices[speculated].steps.append((num_tokens, num_decoding * worker_ms))
         if bucket.probe_left and speculated != was_best:
             bucket.probe_left -= 1
             if not bucket.probe_left:  # the probe is over: did it change the verdict?
@@ -116,17 +121,31 @@ class Speculation:
         self.switch = AdaptiveSwitch() if config.adaptive else None
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
         self._decision: bool | None = None  # for the next step built, once made
+        self._empty_streak = 0  # speculating steps in a row in which no sequence had a proposal
+        self._plain_left = 0  # steps to plan plainly (and overlapped) before proposing again
 
     def decide(self, num_decoding: int) -> bool:
-        """Whether the next step speculates; the same answer until a step is built."""
+        """Whether the next step speculates; the same answer until a step is built.
+
+        A step that speculated finds its proposals only once the step before has returned. Where
+        no sequence had one, the next probably has none either (repetition comes in stretches),
+        so as many steps as such steps came in a row (up to MAX_PLAIN_AFTER_EMPTY) are planned
+        plainly, overlapped with computing, before proposals are looked for again."""
         if self._decision is None:
-            self._decision = self.switch.choose(num_decoding) if self.switch is not None else True
+            wanted = self.switch.choose(num_decoding) if self.switch is not None else True
+            if wanted and self._plain_left and self.config.adaptive:
+                self._plain_left -= 1
+                wanted = False
+            self._decision = wanted
         return self._decision
 
-    def built(self, speculating: bool) -> None:
+    def built(self, speculating: bool, proposed: bool) -> None:
+        """A step was built; `proposed`: some sequence in it had proposals."""
         self._decision = None
         if speculating:
             self.stats.steps_speculating += 1
+            self._empty_streak = 0 if proposed else self._empty_streak + 1
+            self._plain_left = min(self._empty_streak, MAX_PLAIN_AFTER_EMPTY)
         else:
             self.stats.steps_plain += 1
 

@@ -14,6 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.batch import PagedBatch
 from kernels.cpu_linear import Linear
+from kernels.cpu_norm import rms_norm
 from services.worker.models.base import PagedCausalLM
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
@@ -25,13 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused call; other dtypes compute in float32 as HF does
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` normalized; with `residual`, `residual += x` first (in place) and that is normalized."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding:
@@ -141,9 +138,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos_sin, kv_cache, batch):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, cos_sin, kv_cache, batch):
+        """(this layer's output, the residual stream before it): each residual add is done by the
+        next norm, in place, in the same pass."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, batch)
+        hidden = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -182,9 +186,10 @@ class LlamaForCausalLM(PagedCausalLM):
         """Returns the final hidden states, `[num_tokens, hidden_size]`."""
         hidden = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, cos_sin, kv_cache, batch)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, batch)
+        return self.model.norm(hidden, residual)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
