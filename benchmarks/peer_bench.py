@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -79,6 +80,10 @@ HIGHER_IS_BETTER = {"output_throughput", "request_throughput"}
 class Server:
     def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log_dir: Path):
         self.name, self.port = name, port
+        for taken in (port, port + 1):  # the api, and pagedserve's scheduler metrics: a server left
+            with socket.socket() as probe:  # running there would answer for this one
+                if probe.connect_ex(("127.0.0.1", taken)) == 0:
+                    raise RuntimeError(f"port {taken} is in use: another server is running there")
         with open(log_dir / f"{name}-{port}.log", "w") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(command, env={**os.environ, **env}, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -126,8 +131,9 @@ def vllm_command(args, port: int, speculative: bool = False) -> tuple[list[str],
                "--served-model-name", SERVED_NAME, "--dtype", args.dtype, "--block-size", str(args.block_size),
                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                str(args.max_num_batched_tokens)]
-    if speculative:
-        command += ["--speculative-config", args.speculative_config]
+    if speculative:  # without pagedserve's own key ("adaptive"), which vLLM does not know
+        config = {k: v for k, v in json.loads(args.speculative_config).items() if k != "adaptive"}
+        command += ["--speculative-config", json.dumps(config)]
     return command, {"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}"}
 
 
@@ -142,6 +148,8 @@ SYSTEMS = {  # name: (command, whether it speculates)
 def run_client(args, port: int, scenario: Scenario, seed: int, scratch: Path) -> dict:
     base_url = f"http://127.0.0.1:{port}"
     code = scenario.workload == "code"
+    if code:  # prompts of their own for each scenario: none found in a prefix cache from another
+        seed = 1000 * seed + scenario.max_concurrency
     if args.client == "ours":
         if code:
             jobs = workloads.code(scenario.num_prompts, seed=seed, output_len=scenario.output_len)
@@ -205,38 +213,75 @@ def cpu_burners(count: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
-def run_system(args, name: str, port: int, scenarios: dict[str, Scenario], seed: int, scratch: Path,
-               rates: list[float]) -> tuple[dict, dict]:
+def start_system(args, name: str, port: int, scratch: Path) -> Server:
     build, speculative = SYSTEMS[name]
     command, env = build(args, port, speculative)
     server = Server(name, command, env, port, scratch)
-    results, sweep = {}, {}
+    server.wait_ready()
+    run_client(args, port, Scenario(32, 16, 8, max_concurrency=8), 0, scratch)  # warm-up
+    return server
+
+
+def run_scenario(args, name: str, port: int, scenario_name: str, scenario: Scenario, seed: int,
+                 scratch: Path) -> dict:
+    """One scenario against a running system, with its worker's idle share and its acceptance length."""
+    speculative = SYSTEMS[name][1]
+    burners = cpu_burners(args.load_cores) if scenario.cpu_load else []
+    before = worker_seconds(port) if name.startswith("pagedserve") else None
+    counted = acceptance_counters(name, port) if speculative else None
     try:
-        server.wait_ready()
-        run_client(args, port, Scenario(32, 16, 8, max_concurrency=8), seed, scratch)  # warm-up
+        result = run_client(args, port, scenario, seed, scratch)
+    finally:
+        for burner in burners:
+            burner.kill()
+    if before is not None:
+        busy, waiting = (b - a for a, b in zip(before, worker_seconds(port)))
+        result["worker_waiting_share"] = waiting / busy if busy else 0.0
+    if counted is not None:  # vLLM's convention: the bonus token counts, 1 + accepted / drafts
+        accepted, drafts = (b - a for a, b in zip(counted, acceptance_counters(name, port)))
+        result["acceptance_length"] = 1 + accepted / drafts if drafts else 1.0
+    print(f"  {name} {scenario_name}: " + ", ".join(f"{m} {result[m]:.1f}" for m in scenario.metrics), flush=True)
+    return result
+
+
+def run_interleaved(args, systems: list[str], scenarios: dict[str, Scenario], scratch: Path) -> dict[str, list]:
+    """Every system up at once (ports 20 apart), each scenario run on each in turn, repetition after
+    repetition: a drift of this machine's speed then falls on all systems alike."""
+    ports = {name: args.port + 20 * i for i, name in enumerate(systems)}
+    servers = []
+    runs: dict[str, list[dict]] = {name: [{} for _ in range(args.repeats)] for name in systems}
+    try:
+        for name in systems:
+            servers.append(start_system(args, name, ports[name], scratch))
+        for name in systems:  # again once all are up: a server may still be busy after its health check
+            run_client(args, ports[name], Scenario(32, 16, 8, max_concurrency=8), 0, scratch)
+        for repeat in range(args.repeats):
+            print(f"repetition {repeat + 1}/{args.repeats}", flush=True)
+            for scenario_name, scenario in scenarios.items():
+                for name in systems:
+                    runs[name][repeat][scenario_name] = run_scenario(args, name, ports[name], scenario_name, scenario,
+                                                                     repeat, scratch)
+    finally:
+        for server in servers:
+            server.stop()
+    return runs
+
+
+def run_system(args, name: str, port: int, scenarios: dict[str, Scenario], seed: int, scratch: Path,
+               rates: list[float]) -> tuple[dict, dict]:
+    results, sweep = {}, {}
+    server = None
+    try:
+        server = start_system(args, name, port, scratch)
         for scenario_name, scenario in scenarios.items():
-            burners = cpu_burners(args.load_cores) if scenario.cpu_load else []
-            before = worker_seconds(port) if name.startswith("pagedserve") else None
-            counted = acceptance_counters(name, port) if speculative else None
-            try:
-                results[scenario_name] = run_client(args, port, scenario, seed, scratch)
-            finally:
-                for burner in burners:
-                    burner.kill()
-            if before is not None:
-                busy, waiting = (b - a for a, b in zip(before, worker_seconds(port)))
-                results[scenario_name]["worker_waiting_share"] = waiting / busy if busy else 0.0
-            if counted is not None:  # vLLM's convention: the bonus token counts, 1 + accepted / drafts
-                accepted, drafts = (b - a for a, b in zip(counted, acceptance_counters(name, port)))
-                results[scenario_name]["acceptance_length"] = 1 + accepted / drafts if drafts else 1.0
-            print(f"  {name} {scenario_name}: " + ", ".join(
-                f"{m} {results[scenario_name][m]:.1f}" for m in scenario.metrics), flush=True)
+            results[scenario_name] = run_scenario(args, name, port, scenario_name, scenario, seed, scratch)
         for rate in rates:
             sweep[rate] = run_client(args, port, Scenario(161, 338, args.sweep_prompts, request_rate=rate),
                                      seed, scratch)
             print(f"  {name} rate {rate:g}: mean TPOT {sweep[rate]['mean_tpot_ms']:.1f} ms", flush=True)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     return results, sweep
 
 
@@ -352,6 +397,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peer_bench.json"))
     parser.add_argument("--plot", default=str(ROOT / "docs" / "tpot_vs_rate.png"))
     parser.add_argument("--from-json", default=None, help="print the table and plot again from a saved run")
+    parser.add_argument("--interleave", action="store_true",
+                        help="start every system at once and run each scenario on each in turn (no --sweep)")
     parser.add_argument("--speculative-config", default=None,
                         help="run pagedserve without and with this config, and vLLM with it (JSON, vLLM's form)")
     args = parser.parse_args()
@@ -366,6 +413,8 @@ def main() -> None:
                  Path(args.plot))
             print(f"wrote {args.plot}")
         return
+    if args.interleave and args.sweep:
+        parser.error("--sweep runs one system at a time: leave out --interleave")
     if args.client == "auto":
         args.client = "vllm" if args.vllm_venv else "ours"
     if args.client == "vllm" and not args.vllm_venv:
@@ -383,7 +432,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     sweeps: dict[str, dict[float, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as scratch:
-        for repeat in range(args.repeats):
+        if args.interleave:
+            runs = run_interleaved(args, systems, scenarios, Path(scratch))
+        for repeat in range(0 if args.interleave else args.repeats):
             for system in systems:
                 print(f"repetition {repeat + 1}/{args.repeats}: {system}", flush=True)
                 results, sweep = run_system(args, system, args.port, scenarios, seed=repeat, scratch=Path(scratch),
@@ -401,7 +452,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "date": time.strftime("%Y-%m-%d"), "client": args.client, "model": args.model,
         "settings": {k: getattr(args, k) for k in ("block_size", "dtype", "kv_cache_gib", "max_num_seqs",
-                                                    "max_num_batched_tokens", "load_cores", "pagedserve_args")},
+                                                    "max_num_batched_tokens", "load_cores", "pagedserve_args",
+                                                    "interleave")},
         "scenarios": {name: {"input_len": s.input_len, "output_len": s.output_len, "num_prompts": s.num_prompts,
                              "max_concurrency": s.max_concurrency, "request_rate": str(s.request_rate),
                              "cpu_load": s.cpu_load, "workload": s.workload} for name, s in scenarios.items()},

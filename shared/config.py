@@ -63,7 +63,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 0
     prompt_lookup_max: int = 0
     model: str | None = None
-    adaptive: bool = True  # off: speculate in every step, whatever it costs (for tests)
+    adaptive: bool = True  # off: speculate in every step, whatever it costs
+    disable_by_batch_size: int = 0  # vLLM's knob: no speculation while more sequences decode (0: none)
 
     @staticmethod
     def parse(text: str | None) -> SpeculativeConfig | None:
@@ -77,7 +78,7 @@ class SpeculativeConfig:
         if not isinstance(raw, dict):
             raise ValueError("--speculative-config must be a JSON object")
         unknown = set(raw) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                              "adaptive"}
+                              "adaptive", "disable_by_batch_size"}
         if unknown:
             raise ValueError(f"--speculative-config: unknown field(s) {', '.join(sorted(unknown))}")
         method = raw.get("method", "ngram" if "prompt_lookup_max" in raw or "prompt_lookup_min" in raw else None)
@@ -90,11 +91,14 @@ class SpeculativeConfig:
         adaptive = raw.get("adaptive", True)
         if type(adaptive) is not bool:
             raise ValueError("--speculative-config: adaptive must be true or false")
+        limit = raw.get("disable_by_batch_size", 0)
+        if type(limit) is not int or limit < 0:
+            raise ValueError("--speculative-config: disable_by_batch_size must be an integer, 0 or more")
         if method == "draft_model":
             model = raw.get("model")
             if not isinstance(model, str) or not model:
                 raise ValueError("--speculative-config: draft_model needs 'model', a local model directory")
-            return SpeculativeConfig(method, k, model=model, adaptive=adaptive)
+            return SpeculativeConfig(method, k, model=model, adaptive=adaptive, disable_by_batch_size=limit)
         low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         if low is None and high is None:
             low = high = 5  # vLLM's defaults
@@ -103,7 +107,7 @@ class SpeculativeConfig:
         if type(low) is not int or type(high) is not int or not 1 <= low <= high <= MAX_LOOKUP:
             raise ValueError(f"--speculative-config: prompt_lookup_min and prompt_lookup_max must be integers with "
                              f"1 <= min <= max <= {MAX_LOOKUP}")
-        return SpeculativeConfig(method, k, low, high, adaptive=adaptive)
+        return SpeculativeConfig(method, k, low, high, adaptive=adaptive, disable_by_batch_size=limit)
 
     def to_json(self) -> str:
         """The flag's value that gives this config back (the launcher hands it on to its children)."""
@@ -114,6 +118,8 @@ class SpeculativeConfig:
             fields["model"] = self.model
         if not self.adaptive:
             fields["adaptive"] = False
+        if self.disable_by_batch_size:
+            fields["disable_by_batch_size"] = self.disable_by_batch_size
         return json.dumps(fields)
 
 

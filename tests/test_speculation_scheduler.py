@@ -196,3 +196,15 @@ def test_checking_blocks_after_every_step_of_a_speculating_batch_under_preemptio
         assert scheduler.counters[preemption] > 0, "the pool was meant to be too small for all four"
         assert any(n for _, n in worker.verified) and scheduler.speculation.stats.num_accepted_tokens > 0
         assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0
+
+
+
+def test_no_proposals_while_more_sequences_decode_than_disable_by_batch_size():
+    speculative = SpeculativeConfig("ngram", 4, 1, 3, adaptive=False, disable_by_batch_size=2)
+    scheduler, worker = make_scheduler(block_size=4, speculative=speculative), StandInWorker(cycle(3))
+    for max_tokens in (8, 20, 32):  # three decode at first, then two, then one
+        scheduler.add(request(prompt_len=6, max_tokens=max_tokens))
+    run_to_completion(scheduler, worker)
+    steps = [[e for e in step.scheduled if e.start >= 6] for step in worker.steps]
+    assert all(not e.num_proposals for decodes in steps if len(decodes) > 2 for e in decodes)
+    assert any(e.num_proposals for decodes in steps if len(decodes) <= 2 for e in decodes)

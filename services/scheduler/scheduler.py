@@ -445,9 +445,8 @@ class Scheduler:
                                                  self._speculating, prompt_tokens_computed > 0)
         self.counters["steps"] += 1
         if self.speculation is not None:
-            proposed = any(entry.num_proposals for entry in entries)
-            self.speculation.built(self._speculating, proposed)
-            if proposed:
+            self.speculation.built(self._speculating)
+            if any(entry.num_proposals for entry in entries):
                 self.needs_drain = True  # the next step needs the tokens this one verifies
         return step
 
