@@ -162,5 +162,6 @@ def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] 
 
 @pytest.fixture(scope="session")
 def llama_server(llama_dir, tmp_path_factory):
-    with serve(llama_dir, str(tmp_path_factory.mktemp("logs"))) as server:
+    # A short stats interval, so that tests/test_openai_api.py sees the periodic log line.
+    with serve(llama_dir, str(tmp_path_factory.mktemp("logs")), "--log-stats-interval", "0.5") as server:
         yield server

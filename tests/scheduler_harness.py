@@ -72,8 +72,10 @@ class StandInWorker:
         token = self.next_token(seq_id, len(tokens))
         if sampling.use_beam_search:
             width = 2 * sampling.num_samples
+            # A function of the beam's tokens, as a model's would be, not of its id: which ids a
+            # beam's forks get depends on what else ran, and must not change the result.
             ids = [(token + 7 * i) % 997 for i in range(width)]
-            logprobs = [-0.1 * (i + 1) - 0.01 * (hash((seq_id, len(tokens))) % 7) for i in range(width)]
+            logprobs = [-0.1 * (i + 1) - 0.01 * (hash(tuple(tokens)) % 7) for i in range(width)]
             return [SampledTokens(seq_id, [ids[0]], [logprobs[0]], [ids], [logprobs])]
         forks = len(tokens) == num_prompt and sampling.num_samples > 1
         if forks:

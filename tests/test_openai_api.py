@@ -173,19 +173,23 @@ def test_latency_histograms_count_every_request_and_requests_are_counted_by_fini
     assert grew("pagedserve_time_to_first_token_seconds_sum") > 0
 
 
-def test_the_log_has_a_line_per_request_and_a_periodic_line_while_serving(llama_dir, tmp_path):
-    from tests.conftest import serve
+def test_the_log_has_a_line_per_request_and_a_periodic_line_while_serving(llama_server):
+    def lines(kind: str, text: str = "") -> list[str]:
+        return [line for line in llama_server.log().splitlines() if kind in line and text in line]
 
-    with serve(llama_dir, str(tmp_path), "--log-stats-interval", "0.5") as server:
-        body = {"model": server.model, "prompt": "import os", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
-        assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
-        time.sleep(1.5)
-        log = server.log()
-    access = [line for line in log.splitlines() if "pagedserve.access" in line]
-    assert len(access) == 1 and "completions: length; prompt" in access[0] and "generated 40" in access[0]
-    periodic = [line for line in log.splitlines() if "pagedserve.stats" in line]
-    assert periodic and "generation" in periodic[0] and "KV blocks" in periodic[0]
-    assert len(periodic) <= 3  # nothing is written while idle
+    assert wait_until(llama_server.is_idle, 30)
+    periodic_before = len(lines("pagedserve.stats"))
+    body = {"model": llama_server.model, "prompt": "import os", "max_tokens": 37, "ignore_eos": True,
+            "temperature": 0}
+    assert httpx.post(f"{llama_server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert wait_until(lambda: lines("pagedserve.access", "generated 37"), 10)
+    access = lines("pagedserve.access", "generated 37")
+    assert len(access) == 1 and "completions: length; prompt" in access[0]
+    assert wait_until(lambda: len(lines("pagedserve.stats")) > periodic_before, 10)
+    periodic = lines("pagedserve.stats")[periodic_before:]
+    assert "generation" in periodic[0] and "KV blocks" in periodic[0]
+    time.sleep(1.5)  # three intervals, idle
+    assert len(lines("pagedserve.stats")) <= periodic_before + 3  # nothing is written while idle
 
 
 def test_a_streamed_event_is_one_line_to_any_line_reader_whatever_its_text_holds():

@@ -1,11 +1,9 @@
-"""What a stranger can and cannot do: API keys on the OpenAI routes, no sockets left behind,
-prefix-cache keys no prompt can forge."""
+"""What a stranger can and cannot do: API keys on the OpenAI routes, prefix-cache keys no prompt can
+forge. (The launcher's private socket directory and its removal: tests/test_stopping.py and
+tests/test_launcher.py.)"""
 
 import hashlib
-import os
-import shutil
 import subprocess
-import sys
 from array import array
 
 import httpx
@@ -15,7 +13,7 @@ import pytest
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, Sequence
 from shared.sampling import SamplingParams
-from tests.conftest import ROOT, free_port, metrics_port_flags, serve
+from tests.conftest import serve
 from tests.tiny_models import hf_greedy
 
 
@@ -44,26 +42,6 @@ def _command_lines(pid: int) -> list[str]:
         with open(f"/proc/{child}/cmdline", "rb") as f:
             lines.append(f.read().replace(b"\0", b" ").decode())
     return lines
-
-
-def test_the_launcher_removes_its_socket_directory_however_it_exits(llama_dir, tmp_path):
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    with serve(llama_dir, str(tmp_path), env={"TMPDIR": str(temp)}):
-        assert [p.name[:11] for p in temp.iterdir()] == ["pagedserve-"]
-        assert (next(temp.iterdir()).stat().st_mode & 0o777) == 0o700
-    assert list(temp.iterdir()) == []  # after SIGINT
-
-    broken = tmp_path / "broken"  # no weights: the worker dies and the launcher stops the others
-    broken.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(llama_dir, name), broken)
-    cmd = [sys.executable, "-m", "services.launcher", "up", "--model", str(broken), "--port", str(free_port()), *metrics_port_flags(),
-           "--device", "cpu", "--ready-timeout", "60"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90,
-                          env=dict(os.environ, TMPDIR=str(temp)))
-    assert done.returncode != 0 and "worker exited" in done.stderr
-    assert list(temp.iterdir()) == []
 
 
 def _sequence(tokens: list[int]) -> Sequence:

@@ -97,32 +97,37 @@ def test_pagedserve_up_without_a_model_serves_it(tmp_path):
     assert completion["usage"]["completion_tokens"] >= 1 and completion["choices"][0]["text"]
 
 
-def test_training_is_seeded_and_reproducible(tmp_path):
+TRAIN_SMALL = ["--files", "15", "--vocab-size", "400", "--batch-size", "2", "--seq-len", "32", "--threads", "1",
+               "--no-plot"]
+
+
+def train(*args: str) -> None:
     script = os.path.join(ROOT, "ops", "train_tiny_model.py")
-    outs = []
+    done = subprocess.run([sys.executable, script, *args, *TRAIN_SMALL], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def trained_twice(tmp_path_factory):
+    """Two training runs with the same arguments."""
+    root = tmp_path_factory.mktemp("trained")
     for run in ("a", "b"):
-        out = tmp_path / run
-        args = [sys.executable, script, "--out", str(out), "--steps", "3", "--files", "15", "--vocab-size", "400",
-                "--batch-size", "2", "--seq-len", "32", "--threads", "1", "--no-plot"]
-        done = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        outs.append(load_file(out / "model.safetensors"))
-    assert outs[0].keys() == outs[1].keys()
-    assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
+        train("--out", str(root / run), "--steps", "3")
+    return root / "a", root / "b"
 
 
-def test_unlikelihood_fine_tuning_starts_from_a_saved_model_and_records_the_chain(tmp_path):
-    script = os.path.join(ROOT, "ops", "train_tiny_model.py")
-    small = ["--files", "15", "--vocab-size", "400", "--batch-size", "2", "--seq-len", "32", "--threads", "1",
-             "--no-plot"]
-    for args in (["--out", str(tmp_path / "base"), "--steps", "3"],
-                 ["--out", str(tmp_path / "tuned"), "--init-from", str(tmp_path / "base"), "--steps", "0",
-                  "--unlikelihood-steps", "2"]):
-        done = subprocess.run([sys.executable, script, *args, *small], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
+def test_training_is_seeded_and_reproducible(trained_twice):
+    a, b = (load_file(run / "model.safetensors") for run in trained_twice)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unlikelihood_fine_tuning_starts_from_a_saved_model_and_records_the_chain(trained_twice, tmp_path):
+    base_dir = trained_twice[0]
+    train("--out", str(tmp_path / "tuned"), "--init-from", str(base_dir), "--steps", "0", "--unlikelihood-steps", "2")
     record = json.loads((tmp_path / "tuned" / "training.json").read_text())
     assert record["init_from"]["steps"] == 3 and [s["step"] for s in record["unlikelihood"]] == [0, 1]
-    base, tuned = load_file(tmp_path / "base" / "model.safetensors"), load_file(tmp_path / "tuned" / "model.safetensors")
+    base, tuned = load_file(base_dir / "model.safetensors"), load_file(tmp_path / "tuned" / "model.safetensors")
     assert not all(torch.equal(base[k], tuned[k]) for k in base)
 
 

@@ -59,6 +59,11 @@ def test_the_launcher_stops_within_two_seconds_mid_stream(llama_dir, tmp_path, s
                      *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
                     tmp_path / "launcher.log", temp)
     wait_healthy(f"http://127.0.0.1:{port}/health")
+    # Its ipc sockets live in a directory of its own, closed to other users.
+    assert [(p.name[:11], p.stat().st_mode & 0o777) for p in temp.iterdir()] == [("pagedserve-", 0o700)]
+    # `serve` takes the model as its first argument.
+    models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+    assert models["data"][0]["id"] == os.path.basename(llama_dir)
     client = threading.Thread(target=stream_forever, args=(f"http://127.0.0.1:{port}", os.path.basename(llama_dir)))
     client.start()
     time.sleep(0.15)
@@ -86,15 +91,26 @@ def service_commands(llama_dir: str, sockets: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-@pytest.mark.parametrize("service", ["scheduler", "worker", "api"])
-def test_each_service_alone_stops_within_two_seconds(llama_dir, tmp_path, service, signum):
-    log_path = tmp_path / f"{service}.log"
-    process = start(service_commands(llama_dir, str(tmp_path))[service], log_path, tmp_path)
+def test_each_service_alone_stops_within_two_seconds(llama_dir, tmp_path, signum):
+    # The three at once, each with sockets of its own: none has a peer, and none waits for another's start.
     ready_line = {"scheduler": "waiting for 1 worker rank", "worker": "measured:", "api": "once the scheduler is ready"}
-    assert wait_until(lambda: ready_line[service] in log_path.read_text() or process.poll() is not None, 60), \
-        log_path.read_text()
-    assert process.poll() is None, log_path.read_text()
-    took = stop_and_time(process, signum, whole_group=False)
-    output = log_path.read_text()
-    assert took < STOP_SECONDS, f"took {took:.1f} s:\n{output}"
-    assert process.returncode in (0, -signum, 128 + signum) and "Traceback" not in output, output
+    processes, logs = {}, {}
+    for service in ready_line:
+        sockets = tmp_path / service
+        sockets.mkdir()
+        logs[service] = tmp_path / f"{service}.log"
+        processes[service] = start(service_commands(llama_dir, str(sockets))[service], logs[service], sockets)
+    try:
+        for service, process in processes.items():
+            assert wait_until(lambda: ready_line[service] in logs[service].read_text() or process.poll() is not None,
+                              60), logs[service].read_text()
+            assert process.poll() is None, logs[service].read_text()
+        for service, process in processes.items():
+            took = stop_and_time(process, signum, whole_group=False)
+            output = logs[service].read_text()
+            assert took < STOP_SECONDS, f"{service} took {took:.1f} s:\n{output}"
+            assert process.returncode in (0, -signum, 128 + signum) and "Traceback" not in output, output
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
