@@ -10,6 +10,7 @@ directory, removed when the launcher exits.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import shutil
 import signal
@@ -30,8 +31,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pagedserve {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", formatter_class=HelpFormatter, help="serve a model with all three processes on this machine")
     up.add_argument("--model", default=SHIPPED_MODEL, help="local HF-format model directory (default: the shipped tiny-python)")

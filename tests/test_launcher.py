@@ -1,5 +1,6 @@
 """`pagedserve up` supervises its three processes."""
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -43,6 +44,17 @@ def test_a_dummy_weight_model_serves_requests_with_a_tokenizer_from_elsewhere(ll
         response = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
                               json={"model": server.model, "prompt": "def f():", "max_tokens": 5, "ignore_eos": True})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+    # A clean stop is quiet: the services' shutdown is logged at INFO, and the api says where it listened.
+    log = server.log()
+    assert server.process.returncode == 0
+    assert [line for line in log.splitlines() if " ERROR " in line] == [], log
+    assert f"listening on {server.base_url}" in log
+
+
+def test_version_is_the_installed_packages():
+    done = subprocess.run([sys.executable, "-m", "services.launcher", "--version"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"pagedserve {importlib.metadata.version('pagedserve')}"
 
 
 def _parsers():

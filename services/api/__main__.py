@@ -44,6 +44,7 @@ def main() -> None:
     app = build_app(EngineClient(args.scheduler_endpoint, keys, args.max_message_bytes), tokenizer, name, vocab_size,
                     args.max_request_body_bytes, args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=0.5)
+    logging.getLogger("services.api").info("listening on http://%s:%d", args.host, args.port)
     OnceStoppedServer(config).run()
 
 

@@ -65,7 +65,10 @@ class EngineClient:
         while True:
             event = parse_monitor_message(await events.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                log.error("lost the scheduler; failing %d request(s)", len(self._queues))
+                if self._queues:  # with nothing in flight (a clean stop, a restart) nothing failed
+                    log.error("lost the scheduler; failing %d request(s)", len(self._queues))
+                else:
+                    log.info("the scheduler went away; waiting for it")
                 self.info = None
                 for request_id, queue in self._queues.items():
                     queue.put_nowait(RequestOutput(request_id, 0, [], True, "the scheduler went away"))

@@ -320,7 +320,10 @@ class SchedulerServer:
         """End every request with an error, tell the apis, and wait for the ranks to report again."""
         if not self.workers:
             return
-        log.error("%s; failing every request and waiting for the ranks again", reason)
+        if self.scheduler is not None and self.scheduler.has_work():
+            log.error("%s; failing every request and waiting for the ranks again", reason)
+        else:  # a clean stop, or a restart while idle: no request failed
+            log.info("%s; waiting for the ranks again", reason)
         if self.scheduler is not None:
             self._route(self.scheduler.fail_all(reason))
         if reset:  # the rank may still be alive (hung, or slow): have it start over
