@@ -22,6 +22,16 @@ def test_models_and_health(llama_server, client):
     assert httpx.get(f"{llama_server.base_url}/health").json() == {"status": "ok"}
 
 
+def test_a_request_without_model_is_served_by_the_one_model(llama_server):
+    for path, body in (("completions", {"prompt": "import os"}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        response = httpx.post(f"{llama_server.base_url}/v1/{path}", json={**body, "max_tokens": 3}, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == llama_server.model
+    wrong = httpx.post(f"{llama_server.base_url}/v1/completions", json={"model": "other", "prompt": "x"}, timeout=60)
+    assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
+
+
 def test_streamed_completion_equals_the_whole_one(llama_server, client):
     args = dict(model=llama_server.model, prompt="def add(a, b):", max_tokens=20, temperature=0.9, seed=1234)
     whole = client.completions.create(**args)

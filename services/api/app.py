@@ -129,8 +129,8 @@ class OpenAIServer:
 
     # --- generation ----------------------------------------------------------------------
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
             raise ApiError(
                 f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                 status=404, param="model", code="model_not_found",

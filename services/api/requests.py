@@ -17,7 +17,7 @@ _UNSUPPORTED_IF_SET = {
 
 @dataclass(slots=True)
 class GenerationRequest:
-    model: str
+    model: str | None
     sampling: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
@@ -96,9 +96,7 @@ def parse_chat(body: object) -> GenerationRequest:
 
 
 def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str = "") -> GenerationRequest:
-    model = fields.get("model", str, what="a string")
-    if model is None:
-        raise ApiError("'model' is required", param="model")
+    model = fields.get("model", str, what="a string")  # None: the one model this server serves, as vLLM
     for name, neutral in _UNSUPPORTED_IF_SET.items():
         value = fields.body.get(name)
         if value is not None and value != neutral:
