@@ -121,10 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"pagedserve: {problem}", file=sys.stderr)
         return 2
-    for port in (args.port, args.scheduler_metrics_port, args.worker_metrics_port):
+    wanted = [("the api", "--port", args.port), ("the scheduler's metrics", "--scheduler-metrics-port",
+                                                  args.scheduler_metrics_port)]
+    if args.worker_metrics_port:  # rank r serves on the port + r
+        wanted += [(f"worker rank {rank}'s metrics", "--worker-metrics-port", args.worker_metrics_port + rank)
+                   for rank in range(args.tensor_parallel_size)]
+    for service, flag, port in wanted:
         problem = _port_problem(args.host, port) if port else None
         if problem:  # before any model loads, so a busy port costs no start-up time
-            print(f"pagedserve: cannot listen on {args.host}:{port}: {problem}", file=sys.stderr)
+            print(f"pagedserve: cannot listen on {args.host}:{port} for {service}: {problem} "
+                  f"(choose another with {flag})", file=sys.stderr)
             return 2
     directory = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700
     try:

@@ -87,7 +87,8 @@ def test_every_flag_has_help_and_shows_its_default(name):
     assert "never shown" in text or name in ("pagedserve keys", "services.scheduler", "services.worker")
 
 
-def test_a_busy_port_fails_at_once_with_one_line_and_loads_no_model(llama_dir):
+@pytest.mark.parametrize("flag, service", [("--port", "the api"), ("--worker-metrics-port", "worker rank 0's metrics")])
+def test_a_busy_port_fails_at_once_with_one_line_naming_its_service_and_flag(llama_dir, flag, service):
     import socket
     import time
 
@@ -95,13 +96,17 @@ def test_a_busy_port_fails_at_once_with_one_line_and_loads_no_model(llama_dir):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
+        ports = {"--port": str(free_port()), "--scheduler-metrics-port": str(free_port()),
+                 "--worker-metrics-port": str(free_port()), flag: str(port)}
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
-                               "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--device", "cpu",
+                               *[item for pair in ports.items() for item in pair]],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
         elapsed = time.monotonic() - started
     assert done.returncode == 2 and elapsed < 2.0  # the interpreter start included; no model loaded
     lines = (done.stdout + done.stderr).strip().splitlines()
-    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0]
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port} for {service}" in lines[0], lines
+    assert f"(choose another with {flag})" in lines[0]
 
 
 @pytest.mark.parametrize("case", ["empty model directory", "no cuda"])
