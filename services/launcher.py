@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import re
 import shutil
 import signal
 import socket
@@ -192,6 +193,10 @@ def _supervise(args: argparse.Namespace, endpoints: Endpoints) -> int:
 def _startup_problem(args: argparse.Namespace) -> str | None:
     """What would stop the services from starting, found before any of them loads anything."""
     if not os.path.isdir(args.model):
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", args.model) and not os.path.exists(os.path.dirname(args.model)):
+            return (f"{args.model} looks like a Hugging Face model id, and pagedserve serves local directories "
+                    f"only (it never downloads): fetch it with `huggingface-cli download {args.model} --local-dir "
+                    "DIR` where the hub is reachable, then serve DIR")
         return f"the model {args.model} is not a directory"
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         return f"{args.model} has no config.json: it is not a Hugging Face model directory"

@@ -109,14 +109,15 @@ def test_a_busy_port_fails_at_once_with_one_line_naming_its_service_and_flag(lla
     assert f"(choose another with {flag})" in lines[0]
 
 
-@pytest.mark.parametrize("case", ["empty model directory", "no cuda"])
+@pytest.mark.parametrize("case", ["empty model directory", "no cuda", "hub id"])
 def test_startup_failures_are_one_line_and_a_non_zero_exit(tmp_path, llama_dir, case):
     import torch
 
     if case == "no cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    model, expected = (str(tmp_path), "has no config.json") if case == "empty model directory" else \
-        (llama_dir, "--device cuda, but torch sees no CUDA device")
+    model, expected = {"empty model directory": (str(tmp_path), "has no config.json"),
+                       "no cuda": (llama_dir, "--device cuda, but torch sees no CUDA device"),
+                       "hub id": ("Qwen/Qwen2.5-0.5B-Instruct", "serves local directories only")}[case]
     device = "cuda" if case == "no cuda" else "cpu"
     done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", model, "--port", str(free_port()), *metrics_port_flags(),
                            "--device", device], cwd=ROOT, capture_output=True, text=True, timeout=60)
