@@ -26,6 +26,20 @@ def test_every_dashboard_query_uses_an_exported_metric(llama_server):
     assert used and used <= exported, used - exported
 
 
+def test_the_dashboard_imports_into_any_grafana_through_a_datasource_variable():
+    with open(os.path.join(ROOT, "ops", "grafana", "dashboards", "pagedserve.json")) as f:
+        dashboard = json.load(f)
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    sources = [panel["datasource"] for panel in dashboard["panels"]]
+    sources += [target["datasource"] for panel in dashboard["panels"] for target in panel["targets"]]
+    assert sources and all(source == {"type": "prometheus", "uid": "${datasource}"} for source in sources)
+    # compose's provisioned datasource is the variable's default
+    with open(os.path.join(ROOT, "ops", "grafana", "provisioning", "datasources", "prometheus.yml")) as f:
+        provisioned = yaml.safe_load(f)["datasources"][0]["uid"]
+    assert variables["datasource"]["current"]["value"] == provisioned
+
+
 def test_compose_runs_the_three_services_with_the_shipped_model():
     with open(os.path.join(ROOT, "compose.yaml")) as f:
         compose = yaml.safe_load(f)
