@@ -77,13 +77,6 @@ def test_the_launcher_stops_within_two_seconds_mid_stream(llama_dir, tmp_path, s
     assert list(temp.iterdir()) == []
 
 
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=5).status_code
-    except httpx.HTTPError:
-        return None
-
-
 def service_commands(llama_dir: str, sockets: str) -> dict[str, list[str]]:
     scheduler, workers = f"ipc://{sockets}/scheduler.sock", f"ipc://{sockets}/workers.sock"
     python = [sys.executable, "-m"]
@@ -114,8 +107,9 @@ def test_each_service_alone_stops_within_two_seconds(llama_dir, tmp_path, signum
             assert process.poll() is None, logs[service].read_text()
             if "--metrics-port" in process.args:  # its metrics port answers /metrics and /health, and 404 else
                 base = f"http://127.0.0.1:{process.args[process.args.index('--metrics-port') + 1]}"
-                assert wait_until(lambda: _status(f"{base}/health") == 200, 30)
-                assert _status(f"{base}/metrics") == 200 and _status(f"{base}/nothing") == 404
+                wait_healthy(f"{base}/health", 30)
+                assert httpx.get(f"{base}/metrics", timeout=5).status_code == 200
+                assert httpx.get(f"{base}/nothing", timeout=5).status_code == 404
         for service, process in processes.items():
             took = stop_and_time(process, signum, whole_group=False)
             output = logs[service].read_text()

@@ -19,7 +19,6 @@ from services.scheduler.ngram import NgramProposer
 from services.scheduler.request import Sequence
 from shared.config import SpeculativeConfig
 
-
 ALWAYS_UP_TO = 2  # decoding sequences up to which every step speculates (see Speculation.decide)
 
 
@@ -99,9 +98,10 @@ class AdaptiveSwitch:
         compared = all(bucket.choices[c].steps for c in (True, False))
         was_best = self._best(bucket) if compared else speculated
         bucket.choices[speculated].steps.append((num_tokens, num_decoding * worker_ms))
-        probe_over = bucket.probe_left and speculated != was_best and bucket.probe_left == 1
-        if bucket.probe_left and speculated != was_best:
+        probing = bucket.probe_left and speculated != was_best
+        if probing:
             bucket.probe_left -= 1
+        probe_over = probing and not bucket.probe_left
         if probe_over or (compared and not bucket.probe_left and self._best(bucket) != was_best):
             # A probe ended, or the verdict turned: the further apart the choices, the rarer the next probe.
             choices = bucket.choices
