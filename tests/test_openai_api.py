@@ -189,11 +189,12 @@ def test_the_log_has_a_line_per_request_and_a_periodic_line_while_serving(llama_
 
     assert wait_until(llama_server.is_idle, 30)
     periodic_before = len(lines("pagedserve.stats"))
+    access_before = lines("pagedserve.access", "generated 37")  # another test's aborted stream may have said so
     body = {"model": llama_server.model, "prompt": "import os", "max_tokens": 37, "ignore_eos": True,
             "temperature": 0}
     assert httpx.post(f"{llama_server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
-    assert wait_until(lambda: lines("pagedserve.access", "generated 37"), 10)
-    access = lines("pagedserve.access", "generated 37")
+    assert wait_until(lambda: len(lines("pagedserve.access", "generated 37")) > len(access_before), 10)
+    access = lines("pagedserve.access", "generated 37")[len(access_before):]
     assert len(access) == 1 and "completions: length; prompt" in access[0]
     assert wait_until(lambda: len(lines("pagedserve.stats")) > periodic_before, 10)
     periodic = lines("pagedserve.stats")[periodic_before:]
