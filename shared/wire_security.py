@@ -44,25 +44,34 @@ class WireKeys:
 
 
 def make_keys(directory: str | os.PathLike) -> list[Path]:
-    """One pair per role, each service's folder holding its secret and its peers' public keys."""
+    """One pair per role, each service's folder holding its secret and its peers' public keys.
+
+    Every file and folder is private from its first byte (umask 077), and `directory`, when it
+    exists open to others, is closed to them first: no one else can read a secret while it is written."""
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    pairs = {}
-    for role in PEERS:
-        public, secret = zmq.auth.create_certificates(str(root), role)
-        pairs[role] = (Path(public), Path(secret))
-    written = []
-    for role, peers in PEERS.items():
-        folder = root / role
-        folder.mkdir(exist_ok=True, mode=0o700)
-        secret = folder / f"{role}.key_secret"
-        os.replace(pairs[role][1], secret)
-        secret.chmod(0o600)
-        written.append(secret)
-        for peer in peers:
-            (folder / f"{peer}.key").write_bytes(pairs[peer][0].read_bytes())
-    for public, _ in pairs.values():
-        public.unlink()
+    previous = os.umask(0o077)
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if root.stat().st_mode & 0o077:
+            log.warning("%s was open to other users: closing it (0700) before writing keys into it", root)
+            root.chmod(0o700)
+        pairs = {}
+        for role in PEERS:
+            public, secret = zmq.auth.create_certificates(str(root), role)
+            pairs[role] = (Path(public), Path(secret))
+        written = []
+        for role, peers in PEERS.items():
+            folder = root / role
+            folder.mkdir(exist_ok=True, mode=0o700)
+            secret = folder / f"{role}.key_secret"
+            os.replace(pairs[role][1], secret)
+            written.append(secret)
+            for peer in peers:
+                (folder / f"{peer}.key").write_bytes(pairs[peer][0].read_bytes())
+        for public, _ in pairs.values():
+            public.unlink()
+    finally:
+        os.umask(previous)
     return written
 
 

@@ -17,7 +17,7 @@ from tests.conftest import serve
 from tests.tiny_models import hf_greedy
 
 
-def test_an_api_key_guards_the_openai_routes_and_leaves_health_and_metrics_open(llama_dir, tmp_path):
+def test_an_api_key_guards_every_route_but_health_and_metrics(llama_dir, tmp_path):
     prompt = [5, 9, 13, 200]
     with serve(llama_dir, str(tmp_path), env={"PAGEDSERVE_API_KEY": "s3cret"}) as server:
         url = f"{server.base_url}/v1"
@@ -25,6 +25,13 @@ def test_an_api_key_guards_the_openai_routes_and_leaves_health_and_metrics_open(
             response = httpx.get(f"{url}/models", headers=headers)
             assert response.status_code == 401
             assert response.json()["error"]["code"] == "invalid_api_key"
+        for method, path, body in (("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [5]}),
+                                   ("GET", "/version", None), ("GET", "/ping", None), ("POST", "/ping", None)):
+            refused = httpx.request(method, f"{server.base_url}{path}", json=body)
+            assert refused.status_code == 401, path
+            allowed = httpx.request(method, f"{server.base_url}{path}", json=body,
+                                    headers={"Authorization": "Bearer s3cret"})
+            assert allowed.status_code == 200, path
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="wrong").completions.create(model=server.model, prompt=prompt)
         completion = openai.OpenAI(base_url=url, api_key="s3cret").completions.create(

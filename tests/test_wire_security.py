@@ -20,7 +20,8 @@ import zmq
 from shared import sockets
 from shared.protocol import AddRequest, Hello, Ready, SampledTokens, SchedulerInfo, Shutdown, StepResult
 from shared.sampling import SamplingParams
-from shared.wire_security import load_keys
+from shared import wire_security
+from shared.wire_security import load_keys, make_keys
 from tests.conftest import ROOT, free_port, wait_until
 from tests.test_resilience import start, wait_healthy
 from tests.tiny_models import hf_greedy
@@ -243,3 +244,27 @@ def test_tcp_endpoints_without_keys_refuse_to_start_unless_the_wire_is_declared_
     finally:
         scheduler.terminate()
         scheduler.wait(10)
+
+
+def test_keys_are_private_from_their_first_byte_even_in_an_open_directory(tmp_path, monkeypatch):
+    directory = tmp_path / "keys"
+    directory.mkdir(mode=0o755)
+    directory.chmod(0o755)
+    seen = []
+    create = wire_security.zmq.auth.create_certificates
+
+    def create_and_look(folder, role):  # what another user could read the moment the secret exists
+        public, secret = create(folder, role)
+        seen.append((os.stat(secret).st_mode & 0o777, os.stat(folder).st_mode & 0o777))
+        return public, secret
+
+    monkeypatch.setattr(wire_security.zmq.auth, "create_certificates", create_and_look)
+    previous = os.umask(0o022)
+    try:
+        secrets = make_keys(directory)
+    finally:
+        os.umask(previous)
+    assert seen and all(modes == (0o600, 0o700) for modes in seen)
+    assert all(secret.stat().st_mode & 0o777 == 0o600 for secret in secrets)
+    assert all((directory / role).stat().st_mode & 0o777 == 0o700 for role in ("scheduler", "api", "worker"))
+    assert load_keys(directory / "api", "api").scheduler_public  # still a usable set

@@ -1,4 +1,5 @@
-"""`--api-key`: the OpenAI routes need `Authorization: Bearer KEY`; /health and /metrics stay open."""
+"""`--api-key`: every route needs `Authorization: Bearer KEY` but /health and /metrics, which probes
+and scrapers call without one (the utility routes too: /tokenize parses whatever body it is sent)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from services.api.errors import ApiError
 
 
 class RequireApiKey:
-    """ASGI middleware answering 401, with an OpenAI-style error, to /v1 requests without the key."""
+    """ASGI middleware answering 401, with an OpenAI-style error, to requests without the key."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -27,5 +28,8 @@ class RequireApiKey:
         return len(sent) == 1 and hmac.compare_digest(sent[0], self.expected)
 
 
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
 def _guarded(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    return path not in OPEN_PATHS
