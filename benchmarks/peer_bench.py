@@ -9,6 +9,11 @@ only pagedserve runs. vLLM is never a dependency: it lives in its own virtual en
     python benchmarks/peer_bench.py --scenarios throughput,latency --repeats 1   # pagedserve alone
     python benchmarks/peer_bench.py --vllm-venv /work/vllm-venv --sweep 1,2,4,8   # TPOT vs rate plot
 
+A model at real shapes with dummy weights, and vLLM also with both cores given to its worker:
+
+    python benchmarks/peer_bench.py --vllm-venv /work/vllm-venv --interleave --repeats 3 --vllm-all-cores \
+        --model ops/configs/llama-12l-768 --load-format dummy --scenarios mid_c16,mid_c1
+
 Speculative decoding: `--speculative-config JSON` runs pagedserve without it, pagedserve with it and
 vLLM with the same config (A B C A B C ...), best on the code workload (prompts cut from Python
 sources, greedy, 128 tokens), and reports each system's mean acceptance length from its own
@@ -34,6 +39,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +65,7 @@ class Scenario:
 
 SCENARIOS = {
     "throughput": Scenario(128, 128, 200, max_concurrency=64),
+    "c48": Scenario(128, 128, 192, max_concurrency=48),
     # End-to-end too: a server that holds the first token back shows a lower TPOT for the same wait.
     "latency": Scenario(32, 64, 20, max_concurrency=1, metrics=("mean_tpot_ms", "mean_ttft_ms", "mean_e2el_ms")),
     # ShareGPT's mean lengths; all at once, so request throughput is the highest sustainable rate.
@@ -73,6 +80,10 @@ SCENARIOS = {
                         metrics=("output_throughput", "mean_tpot_ms", "mean_ttft_ms")),
     "code_c48": Scenario(0, 128, 192, max_concurrency=48, workload="code",
                          metrics=("output_throughput", "mean_tpot_ms")),
+    # A model past toy size, where the step is matmuls (ops/configs/llama-12l-768 with dummy weights).
+    "mid_c16": Scenario(256, 96, 64, max_concurrency=16),
+    "mid_c1": Scenario(256, 96, 12, max_concurrency=1,
+                       metrics=("output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms")),
 }
 class Server:
     def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log_dir: Path):
@@ -117,7 +128,8 @@ def pagedserve_command(args, port: int, speculative: bool = False) -> tuple[list
                "--device", "cpu", "--dtype", args.dtype, "--block-size", str(args.block_size),
                "--kv-cache-memory", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-               "--scheduler-metrics-port", str(port + 1), "--worker-metrics-port", "0"] + args.pagedserve_args.split()
+               "--scheduler-metrics-port", str(port + 1), "--worker-metrics-port", "0",
+               "--load-format", args.load_format, "--tokenizer", args.tokenizer] + args.pagedserve_args.split()
     if speculative:
         command += ["--speculative-config", args.speculative_config]
     return command, {}
@@ -127,16 +139,23 @@ def vllm_command(args, port: int, speculative: bool = False) -> tuple[list[str],
     command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", args.model, "--port", str(port),
                "--served-model-name", SERVED_NAME, "--dtype", args.dtype, "--block-size", str(args.block_size),
                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-               str(args.max_num_batched_tokens)]
+               str(args.max_num_batched_tokens), "--load-format", args.load_format, "--tokenizer", args.tokenizer]
     if speculative:  # without pagedserve's own key ("adaptive"), which vLLM does not know
         config = {k: v for k, v in json.loads(args.speculative_config).items() if k != "adaptive"}
         command += ["--speculative-config", json.dumps(config)]
     return command, {"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}"}
 
 
+def vllm_all_cores_command(args, port: int, speculative: bool = False) -> tuple[list[str], dict[str, str]]:
+    """vLLM with every core bound to its worker's threads, rather than one kept for its frontend."""
+    command, env = vllm_command(args, port, speculative)
+    return command, env | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{len(os.sched_getaffinity(0)) - 1}"}
+
+
 SYSTEMS = {  # name: (command, whether it speculates)
     "pagedserve": (pagedserve_command, False),
     "vllm": (vllm_command, False),
+    "vllm-all-cores": (vllm_all_cores_command, False),
     "pagedserve+spec": (pagedserve_command, True),
     "vllm+spec": (vllm_command, True),
 }
@@ -145,8 +164,12 @@ SYSTEMS = {  # name: (command, whether it speculates)
 def run_client(args, port: int, scenario: Scenario, seed: int, scratch: Path) -> dict:
     base_url = f"http://127.0.0.1:{port}"
     code = scenario.workload == "code"
-    if code:  # prompts of their own for each scenario: none found in a prefix cache from another
+    # Prompts of their own for each scenario: none found in a prefix cache (on by default in vLLM)
+    # from another scenario or from the warm-up.
+    if code:
         seed = 1000 * seed + scenario.max_concurrency
+    else:
+        seed = 1000 * seed + zlib.crc32(repr(scenario).encode()) % 1000
     if args.client == "ours":
         if code:
             jobs = workloads.code(scenario.num_prompts, seed=seed, output_len=scenario.output_len)
@@ -166,7 +189,7 @@ def run_client(args, port: int, scenario: Scenario, seed: int, scratch: Path) ->
         prompts = ["--dataset-name", "random", "--random-input-len", str(scenario.input_len),
                    "--random-output-len", str(scenario.output_len)]
     command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
-               "--base-url", base_url, "--model", SERVED_NAME, "--tokenizer", args.model, *prompts,
+               "--base-url", base_url, "--model", SERVED_NAME, "--tokenizer", args.tokenizer, *prompts,
                "--num-prompts", str(scenario.num_prompts),
                "--request-rate", str(scenario.request_rate), "--ignore-eos", "--seed", str(seed),
                "--percentile-metrics", "ttft,tpot,itl,e2el",
@@ -285,7 +308,11 @@ def run_system(args, name: str, port: int, scenarios: dict[str, Scenario], seed:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(ROOT / "ops" / "models" / "tiny-python"))
+    parser.add_argument("--tokenizer", default=None, help="None: the model's directory (a config alone needs one)")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights from a config alone")
     parser.add_argument("--vllm-venv", default=None, help="a virtual environment with vllm (optional)")
+    parser.add_argument("--vllm-all-cores", action="store_true",
+                        help="also run vLLM with every core bound to its worker (VLLM_CPU_OMP_THREADS_BIND)")
     parser.add_argument("--client", choices=["auto", "vllm", "ours"], default="auto")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--repeats", type=int, default=2)
@@ -321,6 +348,9 @@ def main() -> None:
         return
     if args.interleave and args.sweep:
         parser.error("--sweep runs one system at a time: leave out --interleave")
+    if args.tokenizer is None:
+        args.tokenizer = args.model if os.path.isfile(os.path.join(args.model, "tokenizer.json")) else \
+            str(ROOT / "ops" / "models" / "tiny-python")
     if args.client == "auto":
         args.client = "vllm" if args.vllm_venv else "ours"
     if args.client == "vllm" and not args.vllm_venv:
@@ -334,6 +364,7 @@ def main() -> None:
         systems = ["pagedserve", "pagedserve+spec"] + (["vllm+spec"] if args.vllm_venv else [])
     else:
         systems = ["pagedserve"] + (["vllm"] if args.vllm_venv else [])
+        systems += ["vllm-all-cores"] if args.vllm_venv and args.vllm_all_cores else []
     rates = [float(r) for r in args.sweep.split(",") if r]
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     sweeps: dict[str, dict[float, dict]] = {}
@@ -359,7 +390,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"), "client": args.client, "model": args.model,
         "settings": {k: getattr(args, k) for k in ("block_size", "dtype", "kv_cache_gib", "max_num_seqs",
                                                     "max_num_batched_tokens", "load_cores", "pagedserve_args",
-                                                    "interleave")},
+                                                    "interleave", "load_format", "tokenizer")},
         "scenarios": {name: {"input_len": s.input_len, "output_len": s.output_len, "num_prompts": s.num_prompts,
                              "max_concurrency": s.max_concurrency, "request_rate": str(s.request_rate),
                              "cpu_load": s.cpu_load, "workload": s.workload} for name, s in scenarios.items()},

@@ -21,10 +21,13 @@ def table(runs: dict[str, list[dict]], scenarios: dict) -> list[dict]:
     for scenario_name, scenario in scenarios.items():
         for metric in scenario.metrics:
             ours = [r[scenario_name][metric] for r in runs.get("pagedserve", [])]
-            theirs = [r[scenario_name][metric] for r in runs.get("vllm", [])]
-            ratios = [a / b if metric in HIGHER_IS_BETTER else b / a for a, b in zip(ours, theirs) if a and b]
-            rows.append({"scenario": scenario_name, "metric": metric, "pagedserve": ours, "vllm": theirs,
-                         "ratio": ratios})
+            row = {"scenario": scenario_name, "metric": metric, "pagedserve": ours}
+            for peer, key in (("vllm", "ratio"), ("vllm-all-cores", "ratio_all_cores")):
+                if peer in runs or peer == "vllm":
+                    theirs = [r[scenario_name][metric] for r in runs.get(peer, [])]
+                    row[peer] = theirs
+                    row[key] = [a / b if metric in HIGHER_IS_BETTER else b / a for a, b in zip(ours, theirs) if a and b]
+            rows.append(row)
     for scenario_name in scenarios:  # pagedserve's worker waiting on the scheduler, as a share of its busy time
         shares = [r[scenario_name]["worker_waiting_share"] for r in runs.get("pagedserve", [])]
         rows.append({"scenario": scenario_name, "metric": "worker waiting / busy", "system": "pagedserve",
@@ -69,14 +72,19 @@ def print_spec_table(rows: list[dict], systems: list[str]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| scenario | metric | pagedserve | vLLM | pagedserve advantage (×) |")
-    print("| --- | --- | --- | --- | --- |")
+    all_cores = any("vllm-all-cores" in row for row in rows)
+    extra = " vLLM, all cores | advantage over it (×) |" if all_cores else ""
+    print("\n| scenario | metric | pagedserve | vLLM | pagedserve advantage (×) |" + extra)
+    print("| --- | --- | --- | --- | --- |" + (" --- | --- |" if all_cores else ""))
     for row in rows:
         if "share" in row:
-            print(f"| {row['scenario']} ({row['system']}) | {row['metric']} | {spread([100 * s for s in row['share']])} % | | |")
+            share = spread([100 * s for s in row["share"]])
+            print(f"| {row['scenario']} ({row['system']}) | {row['metric']} | {share} % | | |" + (" | |" if all_cores else ""))
         else:
-            print(f"| {row['scenario']} | {row['metric']} | {spread(row['pagedserve'])} | {spread(row['vllm'])} "
-                  f"| {spread(row['ratio'], 2)} |")
+            cells = [spread(row["pagedserve"]), spread(row["vllm"]), spread(row["ratio"], 2)]
+            if all_cores:
+                cells += [spread(row["vllm-all-cores"]), spread(row["ratio_all_cores"], 2)]
+            print(f"| {row['scenario']} | {row['metric']} | " + " | ".join(cells) + " |")
     print("advantage: throughput ratio, or vLLM's time over ours; above 1 means pagedserve is better")
 
 

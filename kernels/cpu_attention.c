@@ -15,7 +15,7 @@
 #define QUERY_BLOCK 8 /* queries of one sequence served together: each key and value is read once for all */
 
 static inline __attribute__((always_inline)) void attend_range(
-    const float *restrict query, const float *restrict key_cache, const float *restrict value_cache,
+    const float *restrict query, int64_t query_stride, const float *restrict key_cache, const float *restrict value_cache,
     const int32_t *restrict block_tables, int64_t table_stride, const int32_t *restrict query_start,
     const int32_t *restrict context_lens, int64_t first_seq, int64_t last_seq, int64_t num_heads,
     int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale, int64_t window,
@@ -44,7 +44,7 @@ static inline __attribute__((always_inline)) void attend_range(
                     for (int64_t b = 0; b < block; b++) {
                         if (p < low[b] || p > high[b])
                             continue;
-                        const float *q = query + ((first + i0 + b) * num_heads + h * group) * head_dim;
+                        const float *q = query + (first + i0 + b) * query_stride + h * group * head_dim;
                         for (int64_t g = 0; g < group; g++) {
                             const float *qg = q + g * head_dim;
                             float dot = 0.f;
@@ -94,13 +94,13 @@ static inline __attribute__((always_inline)) void attend_range(
 
 /* scores: scratch of QUERY_BLOCK * num_heads / num_kv_heads * max(context_lens) floats. */
 void paged_attention_f32(
-    const float *query, const float *key_cache, const float *value_cache, const int32_t *block_tables,
+    const float *query, int64_t query_stride, const float *key_cache, const float *value_cache, const int32_t *block_tables,
     int64_t table_stride, const int32_t *query_start, const int32_t *context_lens, int64_t first_seq,
     int64_t last_seq, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
     float scale, int64_t window, float *scores, float *out)
 {
 #define ATTEND(DIM)                                                                                   \
-    attend_range(query, key_cache, value_cache, block_tables, table_stride, query_start, context_lens, \
+    attend_range(query, query_stride, key_cache, value_cache, block_tables, table_stride, query_start, context_lens, \
                  first_seq, last_seq, num_heads, num_kv_heads, DIM, block_size, scale, window, scores, out)
     /* A constant head_dim lets the compiler unroll the inner loops into whole vectors. */
     switch (head_dim) {

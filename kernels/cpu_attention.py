@@ -53,12 +53,13 @@ def paged_attention_cpu(query, key_cache, value_cache, batch: PagedBatch, scale:
 def native_kernel():
     p, i = native.POINTER, native.INT64
     return native.function("cpu_attention", "paged_attention_f32",
-                           [p, p, p, p, i, p, p, i, i, i, i, i, i, native.FLOAT, i, p, p])
+                           [p, i, p, p, p, i, p, p, i, i, i, i, i, i, native.FLOAT, i, p, p])
 
 
 def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     return (query.device.type == "cpu" and query.dtype == key_cache.dtype == value_cache.dtype == torch.float32
-            and query.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and query.stride(2) == 1 and query.stride(1) == query.shape[2]  # each token's heads one row
+            and key_cache.is_contiguous() and value_cache.is_contiguous()
             and query.shape[1] % key_cache.shape[2] == 0)
 
 
@@ -85,15 +86,15 @@ def paged_attention_native(
             batch.block_tables.to(torch.int32).contiguous(), batch.query_start_loc.to(torch.int32).contiguous(),
             batch.context_lens.to(torch.int32).contiguous(), _split(batch, torch.get_num_threads()))
     tables, starts, lens, parts = derived
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype)
     scratch = QUERY_BLOCK * num_heads // num_kv_heads * max(batch.context_lens_list)
 
     def run(part: int) -> None:
         first, last = parts[part]
         scores = workspace.take(f"scores{part}", (scratch,), torch.float32, query.device)
-        kernel(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-               starts.data_ptr(), lens.data_ptr(), first, last, num_heads, num_kv_heads, head_dim, block_size,
-               scale, window or 0, scores.data_ptr(), out.data_ptr())
+        kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+               tables.stride(0), starts.data_ptr(), lens.data_ptr(), first, last, num_heads, num_kv_heads, head_dim,
+               block_size, scale, window or 0, scores.data_ptr(), out.data_ptr())
 
     if len(parts) == 1:
         run(0)

@@ -1,14 +1,21 @@
-"""Linear layers for a few rows at a time on a CPU: the compiled kernel of `cpu_linear.c` up to
-`MAX_ROWS` rows, where the BLAS is slowest per row; torch's own above that, and wherever the kernel
-does not apply (another dtype or device, no AVX2, no compiler). docs/kernels.md has the measurements.
+"""Linear layers on a CPU, in float32: compiled kernels where torch's BLAS (MKL) is slow on this AMD
+CPU, torch's own elsewhere (another dtype or device, no AVX2, no compiler). docs/kernels.md has
+the measurements.
+
+- `cpu_gemm.c` serves up to `GEMM_MAX_ROWS` rows (every decode step and verification) against
+  weights packed into panels when the model loads (`pack_weights`), split over the step's threads.
+- `cpu_linear.c` serves up to `MAX_ROWS` rows of an unpacked weight (the TP shards' projections
+  that take their weight directly).
 
 `Linear` is `nn.Linear` with that dispatch: the models build their projections from it, so a
-checkpoint loads into it as into `nn.Linear`.
+checkpoint loads into it as into `nn.Linear`. Its `weight` stays as loaded; the panels are a
+second copy of it, made only where the kernel runs.
 """
 
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +23,23 @@ from torch import nn
 
 from kernels import native
 
-MAX_ROWS = 6  # past this the BLAS is about as fast per row
+MAX_ROWS = 6  # the unpacked kernel: past this the BLAS is about as fast per row
+GEMM_MAX_ROWS = 64  # the packed kernel: past this MKL is as fast per thread
+PANEL = 16  # output columns per packed panel (cpu_gemm.c)
+SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth splitting over threads
+SPLIT_ROWS = 4  # nor below this many rows: bound by reading the weights, a second thread adds little but its cost
 
 
 @functools.cache
 def native_kernel():
     p, i = native.POINTER, native.INT64
     return native.function("cpu_linear", "linear_f32", [p, i, p, p, p, i, i, i, i], i)
+
+
+@functools.cache
+def gemm_kernel():
+    p, i = native.POINTER, native.INT64
+    return native.function("cpu_gemm", "gemm_f32", [p, i, p, p, p, i, i, i, i, i, i], i)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,6 +56,61 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] as panels [ceil(N / 16), K, 16]: panel p, row k holds W[16p .. 16p+15][k]."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`x W^T + b` from W's panels; None where the kernel does not apply."""
+    global _pool
+    rows, width = x.shape
+    kernel = gemm_kernel()
+    if kernel is None or rows > GEMM_MAX_ROWS or x.stride(1) != 1 or torch.is_grad_enabled():
+        return None
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+            out_features, rows, out_features, width)
+    count = panels.shape[0]
+    split = rows >= SPLIT_ROWS and rows * out_features * width >= SPLIT_MACS
+    parts = min(torch.get_num_threads(), count) if split else 1
+    if parts <= 1:
+        done = [kernel(*args, 0, count)]
+    else:  # ctypes lets go of the GIL, so the parts run on as many cores
+        if _pool is None or _pool._max_workers < parts:
+            _pool = ThreadPoolExecutor(parts, thread_name_prefix="gemm")
+        bounds = [count * i // parts for i in range(parts + 1)]
+        done = list(_pool.map(lambda i: kernel(*args, bounds[i], bounds[i + 1]), range(parts)))
+    return out if all(d == 0 for d in done) else None
+
+
 class Linear(nn.Linear):
+    panels: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Pack the weight for `cpu_gemm.c`, where it will run: float32 on a CPU, kernel at hand."""
+        weight = self.weight
+        if (weight.dtype is torch.float32 and weight.device.type == "cpu" and gemm_kernel() is not None
+                and (self.bias is None or self.bias.is_contiguous())):
+            self.panels = pack(weight.detach())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.dim() == 2 and x.dtype is torch.float32:
+            out = gemm(x, self.panels, self.out_features, self.bias)
+            if out is not None:
+                return out
         return linear(x, self.weight, self.bias)
+
+
+def pack_weights(model: nn.Module) -> None:
+    """Every `Linear` of `model` packed for the CPU kernel, where it applies."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack()

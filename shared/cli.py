@@ -76,8 +76,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                        help="worker ranks that split the model's attention heads and MLP among them, one "
                             "process each (on GPUs: one GPU each)")
     group.add_argument("--cpu-threads", type=int, default=0,
-                       help="torch threads of a worker on a CPU device (0: one per core but one, "
-                            "which the api and scheduler keep)")
+                       help="torch threads of a worker on a CPU device (0: every core while other processes "
+                            "leave them nearly idle, one fewer otherwise; chosen each second)")
 
 
 def add_api_args(parser: argparse.ArgumentParser) -> None:

@@ -44,6 +44,18 @@ def test_cpu_attention_bench_runs(tmp_path):
     assert len(rows) == 5 and all(row["torch_ms"] > 0 and row["compiled_ms"] > 0 for row in rows)
 
 
+def test_cpu_linear_bench_runs(tmp_path):
+    env = dict(os.environ, PAGEDSERVE_BENCH_REPEATS="1", PAGEDSERVE_BENCH_ROWS="2,9", PAGEDSERVE_BENCH_OUT=str(tmp_path))
+    script = os.path.join(ROOT, "benchmarks", "cpu_linear_bench.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+    if "cannot be built" in done.stderr:
+        pytest.skip("no C compiler or no AVX2 here: the packed linear kernel cannot be built")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "cpu_linear_bench.json").read_text())["rows"]
+    assert len(rows) == 14 and all(row["torch"] > 0 and row["packed"] > 0 for row in rows)
+    assert [("unpacked" in row) for row in rows[:2]] == [True, False]  # that kernel stops at six rows
+
+
 def test_beam_memory_bench_runs(tmp_path):
     env = dict(os.environ, PAGEDSERVE_BENCH_LENGTHS="40,80", PAGEDSERVE_BENCH_OUT=str(tmp_path))
     script = os.path.join(ROOT, "benchmarks", "beam_memory_bench.py")

@@ -48,6 +48,18 @@ def test_compiled_cpu_attention_matches_reference(shapes, heads, kv_heads, head_
     torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+def test_the_compiled_kernel_reads_queries_in_place_from_a_fused_qkv_row():
+    compiled_kernel()
+    query, key_cache, value_cache, batch = make_batch([(3, 9), (1, 20)], 4, 2, 64, 8, torch.float32)
+    tokens, heads, head_dim = query.shape
+    rows = torch.randn(tokens, (heads + 2 * 2) * head_dim)  # q, k and v side by side, as the models make them
+    rows[:, : heads * head_dim] = query.reshape(tokens, -1)
+    strided = rows[:, : heads * head_dim].view(tokens, heads, head_dim)
+    assert not strided.is_contiguous() and native_accepts(strided, key_cache, value_cache)
+    out = paged_attention_native(strided, key_cache, value_cache, batch, head_dim**-0.5)
+    torch.testing.assert_close(out, paged_attention_native(query, key_cache, value_cache, batch, head_dim**-0.5))
+
+
 def test_the_compiled_kernel_takes_float32_only_and_leaves_other_dtypes_to_torch():
     for dtype, taken in ((torch.float32, True), (torch.bfloat16, False), (torch.float16, False)):
         query, key_cache, value_cache, _ = make_batch([(1, 5)], 4, 2, 64, 8, dtype)

@@ -33,6 +33,23 @@ def test_each_family_gives_hf_greedy_tokens(family_dirs, family):
     assert got == [hf_greedy(model_dir, p, 10) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "opt"])
+def test_projections_of_one_input_are_loaded_as_one_matmul(family_dirs, family):
+    model, _ = load_model(family_dirs[family], "float32", torch.device("cpu"))
+    checkpoint = load_file(os.path.join(family_dirs[family], "model.safetensors"))
+    names = {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    assert not names & {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    layer = "model.decoder.layers.0" if family == "opt" else "model.layers.0"
+    qkv = [checkpoint[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"]
+    assert torch.equal(model.get_parameter(f"{layer}.self_attn.qkv_proj.weight"), torch.cat(qkv))
+    if f"{layer}.self_attn.q_proj.bias" in checkpoint:
+        biases = [checkpoint[f"{layer}.self_attn.{p}_proj.bias"] for p in "qkv"]
+        assert torch.equal(model.get_parameter(f"{layer}.self_attn.qkv_proj.bias"), torch.cat(biases))
+    if family != "opt":
+        gate_up = [checkpoint[f"{layer}.mlp.{p}_proj.weight"] for p in ("gate", "up")]
+        assert torch.equal(model.get_parameter(f"{layer}.mlp.gate_up_proj.weight"), torch.cat(gate_up))
+
+
 def test_sharded_safetensors_with_an_index_load_the_same_weights(family_dirs, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(family_dirs["llama"])
     model.save_pretrained(tmp_path, max_shard_size="100KB")

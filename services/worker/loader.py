@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from kernels.cpu_linear import pack_weights
 from services.worker.models import ARCHITECTURES
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel
 
@@ -85,6 +86,9 @@ def load_model(model_dir: str, dtype_name: str, device: torch.device, load_forma
         state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
+    del state  # the fused projections below then replace the loaded ones rather than add to them
+    model.fuse_projections()
+    pack_weights(model)
     model.eval()
     log.info("loaded %s as %s on %s in %.1f s", type(model).__name__, dtype, device, time.monotonic() - started)
     return model, config

@@ -21,6 +21,7 @@ import torch
 
 from kernels.batch import PagedBatch
 from services.worker.block_tables import BlockTables
+from services.worker.cpu_threads import ComputeThreads
 from services.worker.drafter import Drafter
 from services.worker.kv_cache import KVCache
 from services.worker.sampler import Sample, Sampler, SampleRow
@@ -51,7 +52,7 @@ class StepError(RuntimeError):
 
 class ModelRunner:
     def __init__(self, model, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None,
-                 eos_token_ids: list[int] = (), drafter: Drafter | None = None):
+                 eos_token_ids: list[int] = (), drafter: Drafter | None = None, threads: ComputeThreads | None = None):
         self.model = model
         self.cache = cache
         self.device = device
@@ -61,6 +62,7 @@ class ModelRunner:
         self.tables = BlockTables(device)
         self.drafter = drafter  # a draft model with its own KV cache under the same block ids
         self.caches = [cache] + ([drafter.cache] if drafter is not None else [])
+        self.threads = threads  # on a CPU: each step's share of the cores
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
@@ -117,6 +119,8 @@ class ModelRunner:
             if known_end == len(mirror.token_ids):
                 to_sample.append(i)
 
+        if self.threads is not None:
+            self.threads.use(self.threads.for_step())
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
         batch = self.tables.batch(rows, position_tensor, starts, context_lens, self.cache.block_size)
         if self.drafter is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from services.worker.cpu_threads import ComputeThreads
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
 from services.worker.drafter import Drafter
 from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model
@@ -30,15 +30,6 @@ def pick_device(name: str, rank: int = 0) -> torch.device:
     if name == "cuda":
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device(name)
-
-
-def cpu_threads(requested: int, num_ranks: int = 1) -> int:
-    """Threads for the forward pass on a CPU. By default one core is left to the api and the
-    scheduler (threads that share cores with them wait at every barrier for a descheduled
-    sibling), and the rest is shared among the tensor-parallel ranks."""
-    if requested > 0:
-        return requested
-    return max(1, (len(os.sched_getaffinity(0)) - 1) // num_ranks)
 
 
 def join_rank_group(rank: int, world_size: int, init_method: str, device: torch.device) -> TensorParallel:
@@ -66,8 +57,9 @@ class WorkerServer:
                  metrics: WorkerMetrics | None = None):
         self.rank, self.world_size = rank, world_size
         device = pick_device(args.device, rank)
-        if device.type == "cpu":
-            torch.set_num_threads(cpu_threads(args.cpu_threads, world_size))
+        threads = ComputeThreads(args.cpu_threads, world_size) if device.type == "cpu" else None
+        if threads is not None:
+            threads.use(threads.for_step())
         tp = join_rank_group(rank, world_size, args.dist_init_method, device)
         torch.manual_seed(args.seed)  # the same on every rank: they sample the same tokens
         model, config = load_model(args.model, args.dtype, device, args.load_format, args.seed, tp)
@@ -97,10 +89,12 @@ class WorkerServer:
                  num_cpu_blocks)
         drafter = Drafter(models[1][0], draft_cache[0], device) if draft_cache else None
         eos_ids = eos_token_ids(args.model, config)
-        self.runner = ModelRunner(model, cache, device, args.seed, eos_token_ids=eos_ids, drafter=drafter)
+        self.runner = ModelRunner(model, cache, device, args.seed, eos_token_ids=eos_ids, drafter=drafter,
+                                  threads=threads)
         swap_rate = cache.measure_swap_bandwidth()
         prefill_rate = self.runner.measure_prefill_rate()
-        log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s", swap_rate / 1e9, prefill_rate)
+        log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s%s", swap_rate / 1e9, prefill_rate,
+                 f"; compute threads: {threads.describe()}" if threads is not None else "")
         self.ready = Ready(
             rank, world_size, num_blocks, num_cpu_blocks, args.block_size,
             config.max_position_embeddings, eos_ids, block_bytes,

@@ -7,6 +7,20 @@ from torch import nn
 
 from kernels.cpu_linear import Linear
 
+
+def fused(*projections: Linear) -> Linear:
+    """One projection of the same input whose output is `projections`' outputs side by side: one
+    matmul where there were several. It takes over their weights (concatenated) as they are loaded."""
+    weights = [p.weight for p in projections]
+    has_bias = projections[0].bias is not None
+    with torch.device("meta"):
+        combined = Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=has_bias)
+    combined.weight = nn.Parameter(torch.cat(weights), requires_grad=False)
+    if has_bias:
+        combined.bias = nn.Parameter(torch.cat([p.bias for p in projections]), requires_grad=False)
+    return combined
+
+
 class PagedCausalLM(nn.Module):
     embedding_weight = ""  # the parameter the LM head shares when embeddings are tied
 
@@ -19,6 +33,13 @@ class PagedCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
             self.lm_head.weight = self.get_parameter(self.embedding_weight)
+
+    def fuse_projections(self) -> None:
+        """Once the checkpoint is loaded (under its own names, whole or sharded): every module's
+        projections of one input become one (q, k and v; gate and up)."""
+        for module in list(self.modules()):
+            if module is not self and hasattr(module, "fuse"):
+                module.fuse()
 
     def shards(self) -> dict:
         """The checkpoint tensors a tensor-parallel rank loads only part of, by name (every other

@@ -15,7 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kernels.batch import PagedBatch
 from kernels.cpu_linear import Linear
 from kernels.cpu_norm import rms_norm
-from services.worker.models.base import PagedCausalLM
+from services.worker.models.base import PagedCausalLM, fused
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
 
@@ -68,7 +68,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         hidden = config.hidden_size
-        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        kv_width = self.num_kv_heads * self.head_dim
+        self.widths = (self.num_heads * self.head_dim, kv_width, kv_width)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)  # the checkpoint's; fused in fuse()
         self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
@@ -76,6 +78,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
+
+    def fuse(self) -> None:
+        self.qkv_proj = fused(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -85,9 +91,10 @@ class Attention(nn.Module):
         batch: PagedBatch,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(hidden).split(self.widths, dim=-1)  # views of one row per token
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         out = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window, rope=cos_sin)
@@ -109,21 +116,26 @@ class MLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.first, width = tp.split(config.intermediate_size, "the MLP's intermediate size")
-        self.gate_proj = Linear(config.hidden_size, width, bias=bias)
+        self.width = width
+        self.gate_proj = Linear(config.hidden_size, width, bias=bias)  # the checkpoint's; fused in fuse()
         self.up_proj = Linear(config.hidden_size, width, bias=bias)
         self.down_proj = Linear(width, config.hidden_size, bias=bias)
         self.tp = tp
         self.act = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act == "silu"
 
+    def fuse(self) -> None:
+        self.gate_up_proj = fused(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.width, dim=-1)
         if self.silu:  # in place: no extra activations-sized tensors per layer
-            return row_parallel_linear(self.down_proj, F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)),
-                                       self.tp)
-        return row_parallel_linear(self.down_proj, self.act(self.gate_proj(x)) * self.up_proj(x), self.tp)
+            return row_parallel_linear(self.down_proj, F.silu(gate, inplace=True).mul_(up), self.tp)
+        return row_parallel_linear(self.down_proj, self.act(gate) * up, self.tp)
 
     def shards(self, prefix: str) -> dict[str, Shard]:
-        inner = Shard(0, self.first, self.up_proj.out_features)
+        inner = Shard(0, self.first, self.width)
         shards = {f"{prefix}.{name}.weight": inner for name in ("gate_proj", "up_proj")}
         if self.up_proj.bias is not None:
             shards |= {f"{prefix}.{name}.bias": inner for name in ("gate_proj", "up_proj")}

@@ -8,7 +8,7 @@ from transformers.activations import ACT2FN
 
 from kernels.batch import PagedBatch
 from kernels.cpu_linear import Linear
-from services.worker.models.base import PagedCausalLM
+from services.worker.models.base import PagedCausalLM, fused
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
 
@@ -24,16 +24,21 @@ class OPTAttention(nn.Module):
         self.head_dim = hidden // config.num_attention_heads
         self.first_head, self.num_heads = tp.split(config.num_attention_heads, "the number of attention heads")
         width = self.num_heads * self.head_dim
-        self.q_proj = Linear(hidden, width, bias=bias)
+        self.width = width
+        self.q_proj = Linear(hidden, width, bias=bias)  # the checkpoint's; fused in fuse()
         self.k_proj = Linear(hidden, width, bias=bias)
         self.v_proj = Linear(hidden, width, bias=bias)
         self.out_proj = Linear(width, hidden, bias=bias)
         self.tp = tp
 
+    def fuse(self) -> None:
+        self.qkv_proj = fused(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, hidden, kv_cache, batch: PagedBatch):
         tokens = hidden.shape[0]
         shape = (tokens, self.num_heads, self.head_dim)
-        q, k, v = self.q_proj(hidden).view(shape), self.k_proj(hidden).view(shape), self.v_proj(hidden).view(shape)
+        q, k, v = (part.view(shape) for part in self.qkv_proj(hidden).split(self.width, dim=-1))
         out = paged_attention(q, k, v, kv_cache, batch, self.head_dim**-0.5)
         return row_parallel_linear(self.out_proj, out.reshape(tokens, -1), self.tp)
 

@@ -1,0 +1,77 @@
+"""CPU linear layers, float32, one thread: torch's BLAS against the packed-panel kernel (`cpu_gemm.c`)
+and, up to six rows, the unpacked one (`cpu_linear.c`).
+
+Weights of the 12-layer, 768-wide Llama of `ops/configs/llama-12l-768` (fused q/k/v and gate/up,
+the down projection and the LM head) and of the shipped model's MLP, at 1 to 128 rows (a decode
+step's batch). Prints GFLOP/s (median over repeats) and writes benchmarks/results/cpu_linear_bench.json
+(PAGEDSERVE_BENCH_OUT moves it; PAGEDSERVE_BENCH_ROWS and PAGEDSERVE_BENCH_REPEATS shrink it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kernels.cpu_linear import GEMM_MAX_ROWS, MAX_ROWS, gemm, gemm_kernel, linear, native_kernel, pack  # noqa: E402
+
+REPEATS = int(os.environ.get("PAGEDSERVE_BENCH_REPEATS", "25"))
+ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_ROWS", "1,4,16,48,64").split(",")]
+WEIGHTS = {  # name: (out features, in features)
+    "12-layer qkv": (1280, 768), "12-layer o": (768, 768), "12-layer gate_up": (4096, 768),
+    "12-layer down": (768, 2048), "12-layer lm_head": (4096, 768),
+    "shipped gate_up": (1408, 256), "shipped down": (256, 704),
+}
+
+
+def median_s(run) -> float:
+    times = []
+    for _ in range(REPEATS + 3):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[3:])
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    if gemm_kernel() is None:
+        sys.exit("no C compiler or no AVX2: the packed kernel cannot be built here")
+    rows_out = []
+    print(f"{'weight (out x in)':<32}{'rows':>5}{'torch':>8}{'packed':>8}{'unpacked':>10}  GFLOP/s")
+    for name, (out_features, in_features) in WEIGHTS.items():
+        weight = torch.randn(out_features, in_features) * 0.02
+        panels = pack(weight)
+        for rows in ROWS:
+            x = torch.randn(rows, in_features)
+            flops = 2 * rows * out_features * in_features / 1e9
+            if rows > GEMM_MAX_ROWS:
+                sys.exit(f"{rows} rows: past the packed kernel's {GEMM_MAX_ROWS}")
+            row = {"weight": name, "out_features": out_features, "in_features": in_features, "rows": rows,
+                   "torch": flops / median_s(lambda: F.linear(x, weight)),
+                   "packed": flops / median_s(lambda: gemm(x, panels, out_features, None))}
+            if rows <= MAX_ROWS and native_kernel() is not None:
+                row["unpacked"] = flops / median_s(lambda: linear(x, weight))
+            rows_out.append({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
+            unpacked = f"{row['unpacked']:>10.1f}" if "unpacked" in row else f"{'-':>10}"
+            print(f"{name + f' ({out_features} x {in_features})':<32}{rows:>5}{row['torch']:>8.1f}"
+                  f"{row['packed']:>8.1f}{unpacked}")
+    out_dir = os.environ.get("PAGEDSERVE_BENCH_OUT", os.path.join(os.path.dirname(__file__), "results"))
+    os.makedirs(out_dir, exist_ok=True)
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": 1, "repeats": REPEATS,
+              "date": time.strftime("%Y-%m-%d"), "unit": "GFLOP/s", "rows": rows_out}
+    with open(os.path.join(out_dir, "cpu_linear_bench.json"), "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

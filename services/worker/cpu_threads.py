@@ -1,0 +1,112 @@
+"""How many torch threads the forward pass gets on a CPU.
+
+Torch's threads meet at a barrier after every operation, so one thread that shares its core with
+another busy process holds all of them up: on 2 cores beside one busy process, two threads served
+66 tokens/s where one served 1,506. The api and the scheduler are such processes in proportion to
+the tokens streamed: on the shipped model at 16-48 streams they take a fifth to a quarter of a
+core, a benchmark client on the same machine as much again, and there two threads lost 30 % of the
+throughput. A model past toy size streams few tokens for its compute: with the client and two idle
+servers beside it the others took 14-17 % of a core, and two threads served 1.2-1.35x as much.
+
+So the worker watches how busy its cores are with anything but itself (from /proc/stat, once a
+second) and takes every core while the others leave them nearly idle, and all but one otherwise.
+Contention makes the others busier: on the shipped model at 48 streams they measured 0.3 of a core
+beside one thread and 0.55 beside two, and with one threshold the count flipped every second or
+two. Hence two thresholds, and a hold after giving a core back.
+docs/benchmarks.md ("Threads") has the measurements. `--cpu-threads N` fixes the count instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+ENTER_SHARE = 0.25  # of one core: the others this idle, the worker takes every core
+LEAVE_SHARE = 0.35  # this busy, it gives one back, and for HOLD seconds
+HOLD = 30.0
+INTERVAL = 1.0  # seconds between looks at the cores
+
+
+def cpu_seconds_busy(cores: set[int], path: str = "/proc/stat") -> float | None:
+    """Seconds `cores` have spent busy since boot (all processes), None where /proc/stat is not readable."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    busy = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[:7])
+            busy += user + nice + system + irq + softirq  # not steal: the hypervisor's, not this machine's
+    return busy / tick
+
+
+def own_cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+class ComputeThreads:
+    """The thread count of each step, from how busy the other processes keep this worker's cores."""
+
+    def __init__(self, requested: int = 0, num_ranks: int = 1, cores: set[int] | None = None,
+                 busy: Callable[[], float | None] | None = None, own: Callable[[], float] = own_cpu_seconds,
+                 clock: Callable[[], float] = time.monotonic):
+        cores = cores if cores is not None else os.sched_getaffinity(0)
+        self.fixed = requested if requested > 0 else None
+        self.all_cores = max(1, len(cores) // num_ranks)
+        self.spare_one = max(1, (len(cores) - 1) // num_ranks)
+        # Sibling ranks keep the other cores busy by design: with several, one is always left.
+        self.adapts = self.fixed is None and num_ranks == 1 and self.all_cores > self.spare_one
+        self.busy = busy or (lambda: cpu_seconds_busy(cores))
+        self.own, self.clock = own, clock
+        self.others_share: float | None = None  # of one core, over the last interval
+        self.last = self._sample()
+        self.taking_all = False
+        self.held_until = 0.0
+        self.current = 0  # torch's count is set by the first `use`
+
+    def _sample(self) -> tuple[float, float | None, float]:
+        return self.clock(), self.busy() if self.adapts else None, self.own()
+
+    def for_step(self) -> int:
+        """The count for the next step; looks at the cores once an interval has passed."""
+        if self.fixed is not None:
+            return self.fixed
+        if not self.adapts:
+            return self.spare_one
+        now = self.clock()
+        if now - self.last[0] >= INTERVAL:
+            sample = self._sample()
+            if sample[1] is not None and self.last[1] is not None:
+                others = (sample[1] - self.last[1]) - (sample[2] - self.last[2])
+                self.others_share = max(0.0, others) / (sample[0] - self.last[0])
+            self.last = sample
+            self._decide(now)
+        return self.all_cores if self.taking_all else self.spare_one
+
+    def _decide(self, now: float) -> None:
+        if self.others_share is None:
+            return
+        if self.taking_all and self.others_share >= LEAVE_SHARE:
+            self.taking_all, self.held_until = False, now + HOLD
+        elif not self.taking_all and self.others_share < ENTER_SHARE and now >= self.held_until:
+            self.taking_all = True
+
+    def describe(self) -> str:
+        if self.fixed is not None:
+            return f"{self.fixed} (--cpu-threads)"
+        if not self.adapts:
+            return str(self.spare_one)
+        return f"{self.all_cores} while other processes leave the cores idle, else {self.spare_one}"
+
+    def use(self, threads: int) -> None:
+        if threads != self.current:
+            torch.set_num_threads(threads)
+            self.current = threads

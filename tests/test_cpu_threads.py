@@ -1,0 +1,104 @@
+"""The forward pass's threads on a CPU: every core while other processes leave them nearly idle,
+one core left to them otherwise (the api and scheduler streaming many tokens, or anything else)."""
+
+from services.worker import cpu_threads
+from services.worker.cpu_threads import ComputeThreads, cpu_seconds_busy
+
+
+class Machine:
+    """A clock, the cores' busy seconds and the worker's own CPU seconds, advanced by hand."""
+
+    def __init__(self):
+        self.now = self.busy = self.own = 0.0
+
+    def run(self, seconds: float, worker_cores: float, others_cores: float) -> None:
+        self.now += seconds
+        self.own += seconds * worker_cores
+        self.busy += seconds * (worker_cores + others_cores)
+
+    def threads(self, cores: int = 2, **kwargs) -> ComputeThreads:
+        return ComputeThreads(cores=set(range(cores)), busy=lambda: self.busy, own=lambda: self.own,
+                              clock=lambda: self.now, **kwargs)
+
+
+def test_every_core_while_the_others_are_nearly_idle():
+    machine = Machine()
+    threads = machine.threads()
+    assert threads.for_step() == 1  # nothing seen yet
+    machine.run(1.0, worker_cores=1.0, others_cores=0.15)  # a large model streaming a few tokens
+    assert threads.for_step() == 2
+
+
+def test_one_core_is_left_while_the_api_streams_many_tokens():
+    machine = Machine()
+    threads = machine.threads()
+    machine.run(1.0, worker_cores=1.0, others_cores=0.45)  # the shipped model at 48 streams, a client beside
+    assert threads.for_step() == 1
+
+
+def test_a_busy_neighbour_takes_the_core_back_within_an_interval():
+    machine = Machine()
+    threads = machine.threads()
+    machine.run(1.0, worker_cores=1.0, others_cores=0.0)
+    assert threads.for_step() == 2
+    machine.run(0.5, worker_cores=2.0, others_cores=1.0)
+    assert threads.for_step() == 2  # looked at once an interval
+    machine.run(0.5, worker_cores=2.0, others_cores=1.0)
+    assert threads.for_step() == 1
+
+
+def test_between_the_thresholds_the_count_stays_as_it_is():
+    machine = Machine()
+    taking_all = machine.threads()
+    machine.run(1.0, worker_cores=1.0, others_cores=0.1)
+    assert taking_all.for_step() == 2
+    keeping_one = machine.threads()
+    machine.run(1.0, worker_cores=1.0, others_cores=0.3)
+    assert taking_all.for_step() == 2  # below the share that gives a core back
+    assert keeping_one.for_step() == 1  # above the share that takes it
+
+
+def test_a_core_given_back_is_held_back_for_a_while():
+    machine = Machine()
+    threads = machine.threads()
+    machine.run(1.0, worker_cores=1.0, others_cores=0.0)
+    assert threads.for_step() == 2
+    machine.run(1.0, worker_cores=2.0, others_cores=0.6)  # the others grew busy beside two threads
+    assert threads.for_step() == 1
+    machine.run(1.0, worker_cores=1.0, others_cores=0.0)
+    assert threads.for_step() == 1
+    machine.run(cpu_threads.HOLD, worker_cores=1.0, others_cores=0.0)
+    assert threads.for_step() == 2
+
+
+def test_the_flag_fixes_the_count():
+    machine = Machine()
+    threads = machine.threads(requested=1)
+    machine.run(1.0, worker_cores=1.0, others_cores=0.0)
+    assert threads.for_step() == 1
+
+
+def test_tensor_parallel_ranks_split_the_cores_and_leave_one():
+    machine = Machine()
+    threads = machine.threads(cores=8, num_ranks=2)
+    machine.run(1.0, worker_cores=3.0, others_cores=0.0)
+    assert threads.for_step() == 3
+
+
+def test_one_core_is_all_there_is():
+    machine = Machine()
+    threads = machine.threads(cores=1)
+    machine.run(1.0, worker_cores=1.0, others_cores=0.0)
+    assert threads.for_step() == 1
+
+
+def test_busy_seconds_come_from_this_workers_cores_in_proc_stat(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  900 0 900 9000 90 0 0 0 0 0\n"
+                    "cpu0 100 0 200 5000 50 0 10 0 0 0\n"
+                    "cpu1 800 0 700 4000 40 0 0 0 0 0\n"
+                    "intr 12345\n")
+    monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
+    assert cpu_seconds_busy({0}, str(stat)) == 3.1  # user + system + softirq, not idle or iowait
+    assert cpu_seconds_busy({0, 1}, str(stat)) == 18.1
+    assert cpu_seconds_busy({0}, str(tmp_path / "missing")) is None
