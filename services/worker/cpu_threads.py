@@ -4,16 +4,17 @@ Torch's threads meet at a barrier after every operation, so one thread that shar
 another busy process holds all of them up: on 2 cores beside one busy process, two threads served
 66 tokens/s where one served 1,506. The api and the scheduler are such processes in proportion to
 the tokens streamed: on the shipped model at 16-48 streams they take a fifth to a quarter of a
-core, a benchmark client on the same machine as much again, and there two threads lost 30 % of the
-throughput. A model past toy size streams few tokens for its compute: with the client and two idle
-servers beside it the others took 14-17 % of a core, and two threads served 1.2-1.35x as much.
+core, and there two threads lost 30 % of the throughput. A model past toy size streams few tokens
+for its compute: with a benchmark client and two idle servers beside it the others took 9-17 % of
+a core, and two threads served 1.2-1.35x as much.
 
 So the worker watches how busy its cores are with anything but itself (from /proc/stat, once a
 second) and takes every core while the others leave them nearly idle, and all but one otherwise.
 Contention makes the others busier: on the shipped model at 48 streams they measured 0.3 of a core
 beside one thread and 0.55 beside two, and with one threshold the count flipped every second or
 two. Hence two thresholds, and a hold after giving a core back.
-docs/benchmarks.md ("Threads") has the measurements. `--cpu-threads N` fixes the count instead.
+docs/benchmarks.md ("CPU: a 12-layer model at real shapes") has the measurements. `--cpu-threads N`
+fixes the count instead.
 """
 
 from __future__ import annotations
