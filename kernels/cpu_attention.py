@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +62,6 @@ def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
             and query.shape[1] % key_cache.shape[2] == 0)
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-
-
 def paged_attention_native(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], float32
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], float32
@@ -76,7 +71,6 @@ def paged_attention_native(
     window: int | None = None,
     workspace: Workspace = _workspace,
 ) -> torch.Tensor:
-    global _pool, _pool_size
     kernel = native_kernel()
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -96,12 +90,7 @@ def paged_attention_native(
                tables.stride(0), starts.data_ptr(), lens.data_ptr(), first, last, num_heads, num_kv_heads, head_dim,
                block_size, scale, window or 0, scores.data_ptr(), out.data_ptr())
 
-    if len(parts) == 1:
-        run(0)
-    else:  # ctypes lets go of the GIL, so the parts run on as many cores
-        if _pool_size < len(parts):
-            _pool, _pool_size = ThreadPoolExecutor(len(parts), thread_name_prefix="attention"), len(parts)
-        list(_pool.map(run, range(len(parts))))
+    native.run_parts(run, len(parts))
     return out
 
 

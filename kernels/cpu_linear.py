@@ -15,7 +15,6 @@ second copy of it, made only where the kernel runs.
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -65,12 +64,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
-_pool: ThreadPoolExecutor | None = None
-
-
 def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
     """`x W^T + b` from W's panels; None where the kernel does not apply."""
-    global _pool
     rows, width = x.shape
     kernel = gemm_kernel()
     if kernel is None or rows > GEMM_MAX_ROWS or x.stride(1) != 1 or torch.is_grad_enabled():
@@ -81,13 +76,8 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.T
     count = panels.shape[0]
     split = rows >= SPLIT_ROWS and rows * out_features * width >= SPLIT_MACS
     parts = min(torch.get_num_threads(), count) if split else 1
-    if parts <= 1:
-        done = [kernel(*args, 0, count)]
-    else:  # ctypes lets go of the GIL, so the parts run on as many cores
-        if _pool is None or _pool._max_workers < parts:
-            _pool = ThreadPoolExecutor(parts, thread_name_prefix="gemm")
-        bounds = [count * i // parts for i in range(parts + 1)]
-        done = list(_pool.map(lambda i: kernel(*args, bounds[i], bounds[i + 1]), range(parts)))
+    bounds = [count * i // parts for i in range(parts + 1)]
+    done = native.run_parts(lambda i: kernel(*args, bounds[i], bounds[i + 1]), parts)
     return out if all(d == 0 for d in done) else None
 
 

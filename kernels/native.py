@@ -14,6 +14,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger("pagedserve.kernels")
@@ -45,6 +47,20 @@ def function(name: str, symbol: str, argument_types: list, result_type=None):
 
 
 POINTER, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def run_parts(run: Callable[[int], object], parts: int) -> list:
+    """`run(0)`, ..., `run(parts - 1)`, each on a thread of one pool shared by the kernels (a kernel
+    called through ctypes lets go of the GIL, so the parts run on as many cores); their results."""
+    global _pool, _pool_size
+    if parts <= 1:
+        return [run(0)]
+    if _pool_size < parts:
+        _pool, _pool_size = ThreadPoolExecutor(parts, thread_name_prefix="kernel"), parts
+    return list(_pool.map(run, range(parts)))
 
 
 def _build_and_load(name: str) -> ctypes.CDLL | None:
