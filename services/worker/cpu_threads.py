@@ -67,7 +67,6 @@ class ComputeThreads:
         self.adapts = self.fixed is None and num_ranks == 1 and self.all_cores > self.spare_one
         self.busy = busy or (lambda: cpu_seconds_busy(cores))
         self.own, self.clock = own, clock
-        self.others_share: float | None = None  # of one core, over the last interval
         self.last = self._sample()
         self.taking_all = False
         self.held_until = 0.0
@@ -87,17 +86,15 @@ class ComputeThreads:
             sample = self._sample()
             if sample[1] is not None and self.last[1] is not None:
                 others = (sample[1] - self.last[1]) - (sample[2] - self.last[2])
-                self.others_share = max(0.0, others) / (sample[0] - self.last[0])
+                self._decide(now, others_share=max(0.0, others) / (sample[0] - self.last[0]))
             self.last = sample
-            self._decide(now)
         return self.all_cores if self.taking_all else self.spare_one
 
-    def _decide(self, now: float) -> None:
-        if self.others_share is None:
-            return
-        if self.taking_all and self.others_share >= LEAVE_SHARE:
+    def _decide(self, now: float, others_share: float) -> None:
+        """From how much of one core the other processes used over the last interval."""
+        if self.taking_all and others_share >= LEAVE_SHARE:
             self.taking_all, self.held_until = False, now + HOLD
-        elif not self.taking_all and self.others_share < ENTER_SHARE and now >= self.held_until:
+        elif not self.taking_all and others_share < ENTER_SHARE and now >= self.held_until:
             self.taking_all = True
 
     def describe(self) -> str:
