@@ -18,10 +18,17 @@ def load(name):
     return module
 
 
+def run_bench(name: str, out_dir, **settings: str) -> subprocess.CompletedProcess:
+    """`benchmarks/<name>.py` in a process of its own, writing into `out_dir`, with its
+    PAGEDSERVE_BENCH_<SETTING> variables (ITERATIONS, REPEATS...) set to shrink it."""
+    env = dict(os.environ, PAGEDSERVE_BENCH_OUT=str(out_dir),
+               **{f"PAGEDSERVE_BENCH_{key.upper()}": value for key, value in settings.items()})
+    script = os.path.join(ROOT, "benchmarks", f"{name}.py")
+    return subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+
+
 def test_scheduler_bench_runs(tmp_path):
-    env = dict(os.environ, PAGEDSERVE_BENCH_ITERATIONS="5", PAGEDSERVE_BENCH_OUT=str(tmp_path))
-    script = os.path.join(ROOT, "benchmarks", "scheduler_bench.py")
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+    done = run_bench("scheduler_bench", tmp_path, iterations="5")
     assert done.returncode == 0, done.stderr
     assert "schedule()+encode" in done.stdout and "round trip" in done.stdout
 
@@ -34,9 +41,7 @@ def test_sharing_bench_finds_savings(monkeypatch, mode, width):
 
 
 def test_cpu_attention_bench_runs(tmp_path):
-    env = dict(os.environ, PAGEDSERVE_BENCH_REPEATS="1", PAGEDSERVE_BENCH_OUT=str(tmp_path))
-    script = os.path.join(ROOT, "benchmarks", "cpu_attention_bench.py")
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+    done = run_bench("cpu_attention_bench", tmp_path, repeats="1")
     if "no C compiler" in done.stderr:
         pytest.skip("no C compiler here: the compiled CPU attention kernel cannot be built")
     assert done.returncode == 0, done.stderr
@@ -45,9 +50,7 @@ def test_cpu_attention_bench_runs(tmp_path):
 
 
 def test_cpu_linear_bench_runs(tmp_path):
-    env = dict(os.environ, PAGEDSERVE_BENCH_REPEATS="1", PAGEDSERVE_BENCH_ROWS="2,9", PAGEDSERVE_BENCH_OUT=str(tmp_path))
-    script = os.path.join(ROOT, "benchmarks", "cpu_linear_bench.py")
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+    done = run_bench("cpu_linear_bench", tmp_path, repeats="1", rows="2,9")
     if "cannot be built" in done.stderr:
         pytest.skip("no C compiler or no AVX2 here: the packed linear kernel cannot be built")
     assert done.returncode == 0, done.stderr
@@ -57,9 +60,7 @@ def test_cpu_linear_bench_runs(tmp_path):
 
 
 def test_beam_memory_bench_runs(tmp_path):
-    env = dict(os.environ, PAGEDSERVE_BENCH_LENGTHS="40,80", PAGEDSERVE_BENCH_OUT=str(tmp_path))
-    script = os.path.join(ROOT, "benchmarks", "beam_memory_bench.py")
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+    done = run_bench("beam_memory_bench", tmp_path, lengths="40,80")
     assert done.returncode == 0, done.stderr
     assert "MiB per 1k tokens" in done.stdout and (tmp_path / "beam_memory_bench.json").exists()
 
