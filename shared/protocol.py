@@ -19,7 +19,7 @@ import msgpack
 
 from shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: a step verifies proposed tokens; a result lists the tokens each sequence keeps
+PROTOCOL_VERSION = 3  # 2: a step verifies proposed tokens, a result lists the tokens each sequence keeps; 3: grammars
 
 
 class ProtocolError(ValueError):

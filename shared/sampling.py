@@ -22,6 +22,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as in Open
 MAX_REPETITION_PENALTY = 2.0  # (0, 2], as in vLLM
 MAX_LOGIT_BIAS = 100.0  # each bias in [-100, 100], as in OpenAI's API
 MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_GRAMMAR_CHARS = 1 << 20  # a compiled grammar (llguidance's text) of at most 1 MiB
 
 
 class InvalidParameter(ValueError):
@@ -54,6 +55,11 @@ class SamplingParams:
     min_tokens: int = 0  # no EOS or stop token before this many tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     prompt_logprobs: int | None = None  # log-probabilities of the prompt's tokens, with this many alternatives
+    grammar: str = ""  # what every output must match, as llguidance grammar text (the api compiles it); "": free
+
+    @property
+    def constrained(self) -> bool:
+        return bool(self.grammar)
 
     @property
     def penalized(self) -> bool:
@@ -136,6 +142,10 @@ class SamplingParams:
         if self.repetition_penalty == 0.0:
             raise InvalidParameter("repetition_penalty", f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
         _integer("min_tokens", self.min_tokens, 0, self.max_tokens, "min_tokens must be an integer in [0, max_tokens]")
+        if type(self.grammar) is not str or len(self.grammar) > MAX_GRAMMAR_CHARS:
+            raise InvalidParameter("grammar", f"grammar must be a string of at most {MAX_GRAMMAR_CHARS} characters")
+        if self.grammar and self.use_beam_search:
+            raise InvalidParameter("use_beam_search", "structured outputs are not supported with beam search")
         if type(self.logit_bias) is not dict or len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise InvalidParameter("logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} token ids "
                                                  "to biases")

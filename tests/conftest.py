@@ -160,6 +160,19 @@ def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] 
             process.kill()
 
 
+# Proposals in every step, so that a request's steps are the same each time it is sent alone.
+NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+         '"adaptive": false}')
+
+
+@pytest.fixture(scope="session")
+def shipped_ngram_server(tmp_path_factory):
+    """The shipped model with n-gram speculation and async scheduling (tests/test_speculative_e2e.py,
+    tests/test_structured_outputs_api.py)."""
+    with serve(None, str(tmp_path_factory.mktemp("spec")), "--speculative-config", NGRAM) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def llama_server(llama_dir, tmp_path_factory):
     # A short stats interval, so that tests/test_openai_api.py sees the periodic log line.

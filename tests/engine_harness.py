@@ -14,6 +14,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from services.scheduler.speculation import Speculation
 from services.worker.drafter import Drafter
+from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import KVCache, bytes_per_block
 from services.worker.loader import eos_token_ids, load_model
 from services.worker.model_runner import ModelRunner
@@ -38,7 +39,10 @@ class Engine:
             drafter = Drafter(draft, KVCache(draft_config.num_hidden_layers, num_gpu_blocks, block_size,
                                              draft.num_kv_heads, draft.head_dim, torch.float32, torch.device("cpu"),
                                              num_cpu_blocks), torch.device("cpu"))
-        self.runner = ModelRunner(model, self.cache, torch.device("cpu"), seed=0, drafter=drafter)
+        eos_ids = eos_token_ids(model_dir, config)
+        grammars = GrammarEngine.load(model_dir, model.lm_head.weight.shape[0], eos_ids)
+        self.runner = ModelRunner(model, self.cache, torch.device("cpu"), seed=0, eos_token_ids=eos_ids,
+                                  drafter=drafter, grammars=grammars)
         block_bytes = bytes_per_block(config.num_hidden_layers, block_size, model.num_kv_heads,
                                       model.head_dim, torch.float32)
         policy = PreemptionPolicy(preemption, block_bytes, self.cache.measure_swap_bandwidth(),
@@ -50,7 +54,7 @@ class Engine:
             context = min(context, max_num_batched_tokens)
         budgets = Budgets(max_num_seqs, max_num_batched_tokens, context, chunked_prefill)
         speculation = Speculation(speculative, context) if speculative is not None else None
-        self.scheduler = Scheduler(manager, budgets, eos_token_ids(model_dir, config), policy, speculation=speculation)
+        self.scheduler = Scheduler(manager, budgets, eos_ids, policy, speculation=speculation)
         self.max_running_seqs = 0
         self.steps = []
 

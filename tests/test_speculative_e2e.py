@@ -17,9 +17,6 @@ from services.launcher import SHIPPED_MODEL
 from tests.conftest import ROOT, metrics_port_flags, serve, wait_until
 from tests.tiny_models import _hf_model, hf_greedy
 
-# Proposals in every step, so that a request's steps are the same each time it is sent alone.
-NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
-         '"adaptive": false}')
 OPENINGS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "import os\nimport sys\n\n\ndef main():\n",
@@ -34,9 +31,8 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def ngram_server(tmp_path_factory):
-    with serve(None, str(tmp_path_factory.mktemp("spec")), "--speculative-config", NGRAM) as server:
-        yield server
+def ngram_server(shipped_ngram_server):
+    return shipped_ngram_server
 
 
 def complete(server, prompt, **fields) -> dict:

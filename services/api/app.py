@@ -25,6 +25,7 @@ from services.api.errors import ApiError
 from services.api.formats import ChatFormat, Chunk, CompletionFormat
 from services.api.metrics import ApiMetrics
 from services.api.requests import GenerationRequest, parse_chat, parse_completion
+from services.api.structured import GrammarCompiler
 from shared.sampling import InvalidParameter
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class OpenAIServer:
         self.vocab_size = vocab_size
         self.max_body_bytes = max_body_bytes
         self.metrics = ApiMetrics()
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
         self.created = int(time.time())
 
     # --- routes --------------------------------------------------------------------------
@@ -51,6 +53,7 @@ class OpenAIServer:
         body = await self._json_body(request)
         generation = parse_completion(body)
         self._check_model(generation.model)
+        await self._compile_grammar(generation)
         if generation.prompt is not None:
             prompt_ids = await self._tokenize(self.tokenizer.encode, generation.prompt)
         else:
@@ -68,6 +71,7 @@ class OpenAIServer:
         body = await self._json_body(request)
         generation = parse_chat(body)
         self._check_model(generation.model)
+        await self._compile_grammar(generation)
         try:
             text = await asyncio.to_thread(
                 self.tokenizer.apply_chat_template, generation.messages, add_generation_prompt=True,
@@ -135,6 +139,10 @@ class OpenAIServer:
                 f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                 status=404, param="model", code="model_not_found",
             )
+
+    async def _compile_grammar(self, generation: GenerationRequest) -> None:
+        if generation.structured is not None:
+            generation.sampling.grammar = await self.grammars.compile(generation.structured)
 
     def _fit_to_context(self, generation: GenerationRequest, prompt_ids: list[int]) -> None:
         info = self.client.info

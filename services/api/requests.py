@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.api.errors import ApiError
+from services.api.structured import GrammarSpec, parse_structured
 from shared.sampling import MAX_TOKENS_LIMIT, InvalidParameter, SamplingParams
 
 _NUMBER = (int, float)
 _UNSUPPORTED_IF_SET = {
     "suffix": None,
     "tools": None,
-    "response_format": None,
 }
 
 
@@ -29,6 +29,7 @@ class GenerationRequest:
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # extension: each choice also lists its token ids
     echo: bool = False  # completions: each choice's text starts with the prompt
+    structured: GrammarSpec | None = None  # what the output must match; compiled into sampling.grammar
 
 
 class _Body:
@@ -148,6 +149,7 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
         include_usage=bool(stream_options.get("include_usage", False)),
         skip_special_tokens=fields.get("skip_special_tokens", bool, True, what="a boolean"),
         return_token_ids=fields.get("return_token_ids", bool, False, what="a boolean"),
+        structured=parse_structured(fields.body),
     )
 
 
@@ -176,6 +178,8 @@ def _validate(request: GenerationRequest) -> None:
         request.sampling.validate()
     except InvalidParameter as exc:
         raise ApiError(str(exc), param=exc.param) from None
+    if request.structured is not None and request.sampling.use_beam_search:
+        raise ApiError("structured outputs are not supported with beam search", param=request.structured.param)
 
 
 def _message(message: object, index: int) -> dict:

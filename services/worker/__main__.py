@@ -15,6 +15,8 @@ from shared.wire_security import WireSecurityError, keys_for
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.worker", formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True, help="local HF-format model directory")
+    parser.add_argument("--tokenizer", default=None,
+                        help="directory of the tokenizer, for grammars (structured outputs); None: the model directory")
     parser.add_argument("--worker-endpoint", required=True, help="the scheduler's worker endpoint")
     parser.add_argument("--rank", type=int, default=0,
                         help="this worker's rank among the tensor-parallel workers, to join a group by hand")

@@ -1,70 +1,123 @@
-"""What a request asks of its logits before sampling, batched over the rows that ask it:
-`logit_bias`, `min_tokens`, then the repetition, frequency and presence penalties, in that order
-(the order vLLM applies them in; the repetition penalty as HF's `RepetitionPenaltyLogitsProcessor`).
+"""What a request asks of its logits before sampling, one processor per kind of ask, each applied
+to the whole batch at once for the rows that ask it.
+
+`Sampler` runs them in the order of `processors()`: `logit_bias`, `min_tokens`, then the
+repetition, frequency and presence penalties (the order vLLM applies them in; the repetition
+penalty as HF's `RepetitionPenaltyLogitsProcessor`), and last the grammar's mask, so that no
+bias can lift a token the grammar forbids. A new processor is a class with `wants` and `apply`
+and one more entry in that list.
 
 Log-probabilities are reported from the processed logits, as HF's processed scores are.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 
-def process_logits(logits: torch.Tensor, rows: list, stop_ids: frozenset[int]) -> torch.Tensor:
+class LogitsProcessor(Protocol):
+    def wants(self, row) -> bool:
+        """Whether this `SampleRow` asks anything of this processor."""
+
+    def apply(self, logits: torch.Tensor, rows: list, which: list[int]) -> None:
+        """Change `logits` in place, at the rows `which` (indices into `rows`; never empty)."""
+
+
+def processors(stop_ids: frozenset[int]) -> list[LogitsProcessor]:
+    return [LogitBias(), MinTokens(stop_ids), Penalties(), GrammarMask()]
+
+
+def process_logits(logits: torch.Tensor, rows: list, chain: list[LogitsProcessor]) -> torch.Tensor:
     """`logits` holds one row per entry of `rows` (each a `SampleRow`); changed in place."""
-    _add_logit_bias(logits, rows)
-    _hold_back_stops(logits, rows, stop_ids)
-    _apply_penalties(logits, rows)
+    for processor in chain:
+        which = [i for i, row in enumerate(rows) if processor.wants(row)]
+        if which:
+            processor.apply(logits, rows, which)
     return logits
 
 
-def _add_logit_bias(logits: torch.Tensor, rows: list) -> None:
-    owners, tokens, biases = [], [], []
-    for i, row in enumerate(rows):
-        for token, bias in row.params.logit_bias.items():
-            owners.append(i)
-            tokens.append(token)
-            biases.append(bias)
-    if owners:
+class LogitBias:
+    def wants(self, row) -> bool:
+        return bool(row.params.logit_bias)
+
+    def apply(self, logits: torch.Tensor, rows: list, which: list[int]) -> None:
+        owners, tokens, biases = [], [], []
+        for i in which:
+            for token, bias in rows[i].params.logit_bias.items():
+                owners.append(i)
+                tokens.append(token)
+                biases.append(bias)
         device = logits.device
         logits.index_put_((torch.tensor(owners, device=device), torch.tensor(tokens, device=device)),
                           torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
-def _hold_back_stops(logits: torch.Tensor, rows: list, stop_ids: frozenset[int]) -> None:
+class MinTokens:
     """No EOS or stop token id before `min_tokens` tokens."""
-    owners, tokens = [], []
-    for i, row in enumerate(rows):
-        if row.num_generated < row.params.min_tokens:
-            held = set(row.params.stop_token_ids) | (set() if row.params.ignore_eos else stop_ids)
+
+    def __init__(self, stop_ids: frozenset[int]):
+        self.stop_ids = stop_ids  # the model's EOS ids
+
+    def wants(self, row) -> bool:
+        return row.num_generated < row.params.min_tokens
+
+    def apply(self, logits: torch.Tensor, rows: list, which: list[int]) -> None:
+        owners, tokens = [], []
+        for i in which:
+            params = rows[i].params
+            held = set(params.stop_token_ids) | (set() if params.ignore_eos else self.stop_ids)
             owners += [i] * len(held)
             tokens += sorted(held)
-    if owners:
-        device = logits.device
-        logits[torch.tensor(owners, device=device), torch.tensor(tokens, device=device)] = float("-inf")
+        if owners:
+            device = logits.device
+            logits[torch.tensor(owners, device=device), torch.tensor(tokens, device=device)] = float("-inf")
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list) -> None:
-    which = [i for i, row in enumerate(rows) if row.params.penalized]
-    if not which:
-        return
-    device, vocab = logits.device, logits.shape[-1]
-    outputs = [rows[i].token_ids[rows[i].num_prompt_tokens:] for i in which]
-    prompts = [rows[i].token_ids[:rows[i].num_prompt_tokens] for i in which]
-    counts = _token_counts(outputs, vocab, device, logits.dtype)
-    in_prompt = _token_counts(prompts, vocab, device, logits.dtype) > 0
-    params = [rows[i].params for i in which]
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
-    index = torch.tensor(which, device=device)
-    picked = logits[index]
-    generated = counts > 0
-    seen = generated | in_prompt
-    penalized = torch.where(picked > 0, picked / repetition, picked * repetition)
-    picked = torch.where(seen, penalized, picked)
-    picked -= frequency * counts + presence * generated
-    logits[index] = picked
+class Penalties:
+    def wants(self, row) -> bool:
+        return row.params.penalized
+
+    def apply(self, logits: torch.Tensor, rows: list, which: list[int]) -> None:
+        device, vocab = logits.device, logits.shape[-1]
+        outputs = [rows[i].token_ids[rows[i].num_prompt_tokens:] for i in which]
+        prompts = [rows[i].token_ids[:rows[i].num_prompt_tokens] for i in which]
+        counts = _token_counts(outputs, vocab, device, logits.dtype)
+        in_prompt = _token_counts(prompts, vocab, device, logits.dtype) > 0
+        params = [rows[i].params for i in which]
+        repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+        index = torch.tensor(which, device=device)
+        picked = logits[index]
+        generated = counts > 0
+        seen = generated | in_prompt
+        penalized = torch.where(picked > 0, picked / repetition, picked * repetition)
+        picked = torch.where(seen, penalized, picked)
+        picked -= frequency * counts + presence * generated
+        logits[index] = picked
+
+
+class GrammarMask:
+    """Only the tokens the row's grammar allows next (`SampleRow.allowed`, a bitmask of 32-bit
+    words, bit i of word w for token 32 w + i). Where `min_tokens` has already removed every
+    token the grammar allows, the grammar wins: its tokens are drawn alike."""
+
+    def wants(self, row) -> bool:
+        return row.allowed is not None
+
+    def apply(self, logits: torch.Tensor, rows: list, which: list[int]) -> None:
+        device, vocab = logits.device, logits.shape[-1]
+        words = torch.stack([rows[i].allowed for i in which]).to(device, non_blocking=True)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+        index = torch.tensor(which, device=device)
+        picked = logits[index].masked_fill_(~allowed, float("-inf"))
+        stuck = picked.amax(dim=-1) == float("-inf")
+        if stuck.any():
+            picked[stuck] = torch.zeros_like(picked[stuck]).masked_fill_(~allowed[stuck], float("-inf"))
+        logits[index] = picked
 
 
 def _token_counts(sequences: list[list[int]], vocab: int, device, dtype) -> torch.Tensor:

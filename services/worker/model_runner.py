@@ -23,6 +23,7 @@ from kernels.batch import PagedBatch
 from services.worker.block_tables import BlockTables
 from services.worker.cpu_threads import ComputeThreads
 from services.worker.drafter import Drafter
+from services.worker.grammar import GrammarEngine, GrammarState
 from services.worker.kv_cache import KVCache
 from services.worker.sampler import Sample, Sampler, SampleRow
 from shared.protocol import NewSequence, PromptLogprobs, SampledTokens, ScheduledSequence, Step, StepResult
@@ -40,10 +41,12 @@ class SequenceMirror:
     row: int  # its block table is this row of the runner's BlockTables
     num_blocks: int = 0  # entries of that row in use
     num_drafted_positions: int = -1  # positions the draft model has computed; -1: as many as the target
+    grammar: GrammarState | None = None  # with SamplingParams.grammar: where its output stands in it
 
     def copy(self, index: int, row: int) -> SequenceMirror:
         return SequenceMirror(list(self.token_ids), self.num_prompt_tokens, self.sampling, index, row,
-                              self.num_blocks, self.num_drafted_positions)
+                              self.num_blocks, self.num_drafted_positions,
+                              self.grammar.copy() if self.grammar is not None else None)
 
 
 class StepError(RuntimeError):
@@ -52,7 +55,8 @@ class StepError(RuntimeError):
 
 class ModelRunner:
     def __init__(self, model, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None,
-                 eos_token_ids: list[int] = (), drafter: Drafter | None = None, threads: ComputeThreads | None = None):
+                 eos_token_ids: list[int] = (), drafter: Drafter | None = None, threads: ComputeThreads | None = None,
+                 grammars: GrammarEngine | None = None):
         self.model = model
         self.cache = cache
         self.device = device
@@ -63,6 +67,7 @@ class ModelRunner:
         self.drafter = drafter  # a draft model with its own KV cache under the same block ids
         self.caches = [cache] + ([drafter.cache] if drafter is not None else [])
         self.threads = threads  # on a CPU: each step's share of the cores
+        self.grammars = grammars  # None: requests with a grammar are refused
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
@@ -81,10 +86,15 @@ class ModelRunner:
             self._drop(seq_id)
         for new in step.new_sequences:
             problem = self._refusal(new)
+            grammar = None
+            if problem is None and new.sampling.grammar:
+                grammar = self.grammars.start(new.sampling.grammar) if self.grammars else (
+                    "structured outputs need the model's tokenizer in the worker")
+                problem, grammar = (grammar, None) if isinstance(grammar, str) else (None, grammar)
             if problem is None:
                 self._drop(new.seq_id)
                 self.mirrors[new.seq_id] = SequenceMirror(list(new.token_ids), new.num_prompt_tokens, new.sampling,
-                                                          new.index, self.tables.claim())
+                                                          new.index, self.tables.claim(), grammar=grammar)
             else:
                 failures[new.seq_id] = problem
         self._check_block_pairs(step)
@@ -267,11 +277,14 @@ class ModelRunner:
         generated = len(mirror.token_ids) - mirror.num_prompt_tokens
         sampling = mirror.sampling
         forks = generated == 0 and not sampling.use_beam_search and sampling.num_samples > 1
+        masks = None
+        if mirror.grammar is not None:
+            masks = mirror.grammar.masks(mirror.token_ids, mirror.num_prompt_tokens, proposals)
         rows = []
         for j in range(len(proposals) + 1):
             tokens = mirror.token_ids if not (j and sampling.penalized) else mirror.token_ids + proposals[:j]
             rows.append(SampleRow(sampling, generated + j, mirror.index, sampling.num_samples if forks else 1, tokens,
-                                  mirror.num_prompt_tokens))
+                                  mirror.num_prompt_tokens, None if masks is None else masks[j]))
         return rows
 
     def reset(self) -> None:

@@ -1,7 +1,7 @@
 """Turn the last-position logits of each sequence into its next token(s).
 
 Logits are first processed as the request asks (`logits_processing.py`: logit bias, min_tokens,
-penalties). Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw by
+penalties, a grammar's mask). Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw by
 inverse CDF: one uniform number per sample, batched. A seeded request draws its number from a
 generator reseeded from (seed, sample index, tokens generated so far), so its tokens do not
 depend on what else is in the batch, nor on whether it was preempted and recomputed.
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.logits_processing import process_logits
+from services.worker.logits_processing import process_logits, processors
 from shared.sampling import SamplingParams
 
 
@@ -25,6 +25,7 @@ class SampleRow:
     num_samples: int = 1  # > 1 when a finished prompt forks into best_of samples
     token_ids: list[int] = field(default_factory=list)  # prompt and output so far, for the penalties
     num_prompt_tokens: int = 0
+    allowed: torch.Tensor | None = None  # with a grammar: the tokens it allows next, as a bitmask of int32 words
 
 
 @dataclass(slots=True)
@@ -37,15 +38,14 @@ class Sample:
 
 class Sampler:
     def __init__(self, seed: int, stop_ids: frozenset[int] = frozenset()):
-        self.stop_ids = stop_ids  # the model's EOS ids, held back before min_tokens
+        self.processors = processors(stop_ids)  # stop_ids: the model's EOS ids, held back before min_tokens
         self.unseeded = torch.Generator(device="cpu")
         self.unseeded.manual_seed(seed)
         self.seeded = torch.Generator(device="cpu")
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[Sample]]:
         logits = logits.float()
-        if any(row.params.logit_bias or row.params.min_tokens or row.params.penalized for row in rows):
-            logits = process_logits(logits, rows, self.stop_ids)
+        logits = process_logits(logits, rows, self.processors)
         owners = [i for i, row in enumerate(rows) for _ in range(row.num_samples)]
         draws = [k for row in rows for k in range(row.num_samples)]
         owner_index = torch.tensor(owners, dtype=torch.int64, device=logits.device)

@@ -13,6 +13,7 @@ import zmq
 from services.worker.cpu_threads import ComputeThreads
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
 from services.worker.drafter import Drafter
+from services.worker.grammar import GrammarEngine
 from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
@@ -89,8 +90,10 @@ class WorkerServer:
                  num_cpu_blocks)
         drafter = Drafter(models[1][0], draft_cache[0], device) if draft_cache else None
         eos_ids = eos_token_ids(args.model, config)
+        vocab_size = model.lm_head.weight.shape[0]
+        grammars = GrammarEngine.load(getattr(args, "tokenizer", None) or args.model, vocab_size, eos_ids)
         self.runner = ModelRunner(model, cache, device, args.seed, eos_token_ids=eos_ids, drafter=drafter,
-                                  threads=threads)
+                                  threads=threads, grammars=grammars)
         swap_rate = cache.measure_swap_bandwidth()
         prefill_rate = self.runner.measure_prefill_rate()
         log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s%s", swap_rate / 1e9, prefill_rate,

@@ -1,0 +1,108 @@
+"""Grammar-constrained decoding in the worker: each constrained sequence holds an llguidance
+matcher that follows its output tokens and says which tokens may come next.
+
+The matcher lives beside the sequence's tokens, here, because the worker knows each sampled
+token first: the mask for the next step is ready the moment a step ends, whatever the scheduler
+has already planned. A matcher follows the tokens lazily, at the next mask, so every way tokens
+reach a sequence (sampled here, sent by the scheduler for forked samples, replayed after a
+recompute) moves it the same way. Proposals to verify are walked through and rolled back.
+
+Grammars arrive compiled and validated by the api; a matcher per grammar text is kept as a
+template and copied for each sequence, so a grammar compiles once per worker however many
+requests use it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TEMPLATES_KEPT = 256
+
+
+class GrammarState:
+    """One sequence's matcher, and how many of its output tokens the matcher has taken."""
+
+    __slots__ = ("matcher", "consumed", "eos_mask")
+
+    def __init__(self, matcher, eos_mask: torch.Tensor, consumed: int = 0):
+        self.matcher = matcher
+        self.consumed = consumed
+        self.eos_mask = eos_mask  # what a finished or broken matcher allows: only EOS
+
+    def copy(self) -> GrammarState:
+        return GrammarState(self.matcher.deep_copy(), self.eos_mask, self.consumed)
+
+    def masks(self, token_ids: list[int], num_prompt_tokens: int, proposals: list[int]) -> torch.Tensor:
+        """The tokens allowed after the sequence's output (`token_ids` past the prompt) and after
+        each proposal in turn: one bitmask row per
+        position that samples (len(proposals) + 1 rows). Rows after a proposal the grammar
+        refuses are never read, since that proposal cannot be sampled, so they repeat the last."""
+        matcher = self.matcher
+        seen = num_prompt_tokens + self.consumed
+        if len(token_ids) > seen:
+            matcher.consume_tokens(token_ids[seen:])  # a refused token leaves it broken: EOS only
+            self.consumed = len(token_ids) - num_prompt_tokens
+        rows = torch.empty(len(proposals) + 1, self.eos_mask.shape[0], dtype=torch.int32)
+        taken = 0
+        for j in range(len(proposals) + 1):
+            if j and (taken < j - 1 or matcher.try_consume_tokens(proposals[j - 1 : j]) != 1):
+                rows[j] = rows[j - 1]
+                continue
+            taken = j
+            if matcher.is_error():
+                rows[j] = self.eos_mask
+            else:
+                matcher.unsafe_compute_mask_ptr(rows[j].data_ptr(), rows.shape[1] * 4)
+        if taken:
+            matcher.rollback(taken)
+        return rows
+
+
+class GrammarEngine:
+    """The worker's llguidance tokenizer and its cache of compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        self.tokenizer = tokenizer  # an llguidance LLTokenizer
+        self.templates: OrderedDict[str, object] = OrderedDict()
+        words = [0] * ((vocab_size + 31) // 32)
+        for token in eos_token_ids:
+            if 0 <= token < vocab_size:
+                words[token // 32] |= 1 << token % 32
+        self.eos_mask = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+    @classmethod
+    def load(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int]) -> GrammarEngine | None:
+        """None where the directory has no tokenizer that llguidance can read (constrained requests are
+        then refused with a reason)."""
+        try:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+            tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                                     eos_token=eos_token_ids[0] if eos_token_ids else None)
+        except Exception as exc:  # no tokenizer, a slow-only tokenizer, no llguidance
+            log.warning("structured outputs are off: no tokenizer for grammars in %s (%s)", tokenizer_dir, exc)
+            return None
+        return cls(tokenizer, vocab_size, eos_token_ids)
+
+    def start(self, grammar: str) -> GrammarState | str:
+        """A fresh state for `grammar`, or why it cannot be served."""
+        template = self.templates.get(grammar)
+        if template is None:
+            import llguidance
+
+            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if template.is_error():
+                return f"grammar: {template.get_error()}"
+            self.templates[grammar] = template
+            if len(self.templates) > TEMPLATES_KEPT:
+                self.templates.popitem(last=False)
+        else:
+            self.templates.move_to_end(grammar)
+        return GrammarState(template.deep_copy(), self.eos_mask)
