@@ -61,6 +61,7 @@ class Scenario:
     cpu_load: bool = False  # one busy process per core-to-load runs beside the server
     metrics: tuple[str, ...] = ("output_throughput", "mean_tpot_ms")
     workload: str = "random"  # random token prompts of input_len, or "code" (benchmarks/workloads.py)
+    body: str = ""  # more request fields, as JSON (a response_format, say), in every request
 
 
 SCENARIOS = {
@@ -177,7 +178,8 @@ def run_client(args, port: int, scenario: Scenario, seed: int, scratch: Path) ->
                                                      scenario.max_concurrency, seed))
         return asyncio.run(serve_client.run(base_url, SERVED_NAME, scenario.input_len, scenario.output_len,
                                             scenario.num_prompts, scenario.request_rate,
-                                            scenario.max_concurrency, seed))
+                                            scenario.max_concurrency, seed,
+                                            params=json.loads(scenario.body) if scenario.body else None))
     result_file = f"result-{time.monotonic_ns()}.json"
     if code:  # the same prompts as our client's, as a custom dataset, sent as they are (no chat template)
         dataset = scratch / f"code-{seed}.jsonl"
@@ -196,6 +198,8 @@ def run_client(args, port: int, scenario: Scenario, seed: int, scratch: Path) ->
                "--save-result", "--result-dir", str(scratch), "--result-filename", result_file]
     if scenario.max_concurrency:
         command += ["--max-concurrency", str(scenario.max_concurrency)]
+    if scenario.body:
+        command += ["--extra-body", scenario.body]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads((scratch / result_file).read_text())
 
@@ -305,16 +309,13 @@ def run_system(args, name: str, port: int, scenarios: dict[str, Scenario], seed:
     return results, sweep
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_system_args(parser: argparse.ArgumentParser) -> None:
+    """What both systems serve and how, and the client that drives them (shared with structured_bench.py)."""
     parser.add_argument("--model", default=str(ROOT / "ops" / "models" / "tiny-python"))
     parser.add_argument("--tokenizer", default=None, help="None: the model's directory (a config alone needs one)")
     parser.add_argument("--load-format", default="auto", help="dummy: random weights from a config alone")
     parser.add_argument("--vllm-venv", default=None, help="a virtual environment with vllm (optional)")
-    parser.add_argument("--vllm-all-cores", action="store_true",
-                        help="also run vLLM with every core bound to its worker (VLLM_CPU_OMP_THREADS_BIND)")
     parser.add_argument("--client", choices=["auto", "vllm", "ours"], default="auto")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
@@ -323,6 +324,24 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--load-cores", type=int, default=1, help="busy processes in the loaded scenario")
     parser.add_argument("--pagedserve-args", default="", help="extra flags for `pagedserve up`")
+
+
+def settle_system_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.tokenizer is None:
+        args.tokenizer = args.model if os.path.isfile(os.path.join(args.model, "tokenizer.json")) else \
+            str(ROOT / "ops" / "models" / "tiny-python")
+    if args.client == "auto":
+        args.client = "vllm" if args.vllm_venv else "ours"
+    if args.client == "vllm" and not args.vllm_venv:
+        parser.error("--client vllm needs --vllm-venv")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_system_args(parser)
+    parser.add_argument("--vllm-all-cores", action="store_true",
+                        help="also run vLLM with every core bound to its worker (VLLM_CPU_OMP_THREADS_BIND)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--sweep", default="", help="request rates for the TPOT-vs-rate plot, e.g. 1,2,4,8")
     parser.add_argument("--sweep-prompts", type=int, default=40)
     parser.add_argument("--num-prompts-scale", type=float, default=1.0, help="shrink every scenario (tests)")
@@ -348,13 +367,7 @@ def main() -> None:
         return
     if args.interleave and args.sweep:
         parser.error("--sweep runs one system at a time: leave out --interleave")
-    if args.tokenizer is None:
-        args.tokenizer = args.model if os.path.isfile(os.path.join(args.model, "tokenizer.json")) else \
-            str(ROOT / "ops" / "models" / "tiny-python")
-    if args.client == "auto":
-        args.client = "vllm" if args.vllm_venv else "ours"
-    if args.client == "vllm" and not args.vllm_venv:
-        parser.error("--client vllm needs --vllm-venv")
+    settle_system_args(parser, args)
     scenarios = {}
     for name in filter(None, args.scenarios.split(",")):
         base = SCENARIOS[name]

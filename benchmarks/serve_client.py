@@ -76,8 +76,10 @@ async def _one(client: httpx.AsyncClient, url: str, payload: dict) -> Outcome:
 
 async def run(base_url: str, model: str, input_len: int, output_len: int, num_prompts: int,
               request_rate: float = float("inf"), max_concurrency: int | None = None, seed: int = 0,
-              vocab_size: int = 4096) -> dict:
+              vocab_size: int = 4096, params: dict | None = None) -> dict:
     jobs = fixed(num_prompts, input_len, output_len, seed=seed, vocab_size=vocab_size)
+    for job in jobs:
+        job.params.update(params or {})
     return await run_jobs(base_url, model, jobs, request_rate, max_concurrency, seed)
 
 

@@ -97,7 +97,8 @@ SCHEDULER_FLAGS = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_
 WORKER_FLAGS = ["model", "tokenizer", "device", "dtype", "load_format", "gpu_memory_utilization", "kv_cache_memory", "swap_space",
                 "seed", "cpu_threads", "block_size", "num_gpu_blocks_override", "tensor_parallel_size",
                 "speculative_config"]
-API_FLAGS = ["model", "tokenizer", "host", "port", "served_model_name", "max_request_body_bytes"]
+API_FLAGS = ["model", "tokenizer", "host", "port", "served_model_name", "max_request_body_bytes",
+             "enable_auto_tool_choice", "tool_call_parser"]
 
 
 def commands(args: argparse.Namespace, endpoints: Endpoints) -> dict[str, list[str]]:
@@ -192,6 +193,8 @@ def _supervise(args: argparse.Namespace, endpoints: Endpoints) -> int:
 
 def _startup_problem(args: argparse.Namespace) -> str | None:
     """What would stop the services from starting, found before any of them loads anything."""
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        return "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
     if not os.path.isdir(args.model):
         if re.fullmatch(r"[\w.-]+/[\w.-]+", args.model) and not os.path.exists(os.path.dirname(args.model)):
             return (f"{args.model} looks like a Hugging Face model id, and pagedserve serves local directories "

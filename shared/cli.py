@@ -89,6 +89,11 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                        help="directory of the tokenizer; None: the model directory (a dummy-weight config needs one)")
     group.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                        help="larger request bodies get 413")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="serve tool_choice 'auto' (the default with tools): the model's calls are parsed "
+                            "from its text by --tool-call-parser")
+    group.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                       help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3) or llama3_json (Llama 3.1+)")
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                        help=f"/v1/* then needs 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; never shown)")
 

@@ -167,9 +167,10 @@ NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 
 
 @pytest.fixture(scope="session")
 def shipped_ngram_server(tmp_path_factory):
-    """The shipped model with n-gram speculation and async scheduling (tests/test_speculative_e2e.py,
-    tests/test_structured_outputs_api.py)."""
-    with serve(None, str(tmp_path_factory.mktemp("spec")), "--speculative-config", NGRAM) as server:
+    """The shipped model with n-gram speculation, async scheduling and tool_choice "auto" (tests of
+    speculation, structured outputs and tool calls through all three processes)."""
+    with serve(None, str(tmp_path_factory.mktemp("spec")), "--speculative-config", NGRAM,
+               "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as server:
         yield server
 
 

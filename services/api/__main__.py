@@ -24,7 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     setup_logging("api")
     try:
         keys = keys_for(args, "api", [args.scheduler_endpoint])
@@ -42,7 +45,8 @@ def main() -> None:
         sys.exit(2)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(EngineClient(args.scheduler_endpoint, keys, args.max_message_bytes), tokenizer, name, vocab_size,
-                    args.max_request_body_bytes, args.api_key)
+                    args.max_request_body_bytes, args.api_key,
+                    args.tool_call_parser if args.enable_auto_tool_choice else None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=0.5)
     logging.getLogger("services.api").info("listening on http://%s:%d", args.host, args.port)
     OnceStoppedServer(config).run()

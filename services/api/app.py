@@ -26,6 +26,7 @@ from services.api.formats import ChatFormat, Chunk, CompletionFormat
 from services.api.metrics import ApiMetrics
 from services.api.requests import GenerationRequest, parse_chat, parse_completion
 from services.api.structured import GrammarCompiler
+from services.api.tools import TOOL_CALL_PARSERS
 from shared.sampling import InvalidParameter
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20  # vLLM sets none; 8 MiB holds any prompt a con
 
 class OpenAIServer:
     def __init__(self, client: EngineClient, tokenizer, model_name: str, vocab_size: int,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -45,6 +46,7 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.metrics = ApiMetrics()
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
+        self.tool_parser = TOOL_CALL_PARSERS[tool_call_parser]() if tool_call_parser else None
         self.created = int(time.time())
 
     # --- routes --------------------------------------------------------------------------
@@ -71,17 +73,23 @@ class OpenAIServer:
         body = await self._json_body(request)
         generation = parse_chat(body)
         self._check_model(generation.model)
+        tools = generation.tools
+        if tools is not None and tools.choice == "auto" and self.tool_parser is None:
+            raise ApiError("tool_choice 'auto' needs a server started with --enable-auto-tool-choice and "
+                           "--tool-call-parser", param="tool_choice")
         await self._compile_grammar(generation)
+        shown = tools.tools if tools is not None and tools.choice != "none" else None
         try:
             text = await asyncio.to_thread(
-                self.tokenizer.apply_chat_template, generation.messages, add_generation_prompt=True,
+                self.tokenizer.apply_chat_template, generation.messages, tools=shown, add_generation_prompt=True,
                 tokenize=False,
             )
         except Exception as exc:  # templates raise whatever their authors chose
             raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
         prompt_ids = await self._tokenize(self.tokenizer.encode, text, add_special_tokens=False)
         self._fit_to_context(generation, prompt_ids)
-        return await self._respond(request, generation, prompt_ids, ChatFormat(self.model_name, self.tokenizer, generation))
+        return await self._respond(request, generation, prompt_ids,
+                                   ChatFormat(self.model_name, self.tokenizer, generation, self.tool_parser))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
@@ -317,8 +325,9 @@ def _check_unicode(body: object) -> None:
 
 
 def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None) -> Starlette:
-    server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes)
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
+              tool_call_parser: str | None = None) -> Starlette:
+    server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from services.api.errors import ApiError
 from services.api.requests import GenerationRequest
+from services.api.tools import ToolCallStream, whole_message
 
 
 @dataclass(slots=True)
@@ -153,6 +154,13 @@ class ChatFormat(_Format):
     object_chunk = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    def __init__(self, model_name: str, tokenizer, generation: GenerationRequest, tool_parser=None):
+        super().__init__(model_name, tokenizer, generation)
+        use = generation.tools
+        self.tool_use = use if use is not None and use.choice != "none" else None
+        self.tool_parser = tool_parser  # the model's call format, for tool_choice "auto"
+        self.tool_streams: dict[int, ToolCallStream] = {}
+
     def stream_openings(self) -> list[dict]:
         return [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -160,19 +168,33 @@ class ChatFormat(_Format):
         ]
 
     def whole_choice(self, index: int, chunks: list[Chunk]) -> dict:
-        choice = {
-            "index": index,
-            "message": {"role": "assistant", "content": "".join(c.text for c in chunks)},
-            "logprobs": self._logprobs(chunks),
-            "finish_reason": chunks[-1].finish_reason if chunks else None,
-        }
+        text = "".join(c.text for c in chunks)
+        finish = chunks[-1].finish_reason if chunks else None
+        message = {"role": "assistant", "content": text}
+        if self.tool_use is not None:
+            content, calls = whole_message(self.tool_use, self.tool_parser, text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
+                finish = self._finish_with_calls(finish)
+        choice = {"index": index, "message": message, "logprobs": self._logprobs(chunks), "finish_reason": finish}
         return self.add_token_ids(choice, chunks)
 
     def chunk_choice(self, chunk: Chunk, offset: int) -> dict:
-        delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
-        choice = {"index": chunk.index, "delta": delta, "logprobs": self._logprobs([chunk]),
-                  "finish_reason": chunk.finish_reason}
+        text, finish, delta = chunk.text, chunk.finish_reason, {}
+        if self.tool_use is not None:  # content until a call may begin; the calls when the choice ends
+            stream = self.tool_streams.setdefault(chunk.index, ToolCallStream(self.tool_use, self.tool_parser))
+            text, calls = stream.feed(chunk.text, final=finish is not None)
+            if calls:
+                delta["tool_calls"] = [call.as_openai(k) for k, call in enumerate(calls)]
+                finish = self._finish_with_calls(finish)
+        if text or (finish is None and not delta):
+            delta["content"] = text
+        choice = {"index": chunk.index, "delta": delta, "logprobs": self._logprobs([chunk]), "finish_reason": finish}
         return self.add_token_ids(choice, [chunk])
+
+    def _finish_with_calls(self, finish: str | None) -> str | None:
+        """OpenAI's finish reason for a choice that made calls: "tool_calls", but "stop" for a named function."""
+        return "tool_calls" if finish == "stop" and self.tool_use.choice != "named" else finish
 
     def _logprobs(self, chunks: list[Chunk]) -> dict | None:
         if self.generation.sampling.logprobs is None:

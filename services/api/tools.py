@@ -1,0 +1,222 @@
+"""Tool calls, as OpenAI's chat API has them: `tools`, `tool_choice` and `parallel_tool_calls` in,
+`tool_calls` out.
+
+    tool_choice "required"  the output is forced by a grammar to a JSON list of
+                            {"name": ..., "parameters": {...}} over the tools' own schemas
+    a named function        the output is forced to that function's parameters
+    "auto"                  the model decides; its text is parsed by --tool-call-parser
+    "none"                  the tools are not shown to the model and nothing is parsed
+
+Parsers: `hermes` (Hermes, Qwen 2.5 and 3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``)
+and `llama3_json` (Llama 3.1+: ``{"name": ..., "parameters": {...}}``, several joined by ";",
+optionally after ``<|python_tag|>``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from services.api.errors import ApiError
+from services.api.structured import GrammarSpec
+
+FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = ""
+
+    def as_openai(self, index: int | None = None) -> dict:
+        call = {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """What a chat request asks about tools."""
+
+    tools: list[dict]  # as the request gave them, for the chat template
+    choice: str  # none | auto | required | named
+    name: str = ""  # the function, with choice "named"
+    parallel: bool = True
+
+    def schema_of(self, name: str) -> dict:
+        function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        return function.get("parameters") or {"type": "object"}
+
+    def forced(self) -> GrammarSpec | None:
+        """The grammar that `required` or a named function puts on the whole output."""
+        if self.choice == "named":
+            return GrammarSpec("json", json.dumps(self.schema_of(self.name)), "tool_choice")
+        if self.choice != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                   "parameters": self.schema_of(t["function"]["name"])},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return GrammarSpec("json", json.dumps(schema), "tools")
+
+
+def parse_tool_use(body: dict) -> ToolUse | None:
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ApiError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise ApiError("'tools' must be a non-empty list of functions", param="tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not FUNCTION_NAME.match(function["name"]):
+            raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a name of "
+                           "at most 64 letters, digits, '_' or '-'", param=f"tools[{i}]")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ApiError(f"tools[{i}].function.parameters must be a JSON schema object",
+                           param=f"tools[{i}].function.parameters")
+    names = [t["function"]["name"] for t in tools]
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ApiError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    if choice is None or choice in ("none", "auto", "required"):
+        return ToolUse(tools, choice or "auto", parallel=parallel)
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if named is None:
+        raise ApiError("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                       "{'name': ...}}", param="tool_choice")
+    if named not in names:
+        raise ApiError(f"tool_choice names '{named}', which is not among the tools", param="tool_choice")
+    return ToolUse(tools, "named", named, parallel)
+
+
+# --- parsers of the model's own tool-call format -------------------------------------------------
+
+
+class HermesParser:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def start(self, text: str) -> int:
+        """Where a call begins, or could begin as more text comes; len(text) where none can."""
+        found = text.find(self.OPEN)
+        return found if found >= 0 else _partial_suffix(text, self.OPEN)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content before the calls, the calls); (text, []) where the calls do not parse."""
+        begin = text.find(self.OPEN)
+        if begin < 0:
+            return text, []
+        calls = []
+        for part in text[begin:].split(self.OPEN)[1:]:
+            body = part.split(self.CLOSE)[0].strip()
+            call = _call(body, ("arguments", "parameters"))
+            if call is None:
+                return text, []
+            calls.append(call)
+        return text[:begin], calls
+
+
+class Llama3JsonParser:
+    TAG = "<|python_tag|>"
+
+    def start(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped:
+            return 0
+        if stripped.startswith("{") or stripped.startswith(self.TAG) or self.TAG.startswith(stripped):
+            return 0  # the whole output is the calls
+        return len(text)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.strip().removeprefix(self.TAG).strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        decoder = json.JSONDecoder()
+        position = 0
+        while position < len(body):
+            try:
+                value, end = decoder.raw_decode(body, position)
+            except json.JSONDecodeError:
+                return text, []
+            call = _call(value, ("parameters", "arguments"))
+            if call is None:
+                return text, []
+            calls.append(call)
+            position = end
+            while position < len(body) and body[position] in " \t\n;":
+                position += 1
+        return "", calls
+
+
+TOOL_CALL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def calls_from_forced(use: ToolUse, text: str) -> list[ToolCall]:
+    """The calls in an output that `required` or a named function's grammar produced."""
+    if use.choice == "named":
+        return [ToolCall(use.name, text.strip())]
+    try:
+        listed = json.loads(text)
+    except json.JSONDecodeError:
+        return []  # cut short by max_tokens
+    return [c for c in (_call(item, ("parameters",)) for item in listed) if c is not None]
+
+
+class ToolCallStream:
+    """One choice's text as it streams: content goes out until a call could be starting; calls go
+    out whole when the choice ends."""
+
+    def __init__(self, use: ToolUse, parser):
+        self.use, self.parser = use, parser
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """(content to send now, calls to send now: only when final)."""
+        self.text += text
+        if self.use.choice in ("required", "named"):
+            return "", calls_from_forced(self.use, self.text) if final else []
+        if not final:
+            safe = min(self.parser.start(self.text), len(self.text))
+            content, self.sent = self.text[self.sent:max(safe, self.sent)], max(safe, self.sent)
+            return content, []
+        content, calls = self.parser.parse(self.text)
+        return content[self.sent:], calls
+
+
+def whole_message(use: ToolUse, parser, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A finished choice's (content, calls)."""
+    if use.choice in ("required", "named"):
+        return None, calls_from_forced(use, text)
+    content, calls = parser.parse(text)
+    return (content or None) if calls else text, calls
+
+
+def _call(value: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = next((value[k] for k in argument_keys if k in value), {})
+    return ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The start of the longest end of `text` that begins `marker`; len(text) if none does."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return len(text) - length
+    return len(text)
