@@ -98,7 +98,8 @@ WORKER_FLAGS = ["model", "tokenizer", "device", "dtype", "load_format", "gpu_mem
                 "seed", "cpu_threads", "block_size", "num_gpu_blocks_override", "tensor_parallel_size",
                 "speculative_config"]
 API_FLAGS = ["model", "tokenizer", "host", "port", "served_model_name", "max_request_body_bytes",
-             "enable_auto_tool_choice", "tool_call_parser"]
+             "enable_auto_tool_choice", "tool_call_parser", "chat_template", "max_logprobs", "disable_log_requests",
+             "trust_remote_code"]
 
 
 def commands(args: argparse.Namespace, endpoints: Endpoints) -> dict[str, list[str]]:

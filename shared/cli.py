@@ -12,6 +12,7 @@ import signal
 import sys
 
 from shared.config import SchedulerConfig, SpeculativeConfig
+from shared.sampling import MAX_LOGPROBS
 from shared.sockets import MAX_MESSAGE_BYTES
 from shared.wire_security import add_wire_security_args
 
@@ -63,7 +64,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("worker")
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                        help="where the model runs; auto: cuda where there is one")
-    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+    group.add_argument("--dtype", type=_dtype, choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                        help="weights and KV cache; auto: float32 on CPU, the checkpoint's half type on CUDA")
     group.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                        help="dummy: random weights from config.json alone, for benchmarks")
@@ -80,6 +81,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                             "leave them nearly idle, one fewer otherwise; chosen each second)")
 
 
+def _dtype(name: str) -> str:
+    """vLLM's dtype names too: half and float."""
+    return {"half": "float16", "float": "float32"}.get(name, name)
+
+
 def add_api_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("api")
     group.add_argument("--host", default="127.0.0.1", help="address the api listens on")
@@ -89,6 +95,13 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                        help="directory of the tokenizer; None: the model directory (a dummy-weight config needs one)")
     group.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                        help="larger request bodies get 413")
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, as a file or inline, in place of the tokenizer's")
+    group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                       help=f"the most log-probabilities a request may ask for per token (at most {MAX_LOGPROBS})")
+    group.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted as vLLM accepts it; pagedserve never runs code from a model directory")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="serve tool_choice 'auto' (the default with tools): the model's calls are parsed "
                             "from its text by --tool-call-parser")

@@ -11,6 +11,7 @@ import uvicorn
 from services.api.app import build_app
 from services.api.engine_client import EngineClient
 from shared.cli import HelpFormatter, add_api_args, add_wire_args, exit_at_once, setup_logging
+from shared.sampling import MAX_LOGPROBS
 from shared.wire_security import WireSecurityError, keys_for
 
 
@@ -28,7 +29,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        parser.error(f"--max-logprobs must be in [0, {MAX_LOGPROBS}]")
     setup_logging("api")
+    log = logging.getLogger("services.api")
+    if args.disable_log_requests:
+        logging.getLogger("pagedserve.access").setLevel(logging.WARNING)
+    if args.trust_remote_code:
+        log.info("--trust-remote-code is accepted and changes nothing: pagedserve never runs code from a model "
+                 "directory")
     try:
         keys = keys_for(args, "api", [args.scheduler_endpoint])
     except WireSecurityError as exc:
@@ -38,18 +47,28 @@ def main() -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, local_files_only=True)
+        if args.chat_template:
+            tokenizer.chat_template = _template(args.chat_template)
         with open(os.path.join(args.model, "config.json")) as f:
             vocab_size = json.load(f)["vocab_size"]
     except (OSError, ValueError, KeyError) as exc:
-        logging.getLogger("services.api").error("cannot load the tokenizer and config of %s: %s", args.model, exc)
+        log.error("cannot load the tokenizer and config of %s: %s", args.model, exc)
         sys.exit(2)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(EngineClient(args.scheduler_endpoint, keys, args.max_message_bytes), tokenizer, name, vocab_size,
                     args.max_request_body_bytes, args.api_key,
-                    args.tool_call_parser if args.enable_auto_tool_choice else None)
+                    args.tool_call_parser if args.enable_auto_tool_choice else None, args.max_logprobs)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=0.5)
     logging.getLogger("services.api").info("listening on http://%s:%d", args.host, args.port)
     OnceStoppedServer(config).run()
+
+
+def _template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
 
 
 class OnceStoppedServer(uvicorn.Server):

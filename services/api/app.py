@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -27,7 +28,7 @@ from services.api.metrics import ApiMetrics
 from services.api.requests import GenerationRequest, parse_chat, parse_completion
 from services.api.structured import GrammarCompiler
 from services.api.tools import TOOL_CALL_PARSERS
-from shared.sampling import InvalidParameter
+from shared.sampling import MAX_LOGPROBS, InvalidParameter
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("pagedserve.access")
@@ -38,7 +39,8 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20  # vLLM sets none; 8 MiB holds any prompt a con
 
 class OpenAIServer:
     def __init__(self, client: EngineClient, tokenizer, model_name: str, vocab_size: int,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
+                 max_logprobs: int = MAX_LOGPROBS):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -47,6 +49,7 @@ class OpenAIServer:
         self.metrics = ApiMetrics()
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
         self.tool_parser = TOOL_CALL_PARSERS[tool_call_parser]() if tool_call_parser else None
+        self.max_logprobs = max_logprobs
         self.created = int(time.time())
 
     # --- routes --------------------------------------------------------------------------
@@ -55,24 +58,36 @@ class OpenAIServer:
         body = await self._json_body(request)
         generation = parse_completion(body)
         self._check_model(generation.model)
+        self._check_logprobs(generation)
         await self._compile_grammar(generation)
-        if generation.prompt is not None:
-            prompt_ids = await self._tokenize(self.tokenizer.encode, generation.prompt)
-        else:
-            prompt_ids = generation.prompt_token_ids
-            if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-                raise ApiError(f"token ids must be in [0, {self.vocab_size})", param="prompt")
-        self._fit_to_context(generation, prompt_ids)
+        first = generation.prompt if generation.prompt is not None else generation.prompt_token_ids
+        # OpenAI's batch: a request per prompt, each with its own copy of the sampling parameters.
+        batch = [generation] + [replace(generation, sampling=replace(generation.sampling), more_prompts=[])
+                                for _ in generation.more_prompts]
+        prompts = [await self._prompt_ids(prompt) for prompt in [first, *generation.more_prompts]]
+        for each, prompt_ids in zip(batch, prompts):
+            self._fit_to_context(each, prompt_ids)
         echo = ""
         if generation.echo:
-            echo = generation.prompt if generation.prompt is not None else self.tokenizer.decode(prompt_ids)
-        fmt = CompletionFormat(self.model_name, self.tokenizer, generation, echo, prompt_ids if echo else [])
-        return await self._respond(request, generation, prompt_ids, fmt)
+            echo = generation.prompt if generation.prompt is not None else self.tokenizer.decode(prompts[0])
+        fmt = CompletionFormat(self.model_name, self.tokenizer, generation, echo, prompts[0] if echo else [],
+                               num_choices=len(prompts) * generation.sampling.n)
+        chunks = [self._generate(each, prompt_ids, fmt.endpoint) for each, prompt_ids in zip(batch, prompts)]
+        merged = chunks[0] if len(chunks) == 1 else _merged(chunks, generation.sampling.n)
+        return await self._respond(request, generation, merged, sum(map(len, prompts)), fmt)
+
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return await self._tokenize(self.tokenizer.encode, prompt)
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise ApiError(f"token ids must be in [0, {self.vocab_size})", param="prompt")
+        return prompt
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._json_body(request)
         generation = parse_chat(body)
         self._check_model(generation.model)
+        self._check_logprobs(generation)
         tools = generation.tools
         if tools is not None and tools.choice == "auto" and self.tool_parser is None:
             raise ApiError("tool_choice 'auto' needs a server started with --enable-auto-tool-choice and "
@@ -88,8 +103,9 @@ class OpenAIServer:
             raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
         prompt_ids = await self._tokenize(self.tokenizer.encode, text, add_special_tokens=False)
         self._fit_to_context(generation, prompt_ids)
-        return await self._respond(request, generation, prompt_ids,
-                                   ChatFormat(self.model_name, self.tokenizer, generation, self.tool_parser))
+        fmt = ChatFormat(self.model_name, self.tokenizer, generation, self.tool_parser)
+        return await self._respond(request, generation, self._generate(generation, prompt_ids, fmt.endpoint),
+                                   len(prompt_ids), fmt)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
@@ -148,6 +164,11 @@ class OpenAIServer:
                 status=404, param="model", code="model_not_found",
             )
 
+    def _check_logprobs(self, generation: GenerationRequest) -> None:
+        wanted = max(generation.sampling.logprobs or 0, generation.sampling.prompt_logprobs or 0)
+        if wanted > self.max_logprobs:
+            raise ApiError(f"logprobs must be at most {self.max_logprobs} (--max-logprobs)", param="logprobs")
+
     async def _compile_grammar(self, generation: GenerationRequest) -> None:
         if generation.structured is not None:
             generation.sampling.grammar = await self.grammars.compile(generation.structured)
@@ -179,20 +200,19 @@ class OpenAIServer:
         except InvalidParameter as exc:
             raise ApiError(str(exc), param=exc.param) from None
 
-    async def _respond(self, request, generation, prompt_ids, fmt) -> Response:
-        chunks = self._generate(generation, prompt_ids, fmt.endpoint)
+    async def _respond(self, request, generation, chunks: AsyncIterator[Chunk], num_prompt: int, fmt) -> Response:
         if generation.stream:
             # The first chunk comes before the status line, so a request the scheduler rejects
             # gets a 4xx, never a 200 followed by an error event.
             first = await _unless_disconnected(request, _first(chunks))
             if first is _DISCONNECTED:
                 return Response(status_code=499)
-            return StreamingResponse(fmt.stream(_prepend(first, chunks), len(prompt_ids)),
+            return StreamingResponse(fmt.stream(_prepend(first, chunks), num_prompt),
                                      media_type="text/event-stream")
         collected = await _unless_disconnected(request, _collect(chunks))
         if collected is _DISCONNECTED:
             return Response(status_code=499)
-        return JSONResponse(fmt.whole(collected, len(prompt_ids)))
+        return JSONResponse(fmt.whole(collected, num_prompt))
 
     async def _generate(
         self, generation: GenerationRequest, prompt_ids: list[int], endpoint: str
@@ -201,7 +221,7 @@ class OpenAIServer:
         request_id = uuid.uuid4().hex
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_ids, generation.stop, generation.skip_special_tokens,
-                                   generation.sampling.min_tokens)
+                                   generation.sampling.min_tokens, generation.include_stop_str_in_output)
             for _ in range(generation.sampling.n)
         ]
         done = [False] * len(detokenizers)
@@ -236,9 +256,13 @@ class OpenAIServer:
                     done[delta.index] = reason is not None
                     if reason is not None and delta.index == 0:
                         first_reason = reason
+                    stop_reason = detokenizer.stop_string  # or the stop token id that ended it, as vLLM
+                    if reason == "stop" and stop_reason is None and taken and \
+                            delta.token_ids[taken - 1] in generation.sampling.stop_token_ids:
+                        stop_reason = delta.token_ids[taken - 1]
                     yield Chunk(delta.index, detokenizer.pending(final=reason is not None), delta.token_ids[:taken],
                                 delta.logprobs[:taken], delta.top_logprobs[:taken], reason, output.num_cached_tokens,
-                                output.prompt_logprobs, output.prompt_top_logprobs)
+                                output.prompt_logprobs, output.prompt_top_logprobs, stop_reason)
                 if all(done):
                     outcome = first_reason if first_reason in ("stop", "length") else "abort"
                     self.metrics.e2e_request_latency.observe(time.monotonic() - arrival)
@@ -260,6 +284,33 @@ def _engine_error(output, ready: bool) -> ApiError:
     if not ready:
         return ApiError(output.error, status=503, type="server_error", code="not_ready")
     return ApiError(output.error, status=500, type="server_error")
+
+
+async def _merged(streams: list[AsyncIterator[Chunk]], n: int) -> AsyncIterator[Chunk]:
+    """The chunks of several requests as they come, request i's choice j renumbered i * n + j.
+    Closing it early, or a failure of any, aborts them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                chunk.index += i * n
+                await queue.put(chunk)
+            await queue.put(None)
+        except Exception as exc:
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        for _ in range(len(tasks)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
@@ -326,8 +377,8 @@ def _check_unicode(body: object) -> None:
 
 def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
-              tool_call_parser: str | None = None) -> Starlette:
-    server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes, tool_call_parser)
+              tool_call_parser: str | None = None, max_logprobs: int = MAX_LOGPROBS) -> Starlette:
+    server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes, tool_call_parser, max_logprobs)
 
     @asynccontextmanager
     async def lifespan(app):

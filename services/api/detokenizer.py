@@ -2,7 +2,7 @@
 
 Text is released only once the tokens decode to whole characters, and the last few characters
 are held back while they could still be the start of a stop string, so a stop string never
-reaches the client.
+reaches the client, unless it asks for it (`include_stop_str_in_output`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading spaces co
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool,
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, include_stop: bool = False):
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens  # stop strings count from this many generated tokens on
         self.num_generated = 0
@@ -25,6 +25,8 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.include_stop = include_stop
+        self.stop_string: str | None = None  # the one that ended the text
 
     def add(self, token_ids: list[int]) -> int:
         """Take new tokens; sets `stopped` and cuts `text` when a stop string appears. Returns how many
@@ -73,7 +75,8 @@ class IncrementalDetokenizer:
         self.text += piece
         if self.num_generated < self.min_tokens:
             return
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.stop_string = min(hits, key=lambda hit: hit[0])
+            self.text = self.text[: at + (len(self.stop_string) if self.include_stop else 0)]
             self.stopped = True

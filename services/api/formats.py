@@ -26,6 +26,7 @@ class Chunk:
     num_cached_tokens: int = 0
     prompt_logprobs: list[float] | None = None  # from the second prompt token on, with echo
     prompt_top_logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended the choice, as vLLM
 
 
 def by_choice(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
@@ -43,8 +44,9 @@ class _Format:
     object_chunk = ""
     id_prefix = ""
 
-    def __init__(self, model_name: str, tokenizer, generation: GenerationRequest):
+    def __init__(self, model_name: str, tokenizer, generation: GenerationRequest, num_choices: int = 0):
         self.model_name, self.tokenizer, self.generation = model_name, tokenizer, generation
+        self.num_choices = num_choices or generation.sampling.n  # n per prompt, for every prompt
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -56,14 +58,14 @@ class _Format:
         return body
 
     def whole(self, chunks: list[Chunk], num_prompt: int) -> dict:
-        choices = [self.whole_choice(i, c) for i, c in enumerate(by_choice(chunks, self.generation.sampling.n))]
+        choices = [self.whole_choice(i, c) for i, c in enumerate(by_choice(chunks, self.num_choices))]
         return self.envelope(self.object_whole, choices, self.usage(num_prompt, chunks))
 
     async def stream(self, chunks: AsyncIterator[Chunk], num_prompt: int) -> AsyncIterator[str]:
         for opening in self.stream_openings():
             yield event(self.envelope(self.object_chunk, [opening]))
         seen: list[Chunk] = []
-        offsets = [0] * self.generation.sampling.n
+        offsets = [0] * self.num_choices
         async for chunk in errors_as_events(chunks):
             if isinstance(chunk, str):
                 yield chunk
@@ -71,7 +73,8 @@ class _Format:
             seen.append(chunk)
             choice = self.chunk_choice(chunk, offsets[chunk.index])
             offsets[chunk.index] += len(chunk.text)
-            yield event(self.envelope(self.object_chunk, [choice]))
+            usage = self.usage(num_prompt, seen) if self.generation.continuous_usage else None
+            yield event(self.envelope(self.object_chunk, [choice], usage))
         if self.generation.include_usage:
             yield event(self.envelope(self.object_chunk, [], self.usage(num_prompt, seen)))
         yield "data: [DONE]\n\n"
@@ -104,8 +107,8 @@ class CompletionFormat(_Format):
     object_whole = object_chunk = "text_completion"
     id_prefix = "cmpl"
     def __init__(self, model_name: str, tokenizer, generation: GenerationRequest, echo: str = "",
-                 echo_token_ids: list[int] = ()):
-        super().__init__(model_name, tokenizer, generation)
+                 echo_token_ids: list[int] = (), num_choices: int = 0):
+        super().__init__(model_name, tokenizer, generation, num_choices)
         self.echo, self.echo_token_ids = echo, echo_token_ids  # the prompt, when the request asks it back
         self.echoed: set[int] = set()  # choices whose stream carried the prompt already
 
@@ -115,6 +118,7 @@ class CompletionFormat(_Format):
             "text": self.echo + "".join(c.text for c in chunks),
             "logprobs": self._logprobs(chunks, 0, with_prompt=bool(self.echo)),
             "finish_reason": chunks[-1].finish_reason if chunks else None,
+            "stop_reason": chunks[-1].stop_reason if chunks else None,
         }
         return self.add_token_ids(choice, chunks)
 
@@ -125,7 +129,7 @@ class CompletionFormat(_Format):
             text = self.echo + text
         logprobs = self._logprobs([chunk], 0 if first else offset + len(self.echo), with_prompt=first)
         choice = {"index": chunk.index, "text": text, "logprobs": logprobs,
-                  "finish_reason": chunk.finish_reason}
+                  "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason}
         return self.add_token_ids(choice, [chunk])
 
     def _logprobs(self, chunks: list[Chunk], offset: int, with_prompt: bool = False) -> dict | None:
@@ -164,7 +168,7 @@ class ChatFormat(_Format):
     def stream_openings(self) -> list[dict]:
         return [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            for i in range(self.generation.sampling.n)
+            for i in range(self.num_choices)
         ]
 
     def whole_choice(self, index: int, chunks: list[Chunk]) -> dict:
@@ -176,7 +180,8 @@ class ChatFormat(_Format):
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
                 finish = self._finish_with_calls(finish)
-        choice = {"index": index, "message": message, "logprobs": self._logprobs(chunks), "finish_reason": finish}
+        choice = {"index": index, "message": message, "logprobs": self._logprobs(chunks), "finish_reason": finish,
+                  "stop_reason": chunks[-1].stop_reason if chunks else None}
         return self.add_token_ids(choice, chunks)
 
     def chunk_choice(self, chunk: Chunk, offset: int) -> dict:
@@ -189,7 +194,8 @@ class ChatFormat(_Format):
                 finish = self._finish_with_calls(finish)
         if text or (finish is None and not delta):
             delta["content"] = text
-        choice = {"index": chunk.index, "delta": delta, "logprobs": self._logprobs([chunk]), "finish_reason": finish}
+        choice = {"index": chunk.index, "delta": delta, "logprobs": self._logprobs([chunk]), "finish_reason": finish,
+                  "stop_reason": chunk.stop_reason}
         return self.add_token_ids(choice, [chunk])
 
     def _finish_with_calls(self, finish: str | None) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 
 from services.api.errors import ApiError
@@ -10,9 +11,27 @@ from services.api.structured import GrammarSpec, parse_structured
 from services.api.tools import ToolUse, parse_tool_use
 from shared.sampling import MAX_TOKENS_LIMIT, InvalidParameter, SamplingParams
 
+log = logging.getLogger(__name__)
+
 _NUMBER = (int, float)
+# Fields that would change the output and are not served: a 400, never silently ignored.
 _UNSUPPORTED_IF_SET = {
     "suffix": None,
+    "functions": None,  # OpenAI's older form of tools
+    "function_call": None,
+    "audio": None,
+    "modalities": ["text"],
+}
+# Fields read elsewhere, or accepted as OpenAI and vLLM accept them without effect on the output.
+_KNOWN = {
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream", "stream_options", "logprobs", "top_logprobs",
+    "echo", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+    "ignore_eos", "skip_special_tokens", "return_token_ids", "use_beam_search", "length_penalty", "early_stopping",
+    "include_stop_str_in_output", "response_format", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "tools", "tool_choice", "parallel_tool_calls", *_UNSUPPORTED_IF_SET,
+    "user", "store", "metadata", "service_tier", "guided_decoding_backend", "spaces_between_special_tokens",
+    "add_generation_prompt", "prompt_logprobs", "priority", "request_id",
 }
 
 
@@ -22,11 +41,14 @@ class GenerationRequest:
     sampling: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    more_prompts: list[str | list[int]] = field(default_factory=list)  # completions: OpenAI's batch, after the first
     messages: list[dict] | None = None
     max_tokens: int | None = None  # None: whatever context is left after the prompt
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # extension: each choice also lists its token ids
     echo: bool = False  # completions: each choice's text starts with the prompt
@@ -64,27 +86,40 @@ def parse_completion(body: object) -> GenerationRequest:
     fields = _Body(body)
     if fields.body.get("tools") is not None:
         raise ApiError("'tools' is for /v1/chat/completions", param="tools", code="unsupported_parameter")
-    prompt = fields.body.get("prompt")
     request = _common(fields, default_max_tokens=16)
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError("the prompt is empty", param="prompt")
-        request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        request.prompt_token_ids = prompt
-    elif isinstance(prompt, list) and not prompt:
-        raise ApiError("the prompt is empty", param="prompt")
-    elif prompt is None:
-        raise ApiError("'prompt' is required", param="prompt")
+    prompts = _prompts(fields.body.get("prompt"))
+    first, request.more_prompts = prompts[0], prompts[1:]
+    if isinstance(first, str):
+        request.prompt = first
     else:
-        raise _type_error("prompt", "a string or a list of token ids")
+        request.prompt_token_ids = first
     logprobs = fields.get("logprobs", int, what="an integer")
     request.sampling.logprobs = logprobs
     request.echo = fields.get("echo", bool, False, what="a boolean")
+    if request.echo and request.more_prompts:
+        raise ApiError("echo is served for one prompt at a time", param="echo", code="unsupported_parameter")
     if request.echo and logprobs is not None:
         request.sampling.prompt_logprobs = logprobs  # the prompt's tokens come back with theirs
     _validate(request)
     return request
+
+
+def _prompts(prompt: object) -> list[str | list[int]]:
+    """OpenAI's prompt: a string, token ids, or a non-empty list of either (one request each)."""
+    if prompt is None:
+        raise ApiError("'prompt' is required", param="prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or all(
+            isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)):
+        prompts = prompt
+    elif isinstance(prompt, list) and not prompt:
+        raise ApiError("the prompt is empty", param="prompt")
+    else:
+        raise _type_error("prompt", "a string, a list of token ids, or a list of strings or of token id lists")
+    if any(len(p) == 0 for p in prompts):
+        raise ApiError("the prompt is empty", param="prompt")
+    return prompts
 
 
 def parse_chat(body: object) -> GenerationRequest:
@@ -113,6 +148,9 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
         value = fields.body.get(name)
         if value is not None and value != neutral:
             raise ApiError(f"'{name}' is not supported", param=name, code="unsupported_parameter")
+    ignored = sorted(name for name in fields.body if name not in _KNOWN)
+    if ignored:  # as vLLM: served, and the log names what had no effect
+        log.warning("request fields ignored: %s", ", ".join(repr(name[:64]) for name in ignored[:20]))
     max_tokens = fields.get("max_tokens", int, what="an integer")
     if max_tokens is None and max_tokens_alias:
         max_tokens = fields.get(max_tokens_alias, int, what="an integer")
@@ -158,6 +196,8 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
         stop=stop,
         stream=fields.get("stream", bool, False, what="a boolean"),
         include_usage=bool(stream_options.get("include_usage", False)),
+        continuous_usage=bool(stream_options.get("continuous_usage_stats", False)),
+        include_stop_str_in_output=fields.get("include_stop_str_in_output", bool, False, what="a boolean"),
         skip_special_tokens=fields.get("skip_special_tokens", bool, True, what="a boolean"),
         return_token_ids=fields.get("return_token_ids", bool, False, what="a boolean"),
         structured=parse_structured(fields.body),

@@ -70,6 +70,9 @@ class ModelRunner:
         self.threads = threads  # on a CPU: each step's share of the cores
         self.grammars = grammars  # None: requests with a grammar are refused
         self.mask_thread: ThreadPoolExecutor | None = None
+        # On a GPU the host is idle while the model runs; on a CPU a mask thread would take a core
+        # from the step's own threads, and they stall at every barrier while it runs.
+        self.overlap_masks = device.type == "cuda"
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
@@ -141,7 +144,7 @@ class ModelRunner:
                 if entry.num_draft_tokens:
                     proposals[entry.seq_id] += drafted[entry.seq_id]
                     input_ids[starts[i + 1] - entry.num_draft_tokens : starts[i + 1]] = drafted[entry.seq_id]
-        # The grammars' masks depend on no logits: they are computed while the model runs.
+        # The grammars' masks depend on no logits: on a GPU they are computed while the model runs.
         masks = self._start_grammar_masks([(self.mirrors[scheduled[i].seq_id], proposals.get(scheduled[i].seq_id, []))
                                            for i in to_sample])
         input_tensor = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
@@ -302,10 +305,14 @@ class ModelRunner:
             first += len(verified) + 1
         if not constrained:
             return None
+        counts = [len(verified) + 1 for *_, verified in constrained]
+        if not self.overlap_masks:
+            done = Future()
+            done.set_result(self.grammars.masks(constrained))
+            return firsts, counts, done
         if self.mask_thread is None:
             self.mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return firsts, [len(verified) + 1 for *_, verified in constrained], \
-            self.mask_thread.submit(self.grammars.masks, constrained)
+        return firsts, counts, self.mask_thread.submit(self.grammars.masks, constrained)
 
     @staticmethod
     def _add_grammar_masks(rows: list[SampleRow], firsts: list[int], counts: list[int], masks: Future) -> None:
