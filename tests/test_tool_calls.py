@@ -180,3 +180,12 @@ def test_auto_on_a_server_without_a_parser_is_a_400_that_names_the_flags(llama_s
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "tool_choice" and "--enable-auto-tool-choice" in error["message"]
+
+
+def test_none_leaves_the_tools_out_and_parses_nothing(client):
+    forced = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>'
+    response = client.chat.completions.create(
+        model="tiny-python", messages=MESSAGES, tools=[WEATHER], tool_choice="none", max_tokens=60, temperature=0,
+        extra_body={"guided_regex": forced.replace("{", "\\{").replace("}", "\\}")})
+    choice = response.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content == forced and choice.finish_reason == "stop"
