@@ -22,7 +22,7 @@ import tempfile
 import time
 import urllib.request
 
-from shared.cli import API_KEY_ENV, HelpFormatter, add_api_args, add_scheduler_args, add_worker_args
+from shared.cli import API_KEY_ENV, HelpFormatter, add_api_args, add_scheduler_args, add_worker_args, api_keys
 from shared.config import SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints, SpeculativeConfig
 
 SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models", "tiny-python")
@@ -83,7 +83,7 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
             flags += [flag, value.to_json()]
         elif value is True:
             flags.append(flag)
-        elif value is False and name in ("enable_chunked_prefill", "async_scheduling"):
+        elif value is False and name in ("enable_chunked_prefill", "async_scheduling", "report_cached_tokens"):
             flags.append(f"--no-{flag[2:]}")
         elif value is not None and value is not False:
             flags += [flag, str(value)]
@@ -99,7 +99,7 @@ WORKER_FLAGS = ["model", "tokenizer", "device", "dtype", "load_format", "gpu_mem
                 "speculative_config"]
 API_FLAGS = ["model", "tokenizer", "host", "port", "served_model_name", "max_request_body_bytes",
              "enable_auto_tool_choice", "tool_call_parser", "chat_template", "max_logprobs", "disable_log_requests",
-             "trust_remote_code"]
+             "trust_remote_code", "scheduler_timeout", "report_cached_tokens"]
 
 
 def commands(args: argparse.Namespace, endpoints: Endpoints) -> dict[str, list[str]]:
@@ -147,7 +147,8 @@ def _exited(children: dict[str, subprocess.Popen]) -> dict[str, int]:
 
 
 def _supervise(args: argparse.Namespace, endpoints: Endpoints) -> int:
-    env = {"api": dict(os.environ, **{API_KEY_ENV: args.api_key})} if args.api_key else {}
+    keys = api_keys(args)
+    env = {"api": dict(os.environ, **{API_KEY_ENV: ",".join(keys)})} if keys else {}
     children = {name: subprocess.Popen(cmd, env=env.get(name)) for name, cmd in commands(args, endpoints).items()}
     stopping = False
     failed = False

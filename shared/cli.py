@@ -95,6 +95,10 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                        help="directory of the tokenizer; None: the model directory (a dummy-weight config needs one)")
     group.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                        help="larger request bodies get 413")
+    group.add_argument("--scheduler-timeout", type=float, default=5.0,
+                       help="seconds without a word from the scheduler (it answers a heartbeat twice a second) "
+                            "before the api counts it as stalled: requests in flight fail, /health answers 503 "
+                            "until it answers again")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template, as a file or inline, in place of the tokenizer's")
     group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
@@ -108,7 +112,28 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                        help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3) or llama3_json (Llama 3.1+)")
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                       help=f"/v1/* then needs 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; never shown)")
+                       help="every route but /health and /metrics then needs 'Authorization: Bearer KEY'; several "
+                            f"keys, comma-separated, are tenants of their own (default: ${API_KEY_ENV}; never shown)")
+    group.add_argument("--api-key-file", default=None,
+                       help="keys as for --api-key, one a line, from a file (keeps them off the command line)")
+    group.add_argument("--report-cached-tokens", action=argparse.BooleanOptionalAction, default=True,
+                       help="usage.prompt_tokens_details.cached_tokens in responses (always from the request's own "
+                            "tenant and cache_salt); --no-report-cached-tokens leaves it out")
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """Every key of --api-key and --api-key-file; SystemExit for a key no header can carry."""
+    keys = [k.strip() for k in (args.api_key or "").split(",") if k.strip()]
+    if getattr(args, "api_key_file", None):
+        try:
+            with open(args.api_key_file) as f:
+                keys += [line.strip() for line in f if line.strip()]
+        except OSError as exc:
+            sys.exit(f"cannot read --api-key-file: {exc}")
+    for key in keys:
+        if not key.isprintable() or " " in key:
+            sys.exit("an API key must be printable, without spaces or commas")
+    return keys
 
 
 def add_endpoint_args(parser: argparse.ArgumentParser, required: bool = True, worker: bool = True) -> None:

@@ -5,8 +5,8 @@ lists of their fields in declaration order. Decoding checks the version, the tag
 of fields and the type of every field, so a malformed frame raises `ProtocolError` and never
 reaches a handler half-built. Nothing here is ever pickled.
 
-    api ──AddRequest/Abort/Hello──▶ scheduler ──Step/Reset/Shutdown──▶ worker ranks
-        ◀──RequestOutputs/SchedulerInfo/Unavailable── ◀──Ready/StepResult──
+    api ──AddRequest/Abort/Hello/Ping──▶ scheduler ──Step/Reset/Shutdown──▶ worker ranks
+        ◀──RequestOutputs/SchedulerInfo/Unavailable/Pong── ◀──Ready/StepResult──
 """
 
 from __future__ import annotations
@@ -49,10 +49,25 @@ class SchedulerInfo:
 
 
 @dataclass(slots=True)
+class Ping:
+    """The api's heartbeat: a scheduler whose loop runs answers at once with `Pong`."""
+
+    sent: float
+
+
+@dataclass(slots=True)
+class Pong:
+    sent: float  # the Ping's
+
+
+@dataclass(slots=True)
 class Unavailable:
     """The workers were lost (gone, hung, or failed): the api answers 503 until the next `SchedulerInfo`."""
 
     reason: str
+
+
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass(slots=True)
@@ -61,6 +76,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float
+    cache_salt: str = ""  # the root of its prefix-cache keys: only requests with the same salt share blocks
 
 
 @dataclass(slots=True)
@@ -239,6 +255,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Shutdown,
     Unavailable,
     Reset,
+    Ping,
+    Pong,
 )
 _TAG_OF = {cls: cls.__name__ for cls in MESSAGE_TYPES}
 _CLASS_OF = {name: cls for cls, name in _TAG_OF.items()}

@@ -17,6 +17,9 @@ from shared.wire_security import WireKeys, connect_securely, serve_securely
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20  # a Step resuming hundreds of long sequences carries all their tokens
+# A peer that has not finished its CURVE handshake by then is dropped, with whatever it sent (ZeroMQ's
+# default is 30 s); an honest handshake takes milliseconds.
+HANDSHAKE_MS = 2000
 
 
 def trusted_peer_containers(frame: bytes) -> int:
@@ -30,6 +33,7 @@ def bind(context: zmq.Context, kind: int, endpoint: str, keys: WireKeys | None =
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     serve_securely(sock, keys, domain)
@@ -42,6 +46,7 @@ def connect(context: zmq.Context, kind: int, endpoint: str, identity: bytes | No
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     connect_securely(sock, keys)

@@ -1,5 +1,5 @@
-"""Liveness through the three processes: rejections before a stream starts, a hung worker, a
-huge prompt, and an api peer that stops reading."""
+"""Liveness through the three processes: rejections before a stream starts, a hung worker, a hung
+scheduler, a huge prompt, and an api peer that stops reading."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.scheduler_harness import StandInWorker
 
 @pytest.fixture(scope="module")
 def small_server(llama_dir, tmp_path_factory):
-    flags = ("--num-gpu-blocks-override", "40", "--step-timeout", "3")
+    flags = ("--num-gpu-blocks-override", "40", "--step-timeout", "3", "--scheduler-timeout", "2")
     with serve(llama_dir, str(tmp_path_factory.mktemp("logs")), *flags) as server:
         yield server
 
@@ -127,6 +127,31 @@ def test_a_hung_worker_fails_its_requests_within_the_step_timeout_and_recovery_f
                        json={"model": small_server.model, "prompt": "import os", "max_tokens": 4})
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
     assert wait_until(small_server.is_idle, 5)
+
+
+def test_a_hung_scheduler_shows_on_health_and_fails_streams_within_its_timeout_then_service_resumes(small_server):
+    base = small_server.base_url
+    scheduler = _children(small_server.process.pid)["scheduler"]
+    body = {"model": small_server.model, "prompt": "import os", "max_tokens": 300, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            os.kill(scheduler, signal.SIGSTOP)
+            stopped = time.monotonic()
+            rest = [line for line in lines if line.startswith("data:")]
+            failed_after = time.monotonic() - stopped
+        assert failed_after < 2 + 1.5, f"the stream failed {failed_after:.1f} s after the scheduler stopped"
+        assert "stopped answering" in json.loads(rest[-2][len("data: "):])["error"]["message"]
+        assert _health(base) == 503
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
+    assert wait_until(lambda: _health(base) == 200, 10)
+    again = httpx.post(f"{base}/v1/completions", timeout=60,
+                       json={"model": small_server.model, "prompt": "import os", "max_tokens": 4})
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+    assert wait_until(small_server.is_idle, 5)  # the stranded request's blocks came back
 
 
 def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tmp_path):

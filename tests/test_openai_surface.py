@@ -8,6 +8,8 @@ import json
 import httpx
 import pytest
 
+from services.api.formats import Chunk, CompletionFormat
+from services.api.requests import parse_completion
 from services.launcher import parse_args
 from tests.conftest import serve, wait_until
 
@@ -118,3 +120,11 @@ def test_a_server_with_vllms_flags(llama_dir, tmp_path):
         log = server.log()
         assert "pagedserve.access" not in log  # --disable-log-requests
         assert "--trust-remote-code" in log and "never runs code" in log
+
+
+def test_cached_tokens_are_reported_unless_the_server_says_not_to():
+    fmt = CompletionFormat("m", None, parse_completion({"prompt": "x"}))
+    chunks = [Chunk(0, "a", [1], [0.0], [{}], "stop", num_cached_tokens=32)]
+    assert fmt.usage(40, chunks)["prompt_tokens_details"] == {"cached_tokens": 32}
+    fmt.report_cached_tokens = False
+    assert "prompt_tokens_details" not in fmt.usage(40, chunks)

@@ -67,3 +67,33 @@ def test_prefix_cache_keys_are_a_sha256_chain_over_the_whole_prefix():
     assert manager.match_prefix(_sequence([1, 2, 3, 4, 5, 6, 7, 8, 0])) == first.block_table[:2]
     # The same second block after another first block is another key: no hit.
     assert manager.match_prefix(_sequence([0, 2, 3, 4, 5, 6, 7, 8, 0])) == []
+
+
+def test_tenants_and_cache_salts_find_only_their_own_prefixes_in_the_cache(llama_dir, tmp_path):
+    # An attacker probing the prefix cache: which of these prompts has someone else sent?
+    secret = "DB_PASSWORD = '5305' and the rest of a long shared configuration block " * 3
+    keys = tmp_path / "keys"
+    keys.write_text("alice-key\nmallory-key\n")
+    with serve(llama_dir, str(tmp_path), "--enable-prefix-caching", "--api-key-file", str(keys)) as server:
+        def cached(key: str, **fields) -> int:
+            response = httpx.post(f"{server.base_url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                  json={"model": server.model, "prompt": secret, "max_tokens": 1, **fields}, timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached("alice-key") == 0
+        assert cached("mallory-key") == 0  # another tenant: alice's blocks are not found
+        assert cached("mallory-key", cache_salt="alice-key") == 0  # nor by naming a salt
+        assert cached("alice-key") > 0  # her own prompt is
+        assert cached("alice-key", cache_salt="project-b") == 0  # a salt of her own parts her caches too
+        assert cached("alice-key", cache_salt="project-b") > 0
+        assert "alice-key" not in " ".join(_command_lines(server.process.pid))
+
+
+def test_a_salt_roots_the_prefix_chain():
+    salted = Sequence(0, Request("r", list(range(9)), SamplingParams(), 0.0, cache_salt="x"), 0)
+    manager = BlockManager(16, 4, enable_prefix_caching=True)
+    plain = _sequence(list(range(9)))
+    assert manager._chain(plain, 2) != manager._chain(salted, 2)
+    assert manager._chain(salted, 2)[0] == hashlib.sha256(
+        hashlib.sha256(b"cache_salt\0x").digest() + array("q", range(4)).tobytes()).digest()

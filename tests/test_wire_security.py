@@ -268,3 +268,41 @@ def test_keys_are_private_from_their_first_byte_even_in_an_open_directory(tmp_pa
     assert all(secret.stat().st_mode & 0o777 == 0o600 for secret in secrets)
     assert all((directory / role).stat().st_mode & 0o777 == 0o700 for role in ("scheduler", "api", "worker"))
     assert load_keys(directory / "api", "api").scheduler_public  # still a usable set
+
+
+def test_a_peer_that_never_finishes_its_handshake_is_dropped_within_the_handshake_interval(tmp_path, keys_dir):
+    """Whatever a keyless peer sends is held only until the handshake interval drops it (libzmq's
+    default is 30 s), so connections that never authenticate cannot pile up memory for long."""
+    scheduler_port, worker_port = free_port(), free_port()
+    scheduler = start("services.scheduler", "--scheduler-endpoint", f"tcp://127.0.0.1:{scheduler_port}",
+                      "--worker-endpoint", f"tcp://127.0.0.1:{worker_port}", "--keys-dir", f"{keys_dir}/scheduler",
+                      log=str(tmp_path / "scheduler.log"))
+    try:
+        assert wait_until(lambda: _accepts(scheduler_port), 30)
+        greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\x00") + b"\x00" * 32
+        peers = []
+        for _ in range(16):
+            raw = socket.create_connection(("127.0.0.1", scheduler_port))
+            raw.sendall(greeting + b"\x06" + (60 << 20).to_bytes(8, "big") + os.urandom(1 << 20))  # a 60 MiB frame, begun
+            raw.settimeout(30)
+            peers.append(raw)
+        started = time.monotonic()
+        for raw in peers:
+            while raw.recv(4096):  # the server's greeting, then its close
+                pass
+        dropped_after = time.monotonic() - started
+        print(f"16 peers that never finished their handshake were dropped after {dropped_after:.1f} s")
+        assert dropped_after < sockets.HANDSHAKE_MS / 1000 + 2
+    finally:
+        for raw in peers:
+            raw.close()
+        scheduler.terminate()
+        scheduler.wait(10)
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False

@@ -10,7 +10,7 @@ import uvicorn
 
 from services.api.app import build_app
 from services.api.engine_client import EngineClient
-from shared.cli import HelpFormatter, add_api_args, add_wire_args, exit_at_once, setup_logging
+from shared.cli import HelpFormatter, add_api_args, add_wire_args, api_keys, exit_at_once, setup_logging
 from shared.sampling import MAX_LOGPROBS
 from shared.wire_security import WireSecurityError, keys_for
 
@@ -55,11 +55,13 @@ def main() -> None:
         log.error("cannot load the tokenizer and config of %s: %s", args.model, exc)
         sys.exit(2)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    app = build_app(EngineClient(args.scheduler_endpoint, keys, args.max_message_bytes), tokenizer, name, vocab_size,
-                    args.max_request_body_bytes, args.api_key,
-                    args.tool_call_parser if args.enable_auto_tool_choice else None, args.max_logprobs)
+    client = EngineClient(args.scheduler_endpoint, keys, args.max_message_bytes, args.scheduler_timeout)
+    app = build_app(client, tokenizer, name, vocab_size,
+                    args.max_request_body_bytes, api_keys(args),
+                    args.tool_call_parser if args.enable_auto_tool_choice else None, args.max_logprobs,
+                    args.report_cached_tokens)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=0.5)
-    logging.getLogger("services.api").info("listening on http://%s:%d", args.host, args.port)
+    log.info("listening on http://%s:%d", args.host, args.port)
     OnceStoppedServer(config).run()
 
 

@@ -40,7 +40,7 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20  # vLLM sets none; 8 MiB holds any prompt a con
 class OpenAIServer:
     def __init__(self, client: EngineClient, tokenizer, model_name: str, vocab_size: int,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
-                 max_logprobs: int = MAX_LOGPROBS):
+                 max_logprobs: int = MAX_LOGPROBS, report_cached_tokens: bool = True):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -50,6 +50,7 @@ class OpenAIServer:
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
         self.tool_parser = TOOL_CALL_PARSERS[tool_call_parser]() if tool_call_parser else None
         self.max_logprobs = max_logprobs
+        self.report_cached_tokens = report_cached_tokens
         self.created = int(time.time())
 
     # --- routes --------------------------------------------------------------------------
@@ -57,6 +58,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         body = await self._json_body(request)
         generation = parse_completion(body)
+        generation.tenant = request.scope.get("state", {}).get("tenant", "")
         self._check_model(generation.model)
         self._check_logprobs(generation)
         await self._compile_grammar(generation)
@@ -72,6 +74,7 @@ class OpenAIServer:
             echo = generation.prompt if generation.prompt is not None else self.tokenizer.decode(prompts[0])
         fmt = CompletionFormat(self.model_name, self.tokenizer, generation, echo, prompts[0] if echo else [],
                                num_choices=len(prompts) * generation.sampling.n)
+        fmt.report_cached_tokens = self.report_cached_tokens
         chunks = [self._generate(each, prompt_ids, fmt.endpoint) for each, prompt_ids in zip(batch, prompts)]
         merged = chunks[0] if len(chunks) == 1 else _merged(chunks, generation.sampling.n)
         return await self._respond(request, generation, merged, sum(map(len, prompts)), fmt)
@@ -86,6 +89,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = await self._json_body(request)
         generation = parse_chat(body)
+        generation.tenant = request.scope.get("state", {}).get("tenant", "")
         self._check_model(generation.model)
         self._check_logprobs(generation)
         tools = generation.tools
@@ -104,6 +108,7 @@ class OpenAIServer:
         prompt_ids = await self._tokenize(self.tokenizer.encode, text, add_special_tokens=False)
         self._fit_to_context(generation, prompt_ids)
         fmt = ChatFormat(self.model_name, self.tokenizer, generation, self.tool_parser)
+        fmt.report_cached_tokens = self.report_cached_tokens
         return await self._respond(request, generation, self._generate(generation, prompt_ids, fmt.endpoint),
                                    len(prompt_ids), fmt)
 
@@ -226,7 +231,9 @@ class OpenAIServer:
         ]
         done = [False] * len(detokenizers)
         arrival = last_output = time.monotonic()
-        outputs = self.client.generate(request_id, prompt_ids, generation.sampling, time.time())
+        # A tenant's salt comes first, so that no request can name a salt that reaches another's cache.
+        salt = "\0".join(filter(None, (generation.tenant, generation.cache_salt)))
+        outputs = self.client.generate(request_id, prompt_ids, generation.sampling, time.time(), salt)
         outcome, first_reason = "abort", None  # the request's, and its first choice's finish reason
         first_token = None
         num_generated = 0
@@ -376,9 +383,11 @@ def _check_unicode(body: object) -> None:
 
 
 def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
-              tool_call_parser: str | None = None, max_logprobs: int = MAX_LOGPROBS) -> Starlette:
-    server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes, tool_call_parser, max_logprobs)
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_keys: list[str] = (),
+              tool_call_parser: str | None = None, max_logprobs: int = MAX_LOGPROBS,
+              report_cached_tokens: bool = True) -> Starlette:
+    server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes, tool_call_parser, max_logprobs,
+                          report_cached_tokens)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -408,7 +417,7 @@ def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
         *utility_routes(server),
     ]
     handlers = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected}
-    middleware = [Middleware(RequireApiKey, api_key=api_key)] if api_key else []
+    middleware = [Middleware(RequireApiKey, api_keys=list(api_keys))] if api_keys else []
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)
     app.state.server = server
     return app

@@ -1,8 +1,13 @@
 """`--api-key`: every route needs `Authorization: Bearer KEY` but /health and /metrics, which probes
-and scrapers call without one (the utility routes too: /tokenize parses whatever body it is sent)."""
+and scrapers call without one (the utility routes too: /tokenize parses whatever body it is sent).
+
+With several keys each is a tenant: a request carries its tenant (`scope["state"]["tenant"]`),
+which salts its prefix-cache keys, so that no tenant's prompts can be found in the cache by another.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from services.api.errors import ApiError
@@ -11,21 +16,34 @@ from services.api.errors import ApiError
 class RequireApiKey:
     """ASGI middleware answering 401, with an OpenAI-style error, to requests without the key."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_keys: list[str]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        # Each key's expected header, and its tenant: none with one key, a digest of the key with several.
+        self.expected = [(f"Bearer {key}".encode(), tenant_of(key) if len(api_keys) > 1 else "") for key in api_keys]
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and _guarded(scope["path"]) and not self._authorized(scope["headers"]):
-            error = ApiError("a valid API key is needed: send it as 'Authorization: Bearer <key>'", status=401,
-                             code="invalid_api_key")
-            await error.response()(scope, receive, send)
-            return
+        if scope["type"] == "http" and _guarded(scope["path"]):
+            tenant = self._tenant(scope["headers"])
+            if tenant is None:
+                error = ApiError("a valid API key is needed: send it as 'Authorization: Bearer <key>'", status=401,
+                                 code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
-    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+    def _tenant(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """The tenant of the request's key, or None without a valid one (every key is compared)."""
         sent = [value for name, value in headers if name == b"authorization"]
-        return len(sent) == 1 and hmac.compare_digest(sent[0], self.expected)
+        found = None
+        for expected, tenant in self.expected:
+            if len(sent) == 1 and hmac.compare_digest(sent[0], expected):
+                found = tenant
+        return found
+
+
+def tenant_of(key: str) -> str:
+    return "tenant-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})

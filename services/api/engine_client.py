@@ -1,9 +1,11 @@
-"""The api's side of the scheduler link: one DEALER socket, one receive loop, a queue per request."""
+"""The api's side of the scheduler link: one DEALER socket, one receive loop, a queue per request,
+and a heartbeat: a scheduler that answers nothing for `stall_timeout` seconds counts as gone."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -16,6 +18,8 @@ from shared.protocol import (
     Abort,
     AddRequest,
     Hello,
+    Ping,
+    Pong,
     ProtocolError,
     RequestOutput,
     RequestOutputs,
@@ -30,9 +34,13 @@ from shared.wire_security import WireKeys
 
 log = logging.getLogger(__name__)
 
+PING_INTERVAL = 0.5  # seconds between heartbeats
+STALL_TIMEOUT = 5.0  # seconds without a frame from the scheduler before it counts as stalled
+
 
 class EngineClient:
-    def __init__(self, endpoint: str, keys: WireKeys | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(self, endpoint: str, keys: WireKeys | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 stall_timeout: float = STALL_TIMEOUT):
         self.context = zmq.asyncio.Context()
         self.socket = sockets.connect(self.context, zmq.DEALER, endpoint, f"api-{uuid.uuid4().hex[:8]}".encode(),
                                       keys, max_message_bytes)
@@ -40,20 +48,26 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._receiver: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
+        self._heart: asyncio.Task | None = None
+        self.stall_timeout = stall_timeout
+        self.last_heard = time.monotonic()  # the last frame from the scheduler
+        self.stalled = False
         self.handlers = {
             RequestOutputs: self._on_outputs,
             SchedulerInfo: self._on_info,
             Unavailable: self._on_unavailable,
+            Pong: self._on_pong,
         }
 
     async def start(self) -> None:
         """Introduce this api to the scheduler; `info` is set when its workers are ready."""
         self._receiver = asyncio.create_task(self._receive_loop())
         self._watcher = asyncio.create_task(self._watch_connection())
+        self._heart = asyncio.create_task(self._heartbeat())
         await self._send(Hello(self.socket.getsockopt(zmq.IDENTITY).decode()))
 
     async def close(self) -> None:
-        for task in (self._receiver, self._watcher):
+        for task in (self._receiver, self._watcher, self._heart):
             if task is not None:
                 task.cancel()
         self.context.destroy(linger=0)
@@ -69,14 +83,40 @@ class EngineClient:
                     log.error("lost the scheduler; failing %d request(s)", len(self._queues))
                 else:
                     log.info("the scheduler went away; waiting for it")
-                self.info = None
-                for request_id, queue in self._queues.items():
-                    queue.put_nowait(RequestOutput(request_id, 0, [], True, "the scheduler went away"))
+                self._fail_all("the scheduler went away")
             elif self.info is None:
                 await self._send(Hello(self.socket.getsockopt(zmq.IDENTITY).decode()))
 
+    async def _heartbeat(self) -> None:
+        """Ping the scheduler; if nothing at all comes back for `stall_timeout` seconds (its loop is
+        stopped or stuck), fail what is in flight and answer 503 until it speaks again."""
+        while True:
+            await asyncio.sleep(PING_INTERVAL)
+            silent = time.monotonic() - self.last_heard
+            if not self.stalled and silent > self.stall_timeout:
+                self.stalled = True
+                if self.info is not None or self._queues:
+                    log.error("the scheduler has not answered for %.1f s; failing %d request(s)", silent,
+                              len(self._queues))
+                else:
+                    log.info("waiting for the scheduler to answer")
+                stranded = list(self._queues)
+                self._fail_all(f"the scheduler stopped answering for {silent:.0f} s")
+                if stranded:  # so that a scheduler that wakes frees their blocks
+                    self.socket.send(encode(Abort(stranded)), zmq.NOBLOCK)
+            try:
+                self.socket.send(encode(Ping(time.time())), zmq.NOBLOCK)
+            except zmq.Again:  # the link's queue is full: the scheduler is not reading
+                pass
+
+    def _fail_all(self, reason: str) -> None:
+        self.info = None
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(RequestOutput(request_id, 0, [], True, reason))
+
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float,
+        cache_salt: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; aborts it if the caller stops early."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -86,7 +126,7 @@ class EngineClient:
             if self.info is None:  # the scheduler went away after the caller checked
                 queue.put_nowait(RequestOutput(request_id, 0, [], True, "the scheduler is not ready"))
             else:
-                await self._send(AddRequest(request_id, prompt_token_ids, sampling, arrival))
+                await self._send(AddRequest(request_id, prompt_token_ids, sampling, arrival, cache_salt))
             while not finished:
                 output = await queue.get()
                 finished = output.finished
@@ -106,6 +146,11 @@ class EngineClient:
     async def _receive_loop(self) -> None:
         while True:
             frame = await self.socket.recv()
+            self.last_heard = time.monotonic()
+            if self.stalled:
+                self.stalled = False
+                log.info("the scheduler answers again")
+                await self._send(Hello(self.socket.getsockopt(zmq.IDENTITY).decode()))
             try:
                 message = decode(frame, trusted_peer_containers(frame))
             except ProtocolError as exc:
@@ -127,6 +172,9 @@ class EngineClient:
         if self.info is None:
             log.info("the scheduler is ready: serving")
         self.info = message
+
+    def _on_pong(self, message: Pong) -> None:
+        pass  # its arrival is the news: `last_heard` moved
 
     def _on_unavailable(self, message: Unavailable) -> None:
         log.error("the scheduler lost its workers: %s", message.reason)

@@ -40,6 +40,7 @@ class _Format:
     """Shared by both endpoints: ids, envelopes, usage and the SSE framing."""
 
     endpoint = ""
+    report_cached_tokens = True  # the server's --report-cached-tokens
     object_whole = ""
     object_chunk = ""
     id_prefix = ""
@@ -86,8 +87,9 @@ class _Format:
         completion = sum(len(c.token_ids) for c in chunks)
         usage = {"prompt_tokens": num_prompt, "completion_tokens": completion,
                  "total_tokens": num_prompt + completion}
-        cached = max((c.num_cached_tokens for c in chunks), default=0)
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        if self.report_cached_tokens:
+            cached = max((c.num_cached_tokens for c in chunks), default=0)
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
     def add_token_ids(self, choice: dict, chunks: list[Chunk]) -> dict:

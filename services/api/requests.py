@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from services.api.errors import ApiError
 from services.api.structured import GrammarSpec, parse_structured
 from services.api.tools import ToolUse, parse_tool_use
+from shared.protocol import MAX_CACHE_SALT_CHARS
 from shared.sampling import MAX_TOKENS_LIMIT, InvalidParameter, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ _KNOWN = {
     "include_stop_str_in_output", "response_format", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "tools", "tool_choice", "parallel_tool_calls", *_UNSUPPORTED_IF_SET,
     "user", "store", "metadata", "service_tier", "guided_decoding_backend", "spaces_between_special_tokens",
-    "add_generation_prompt", "prompt_logprobs", "priority", "request_id",
+    "add_generation_prompt", "prompt_logprobs", "priority", "request_id", "cache_salt",
 }
 
 
@@ -54,6 +55,8 @@ class GenerationRequest:
     echo: bool = False  # completions: each choice's text starts with the prompt
     structured: GrammarSpec | None = None  # what the output must match; compiled into sampling.grammar
     tools: ToolUse | None = None  # chat: the functions the model may call, and how
+    cache_salt: str = ""  # vLLM's: only requests with the same salt (and tenant) share prefix-cache blocks
+    tenant: str = ""  # set by the api from the request's key, when --api-key names several
 
 
 class _Body:
@@ -201,7 +204,17 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
         skip_special_tokens=fields.get("skip_special_tokens", bool, True, what="a boolean"),
         return_token_ids=fields.get("return_token_ids", bool, False, what="a boolean"),
         structured=parse_structured(fields.body),
+        cache_salt=_cache_salt(fields),
     )
+
+
+def _cache_salt(fields: _Body) -> str:
+    salt = fields.get("cache_salt", str, "", what="a string")
+    if "cache_salt" in fields.body and not salt:
+        raise ApiError("cache_salt must be a non-empty string", param="cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS // 2:
+        raise ApiError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS // 2} characters", param="cache_salt")
+    return salt
 
 
 def _logit_bias(fields: _Body) -> dict[int, float]:

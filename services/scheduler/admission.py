@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.reservation import Reservation
-from shared.protocol import AddRequest
+from shared.protocol import MAX_CACHE_SALT_CHARS, AddRequest
 from shared.sampling import SamplingParams
 
 
@@ -49,6 +49,8 @@ class Admission:
     def problem(self, message: AddRequest) -> str | None:
         """Why the request can never run here, or None; raises `InvalidParameter` for a bad parameter."""
         message.sampling.validate(self.vocab_size, self.budgets.max_num_seqs)
+        if len(message.cache_salt) > MAX_CACHE_SALT_CHARS:
+            return f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters"
         num_prompt = len(message.prompt_token_ids)
         if num_prompt == 0:
             return "the prompt is empty"

@@ -3,8 +3,8 @@
 Blocks are added one at a time as a sequence grows. Forked sequences share every block; the
 first write into a shared, partly filled block copies it (copy-on-write), and the copy is
 reported as a (src, dst) pair for the worker to carry out before the forward pass. With prefix
-caching, each full block is keyed by a hash chained from its parent's, and a new sequence
-starts from every cached block its prompt matches.
+caching, each full block is keyed by a hash chained from its parent's (the first from its
+request's `cache_salt`), and a new sequence starts from every cached block its prompt matches.
 """
 
 from __future__ import annotations
@@ -14,10 +14,7 @@ from array import array
 from collections.abc import Sequence as Tokens
 
 from services.scheduler.block_pool import BlockPool
-from services.scheduler.request import Request, Sequence
-
-ROOT = b""  # the parent key of a sequence's first block
-
+from services.scheduler.request import ROOT, Request, Sequence  # noqa: F401 (ROOT: the unsalted root)
 
 def chain_key(parent: bytes, tokens: Tokens[int]) -> bytes:
     """A full block's prefix-cache key: SHA-256 over its parent's key and its token ids.
@@ -106,7 +103,7 @@ class BlockManager:
             return []
         tokens = seq.token_ids()
         hits: list[int] = []
-        parent = ROOT
+        parent = seq.request.cache_root
         for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start : start + self.block_size])
             parent = chain_key(parent, chunk)
@@ -131,14 +128,14 @@ class BlockManager:
         # A step planned ahead may have scheduled the position of a token not sampled yet.
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         for index in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.request.cache_root
             chunk = tuple(seq.token_at(p) for p in range(index * self.block_size, (index + 1) * self.block_size))
             block_hash = chain_key(parent, chunk)
             seq.block_hashes.append(block_hash)
             self.gpu.cache(seq.block_table[index], block_hash, chunk)
 
     def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        hashes, parent, tokens = [], ROOT, seq.token_ids()
+        hashes, parent, tokens = [], seq.request.cache_root, seq.token_ids()
         for index in range(num_blocks):
             parent = chain_key(parent, tokens[index * self.block_size : (index + 1) * self.block_size])
             hashes.append(parent)

@@ -8,6 +8,7 @@ prompt's KV blocks.
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 
 from shared.sampling import SamplingParams
@@ -70,10 +71,19 @@ class Sequence:
         self.block_hashes.clear()
 
 
+ROOT = b""  # the parent key of a first block in the prefix cache, for requests without a salt
+
+
+def salted_root(cache_salt: str) -> bytes:
+    """The prefix-cache chain's root for a salt: requests of different salts share no block."""
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest() if cache_salt else ROOT
+
+
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_time: float,
-                 order: int = 0):
+                 order: int = 0, cache_salt: str = ""):
         self.request_id = request_id
+        self.cache_root = salted_root(cache_salt)  # the parent key of its first block in the prefix cache
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self.arrival_time = arrival_time

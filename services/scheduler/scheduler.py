@@ -140,7 +140,7 @@ class Scheduler:
         if problem is not None:
             return error_output(message.request_id, len(message.prompt_token_ids), problem, "rejected")
         request = Request(message.request_id, list(message.prompt_token_ids), message.sampling,
-                          message.arrival_time, self._next_order)
+                          message.arrival_time, self._next_order, message.cache_salt)
         self._next_order += 1
         self.registry.add(request)
         self.waiting.append(request)

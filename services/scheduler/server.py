@@ -43,6 +43,8 @@ from shared.protocol import (
     Abort,
     AddRequest,
     Hello,
+    Ping,
+    Pong,
     Ready,
     RequestOutput,
     RequestOutputs,
@@ -102,6 +104,7 @@ class SchedulerServer:
             Hello: self.on_hello,
             AddRequest: self.on_add_request,
             Abort: self.on_abort,
+            Ping: self.on_ping,
             Shutdown: self.on_refused_shutdown,
         }
         self.worker_handlers = {Ready: self.on_ready, StepResult: self.on_step_result}
@@ -222,6 +225,9 @@ class SchedulerServer:
         self._know_api(sender)
         if self.info is not None:
             self._send_api(sender, self.info)
+
+    def on_ping(self, sender: bytes, message: Ping) -> None:
+        self._send_api(sender, Pong(message.sent))
 
     def on_add_request(self, sender: bytes, message: AddRequest) -> None:
         self._know_api(sender)

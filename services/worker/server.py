@@ -108,6 +108,7 @@ class WorkerServer:
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, args.max_message_bytes)
+        self.socket.setsockopt(zmq.HANDSHAKE_IVL, sockets.HANDSHAKE_MS)
         # No fixed identity: the scheduler's socket names each connection, so no one who
         # connects first under a rank's name can keep the rank's worker out.
         connect_securely(self.socket, keys)
