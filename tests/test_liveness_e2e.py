@@ -103,55 +103,52 @@ def test_a_huge_prompt_neither_stalls_streams_nor_health(small_server):
     assert gaps and max(gaps) < 1.0, f"the stream stalled for {max(gaps):.2f} s"
 
 
+def _stop_mid_stream(server, service: str) -> tuple[str, float]:
+    """SIGSTOP one of the server's processes while a stream runs (the caller sends SIGCONT): the
+    stream's error message, and how long after the stop the stream ended."""
+    body = {"model": server.model, "prompt": "import os", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        os.kill(_children(server.process.pid)[service], signal.SIGSTOP)
+        stopped = time.monotonic()
+        rest = [line for line in lines if line.startswith("data:")]
+        ended_after = time.monotonic() - stopped
+    return json.loads(rest[-2][len("data: "):])["error"]["message"], ended_after
+
+
+def _serves_again(server, timeout: float) -> None:
+    assert wait_until(lambda: _health(server.base_url) == 200, timeout)
+    again = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                       json={"model": server.model, "prompt": "import os", "max_tokens": 4})
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+    assert wait_until(server.is_idle, 5)  # the failed request's blocks came back
+
+
 def test_a_hung_worker_fails_its_requests_within_the_step_timeout_and_recovery_follows(small_server):
-    base = small_server.base_url
     worker = _children(small_server.process.pid)["worker"]
-    body = {"model": small_server.model, "prompt": "import os", "max_tokens": 300, "ignore_eos": True,
-            "stream": True}
     try:
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            next(line for line in lines if line.startswith("data: {"))
-            os.kill(worker, signal.SIGSTOP)
-            stopped = time.monotonic()
-            rest = [line for line in lines if line.startswith("data:")]
-        assert time.monotonic() - stopped < 3 + 5
-        assert "did not finish a step" in json.loads(rest[-2][len("data: "):])["error"]["message"]
-        assert _health(base) == 503
-        refused = httpx.post(f"{base}/v1/completions", json={"model": small_server.model, "prompt": "x"}, timeout=10)
+        error, ended_after = _stop_mid_stream(small_server, "worker")
+        assert ended_after < 3 + 5 and "did not finish a step" in error
+        assert _health(small_server.base_url) == 503
+        refused = httpx.post(f"{small_server.base_url}/v1/completions", timeout=10,
+                             json={"model": small_server.model, "prompt": "x"})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
     finally:
         os.kill(worker, signal.SIGCONT)
-    assert wait_until(lambda: _health(base) == 200, 30)
-    again = httpx.post(f"{base}/v1/completions", timeout=60,
-                       json={"model": small_server.model, "prompt": "import os", "max_tokens": 4})
-    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
-    assert wait_until(small_server.is_idle, 5)
+    _serves_again(small_server, 30)
 
 
 def test_a_hung_scheduler_shows_on_health_and_fails_streams_within_its_timeout_then_service_resumes(small_server):
-    base = small_server.base_url
     scheduler = _children(small_server.process.pid)["scheduler"]
-    body = {"model": small_server.model, "prompt": "import os", "max_tokens": 300, "ignore_eos": True,
-            "stream": True}
     try:
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            next(line for line in lines if line.startswith("data: {"))
-            os.kill(scheduler, signal.SIGSTOP)
-            stopped = time.monotonic()
-            rest = [line for line in lines if line.startswith("data:")]
-            failed_after = time.monotonic() - stopped
-        assert failed_after < 2 + 1.5, f"the stream failed {failed_after:.1f} s after the scheduler stopped"
-        assert "stopped answering" in json.loads(rest[-2][len("data: "):])["error"]["message"]
-        assert _health(base) == 503
+        error, ended_after = _stop_mid_stream(small_server, "scheduler")
+        assert ended_after < 2 + 1.5, f"the stream failed {ended_after:.1f} s after the scheduler stopped"
+        assert "stopped answering" in error
+        assert _health(small_server.base_url) == 503
     finally:
         os.kill(scheduler, signal.SIGCONT)
-    assert wait_until(lambda: _health(base) == 200, 10)
-    again = httpx.post(f"{base}/v1/completions", timeout=60,
-                       json={"model": small_server.model, "prompt": "import os", "max_tokens": 4})
-    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
-    assert wait_until(small_server.is_idle, 5)  # the stranded request's blocks came back
+    _serves_again(small_server, 10)
 
 
 def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tmp_path):
