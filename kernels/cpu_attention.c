@@ -3,9 +3,9 @@
  * The contract is paged_attention_reference's (kernels/paged_attention.py): query row i of
  * sequence s sits at position context_lens[s] - num_queries + i and sees that sequence's keys up
  * to its own position (within the sliding window when window > 0), found through its row of the
- * block table. Nothing is gathered into a workspace first; each key and value is read once for up
- * to QUERY_BLOCK queries of a sequence (a prompt's chunk, or a decode with the proposals it
- * verifies) and for all the query heads that share its KV head.
+ * block table. Nothing is gathered into a workspace first; each cached token (its keys or values
+ * for every KV head, one row) is read once for up to QUERY_BLOCK queries of a sequence (a prompt's
+ * chunk, or a decode with the proposals it verifies) and for all the query heads.
  * Built with -O3 -ffast-math so the head_dim loops become SIMD and expf the vector library's.
  */
 #include <math.h>
@@ -13,6 +13,17 @@
 #include <string.h>
 
 #define QUERY_BLOCK 8 /* queries of one sequence served together: each key and value is read once for all */
+
+/* The cached row of position p (every KV head's keys or values), and in *stop the end of the run of
+ * positions up to `end` that share p's block: a caller walks the table block by block, with one
+ * division per block rather than one per position. */
+static inline const float *block_run(const float *cache, const int32_t *table, int64_t p, int64_t end,
+                                     int64_t block_size, int64_t token_stride, int64_t *stop)
+{
+    const int64_t offset = p % block_size;
+    *stop = p - offset + block_size < end ? p - offset + block_size : end;
+    return cache + ((int64_t)table[p / block_size] * block_size + offset) * token_stride;
+}
 
 static inline __attribute__((always_inline)) void attend_range(
     const float *restrict query, int64_t query_stride, const float *restrict key_cache, const float *restrict value_cache,
@@ -22,7 +33,7 @@ static inline __attribute__((always_inline)) void attend_range(
     float *restrict scores, float *restrict out)
 {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * head_dim; /* floats per cached token */
+    const int64_t token_stride = num_kv_heads * head_dim; /* floats per cached token: every KV head's row */
     int64_t low[QUERY_BLOCK], high[QUERY_BLOCK];          /* each query's visible positions, inclusive */
     for (int64_t s = first_seq; s < last_seq; s++) {
         const int32_t *table = block_tables + s * table_stride;
@@ -35,55 +46,58 @@ static inline __attribute__((always_inline)) void attend_range(
                 low[b] = (window > 0 && high[b] - window + 1 > 0) ? high[b] - window + 1 : 0;
             }
             const int64_t lowest = low[0], n = high[block - 1] + 1 - lowest; /* span of the block's rows */
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                /* Row (b, g): query b of the block, head g of this KV head's group; its scores at p - lowest. */
-                for (int64_t t = 0; t < n; t++) {
-                    const int64_t p = lowest + t;
-                    const float *k = key_cache + ((int64_t)table[p / block_size] * block_size + p % block_size)
-                                                 * token_stride + h * head_dim;
+            /* Scores of row (b, head) at t = p - lowest live at scores[(b * num_heads + head) * n + t]. Every
+             * KV head is served in the same walk over the positions, so each cached token row (all its
+             * heads, consecutive) is read once from memory, however long the context. */
+            for (int64_t p = lowest, end = lowest + n, stop; p < end;) {
+                const float *row = block_run(key_cache, table, p, end, block_size, token_stride, &stop);
+                for (; p < stop; p++, row += token_stride) {
+                    const int64_t t = p - lowest;
                     for (int64_t b = 0; b < block; b++) {
                         if (p < low[b] || p > high[b])
                             continue;
-                        const float *q = query + (first + i0 + b) * query_stride + h * group * head_dim;
-                        for (int64_t g = 0; g < group; g++) {
-                            const float *qg = q + g * head_dim;
+                        const float *q = query + (first + i0 + b) * query_stride;
+                        for (int64_t head = 0; head < num_heads; head++) {
+                            const float *k = row + (head / group) * head_dim, *qh = q + head * head_dim;
                             float dot = 0.f;
                             for (int64_t d = 0; d < head_dim; d++)
-                                dot += qg[d] * k[d];
-                            scores[(b * group + g) * n + t] = dot * scale;
+                                dot += qh[d] * k[d];
+                            scores[(b * num_heads + head) * n + t] = dot * scale;
                         }
                     }
                 }
-                for (int64_t b = 0; b < block; b++)
-                    for (int64_t g = 0; g < group; g++) {
-                        float *row = scores + (b * group + g) * n;
-                        const int64_t from = low[b] - lowest, to = high[b] - lowest + 1;
-                        float top = row[from];
-                        for (int64_t t = from + 1; t < to; t++)
-                            top = row[t] > top ? row[t] : top;
-                        float total = 0.f;
-                        for (int64_t t = from; t < to; t++) {
-                            row[t] = expf(row[t] - top);
-                            total += row[t];
-                        }
-                        const float inverse = 1.f / total;
-                        for (int64_t t = from; t < to; t++)
-                            row[t] *= inverse;
-                        memset(out + ((first + i0 + b) * num_heads + h * group + g) * head_dim, 0,
-                               head_dim * sizeof(float));
+            }
+            for (int64_t b = 0; b < block; b++)
+                for (int64_t head = 0; head < num_heads; head++) {
+                    float *weights = scores + (b * num_heads + head) * n;
+                    const int64_t from = low[b] - lowest, to = high[b] - lowest + 1;
+                    float top = weights[from];
+                    for (int64_t t = from + 1; t < to; t++)
+                        top = weights[t] > top ? weights[t] : top;
+                    float total = 0.f;
+                    for (int64_t t = from; t < to; t++) {
+                        weights[t] = expf(weights[t] - top);
+                        total += weights[t];
                     }
-                for (int64_t t = 0; t < n; t++) {
-                    const int64_t p = lowest + t;
-                    const float *v = value_cache + ((int64_t)table[p / block_size] * block_size + p % block_size)
-                                                   * token_stride + h * head_dim;
+                    const float inverse = 1.f / total;
+                    for (int64_t t = from; t < to; t++)
+                        weights[t] *= inverse;
+                }
+            memset(out + (first + i0) * num_heads * head_dim, 0, block * num_heads * head_dim * sizeof(float));
+            for (int64_t p = lowest, end = lowest + n, stop; p < end;) {
+                const float *row = block_run(value_cache, table, p, end, block_size, token_stride, &stop);
+                for (; p < stop; p++, row += token_stride) {
+                    const int64_t t = p - lowest;
                     for (int64_t b = 0; b < block; b++) {
                         if (p < low[b] || p > high[b])
                             continue;
-                        for (int64_t g = 0; g < group; g++) {
-                            const float weight = scores[(b * group + g) * n + t];
-                            float *o = out + ((first + i0 + b) * num_heads + h * group + g) * head_dim;
+                        float *o = out + (first + i0 + b) * num_heads * head_dim;
+                        for (int64_t head = 0; head < num_heads; head++) {
+                            const float weight = scores[(b * num_heads + head) * n + t];
+                            const float *v = row + (head / group) * head_dim;
+                            float *oh = o + head * head_dim;
                             for (int64_t d = 0; d < head_dim; d++)
-                                o[d] += weight * v[d];
+                                oh[d] += weight * v[d];
                         }
                     }
                 }
@@ -92,7 +106,7 @@ static inline __attribute__((always_inline)) void attend_range(
     }
 }
 
-/* scores: scratch of QUERY_BLOCK * num_heads / num_kv_heads * max(context_lens) floats. */
+/* scores: scratch of QUERY_BLOCK * num_heads * max(context_lens) floats. */
 void paged_attention_f32(
     const float *query, int64_t query_stride, const float *key_cache, const float *value_cache, const int32_t *block_tables,
     int64_t table_stride, const int32_t *query_start, const int32_t *context_lens, int64_t first_seq,

@@ -81,7 +81,7 @@ def paged_attention_native(
             batch.context_lens.to(torch.int32).contiguous(), _split(batch, torch.get_num_threads()))
     tables, starts, lens, parts = derived
     out = torch.empty(query.shape, dtype=query.dtype)
-    scratch = QUERY_BLOCK * num_heads // num_kv_heads * max(batch.context_lens_list)
+    scratch = QUERY_BLOCK * num_heads * max(batch.context_lens_list)
 
     def run(part: int) -> None:
         first, last = parts[part]
