@@ -10,6 +10,7 @@ directory, removed when the launcher exits.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.metadata
 import os
 import re
@@ -22,7 +23,10 @@ import tempfile
 import time
 import urllib.request
 
-from shared.cli import API_KEY_ENV, HelpFormatter, add_api_args, add_scheduler_args, add_worker_args, api_keys
+from shared.cli import (API_KEY_ENV, RUNTIME_DIR_ENV, HelpFormatter, add_api_args, add_scheduler_args,
+                        add_worker_args, api_keys)
+
+PR_SET_PDEATHSIG = 1
 from shared.config import SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints, SpeculativeConfig
 
 SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models", "tiny-python")
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     directory = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700
     try:
-        return _supervise(args, Endpoints.local(directory))
+        return _supervise(args, Endpoints.local(directory), directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -146,10 +150,16 @@ def _exited(children: dict[str, subprocess.Popen]) -> dict[str, int]:
     return {name: child.returncode for name, child in children.items() if child.poll() is not None}
 
 
-def _supervise(args: argparse.Namespace, endpoints: Endpoints) -> int:
+def _supervise(args: argparse.Namespace, endpoints: Endpoints, runtime_dir: str) -> int:
     keys = api_keys(args)
-    env = {"api": dict(os.environ, **{API_KEY_ENV: ",".join(keys)})} if keys else {}
-    children = {name: subprocess.Popen(cmd, env=env.get(name)) for name, cmd in commands(args, endpoints).items()}
+    env = {name: dict(os.environ) for name in ("scheduler", "worker", "api")}
+    if keys:
+        env["api"][API_KEY_ENV] = ",".join(keys)
+    # Whoever outlives the launcher (SIGKILLed, so its finally never runs) removes the socket directory.
+    env["scheduler"][RUNTIME_DIR_ENV] = runtime_dir
+    launcher = os.getpid()
+    children = {name: subprocess.Popen(cmd, env=env[name], preexec_fn=lambda: _die_with(launcher))
+                for name, cmd in commands(args, endpoints).items()}
     stopping = False
     failed = False
 
@@ -191,6 +201,15 @@ def _supervise(args: argparse.Namespace, endpoints: Endpoints) -> int:
     for child in children.values():
         _reap(child)
     return 1 if failed else 0
+
+
+def _die_with(parent: int) -> None:
+    """In a child before it runs: SIGTERM when the launcher dies, however it dies (Linux's
+    PR_SET_PDEATHSIG), so a SIGKILLed launcher leaves no services behind."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the request took hold
+        os._exit(1)
 
 
 def _startup_problem(args: argparse.Namespace) -> str | None:

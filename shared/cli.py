@@ -16,6 +16,7 @@ from shared.sampling import MAX_LOGPROBS
 from shared.sockets import MAX_MESSAGE_BYTES
 from shared.wire_security import add_wire_security_args
 
+RUNTIME_DIR_ENV = "PAGEDSERVE_RUNTIME_DIR"  # the launcher's socket directory, for the scheduler to remove if orphaned
 API_KEY_ENV = "PAGEDSERVE_API_KEY"  # the launcher hands the key to the api this way, not on a command line
 
 

@@ -89,12 +89,17 @@ def receive(sock: zmq.Socket, routed: bool = False,
     return sender, _decode_or_log(frame, sender, max_containers)
 
 
-def receive_with_connection(sock: zmq.Socket, max_containers: int) -> tuple[bytes, int, object | None]:
+def receive_with_connection(sock: zmq.Socket, max_containers: int,
+                            admit=None) -> tuple[bytes, int, object | None]:
     """On a ROUTER: (sender, the file descriptor of its connection, message). The descriptor is
-    what the socket monitor names when that connection closes."""
+    what the socket monitor names when that connection closes. `admit(sender, size)`, where given,
+    decides before decoding: a frame it refuses is dropped unread (message None)."""
     frames = sock.recv_multipart(copy=False)
-    return frames[0].bytes, frames[-1].get(zmq.SRCFD), _decode_or_log(frames[-1].bytes, frames[0].bytes,
-                                                                       max_containers)
+    sender, fd, size = frames[0].bytes, frames[-1].get(zmq.SRCFD), len(frames[-1])
+    if admit is not None and not admit(sender, size):
+        log.warning("dropped a frame of %d bytes from %r unread: it sends nothing that large", size, sender)
+        return sender, fd, None
+    return sender, fd, _decode_or_log(frames[-1].bytes, sender, max_containers)
 
 
 def _decode_or_log(frame: bytes, sender: bytes | None, max_containers: int | None) -> object | None:

@@ -16,7 +16,7 @@ import zmq
 from services.scheduler.server import SchedulerServer
 from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
-from shared.protocol import AddRequest, Hello, Ready, RequestOutputs, SchedulerInfo, Step
+from shared.protocol import AddRequest, Hello, Ready, RequestOutputs, SampledTokens, SchedulerInfo, Step, StepResult
 from shared.sampling import SamplingParams
 from tests.conftest import serve, wait_until
 from tests.scheduler_harness import StandInWorker
@@ -203,6 +203,79 @@ def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tm
         assert server.scheduler.block_manager.gpu.num_referenced == 0
     finally:
         stop.set()
+        server.stop()
+        loop.join(timeout=5)
+        context.destroy(linger=0)
+
+
+def test_a_scheduler_busy_past_the_step_timeout_does_not_blame_a_worker_that_answered(tmp_path):
+    """The loop stalls (as on a huge request) while a step is in flight; the worker's result came
+    meanwhile, so the step counts as done in time and the stream goes on."""
+    endpoints = Endpoints.local(str(tmp_path))
+    server = SchedulerServer(SchedulerConfig(block_size=4, max_model_len=10_000, step_timeout=1.0), endpoints)
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    context = zmq.Context()
+    stop = threading.Event()
+
+    def worker_loop():
+        sock = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"worker-0")
+        sockets.send(sock, Ready(0, 1, 4096, 0, 4, 10_000, [0], 1024, 1e9, 1e4, 1000))
+        stand_in = StandInWorker()
+        while not stop.is_set():
+            if sock.poll(100):
+                message = sockets.receive(sock)[1]
+                if isinstance(message, Step):
+                    sockets.send(sock, stand_in.run(message))
+        sock.close()
+
+    threading.Thread(target=worker_loop, daemon=True).start()
+    api = sockets.connect(context, zmq.DEALER, endpoints.scheduler, identity=b"api")
+    try:
+        sockets.send(api, Hello("api"))
+        assert api.poll(10_000) and isinstance(sockets.receive(api)[1], SchedulerInfo)
+        sockets.send(api, AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                                     time.time()))
+        assert api.poll(10_000)
+        answer_hello = server.api_handlers[Hello]
+        server.api_handlers[Hello] = lambda sender, message: time.sleep(2.5)  # the loop's own stall
+        sockets.send(api, Hello("api"))
+        tokens, finished, errors = [], False, []
+        deadline = time.monotonic() + 60
+        while not finished and time.monotonic() < deadline:
+            if api.poll(1000):
+                message = sockets.receive(api)[1]
+                if isinstance(message, RequestOutputs):
+                    for output in message.outputs:
+                        errors.append(output.error)
+                        tokens += output.sequences[0].token_ids if output.sequences else []
+                        finished = output.finished
+        server.api_handlers[Hello] = answer_hello
+        assert finished and not any(errors), errors
+        assert len(tokens) == 400
+    finally:
+        stop.set()
+        server.stop()
+        loop.join(timeout=5)
+        context.destroy(linger=0)
+
+
+def test_a_large_frame_from_a_worker_peer_that_is_not_rank_0_is_dropped_unread(tmp_path, caplog):
+    endpoints = Endpoints.local(str(tmp_path))
+    server = SchedulerServer(SchedulerConfig(block_size=4, max_model_len=10_000), endpoints)
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    context = zmq.Context()
+    try:
+        rank0 = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"worker-0")
+        sockets.send(rank0, Ready(0, 1, 4096, 0, 4, 10_000, [0], 1024, 1e9, 1e4, 1000))
+        assert wait_until(lambda: server.workers.get(0) is not None, 10)
+        rogue = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"rogue")
+        sampled = [SampledTokens(i, [1] * 64, [0.0] * 64, [], []) for i in range(2_000)]
+        sockets.send(rogue, StepResult(1, sampled, 0.0, 0.0))
+        assert wait_until(lambda: "unread" in caplog.text, 10)
+        assert "ignored a result" not in caplog.text  # never decoded, so never handled
+    finally:
         server.stop()
         loop.join(timeout=5)
         context.destroy(linger=0)

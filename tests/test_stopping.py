@@ -119,3 +119,33 @@ def test_each_service_alone_stops_within_two_seconds(llama_dir, tmp_path, signum
         for process in processes.values():
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_a_sigkilled_launcher_leaves_no_service_and_no_socket_directory_behind(llama_dir, tmp_path):
+    port, temp = free_port(), tmp_path / "tmp"
+    temp.mkdir()
+    process = start([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
+                     *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
+                    tmp_path / "launcher.log", temp)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health")
+        children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 3 and os.listdir(temp)
+        process.kill()  # SIGKILL: the launcher's own cleanup never runs
+        process.wait()
+        assert wait_until(lambda: not any(_running(pid) for pid in children), 15), "a service outlived its launcher"
+        assert wait_until(lambda: not os.listdir(temp), 5), f"left behind: {os.listdir(temp)}"
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _running(pid: str) -> bool:
+    """Alive and not a zombie (whoever adopted it may not have reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,11 +1,13 @@
 """`python -m services.scheduler`: run the scheduler alone, for deployment."""
 
 import argparse
+import os
+import shutil
 import sys
 
 from services.scheduler.server import SchedulerServer
-from shared.cli import (HelpFormatter, add_endpoint_args, add_metrics_args, add_scheduler_args, scheduler_config,
-                        setup_logging, stop_on_signals)
+from shared.cli import (RUNTIME_DIR_ENV, HelpFormatter, add_endpoint_args, add_metrics_args, add_scheduler_args,
+                        scheduler_config, setup_logging, stop_on_signals)
 from shared.config import SCHEDULER_METRICS_PORT, Endpoints
 from shared.metrics_http import MetricsPortError, serve_metrics
 from shared.wire_security import WireSecurityError, keys_for
@@ -22,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    launcher = os.getppid()
     stop_on_signals()
     setup_logging("scheduler")
     endpoints = Endpoints(scheduler=args.scheduler_endpoint, workers=args.worker_endpoint)
@@ -34,7 +37,17 @@ def main() -> None:
         serve_metrics(server.metrics.registry, args.metrics_host, args.metrics_port, "scheduler")
     except MetricsPortError as exc:
         sys.exit(f"scheduler: {exc}")
-    sys.exit(server.run())
+    code = server.run()
+    remove_orphaned_runtime_dir(launcher)
+    sys.exit(code)
+
+
+def remove_orphaned_runtime_dir(launcher: int) -> None:
+    """Under `pagedserve up`, the launcher removes its socket directory as it exits; if it is gone
+    without doing so (SIGKILL), the scheduler, its last owner, does."""
+    directory = os.environ.get(RUNTIME_DIR_ENV)
+    if directory and os.getppid() != launcher and os.path.basename(directory).startswith("pagedserve-"):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from shared.protocol import (
 log = logging.getLogger(__name__)
 
 API_MESSAGE_CONTAINERS = 16  # an AddRequest holds 4 arrays; Abort and Hello fewer
+SMALL_WORKER_FRAME = 4096  # a Ready (under 200 bytes); a result from a worker that is not rank 0 is never read
 
 
 class SchedulerServer:
@@ -145,11 +146,17 @@ class SchedulerServer:
             elif sock is self.api_socket:
                 self._drain(sock, self.api_handlers, API_MESSAGE_CONTAINERS)
             else:
-                self._drain(sock, self.worker_handlers, self.worker_message_containers)
+                self._drain(sock, self.worker_handlers, self.worker_message_containers, self._admits_worker_frame)
         if self.scheduler is not None and self.stats_log.due_in() == 0.0:
             self.stats_log.write(self.scheduler.stats())
         if self.in_flight and time.monotonic() > self.step_deadline:
-            self.on_worker_lost(f"a worker rank did not finish a step in {self.config.step_timeout:g} s", reset=True)
+            # The deadline may have passed while this loop was busy (a large request to decode): a
+            # result that came meanwhile is the worker's answer in time, so it is read first.
+            self._drain(self.worker_socket, self.worker_handlers, self.worker_message_containers,
+                        self._admits_worker_frame)
+            if self.in_flight and time.monotonic() > self.step_deadline:
+                self.on_worker_lost(f"a worker rank did not finish a step in {self.config.step_timeout:g} s",
+                                    reset=True)
 
     def stop(self) -> None:
         """Stop the loop from another thread of this process."""
@@ -172,9 +179,13 @@ class SchedulerServer:
         waits = [w for w in waits if w is not None]
         return max(0, int(min(waits) * 1000)) + 1 if waits else None
 
-    def _drain(self, sock: zmq.Socket, handlers: dict, max_containers: int) -> None:
+    def _admits_worker_frame(self, sender: bytes, size: int) -> bool:
+        """Only rank 0 sends results; any other worker peer sends a `Ready` and nothing large."""
+        return sender == self.workers.get(0) or size <= SMALL_WORKER_FRAME
+
+    def _drain(self, sock: zmq.Socket, handlers: dict, max_containers: int, admit=None) -> None:
         while self.running and sock.poll(0, zmq.POLLIN):
-            sender, self.connection, message = sockets.receive_with_connection(sock, max_containers)
+            sender, self.connection, message = sockets.receive_with_connection(sock, max_containers, admit)
             handler = handlers.get(type(message))
             if handler is None:
                 if message is not None:
