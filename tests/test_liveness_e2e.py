@@ -3,6 +3,7 @@ scheduler, a huge prompt, and an api peer that stops reading."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -151,9 +152,11 @@ def test_a_hung_scheduler_shows_on_health_and_fails_streams_within_its_timeout_t
     _serves_again(small_server, 10)
 
 
-def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tmp_path):
+@contextlib.contextmanager
+def scheduler_in_process(tmp_path, config: SchedulerConfig, next_token=lambda seq_id, position: 100 + position):
+    """A real scheduler loop on a thread, rank 0 a stand-in worker on another that answers every
+    step at once: (server, endpoints, a zmq context for the test's own peers)."""
     endpoints = Endpoints.local(str(tmp_path))
-    config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=4)
     server = SchedulerServer(config, endpoints)
     loop = threading.Thread(target=server.run, daemon=True)
     loop.start()
@@ -162,66 +165,8 @@ def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tm
 
     def worker_loop():
         sock = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"worker-0")
-        sockets.send(sock, Ready(0, 1, 4096, 0, 4, 100_000, [0], 1024, 1e9, 1e4, 1000))
-        stand_in = StandInWorker(lambda seq_id, position: 100 + position % 800)
-        while not stop.is_set():
-            if sock.poll(100):
-                message = sockets.receive(sock)[1]
-                if isinstance(message, Step):
-                    sockets.send(sock, stand_in.run(message))
-        sock.close()
-
-    worker = threading.Thread(target=worker_loop, daemon=True)
-    worker.start()
-    stuck = context.socket(zmq.DEALER)
-    stuck.setsockopt(zmq.IDENTITY, b"api-stuck")
-    stuck.setsockopt(zmq.RCVHWM, 1)
-    stuck.setsockopt(zmq.RCVBUF, 4096)
-    stuck.connect(endpoints.scheduler)
-    good = sockets.connect(context, zmq.DEALER, endpoints.scheduler, identity=b"api-good")
-    try:
-        sockets.send(good, Hello("api-good"))
-        assert good.poll(10_000) and isinstance(sockets.receive(good)[1], SchedulerInfo)
-        for i in range(4):
-            sockets.send(stuck, AddRequest(f"stuck-{i}", [1, 2, 3], SamplingParams(max_tokens=50_000,
-                                           temperature=0.0, ignore_eos=True), time.time()))
-        time.sleep(0.5)
-        sockets.send(good, AddRequest("good", [1, 2, 3], SamplingParams(max_tokens=300, temperature=0.0,
-                                      ignore_eos=True), time.time()))
-        tokens, finished = [], False
-        deadline = time.monotonic() + 60
-        while not finished and time.monotonic() < deadline:
-            if good.poll(1000):
-                message = sockets.receive(good)[1]
-                if isinstance(message, RequestOutputs):
-                    for output in message.outputs:
-                        assert output.request_id == "good" and output.error is None
-                        tokens += output.sequences[0].token_ids
-                        finished = output.finished
-        assert finished and tokens == [100 + p for p in range(3, 303)]
-        assert wait_until(lambda: not any(r.startswith("stuck") for r in server.scheduler.requests), 30)
-        assert server.scheduler.block_manager.gpu.num_referenced == 0
-    finally:
-        stop.set()
-        server.stop()
-        loop.join(timeout=5)
-        context.destroy(linger=0)
-
-
-def test_a_scheduler_busy_past_the_step_timeout_does_not_blame_a_worker_that_answered(tmp_path):
-    """The loop stalls (as on a huge request) while a step is in flight; the worker's result came
-    meanwhile, so the step counts as done in time and the stream goes on."""
-    endpoints = Endpoints.local(str(tmp_path))
-    server = SchedulerServer(SchedulerConfig(block_size=4, max_model_len=10_000, step_timeout=1.0), endpoints)
-    loop = threading.Thread(target=server.run, daemon=True)
-    loop.start()
-    context = zmq.Context()
-    stop = threading.Event()
-
-    def worker_loop():
-        sock = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"worker-0")
-        sockets.send(sock, Ready(0, 1, 4096, 0, 4, 10_000, [0], 1024, 1e9, 1e4, 1000))
-        stand_in = StandInWorker()
+        sockets.send(sock, Ready(0, 1, 4096, 0, 4, config.max_model_len, [0], 1024, 1e9, 1e4, 1000))
+        stand_in = StandInWorker(next_token)
         while not stop.is_set():
             if sock.poll(100):
                 message = sockets.receive(sock)[1]
@@ -230,29 +175,8 @@ def test_a_scheduler_busy_past_the_step_timeout_does_not_blame_a_worker_that_ans
         sock.close()
 
     threading.Thread(target=worker_loop, daemon=True).start()
-    api = sockets.connect(context, zmq.DEALER, endpoints.scheduler, identity=b"api")
     try:
-        sockets.send(api, Hello("api"))
-        assert api.poll(10_000) and isinstance(sockets.receive(api)[1], SchedulerInfo)
-        sockets.send(api, AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
-                                     time.time()))
-        assert api.poll(10_000)
-        answer_hello = server.api_handlers[Hello]
-        server.api_handlers[Hello] = lambda sender, message: time.sleep(2.5)  # the loop's own stall
-        sockets.send(api, Hello("api"))
-        tokens, finished, errors = [], False, []
-        deadline = time.monotonic() + 60
-        while not finished and time.monotonic() < deadline:
-            if api.poll(1000):
-                message = sockets.receive(api)[1]
-                if isinstance(message, RequestOutputs):
-                    for output in message.outputs:
-                        errors.append(output.error)
-                        tokens += output.sequences[0].token_ids if output.sequences else []
-                        finished = output.finished
-        server.api_handlers[Hello] = answer_hello
-        assert finished and not any(errors), errors
-        assert len(tokens) == 400
+        yield server, endpoints, context
     finally:
         stop.set()
         server.stop()
@@ -260,22 +184,75 @@ def test_a_scheduler_busy_past_the_step_timeout_does_not_blame_a_worker_that_ans
         context.destroy(linger=0)
 
 
+def ready_api(context, endpoints, name: str) -> zmq.Socket:
+    api = sockets.connect(context, zmq.DEALER, endpoints.scheduler, identity=name.encode())
+    sockets.send(api, Hello(name))
+    assert api.poll(10_000) and isinstance(sockets.receive(api)[1], SchedulerInfo)
+    return api
+
+
+def stream_of(api: zmq.Socket, timeout: float = 60) -> tuple[list[int], list[str | None], bool]:
+    """One request's tokens, the errors of its outputs, and whether it finished."""
+    tokens, errors, finished = [], [], False
+    deadline = time.monotonic() + timeout
+    while not finished and time.monotonic() < deadline:
+        if api.poll(1000):
+            message = sockets.receive(api)[1]
+            if isinstance(message, RequestOutputs):
+                for output in message.outputs:
+                    errors.append(output.error)
+                    tokens += output.sequences[0].token_ids if output.sequences else []
+                    finished = output.finished
+    return tokens, errors, finished
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tmp_path):
+    config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=4)
+    with scheduler_in_process(tmp_path, config, lambda seq_id, position: 100 + position % 800) as (server, endpoints,
+                                                                                                  context):
+        stuck = context.socket(zmq.DEALER)
+        stuck.setsockopt(zmq.IDENTITY, b"api-stuck")
+        stuck.setsockopt(zmq.RCVHWM, 1)
+        stuck.setsockopt(zmq.RCVBUF, 4096)
+        stuck.connect(endpoints.scheduler)
+        good = ready_api(context, endpoints, "api-good")
+        for i in range(4):
+            sockets.send(stuck, AddRequest(f"stuck-{i}", [1, 2, 3], greedy(50_000), time.time()))
+        time.sleep(0.5)
+        sockets.send(good, AddRequest("good", [1, 2, 3], greedy(300), time.time()))
+        tokens, errors, finished = stream_of(good)
+        assert finished and not any(errors) and tokens == [100 + p for p in range(3, 303)]
+        assert wait_until(lambda: not any(r.startswith("stuck") for r in server.scheduler.requests), 30)
+        assert server.scheduler.block_manager.gpu.num_referenced == 0
+
+
+def test_a_scheduler_busy_past_the_step_timeout_does_not_blame_a_worker_that_answered(tmp_path):
+    """The loop stalls (as on a huge request) while a step is in flight; the worker's result came
+    meanwhile, so the step counts as done in time and the stream goes on."""
+    config = SchedulerConfig(block_size=4, max_model_len=10_000, step_timeout=1.0)
+    with scheduler_in_process(tmp_path, config) as (server, endpoints, context):
+        api = ready_api(context, endpoints, "api")
+        sockets.send(api, AddRequest("r", [1, 2, 3], greedy(400), time.time()))
+        assert api.poll(10_000)
+        answer_hello = server.api_handlers[Hello]
+        server.api_handlers[Hello] = lambda sender, message: time.sleep(2.5)  # the loop's own stall
+        sockets.send(api, Hello("api"))
+        tokens, errors, finished = stream_of(api)
+        server.api_handlers[Hello] = answer_hello
+        assert finished and not any(errors), errors
+        assert len(tokens) == 400
+
+
 def test_a_large_frame_from_a_worker_peer_that_is_not_rank_0_is_dropped_unread(tmp_path, caplog):
-    endpoints = Endpoints.local(str(tmp_path))
-    server = SchedulerServer(SchedulerConfig(block_size=4, max_model_len=10_000), endpoints)
-    loop = threading.Thread(target=server.run, daemon=True)
-    loop.start()
-    context = zmq.Context()
-    try:
-        rank0 = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"worker-0")
-        sockets.send(rank0, Ready(0, 1, 4096, 0, 4, 10_000, [0], 1024, 1e9, 1e4, 1000))
+    with scheduler_in_process(tmp_path, SchedulerConfig(block_size=4, max_model_len=10_000)) as (server, endpoints,
+                                                                                                 context):
         assert wait_until(lambda: server.workers.get(0) is not None, 10)
         rogue = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"rogue")
         sampled = [SampledTokens(i, [1] * 64, [0.0] * 64, [], []) for i in range(2_000)]
         sockets.send(rogue, StepResult(1, sampled, 0.0, 0.0))
         assert wait_until(lambda: "unread" in caplog.text, 10)
         assert "ignored a result" not in caplog.text  # never decoded, so never handled
-    finally:
-        server.stop()
-        loop.join(timeout=5)
-        context.destroy(linger=0)
