@@ -62,23 +62,31 @@ def test_a_request_the_scheduler_rejects_gets_a_4xx_before_its_stream_starts(sma
     assert "KV blocks" in response.json()["error"]["message"]
 
 
-def test_a_huge_prompt_neither_stalls_streams_nor_health(small_server):
-    base = small_server.base_url
+def _stream_gaps(server, until: threading.Event, max_tokens: int) -> tuple[threading.Thread, list[float]]:
+    """A greedy stream on a thread, and the gaps between its chunks until `until` is set."""
     gaps: list[float] = []
-    health_latencies: list[float] = []
-    huge_done = threading.Event()
 
     def stream():
-        body = {"model": small_server.model, "prompt": "import os", "max_tokens": 300, "ignore_eos": True,
+        body = {"model": server.model, "prompt": "import os", "max_tokens": max_tokens, "ignore_eos": True,
                 "temperature": 0, "stream": True}
         last = None
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     now = time.monotonic()
-                    if last is not None and not huge_done.is_set():
+                    if last is not None and not until.is_set():
                         gaps.append(now - last)
                     last = now
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    return streamer, gaps
+
+
+def test_a_huge_prompt_neither_stalls_streams_nor_health(small_server):
+    base = small_server.base_url
+    health_latencies: list[float] = []
+    huge_done = threading.Event()
 
     def huge():
         prompt = "def f(x):\n    return x + 1\n" * 190_000  # about 5 MB
@@ -87,8 +95,7 @@ def test_a_huge_prompt_neither_stalls_streams_nor_health(small_server):
         huge_done.set()
         assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
 
-    streamer = threading.Thread(target=stream)
-    streamer.start()
+    streamer, gaps = _stream_gaps(small_server, huge_done, 300)
     time.sleep(0.5)
     poster = threading.Thread(target=huge)
     poster.start()
@@ -256,3 +263,19 @@ def test_a_large_frame_from_a_worker_peer_that_is_not_rank_0_is_dropped_unread(t
         sockets.send(rogue, StepResult(1, sampled, 0.0, 0.0))
         assert wait_until(lambda: "unread" in caplog.text, 10)
         assert "ignored a result" not in caplog.text  # never decoded, so never handled
+
+
+def test_a_body_of_millions_of_empty_lists_is_refused_before_parsing_and_streams_go_on(small_server):
+    base = small_server.base_url
+    refused = threading.Event()
+    streamer, gaps = _stream_gaps(small_server, refused, 200)
+    time.sleep(0.5)
+    bomb = b"[" + b"[]," * (7 * 2**20 // 3 - 1) + b"[]]"  # 7 MiB, 2.4 million arrays
+    for path in ("/tokenize", "/v1/completions"):
+        started = time.monotonic()
+        response = httpx.post(f"{base}{path}", content=bomb, headers={"content-type": "application/json"}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "too_many_containers", path
+        assert time.monotonic() - started < 1.0
+    refused.set()
+    streamer.join(120)
+    assert gaps and max(gaps) < 0.5, f"the stream stalled for {max(gaps):.2f} s"

@@ -35,6 +35,9 @@ access_log = logging.getLogger("pagedserve.access")
 
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # vLLM sets none; 8 MiB holds any prompt a context can take
+# Arrays and objects a body may open: a request needs a handful (messages, tools, token ids), and
+# parsing millions of them holds the event loop for seconds (a 7 MiB body of empty lists: 1.6 s).
+MAX_BODY_CONTAINERS = 16_384
 
 
 class OpenAIServer:
@@ -147,8 +150,13 @@ class OpenAIServer:
             if size > self.max_body_bytes:
                 raise _too_large(self.max_body_bytes)
             parts.append(part)
+        raw = b"".join(parts)
+        # An upper bound (brackets inside strings count too), counted in milliseconds before parsing.
+        if raw.count(b"[") + raw.count(b"{") > max(MAX_BODY_CONTAINERS, len(raw) // 64):
+            raise ApiError("the body holds more arrays and objects than any request needs",
+                           code="too_many_containers")
         try:
-            body = json.loads(b"".join(parts))
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
         except RecursionError:
