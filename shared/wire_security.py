@@ -25,7 +25,10 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from shared.log_limits import RateLimit
+
 log = logging.getLogger(__name__)
+zap_log = logging.getLogger("pagedserve.zap")  # the authenticator's lines and its refusals, rate-limited
 
 KEYS_DIR_ENV = "PAGEDSERVE_KEYS_DIR"
 PEERS = {"scheduler": ("api", "worker"), "api": ("scheduler",), "worker": ("scheduler",)}
@@ -141,7 +144,8 @@ class _Admitted:
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.keys:
             return True
-        log.warning("refused a CURVE peer on the %s socket: its key %s is not admitted", domain, key[:8].decode())
+        zap_log.warning("refused a CURVE peer on the %s socket: its key %s is not admitted", domain,
+                        key[:8].decode())
         return False
 
 
@@ -149,7 +153,9 @@ def start_authenticator(context: zmq.Context, keys: WireKeys | None) -> ThreadAu
     """The ZAP handler that admits each role's keys on that role's socket (domain)."""
     if keys is None:
         return None
-    authenticator = ThreadAuthenticator(context, log=logging.getLogger("pagedserve.zap"))
+    if not any(isinstance(f, RateLimit) for f in zap_log.filters):  # every refused peer would cost a line
+        zap_log.addFilter(RateLimit())
+    authenticator = ThreadAuthenticator(context, log=zap_log)
     authenticator.start()
     for role, admitted in keys.admitted.items():
         authenticator.configure_curve_callback(role, _Admitted(admitted))

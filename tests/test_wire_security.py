@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 import zmq
 
 from shared import sockets
+from shared.log_limits import RateLimit
 from shared.protocol import AddRequest, Hello, Ready, SampledTokens, SchedulerInfo, Shutdown, StepResult
 from shared.sampling import SamplingParams
 from shared import wire_security
@@ -306,3 +308,13 @@ def _accepts(port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def test_a_rate_limited_log_says_how_many_lines_it_dropped():
+    now = [0.0]
+    limit = RateLimit(burst=2, window=60.0, clock=lambda: now[0])
+    records = [logging.LogRecord("x", logging.WARNING, __file__, 1, "refused %s", (i,), None) for i in range(5)]
+    assert [limit.filter(r) for r in records] == [True, True, False, False, False]
+    now[0] = 61.0
+    late = logging.LogRecord("x", logging.WARNING, __file__, 1, "refused %s", (9,), None)
+    assert limit.filter(late) and late.getMessage() == "refused 9 (3 more like this were not logged)"
