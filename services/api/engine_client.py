@@ -92,7 +92,7 @@ class EngineClient:
         stopped or stuck), fail what is in flight and answer 503 until it speaks again."""
         while True:
             await asyncio.sleep(PING_INTERVAL)
-            silent = time.monotonic() - self.last_heard
+            silent, stranded = time.monotonic() - self.last_heard, []
             if not self.stalled and silent > self.stall_timeout:
                 self.stalled = True
                 if self.info is not None or self._queues:
@@ -102,9 +102,9 @@ class EngineClient:
                     log.info("waiting for the scheduler to answer")
                 stranded = list(self._queues)
                 self._fail_all(f"the scheduler stopped answering for {silent:.0f} s")
-                if stranded:  # so that a scheduler that wakes frees their blocks
-                    self.socket.send(encode(Abort(stranded)), zmq.NOBLOCK)
             try:
+                if stranded:  # so that a scheduler that wakes frees their blocks
+                    self.abort(*stranded)
                 self.socket.send(encode(Ping(time.time())), zmq.NOBLOCK)
             except zmq.Again:  # the link's queue is full: the scheduler is not reading
                 pass
@@ -136,9 +136,9 @@ class EngineClient:
             if not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, *request_ids: str) -> None:
         # Not awaited: this runs in cleanup paths, where the task may be cancelled already.
-        self.socket.send(encode(Abort([request_id])), zmq.NOBLOCK)
+        self.socket.send(encode(Abort(list(request_ids))), zmq.NOBLOCK)
 
     async def _send(self, message: object) -> None:
         await self.socket.send(encode(message))
