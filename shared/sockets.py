@@ -28,12 +28,19 @@ def trusted_peer_containers(frame: bytes) -> int:
     return len(frame) // 2 + 64
 
 
-def bind(context: zmq.Context, kind: int, endpoint: str, keys: WireKeys | None = None, domain: str = "",
-         max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+def new_socket(context: zmq.Context, kind: int, max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+    """A socket with the limits every process's sockets share: no linger, a frame size limit and a
+    short handshake interval."""
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+    return sock
+
+
+def bind(context: zmq.Context, kind: int, endpoint: str, keys: WireKeys | None = None, domain: str = "",
+         max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+    sock = new_socket(context, kind, max_bytes)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     serve_securely(sock, keys, domain)
@@ -43,10 +50,7 @@ def bind(context: zmq.Context, kind: int, endpoint: str, keys: WireKeys | None =
 
 def connect(context: zmq.Context, kind: int, endpoint: str, identity: bytes | None = None,
             keys: WireKeys | None = None, max_bytes: int = MAX_MESSAGE_BYTES):
-    sock = context.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
-    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+    sock = new_socket(context, kind, max_bytes)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     connect_securely(sock, keys)

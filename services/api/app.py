@@ -61,9 +61,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         body = await self._json_body(request)
         generation = parse_completion(body)
-        generation.tenant = request.scope.get("state", {}).get("tenant", "")
-        self._check_model(generation.model)
-        self._check_logprobs(generation)
+        self._admit(request, generation)
         await self._compile_grammar(generation)
         first = generation.prompt if generation.prompt is not None else generation.prompt_token_ids
         # OpenAI's batch: a request per prompt, each with its own copy of the sampling parameters.
@@ -92,9 +90,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = await self._json_body(request)
         generation = parse_chat(body)
-        generation.tenant = request.scope.get("state", {}).get("tenant", "")
-        self._check_model(generation.model)
-        self._check_logprobs(generation)
+        self._admit(request, generation)
         tools = generation.tools
         if tools is not None and tools.choice == "auto" and self.tool_parser is None:
             raise ApiError("tool_choice 'auto' needs a server started with --enable-auto-tool-choice and "
@@ -176,6 +172,12 @@ class OpenAIServer:
                 f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                 status=404, param="model", code="model_not_found",
             )
+
+    def _admit(self, request: Request, generation: GenerationRequest) -> None:
+        """What both generation routes check first; and whose request it is (its key's tenant)."""
+        generation.tenant = request.scope.get("state", {}).get("tenant", "")
+        self._check_model(generation.model)
+        self._check_logprobs(generation)
 
     def _check_logprobs(self, generation: GenerationRequest) -> None:
         wanted = max(generation.sampling.logprobs or 0, generation.sampling.prompt_logprobs or 0)

@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Sequence as Tokens
 
 from services.scheduler.block_pool import BlockPool
-from services.scheduler.request import ROOT, Request, Sequence  # noqa: F401 (ROOT: the unsalted root)
+from services.scheduler.request import Request, Sequence
 
 def chain_key(parent: bytes, tokens: Tokens[int]) -> bytes:
     """A full block's prefix-cache key: SHA-256 over its parent's key and its token ids.

@@ -146,14 +146,13 @@ class SchedulerServer:
             elif sock is self.api_socket:
                 self._drain(sock, self.api_handlers, API_MESSAGE_CONTAINERS)
             else:
-                self._drain(sock, self.worker_handlers, self.worker_message_containers, self._admits_worker_frame)
+                self._drain_workers()
         if self.scheduler is not None and self.stats_log.due_in() == 0.0:
             self.stats_log.write(self.scheduler.stats())
         if self.in_flight and time.monotonic() > self.step_deadline:
             # The deadline may have passed while this loop was busy (a large request to decode): a
             # result that came meanwhile is the worker's answer in time, so it is read first.
-            self._drain(self.worker_socket, self.worker_handlers, self.worker_message_containers,
-                        self._admits_worker_frame)
+            self._drain_workers()
             if self.in_flight and time.monotonic() > self.step_deadline:
                 self.on_worker_lost(f"a worker rank did not finish a step in {self.config.step_timeout:g} s",
                                     reset=True)
@@ -178,6 +177,9 @@ class SchedulerServer:
             waits.append(self.step_deadline - time.monotonic())
         waits = [w for w in waits if w is not None]
         return max(0, int(min(waits) * 1000)) + 1 if waits else None
+
+    def _drain_workers(self) -> None:
+        self._drain(self.worker_socket, self.worker_handlers, self.worker_message_containers, self._admits_worker_frame)
 
     def _admits_worker_frame(self, sender: bytes, size: int) -> bool:
         """Only rank 0 sends results; any other worker peer sends a `Ready` and nothing large."""

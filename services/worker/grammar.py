@@ -56,7 +56,7 @@ class GrammarEngine:
 
         self.tokenizer = tokenizer  # an llguidance LLTokenizer
         self.templates: OrderedDict[str, object] = OrderedDict()
-        # Computes a step's masks in its own threads, outside the GIL, between forward and sampling.
+        # Computes a step's masks in its own threads, outside the GIL.
         self.executor = llguidance.LLExecutor(max(1, len(os.sched_getaffinity(0))))
         words = [0] * ((vocab_size + 31) // 32)
         for token in eos_token_ids:

@@ -105,10 +105,7 @@ class WorkerServer:
         )
         self.metrics = metrics or WorkerMetrics(rank)
         self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, args.max_message_bytes)
-        self.socket.setsockopt(zmq.HANDSHAKE_IVL, sockets.HANDSHAKE_MS)
+        self.socket = sockets.new_socket(self.context, zmq.DEALER, args.max_message_bytes)
         # No fixed identity: the scheduler's socket names each connection, so no one who
         # connects first under a rank's name can keep the rank's worker out.
         connect_securely(self.socket, keys)
