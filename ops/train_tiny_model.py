@@ -9,7 +9,7 @@ a PNG, and records how it was made in `training.json`.
 A second run with `--init-from` and `--unlikelihood-steps` fine-tunes a saved model against
 repeating whole lines in its greedy continuations. The shipped model, on one core:
 
-    pip install -e ".[worker,train]"
+    pip install -e ".[bench]"
     python ops/train_tiny_model.py --threads 1 --steps 2200 --minutes 125 --out /tmp/pretrained   # 84 min
     python ops/train_tiny_model.py --threads 1 --init-from /tmp/pretrained --steps 0 --unlikelihood-steps 250
 """
