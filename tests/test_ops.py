@@ -1,8 +1,13 @@
 """The monitoring that ships in ops/ refers only to metrics the api really exports."""
 
+import http.server
 import json
 import os
 import re
+import ssl
+import subprocess
+import sys
+import threading
 
 import httpx
 import yaml
@@ -85,3 +90,25 @@ def test_compose_hands_one_speculative_config_to_the_scheduler_and_every_worker(
         command = compose["services"][name]["command"]
         assert command.startswith("sh -c 'exec python -m services.")  # a shell reads the JSON from the environment
         assert '--speculative-config "$$SPECULATIVE_CONFIG"' in command
+
+
+def test_an_image_build_whose_pip_meets_an_untrusted_tls_certificate_says_so_in_one_line(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:  # an index whose certificate no CA in the image vouches for: what a TLS-inspecting proxy shows
+        env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=f"https://127.0.0.1:{server.server_port}/simple",
+                   PIP_CERT="/etc/ssl/certs/ca-certificates.crt", PIP_RETRIES="0", PIP_DEFAULT_TIMEOUT="5",
+                   PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+        done = subprocess.run(["sh", os.path.join(ROOT, "ops", "docker", "pip-install.sh"), "no-such-package-xyz"],
+                              env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+    assert done.returncode != 0
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("pip failed because")]
+    assert "TLS certificate" in line and "ops/docker/certs/" in line, done.stderr
