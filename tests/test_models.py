@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from services.worker.loader import ModelLoadError, count_parameters, load_config, load_model
+from services.worker.loader import ModelLoadError, count_parameters, load_model
 from services.worker.models import ARCHITECTURES
 from tests.conftest import ROOT
 from tests.engine_harness import Engine
@@ -89,8 +89,8 @@ def counted_in_a_fresh_process() -> dict[str, tuple[int, float]]:
 def test_shipped_configs_count_parameters_without_allocating_them(name, counted_in_a_fresh_process):
     ours, grown_mib = counted_in_a_fresh_process[name]
     with torch.device("meta"):
-        theirs = sum(p.numel() for p in AutoModelForCausalLM.from_config(load_config(os.path.join(CONFIG_DIR, name)))
-                     .parameters())
+        config = AutoConfig.from_pretrained(os.path.join(CONFIG_DIR, name))
+        theirs = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     assert ours == theirs
     assert grown_mib < 200  # billions of parameters, counted on the meta device
 

@@ -43,7 +43,8 @@ def run_script(name, tmp_path, *flags):
 
 
 def test_figure_12_interleaves_systems_rate_by_rate_and_joins_systems_run_apart(tmp_path):
-    common = ["--plot-dir", str(tmp_path), "--num-prompts", "3", "--rates", "2,8", "--num-blocks", "128"]
+    common = ["--plot-dir", str(tmp_path), "--num-prompts", "3", "--rates", "2,8", "--num-blocks", "128",
+              "--max-model-len", "192"]
     out = run_script("fig12_latency_vs_rate.py", tmp_path, *common, "--policies", "paged,oracle", "--interleave",
                      "--tag", "_a")
     lines = [line.split()[0] for line in out.splitlines() if "/s  normalized" in line]
@@ -62,7 +63,7 @@ def test_figure_12_interleaves_systems_rate_by_rate_and_joins_systems_run_apart(
 
 def test_figure_2_splits_used_kv_memory_and_reservation_wastes_it(tmp_path):
     run_script("fig2_memory_breakdown.py", tmp_path, "--plot-dir", str(tmp_path), "--num-prompts", "6",
-               "--policies", "paged,max", "--num-blocks", "128")
+               "--policies", "paged,max", "--num-blocks", "128", "--max-model-len", "256")
     breakdown = json.loads((tmp_path / "fig2_memory_breakdown.json").read_text())["breakdown_percent"]
     for shares in breakdown.values():
         assert shares["samples"] > 0

@@ -207,3 +207,19 @@ def test_a_worker_without_a_tokenizer_refuses_a_constrained_request_alone(llama_
     outputs = engine.run()
     assert len(outputs[free][0]) == 4
     assert outputs.get(constrained, {0: []})[0] == []
+
+
+@pytest.mark.parametrize("which", ["test model", "shipped model"])
+def test_the_worker_reads_the_tokenizer_for_grammars_without_transformers_and_sees_what_the_api_sees(
+        llama_dir, which):
+    from services.launcher import SHIPPED_MODEL
+    from services.worker.grammar import grammar_tokenizer as worker_view
+
+    directory = llama_dir if which == "test model" else SHIPPED_MODEL
+    hf = AutoTokenizer.from_pretrained(directory)
+    vocab = json.load(open(f"{directory}/config.json"))["vocab_size"]
+    ours, api = worker_view(directory, vocab, hf.eos_token_id), grammar_tokenizer(hf, vocab)
+    assert all(ours.decode_bytes([i]) == api.decode_bytes([i]) for i in range(vocab))
+    assert all(ours.is_special_token(i) == api.is_special_token(i) for i in range(vocab))
+    text = "def main():\n    return {'a': [1, 2]}\n"
+    assert ours.tokenize_str(text) == api.tokenize_str(text) == hf.encode(text, add_special_tokens=False)

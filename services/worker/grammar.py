@@ -15,6 +15,7 @@ requests use it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections import OrderedDict
@@ -24,6 +25,38 @@ import torch
 log = logging.getLogger(__name__)
 
 TEMPLATES_KEPT = 256
+
+
+def grammar_tokenizer(tokenizer_dir: str, vocab_size: int, eos_token: int | None):
+    """llguidance's view of the model's tokenizer, read from tokenizer.json with the `tokenizers`
+    library. transformers (seconds of import at every worker start) is needed only where
+    tokenizer_config.json adds tokens that tokenizer.json lacks."""
+    import llguidance
+
+    path = os.path.join(tokenizer_dir, "tokenizer.json")
+    if os.path.isfile(path) and not _tokens_added_elsewhere(tokenizer_dir, path):
+        import tokenizers
+
+        backend = tokenizers.Tokenizer.from_file(path)
+        backend.no_padding()
+        backend.no_truncation()
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token)
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token)
+
+
+def _tokens_added_elsewhere(tokenizer_dir: str, tokenizer_json: str) -> bool:
+    config_path = os.path.join(tokenizer_dir, "tokenizer_config.json")
+    if not os.path.isfile(config_path):
+        return False
+    with open(config_path) as f:
+        declared = json.load(f).get("added_tokens_decoder") or {}
+    with open(tokenizer_json) as f:
+        present = {token.get("id") for token in json.load(f).get("added_tokens") or []}
+    return any(int(token_id) not in present for token_id in declared)
 
 
 class GrammarState:
@@ -69,12 +102,7 @@ class GrammarEngine:
         """None where the directory has no tokenizer that llguidance can read (constrained requests are
         then refused with a reason)."""
         try:
-            import llguidance.hf
-            from transformers import AutoTokenizer
-
-            hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-            tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                                     eos_token=eos_token_ids[0] if eos_token_ids else None)
+            tokenizer = grammar_tokenizer(tokenizer_dir, vocab_size, eos_token_ids[0] if eos_token_ids else None)
         except Exception as exc:  # no tokenizer, a slow-only tokenizer, no llguidance
             log.warning("structured outputs are off: no tokenizer for grammars in %s (%s)", tokenizer_dir, exc)
             return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -9,9 +10,10 @@ import time
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
+from torch import nn
 
 from kernels.cpu_linear import pack_weights
+from services.worker.model_config import read_config
 from services.worker.models import ARCHITECTURES
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel
 
@@ -28,7 +30,7 @@ def load_config(model_dir: str):
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ModelLoadError(f"{model_dir} has no config.json")
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        return read_config(model_dir)
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"{model_dir}/config.json is not a usable model config: {exc}") from None
 
@@ -54,11 +56,29 @@ def model_class_for(config):
     return model_class
 
 
+@contextlib.contextmanager
+def _no_parameter_init():
+    """Modules built on "meta" skip their random initialisation: there is no memory to fill, and
+    on meta it imports torch's compiler, over a second of every worker's start-up."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+                   "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
+
+
 def build_on_meta(config, tp: TensorParallel = SINGLE):
     """The model's structure (this rank's share of it) without memory: enough to count or describe it."""
     model_class = model_class_for(config)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _no_parameter_init():
             model = model_class(config, tp)
     except ValueError as exc:  # heads or widths that do not divide among the ranks
         raise ModelLoadError(str(exc)) from None

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from kernels.batch import PagedBatch
+from services.worker.models.activations import activation
 from services.worker.models.base import PagedCausalLM
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel
@@ -64,7 +64,7 @@ class GPT2MLP(nn.Module):
         self.first, inner = tp.split(config.n_inner or 4 * config.hidden_size, "the MLP's inner width")
         self.c_fc = Conv1D(config.hidden_size, inner)
         self.c_proj = Conv1D(inner, config.hidden_size)
-        self.act = ACT2FN[config.activation_function]
+        self.act = activation(config.activation_function)
         self.tp = tp
 
     def forward(self, x):

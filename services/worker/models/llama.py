@@ -9,12 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.batch import PagedBatch
 from kernels.cpu_linear import Linear
 from kernels.cpu_norm import rms_norm
+from services.worker.models.activations import activation
 from services.worker.models.base import PagedCausalLM, fused
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
@@ -43,6 +42,8 @@ class RotaryEmbedding:
             inv_freq = 1.0 / (theta**exponents)
             self.scaling = 1.0
         else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # only scaled RoPE needs it
+
             with torch.device("cpu"):  # real numbers even while the model is built on "meta"
                 inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         self.inv_freq = inv_freq
@@ -121,7 +122,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, width, bias=bias)
         self.down_proj = Linear(width, config.hidden_size, bias=bias)
         self.tp = tp
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation(config.hidden_act)
         self.silu = config.hidden_act == "silu"
 
     def fuse(self) -> None:

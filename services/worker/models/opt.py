@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from kernels.batch import PagedBatch
 from kernels.cpu_linear import Linear
+from services.worker.models.activations import activation
 from services.worker.models.base import PagedCausalLM, fused
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
@@ -61,7 +61,7 @@ class OPTDecoderLayer(nn.Module):
         self.fc2 = Linear(inner, hidden, bias=bias)
         self.tp = tp
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.activation = ACT2FN[config.activation_function]
+        self.activation = activation(config.activation_function)
         self.pre_norm = config.do_layer_norm_before
 
     def forward(self, hidden, kv_cache, batch):
