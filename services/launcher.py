@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -103,7 +104,8 @@ WORKER_FLAGS = ["model", "tokenizer", "device", "dtype", "load_format", "gpu_mem
                 "speculative_config"]
 API_FLAGS = ["model", "tokenizer", "host", "port", "served_model_name", "max_request_body_bytes",
              "enable_auto_tool_choice", "tool_call_parser", "chat_template", "max_logprobs", "disable_log_requests",
-             "trust_remote_code", "scheduler_timeout", "report_cached_tokens"]
+             "trust_remote_code", "scheduler_timeout", "report_cached_tokens", "request_header_timeout",
+             "request_body_timeout"]
 
 
 def commands(args: argparse.Namespace, endpoints: Endpoints) -> dict[str, list[str]]:
@@ -224,6 +226,14 @@ def _startup_problem(args: argparse.Namespace) -> str | None:
         return f"the model {args.model} is not a directory"
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         return f"{args.model} has no config.json: it is not a Hugging Face model directory"
+    try:
+        with open(os.path.join(args.model, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"cannot read {args.model}/config.json: {exc}"
+    heads, size = config.get("num_attention_heads", config.get("n_head")), args.tensor_parallel_size
+    if isinstance(heads, int) and heads % size:  # the ranks would find it only after loading
+        return f"the number of attention heads ({heads}) is not divisible by the tensor-parallel size ({size})"
     if args.device == "cuda":
         import torch  # only here: it takes a second or two to import
 

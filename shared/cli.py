@@ -96,6 +96,10 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                        help="directory of the tokenizer; None: the model directory (a dummy-weight config needs one)")
     group.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                        help="larger request bodies get 413")
+    group.add_argument("--request-header-timeout", type=float, default=10.0,
+                       help="seconds a connection has to send a request's headers before it is closed")
+    group.add_argument("--request-body-timeout", type=float, default=60.0,
+                       help="seconds a request's body has to arrive whole before it gets 408")
     group.add_argument("--scheduler-timeout", type=float, default=5.0,
                        help="seconds without a word from the scheduler (it answers a heartbeat twice a second) "
                             "before the api counts it as stalled: requests in flight fail, /health answers 503 "

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -25,7 +26,8 @@ from tests.scheduler_harness import StandInWorker
 
 @pytest.fixture(scope="module")
 def small_server(llama_dir, tmp_path_factory):
-    flags = ("--num-gpu-blocks-override", "40", "--step-timeout", "3", "--scheduler-timeout", "2")
+    flags = ("--num-gpu-blocks-override", "40", "--step-timeout", "3", "--scheduler-timeout", "2",
+             "--request-header-timeout", "2", "--request-body-timeout", "3")
     with serve(llama_dir, str(tmp_path_factory.mktemp("logs")), *flags) as server:
         yield server
 
@@ -279,3 +281,66 @@ def test_a_body_of_millions_of_empty_lists_is_refused_before_parsing_and_streams
     refused.set()
     streamer.join(120)
     assert gaps and max(gaps) < 0.5, f"the stream stalled for {max(gaps):.2f} s"
+
+
+def test_large_json_bodies_are_parsed_and_checked_off_the_loop_so_streams_go_on(small_server):
+    base = small_server.base_url
+    done = threading.Event()
+    streamer, gaps = _stream_gaps(small_server, done, 300)
+    time.sleep(0.5)
+    ids = list(range(500)) * 3000  # 1.5 million token ids, 7.2 MB of JSON
+    text = "def f(x):\n    return x + 1\n" * 260_000  # 7.0 MB
+    bodies = [("/v1/completions", {"model": small_server.model, "prompt": ids, "max_tokens": 1}, 400),
+              ("/detokenize", {"tokens": ids}, 200),
+              ("/tokenize", {"prompt": text}, 200)]
+    for path, body, status in bodies:
+        response = httpx.post(f"{base}{path}", json=body, timeout=120)
+        assert response.status_code == status, (path, response.text[:300])
+    done.set()
+    streamer.join(120)
+    print(f"longest stream gap while 8 MB bodies were parsed: {max(gaps):.3f} s")
+    assert gaps and max(gaps) < 0.5, f"the stream stalled for {max(gaps):.2f} s"
+
+
+def _closed_within(sock: socket.socket, seconds: float, drip: bytes) -> float | None:
+    """Send `drip` a byte every 0.2 s; when the server closes the connection, how long it took."""
+    started = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - started < seconds:
+        try:
+            if sock.recv(4096) == b"":
+                return time.monotonic() - started
+        except socket.timeout:
+            pass
+        except ConnectionError:
+            return time.monotonic() - started
+        try:
+            sock.sendall(drip[:1] or b"x")
+            drip = drip[1:]
+        except OSError:
+            return time.monotonic() - started
+    return None
+
+
+def test_a_client_dripping_its_headers_or_its_body_is_cut_off_and_streams_go_on(small_server):
+    host, port = small_server.base_url.removeprefix("http://").split(":")
+    done = threading.Event()
+    streamer, gaps = _stream_gaps(small_server, done, 200)
+    slowloris = [socket.create_connection((host, int(port))) for _ in range(8)]
+    for sock in slowloris:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    closed = [_closed_within(sock, 10, b"X-Slow: " + b"a" * 100) for sock in slowloris]
+    assert all(c is not None and c < 2 + 1.5 for c in closed), closed  # --request-header-timeout 2
+    with socket.create_connection((host, int(port))) as slow_body:
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 400\r\n\r\n{\"prompt\": \"")
+        slow_body.settimeout(10)
+        started, answer = time.monotonic(), b""
+        while b"\r\n\r\n" not in answer:
+            answer += slow_body.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert time.monotonic() - started < 3 + 1.5  # --request-body-timeout 3
+    done.set()
+    streamer.join(120)
+    assert gaps and max(gaps) < 0.5, f"the stream stalled for {max(gaps):.2f} s"
+    assert httpx.get(f"{small_server.base_url}/health", timeout=5).status_code == 200

@@ -41,3 +41,18 @@ def test_loading_the_scheduler_and_api_leaves_torch_unloaded():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_api_loads_its_tokenizer_with_torch_installed_but_never_imported(llama_dir):
+    code = (
+        "import sys; from services.api.__main__ import _tokenizers_only; _tokenizers_only(); "
+        "from transformers import AutoTokenizer; "
+        f"t = AutoTokenizer.from_pretrained({llama_dir!r}, local_files_only=True); "
+        "ids = t.encode('def main():'); "
+        "chat = t.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False); "
+        "print(sys.modules.get('torch') is None, t.decode(ids, skip_special_tokens=True) == 'def main():', "
+        "'hi' in chat)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "True"], out.stdout + out.stderr
+    assert "PyTorch was not found" not in out.stderr

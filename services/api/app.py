@@ -34,17 +34,21 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("pagedserve.access")
 
 
+DEFAULT_BODY_TIMEOUT = 60.0
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # vLLM sets none; 8 MiB holds any prompt a context can take
 # Arrays and objects a body may open: a request needs a handful (messages, tools, token ids), and
 # parsing millions of them holds the event loop for seconds (a 7 MiB body of empty lists: 1.6 s).
 MAX_BODY_CONTAINERS = 16_384
+PARSE_OFF_LOOP_BYTES = 64 << 10  # parses in about a millisecond; larger ones go to a thread
 
 
 class OpenAIServer:
     def __init__(self, client: EngineClient, tokenizer, model_name: str, vocab_size: int,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
-                 max_logprobs: int = MAX_LOGPROBS, report_cached_tokens: bool = True):
+                 max_logprobs: int = MAX_LOGPROBS, report_cached_tokens: bool = True,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT):
         self.client = client
+        self.body_timeout = body_timeout
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = vocab_size
@@ -59,8 +63,7 @@ class OpenAIServer:
     # --- routes --------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        body = await self._json_body(request)
-        generation = parse_completion(body)
+        generation = await self._json_body(request, parse_completion)
         self._admit(request, generation)
         await self._compile_grammar(generation)
         first = generation.prompt if generation.prompt is not None else generation.prompt_token_ids
@@ -88,8 +91,7 @@ class OpenAIServer:
         return prompt
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await self._json_body(request)
-        generation = parse_chat(body)
+        generation = await self._json_body(request, parse_chat)
         self._admit(request, generation)
         tools = generation.tools
         if tools is not None and tools.choice == "auto" and self.tool_parser is None:
@@ -135,30 +137,34 @@ class OpenAIServer:
 
     # --- input ---------------------------------------------------------------------------
 
-    async def _json_body(self, request: Request) -> object:
-        """The body as JSON, at most `max_body_bytes`, every string valid Unicode."""
+    async def _json_body(self, request: Request, parse=None) -> object:
+        """The body as JSON (then through `parse`, where given), at most `max_body_bytes`, arrived
+        within `body_timeout`, every string valid Unicode. Bodies past PARSE_OFF_LOOP_BYTES are
+        parsed and checked in a thread, so streams keep flowing meanwhile."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise _too_large(self.max_body_bytes)
+        try:
+            raw = await asyncio.wait_for(self._read_body(request), self.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(f"the request body did not arrive within {self.body_timeout:g} s", status=408,
+                           code="body_timeout") from None
+        # An upper bound (brackets inside strings count too), counted in milliseconds before parsing.
+        if raw.count(b"[") + raw.count(b"{") > max(MAX_BODY_CONTAINERS, len(raw) // 64):
+            raise ApiError("the body holds more arrays and objects than any request needs",
+                           code="too_many_containers")
+        if len(raw) > PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(_parse_json, raw, parse)
+        return _parse_json(raw, parse)
+
+    async def _read_body(self, request: Request) -> bytes:
         parts, size = [], 0
         async for part in request.stream():
             size += len(part)
             if size > self.max_body_bytes:
                 raise _too_large(self.max_body_bytes)
             parts.append(part)
-        raw = b"".join(parts)
-        # An upper bound (brackets inside strings count too), counted in milliseconds before parsing.
-        if raw.count(b"[") + raw.count(b"{") > max(MAX_BODY_CONTAINERS, len(raw) // 64):
-            raise ApiError("the body holds more arrays and objects than any request needs",
-                           code="too_many_containers")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
-        except RecursionError:
-            raise ApiError("the JSON body is nested too deeply", code="invalid_json") from None
-        _check_unicode(body)
-        return body
+        return b"".join(parts)
 
     async def _tokenize(self, encode, text: str, **kwargs) -> list[int]:
         # Off the event loop: a long prompt takes seconds, and the tokenizer releases the GIL.
@@ -370,6 +376,17 @@ async def _wait_for_disconnect(request: Request) -> None:
         await asyncio.sleep(0.25)
 
 
+def _parse_json(raw: bytes, parse=None) -> object:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError("the JSON body is nested too deeply", code="invalid_json") from None
+    _check_unicode(body)
+    return body if parse is None else parse(body)
+
+
 def _too_large(limit: int) -> ApiError:
     return ApiError(f"the request body is larger than {limit} bytes", status=413, code="body_too_large")
 
@@ -395,9 +412,9 @@ def _check_unicode(body: object) -> None:
 def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_keys: list[str] = (),
               tool_call_parser: str | None = None, max_logprobs: int = MAX_LOGPROBS,
-              report_cached_tokens: bool = True) -> Starlette:
+              report_cached_tokens: bool = True, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> Starlette:
     server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes, tool_call_parser, max_logprobs,
-                          report_cached_tokens)
+                          report_cached_tokens, body_timeout)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -18,39 +18,16 @@ def utility_routes(server) -> list[Route]:
 
     async def tokenize(request: Request) -> Response:
         body = await _object(server, request)
-        if "model" in body:
-            server._check_model(body["model"])
-        special = _flag(body, "add_special_tokens", True)
         if "messages" in body:
             if not isinstance(body["messages"], list):
                 raise ApiError("messages must be a list of messages", param="messages")
-            try:
-                text = await asyncio.to_thread(
-                    server.tokenizer.apply_chat_template, body["messages"], tokenize=False,
-                    add_generation_prompt=_flag(body, "add_generation_prompt", True))
-            except Exception as exc:  # templates raise whatever their authors chose
-                raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
-            special = _flag(body, "add_special_tokens", False)
-        elif isinstance(body.get("prompt"), str):
-            text = body["prompt"]
-        else:
+        elif not isinstance(body.get("prompt"), str):
             raise ApiError("give a prompt (a string) or messages", param="prompt")
-        tokens = await asyncio.to_thread(server.tokenizer.encode, text, add_special_tokens=special)
-        info = server.client.info
-        answer = {"count": len(tokens), "max_model_len": info.max_model_len if info else None, "tokens": tokens}
-        if _flag(body, "return_token_strs", False):
-            answer["token_strs"] = server.tokenizer.convert_ids_to_tokens(tokens)
-        return JSONResponse(answer)
+        return await asyncio.to_thread(_tokenized, server, body)  # a long text takes seconds
 
     async def detokenize(request: Request) -> Response:
         body = await _object(server, request)
-        if "model" in body:
-            server._check_model(body["model"])
-        tokens = body.get("tokens")
-        if (not isinstance(tokens, list)
-                or not all(type(t) is int and 0 <= t < server.vocab_size for t in tokens)):
-            raise ApiError(f"tokens must be a list of token ids in [0, {server.vocab_size})", param="tokens")
-        return JSONResponse({"prompt": server.tokenizer.decode(tokens)})
+        return await asyncio.to_thread(_detokenized, server, body)
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": metadata.version("pagedserve")})
@@ -69,6 +46,36 @@ def utility_routes(server) -> list[Route]:
         Route("/ping", ping, methods=["GET", "POST"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
     ]
+
+
+def _tokenized(server, body: dict) -> Response:
+    if "model" in body:
+        server._check_model(body["model"])
+    special = _flag(body, "add_special_tokens", True)
+    if "messages" in body:
+        try:
+            text = server.tokenizer.apply_chat_template(
+                body["messages"], tokenize=False, add_generation_prompt=_flag(body, "add_generation_prompt", True))
+        except Exception as exc:  # templates raise whatever their authors chose
+            raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
+        special = _flag(body, "add_special_tokens", False)
+    else:
+        text = body["prompt"]
+    tokens = server.tokenizer.encode(text, add_special_tokens=special)
+    info = server.client.info
+    answer = {"count": len(tokens), "max_model_len": info.max_model_len if info else None, "tokens": tokens}
+    if _flag(body, "return_token_strs", False):
+        answer["token_strs"] = server.tokenizer.convert_ids_to_tokens(tokens)
+    return JSONResponse(answer)
+
+
+def _detokenized(server, body: dict) -> Response:
+    if "model" in body:
+        server._check_model(body["model"])
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < server.vocab_size for t in tokens):
+        raise ApiError(f"tokens must be a list of token ids in [0, {server.vocab_size})", param="tokens")
+    return JSONResponse({"prompt": server.tokenizer.decode(tokens)})
 
 
 async def _object(server, request: Request) -> dict:
