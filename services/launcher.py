@@ -25,7 +25,7 @@ import time
 import urllib.request
 
 from shared.cli import (API_KEY_ENV, RUNTIME_DIR_ENV, HelpFormatter, add_api_args, add_scheduler_args,
-                        add_worker_args, api_keys)
+                        add_worker_args, api_keys, keep_api_key_off_the_command_line)
 
 PR_SET_PDEATHSIG = 1
 from shared.config import SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints, SpeculativeConfig
@@ -270,6 +270,7 @@ def _reap(child: subprocess.Popen, grace: float = 10.0) -> int:
 
 
 def main_entry() -> None:
+    keep_api_key_off_the_command_line()
     sys.exit(main())
 
 

@@ -126,6 +126,23 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                             "tenant and cache_salt); --no-report-cached-tokens leaves it out")
 
 
+def keep_api_key_off_the_command_line() -> None:
+    """Any user can read a process's command line: a key given as --api-key moves to the
+    environment (readable by the same user only), and the process starts again without it."""
+    argv = list(sys.orig_argv)
+    for i, arg in enumerate(argv):
+        if arg == "--api-key" and i + 1 < len(argv):
+            key, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+            break
+        if arg.startswith("--api-key="):
+            key, rest = arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+            break
+    else:
+        return
+    os.environ[API_KEY_ENV] = key
+    os.execv(sys.executable, [sys.executable, *rest[1:]])
+
+
 def api_keys(args: argparse.Namespace) -> list[str]:
     """Every key of --api-key and --api-key-file; SystemExit for a key no header can carry."""
     keys = [k.strip() for k in (args.api_key or "").split(",") if k.strip()]

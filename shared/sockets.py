@@ -11,10 +11,13 @@ import logging
 
 import zmq
 
+from shared.log_limits import RateLimit
 from shared.protocol import ProtocolError, decode, encode
 from shared.wire_security import WireKeys, connect_securely, serve_securely
 
 log = logging.getLogger(__name__)
+peer_log = logging.getLogger("pagedserve.peers")  # lines a misbehaving peer causes: rate-limited
+peer_log.addFilter(RateLimit())
 
 MAX_MESSAGE_BYTES = 64 << 20  # a Step resuming hundreds of long sequences carries all their tokens
 # A peer that has not finished its CURVE handshake by then is dropped, with whatever it sent (ZeroMQ's
@@ -101,7 +104,7 @@ def receive_with_connection(sock: zmq.Socket, max_containers: int,
     frames = sock.recv_multipart(copy=False)
     sender, fd, size = frames[0].bytes, frames[-1].get(zmq.SRCFD), len(frames[-1])
     if admit is not None and not admit(sender, size):
-        log.warning("dropped a frame of %d bytes from %r unread: it sends nothing that large", size, sender)
+        peer_log.warning("dropped a frame of %d bytes from %r unread: it sends nothing that large", size, sender)
         return sender, fd, None
     return sender, fd, _decode_or_log(frames[-1].bytes, sender, max_containers)
 
@@ -110,5 +113,5 @@ def _decode_or_log(frame: bytes, sender: bytes | None, max_containers: int | Non
     try:
         return decode(frame, trusted_peer_containers(frame) if max_containers is None else max_containers)
     except ProtocolError as exc:
-        log.error("dropped a malformed frame of %d bytes from %r: %s", len(frame), sender, exc)
+        peer_log.error("dropped a malformed frame of %d bytes from %r: %s", len(frame), sender, exc)
         return None

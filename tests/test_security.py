@@ -19,7 +19,7 @@ from tests.tiny_models import hf_greedy
 
 def test_an_api_key_guards_every_route_but_health_and_metrics(llama_dir, tmp_path):
     prompt = [5, 9, 13, 200]
-    with serve(llama_dir, str(tmp_path), env={"PAGEDSERVE_API_KEY": "s3cret"}) as server:
+    with serve(llama_dir, str(tmp_path), "--api-key", "s3cret") as server:
         url = f"{server.base_url}/v1"
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             response = httpx.get(f"{url}/models", headers=headers)
@@ -39,7 +39,9 @@ def test_an_api_key_guards_every_route_but_health_and_metrics(llama_dir, tmp_pat
         assert completion.choices[0].model_extra["token_ids"] == hf_greedy(llama_dir, prompt, 6)
         assert httpx.get(f"{server.base_url}/health").status_code == 200
         assert httpx.get(f"{server.base_url}/metrics").status_code == 200
-        assert "s3cret" not in " ".join(_command_lines(server.process.pid))  # not on any command line
+        # Given on the command line, the key left it (the launcher started again with it in its
+        # environment), and no child was given it on theirs.
+        assert "s3cret" not in " ".join(_command_lines(server.process.pid))
 
 
 def _command_lines(pid: int) -> list[str]:
@@ -97,3 +99,12 @@ def test_a_salt_roots_the_prefix_chain():
     assert manager._chain(plain, 2) != manager._chain(salted, 2)
     assert manager._chain(salted, 2)[0] == hashlib.sha256(
         hashlib.sha256(b"cache_salt\0x").digest() + array("q", range(4)).tobytes()).digest()
+
+
+def test_the_api_key_can_come_from_the_environment(monkeypatch):
+    from services.api.__main__ import build_parser
+    from shared.cli import api_keys
+
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "k1,k2")
+    args = build_parser().parse_args(["--model", "m", "--scheduler-endpoint", "ipc:///x"])
+    assert api_keys(args) == ["k1", "k2"]

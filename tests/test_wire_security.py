@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from shared import sockets
+from shared.handshake_budget import HandshakeBudget
 from shared.log_limits import RateLimit
 from shared.protocol import AddRequest, Hello, Ready, SampledTokens, SchedulerInfo, Shutdown, StepResult
 from shared.sampling import SamplingParams
@@ -272,34 +273,74 @@ def test_keys_are_private_from_their_first_byte_even_in_an_open_directory(tmp_pa
     assert load_keys(directory / "api", "api").scheduler_public  # still a usable set
 
 
-def test_a_peer_that_never_finishes_its_handshake_is_dropped_within_the_handshake_interval(tmp_path, keys_dir):
-    """Whatever a keyless peer sends is held only until the handshake interval drops it (libzmq's
-    default is 30 s), so connections that never authenticate cannot pile up memory for long."""
+def test_keyless_peers_are_few_at_a_time_and_dropped_within_the_handshake_interval(tmp_path, keys_dir):
+    """16 keyless peers from one address each begin a 60 MiB frame and push it as fast as they can:
+    two at a time are let in (HandshakeBudget), the rest are cut at once, and all are dropped within
+    the handshake interval (libzmq's default is 30 s), so what they make the scheduler hold is bounded."""
     scheduler_port, worker_port = free_port(), free_port()
     scheduler = start("services.scheduler", "--scheduler-endpoint", f"tcp://127.0.0.1:{scheduler_port}",
                       "--worker-endpoint", f"tcp://127.0.0.1:{worker_port}", "--keys-dir", f"{keys_dir}/scheduler",
                       log=str(tmp_path / "scheduler.log"))
+    frame = 60 << 20
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\x00") + b"\x00" * 32
+    chunk = os.urandom(1 << 20)
+    closed_after: list[float] = []  # by the server, for the peers it let in
+    outcomes: list[str] = []
+
+    def push() -> None:
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", scheduler_port)) as raw:
+            raw.settimeout(5)
+            try:
+                raw.sendall(greeting + b"\x06" + frame.to_bytes(8, "big"))
+                for _ in range(frame >> 20):
+                    raw.sendall(chunk)
+                while raw.recv(4096):  # the server's greeting, then its close
+                    pass
+                closed_after.append(time.monotonic() - started)
+                outcomes.append("let in, then dropped")
+            except OSError:  # reset, or a full window that nobody reads any more
+                outcomes.append("cut")
+
     try:
         assert wait_until(lambda: _accepts(scheduler_port), 30)
-        greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\x00") + b"\x00" * 32
-        peers = []
-        for _ in range(16):
-            raw = socket.create_connection(("127.0.0.1", scheduler_port))
-            raw.sendall(greeting + b"\x06" + (60 << 20).to_bytes(8, "big") + os.urandom(1 << 20))  # a 60 MiB frame, begun
-            raw.settimeout(30)
-            peers.append(raw)
-        started = time.monotonic()
-        for raw in peers:
-            while raw.recv(4096):  # the server's greeting, then its close
-                pass
-        dropped_after = time.monotonic() - started
-        print(f"16 peers that never finished their handshake were dropped after {dropped_after:.1f} s")
-        assert dropped_after < sockets.HANDSHAKE_MS / 1000 + 2
+        before, descriptors = peak_rss_kib(scheduler.pid), len(os.listdir(f"/proc/{scheduler.pid}/fd"))
+        peers = [threading.Thread(target=push) for _ in range(16)]
+        for peer in peers:
+            peer.start()
+        for peer in peers:
+            peer.join(60)
+        grown = (peak_rss_kib(scheduler.pid) - before) / 1024
+        print(f"16 keyless peers pushing 60 MiB frames: the scheduler's peak memory grew {grown:.0f} MiB; "
+              f"{outcomes.count('cut')} cut at once, the others dropped after {max(closed_after, default=0):.1f} s")
+        assert len(outcomes) == 16 and outcomes.count("cut") >= 14
+        assert max(closed_after, default=0) < sockets.HANDSHAKE_MS / 1000 + 2
+        assert wait_until(lambda: len(os.listdir(f"/proc/{scheduler.pid}/fd")) <= descriptors, 5)  # none held
+        assert grown < 2 * 60 + 40  # two let in at a time from one address, not sixteen
+        assert scheduler.poll() is None
     finally:
-        for raw in peers:
-            raw.close()
         scheduler.terminate()
         scheduler.wait(10)
+
+
+def test_the_handshake_budget_cuts_connections_past_two_from_an_address_and_counts_only_unfinished_ones():
+    budget = HandshakeBudget("api", per_address=2, total=8)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        clients = [socket.create_connection(server.getsockname()) for _ in range(4)]
+        accepted = [server.accept()[0] for _ in clients]
+        for connection in accepted:
+            budget.on_event(zmq.EVENT_ACCEPTED, connection.fileno())
+        assert sorted(budget.pending) == sorted(c.fileno() for c in accepted[:2])
+        for client in clients[2:]:  # the two past the budget see the end of their stream
+            client.settimeout(5)
+            assert client.recv(1) == b""
+        budget.on_event(zmq.EVENT_HANDSHAKE_SUCCEEDED, accepted[0].fileno())  # done: no longer counted
+        extra = socket.create_connection(server.getsockname())
+        fifth = server.accept()[0]
+        budget.on_event(zmq.EVENT_ACCEPTED, fifth.fileno())
+        assert fifth.fileno() in budget.pending
+        for each in [*clients, *accepted, extra, fifth]:
+            each.close()
 
 
 def _accepts(port: int) -> bool:

@@ -11,7 +11,8 @@ import uvicorn
 from services.api.app import build_app
 from services.api.engine_client import EngineClient
 from services.api.http_deadlines import with_header_deadline
-from shared.cli import HelpFormatter, add_api_args, add_wire_args, api_keys, exit_at_once, setup_logging
+from shared.cli import (HelpFormatter, add_api_args, add_wire_args, api_keys, exit_at_once,
+                        keep_api_key_off_the_command_line, setup_logging)
 from shared.sampling import MAX_LOGPROBS
 from shared.wire_security import WireSecurityError, keys_for
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
+    keep_api_key_off_the_command_line()
     parser = build_parser()
     args = parser.parse_args()
     if args.enable_auto_tool_choice and not args.tool_call_parser:

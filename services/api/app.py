@@ -21,13 +21,14 @@ from starlette.routing import Route
 from services.api.auth import RequireApiKey
 from services.api.detokenizer import IncrementalDetokenizer
 from services.api.engine_client import EngineClient
-from services.api.utility import utility_routes
 from services.api.errors import ApiError
 from services.api.formats import ChatFormat, Chunk, CompletionFormat
+from services.api.memory_return import ReturnMemoryAfterLargeBodies
 from services.api.metrics import ApiMetrics
 from services.api.requests import GenerationRequest, parse_chat, parse_completion
 from services.api.structured import GrammarCompiler
 from services.api.tools import TOOL_CALL_PARSERS
+from services.api.utility import utility_routes
 from shared.sampling import MAX_LOGPROBS, InvalidParameter
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class OpenAIServer:
         self.max_logprobs = max_logprobs
         self.report_cached_tokens = report_cached_tokens
         self.created = int(time.time())
+        self.longest_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
 
     # --- routes --------------------------------------------------------------------------
 
@@ -167,8 +169,18 @@ class OpenAIServer:
         return b"".join(parts)
 
     async def _tokenize(self, encode, text: str, **kwargs) -> list[int]:
+        self.check_could_fit(text)
         # Off the event loop: a long prompt takes seconds, and the tokenizer releases the GIL.
         return await asyncio.to_thread(encode, text, **kwargs)
+
+    def check_could_fit(self, text: str) -> None:
+        """A text too long for the context whatever its tokens, refused before it is tokenized:
+        tokenizing megabytes takes seconds and, in the tokenizer's buffers, a GB of memory."""
+        info = self.client.info
+        if info is not None and len(text) > 2 * self.longest_token_chars * info.max_model_len:
+            raise ApiError(f"this model's maximum context length is {info.max_model_len} tokens; a text of "
+                           f"{len(text)} characters is longer than any prompt of that many tokens", param="prompt",
+                           code="context_length_exceeded")
 
     # --- generation ----------------------------------------------------------------------
 
@@ -444,7 +456,9 @@ def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
         *utility_routes(server),
     ]
     handlers = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected}
-    middleware = [Middleware(RequireApiKey, api_keys=list(api_keys))] if api_keys else []
+    middleware = [Middleware(ReturnMemoryAfterLargeBodies)]
+    if api_keys:
+        middleware.append(Middleware(RequireApiKey, api_keys=list(api_keys)))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)
     app.state.server = server
     return app

@@ -15,6 +15,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from shared import sockets
 from shared.protocol import (
+    MAX_FRAME_BYTES,
     Abort,
     AddRequest,
     Hello,
@@ -24,6 +25,7 @@ from shared.protocol import (
     RequestOutput,
     RequestOutputs,
     SchedulerInfo,
+    SequenceDelta,
     Unavailable,
     decode,
     encode,
@@ -126,7 +128,14 @@ class EngineClient:
             if self.info is None:  # the scheduler went away after the caller checked
                 queue.put_nowait(RequestOutput(request_id, 0, [], True, "the scheduler is not ready"))
             else:
-                await self._send(AddRequest(request_id, prompt_token_ids, sampling, arrival, cache_salt))
+                frame = encode(AddRequest(request_id, prompt_token_ids, sampling, arrival, cache_salt))
+                if len(frame) > MAX_FRAME_BYTES["AddRequest"]:  # the scheduler would drop it unread
+                    queue.put_nowait(RequestOutput(
+                        request_id, len(prompt_token_ids), [SequenceDelta(0, [], [], [], "rejected")], True,
+                        f"the request takes {len(frame)} bytes on the wire, over the scheduler's limit of "
+                        f"{MAX_FRAME_BYTES['AddRequest']}"))
+                else:
+                    await self.socket.send(frame)
             while not finished:
                 output = await queue.get()
                 finished = output.finished

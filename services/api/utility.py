@@ -61,6 +61,7 @@ def _tokenized(server, body: dict) -> Response:
         special = _flag(body, "add_special_tokens", False)
     else:
         text = body["prompt"]
+    server.check_could_fit(text)
     tokens = server.tokenizer.encode(text, add_special_tokens=special)
     info = server.client.info
     answer = {"count": len(tokens), "max_model_len": info.max_model_len if info else None, "tokens": tokens}

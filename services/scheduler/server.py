@@ -35,11 +35,13 @@ from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy,
 from services.scheduler.speculation import Speculation
 from services.scheduler.stats import Stats
 from services.scheduler.stats_log import StatsLog
-from shared import sockets
+from shared import handshake_budget, sockets
 from shared.config import Endpoints, SchedulerConfig
+from shared.handshake_budget import HandshakeBudget
 from shared.sampling import MAX_SAMPLES
 from shared.wire_security import WireKeys, start_authenticator
 from shared.protocol import (
+    MAX_FRAME_BYTES,
     Abort,
     AddRequest,
     Hello,
@@ -68,14 +70,21 @@ class SchedulerServer:
         self.world_size = world_size
         self.context = zmq.Context()
         self.authenticator = start_authenticator(self.context, keys)  # before any peer can connect
-        self.api_socket = sockets.bind(self.context, zmq.ROUTER, endpoints.scheduler, keys, "api", max_message_bytes)
+        # The api sends nothing larger than an AddRequest, and its socket's limit is also what each
+        # connection still in its handshake may make this process hold.
+        api_frame_limit = min(max_message_bytes, MAX_FRAME_BYTES["AddRequest"] + (64 << 10))
+        self.api_socket = sockets.bind(self.context, zmq.ROUTER, endpoints.scheduler, keys, "api", api_frame_limit)
         self.api_socket.setsockopt(zmq.SNDHWM, config.api_send_queue)
         self.worker_socket = sockets.bind(self.context, zmq.ROUTER, endpoints.workers, keys, "worker",
                                           max_message_bytes)
         # Closed connections show here, named by file descriptor: a rank's (its process died)
         # fails its requests at once; any other peer's changes nothing.
-        self.closed = {self.api_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED): "api",
-                       self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED): "worker"}
+        self.closed = {self.api_socket.get_monitor_socket(handshake_budget.EVENTS): "api",
+                       self.worker_socket.get_monitor_socket(handshake_budget.EVENTS): "worker"}
+        # On tcp://, connections that have not authenticated yet are bounded (shared/handshake_budget.py).
+        self.handshakes = {role: HandshakeBudget(role)
+                           for role, endpoint in (("api", endpoints.scheduler), ("worker", endpoints.workers))
+                           if endpoint.startswith("tcp://")}
         # A StepResult holds per sample a list around its tokens, their logprobs and their alternatives
         # (a list per token); a sequence that verified k proposals has k + 1 tokens.
         k = config.speculative.num_speculative_tokens if config.speculative else 0
@@ -142,7 +151,7 @@ class SchedulerServer:
             elif sock is self.snapshots.requests:
                 self.snapshots.take((self.stats(), self.ready[0].device if self.ready else "cpu"))
             elif sock in self.closed:
-                self.on_connection_closed(recv_monitor_message(sock)["value"], self.closed[sock])
+                self.on_connection_event(recv_monitor_message(sock), self.closed[sock])
             elif sock is self.api_socket:
                 self._drain(sock, self.api_handlers, API_MESSAGE_CONTAINERS)
             else:
@@ -328,12 +337,19 @@ class SchedulerServer:
         for api in list(self.apis):
             self._send_api(api, self.info)
 
+    def on_connection_event(self, event: dict, role: str) -> None:
+        budget = self.handshakes.get(role)
+        if budget is not None:
+            budget.on_event(event["event"], event["value"])
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self.on_connection_closed(event["value"], role)
+
     def on_connection_closed(self, descriptor: int, role: str) -> None:
         if role == "worker" and descriptor in self.rank_connections.values():
             self.on_worker_lost("a worker rank disconnected")
         else:  # libzmq drops the connection of a peer whose frame is over the limit, silently
-            log.info("a connection to the %s socket closed (its peer stopped, failed the handshake, or sent a "
-                     "frame over --max-message-bytes)", role)
+            sockets.peer_log.info("a connection to the %s socket closed (its peer stopped, failed the handshake, "
+                                  "or sent a frame over --max-message-bytes)", role)
 
     def on_worker_lost(self, reason: str, reset: bool = False) -> None:
         """End every request with an error, tell the apis, and wait for the ranks to report again."""
