@@ -70,17 +70,18 @@ def _stream_gaps(server, until: threading.Event, max_tokens: int) -> tuple[threa
     """A greedy stream on a thread, and the gaps between its chunks until `until` is set."""
     gaps: list[float] = []
 
-    def stream():
+    def stream():  # one stream after another, so the gaps cover everything until `until`
         body = {"model": server.model, "prompt": "import os", "max_tokens": max_tokens, "ignore_eos": True,
                 "temperature": 0, "stream": True}
-        last = None
-        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    now = time.monotonic()
-                    if last is not None and not until.is_set():
-                        gaps.append(now - last)
-                    last = now
+        while not until.is_set():
+            last = None
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        now = time.monotonic()
+                        if last is not None and not until.is_set():
+                            gaps.append(now - last)
+                        last = now
 
     streamer = threading.Thread(target=stream)
     streamer.start()
@@ -289,18 +290,21 @@ def test_a_body_of_millions_of_empty_lists_is_refused_before_parsing_and_streams
 def test_large_json_bodies_are_parsed_and_checked_off_the_loop_so_streams_go_on(small_server):
     base = small_server.base_url
     done = threading.Event()
-    streamer, gaps = _stream_gaps(small_server, done, 300)
-    time.sleep(0.5)
     ids = list(range(500)) * 3000  # 1.5 million token ids, 7.2 MB of JSON
     text = "def f(x):\n    return x + 1\n" * 260_000  # 7.0 MB
     bodies = [("/v1/completions", {"model": small_server.model, "prompt": ids, "max_tokens": 1}, 400),
-              ("/detokenize", {"tokens": ids}, 200),
+              ("/detokenize", {"tokens": ids}, 400),  # more than any context: refused, not decoded
+              ("/detokenize", {"tokens": ids[:1000]}, 200),
               ("/tokenize", {"prompt": text}, 400)]  # longer than any prompt that fits: refused untokenized
     api = _children(small_server.process.pid)["api"]
     before = _memory_mib(api, "VmRSS")
+    encoded = [(path, json.dumps(body).encode(), status) for path, body, status in bodies]  # not while streaming
+    streamer, gaps = _stream_gaps(small_server, done, 300)
+    time.sleep(0.5)
     for _ in range(3):
-        for path, body, status in bodies:
-            response = httpx.post(f"{base}{path}", json=body, timeout=120)
+        for path, body, status in encoded:
+            response = httpx.post(f"{base}{path}", content=body, headers={"content-type": "application/json"},
+                                  timeout=120)
             assert response.status_code == status, (path, response.text[:300])
     done.set()
     streamer.join(120)

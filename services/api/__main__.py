@@ -47,6 +47,7 @@ def main() -> None:
         sys.exit(f"api: {exc}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _tokenizers_only()
+    sys.setswitchinterval(0.001)  # the event loop gets the GIL back quickly from threads parsing large bodies
     from transformers import AutoTokenizer  # after the flags, so --help stays quick
 
     try:

@@ -76,6 +76,10 @@ def _detokenized(server, body: dict) -> Response:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < server.vocab_size for t in tokens):
         raise ApiError(f"tokens must be a list of token ids in [0, {server.vocab_size})", param="tokens")
+    info = server.client.info
+    if info is not None and len(tokens) > 2 * info.max_model_len:  # decoding millions holds the GIL for long
+        raise ApiError(f"{len(tokens)} tokens are more than twice this model's context ({info.max_model_len})",
+                       param="tokens")
     return JSONResponse({"prompt": server.tokenizer.decode(tokens)})
 
 
