@@ -156,6 +156,8 @@ def test_a_hung_scheduler_shows_on_health_and_fails_streams_within_its_timeout_t
     scheduler = _children(small_server.process.pid)["scheduler"]
     try:
         error, ended_after = _stop_mid_stream(small_server, "scheduler")
+        print(f"a SIGSTOPped scheduler failed the stream and turned /health 503 after {ended_after:.2f} s "
+              f"(--scheduler-timeout 2)")
         assert ended_after < 2 + 1.5, f"the stream failed {ended_after:.1f} s after the scheduler stopped"
         assert "stopped answering" in error
         assert _health(small_server.base_url) == 503
