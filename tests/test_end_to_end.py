@@ -57,7 +57,12 @@ def test_preempted_and_recomputed_sequences_give_the_same_tokens(llama_dir, tmp_
     # 20 blocks of 4 tokens hold 80 tokens; the 8 requests reach 287 tokens together.
     flags = ["--block-size", "4", "--num-gpu-blocks-override", "20", "--preemption-mode", "recompute"]
     with serve(llama_dir, str(tmp_path), *flags) as server:
-        got = complete_all(server, prompt_ids)
+        # One batch request: all eight arrive at once, however fast the server answers each.
+        body = {"model": server.model, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "return_token_ids": True}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+        response.raise_for_status()
+        got = [c["token_ids"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
         assert wait_until(server.is_idle, 5)
         assert server.metrics()['pagedserve_preemptions_total{mode="recompute"}'] > 0
     assert got == [hf_greedy(llama_dir, p, MAX_TOKENS) for p in prompt_ids]
