@@ -26,9 +26,9 @@ import urllib.request
 
 from shared.cli import (API_KEY_ENV, RUNTIME_DIR_ENV, HelpFormatter, add_api_args, add_scheduler_args,
                         add_worker_args, api_keys, keep_api_key_off_the_command_line)
+from shared.config import SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints, SpeculativeConfig
 
 PR_SET_PDEATHSIG = 1
-from shared.config import SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints, SpeculativeConfig
 
 SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models", "tiny-python")
 

@@ -9,15 +9,14 @@ one cut by bad luck reconnects by itself."""
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 
 import zmq
 
-log = logging.getLogger("pagedserve.peers")  # rate-limited (shared/sockets.py)
+from shared.sockets import peer_log
 
-EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+HANDSHAKE_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 class HandshakeBudget:
@@ -40,8 +39,8 @@ class HandshakeBudget:
             address = peer.getpeername()[0]
             from_address = sum(1 for a in self.pending.values() if a == address)
             if from_address >= self.per_address or len(self.pending) >= self.total:
-                log.warning("cut a connection from %s to the %s socket: %d connections from it and %d in all are "
-                            "still in their handshake", address, self.role, from_address, len(self.pending))
+                peer_log.warning("cut a connection from %s to the %s socket: %d connections from it and %d in all "
+                                 "are still in their handshake", address, self.role, from_address, len(self.pending))
                 peer.shutdown(socket.SHUT_RDWR)  # libzmq sees the end of the stream and drops it
             else:
                 self.pending[descriptor] = address

@@ -49,6 +49,12 @@ def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:
 _handed_out: set[int] = set()
 
 
+def memory_mib(pid: int, field: str = "VmRSS") -> float:
+    """A process's memory from /proc: VmRSS now, VmHWM its peak."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
+
+
 def free_port(span: int = 1) -> int:
     """A port that is free now, with the `span - 1` ports above it, and never handed out before.
 

@@ -18,11 +18,21 @@ import zmq
 
 from services.scheduler.server import SchedulerServer
 from shared import sockets
-from shared.log_limits import RateLimit
 from shared.config import Endpoints, SchedulerConfig
-from shared.protocol import PROTOCOL_VERSION, AddRequest, Hello, Ready, RequestOutputs, SampledTokens, SchedulerInfo, Step, StepResult
+from shared.log_limits import RateLimit
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    AddRequest,
+    Hello,
+    Ready,
+    RequestOutputs,
+    SampledTokens,
+    SchedulerInfo,
+    Step,
+    StepResult,
+)
 from shared.sampling import SamplingParams
-from tests.conftest import serve, wait_until
+from tests.conftest import memory_mib, serve, wait_until
 from tests.scheduler_harness import StandInWorker
 
 
@@ -299,7 +309,7 @@ def test_large_json_bodies_are_parsed_and_checked_off_the_loop_so_streams_go_on(
               ("/detokenize", {"tokens": ids[:1000]}, 200),
               ("/tokenize", {"prompt": text}, 400)]  # longer than any prompt that fits: refused untokenized
     api = _children(small_server.process.pid)["api"]
-    before = _memory_mib(api, "VmRSS")
+    before = memory_mib(api)
     encoded = [(path, json.dumps(body).encode(), status) for path, body, status in bodies]  # not while streaming
     streamer, gaps = _stream_gaps(small_server, done, 300)
     time.sleep(0.5)
@@ -310,16 +320,12 @@ def test_large_json_bodies_are_parsed_and_checked_off_the_loop_so_streams_go_on(
             assert response.status_code == status, (path, response.text[:300])
     done.set()
     streamer.join(120)
-    after, peak = _memory_mib(api, "VmRSS"), _memory_mib(api, "VmHWM")
+    after, peak = memory_mib(api), memory_mib(api, "VmHWM")
     print(f"longest stream gap while 8 MB bodies were parsed: {max(gaps):.3f} s; api memory {before:.0f} MiB "
           f"before, {peak:.0f} at its peak, {after:.0f} after")
     assert gaps and max(gaps) < 0.5, f"the stream stalled for {max(gaps):.2f} s"
     assert after - before < 64  # what nine large bodies took is mostly given back, not kept per request
 
-
-def _memory_mib(pid: int, field: str) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
 
 
 def _closed_within(sock: socket.socket, seconds: float, drip: bytes) -> float | None:

@@ -25,7 +25,7 @@ from shared.protocol import AddRequest, Hello, Ready, SampledTokens, SchedulerIn
 from shared.sampling import SamplingParams
 from shared import wire_security
 from shared.wire_security import load_keys, make_keys
-from tests.conftest import ROOT, free_port, wait_until
+from tests.conftest import ROOT, free_port, memory_mib, wait_until
 from tests.test_resilience import start, wait_healthy
 from tests.tiny_models import hf_greedy
 
@@ -176,11 +176,6 @@ def test_a_keyed_rogue_api_cannot_act_as_a_worker_or_stop_anything_and_a_second_
         assert "refused Ready for rank 0" in log
 
 
-def peak_rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
-
-
 def test_oversized_frames_and_frames_of_empty_containers_are_dropped_within_a_memory_bound(tmp_path, keys_dir):
     """The scheduler alone, a keyed fake worker making it ready; a keyed api sends the frames."""
     limit = 8 << 20
@@ -203,7 +198,7 @@ def test_oversized_frames_and_frames_of_empty_containers_are_dropped_within_a_me
             return api.poll(10_000) and isinstance(sockets.receive(api)[1], SchedulerInfo)
 
         assert scheduler_answers()
-        before = peak_rss_kib(scheduler.pid)
+        before = memory_mib(scheduler.pid, "VmHWM")
         empties = 4_000_000
         frame = msgpack.packb([1, "AddRequest", "r", [[] for _ in range(empties)], [], 0.0])
         assert len(frame) < limit
@@ -213,7 +208,7 @@ def test_oversized_frames_and_frames_of_empty_containers_are_dropped_within_a_me
         attacker.send(b"\x00" * (limit + 1))  # over the limit: the connection is dropped
         assert wait_until(lambda: f"dropped a malformed frame of {len(frame)} bytes" in Path(log_path).read_text(), 60)
         assert scheduler_answers(), "the scheduler stopped answering"
-        growth_bytes = (peak_rss_kib(scheduler.pid) - before) * 1024
+        growth_bytes = (memory_mib(scheduler.pid, "VmHWM") - before) * 2**20
         # Python would build 64 bytes per empty array; decoding stops at the 16th, and what is
         # left is the frame, its copy and the outer array's preallocated slots: 8 bytes per element.
         bound = 12 * len(frame)
@@ -304,13 +299,13 @@ def test_keyless_peers_are_few_at_a_time_and_dropped_within_the_handshake_interv
 
     try:
         assert wait_until(lambda: _accepts(scheduler_port), 30)
-        before, descriptors = peak_rss_kib(scheduler.pid), len(os.listdir(f"/proc/{scheduler.pid}/fd"))
+        before, descriptors = memory_mib(scheduler.pid, "VmHWM"), len(os.listdir(f"/proc/{scheduler.pid}/fd"))
         peers = [threading.Thread(target=push) for _ in range(16)]
         for peer in peers:
             peer.start()
         for peer in peers:
             peer.join(60)
-        grown = (peak_rss_kib(scheduler.pid) - before) / 1024
+        grown = memory_mib(scheduler.pid, "VmHWM") - before
         print(f"16 keyless peers pushing 60 MiB frames: the scheduler's peak memory grew {grown:.0f} MiB; "
               f"{outcomes.count('cut')} cut at once, the others dropped after {max(closed_after, default=0):.1f} s")
         assert len(outcomes) == 16 and outcomes.count("cut") >= 14

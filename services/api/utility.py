@@ -18,11 +18,6 @@ def utility_routes(server) -> list[Route]:
 
     async def tokenize(request: Request) -> Response:
         body = await _object(server, request)
-        if "messages" in body:
-            if not isinstance(body["messages"], list):
-                raise ApiError("messages must be a list of messages", param="messages")
-        elif not isinstance(body.get("prompt"), str):
-            raise ApiError("give a prompt (a string) or messages", param="prompt")
         return await asyncio.to_thread(_tokenized, server, body)  # a long text takes seconds
 
     async def detokenize(request: Request) -> Response:
@@ -53,14 +48,18 @@ def _tokenized(server, body: dict) -> Response:
         server._check_model(body["model"])
     special = _flag(body, "add_special_tokens", True)
     if "messages" in body:
+        if not isinstance(body["messages"], list):
+            raise ApiError("messages must be a list of messages", param="messages")
         try:
             text = server.tokenizer.apply_chat_template(
                 body["messages"], tokenize=False, add_generation_prompt=_flag(body, "add_generation_prompt", True))
         except Exception as exc:  # templates raise whatever their authors chose
             raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
         special = _flag(body, "add_special_tokens", False)
-    else:
+    elif isinstance(body.get("prompt"), str):
         text = body["prompt"]
+    else:
+        raise ApiError("give a prompt (a string) or messages", param="prompt")
     server.check_could_fit(text)
     tokens = server.tokenizer.encode(text, add_special_tokens=special)
     info = server.client.info

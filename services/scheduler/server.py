@@ -35,9 +35,9 @@ from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy,
 from services.scheduler.speculation import Speculation
 from services.scheduler.stats import Stats
 from services.scheduler.stats_log import StatsLog
-from shared import handshake_budget, sockets
+from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
-from shared.handshake_budget import HandshakeBudget
+from shared.handshake_budget import HANDSHAKE_EVENTS, HandshakeBudget
 from shared.sampling import MAX_SAMPLES
 from shared.wire_security import WireKeys, start_authenticator
 from shared.protocol import (
@@ -79,8 +79,8 @@ class SchedulerServer:
                                           max_message_bytes)
         # Closed connections show here, named by file descriptor: a rank's (its process died)
         # fails its requests at once; any other peer's changes nothing.
-        self.closed = {self.api_socket.get_monitor_socket(handshake_budget.EVENTS): "api",
-                       self.worker_socket.get_monitor_socket(handshake_budget.EVENTS): "worker"}
+        self.closed = {self.api_socket.get_monitor_socket(HANDSHAKE_EVENTS): "api",
+                       self.worker_socket.get_monitor_socket(HANDSHAKE_EVENTS): "worker"}
         # On tcp://, connections that have not authenticated yet are bounded (shared/handshake_budget.py).
         self.handshakes = {role: HandshakeBudget(role)
                            for role, endpoint in (("api", endpoints.scheduler), ("worker", endpoints.workers))

@@ -34,13 +34,14 @@ def grammar_tokenizer(tokenizer_dir: str, vocab_size: int, eos_token: int | None
     import llguidance
 
     path = os.path.join(tokenizer_dir, "tokenizer.json")
-    if os.path.isfile(path) and not _tokens_added_elsewhere(tokenizer_dir, path):
+    if os.path.isfile(path):
         import tokenizers
 
         backend = tokenizers.Tokenizer.from_file(path)
-        backend.no_padding()
-        backend.no_truncation()
-        return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token)
+        if not _tokens_added_elsewhere(tokenizer_dir, backend):
+            backend.no_padding()
+            backend.no_truncation()
+            return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token)
     import llguidance.hf
     from transformers import AutoTokenizer
 
@@ -48,14 +49,13 @@ def grammar_tokenizer(tokenizer_dir: str, vocab_size: int, eos_token: int | None
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token)
 
 
-def _tokens_added_elsewhere(tokenizer_dir: str, tokenizer_json: str) -> bool:
+def _tokens_added_elsewhere(tokenizer_dir: str, backend) -> bool:
     config_path = os.path.join(tokenizer_dir, "tokenizer_config.json")
     if not os.path.isfile(config_path):
         return False
     with open(config_path) as f:
         declared = json.load(f).get("added_tokens_decoder") or {}
-    with open(tokenizer_json) as f:
-        present = {token.get("id") for token in json.load(f).get("added_tokens") or []}
+    present = backend.get_added_tokens_decoder()
     return any(int(token_id) not in present for token_id in declared)
 
 
