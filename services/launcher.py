@@ -24,9 +24,10 @@ import tempfile
 import time
 import urllib.request
 
-from shared.cli import (API_KEY_ENV, RUNTIME_DIR_ENV, HelpFormatter, add_api_args, add_scheduler_args,
+from shared.cli import (API_KEY_ENV, ENGINE_ENV, RUNTIME_DIR_ENV, HelpFormatter, add_api_args, add_scheduler_args,
                         add_worker_args, api_keys, keep_api_key_off_the_command_line)
-from shared.config import SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints, SpeculativeConfig
+from shared.config import (ENGINE_PORT_STRIDE, SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints,
+                           SpeculativeConfig)
 
 PR_SET_PDEATHSIG = 1
 
@@ -57,11 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
         add_api_args(command)
         add_scheduler_args(command)
         add_worker_args(command)
+        command.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                             help="engines, each a scheduler with its own workers (and its own tensor-parallel "
+                                  "ranks); the api routes each request to one of them (--routing). An engine that "
+                                  "dies is started again while the others serve")
         command.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
         command.add_argument("--scheduler-metrics-port", type=int, default=SCHEDULER_METRICS_PORT,
-                             help="port of the scheduler's Prometheus /metrics, on --host (0: none)")
+                             help="port of the scheduler's Prometheus /metrics, on --host (0: none); engine i of "
+                                  f"several: this + {ENGINE_PORT_STRIDE} * i")
         command.add_argument("--worker-metrics-port", type=int, default=WORKER_METRICS_PORT,
-                             help="port of the worker's Prometheus /metrics, on --host (0: none)")
+                             help="port of the worker's Prometheus /metrics, on --host (0: none); rank r of "
+                                  f"engine i: this + {ENGINE_PORT_STRIDE} * i + r")
     keys = commands.add_parser("keys", formatter_class=HelpFormatter, help="make CURVE key pairs for the scheduler, the api and the workers")
     keys.add_argument("directory", help="gets one folder per service: scheduler/, api/, worker/")
     keys.add_argument("--force", action="store_true", help="replace keys already there")
@@ -104,22 +111,41 @@ WORKER_FLAGS = ["model", "tokenizer", "device", "dtype", "load_format", "gpu_mem
                 "speculative_config"]
 API_FLAGS = ["model", "tokenizer", "host", "port", "served_model_name", "max_request_body_bytes",
              "enable_auto_tool_choice", "tool_call_parser", "chat_template", "max_logprobs", "disable_log_requests",
-             "trust_remote_code", "scheduler_timeout", "report_cached_tokens", "request_header_timeout",
+             "trust_remote_code", "scheduler_timeout", "routing", "report_cached_tokens", "request_header_timeout",
              "request_body_timeout"]
 
 
-def commands(args: argparse.Namespace, endpoints: Endpoints) -> dict[str, list[str]]:
+def engine_names(args: argparse.Namespace, engine: int) -> tuple[str, str]:
+    """The names the launcher gives an engine's scheduler and worker in what it prints."""
+    if args.data_parallel_size == 1:
+        return "scheduler", "worker"
+    return f"engine {engine}'s scheduler", f"engine {engine}'s worker"
+
+
+def metrics_ports(args: argparse.Namespace, engine: int) -> tuple[int, int]:
+    """Engine i's scheduler metrics port and its worker rank 0's (0: none)."""
+    shift = ENGINE_PORT_STRIDE * engine
+    return (args.scheduler_metrics_port + shift if args.scheduler_metrics_port else 0,
+            args.worker_metrics_port + shift if args.worker_metrics_port else 0)
+
+
+def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
     python = [sys.executable, "-m"]
-    return {
-        "scheduler": python + ["services.scheduler", "--scheduler-endpoint", endpoints.scheduler,
-                               "--worker-endpoint", endpoints.workers, "--world-size", str(args.tensor_parallel_size)]
-        + _flags(args, SCHEDULER_FLAGS)
-        + ["--metrics-host", args.host, "--metrics-port", str(args.scheduler_metrics_port)],
-        "worker": python + ["services.worker", "--worker-endpoint", endpoints.workers]
-        + _flags(args, WORKER_FLAGS) + ["--metrics-host", args.host, "--metrics-port", str(args.worker_metrics_port)],
-        "api": python + ["services.api", "--scheduler-endpoint", endpoints.scheduler]
-        + _flags(args, API_FLAGS),
-    }
+    engines = [Endpoints.local(directory, engine) for engine in range(args.data_parallel_size)]
+    services = {}
+    for engine, endpoints in enumerate(engines):
+        scheduler, worker = engine_names(args, engine)
+        scheduler_port, worker_port = metrics_ports(args, engine)
+        services[scheduler] = (
+            python + ["services.scheduler", "--scheduler-endpoint", endpoints.scheduler,
+                      "--worker-endpoint", endpoints.workers, "--world-size", str(args.tensor_parallel_size)]
+            + _flags(args, SCHEDULER_FLAGS) + ["--metrics-host", args.host, "--metrics-port", str(scheduler_port)])
+        services[worker] = (
+            python + ["services.worker", "--worker-endpoint", endpoints.workers]
+            + _flags(args, WORKER_FLAGS) + ["--metrics-host", args.host, "--metrics-port", str(worker_port)])
+    services["api"] = (python + ["services.api", "--scheduler-endpoint", ",".join(e.scheduler for e in engines)]
+                       + _flags(args, API_FLAGS))
+    return services
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,11 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"pagedserve: {problem}", file=sys.stderr)
         return 2
-    wanted = [("the api", "--port", args.port), ("the scheduler's metrics", "--scheduler-metrics-port",
-                                                  args.scheduler_metrics_port)]
-    if args.worker_metrics_port:  # rank r serves on the port + r
-        wanted += [(f"worker rank {rank}'s metrics", "--worker-metrics-port", args.worker_metrics_port + rank)
-                   for rank in range(args.tensor_parallel_size)]
+    wanted = [("the api", "--port", args.port)]
+    for engine in range(args.data_parallel_size):
+        scheduler, worker = engine_names(args, engine)
+        scheduler_port, worker_port = metrics_ports(args, engine)
+        wanted.append((f"the {scheduler}'s metrics", "--scheduler-metrics-port", scheduler_port))
+        if worker_port:  # rank r serves on the port + r
+            wanted += [(f"{worker} rank {rank}'s metrics", "--worker-metrics-port", worker_port + rank)
+                       for rank in range(args.tensor_parallel_size)]
+    taken = {}
+    for service, flag, port in wanted:
+        if port and port in taken:
+            print(f"pagedserve: {service} and {taken[port]} would both listen on port {port} (choose ports "
+                  f"{ENGINE_PORT_STRIDE} or more apart, or fewer ranks)", file=sys.stderr)
+            return 2
+        taken[port] = service
     for service, flag, port in wanted:
         problem = _port_problem(args.host, port) if port else None
         if problem:  # before any model loads, so a busy port costs no start-up time
@@ -143,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     directory = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700
     try:
-        return _supervise(args, Endpoints.local(directory), directory)
+        return _supervise(args, directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -152,16 +188,25 @@ def _exited(children: dict[str, subprocess.Popen]) -> dict[str, int]:
     return {name: child.returncode for name, child in children.items() if child.poll() is not None}
 
 
-def _supervise(args: argparse.Namespace, endpoints: Endpoints, runtime_dir: str) -> int:
+def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
     keys = api_keys(args)
-    env = {name: dict(os.environ) for name in ("scheduler", "worker", "api")}
-    if keys:
-        env["api"][API_KEY_ENV] = ",".join(keys)
+    env = dict(os.environ)
+    api_env = {**env, API_KEY_ENV: ",".join(keys)} if keys else env
     # Whoever outlives the launcher (SIGKILLed, so its finally never runs) removes the socket directory.
-    env["scheduler"][RUNTIME_DIR_ENV] = runtime_dir
+    scheduler_env = {**env, RUNTIME_DIR_ENV: runtime_dir}
     launcher = os.getpid()
-    children = {name: subprocess.Popen(cmd, env=env[name], preexec_fn=lambda: _die_with(launcher))
-                for name, cmd in commands(args, endpoints).items()}
+    services = commands(args, runtime_dir)
+    schedulers = {engine_names(args, engine)[0] for engine in range(args.data_parallel_size)}
+    engine_of = {name: engine for engine in range(args.data_parallel_size) for name in engine_names(args, engine)}
+
+    def start(name: str) -> subprocess.Popen:
+        service_env = api_env if name == "api" else scheduler_env if name in schedulers else env
+        if name in engine_of and args.data_parallel_size > 1:
+            service_env = {**service_env, ENGINE_ENV: str(engine_of[name])}
+        return subprocess.Popen(services[name], env=service_env, preexec_fn=lambda: _die_with(launcher))
+
+    children = {name: start(name) for name in services}
+    restarts = EngineRestarts(args, children, start)
     stopping = False
     failed = False
 
@@ -179,6 +224,8 @@ def _supervise(args: argparse.Namespace, endpoints: Endpoints, runtime_dir: str)
     ready = False
     while not stopping:
         dead = _exited(children)
+        if dead and restarts.restart(dead):
+            continue
         if dead:
             if not any(dead.values()):  # a clean exit follows another's failure: let the cause show first
                 grace = time.monotonic() + 1.0
@@ -203,6 +250,43 @@ def _supervise(args: argparse.Namespace, endpoints: Endpoints, runtime_dir: str)
     for child in children.values():
         _reap(child)
     return 1 if failed else 0
+
+
+class EngineRestarts:
+    """With several engines, one whose scheduler or worker dies is started again (both of its
+    processes) while the others serve; one that dies more than `LIMIT` times a minute is not."""
+
+    LIMIT = 3
+
+    def __init__(self, args: argparse.Namespace, children: dict[str, subprocess.Popen], start):
+        self.children = children
+        self.start = start
+        self.engines = {engine: engine_names(args, engine) for engine in range(args.data_parallel_size)}
+        self.times: dict[int, list[float]] = {engine: [] for engine in self.engines}
+
+    def restart(self, dead: dict[str, int]) -> bool:
+        """Start the dead processes' engines again; False where that is not the thing to do."""
+        if len(self.engines) == 1 or "api" in dead:
+            return False
+        engines = [engine for engine, names in self.engines.items() if any(name in dead for name in names)]
+        now = time.monotonic()
+        for engine in engines:
+            self.times[engine] = [t for t in self.times[engine] if now - t < 60.0] + [now]
+            if len(self.times[engine]) > self.LIMIT:
+                print(f"pagedserve: engine {engine} died {self.LIMIT + 1} times in a minute", file=sys.stderr)
+                return False
+        for engine in engines:
+            names = self.engines[engine]
+            for name in names:
+                if name in dead:
+                    print(f"pagedserve: {name} exited with code {dead[name]}; restarting engine {engine}",
+                          file=sys.stderr, flush=True)
+                elif self.children[name].poll() is None:
+                    self.children[name].terminate()
+            for name in names:
+                _reap(self.children[name])
+                self.children[name] = self.start(name)
+        return True
 
 
 def _die_with(parent: int) -> None:
@@ -231,6 +315,8 @@ def _startup_problem(args: argparse.Namespace) -> str | None:
             config = json.load(f)
     except (OSError, ValueError) as exc:
         return f"cannot read {args.model}/config.json: {exc}"
+    if args.data_parallel_size < 1:
+        return "--data-parallel-size must be 1 or more"
     heads, size = config.get("num_attention_heads", config.get("n_head")), args.tensor_parallel_size
     if isinstance(heads, int) and heads % size:  # the ranks would find it only after loading
         return f"the number of attention heads ({heads}) is not divisible by the tensor-parallel size ({size})"
@@ -254,10 +340,11 @@ def _port_problem(host: str, port: int) -> str | None:
 
 
 def _healthy(url: str) -> bool:
+    """Every engine serves (a degraded api answers 200 too, with status "degraded")."""
     try:
         with urllib.request.urlopen(url, timeout=1) as response:
-            return response.status == 200
-    except OSError:
+            return response.status == 200 and json.loads(response.read()).get("status") == "ok"
+    except (OSError, ValueError):
         return False
 
 

@@ -17,6 +17,7 @@ from shared.sockets import MAX_MESSAGE_BYTES
 from shared.wire_security import add_wire_security_args
 
 RUNTIME_DIR_ENV = "PAGEDSERVE_RUNTIME_DIR"  # the launcher's socket directory, for the scheduler to remove if orphaned
+ENGINE_ENV = "PAGEDSERVE_ENGINE"  # with several engines, the launcher names each one's processes in their logs
 API_KEY_ENV = "PAGEDSERVE_API_KEY"  # the launcher hands the key to the api this way, not on a command line
 
 
@@ -104,6 +105,10 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                        help="seconds without a word from the scheduler (it answers a heartbeat twice a second) "
                             "before the api counts it as stalled: requests in flight fail, /health answers 503 "
                             "until it answers again")
+    group.add_argument("--routing", choices=["round_robin", "least_load", "prefix"], default="prefix",
+                       help="with several engines, which serves a request: in turn, the least loaded, or the one "
+                            "its prompt's first blocks hash to (where they are cached), unless that one is loaded "
+                            "well above the others")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template, as a file or inline, in place of the tokenizer's")
     group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
@@ -229,6 +234,9 @@ def exit_at_once(code: int = 0) -> None:
 
 
 def setup_logging(name: str) -> None:
+    engine = os.environ.get(ENGINE_ENV)
+    if engine:
+        name = f"{name}@engine{engine}"
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",

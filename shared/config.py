@@ -34,16 +34,19 @@ class Endpoints:
     workers: str
 
     @staticmethod
-    def local(directory: str) -> Endpoints:
-        """Unix sockets in `directory`, which should be private to the user (mode 0700)."""
+    def local(directory: str, engine: int = 0) -> Endpoints:
+        """Unix sockets in `directory`, which should be private to the user (mode 0700); engine i
+        of several (data parallelism) has its own pair."""
+        suffix = f"-{engine}" if engine else ""
         return Endpoints(
-            scheduler=f"ipc://{os.path.join(directory, 'scheduler.sock')}",
-            workers=f"ipc://{os.path.join(directory, 'workers.sock')}",
+            scheduler=f"ipc://{os.path.join(directory, f'scheduler{suffix}.sock')}",
+            workers=f"ipc://{os.path.join(directory, f'workers{suffix}.sock')}",
         )
 
 
 SCHEDULER_METRICS_PORT = 8001  # each service's own /metrics; the api's is on its HTTP port
 WORKER_METRICS_PORT = 8002  # rank r: this + r
+ENGINE_PORT_STRIDE = 10  # engine i of several (data parallelism): both ports + 10 * i
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

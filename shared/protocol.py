@@ -57,7 +57,12 @@ class Ping:
 
 @dataclass(slots=True)
 class Pong:
+    """Also the engine's load, for an api that routes among several engines."""
+
     sent: float  # the Ping's
+    running: int = 0  # requests running or swapped out
+    waiting: int = 0  # requests waiting for their first step
+    kv_usage: float = 0.0  # share of the device's KV blocks in use
 
 
 @dataclass(slots=True)

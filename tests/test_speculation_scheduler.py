@@ -12,9 +12,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.block_manager import chain_key
-from services.scheduler.request import ROOT
 from shared.config import SpeculativeConfig
+from shared.prefix_keys import ROOT, chain_key
 from shared.protocol import AddRequest
 from shared.sampling import SamplingParams
 from tests.scheduler_harness import (

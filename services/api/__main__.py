@@ -10,7 +10,9 @@ import uvicorn
 
 from services.api.app import build_app
 from services.api.engine_client import EngineClient
+from services.api.engine_group import EngineGroup
 from services.api.http_deadlines import with_header_deadline
+from services.api.routing import Router
 from shared.cli import (HelpFormatter, add_api_args, add_wire_args, api_keys, exit_at_once,
                         keep_api_key_off_the_command_line, setup_logging)
 from shared.sampling import MAX_LOGPROBS
@@ -20,7 +22,9 @@ from shared.wire_security import WireSecurityError, keys_for
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.api", formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True, help="model directory (tokenizer and config.json)")
-    parser.add_argument("--scheduler-endpoint", required=True, help="where the scheduler listens, e.g. tcp://scheduler:5555")
+    parser.add_argument("--scheduler-endpoint", required=True, type=_endpoints,
+                        help="where the scheduler listens, e.g. tcp://scheduler:5555; several engines' schedulers "
+                             "comma-separated (data parallelism: each request goes to one, chosen by --routing)")
     add_api_args(parser)
     add_wire_args(parser)
     return parser
@@ -42,7 +46,7 @@ def main() -> None:
         log.info("--trust-remote-code is accepted and changes nothing: pagedserve never runs code from a model "
                  "directory")
     try:
-        keys = keys_for(args, "api", [args.scheduler_endpoint])
+        keys = keys_for(args, "api", args.scheduler_endpoint)
     except WireSecurityError as exc:
         sys.exit(f"api: {exc}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,7 +64,8 @@ def main() -> None:
         log.error("cannot load the tokenizer and config of %s: %s", args.model, exc)
         sys.exit(2)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    client = EngineClient(args.scheduler_endpoint, keys, args.max_message_bytes, args.scheduler_timeout)
+    client = EngineGroup([EngineClient(endpoint, keys, args.max_message_bytes, args.scheduler_timeout)
+                          for endpoint in args.scheduler_endpoint], Router(args.routing))
     app = build_app(client, tokenizer, name, vocab_size,
                     args.max_request_body_bytes, api_keys(args),
                     args.tool_call_parser if args.enable_auto_tool_choice else None, args.max_logprobs,
@@ -69,6 +74,15 @@ def main() -> None:
                             http=with_header_deadline(args.request_header_timeout))
     log.info("listening on http://%s:%d", args.host, args.port)
     OnceStoppedServer(config).run()
+
+
+def _endpoints(value: str) -> list[str]:
+    endpoints = [e.strip() for e in value.split(",") if e.strip()]
+    if not endpoints:
+        raise argparse.ArgumentTypeError("give at least one endpoint")
+    if len(set(endpoints)) < len(endpoints):
+        raise argparse.ArgumentTypeError("an endpoint is given twice")
+    return endpoints
 
 
 def _tokenizers_only() -> None:

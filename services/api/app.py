@@ -21,11 +21,13 @@ from starlette.routing import Route
 from services.api.auth import RequireApiKey
 from services.api.detokenizer import IncrementalDetokenizer
 from services.api.engine_client import EngineClient
+from services.api.engine_group import EngineGroup
 from services.api.errors import ApiError
 from services.api.formats import ChatFormat, Chunk, CompletionFormat
 from services.api.memory_return import ReturnMemoryAfterLargeBodies
 from services.api.metrics import ApiMetrics
 from services.api.requests import GenerationRequest, parse_chat, parse_completion
+from services.api.routing import Router
 from services.api.structured import GrammarCompiler
 from services.api.tools import TOOL_CALL_PARSERS
 from services.api.utility import utility_routes
@@ -44,7 +46,7 @@ PARSE_OFF_LOOP_BYTES = 64 << 10  # parses in about a millisecond; larger ones go
 
 
 class OpenAIServer:
-    def __init__(self, client: EngineClient, tokenizer, model_name: str, vocab_size: int,
+    def __init__(self, client: EngineGroup, tokenizer, model_name: str, vocab_size: int,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
                  max_logprobs: int = MAX_LOGPROBS, report_cached_tokens: bool = True,
                  body_timeout: float = DEFAULT_BODY_TIMEOUT):
@@ -54,7 +56,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.max_body_bytes = max_body_bytes
-        self.metrics = ApiMetrics()
+        self.metrics = ApiMetrics(client)
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
         self.tool_parser = TOOL_CALL_PARSERS[tool_call_parser]() if tool_call_parser else None
         self.max_logprobs = max_logprobs
@@ -134,9 +136,12 @@ class OpenAIServer:
         }
 
     async def health(self, request: Request) -> Response:
-        if self.client.info is None:
-            return JSONResponse({"status": "starting"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        """200 while any engine serves; with several, how many of them do."""
+        up, engines = len(self.client.engines_up), len(self.client.clients)
+        count = {"engines_up": up, "engines": engines} if engines > 1 else {}
+        if not up:
+            return JSONResponse({"status": "starting", **count}, status_code=503)
+        return JSONResponse({"status": "ok" if up == engines else "degraded", **count})
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -425,10 +430,12 @@ def _check_unicode(body: object) -> None:
             stack.extend(value)
 
 
-def build_app(client: EngineClient, tokenizer, model_name: str, vocab_size: int,
+def build_app(client: EngineGroup | EngineClient, tokenizer, model_name: str, vocab_size: int,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_keys: list[str] = (),
               tool_call_parser: str | None = None, max_logprobs: int = MAX_LOGPROBS,
               report_cached_tokens: bool = True, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> Starlette:
+    if isinstance(client, EngineClient):
+        client = EngineGroup([client], Router("round_robin"))
     server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes, tool_call_parser, max_logprobs,
                           report_cached_tokens, body_timeout)
 

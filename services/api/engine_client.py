@@ -43,6 +43,7 @@ STALL_TIMEOUT = 5.0  # seconds without a frame from the scheduler before it coun
 class EngineClient:
     def __init__(self, endpoint: str, keys: WireKeys | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
                  stall_timeout: float = STALL_TIMEOUT):
+        self.endpoint = endpoint
         self.context = zmq.asyncio.Context()
         self.socket = sockets.connect(self.context, zmq.DEALER, endpoint, f"api-{uuid.uuid4().hex[:8]}".encode(),
                                       keys, max_message_bytes)
@@ -54,6 +55,7 @@ class EngineClient:
         self.stall_timeout = stall_timeout
         self.last_heard = time.monotonic()  # the last frame from the scheduler
         self.stalled = False
+        self.load = Pong(0.0)  # the scheduler's last report of its load
         self.handlers = {
             RequestOutputs: self._on_outputs,
             SchedulerInfo: self._on_info,
@@ -82,9 +84,9 @@ class EngineClient:
             event = parse_monitor_message(await events.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 if self._queues:  # with nothing in flight (a clean stop, a restart) nothing failed
-                    log.error("lost the scheduler; failing %d request(s)", len(self._queues))
+                    log.error("lost the scheduler at %s; failing %d request(s)", self.endpoint, len(self._queues))
                 else:
-                    log.info("the scheduler went away; waiting for it")
+                    log.info("the scheduler at %s went away; waiting for it", self.endpoint)
                 self._fail_all("the scheduler went away")
             elif self.info is None:
                 await self._send(Hello(self.socket.getsockopt(zmq.IDENTITY).decode()))
@@ -179,12 +181,16 @@ class EngineClient:
 
     def _on_info(self, message: SchedulerInfo) -> None:
         if self.info is None:
-            log.info("the scheduler is ready: serving")
+            log.info("the scheduler at %s is ready: serving", self.endpoint)
         self.info = message
 
     def _on_pong(self, message: Pong) -> None:
-        pass  # its arrival is the news: `last_heard` moved
+        self.load = message  # its arrival is news too: `last_heard` moved
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queues)
 
     def _on_unavailable(self, message: Unavailable) -> None:
-        log.error("the scheduler lost its workers: %s", message.reason)
+        log.error("the scheduler at %s lost its workers: %s", self.endpoint, message.reason)
         self.info = None

@@ -9,20 +9,9 @@ request's `cache_salt`), and a new sequence starts from every cached block its p
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections.abc import Sequence as Tokens
-
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.request import Request, Sequence
-
-def chain_key(parent: bytes, tokens: Tokens[int]) -> bytes:
-    """A full block's prefix-cache key: SHA-256 over its parent's key and its token ids.
-
-    A cryptographic chain, so that no crafted prompt can take the key of another prompt's prefix
-    (Python's hash() of integers can be collided at will); the pool still compares the block's
-    own tokens on a hit."""
-    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+from shared.prefix_keys import chain_key
 
 
 class BlockManager:

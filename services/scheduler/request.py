@@ -8,9 +8,9 @@ prompt's KV blocks.
 from __future__ import annotations
 
 import enum
-import hashlib
 import time
 
+from shared.prefix_keys import salted_root
 from shared.sampling import SamplingParams
 
 
@@ -69,14 +69,6 @@ class Sequence:
         self.num_tokens_known_to_worker = 0
         self.first_unsynced_block = 0
         self.block_hashes.clear()
-
-
-ROOT = b""  # the parent key of a first block in the prefix cache, for requests without a salt
-
-
-def salted_root(cache_salt: str) -> bytes:
-    """The prefix-cache chain's root for a salt: requests of different salts share no block."""
-    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest() if cache_salt else ROOT
 
 
 class Request:

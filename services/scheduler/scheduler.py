@@ -490,6 +490,11 @@ class Scheduler:
                                          result.forward_ms + result.sample_ms + worker_wait_ms)
         return applied.outputs
 
+    def load(self) -> tuple[int, int, float]:
+        """Requests running (or swapped out), requests waiting, and the share of device blocks in use."""
+        gpu = self.block_manager.gpu
+        return len(self.running) + len(self.swapped), len(self.waiting), gpu.num_referenced / max(gpu.num_blocks, 1)
+
     def stats(self) -> Stats:
         gpu, cpu = self.block_manager.gpu, self.block_manager.cpu
         holding, reserved = self._slot_use()

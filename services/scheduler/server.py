@@ -249,7 +249,8 @@ class SchedulerServer:
             self._send_api(sender, self.info)
 
     def on_ping(self, sender: bytes, message: Ping) -> None:
-        self._send_api(sender, Pong(message.sent))
+        load = self.scheduler.load() if self.scheduler is not None else (0, 0, 0.0)
+        self._send_api(sender, Pong(message.sent, *load))
 
     def on_add_request(self, sender: bytes, message: AddRequest) -> None:
         self._know_api(sender)

@@ -1,0 +1,35 @@
+"""The prefix cache's keys: a SHA-256 chain over a prompt's full blocks, rooted in its salt.
+
+The scheduler keys its cached blocks with them; the api routes by the same chain, so that
+requests that would share cached blocks go to the engine that holds them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+ROOT = b""  # the parent key of a first block, for requests without a salt
+
+
+def salted_root(cache_salt: str) -> bytes:
+    """The chain's root for a salt: requests of different salts share no block."""
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest() if cache_salt else ROOT
+
+
+def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """A full block's key: SHA-256 over its parent's key and its token ids.
+
+    A cryptographic chain, so that no crafted prompt can take the key of another prompt's prefix
+    (Python's hash() of integers can be collided at will); the pool still compares the block's
+    own tokens on a hit."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def prefix_key(token_ids: Sequence[int], block_size: int, max_blocks: int, cache_salt: str = "") -> bytes:
+    """The key of the prompt's first `max_blocks` full blocks (fewer if it has fewer)."""
+    key = salted_root(cache_salt)
+    for index in range(min(max_blocks, len(token_ids) // block_size)):
+        key = chain_key(key, token_ids[index * block_size:(index + 1) * block_size])
+    return key
