@@ -75,6 +75,21 @@ def shared_prefix(count: int, shots: int = 1, seed: int = 0, max_model_len: int 
     return jobs
 
 
+def system_prompts(count: int = 16, length_range: tuple[int, int] = (400, 800), seed: int = 0,
+                   vocab_size: int = 4096) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [_tokens(rng, rng.randint(*length_range), vocab_size) for _ in range(count)]
+
+
+def tenants(count: int, prefixes: list[list[int]], suffix_range: tuple[int, int] = (16, 48), output_len: int = 16,
+            seed: int = 0, vocab_size: int = 4096) -> list[Job]:
+    """Multi-tenant traffic: system prompts (`system_prompts`), each shared by many requests
+    (chosen uniformly), each request with a short suffix of its own."""
+    rng = random.Random(seed)
+    return [Job(rng.choice(prefixes) + _tokens(rng, rng.randint(*suffix_range), vocab_size), output_len)
+            for _ in range(count)]
+
+
 def parallel_samples(count: int, n: int = 2, seed: int = 0, max_model_len: int = 1024,
                      vocab_size: int = 4096) -> list[Job]:
     jobs = alpaca(count, seed, max_model_len, vocab_size)

@@ -11,6 +11,8 @@ from array import array
 from collections.abc import Sequence
 
 ROOT = b""  # the parent key of a first block, for requests without a salt
+ROUTING_BLOCKS = 8  # the blocks of a prompt that key its routing: 128 tokens at the default block size
+ROUTING_KEY_BYTES = 8  # as engines report the routing keys their caches hold
 
 
 def salted_root(cache_salt: str) -> bytes:
@@ -33,3 +35,11 @@ def prefix_key(token_ids: Sequence[int], block_size: int, max_blocks: int, cache
     for index in range(min(max_blocks, len(token_ids) // block_size)):
         key = chain_key(key, token_ids[index * block_size:(index + 1) * block_size])
     return key
+
+
+def routing_key(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> bytes | None:
+    """The prefix-cache key of the prompt's first `ROUTING_BLOCKS` full blocks (fewer if it has
+    fewer); None for a prompt shorter than a block, which shares nothing."""
+    if len(token_ids) < block_size:
+        return None
+    return prefix_key(token_ids, block_size, ROUTING_BLOCKS, cache_salt)

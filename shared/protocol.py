@@ -63,6 +63,7 @@ class Pong:
     running: int = 0  # requests running or swapped out
     waiting: int = 0  # requests waiting for their first step
     kv_usage: float = 0.0  # share of the device's KV blocks in use
+    cached_prefixes: list[bytes] = field(default_factory=list)  # routing keys its prefix cache holds, cut short
 
 
 @dataclass(slots=True)
@@ -293,7 +294,7 @@ class _ContainerBudget:
 # The largest frame an honest peer ever sends of each type, checked before anything is decoded
 # (the socket's frame limit bounds the rest: Step, StepResult and RequestOutputs grow with the batch).
 MAX_FRAME_BYTES: dict[str, int] = {
-    "Hello": 4 << 10, "Ping": 256, "Pong": 256, "Shutdown": 256, "Reset": 256, "Unavailable": 64 << 10,
+    "Hello": 4 << 10, "Ping": 256, "Pong": 16 << 10, "Shutdown": 256, "Reset": 256, "Unavailable": 64 << 10,
     "SchedulerInfo": 64 << 10, "Ready": 1 << 20, "Abort": 1 << 20,
     "AddRequest": 16 << 20,  # a prompt of a million tokens, and an 8 MiB request body's grammar
 }

@@ -110,3 +110,20 @@ def test_peer_bench_interleaves_pagedserve_with_and_without_speculation_on_the_c
     assert plain["code_c1"]["completed"] == speculating["code_c1"]["completed"] == 2
     assert speculating["code_c1"]["acceptance_length"] >= 1.0 and "acceptance_length" not in plain["code_c1"]
     assert "| code_c1 | output_throughput |" in done.stdout and "pagedserve+spec / pagedserve" in done.stdout
+
+
+def test_dp_bench_compares_routing_policies_on_two_engines(tmp_path):
+    out = tmp_path / "dp.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "dp_bench.py"), "--repeats", "1", "--num-prompts", "16",
+         "--prefixes", "4", "--policies", "round_robin,prefix", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads(out.read_text())
+    for policy in ("round_robin", "prefix"):
+        [run] = record["runs"][policy]
+        assert run["completed"] == 16 and run["failed"] == 0
+        assert 0 < run["prefix_cache_hit_rate"] < 1 and sum(run["requests_by_engine"]) == 16
+    assert len(record["prefix_over_round_robin"]["hit_rate"]) == 1
+    assert "prefix / round_robin, per repeat" in done.stdout

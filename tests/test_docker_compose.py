@@ -110,3 +110,51 @@ def test_the_readme_docker_commands_as_written_serve_a_stream_prometheus_scrapes
         print("docker compose timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
     assert down.returncode == 0, down.stderr[-2000:]
     assert timings["ctrl-c"] < 30, timings
+
+
+def scraped_engines(prometheus: str) -> dict[tuple[str, str], str]:
+    try:
+        result = httpx.get(f"{prometheus}/api/v1/query", params={"query": "up"}, timeout=5).json()["data"]["result"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return {}
+    return {(series["metric"]["job"], series["metric"].get("engine", "")): series["value"][1] for series in result}
+
+
+def test_two_engines_under_compose_answer_and_prometheus_scrapes_each():
+    """compose.two-engines.yaml over compose.yaml: the api routes to both engines (after the test
+    above, the images are built and only start)."""
+    project = f"pagedservedp{os.getpid()}"
+    port, prometheus_port = free_port(), free_port()
+    env = dict(os.environ, COMPOSE_PROJECT_NAME=project, PORT=str(port), PROMETHEUS_PORT=str(prometheus_port))
+    env.pop("COMPOSE_PROFILES", None)
+    files = ["-f", "compose.yaml", "-f", "compose.two-engines.yaml"]
+    prepared = subprocess.run(["bash", "ops/docker/prepare-engine.sh"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=900)
+    assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
+    try:
+        up = compose(project, env, *files, "up", "-d", "--build")
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        base = f"http://127.0.0.1:{port}"
+
+        def health() -> dict:
+            try:
+                return httpx.get(f"{base}/health", timeout=2).json()
+            except (httpx.HTTPError, ValueError):
+                return {}
+
+        assert wait_until(lambda: health().get("status") == "ok", 300, 1), health()
+        assert health() == {"status": "ok", "engines_up": 2, "engines": 2}
+        prompts = [f"def handler_{i}(request):\n" * 20 for i in range(8)]  # distinct first blocks: both engines
+        body = {"model": "tiny-python", "prompt": prompts, "max_tokens": 8}
+        response = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200 and len(response.json()["choices"]) == 8
+        routed = {line.split()[0]: float(line.split()[1]) for line in httpx.get(f"{base}/metrics").text.splitlines()
+                  if line.startswith("pagedserve_engine_routed_requests_total")}
+        assert len(routed) == 2 and all(count >= 1 for count in routed.values()), routed
+        prometheus = f"http://127.0.0.1:{prometheus_port}"
+        wanted = {("api", ""): "1", ("scheduler", "0"): "1", ("scheduler", "1"): "1", ("worker", "0"): "1",
+                  ("worker", "1"): "1"}
+        assert wait_until(lambda: scraped_engines(prometheus) == wanted, 60, 1), scraped_engines(prometheus)
+    finally:
+        down = compose(project, env, *files, "down", "-v", "--remove-orphans", timeout=120)
+    assert down.returncode == 0, down.stderr[-2000:]

@@ -77,9 +77,33 @@ def test_compose_needs_no_registry_for_the_serving_stack_and_prometheus():
     assert "profiles" not in services["prometheus"] and "build" in services["prometheus"]
     for name in ("scheduler", "worker-cpu", "api"):
         assert services[name]["healthcheck"]["test"][0] == "CMD"
-    with open(os.path.join(ROOT, "ops", "prometheus.yml")) as f:
-        scraped = {job["job_name"]: job["static_configs"][0]["targets"] for job in yaml.safe_load(f)["scrape_configs"]}
-    assert scraped == {"api": ["api:8000"], "scheduler": ["scheduler:8001"], "worker": ["worker:8002"]}
+    assert scrape_targets("prometheus.yml") == {"api": {"api:8000": None}, "scheduler": {"scheduler:8001": "0"},
+                                                "worker": {"worker:8002": "0"}}
+
+
+def scrape_targets(config: str) -> dict[str, dict[str, str | None]]:
+    """Each job's targets, with the engine label each carries."""
+    with open(os.path.join(ROOT, "ops", config)) as f:
+        jobs = yaml.safe_load(f)["scrape_configs"]
+    return {job["job_name"]: {target: group.get("labels", {}).get("engine") for group in job["static_configs"]
+                              for target in group["targets"]} for job in jobs}
+
+
+def test_the_two_engine_compose_file_adds_an_engine_like_the_first_that_the_api_and_prometheus_both_find():
+    with open(os.path.join(ROOT, "compose.yaml")) as f:
+        base = yaml.safe_load(f)["services"]
+    with open(os.path.join(ROOT, "compose.two-engines.yaml")) as f:
+        extra = yaml.safe_load(f)["services"]
+    for first, second in (("scheduler", "scheduler-1"), ("worker-cpu", "worker-1-cpu"), ("worker-gpu", "worker-1-gpu")):
+        # the same command but for the scheduler's host name, the same keys
+        assert extra[second]["command"].replace("scheduler-1:", "scheduler:") == base[first]["command"]
+        assert extra[second]["volumes"] == base[first]["volumes"]
+        assert extra[second].get("profiles") == base[first].get("profiles")
+    assert "--scheduler-endpoint tcp://scheduler:5555,tcp://scheduler-1:5555" in " ".join(extra["api"]["command"].split())
+    assert extra["prometheus"]["volumes"] == ["./ops/prometheus.two-engines.yml:/etc/prometheus/prometheus.yml:ro"]
+    assert scrape_targets("prometheus.two-engines.yml") == {
+        "api": {"api:8000": None}, "scheduler": {"scheduler:8001": "0", "scheduler-1:8001": "1"},
+        "worker": {"worker:8002": "0", "worker-1:8002": "1"}}
 
 
 def test_compose_hands_one_speculative_config_to_the_scheduler_and_every_worker():

@@ -5,8 +5,8 @@ import random
 import pytest
 
 from services.api.engine_group import EngineGroup
-from services.api.routing import PREFIX_BLOCKS, EngineLoad, Router
-from shared.prefix_keys import prefix_key
+from services.api.routing import EngineLoad, Router
+from shared.prefix_keys import ROUTING_BLOCKS, ROUTING_KEY_BYTES, prefix_key, routing_key
 from shared.protocol import Pong, SchedulerInfo
 
 BLOCK = 16
@@ -21,27 +21,66 @@ def prompt(seed: int, length: int = 300) -> list[int]:
     return random.Random(seed).choices(range(1000), k=length)
 
 
+def short_key(tokens: list[int], salt: str = "") -> bytes:
+    return routing_key(tokens, BLOCK, salt)[:ROUTING_KEY_BYTES]
+
+
+def holding(tokens: list[int], *holders: int, names=NAMES) -> list[EngineLoad]:
+    """Idle engines, of which `holders` report the prompt's prefix cached."""
+    loads = idle(names)
+    for index in holders:
+        loads[index].cached_prefixes = frozenset({short_key(tokens)})
+    return loads
+
+
 def test_requests_sharing_their_first_blocks_go_to_the_same_engine_whatever_follows():
-    router, system = Router("prefix"), prompt(1, PREFIX_BLOCKS * BLOCK)
+    router, system = Router("prefix"), prompt(1, ROUTING_BLOCKS * BLOCK)
     chosen = {router.choose(idle(), system + prompt(suffix, 40), BLOCK) for suffix in range(20)}
-    assert len(chosen) == 1
+    assert len(chosen) == 1  # remembered by this api until the engine's report shows it
 
 
-def test_different_prefixes_spread_over_the_engines():
+def test_a_request_goes_to_the_engine_that_reports_its_prefix_cached():
+    tokens = prompt(2)
+    for holder in range(len(NAMES)):
+        loads = holding(tokens, holder)
+        for other in set(range(len(NAMES))) - {holder}:
+            loads[other].in_flight = 0
+        loads[holder].in_flight = 3  # busier than the others, within the bound
+        assert Router("prefix").choose(loads, tokens, BLOCK) == holder
+
+
+def test_new_prefixes_go_to_the_least_loaded_engine():
+    loads = idle()
+    loads[0].in_flight, loads[1].in_flight, loads[2].in_flight = 3, 1, 2
+    assert Router("prefix").choose(loads, prompt(3), BLOCK) == 1
+
+
+def test_a_prefix_that_two_engines_hold_goes_to_the_less_loaded_of_them():
+    tokens = prompt(4)
+    loads = holding(tokens, 0, 2)
+    loads[0].in_flight, loads[1].in_flight, loads[2].in_flight = 3, 0, 1
+    assert Router("prefix").choose(loads, tokens, BLOCK) == 2
+
+
+def test_new_prefixes_on_idle_engines_spread_over_them():
     router = Router("prefix")
     counts = [0] * len(NAMES)
     for seed in range(300):
         counts[router.choose(idle(), prompt(seed), BLOCK)] += 1
-    assert min(counts) > 60  # about 100 each
+    assert min(counts) > 60  # about 100 each, by the rendezvous order of their keys
 
 
-def test_api_replicas_agree_without_talking_and_the_order_of_the_engines_does_not_matter():
+def test_api_replicas_that_see_the_same_reports_agree_and_the_order_of_the_engines_does_not_matter():
     first, second = Router("prefix"), Router("prefix")
     shuffled = list(reversed(NAMES))
     for seed in range(50):
         tokens = prompt(seed)
-        assert first.choose(idle(), tokens, BLOCK) == second.choose(idle(), tokens, BLOCK)
-        assert NAMES[first.choose(idle(), tokens, BLOCK)] == shuffled[second.choose(idle(shuffled), tokens, BLOCK)]
+        holder = seed % len(NAMES)
+        reports = holding(tokens, holder)
+        assert first.choose(reports, tokens, BLOCK) == second.choose(holding(tokens, holder), tokens, BLOCK) == holder
+        fresh = prompt(1000 + seed)  # held nowhere: the rendezvous order decides
+        assert NAMES[Router("prefix").choose(idle(), fresh, BLOCK)] == \
+            shuffled[Router("prefix").choose(idle(shuffled), fresh, BLOCK)]
 
 
 def test_an_engine_that_goes_away_moves_only_the_prefixes_it_held():
@@ -49,33 +88,35 @@ def test_an_engine_that_goes_away_moves_only_the_prefixes_it_held():
     for seed in range(200):
         tokens = prompt(seed)
         before = NAMES[router.choose(idle(), tokens, BLOCK)]
-        after = NAMES[1:][router.choose(idle(NAMES[1:]), tokens, BLOCK)]
+        after = NAMES[1:][Router("prefix").choose(idle(NAMES[1:]), tokens, BLOCK)]
         if before != NAMES[0]:
             assert after == before
 
 
 def test_a_salt_is_part_of_the_key():
     tokens = prompt(7)
-    assert prefix_key(tokens, BLOCK, PREFIX_BLOCKS, "tenant-a") != prefix_key(tokens, BLOCK, PREFIX_BLOCKS)
+    assert prefix_key(tokens, BLOCK, ROUTING_BLOCKS, "tenant-a") != prefix_key(tokens, BLOCK, ROUTING_BLOCKS)
+    loads = holding(tokens, 1)
+    loads[1].in_flight = 1
+    assert Router("prefix").choose(loads, tokens, BLOCK) == 1
+    assert Router("prefix").choose(loads, tokens, BLOCK, "tenant-a") != 1  # another tenant's cache is not its
 
 
 def test_an_engine_loaded_well_above_the_mean_takes_no_more_of_its_prefix():
     router, tokens = Router("prefix", load_bound=1.5, load_slack=4), prompt(3)
-    home = router.choose(idle(), tokens, BLOCK)
-    loads = idle()
-    loads[home].in_flight = 10  # the others idle: the bound is 1.5 * 11 / 3 + 4 = 9.5
-    overflow = router.choose(loads, tokens, BLOCK)
-    assert overflow != home
-    loads[home].in_flight = 5  # the bound is 1.5 * 6 / 3 + 4 = 7
-    assert router.choose(loads, tokens, BLOCK) == home
+    loads = holding(tokens, 0)
+    loads[0].in_flight = 10  # the others idle: the bound is 1.5 * 11 / 3 + 4 = 9.5
+    assert router.choose(loads, tokens, BLOCK) != 0
+    loads = holding(tokens, 0)
+    loads[0].in_flight = 5  # the bound is 1.5 * 6 / 3 + 4 = 7
+    assert Router("prefix").choose(loads, tokens, BLOCK) == 0
 
 
 def test_an_engine_whose_kv_cache_is_full_with_requests_waiting_is_passed_over():
-    router, tokens = Router("prefix"), prompt(4)
-    home = router.choose(idle(), tokens, BLOCK)
-    loads = idle()
-    loads[home].waiting, loads[home].kv_usage = 1, 0.99
-    assert router.choose(loads, tokens, BLOCK) != home
+    tokens = prompt(4)
+    loads = holding(tokens, 0)
+    loads[0].waiting, loads[0].kv_usage = 1, 0.99
+    assert Router("prefix").choose(loads, tokens, BLOCK) != 0
 
 
 def test_the_load_an_engine_reports_counts_where_it_exceeds_this_apis_own():
@@ -109,7 +150,7 @@ def test_an_unknown_policy_is_refused():
 
 class FakeClient:
     def __init__(self, endpoint: str, up: bool, in_flight: int = 0):
-        self.endpoint, self.in_flight, self.load = endpoint, in_flight, Pong(0.0)
+        self.endpoint, self.in_flight, self.load, self.cached_prefixes = endpoint, in_flight, Pong(0.0), frozenset()
         self.info = SchedulerInfo(BLOCK, 100, 1024, 2048, [0]) if up else None
 
 

@@ -56,6 +56,7 @@ class EngineClient:
         self.last_heard = time.monotonic()  # the last frame from the scheduler
         self.stalled = False
         self.load = Pong(0.0)  # the scheduler's last report of its load
+        self.cached_prefixes: frozenset[bytes] = frozenset()  # and of the prefixes its cache holds
         self.handlers = {
             RequestOutputs: self._on_outputs,
             SchedulerInfo: self._on_info,
@@ -186,6 +187,7 @@ class EngineClient:
 
     def _on_pong(self, message: Pong) -> None:
         self.load = message  # its arrival is news too: `last_heard` moved
+        self.cached_prefixes = frozenset(message.cached_prefixes)
 
     @property
     def in_flight(self) -> int:

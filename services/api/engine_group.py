@@ -41,8 +41,8 @@ class EngineGroup:
         up = self.engines_up
         if not up:
             return 0
-        loads = [EngineLoad(self.clients[i].endpoint, self.clients[i].in_flight, self.clients[i].load.running,
-                            self.clients[i].load.waiting, self.clients[i].load.kv_usage) for i in up]
+        loads = [EngineLoad(c.endpoint, c.in_flight, c.load.running, c.load.waiting, c.load.kv_usage,
+                            c.cached_prefixes) for c in (self.clients[i] for i in up)]
         info = self.clients[up[0]].info
         return up[self.router.choose(loads, prompt_token_ids, info.block_size, cache_salt)]
 

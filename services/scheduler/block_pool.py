@@ -124,6 +124,10 @@ class BlockPool:
             return None  # a miss, or a hash collision: never return wrong KV
         return block
 
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether a block of this key is cached (in use or evictable)."""
+        return block_hash in self._by_hash
+
     def is_evictable(self, block: int) -> bool:
         return block in self._evictable
 

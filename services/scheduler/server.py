@@ -28,6 +28,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.cached_prefixes import CachedPrefixes
 from services.scheduler.metrics import SchedulerMetrics, Snapshots
 from services.scheduler.reservation import Reservation
 from services.scheduler.results import error_output
@@ -97,6 +98,7 @@ class SchedulerServer:
         self.workers: dict[int, bytes] = {}
         self.ready: list[Ready] = []
         self.scheduler: Scheduler | None = None
+        self.cached_prefixes: CachedPrefixes | None = None  # with the scheduler
         self.info: SchedulerInfo | None = None
         self.apis: set[bytes] = set()
         self.owner_of: dict[str, bytes] = {}
@@ -249,8 +251,10 @@ class SchedulerServer:
             self._send_api(sender, self.info)
 
     def on_ping(self, sender: bytes, message: Ping) -> None:
-        load = self.scheduler.load() if self.scheduler is not None else (0, 0, 0.0)
-        self._send_api(sender, Pong(message.sent, *load))
+        if self.scheduler is None:
+            self._send_api(sender, Pong(message.sent))
+        else:
+            self._send_api(sender, Pong(message.sent, *self.scheduler.load(), self.cached_prefixes.report()))
 
     def on_add_request(self, sender: bytes, message: AddRequest) -> None:
         self._know_api(sender)
@@ -263,6 +267,7 @@ class SchedulerServer:
             self._send_outputs(sender, [error])
         else:
             self.owner_of[message.request_id] = sender
+            self.cached_prefixes.note(message.prompt_token_ids, message.cache_salt)
 
     def on_abort(self, sender: bytes, message: Abort) -> None:
         self._know_api(sender)
@@ -332,6 +337,7 @@ class SchedulerServer:
         speculation = Speculation(speculative, max_model_len) if speculative is not None else None
         self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids, preemption, first.vocab_size,
                                    Reservation(config.kv_reservation), speculation)
+        self.cached_prefixes = CachedPrefixes(block_manager.gpu, config.block_size)
         self.info = SchedulerInfo(config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids,
                                   config.max_num_seqs)
         log.info("scheduling with %d device KV blocks, context %d tokens", num_blocks, max_model_len)
