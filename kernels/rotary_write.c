@@ -10,8 +10,10 @@
 
 #pragma GCC optimize("fp-contract=off")
 
-static inline void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin,
-                          float *restrict out, int64_t head_dim)
+/* x and out may be one row (queries rotate in place), so neither is restrict: the rotation goes
+ * through a local buffer, and out is written only after x is read whole. */
+static inline void rotate(const float *x, const float *restrict cos, const float *restrict sin, float *out,
+                          int64_t head_dim)
 {
     const int64_t half = head_dim / 2;
     float rotated[512];

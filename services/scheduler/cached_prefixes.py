@@ -22,8 +22,10 @@ class CachedPrefixes:
 
     def note(self, token_ids: Sequence[int], cache_salt: str) -> None:
         """A request arrived: its prefix will be cached once its prompt is computed."""
+        if not self.pool.enable_caching:
+            return
         key = routing_key(token_ids, self.block_size, cache_salt)
-        if key is None or not self.pool.enable_caching:
+        if key is None:
             return
         self.latest[key] = None
         self.latest.move_to_end(key)
