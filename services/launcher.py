@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     for engine in range(args.data_parallel_size):
         scheduler, worker = engine_names(args, engine)
         scheduler_port, worker_port = metrics_ports(args, engine)
-        wanted.append((f"the {scheduler}'s metrics", "--scheduler-metrics-port", scheduler_port))
+        the = "the " if args.data_parallel_size == 1 else ""
+        wanted.append((f"{the}{scheduler}'s metrics", "--scheduler-metrics-port", scheduler_port))
         if worker_port:  # rank r serves on the port + r
             wanted += [(f"{worker} rank {rank}'s metrics", "--worker-metrics-port", worker_port + rank)
                        for rank in range(args.tensor_parallel_size)]

@@ -123,3 +123,39 @@ def test_startup_failures_are_one_line_and_a_non_zero_exit(tmp_path, llama_dir, 
                            "--device", device], cwd=ROOT, capture_output=True, text=True, timeout=60)
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and expected in lines[0]
+
+
+def test_engines_whose_metrics_ports_would_collide_are_refused_before_anything_starts(llama_dir):
+    base = free_port(span=12)
+    # engine 0's worker is given base + 10, which engine 1's scheduler takes too
+    done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--device", "cpu",
+                           "--data-parallel-size", "2", "--port", str(free_port()),
+                           "--scheduler-metrics-port", str(base), "--worker-metrics-port", str(base + 10)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    [line] = (done.stdout + done.stderr).strip().splitlines()
+    assert f"would both listen on port {base + 10}" in line and "engine 1's scheduler" in line
+
+
+def test_with_several_engines_each_gets_its_own_sockets_and_metrics_ports():
+    from services.launcher import commands, parse_args
+
+    args = parse_args(["up", "--data-parallel-size", "2", "--scheduler-metrics-port", "9001",
+                       "--worker-metrics-port", "9002", "-tp", "2"])
+    services = commands(args, "/run/x")
+    assert set(services) == {"engine 0's scheduler", "engine 0's worker", "engine 1's scheduler",
+                             "engine 1's worker", "api"}
+
+    def flag(service: str, name: str) -> str:
+        command = services[service]
+        return command[command.index(name) + 1]
+
+    assert flag("engine 0's scheduler", "--metrics-port") == "9001"
+    assert flag("engine 1's scheduler", "--metrics-port") == "9011"
+    assert flag("engine 1's worker", "--metrics-port") == "9012"  # its ranks: 9012 and 9013
+    assert flag("engine 0's worker", "--worker-endpoint") == flag("engine 0's scheduler", "--worker-endpoint")
+    assert flag("engine 1's worker", "--worker-endpoint") == flag("engine 1's scheduler", "--worker-endpoint")
+    assert flag("engine 0's worker", "--worker-endpoint") != flag("engine 1's worker", "--worker-endpoint")
+    assert flag("api", "--scheduler-endpoint") == ",".join(
+        flag(f"engine {i}'s scheduler", "--scheduler-endpoint") for i in range(2))
+    assert flag("api", "--routing") == "prefix"
