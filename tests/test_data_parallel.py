@@ -28,6 +28,8 @@ def two_engines(llama_dir, tmp_path_factory):
     flags = ["--data-parallel-size", str(ENGINES), "--enable-prefix-caching",
              "--scheduler-metrics-port", str(port), "--worker-metrics-port", str(port + 1)]
     with serve(llama_dir, str(tmp_path_factory.mktemp("dp")), *flags) as server:
+        # serve() returns once /health answers 200, which it does while either engine serves
+        assert wait_until(lambda: httpx.get(f"{server.base_url}/health").json()["status"] == "ok", 60)
         server.scheduler_metrics = [f"http://127.0.0.1:{port + 10 * engine}/metrics" for engine in range(ENGINES)]
         yield server
 
