@@ -124,3 +124,7 @@ void paged_attention_f32(
     }
 #undef ATTEND
 }
+
+/* The argument types of paged_attention_f32, as kernels/native.py checks them before any call: p a pointer,
+ * i an int64_t, f a float; after the colon the result (v: none). */
+const char *paged_attention_f32_signature(void) { return "pipppippiiiiiifipp:v"; }

@@ -52,7 +52,7 @@ def paged_attention_cpu(query, key_cache, value_cache, batch: PagedBatch, scale:
 def native_kernel():
     p, i = native.POINTER, native.INT64
     return native.function("cpu_attention", "paged_attention_f32",
-                           [p, i, p, p, p, i, p, p, i, i, i, i, i, i, native.FLOAT, i, p, p])
+                           [p, i, p, p, p, i, p, p, i, i, i, i, i, i, native.FLOAT, i, p, p], None)
 
 
 def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

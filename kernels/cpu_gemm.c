@@ -106,3 +106,7 @@ int64_t gemm_f32(const float *x, int64_t x_stride, const float *panels, const fl
 }
 
 #endif
+
+/* The argument types of gemm_f32, as kernels/native.py checks them before any call: p a pointer,
+ * i an int64_t, f a float; after the colon the result (v: none). */
+const char *gemm_f32_signature(void) { return "pipppiiiiii:i"; }

@@ -102,3 +102,7 @@ int64_t linear_f32(const float *x, int64_t x_stride, const float *w, const float
 }
 
 #endif
+
+/* The argument types of linear_f32, as kernels/native.py checks them before any call: p a pointer,
+ * i an int64_t, f a float; after the colon the result (v: none). */
+const char *linear_f32_signature(void) { return "pipppiiii:i"; }

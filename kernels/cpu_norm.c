@@ -28,3 +28,7 @@ int64_t rms_norm_f32(const float *x, float *residual, const float *weight, float
     }
     return 0;
 }
+
+/* The argument types of rms_norm_f32, as kernels/native.py checks them before any call: p a pointer,
+ * i an int64_t, f a float; after the colon the result (v: none). */
+const char *rms_norm_f32_signature(void) { return "pppfpiii:i"; }

@@ -1,8 +1,12 @@
-"""Build a C kernel of this package with the machine's C compiler, once, and load it with ctypes.
+"""The C kernels of this package, loaded with ctypes.
 
-The library is compiled for this CPU (`-march=native`) into a private cache directory, named by
-a digest of the source, the flags, the compiler and the CPU, so a changed source or a different
-machine gets a fresh build. Without a compiler, `load` returns None and callers use torch.
+An installed package carries them prebuilt (`kernels/prebuilt/`, made by setup.py when the wheel
+is built) for each instruction set in `VARIANTS`, and the CPU's flags choose one at run time, so
+an image built on one host runs on another and needs no compiler. A source tree, or a kernel
+with no variant for this CPU, is compiled for this CPU (`-march=native`) on first use into a
+private cache directory, named by a digest of the source, the flags, the compiler and the CPU,
+so a changed source or a different machine gets a fresh build. With neither, `load` returns
+None and callers use torch.
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ FLAG_SETS = (  # the vector math library where glibc has one; plain -lm elsewher
     ["-O3", "-ffast-math", "-fPIC"],
 )
 LIBRARIES = (["-lmvec", "-lm"], ["-lm"])
+PREBUILT = SOURCES / "prebuilt"
+# Prebuilt variants, best first, with the CPU flags each needs. The portable cpu_gemm and
+# cpu_linear hold no vector code: they decline every call, and torch does the work.
+VARIANTS = {
+    "x86-64-v3": (["-O3", "-march=x86-64-v3", "-ffast-math", "-fopenmp-simd", "-fPIC"], {"avx2", "fma"}),
+    "portable": (["-O3", "-ffast-math", "-fPIC"], set()),
+}
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
@@ -37,13 +48,27 @@ def load(name: str) -> ctypes.CDLL | None:
 
 
 def function(name: str, symbol: str, argument_types: list, result_type=None):
-    """A typed ctypes function of the compiled `kernels/<name>.c`, or None where it cannot be built."""
+    """A typed ctypes function of the compiled `kernels/<name>.c`, or None where it cannot be built
+    or where its C signature (`<symbol>_signature`) differs from these types: a call with the wrong
+    types would corrupt memory, so the kernel is left to torch."""
     library = load(name)
     if library is None:
+        return None
+    wanted = signature(argument_types, result_type)
+    described = getattr(library, f"{symbol}_signature")
+    described.restype = ctypes.c_char_p
+    if described().decode() != wanted:
+        log.error("%s.c's %s takes %s, where its caller passes %s: it runs in torch", name, symbol,
+                  described().decode(), wanted)
         return None
     kernel = getattr(library, symbol)
     kernel.argtypes, kernel.restype = argument_types, result_type
     return kernel
+
+
+def signature(argument_types: list, result_type=None) -> str:
+    codes = {ctypes.c_void_p: "p", ctypes.c_int64: "i", ctypes.c_float: "f", None: "v"}
+    return "".join(codes[t] for t in argument_types) + ":" + codes[result_type]
 
 
 POINTER, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -64,6 +89,9 @@ def run_parts(run: Callable[[int], object], parts: int) -> list:
 
 
 def _build_and_load(name: str) -> ctypes.CDLL | None:
+    library = _prebuilt(name)
+    if library is not None:
+        return library
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler found: %s runs in torch, which is slower", name)
@@ -90,6 +118,41 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
             shutil.rmtree(scratch, ignore_errors=True)
     log.warning("could not compile %s: it runs in torch, which is slower", source.name)
     return None
+
+
+def _prebuilt(name: str) -> ctypes.CDLL | None:
+    """The best prebuilt variant of `name` that this CPU runs, if the package carries one."""
+    flags = cpu_flags()
+    for variant, (_, needs) in VARIANTS.items():
+        path = PREBUILT / f"{name}-{variant}.so"
+        if needs <= flags and path.exists():
+            try:
+                return ctypes.CDLL(str(path))
+            except OSError as exc:
+                log.warning("could not load %s: %s", path, exc)
+    return None
+
+
+def build_prebuilt(target: Path, compiler: str) -> list[Path]:
+    """Every kernel in every variant the compiler can make, into `target` (for setup.py)."""
+    target.mkdir(parents=True, exist_ok=True)
+    built = []
+    for source in sorted(SOURCES.glob("*.c")):
+        for variant, (flags, _) in VARIANTS.items():
+            for libraries in LIBRARIES:
+                path = target / f"{source.stem}-{variant}.so"
+                if _compile(compiler, source, flags, libraries, path):
+                    built.append(path)
+                    break
+    return built
+
+
+def cpu_flags() -> set[str]:
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
 
 
 def _compile(compiler: str, source: Path, flags: list[str], libraries: list[str], target: Path) -> bool:

@@ -57,3 +57,7 @@ int64_t rotate_and_write_f32(
     }
     return 0;
 }
+
+/* The argument types of rotate_and_write_f32, as kernels/native.py checks them before any call: p a pointer,
+ * i an int64_t, f a float; after the colon the result (v: none). */
+const char *rotate_and_write_f32_signature(void) { return "pipipipppiiiipp:i"; }

@@ -13,6 +13,9 @@ import sys
 import textwrap
 import tomllib
 import zipfile
+from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -42,22 +45,62 @@ def test_a_plain_install_serves_with_torch_and_without_triton_plots_or_test_tool
     assert set(project["optional-dependencies"]) == {"cuda", "test", "bench"}
 
 
-def test_the_wheel_carries_the_c_kernels_and_the_shipped_model(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel `pip wheel` builds from a copy of the tree's packaged parts."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     source = tmp_path / "source"
     for part in ("services", "shared", "kernels", "ops/models"):
-        shutil.copytree(os.path.join(ROOT, part), source / part, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+        shutil.copytree(os.path.join(ROOT, part), source / part,
+                        ignore=shutil.ignore_patterns("__pycache__", "prebuilt"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), source / name)
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=300)
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stdout + built.stderr
-    [wheel] = (tmp_path / "dist").glob("pagedserve-*.whl")
+    [built_wheel] = (tmp_path / "dist").glob("pagedserve-*.whl")
+    return built_wheel
+
+
+def test_the_wheel_carries_the_c_kernels_prebuilt_and_the_shipped_model(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    kernels = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "kernels", "*.c"))}
-    assert {f"kernels/{k}" for k in kernels} <= names
+    kernels = {os.path.basename(p)[:-2] for p in glob.glob(os.path.join(ROOT, "kernels", "*.c"))}
+    assert {f"kernels/{k}.c" for k in kernels} <= names
+    assert {f"kernels/prebuilt/{k}-x86-64-v3.so" for k in kernels} <= names  # this CI machine is x86-64
+    assert {"kernels/prebuilt/cpu_norm-portable.so", "kernels/prebuilt/cpu_attention-portable.so"} <= names
+    assert "-linux_x86_64" in wheel.name  # a platform wheel: it holds compiled code
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         assert f"ops/models/tiny-python/{name}" in names
     assert not any(n.startswith("tests/") or n.startswith("benchmarks/") for n in names)
+
+
+def test_the_installed_package_runs_its_prebuilt_kernels_with_no_compiler_on_path(wheel, tmp_path):
+    target, cache = tmp_path / "site", tmp_path / "cache"
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                                str(wheel)], capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    script = textwrap.dedent("""
+        import shutil, torch
+        from kernels import native
+        from kernels.cpu_norm import rms_norm
+        assert shutil.which("cc") is None and shutil.which("gcc") is None
+        loaded = {name: native.load(name)._name for name in ("cpu_norm", "cpu_gemm", "cpu_attention", "rotary_write")}
+        x, weight = torch.randn(5, 64), torch.randn(64)
+        assert torch.allclose(rms_norm(x, weight, 1e-5), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight,
+                              atol=1e-5)
+        print(sorted(loaded.values()))
+    """)
+    libraries = [p for p in sys.path if p and os.path.abspath(p) != ROOT]  # torch and the rest, not this tree
+    env = {"PATH": "/nonexistent", "PYTHONPATH": os.pathsep.join([str(target), *libraries]),
+           "XDG_CACHE_HOME": str(cache), "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    loaded = done.stdout.strip().splitlines()[-1]
+    libraries = re.findall(r"'([^']+)'", loaded)
+    assert len(libraries) == 4 and all(path.startswith(str(target / "kernels" / "prebuilt")) and path.endswith("-x86-64-v3.so")
+               for path in libraries), libraries
+    assert not any(cache.rglob("*.so"))  # nothing compiled
 
 
 def test_the_worker_gives_hf_greedy_tokens_with_triton_and_matplotlib_not_installed(tmp_path):
