@@ -5,9 +5,8 @@ import pytest
 
 from services.scheduler.server import API_MESSAGE_CONTAINERS
 from shared import protocol
+from shared.frame_limits import DECODED_BYTES_PER_FRAME_BYTE, MAX_FRAME_BYTES
 from shared.protocol import (
-    DECODED_BYTES_PER_FRAME_BYTE,
-    MAX_FRAME_BYTES,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Abort,

@@ -14,8 +14,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shared import sockets
+from shared.frame_limits import MAX_FRAME_BYTES
 from shared.protocol import (
-    MAX_FRAME_BYTES,
     Abort,
     AddRequest,
     Hello,

@@ -38,11 +38,11 @@ from services.scheduler.stats import Stats
 from services.scheduler.stats_log import StatsLog
 from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
+from shared.frame_limits import MAX_FRAME_BYTES
 from shared.handshake_budget import HANDSHAKE_EVENTS, HandshakeBudget
 from shared.sampling import MAX_SAMPLES
 from shared.wire_security import WireKeys, start_authenticator
 from shared.protocol import (
-    MAX_FRAME_BYTES,
     Abort,
     AddRequest,
     Hello,
