@@ -82,6 +82,8 @@ def test_requests_sharing_a_prefix_go_to_the_engine_that_caches_it(two_engines, 
 def test_the_launcher_starts_a_dead_engine_again_while_the_other_serves(two_engines):
     scheduler = engine_process(two_engines.process.pid, "services.scheduler", "scheduler-1.sock")
     os.kill(scheduler, signal.SIGKILL)
+    # the api learns of the loss from its socket, a moment later; a request sent before that would be engine 1's
+    wait_until(lambda: two_engines.metrics("api")['pagedserve_engine_up{engine="1"}'] == 0, 5, 0.05)
     body = {"model": two_engines.model, "prompt": "import os", "max_tokens": 4, "temperature": 0}
     meanwhile = httpx.post(f"{two_engines.base_url}/v1/completions", json=body, timeout=60)
     assert meanwhile.status_code == 200  # engine 0 took it
