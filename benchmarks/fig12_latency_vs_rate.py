@@ -2,7 +2,8 @@
 reservation baselines (Orca Max, Pow2, Oracle), on ShareGPT-like and Alpaca-like traces.
 
 Every system is the same server with the same model, kernels and KV budget (`--num-blocks`); only
-`--kv-reservation` differs. For each system and rate the same seeded trace arrives as a Poisson
+`--kv-reservation` differs. `paged_int8` is pagedserve with `--kv-cache-dtype int8` in the same
+bytes: `--num-blocks` float blocks' worth of int8 blocks. For each system and rate the same seeded trace arrives as a Poisson
 process. A system's sustained rate is where its normalized latency crosses `--slo` times the
 paged server's lowest-rate normalized latency (interpolated between measured rates). Prints a
 table, writes benchmarks/results/fig12_<workload><tag>.json and docs/fig12_<workload><tag>.png.
@@ -24,7 +25,8 @@ from benchmarks.paper_harness import (ROOT, budget_flags, commit, machine, paged
 from benchmarks.workloads import WORKLOADS, describe  # noqa: E402
 
 POLICIES = ("paged", "oracle", "pow2", "max")
-LABELS = {"paged": "pagedserve", "oracle": "Orca (Oracle)", "pow2": "Orca (Pow2)", "max": "Orca (Max)"}
+LABELS = {"paged": "pagedserve", "oracle": "Orca (Oracle)", "pow2": "Orca (Pow2)", "max": "Orca (Max)",
+          "paged_int8": "pagedserve int8"}
 
 
 def sustained_rate(points: list[tuple[float, float]], limit: float) -> float:
@@ -39,6 +41,15 @@ def sustained_rate(points: list[tuple[float, float]], limit: float) -> float:
             return r0 + (rate - r0) * (limit - l0) / (latency - l0)
         previous = (rate, latency)
     return points[-1][0] if points else 0.0
+
+
+def int8_blocks_in_the_same_bytes(args) -> int:
+    """int8 rows take head_dim + 4 bytes where the model's dtype takes head_dim times its size."""
+    with open(Path(args.model or ROOT / "ops" / "models" / "tiny-python") / "config.json") as f:
+        config = json.load(f)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    element = 2 if "--device cuda" in args.server_args else 4  # half precision on a GPU, float32 on a CPU
+    return args.num_blocks * head_dim * element // (head_dim + 4)
 
 
 def main() -> None:
@@ -87,8 +98,14 @@ def main() -> None:
         return payload
 
     def server(policy: str):
-        flags = ["--kv-reservation", policy, *budget_flags(args), *args.server_args.split()]
-        return pagedserve(*flags, model=args.model)
+        if policy == "paged_int8":
+            blocks = int8_blocks_in_the_same_bytes(args)
+            print(f"{LABELS[policy]}: {blocks} int8 blocks in the bytes of {args.num_blocks}", flush=True)
+            flags = ["--kv-reservation", "paged", "--kv-cache-dtype", "int8",
+                     *budget_flags(argparse.Namespace(**{**vars(args), "num_blocks": blocks}))]
+        else:
+            flags = ["--kv-reservation", policy, *budget_flags(args)]
+        return pagedserve(*flags, *args.server_args.split(), model=args.model)
 
     if args.interleave:
         with ExitStack() as stack:

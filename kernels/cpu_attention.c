@@ -16,24 +16,36 @@
 
 /* The cached row of position p (every KV head's keys or values), and in *stop the end of the run of
  * positions up to `end` that share p's block: a caller walks the table block by block, with one
- * division per block rather than one per position. */
-static inline const float *block_run(const float *cache, const int32_t *table, int64_t p, int64_t end,
-                                     int64_t block_size, int64_t token_stride, int64_t *stop)
+ * division per block rather than one per position. token_bytes: the bytes of one position's row. */
+static inline const char *block_run(const char *cache, const int32_t *table, int64_t p, int64_t end,
+                                    int64_t block_size, int64_t token_bytes, int64_t *stop)
 {
     const int64_t offset = p % block_size;
     *stop = p - offset + block_size < end ? p - offset + block_size : end;
-    return cache + ((int64_t)table[p / block_size] * block_size + offset) * token_stride;
+    return cache + ((int64_t)table[p / block_size] * block_size + offset) * token_bytes;
+}
+
+/* One KV head's keys (or values) at `row`: a float32 row, or with `quantized` head_dim int8 values
+ * followed by their float32 scale (kernels/kv_quant.py). Returns the scale (1 for float32). */
+static inline float head_scale(const char *row, int64_t head_dim, int quantized)
+{
+    float scale = 1.f;
+    if (quantized)
+        memcpy(&scale, row + head_dim, sizeof scale);
+    return scale;
 }
 
 static inline __attribute__((always_inline)) void attend_range(
-    const float *restrict query, int64_t query_stride, const float *restrict key_cache, const float *restrict value_cache,
+    const float *restrict query, int64_t query_stride, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict block_tables, int64_t table_stride, const int32_t *restrict query_start,
     const int32_t *restrict context_lens, int64_t first_seq, int64_t last_seq, int64_t num_heads,
     int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale, int64_t window,
-    float *restrict scores, float *restrict out)
+    float *restrict scores, float *restrict out, const int quantized)
 {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * head_dim; /* floats per cached token: every KV head's row */
+    /* bytes of one KV head's row, and of a cached token: every KV head's row */
+    const int64_t head_bytes = quantized ? head_dim + (int64_t)sizeof(float) : head_dim * (int64_t)sizeof(float);
+    const int64_t token_bytes = num_kv_heads * head_bytes;
     int64_t low[QUERY_BLOCK], high[QUERY_BLOCK];          /* each query's visible positions, inclusive */
     for (int64_t s = first_seq; s < last_seq; s++) {
         const int32_t *table = block_tables + s * table_stride;
@@ -50,19 +62,27 @@ static inline __attribute__((always_inline)) void attend_range(
              * KV head is served in the same walk over the positions, so each cached token row (all its
              * heads, consecutive) is read once from memory, however long the context. */
             for (int64_t p = lowest, end = lowest + n, stop; p < end;) {
-                const float *row = block_run(key_cache, table, p, end, block_size, token_stride, &stop);
-                for (; p < stop; p++, row += token_stride) {
+                const char *row = block_run(key_cache, table, p, end, block_size, token_bytes, &stop);
+                for (; p < stop; p++, row += token_bytes) {
                     const int64_t t = p - lowest;
                     for (int64_t b = 0; b < block; b++) {
                         if (p < low[b] || p > high[b])
                             continue;
                         const float *q = query + (first + i0 + b) * query_stride;
                         for (int64_t head = 0; head < num_heads; head++) {
-                            const float *k = row + (head / group) * head_dim, *qh = q + head * head_dim;
+                            const char *k = row + (head / group) * head_bytes;
+                            const float *qh = q + head * head_dim;
                             float dot = 0.f;
-                            for (int64_t d = 0; d < head_dim; d++)
-                                dot += qh[d] * k[d];
-                            scores[(b * num_heads + head) * n + t] = dot * scale;
+                            if (quantized) {
+                                const int8_t *kq = (const int8_t *)k;
+                                for (int64_t d = 0; d < head_dim; d++)
+                                    dot += qh[d] * (float)kq[d];
+                            } else {
+                                const float *kf = (const float *)k;
+                                for (int64_t d = 0; d < head_dim; d++)
+                                    dot += qh[d] * kf[d];
+                            }
+                            scores[(b * num_heads + head) * n + t] = dot * head_scale(k, head_dim, quantized) * scale;
                         }
                     }
                 }
@@ -85,19 +105,26 @@ static inline __attribute__((always_inline)) void attend_range(
                 }
             memset(out + (first + i0) * num_heads * head_dim, 0, block * num_heads * head_dim * sizeof(float));
             for (int64_t p = lowest, end = lowest + n, stop; p < end;) {
-                const float *row = block_run(value_cache, table, p, end, block_size, token_stride, &stop);
-                for (; p < stop; p++, row += token_stride) {
+                const char *row = block_run(value_cache, table, p, end, block_size, token_bytes, &stop);
+                for (; p < stop; p++, row += token_bytes) {
                     const int64_t t = p - lowest;
                     for (int64_t b = 0; b < block; b++) {
                         if (p < low[b] || p > high[b])
                             continue;
                         float *o = out + (first + i0 + b) * num_heads * head_dim;
                         for (int64_t head = 0; head < num_heads; head++) {
-                            const float weight = scores[(b * num_heads + head) * n + t];
-                            const float *v = row + (head / group) * head_dim;
+                            const char *v = row + (head / group) * head_bytes;
+                            const float weight = scores[(b * num_heads + head) * n + t] * head_scale(v, head_dim, quantized);
                             float *oh = o + head * head_dim;
-                            for (int64_t d = 0; d < head_dim; d++)
-                                oh[d] += weight * v[d];
+                            if (quantized) {
+                                const int8_t *vq = (const int8_t *)v;
+                                for (int64_t d = 0; d < head_dim; d++)
+                                    oh[d] += weight * (float)vq[d];
+                            } else {
+                                const float *vf = (const float *)v;
+                                for (int64_t d = 0; d < head_dim; d++)
+                                    oh[d] += weight * vf[d];
+                            }
                         }
                     }
                 }
@@ -106,25 +133,41 @@ static inline __attribute__((always_inline)) void attend_range(
     }
 }
 
-/* scores: scratch of QUERY_BLOCK * num_heads * max(context_lens) floats. */
+/* scores: scratch of QUERY_BLOCK * num_heads * max(context_lens) floats. A constant head_dim lets the
+ * compiler unroll the inner loops into whole vectors; a constant `quantized` drops the other type's. */
+#define ATTEND_SPECIALIZED(QUANTIZED)                                                                   \
+    switch (head_dim) {                                                                                 \
+    case 64: ATTEND(64, QUANTIZED); break;                                                              \
+    case 128: ATTEND(128, QUANTIZED); break;                                                            \
+    default: ATTEND(head_dim, QUANTIZED);                                                               \
+    }
+#define ATTEND(DIM, QUANTIZED)                                                                          \
+    attend_range(query, query_stride, (const char *)key_cache, (const char *)value_cache, block_tables,  \
+                 table_stride, query_start, context_lens, first_seq, last_seq, num_heads, num_kv_heads,  \
+                 DIM, block_size, scale, window, scores, out, QUANTIZED)
+
 void paged_attention_f32(
     const float *query, int64_t query_stride, const float *key_cache, const float *value_cache, const int32_t *block_tables,
     int64_t table_stride, const int32_t *query_start, const int32_t *context_lens, int64_t first_seq,
     int64_t last_seq, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
     float scale, int64_t window, float *scores, float *out)
 {
-#define ATTEND(DIM)                                                                                   \
-    attend_range(query, query_stride, key_cache, value_cache, block_tables, table_stride, query_start, context_lens, \
-                 first_seq, last_seq, num_heads, num_kv_heads, DIM, block_size, scale, window, scores, out)
-    /* A constant head_dim lets the compiler unroll the inner loops into whole vectors. */
-    switch (head_dim) {
-    case 64: ATTEND(64); break;
-    case 128: ATTEND(128); break;
-    default: ATTEND(head_dim);
-    }
-#undef ATTEND
+    ATTEND_SPECIALIZED(0)
 }
 
-/* The argument types of paged_attention_f32, as kernels/native.py checks them before any call: p a pointer,
- * i an int64_t, f a float; after the colon the result (v: none). */
+/* The same over an int8 cache: each KV head's row is head_dim int8 values and their float32 scale. */
+void paged_attention_i8(
+    const float *query, int64_t query_stride, const int8_t *key_cache, const int8_t *value_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *query_start, const int32_t *context_lens,
+    int64_t first_seq, int64_t last_seq, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, int64_t window, float *scores, float *out)
+{
+    ATTEND_SPECIALIZED(1)
+}
+#undef ATTEND
+#undef ATTEND_SPECIALIZED
+
+/* The argument types of paged_attention_f32 and paged_attention_i8, as kernels/native.py checks them
+ * before any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
 const char *paged_attention_f32_signature(void) { return "pipppippiiiiiifipp:v"; }
+const char *paged_attention_i8_signature(void) { return "pipppippiiiiiifipp:v"; }

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kernels import native
 from kernels.batch import PagedBatch
+from kernels.kv_quant import SCALE_BYTES
 
 
 class Workspace:
@@ -43,20 +44,28 @@ QUERY_BLOCK = 8  # queries of a sequence the compiled kernel serves together (cp
 
 def paged_attention_cpu(query, key_cache, value_cache, batch: PagedBatch, scale: float,
                         window: int | None = None) -> torch.Tensor:
-    if native_kernel() is not None and native_accepts(query, key_cache, value_cache):
+    if native_accepts(query, key_cache, value_cache):
         return paged_attention_native(query, key_cache, value_cache, batch, scale, window)
     return paged_attention_torch(query, key_cache, value_cache, batch, scale, window)
 
 
 @functools.cache
-def native_kernel():
+def native_kernel(symbol: str = "paged_attention_f32"):
+    """The C kernel over a float32 cache, or with "paged_attention_i8" over an int8 one."""
     p, i = native.POINTER, native.INT64
-    return native.function("cpu_attention", "paged_attention_f32",
-                           [p, i, p, p, p, i, p, p, i, i, i, i, i, i, native.FLOAT, i, p, p], None)
+    return native.function("cpu_attention", symbol, [p, i, p, p, p, i, p, p, i, i, i, i, i, i, native.FLOAT, i, p, p],
+                           None)
+
+
+def _symbol(key_cache: torch.Tensor) -> str:
+    return "paged_attention_i8" if key_cache.dtype == torch.int8 else "paged_attention_f32"
 
 
 def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    return (query.device.type == "cpu" and query.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+    row = query.shape[2] + (SCALE_BYTES if key_cache.dtype == torch.int8 else 0)  # int8: each row ends in its scale
+    return (query.device.type == "cpu" and query.dtype == torch.float32
+            and key_cache.dtype == value_cache.dtype and key_cache.dtype in (torch.float32, torch.int8)
+            and key_cache.shape[3] == row and native_kernel(_symbol(key_cache)) is not None
             and query.stride(2) == 1 and query.stride(1) == query.shape[2]  # each token's heads one row
             and key_cache.is_contiguous() and value_cache.is_contiguous()
             and query.shape[1] % key_cache.shape[2] == 0)
@@ -64,14 +73,14 @@ def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 
 def paged_attention_native(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], float32
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], float32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], float32 (or int8, head_dim + 4)
     value_cache: torch.Tensor,
     batch: PagedBatch,
     scale: float,
     window: int | None = None,
     workspace: Workspace = _workspace,
 ) -> torch.Tensor:
-    kernel = native_kernel()
+    kernel = native_kernel(_symbol(key_cache))
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     derived = batch.derived.get("native")

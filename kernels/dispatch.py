@@ -13,10 +13,10 @@ import os
 
 import torch
 
-from kernels import block_copy, kv_write, rotary
+from kernels import block_copy, kv_quant, kv_write, rotary
 from kernels import paged_attention as attention
 from kernels.batch import PagedBatch
-from kernels.cpu_attention import paged_attention_cpu, paged_attention_torch
+from kernels.cpu_attention import native_accepts, paged_attention_cpu, paged_attention_torch
 
 
 def _mode() -> str:
@@ -38,6 +38,10 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 def paged_attention(query, key_cache, value_cache, batch: PagedBatch, scale: float, window: int | None = None):
+    if kv_quant.is_quantized(key_cache) and not (_mode() == "auto" and not use_triton(query)
+                                                 and native_accepts(query, key_cache, value_cache)):
+        # the C kernel reads int8 rows itself; the others get the blocks in use, dequantized
+        key_cache, value_cache, batch = kv_quant.compact(key_cache, value_cache, batch, query.dtype)
     if use_triton(query):
         return attention.paged_attention_triton(query, key_cache, value_cache, batch, scale, window)
     mode = _mode()
@@ -56,7 +60,9 @@ def rotate_and_write_kv(query, key, value, cos, sin, key_cache, value_cache, slo
 
 
 def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
-    if use_triton(key):
+    if kv_quant.is_quantized(key_cache):
+        key, value = kv_quant.quantize(key), kv_quant.quantize(value)
+    if use_triton(key_cache):
         kv_write.write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
     elif _mode() == "reference":
         kv_write.write_kv_reference(key, value, key_cache, value_cache, slot_mapping)

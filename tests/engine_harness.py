@@ -29,10 +29,11 @@ _ids = itertools.count()
 class Engine:
     def __init__(self, model_dir: str, block_size=16, num_gpu_blocks=256, num_cpu_blocks=256,
                  preemption="recompute", prefix_caching=False, chunked_prefill=False,
-                 max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None):
+                 max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None,
+                 kv_cache_dtype: str = "auto"):
         model, config = load_model(model_dir, "float32", torch.device("cpu"))
         self.cache = KVCache(config.num_hidden_layers, num_gpu_blocks, block_size, model.num_kv_heads,
-                             model.head_dim, torch.float32, torch.device("cpu"), num_cpu_blocks)
+                             model.head_dim, torch.float32, torch.device("cpu"), num_cpu_blocks, kv_cache_dtype)
         drafter = None
         if speculative is not None and speculative.method == "draft_model":
             draft, draft_config = load_model(speculative.model, "float32", torch.device("cpu"))
@@ -44,7 +45,7 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, torch.device("cpu"), seed=0, eos_token_ids=eos_ids,
                                   drafter=drafter, grammars=grammars)
         block_bytes = bytes_per_block(config.num_hidden_layers, block_size, model.num_kv_heads,
-                                      model.head_dim, torch.float32)
+                                      model.head_dim, torch.float32, kv_cache_dtype)
         policy = PreemptionPolicy(preemption, block_bytes, self.cache.measure_swap_bandwidth(),
                                   self.runner.measure_prefill_rate())
         manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark=0.0,

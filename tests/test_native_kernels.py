@@ -10,8 +10,9 @@ from kernels import cpu_attention, cpu_linear, cpu_norm, native, rotary
 pytestmark = pytest.mark.skipif(native.load("cpu_norm") is None, reason="no C compiler here")
 
 
-@pytest.mark.parametrize("getter", [cpu_attention.native_kernel, cpu_linear.native_kernel, cpu_linear.gemm_kernel,
-                                    cpu_norm.native_kernel, rotary.native_kernel])
+@pytest.mark.parametrize("getter", [cpu_attention.native_kernel, lambda: cpu_attention.native_kernel("paged_attention_i8"),
+                                    cpu_linear.native_kernel, cpu_linear.gemm_kernel, cpu_norm.native_kernel,
+                                    rotary.native_kernel])
 def test_every_kernel_loads_with_the_signature_its_c_file_states(getter):
     assert getter() is not None
 

@@ -12,13 +12,15 @@ import time
 import torch
 
 from kernels import dispatch
+from kernels.kv_quant import cache_layout
 
 GIB = 1 << 30
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype,
+                    kv_cache_dtype: str = "auto") -> int:
+    storage, width = cache_layout(head_dim, dtype, kv_cache_dtype)
+    return 2 * num_layers * block_size * num_kv_heads * width * torch.empty((), dtype=storage).element_size()
 
 
 def num_blocks_that_fit(
@@ -41,11 +43,12 @@ class KVCache:
     layer's view is what attention reads), and the swap space of the same layout on the host."""
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, kv_cache_dtype: str = "auto"):
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self.device = torch.device(device)
+        dtype, head_dim = cache_layout(head_dim, dtype, kv_cache_dtype)  # int8: each row carries its scale
         self.cache = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
                                  dtype=dtype, device=self.device)
         self.layers = list(self.cache.unbind(0))

@@ -70,7 +70,8 @@ class WorkerServer:
         if speculative is not None and speculative.method == "draft_model":
             models.append(load_draft_model(speculative.model, model, dtype, device, args, tp))
         # The draft's cache lives under the same block ids, so a block costs both models' bytes.
-        layer_bytes = [bytes_per_block(c.num_hidden_layers, args.block_size, m.num_kv_heads, m.head_dim, dtype)
+        kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+        layer_bytes = [bytes_per_block(c.num_hidden_layers, args.block_size, m.num_kv_heads, m.head_dim, dtype, kv_dtype)
                        for m, c in models]
         block_bytes = sum(layer_bytes)
         num_blocks = args.num_gpu_blocks_override or num_blocks_that_fit(
@@ -81,11 +82,11 @@ class WorkerServer:
         num_cpu_blocks = int(args.swap_space * GIB // block_bytes)
         cache, *draft_cache = [
             KVCache(c.num_hidden_layers, num_blocks, args.block_size, m.num_kv_heads, m.head_dim, dtype, device,
-                    num_cpu_blocks)
+                    num_cpu_blocks, kv_dtype)
             for m, c in models
         ]
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB%s); swap space: %d blocks", num_blocks,
-                 args.block_size, num_blocks * block_bytes / 2**20,
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB%s%s); swap space: %d blocks", num_blocks,
+                 args.block_size, num_blocks * block_bytes / 2**20, ", int8" if kv_dtype == "int8" else "",
                  f", of which the draft model's {num_blocks * layer_bytes[1] / 2**20:.1f}" if draft_cache else "",
                  num_cpu_blocks)
         drafter = Drafter(models[1][0], draft_cache[0], device) if draft_cache else None
