@@ -8,6 +8,7 @@ import functools
 import torch
 
 from kernels import native
+from kernels.kv_quant import SCALE_BYTES
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -21,16 +22,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @functools.cache
-def native_kernel():
+def native_kernel(symbol: str = "rotate_and_write_f32"):
+    """The kernel into a float32 cache, or with "rotate_and_write_i8" into an int8 one."""
     p, i = native.POINTER, native.INT64
-    return native.function("rotary_write", "rotate_and_write_f32", [p, i, p, i, p, i, p, p, p, i, i, i, i, p, p], i)
+    return native.function("rotary_write", symbol, [p, i, p, i, p, i, p, p, p, i, i, i, i, p, p], i)
 
 
 def rotate_and_write_native(query, key, value, cos, sin, key_cache, value_cache, slot_mapping) -> bool:
-    """Rotate `query` in place and store the rotated keys and the values in their slots; False,
-    with nothing done, where the compiled kernel does not apply (then rotate and store in torch)."""
-    kernel = native_kernel()
-    tensors = (query, key, value, cos, sin, key_cache, value_cache)
+    """Rotate `query` in place and store the rotated keys and the values in their slots (quantized
+    into an int8 cache); False, with nothing done, where the compiled kernel does not apply (then
+    rotate and store in torch)."""
+    quantized = key_cache.dtype == value_cache.dtype == torch.int8
+    kernel = native_kernel("rotate_and_write_i8" if quantized else "rotate_and_write_f32")
+    tensors = (query, key, value, cos, sin) if quantized else (query, key, value, cos, sin, key_cache, value_cache)
+    if quantized and (key_cache.shape[3] != query.shape[2] + SCALE_BYTES or key_cache.device.type != "cpu"):
+        return False
     if (kernel is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
             or slot_mapping.dtype != torch.int64 or not key_cache.is_contiguous() or not value_cache.is_contiguous()
             or not cos.is_contiguous() or not sin.is_contiguous() or not slot_mapping.is_contiguous()):

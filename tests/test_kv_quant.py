@@ -118,3 +118,28 @@ def test_the_server_holds_3_8_times_the_blocks_in_the_same_memory_and_serves_the
     assert int(blocks) / float_blocks == pytest.approx(256 / 68, rel=0.01)
     expected = Engine(SHIPPED_MODEL, kv_cache_dtype="int8").generate(shipped_prompts[:1], max_tokens=24)[0]
     assert answer["choices"][0]["token_ids"] == expected
+
+
+def test_the_fused_rotary_write_stores_what_torch_would_within_a_quantization_step():
+    from kernels.kv_write import write_kv_reference
+    from kernels.rotary import apply_rope, native_kernel, rotate_and_write_native
+
+    if native_kernel("rotate_and_write_i8") is None:
+        pytest.skip("no C compiler here")
+    generator = torch.Generator().manual_seed(1)
+    tokens, heads, kv_heads, head_dim = 5, 4, 2, 64
+    query, key, value = (torch.randn(tokens, n, head_dim, generator=generator) for n in (heads, kv_heads, kv_heads))
+    angles = torch.arange(tokens)[:, None] / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)[None, :]
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    slots = torch.tensor([0, 1, 2, 5, -1])
+    fused = [torch.zeros(3, 4, kv_heads, head_dim + kv_quant.SCALE_BYTES, dtype=torch.int8) for _ in range(2)]
+    reference = [torch.zeros_like(fused[0]) for _ in range(2)]
+    rotated = query.clone()
+    assert rotate_and_write_native(rotated, key, value, cos, sin, *fused, slots)
+    write_kv_reference(kv_quant.quantize(apply_rope(key, cos, sin)), kv_quant.quantize(value), *reference, slots)
+    torch.testing.assert_close(rotated, apply_rope(query, cos, sin))
+    for mine, theirs in zip(fused, reference):
+        step = kv_quant.dequantize(theirs, torch.float32).abs().amax(-1, keepdim=True) / kv_quant.QMAX
+        difference = (kv_quant.dequantize(mine, torch.float32) - kv_quant.dequantize(theirs, torch.float32)).abs()
+        assert (difference <= step * 1.01 + 1e-7).all()
+        assert mine[0, 3].eq(0).all() and mine[1, 2:].eq(0).all()  # untouched slots stay empty
