@@ -32,35 +32,6 @@ static inline void rotate(const float *x, const float *restrict cos, const float
         out[i] = rotated[i];
 }
 
-/* cos, sin: [num_tokens, head_dim]; query rows are num_heads * head_dim apart (query_stride
- * floats between tokens), keys and values num_kv_heads * head_dim (key_stride, value_stride). */
-int64_t rotate_and_write_f32(
-    float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
-    int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float *key_cache, float *value_cache)
-{
-    if (head_dim > 512 || head_dim % 2)
-        return -1;
-    const int64_t row = num_kv_heads * head_dim;
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *c = cos + t * head_dim, *s = sin + t * head_dim;
-        for (int64_t h = 0; h < num_heads; h++) {
-            float *q = query + t * query_stride + h * head_dim;
-            rotate(q, c, s, q, head_dim);
-        }
-        if (slots[t] < 0)
-            continue;
-        float *k_out = key_cache + slots[t] * row, *v_out = value_cache + slots[t] * row;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            rotate(key + t * key_stride + h * head_dim, c, s, k_out + h * head_dim, head_dim);
-            const float *v = value + t * value_stride + h * head_dim;
-            for (int64_t i = 0; i < head_dim; i++)
-                v_out[h * head_dim + i] = v[i];
-        }
-    }
-    return 0;
-}
-
 /* An int8 cache row (kernels/kv_quant.py): head_dim values rounded from x over its largest
  * magnitude / 127, then that scale as a float32. */
 static inline void quantize_row(const float *x, int8_t *out, int64_t head_dim)
@@ -76,15 +47,19 @@ static inline void quantize_row(const float *x, int8_t *out, int64_t head_dim)
     memcpy(out + head_dim, &scale, sizeof scale);
 }
 
-/* The same into an int8 cache: rows of head_dim + 4 bytes, keys rotated and then quantized. */
-int64_t rotate_and_write_i8(
+/* cos, sin: [num_tokens, head_dim]; query rows are num_heads * head_dim apart (query_stride
+ * floats between tokens), keys and values num_kv_heads * head_dim (key_stride, value_stride). A
+ * float32 cache takes the rotated keys and the values as they are; an int8 cache (`quantized`,
+ * rows of head_dim values and their float32 scale) takes them quantized. */
+static inline __attribute__((always_inline)) int64_t rotate_and_write(
     float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
     int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int8_t *key_cache, int8_t *value_cache)
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, char *key_cache, char *value_cache, const int quantized)
 {
     if (head_dim > 512 || head_dim % 2)
         return -1;
-    const int64_t width = head_dim + (int64_t)sizeof(float), row = num_kv_heads * width;
+    const int64_t head_bytes = quantized ? head_dim + (int64_t)sizeof(float) : head_dim * (int64_t)sizeof(float);
+    const int64_t row = num_kv_heads * head_bytes;
     float rotated[512];
     for (int64_t t = 0; t < num_tokens; t++) {
         const float *c = cos + t * head_dim, *s = sin + t * head_dim;
@@ -94,14 +69,38 @@ int64_t rotate_and_write_i8(
         }
         if (slots[t] < 0)
             continue;
-        int8_t *k_out = key_cache + slots[t] * row, *v_out = value_cache + slots[t] * row;
+        char *k_out = key_cache + slots[t] * row, *v_out = value_cache + slots[t] * row;
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            rotate(key + t * key_stride + h * head_dim, c, s, rotated, head_dim);
-            quantize_row(rotated, k_out + h * width, head_dim);
-            quantize_row(value + t * value_stride + h * head_dim, v_out + h * width, head_dim);
+            const float *v = value + t * value_stride + h * head_dim;
+            if (quantized) {
+                rotate(key + t * key_stride + h * head_dim, c, s, rotated, head_dim);
+                quantize_row(rotated, (int8_t *)(k_out + h * head_bytes), head_dim);
+                quantize_row(v, (int8_t *)(v_out + h * head_bytes), head_dim);
+            } else {
+                rotate(key + t * key_stride + h * head_dim, c, s, (float *)(k_out + h * head_bytes), head_dim);
+                memcpy(v_out + h * head_bytes, v, head_dim * sizeof(float));
+            }
         }
     }
     return 0;
+}
+
+int64_t rotate_and_write_f32(
+    float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
+    int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float *key_cache, float *value_cache)
+{
+    return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, 0);
+}
+
+int64_t rotate_and_write_i8(
+    float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
+    int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int8_t *key_cache, int8_t *value_cache)
+{
+    return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, 1);
 }
 
 /* The argument types of rotate_and_write_f32 and rotate_and_write_i8, as kernels/native.py checks them
