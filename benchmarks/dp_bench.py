@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import statistics
 import sys
 import time
@@ -65,9 +66,19 @@ def metrics_base_port(engines: int) -> int:
     """A port free now with the one `ENGINE_PORT_STRIDE` above it, for each engine's scheduler metrics."""
     while True:
         base = free_ports(1)[0]
-        if all(port < 65536 for port in range(base, base + ENGINE_PORT_STRIDE * engines, ENGINE_PORT_STRIDE)) and \
-                set(free_ports(64)).isdisjoint(range(base, base + ENGINE_PORT_STRIDE * engines)):
+        if all(_bindable(port) for port in range(base, base + ENGINE_PORT_STRIDE * engines, ENGINE_PORT_STRIDE)):
             return base
+
+
+def _bindable(port: int) -> bool:
+    if port >= 65536:
+        return False
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def run_policy(policy: str, args, jobs) -> dict:
