@@ -30,7 +30,7 @@ class Engine:
     def __init__(self, model_dir: str, block_size=16, num_gpu_blocks=256, num_cpu_blocks=256,
                  preemption="recompute", prefix_caching=False, chunked_prefill=False,
                  max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", threads=None):
         model, config = load_model(model_dir, "float32", torch.device("cpu"))
         self.cache = KVCache(config.num_hidden_layers, num_gpu_blocks, block_size, model.num_kv_heads,
                              model.head_dim, torch.float32, torch.device("cpu"), num_cpu_blocks, kv_cache_dtype)
@@ -43,7 +43,7 @@ class Engine:
         eos_ids = eos_token_ids(model_dir, config)
         grammars = GrammarEngine.load(model_dir, model.lm_head.weight.shape[0], eos_ids)
         self.runner = ModelRunner(model, self.cache, torch.device("cpu"), seed=0, eos_token_ids=eos_ids,
-                                  drafter=drafter, grammars=grammars)
+                                  drafter=drafter, threads=threads, grammars=grammars)
         block_bytes = bytes_per_block(config.num_hidden_layers, block_size, model.num_kv_heads,
                                       model.head_dim, torch.float32, kv_cache_dtype)
         policy = PreemptionPolicy(preemption, block_bytes, self.cache.measure_swap_bandwidth(),

@@ -1,6 +1,8 @@
 """The forward pass's threads on a CPU: every core while other processes leave them nearly idle,
 one core left to them otherwise (the api and scheduler streaming many tokens, or anything else)."""
 
+import torch
+
 from services.worker import cpu_threads
 from services.worker.cpu_threads import ComputeThreads, cpu_seconds_busy
 
@@ -90,6 +92,18 @@ def test_one_core_is_all_there_is():
     threads = machine.threads(cores=1)
     machine.run(1.0, worker_cores=1.0, others_cores=0.0)
     assert threads.for_step() == 1
+
+
+def test_a_step_on_fewer_threads_than_cores_leaves_one_for_the_grammar_masks(monkeypatch):
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    machine = Machine()
+    threads = machine.threads()
+    threads.use(threads.for_step())
+    assert threads.leaves_a_core()
+    machine.run(1.0, worker_cores=1.0, others_cores=0.0)
+    threads.use(threads.for_step())
+    assert not threads.leaves_a_core()
+    assert not machine.threads(cores=1).leaves_a_core()
 
 
 def test_busy_seconds_come_from_this_workers_cores_in_proc_stat(tmp_path, monkeypatch):

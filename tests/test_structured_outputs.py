@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from services.api.errors import ApiError
 from services.api.structured import GrammarSpec, compile_grammar, grammar_tokenizer, parse_structured
+from services.worker.cpu_threads import ComputeThreads
 from services.worker.logits_processing import GrammarMask
 from services.worker.sampler import SampleRow
 from shared.config import SpeculativeConfig
@@ -175,6 +176,17 @@ def test_each_of_n_samples_follows_its_own_path_through_the_grammar(llama_dir):
     for document in documents:
         jsonschema.validate(document, PERSON)
     assert len({json.dumps(d) for d in documents}) > 1  # the samples differ, each valid
+
+
+def test_masks_computed_beside_a_forward_that_leaves_a_core_are_the_same_masks(llama_dir, monkeypatch):
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the suite's own thread count stays
+    grammar = schema_grammar(llama_dir)
+    before = Engine(llama_dir).generate(PROMPTS * 2, grammar=grammar, max_tokens=120, temperature=1.0, seed=7)
+    one_of_two_cores = ComputeThreads(requested=1, cores={0, 1})
+    engine = Engine(llama_dir, threads=one_of_two_cores)
+    beside = engine.generate(PROMPTS * 2, grammar=grammar, max_tokens=120, temperature=1.0, seed=7)
+    assert one_of_two_cores.leaves_a_core() and engine.runner.mask_thread is not None
+    assert beside == before
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

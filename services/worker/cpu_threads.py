@@ -97,6 +97,10 @@ class ComputeThreads:
         elif not self.taking_all and others_share < ENTER_SHARE and now >= self.held_until:
             self.taking_all = True
 
+    def leaves_a_core(self) -> bool:
+        """Whether the last step's threads left one of this rank's cores to other work."""
+        return 0 < self.current < self.all_cores
+
     def describe(self) -> str:
         if self.fixed is not None:
             return f"{self.fixed} (--cpu-threads)"

@@ -84,13 +84,13 @@ class GrammarState:
 class GrammarEngine:
     """The worker's llguidance tokenizer and its cache of compiled grammars."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], threads: int = 0):
         import llguidance
 
         self.tokenizer = tokenizer  # an llguidance LLTokenizer
         self.templates: OrderedDict[str, object] = OrderedDict()
-        # Computes a step's masks in its own threads, outside the GIL.
-        self.executor = llguidance.LLExecutor(max(1, len(os.sched_getaffinity(0))))
+        # Computes a step's masks in its own threads, outside the GIL; 0: one per core.
+        self.executor = llguidance.LLExecutor(threads or max(1, len(os.sched_getaffinity(0))))
         words = [0] * ((vocab_size + 31) // 32)
         for token in eos_token_ids:
             if 0 <= token < vocab_size:
@@ -98,7 +98,8 @@ class GrammarEngine:
         self.eos_mask = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
     @classmethod
-    def load(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int]) -> GrammarEngine | None:
+    def load(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int],
+             threads: int = 0) -> GrammarEngine | None:
         """None where the directory has no tokenizer that llguidance can read (constrained requests are
         then refused with a reason)."""
         try:
@@ -106,7 +107,7 @@ class GrammarEngine:
         except Exception as exc:  # no tokenizer, a slow-only tokenizer, no llguidance
             log.warning("structured outputs are off: no tokenizer for grammars in %s (%s)", tokenizer_dir, exc)
             return None
-        return cls(tokenizer, vocab_size, eos_token_ids)
+        return cls(tokenizer, vocab_size, eos_token_ids, threads)
 
     def start(self, grammar: str) -> GrammarState | str:
         """A fresh state for `grammar`, or why it cannot be served."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 
@@ -92,7 +93,10 @@ class WorkerServer:
         drafter = Drafter(models[1][0], draft_cache[0], device) if draft_cache else None
         eos_ids = eos_token_ids(args.model, config)
         vocab_size = model.lm_head.weight.shape[0]
-        grammars = GrammarEngine.load(getattr(args, "tokenizer", None) or args.model, vocab_size, eos_ids)
+        # On a CPU the masks run beside a forward that leaves them a core, or before one that took them all.
+        mask_threads = 0 if device.type == "cuda" else max(1, len(os.sched_getaffinity(0)) - 1)
+        grammars = GrammarEngine.load(getattr(args, "tokenizer", None) or args.model, vocab_size, eos_ids,
+                                      mask_threads)
         self.runner = ModelRunner(model, cache, device, args.seed, eos_token_ids=eos_ids, drafter=drafter,
                                   threads=threads, grammars=grammars)
         swap_rate = cache.measure_swap_bandwidth()
