@@ -25,14 +25,44 @@ static inline const char *block_run(const char *cache, const int32_t *table, int
     return cache + ((int64_t)table[p / block_size] * block_size + offset) * token_bytes;
 }
 
-/* One KV head's keys (or values) at `row`: a float32 row, or with `quantized` head_dim int8 values
- * followed by their float32 scale (kernels/kv_quant.py). Returns the scale (1 for float32). */
-static inline float head_scale(const char *row, int64_t head_dim, int quantized)
+/* How a cached row holds its values (kernels/kv_quant.py): float32, or head_dim one-byte values
+ * (int8, or OCP E4M3 floats) followed by their float32 scale. */
+enum row_kind { ROW_F32, ROW_I8, ROW_F8 };
+
+/* One KV head's keys (or values) at `row`: returns the row's scale (1 for float32). */
+static inline float head_scale(const char *row, int64_t head_dim, int kind)
 {
     float scale = 1.f;
-    if (quantized)
+    if (kind != ROW_F32)
         memcpy(&scale, row + head_dim, sizeof scale);
     return scale;
+}
+
+/* An E4M3 byte as a float, in operations that vectorize and without float32 subnormals (which
+ * -ffast-math may flush): exponent and mantissa move into float32's fields, rebiased (7 -> 127);
+ * an exponent of 0 is E4M3's subnormal range, mantissa x 2^-9. 0x7f and 0xff (NaN) are never written. */
+static inline float fp8_e4m3_value(uint8_t byte)
+{
+    const uint32_t magnitude = byte & 0x7fu;
+    union { uint32_t bits; float value; } normal = { .bits = (magnitude << 20) + (120u << 23) }, result;
+    const float subnormal = (float)(int32_t)(magnitude & 7u) * 0x1p-9f;
+    result.value = magnitude >= 8u ? normal.value : subnormal;
+    result.bits |= (uint32_t)(byte & 0x80u) << 24;
+    return result.value;
+}
+
+#define MAX_DECODED 8192 /* floats of one cached token's E4M3 row decoded at once (kernels/cpu_attention.py checks) */
+
+/* Every KV head's E4M3 values of one cached token, as floats: decoded once for all the query heads
+ * and query rows that read them. */
+static inline void decode_fp8_token(const char *restrict row, int64_t num_kv_heads, int64_t head_dim,
+                                    int64_t head_bytes, float *restrict decoded)
+{
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        const uint8_t *bytes = (const uint8_t *)(row + h * head_bytes);
+        for (int64_t d = 0; d < head_dim; d++)
+            decoded[h * head_dim + d] = fp8_e4m3_value(bytes[d]);
+    }
 }
 
 static inline __attribute__((always_inline)) void attend_range(
@@ -40,13 +70,14 @@ static inline __attribute__((always_inline)) void attend_range(
     const int32_t *restrict block_tables, int64_t table_stride, const int32_t *restrict query_start,
     const int32_t *restrict context_lens, int64_t first_seq, int64_t last_seq, int64_t num_heads,
     int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale, int64_t window,
-    float *restrict scores, float *restrict out, const int quantized)
+    float *restrict scores, float *restrict out, const int kind)
 {
     const int64_t group = num_heads / num_kv_heads;
     /* bytes of one KV head's row, and of a cached token: every KV head's row */
-    const int64_t head_bytes = quantized ? head_dim + (int64_t)sizeof(float) : head_dim * (int64_t)sizeof(float);
+    const int64_t head_bytes = kind != ROW_F32 ? head_dim + (int64_t)sizeof(float) : head_dim * (int64_t)sizeof(float);
     const int64_t token_bytes = num_kv_heads * head_bytes;
     int64_t low[QUERY_BLOCK], high[QUERY_BLOCK];          /* each query's visible positions, inclusive */
+    float decoded[kind == ROW_F8 ? MAX_DECODED : 1];
     for (int64_t s = first_seq; s < last_seq; s++) {
         const int32_t *table = block_tables + s * table_stride;
         const int64_t first = query_start[s], num_queries = query_start[s + 1] - first;
@@ -65,6 +96,8 @@ static inline __attribute__((always_inline)) void attend_range(
                 const char *row = block_run(key_cache, table, p, end, block_size, token_bytes, &stop);
                 for (; p < stop; p++, row += token_bytes) {
                     const int64_t t = p - lowest;
+                    if (kind == ROW_F8)
+                        decode_fp8_token(row, num_kv_heads, head_dim, head_bytes, decoded);
                     for (int64_t b = 0; b < block; b++) {
                         if (p < low[b] || p > high[b])
                             continue;
@@ -73,16 +106,20 @@ static inline __attribute__((always_inline)) void attend_range(
                             const char *k = row + (head / group) * head_bytes;
                             const float *qh = q + head * head_dim;
                             float dot = 0.f;
-                            if (quantized) {
+                            if (kind == ROW_I8) {
                                 const int8_t *kq = (const int8_t *)k;
                                 for (int64_t d = 0; d < head_dim; d++)
                                     dot += qh[d] * (float)kq[d];
+                            } else if (kind == ROW_F8) {
+                                const float *kf = decoded + (head / group) * head_dim;
+                                for (int64_t d = 0; d < head_dim; d++)
+                                    dot += qh[d] * kf[d];
                             } else {
                                 const float *kf = (const float *)k;
                                 for (int64_t d = 0; d < head_dim; d++)
                                     dot += qh[d] * kf[d];
                             }
-                            scores[(b * num_heads + head) * n + t] = dot * head_scale(k, head_dim, quantized) * scale;
+                            scores[(b * num_heads + head) * n + t] = dot * head_scale(k, head_dim, kind) * scale;
                         }
                     }
                 }
@@ -108,18 +145,24 @@ static inline __attribute__((always_inline)) void attend_range(
                 const char *row = block_run(value_cache, table, p, end, block_size, token_bytes, &stop);
                 for (; p < stop; p++, row += token_bytes) {
                     const int64_t t = p - lowest;
+                    if (kind == ROW_F8)
+                        decode_fp8_token(row, num_kv_heads, head_dim, head_bytes, decoded);
                     for (int64_t b = 0; b < block; b++) {
                         if (p < low[b] || p > high[b])
                             continue;
                         float *o = out + (first + i0 + b) * num_heads * head_dim;
                         for (int64_t head = 0; head < num_heads; head++) {
                             const char *v = row + (head / group) * head_bytes;
-                            const float weight = scores[(b * num_heads + head) * n + t] * head_scale(v, head_dim, quantized);
+                            const float weight = scores[(b * num_heads + head) * n + t] * head_scale(v, head_dim, kind);
                             float *oh = o + head * head_dim;
-                            if (quantized) {
+                            if (kind == ROW_I8) {
                                 const int8_t *vq = (const int8_t *)v;
                                 for (int64_t d = 0; d < head_dim; d++)
                                     oh[d] += weight * (float)vq[d];
+                            } else if (kind == ROW_F8) {
+                                const float *vf = decoded + (head / group) * head_dim;
+                                for (int64_t d = 0; d < head_dim; d++)
+                                    oh[d] += weight * vf[d];
                             } else {
                                 const float *vf = (const float *)v;
                                 for (int64_t d = 0; d < head_dim; d++)
@@ -134,17 +177,17 @@ static inline __attribute__((always_inline)) void attend_range(
 }
 
 /* scores: scratch of QUERY_BLOCK * num_heads * max(context_lens) floats. A constant head_dim lets the
- * compiler unroll the inner loops into whole vectors; a constant `quantized` drops the other type's. */
-#define ATTEND_SPECIALIZED(QUANTIZED)                                                                   \
+ * compiler unroll the inner loops into whole vectors; a constant row kind drops the other kinds'. */
+#define ATTEND_SPECIALIZED(KIND)                                                                        \
     switch (head_dim) {                                                                                 \
-    case 64: ATTEND(64, QUANTIZED); break;                                                              \
-    case 128: ATTEND(128, QUANTIZED); break;                                                            \
-    default: ATTEND(head_dim, QUANTIZED);                                                               \
+    case 64: ATTEND(64, KIND); break;                                                                   \
+    case 128: ATTEND(128, KIND); break;                                                                 \
+    default: ATTEND(head_dim, KIND);                                                                    \
     }
-#define ATTEND(DIM, QUANTIZED)                                                                          \
+#define ATTEND(DIM, KIND)                                                                               \
     attend_range(query, query_stride, (const char *)key_cache, (const char *)value_cache, block_tables,  \
                  table_stride, query_start, context_lens, first_seq, last_seq, num_heads, num_kv_heads,  \
-                 DIM, block_size, scale, window, scores, out, QUANTIZED)
+                 DIM, block_size, scale, window, scores, out, KIND)
 
 void paged_attention_f32(
     const float *query, int64_t query_stride, const float *key_cache, const float *value_cache, const int32_t *block_tables,
@@ -152,7 +195,7 @@ void paged_attention_f32(
     int64_t last_seq, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
     float scale, int64_t window, float *scores, float *out)
 {
-    ATTEND_SPECIALIZED(0)
+    ATTEND_SPECIALIZED(ROW_F32)
 }
 
 /* The same over an int8 cache: each KV head's row is head_dim int8 values and their float32 scale. */
@@ -162,12 +205,23 @@ void paged_attention_i8(
     int64_t first_seq, int64_t last_seq, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, float scale, int64_t window, float *scores, float *out)
 {
-    ATTEND_SPECIALIZED(1)
+    ATTEND_SPECIALIZED(ROW_I8)
+}
+
+/* And over an E4M3 cache: each KV head's row is head_dim E4M3 bytes and their float32 scale. */
+void paged_attention_f8(
+    const float *query, int64_t query_stride, const uint8_t *key_cache, const uint8_t *value_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *query_start, const int32_t *context_lens,
+    int64_t first_seq, int64_t last_seq, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, int64_t window, float *scores, float *out)
+{
+    ATTEND_SPECIALIZED(ROW_F8)
 }
 #undef ATTEND
 #undef ATTEND_SPECIALIZED
 
-/* The argument types of paged_attention_f32 and paged_attention_i8, as kernels/native.py checks them
- * before any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
+/* The argument types of paged_attention_f32, _i8 and _f8, as kernels/native.py checks them before
+ * any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
 const char *paged_attention_f32_signature(void) { return "pipppippiiiiiifipp:v"; }
 const char *paged_attention_i8_signature(void) { return "pipppippiiiiiifipp:v"; }
+const char *paged_attention_f8_signature(void) { return "pipppippiiiiiifipp:v"; }

@@ -51,20 +51,30 @@ def paged_attention_cpu(query, key_cache, value_cache, batch: PagedBatch, scale:
 
 @functools.cache
 def native_kernel(symbol: str = "paged_attention_f32"):
-    """The C kernel over a float32 cache, or with "paged_attention_i8" over an int8 one."""
+    """The C kernel over a float32 cache, or with "paged_attention_i8" (or "_f8") over an int8 (or E4M3) one."""
     p, i = native.POINTER, native.INT64
     return native.function("cpu_attention", symbol, [p, i, p, p, p, i, p, p, i, i, i, i, i, i, native.FLOAT, i, p, p],
                            None)
 
 
+MAX_DECODED = 8192  # cpu_attention.c decodes one cached token's E4M3 row (every KV head) into this many floats
+SYMBOLS = {torch.float32: "paged_attention_f32", torch.int8: "paged_attention_i8",
+           torch.uint8: "paged_attention_f8"}  # uint8: E4M3 rows (kernels/kv_quant.py)
+
+
 def _symbol(key_cache: torch.Tensor) -> str:
-    return "paged_attention_i8" if key_cache.dtype == torch.int8 else "paged_attention_f32"
+    return SYMBOLS[key_cache.dtype]
 
 
 def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    row = query.shape[2] + (SCALE_BYTES if key_cache.dtype == torch.int8 else 0)  # int8: each row ends in its scale
+    if key_cache.dtype not in SYMBOLS:
+        return False
+    quantized = key_cache.dtype != torch.float32
+    row = query.shape[2] + (SCALE_BYTES if quantized else 0)  # a quantized row ends in its scale
+    if key_cache.dtype == torch.uint8 and key_cache.shape[2] * query.shape[2] > MAX_DECODED:
+        return False
     return (query.device.type == "cpu" and query.dtype == torch.float32
-            and key_cache.dtype == value_cache.dtype and key_cache.dtype in (torch.float32, torch.int8)
+            and key_cache.dtype == value_cache.dtype
             and key_cache.shape[3] == row and native_kernel(_symbol(key_cache)) is not None
             and query.stride(2) == 1 and query.stride(1) == query.shape[2]  # each token's heads one row
             and key_cache.is_contiguous() and value_cache.is_contiguous()

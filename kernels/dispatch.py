@@ -40,7 +40,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
 def paged_attention(query, key_cache, value_cache, batch: PagedBatch, scale: float, window: int | None = None):
     if kv_quant.is_quantized(key_cache) and not (_mode() == "auto" and not use_triton(query)
                                                  and native_accepts(query, key_cache, value_cache)):
-        # the C kernel reads int8 rows itself; the others get the blocks in use, dequantized
+        # the C kernel reads quantized rows itself; the others get the blocks in use, dequantized
         key_cache, value_cache, batch = kv_quant.compact(key_cache, value_cache, batch, query.dtype)
     if use_triton(query):
         return attention.paged_attention_triton(query, key_cache, value_cache, batch, scale, window)
@@ -61,7 +61,7 @@ def rotate_and_write_kv(query, key, value, cos, sin, key_cache, value_cache, slo
 
 def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
     if kv_quant.is_quantized(key_cache):
-        key, value = kv_quant.quantize(key), kv_quant.quantize(value)
+        key, value = kv_quant.quantize(key, key_cache.dtype), kv_quant.quantize(value, value_cache.dtype)
     if use_triton(key_cache):
         kv_write.write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
     elif _mode() == "reference":

@@ -21,19 +21,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
+QUANTIZED_SYMBOLS = {torch.int8: "rotate_and_write_i8", torch.uint8: "rotate_and_write_f8"}  # kernels/kv_quant.py
+
+
 @functools.cache
 def native_kernel(symbol: str = "rotate_and_write_f32"):
-    """The kernel into a float32 cache, or with "rotate_and_write_i8" into an int8 one."""
+    """The kernel into a float32 cache, or with "rotate_and_write_i8" (or "_f8") into an int8 (or E4M3) one."""
     p, i = native.POINTER, native.INT64
     return native.function("rotary_write", symbol, [p, i, p, i, p, i, p, p, p, i, i, i, i, p, p], i)
 
 
 def rotate_and_write_native(query, key, value, cos, sin, key_cache, value_cache, slot_mapping) -> bool:
     """Rotate `query` in place and store the rotated keys and the values in their slots (quantized
-    into an int8 cache); False, with nothing done, where the compiled kernel does not apply (then
-    rotate and store in torch)."""
-    quantized = key_cache.dtype == value_cache.dtype == torch.int8
-    kernel = native_kernel("rotate_and_write_i8" if quantized else "rotate_and_write_f32")
+    into an int8 or E4M3 cache); False, with nothing done, where the compiled kernel does not apply
+    (then rotate and store in torch)."""
+    quantized = key_cache.dtype == value_cache.dtype and key_cache.dtype in QUANTIZED_SYMBOLS
+    kernel = native_kernel(QUANTIZED_SYMBOLS[key_cache.dtype] if quantized else "rotate_and_write_f32")
     tensors = (query, key, value, cos, sin) if quantized else (query, key, value, cos, sin, key_cache, value_cache)
     if quantized and (key_cache.shape[3] != query.shape[2] + SCALE_BYTES or key_cache.device.type != "cpu"):
         return False

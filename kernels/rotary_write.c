@@ -47,18 +47,53 @@ static inline void quantize_row(const float *x, int8_t *out, int64_t head_dim)
     memcpy(out + head_dim, &scale, sizeof scale);
 }
 
+/* A value within [-448, 448] as an OCP E4M3 byte, rounded to nearest even as torch converts it:
+ * below 2^-6 a multiple of 2^-9 (the subnormals; 8 x 2^-9 is the smallest normal, 0x08), above it
+ * float32's exponent rebiased (127 -> 7) and its mantissa rounded to 3 bits. */
+static inline uint8_t fp8_e4m3_byte(float y)
+{
+    uint32_t bits;
+    memcpy(&bits, &y, sizeof bits);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+    const float magnitude = fabsf(y);
+    if (magnitude < 0x1p-6f)
+        return sign | (uint8_t)nearbyintf(magnitude * 0x1p9f);
+    memcpy(&bits, &magnitude, sizeof bits);
+    bits += 0x7ffffu + ((bits >> 20) & 1u);
+    const uint32_t code = (bits >> 20) - (120u << 3);
+    return sign | (uint8_t)(code > 0x7eu ? 0x7eu : code); /* 0x7e: 448; 0x7f is NaN */
+}
+
+/* An E4M3 cache row (kernels/kv_quant.py): head_dim values of x over its largest magnitude / 448,
+ * then that scale as a float32. */
+static inline void quantize_row_fp8(const float *x, uint8_t *out, int64_t head_dim)
+{
+    float top = 0.f;
+    for (int64_t i = 0; i < head_dim; i++)
+        top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    const float scale = top / 448.f > FLT_MIN ? top / 448.f : FLT_MIN;
+    for (int64_t i = 0; i < head_dim; i++) {
+        const float y = x[i] / scale;
+        out[i] = fp8_e4m3_byte(y > 448.f ? 448.f : y < -448.f ? -448.f : y);
+    }
+    memcpy(out + head_dim, &scale, sizeof scale);
+}
+
+/* How a cache row holds its values: float32, or one byte each (int8, E4M3) and their scale. */
+enum row_kind { ROW_F32, ROW_I8, ROW_F8 };
+
 /* cos, sin: [num_tokens, head_dim]; query rows are num_heads * head_dim apart (query_stride
  * floats between tokens), keys and values num_kv_heads * head_dim (key_stride, value_stride). A
- * float32 cache takes the rotated keys and the values as they are; an int8 cache (`quantized`,
- * rows of head_dim values and their float32 scale) takes them quantized. */
+ * float32 cache takes the rotated keys and the values as they are; an int8 or E4M3 cache (rows of
+ * head_dim one-byte values and their float32 scale) takes them quantized. */
 static inline __attribute__((always_inline)) int64_t rotate_and_write(
     float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
     int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, char *key_cache, char *value_cache, const int quantized)
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, char *key_cache, char *value_cache, const int kind)
 {
     if (head_dim > 512 || head_dim % 2)
         return -1;
-    const int64_t head_bytes = quantized ? head_dim + (int64_t)sizeof(float) : head_dim * (int64_t)sizeof(float);
+    const int64_t head_bytes = kind != ROW_F32 ? head_dim + (int64_t)sizeof(float) : head_dim * (int64_t)sizeof(float);
     const int64_t row = num_kv_heads * head_bytes;
     float rotated[512];
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -72,10 +107,14 @@ static inline __attribute__((always_inline)) int64_t rotate_and_write(
         char *k_out = key_cache + slots[t] * row, *v_out = value_cache + slots[t] * row;
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const float *v = value + t * value_stride + h * head_dim;
-            if (quantized) {
+            if (kind == ROW_I8) {
                 rotate(key + t * key_stride + h * head_dim, c, s, rotated, head_dim);
                 quantize_row(rotated, (int8_t *)(k_out + h * head_bytes), head_dim);
                 quantize_row(v, (int8_t *)(v_out + h * head_bytes), head_dim);
+            } else if (kind == ROW_F8) {
+                rotate(key + t * key_stride + h * head_dim, c, s, rotated, head_dim);
+                quantize_row_fp8(rotated, (uint8_t *)(k_out + h * head_bytes), head_dim);
+                quantize_row_fp8(v, (uint8_t *)(v_out + h * head_bytes), head_dim);
             } else {
                 rotate(key + t * key_stride + h * head_dim, c, s, (float *)(k_out + h * head_bytes), head_dim);
                 memcpy(v_out + h * head_bytes, v, head_dim * sizeof(float));
@@ -91,7 +130,7 @@ int64_t rotate_and_write_f32(
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float *key_cache, float *value_cache)
 {
     return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
-                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, 0);
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_F32);
 }
 
 int64_t rotate_and_write_i8(
@@ -100,10 +139,20 @@ int64_t rotate_and_write_i8(
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int8_t *key_cache, int8_t *value_cache)
 {
     return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
-                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, 1);
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_I8);
 }
 
-/* The argument types of rotate_and_write_f32 and rotate_and_write_i8, as kernels/native.py checks them
- * before any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
+int64_t rotate_and_write_f8(
+    float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
+    int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uint8_t *key_cache, uint8_t *value_cache)
+{
+    return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_F8);
+}
+
+/* The argument types of rotate_and_write_f32, _i8 and _f8, as kernels/native.py checks them before
+ * any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
 const char *rotate_and_write_f32_signature(void) { return "pipipipppiiiipp:i"; }
 const char *rotate_and_write_i8_signature(void) { return "pipipipppiiiipp:i"; }
+const char *rotate_and_write_f8_signature(void) { return "pipipipppiiiipp:i"; }

@@ -68,10 +68,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                        help="where the model runs; auto: cuda where there is one")
     group.add_argument("--dtype", type=_dtype, choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                        help="weights and KV cache; auto: float32 on CPU, the checkpoint's half type on CUDA")
-    group.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
-                       help="auto: the model's dtype; int8: each cached key and value row quantized to int8 with "
-                            "its own scale, 3.8x the tokens of a float32 cache in the same memory (1.9x of "
-                            "float16)")
+    group.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
+                       help="auto: the model's dtype; int8 or fp8 (E4M3): each cached key and value row quantized "
+                            "to one byte a value with its own scale, 3.8x the tokens of a float32 cache in the "
+                            "same memory (1.9x of float16)")
     group.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                        help="dummy: random weights from config.json alone, for benchmarks")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -11,8 +11,10 @@ pytestmark = pytest.mark.skipif(native.load("cpu_norm") is None, reason="no C co
 
 
 @pytest.mark.parametrize("getter", [cpu_attention.native_kernel, lambda: cpu_attention.native_kernel("paged_attention_i8"),
+                                    lambda: cpu_attention.native_kernel("paged_attention_f8"),
                                     cpu_linear.native_kernel, cpu_linear.gemm_kernel, cpu_norm.native_kernel,
-                                    rotary.native_kernel])
+                                    rotary.native_kernel, lambda: rotary.native_kernel("rotate_and_write_i8"),
+                                    lambda: rotary.native_kernel("rotate_and_write_f8")])
 def test_every_kernel_loads_with_the_signature_its_c_file_states(getter):
     assert getter() is not None
 

@@ -87,7 +87,7 @@ class WorkerServer:
             for m, c in models
         ]
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB%s%s); swap space: %d blocks", num_blocks,
-                 args.block_size, num_blocks * block_bytes / 2**20, ", int8" if kv_dtype == "int8" else "",
+                 args.block_size, num_blocks * block_bytes / 2**20, f", {kv_dtype}" if kv_dtype != "auto" else "",
                  f", of which the draft model's {num_blocks * layer_bytes[1] / 2**20:.1f}" if draft_cache else "",
                  num_cpu_blocks)
         drafter = Drafter(models[1][0], draft_cache[0], device) if draft_cache else None
