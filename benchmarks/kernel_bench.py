@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from kernels import kv_quant  # noqa: E402
 from kernels.batch import PagedBatch  # noqa: E402
 from kernels.paged_attention import paged_attention_triton  # noqa: E402
 
@@ -94,6 +95,19 @@ def decode_row(batch: int, context: int, peak: float | None) -> dict:
     return row
 
 
+def quantized_decode_row(batch: int, context: int, kv_cache_dtype: str, peak: float | None) -> dict:
+    """Decode over an int8 or E4M3 cache (kernels/kv_quant.py), which the kernel reads directly:
+    each row is HEAD_DIM bytes and a float32 scale."""
+    query, key_cache, value_cache, paged, _, _ = paged_setup(batch, context, 1)
+    storage = kv_quant.STORAGE[kv_cache_dtype]
+    key_cache, value_cache = kv_quant.quantize(key_cache, storage), kv_quant.quantize(value_cache, storage)
+    paged_ms = time_ms(lambda: paged_attention_triton(query, key_cache, value_cache, paged, HEAD_DIM**-0.5))
+    moved = 2 * batch * context * KV_HEADS * (HEAD_DIM + kv_quant.SCALE_BYTES)
+    gbps = moved / paged_ms / 1e6
+    return {"batch": batch, "context": context, "kv_cache_dtype": kv_cache_dtype, "paged_ms": paged_ms,
+            "gbps": gbps, "peak_percent": 100 * gbps / peak if peak else None}
+
+
 def prefill_row(prompt: int, batch: int) -> dict:
     query, key_cache, value_cache, paged, k, v = paged_setup(batch, prompt, prompt)
     scale = HEAD_DIM**-0.5
@@ -113,6 +127,7 @@ def main() -> None:
     peak = peak_bandwidth()
     decode = [decode_row(b, c, peak) for b in (1, 8, 64, 256) for c in (512, 2048, 8192)]
     prefill = [prefill_row(p, b) for p, b in ((512, 8), (2048, 2))]
+    quantized = [quantized_decode_row(64, 2048, kind, peak) for kind in ("int8", "fp8")]
     print(f"{torch.cuda.get_device_name()}; peak HBM {peak} GB/s; heads {HEADS}/{KV_HEADS}, d {HEAD_DIM}, fp16")
     print(f"{'batch':>6}{'context':>8}{'paged ms':>10}{'GB/s':>9}{'% peak':>8}{'sdpa ms':>9}{'paged/sdpa':>11}"
           f"{'flash ms':>10}")
@@ -125,11 +140,15 @@ def main() -> None:
     for r in prefill:
         print(f"{r['prompt']:>6}{r['batch']:>8}{r['paged_ms']:>10.3f}{r['tflops']:>9.1f}{r['sdpa_ms']:>9.3f}"
               f"{r['paged_ms'] / r['sdpa_ms']:>11.2f}")
+    for r in quantized:
+        pct = f"{r['peak_percent']:.1f} % of peak" if r["peak_percent"] is not None else ""
+        print(f"{r['kv_cache_dtype']} cache, batch {r['batch']}, context {r['context']}: {r['paged_ms']:.3f} ms, "
+              f"{r['gbps']:.0f} GB/s {pct}")
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "kernel_bench.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                   "decode": decode, "prefill": prefill}, f, indent=2)
+                   "decode": decode, "prefill": prefill, "quantized_decode": quantized}, f, indent=2)
 
 
 if __name__ == "__main__":

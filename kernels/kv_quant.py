@@ -7,9 +7,9 @@ over a wider range). Scales live in the row, so a block is still one slice of on
 copy-on-write, swapping and prefix sharing move blocks as they are.
 
 On a CPU the C attention kernel reads the rows and their scales directly (`paged_attention_i8`,
-`paged_attention_f8`). Elsewhere (Triton on CUDA, the torch and reference paths) attention gets
-the blocks the step's sequences use, dequantized into a compact float cache (each used block
-once, per layer and step), and runs the float kernel on it. What a quantized cache holds in the
+`paged_attention_f8`), and so does the Triton kernel, dequantizing each KV tile as it loads it.
+The torch and reference paths get the blocks the step's sequences use, dequantized into a compact
+float cache (each used block once, per layer and step), and run on that. What a quantized cache holds in the
 same bytes: head_dim 64 in float32 takes 256 bytes a row, quantized 68 (3.8x the tokens); against
 float16, 128 against 68 (1.9x).
 """

@@ -12,6 +12,8 @@ The new tokens' keys and values must already be in the cache.
   the block table with an online softmax in float32, and skips tiles outside the causal window.
   For decode-only batches with long contexts it splits the keys over several programs
   ("flash-decoding") and merges their partial results by log-sum-exp in a second kernel.
+  It reads an int8 or E4M3 cache (`kernels/kv_quant.py`: one-byte values, then the row's
+  float32 scale) directly, dequantizing each KV tile as it loads it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.batch import PagedBatch
+from kernels.kv_quant import SCALE_BYTES
+
+QUANTIZED = {torch.int8: 1, torch.uint8: 2}  # the kernel's QUANT: int8 rows, E4M3 rows
 
 try:
     import triton
@@ -72,6 +77,10 @@ def paged_attention_triton(
     num_splits: int | None = None,
 ) -> torch.Tensor:
     _check(query, key_cache, value_cache, batch)
+    quant = QUANTIZED.get(key_cache.dtype, 0)
+    # a quantized row's scale, as a float32 word of the same cache (rows are head_dim + 4 bytes)
+    key_words, value_words = ((key_cache.view(torch.float32), value_cache.view(torch.float32)) if quant
+                              else (key_cache, value_cache))
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -95,14 +104,14 @@ def paged_attention_triton(
         partial, lse = out, out  # unused
     grid = (batch.num_seqs, num_splits if num_splits > 1 else triton.cdiv(max_query_len, block_q), num_kv_heads)
     _attention_kernel[grid](
-        out, partial, lse, query, key_cache, value_cache,
+        out, partial, lse, query, key_cache, value_cache, key_words, value_words,
         batch.block_tables, batch.query_start_loc, batch.context_lens, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         batch.block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_Q=block_q, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits,
+        BLOCK_Q=block_q, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits, QUANT=quant,
         FP32_DOT=interpreted,
         # float32 serving gets float32 products, as the model's own matmuls do; never TF32's 10-bit mantissa.
         DOT_PRECISION="ieee" if interpreted or query.dtype == torch.float32 else "tf32",
@@ -131,8 +140,13 @@ def _check(query, key_cache, value_cache, batch: PagedBatch) -> None:
     if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(f"expected query [T, H, D] and caches [N, B, KVH, D]; got {tuple(query.shape)}, "
                          f"{tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
-    if query.shape[2] != key_cache.shape[3]:
-        raise ValueError(f"head_dim {query.shape[2]} of the query != {key_cache.shape[3]} of the cache")
+    quantized = key_cache.dtype in QUANTIZED
+    row = query.shape[2] + (SCALE_BYTES if quantized else 0)  # a quantized row ends in its scale
+    if row != key_cache.shape[3]:
+        raise ValueError(f"head_dim {query.shape[2]} of the query does not fit rows of {key_cache.shape[3]} "
+                         f"{key_cache.dtype} in the cache")
+    if quantized and query.shape[2] % SCALE_BYTES:
+        raise ValueError(f"a quantized cache needs head_dim a multiple of 4, not {query.shape[2]}")
     if query.shape[1] % key_cache.shape[2]:
         raise ValueError(f"{query.shape[1]} query heads do not split over {key_cache.shape[2]} KV heads")
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
@@ -140,22 +154,38 @@ def _check(query, key_cache, value_cache, batch: PagedBatch) -> None:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     if batch.block_tables.dtype != torch.int32 or batch.context_lens.dtype != torch.int32:
         raise ValueError("block_tables and context_lens must be int32")
-    if key_cache.dtype != query.dtype:
+    if key_cache.dtype != query.dtype and not quantized or key_cache.dtype != value_cache.dtype:
         raise ValueError(f"cache dtype {key_cache.dtype} != query dtype {query.dtype}")
 
 
 if triton is not None:
 
     @triton.jit
+    def _dequantize(raw, scale, QUANT: tl.constexpr):
+        """A tile of one-byte values (QUANT 1: int8, 2: E4M3) times each row's scale, in float32.
+        E4M3 is decoded with integer moves into float32's fields (exponent rebiased 7 -> 127; an
+        exponent of 0 is the subnormal range, mantissa x 2^-9), as cpu_attention.c does."""
+        if QUANT == 1:
+            values = raw.to(tl.float32)
+        else:
+            byte = raw.to(tl.int32) & 0xFF
+            magnitude = byte & 0x7F
+            normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+            subnormal = (magnitude & 7).to(tl.float32) * 0.001953125
+            values = tl.where(magnitude >= 8, normal, subnormal)
+            values = tl.where((byte & 0x80) != 0, -values, values)
+        return values * scale[:, None]
+
+    @triton.jit
     def _attention_kernel(
-        out_ptr, partial_ptr, lse_ptr, q_ptr, k_ptr, v_ptr,
+        out_ptr, partial_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, k_words_ptr, v_words_ptr,
         block_tables_ptr, query_start_ptr, context_lens_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_table,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, QUANT: tl.constexpr, FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
         tile = tl.program_id(1)  # a query tile, or the key split of a decode
@@ -199,10 +229,15 @@ if triton is not None:
                             mask=pos_valid, other=0).to(tl.int64)
             offset = (pos % BLOCK_SIZE).to(tl.int64)
             kv_mask = pos_valid[:, None] & dim_valid[None, :]
-            k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
-                        + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
-                        + dims[None, :], mask=kv_mask, other=0.0)
+            k_rows = block * stride_kb + offset * stride_ks + kv_head * stride_kh
+            v_rows = block * stride_vb + offset * stride_vs + kv_head * stride_vh
+            k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0)
+            v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0)
+            if QUANT > 0:  # each row's scale is the float32 word after its HEAD_DIM bytes
+                k_scale = tl.load(k_words_ptr + (k_rows + HEAD_DIM) // 4, mask=pos_valid, other=0.0)
+                v_scale = tl.load(v_words_ptr + (v_rows + HEAD_DIM) // 4, mask=pos_valid, other=0.0)
+                k = _dequantize(k, k_scale, QUANT).to(q.dtype)
+                v = _dequantize(v, v_scale, QUANT).to(q.dtype)
             if FP32_DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)

@@ -50,7 +50,7 @@ def test_an_int8_block_holds_its_rows_in_a_quarter_of_the_bytes_and_its_scales_b
 
 
 @pytest.mark.parametrize("storage", [torch.int8, torch.uint8], ids=["int8", "fp8"])
-@pytest.mark.parametrize("mode", ["auto", "torch", "reference"])
+@pytest.mark.parametrize("mode", ["auto", "torch", "reference", "triton"])
 def test_attention_over_a_quantized_cache_is_attention_over_its_dequantized_values(mode, storage, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_KERNELS", mode)
     generator = torch.Generator().manual_seed(0)
@@ -85,8 +85,11 @@ def test_attention_over_a_quantized_cache_is_attention_over_its_dequantized_valu
     dispatch.write_kv(new_keys, new_values, float_keys, float_values, batch.slot_mapping)
     query = torch.randn(len(slots), heads, head_dim, generator=generator)
 
-    if mode == "auto" and cpu_attention.native_kernel() is not None:
+    reads_bytes = mode == "triton" or (mode == "auto" and cpu_attention.native_kernel() is not None)
+    if mode == "auto" and reads_bytes:
         assert cpu_attention.native_accepts(query, key_cache, value_cache)  # the C kernel reads the bytes itself
+    if reads_bytes:  # as Triton does (interpreted here): nothing is dequantized first
+        monkeypatch.setattr(kv_quant, "compact", lambda *args: pytest.fail("dequantized before attention"))
     got = dispatch.paged_attention(query, key_cache, value_cache, batch, head_dim**-0.5)
     dequantized = paged_attention_reference(query, kv_quant.dequantize(key_cache, torch.float32),
                                             kv_quant.dequantize(value_cache, torch.float32), batch, head_dim**-0.5)
