@@ -76,7 +76,8 @@ def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir
         assert "worker" in error["message"] and error["type"] == "server_error"
         assert len(rest) + 1 < 500  # it ended early, with an error rather than all its tokens
         assert first
-        assert httpx.get(f"{base}/health", timeout=5).status_code == 503  # until a worker is back
+        lost_health = httpx.get(f"{base}/health", timeout=5)
+        assert lost_health.status_code == 503 and lost_health.json()["status"] == "unavailable"  # until a worker is back
         lost = httpx.post(f"{base}/v1/completions", timeout=10, json={"model": model, "prompt": "x"})
         assert lost.status_code == 503 and lost.json()["error"]["code"] == "not_ready"
 

@@ -136,11 +136,13 @@ class OpenAIServer:
         }
 
     async def health(self, request: Request) -> Response:
-        """200 while any engine serves; with several, how many of them do."""
+        """200 while any engine serves; with several, how many of them do. 503 while none does:
+        "starting" until one first serves, "unavailable" after."""
         up, engines = len(self.client.engines_up), len(self.client.clients)
         count = {"engines_up": up, "engines": engines} if engines > 1 else {}
         if not up:
-            return JSONResponse({"status": "starting", **count}, status_code=503)
+            served = any(client.has_served for client in self.client.clients)
+            return JSONResponse({"status": "unavailable" if served else "starting", **count}, status_code=503)
         return JSONResponse({"status": "ok" if up == engines else "degraded", **count})
 
     async def prometheus(self, request: Request) -> Response:

@@ -48,6 +48,7 @@ class EngineClient:
         self.socket = sockets.connect(self.context, zmq.DEALER, endpoint, f"api-{uuid.uuid4().hex[:8]}".encode(),
                                       keys, max_message_bytes)
         self.info: SchedulerInfo | None = None
+        self.has_served = False  # ready at least once: a later loss is an outage, not a start
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._receiver: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -184,6 +185,7 @@ class EngineClient:
         if self.info is None:
             log.info("the scheduler at %s is ready: serving", self.endpoint)
         self.info = message
+        self.has_served = True
 
     def _on_pong(self, message: Pong) -> None:
         self.load = message  # its arrival is news too: `last_heard` moved
