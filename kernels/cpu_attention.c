@@ -13,6 +13,7 @@
 #include <string.h>
 
 #define QUERY_BLOCK 8 /* queries of one sequence served together: each key and value is read once for all */
+#define TILE 16       /* cached tokens whose keys (or values) every query row and head takes in turn */
 
 /* The cached row of position p (every KV head's keys or values), and in *stop the end of the run of
  * positions up to `end` that share p's block: a caller walks the table block by block, with one
@@ -51,19 +52,37 @@ static inline float fp8_e4m3_value(uint8_t byte)
     return result.value;
 }
 
-#define MAX_DECODED 8192 /* floats of one cached token's E4M3 row decoded at once (kernels/cpu_attention.py checks) */
+#define MAX_DECODED 16384 /* floats of a tile's one-byte rows decoded at once: TILE x num_kv_heads x head_dim at most
+                          * (kernels/cpu_attention.py checks) */
 
-/* Every KV head's E4M3 values of one cached token, as floats: decoded once for all the query heads
- * and query rows that read them. */
-static inline void decode_fp8_token(const char *restrict row, int64_t num_kv_heads, int64_t head_dim,
-                                    int64_t head_bytes, float *restrict decoded)
+/* Every KV head's one-byte values (int8 or E4M3) of one cached token, as floats (scales apart):
+ * decoded once for all the query heads and query rows that read them. */
+static inline void decode_token(const char *restrict row, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t head_bytes, float *restrict decoded, const int kind)
 {
     for (int64_t h = 0; h < num_kv_heads; h++) {
-        const uint8_t *bytes = (const uint8_t *)(row + h * head_bytes);
-        for (int64_t d = 0; d < head_dim; d++)
-            decoded[h * head_dim + d] = fp8_e4m3_value(bytes[d]);
+        const char *bytes = row + h * head_bytes;
+        float *values = decoded + h * head_dim;
+        if (kind == ROW_I8)
+            for (int64_t d = 0; d < head_dim; d++)
+                values[d] = (float)((const int8_t *)bytes)[d];
+        else
+            for (int64_t d = 0; d < head_dim; d++)
+                values[d] = fp8_e4m3_value(((const uint8_t *)bytes)[d]);
     }
 }
+
+/* A tile's `count` cached tokens, one after another from `run`, decoded as decode_token does. */
+static inline void decode_tile(const char *run, int64_t count, int64_t token_bytes, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t head_bytes, float *decoded, const int kind)
+{
+    for (int64_t u = 0; u < count; u++)
+        decode_token(run + u * token_bytes, num_kv_heads, head_dim, head_bytes, decoded + u * num_kv_heads * head_dim,
+                     kind);
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static inline __attribute__((always_inline)) void attend_range(
     const float *restrict query, int64_t query_stride, const char *restrict key_cache, const char *restrict value_cache,
@@ -77,7 +96,7 @@ static inline __attribute__((always_inline)) void attend_range(
     const int64_t head_bytes = kind != ROW_F32 ? head_dim + (int64_t)sizeof(float) : head_dim * (int64_t)sizeof(float);
     const int64_t token_bytes = num_kv_heads * head_bytes;
     int64_t low[QUERY_BLOCK], high[QUERY_BLOCK];          /* each query's visible positions, inclusive */
-    float decoded[kind == ROW_F8 ? MAX_DECODED : 1];
+    float decoded[kind != ROW_F32 ? MAX_DECODED : 1];
     for (int64_t s = first_seq; s < last_seq; s++) {
         const int32_t *table = block_tables + s * table_stride;
         const int64_t first = query_start[s], num_queries = query_start[s + 1] - first;
@@ -89,39 +108,35 @@ static inline __attribute__((always_inline)) void attend_range(
                 low[b] = (window > 0 && high[b] - window + 1 > 0) ? high[b] - window + 1 : 0;
             }
             const int64_t lowest = low[0], n = high[block - 1] + 1 - lowest; /* span of the block's rows */
-            /* Scores of row (b, head) at t = p - lowest live at scores[(b * num_heads + head) * n + t]. Every
-             * KV head is served in the same walk over the positions, so each cached token row (all its
-             * heads, consecutive) is read once from memory, however long the context. */
+            /* Scores of row (b, head) at t = p - lowest live at scores[(b * num_heads + head) * n + t]. The
+             * positions are walked a tile of up to TILE cached tokens at a time: each token's row (every KV
+             * head, consecutive) is read from memory once, and within the tile each query row and head
+             * takes the tile's keys in turn, its query held in registers across them. */
             for (int64_t p = lowest, end = lowest + n, stop; p < end;) {
-                const char *row = block_run(key_cache, table, p, end, block_size, token_bytes, &stop);
-                for (; p < stop; p++, row += token_bytes) {
-                    const int64_t t = p - lowest;
-                    if (kind == ROW_F8)
-                        decode_fp8_token(row, num_kv_heads, head_dim, head_bytes, decoded);
+                const char *run = block_run(key_cache, table, p, end, block_size, token_bytes, &stop);
+                while (p < stop) {
+                    const int64_t tile_end = min64(p + TILE, stop);
+                    if (kind != ROW_F32)
+                        decode_tile(run, tile_end - p, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
                     for (int64_t b = 0; b < block; b++) {
-                        if (p < low[b] || p > high[b])
-                            continue;
+                        const int64_t from = max64(p, low[b]), to = min64(tile_end, high[b] + 1);
                         const float *q = query + (first + i0 + b) * query_stride;
                         for (int64_t head = 0; head < num_heads; head++) {
-                            const char *k = row + (head / group) * head_bytes;
                             const float *qh = q + head * head_dim;
-                            float dot = 0.f;
-                            if (kind == ROW_I8) {
-                                const int8_t *kq = (const int8_t *)k;
-                                for (int64_t d = 0; d < head_dim; d++)
-                                    dot += qh[d] * (float)kq[d];
-                            } else if (kind == ROW_F8) {
-                                const float *kf = decoded + (head / group) * head_dim;
-                                for (int64_t d = 0; d < head_dim; d++)
-                                    dot += qh[d] * kf[d];
-                            } else {
-                                const float *kf = (const float *)k;
+                            float *row_scores = scores + (b * num_heads + head) * n;
+                            for (int64_t u = from; u < to; u++) {
+                                const char *k = run + (u - p) * token_bytes + (head / group) * head_bytes;
+                                const float *kf = kind != ROW_F32
+                                    ? decoded + ((u - p) * num_kv_heads + head / group) * head_dim : (const float *)k;
+                                float dot = 0.f;
                                 for (int64_t d = 0; d < head_dim; d++)
                                     dot += qh[d] * kf[d];
+                                row_scores[u - lowest] = dot * head_scale(k, head_dim, kind) * scale;
                             }
-                            scores[(b * num_heads + head) * n + t] = dot * head_scale(k, head_dim, kind) * scale;
                         }
                     }
+                    run += (tile_end - p) * token_bytes;
+                    p = tile_end;
                 }
             }
             for (int64_t b = 0; b < block; b++)
@@ -141,35 +156,32 @@ static inline __attribute__((always_inline)) void attend_range(
                         weights[t] *= inverse;
                 }
             memset(out + (first + i0) * num_heads * head_dim, 0, block * num_heads * head_dim * sizeof(float));
+            /* Values, tile by tile as the keys were: each output row accumulates the tile's weighted
+             * values before it is stored again. */
             for (int64_t p = lowest, end = lowest + n, stop; p < end;) {
-                const char *row = block_run(value_cache, table, p, end, block_size, token_bytes, &stop);
-                for (; p < stop; p++, row += token_bytes) {
-                    const int64_t t = p - lowest;
-                    if (kind == ROW_F8)
-                        decode_fp8_token(row, num_kv_heads, head_dim, head_bytes, decoded);
+                const char *run = block_run(value_cache, table, p, end, block_size, token_bytes, &stop);
+                while (p < stop) {
+                    const int64_t tile_end = min64(p + TILE, stop);
+                    if (kind != ROW_F32)
+                        decode_tile(run, tile_end - p, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
                     for (int64_t b = 0; b < block; b++) {
-                        if (p < low[b] || p > high[b])
-                            continue;
+                        const int64_t from = max64(p, low[b]), to = min64(tile_end, high[b] + 1);
                         float *o = out + (first + i0 + b) * num_heads * head_dim;
                         for (int64_t head = 0; head < num_heads; head++) {
-                            const char *v = row + (head / group) * head_bytes;
-                            const float weight = scores[(b * num_heads + head) * n + t] * head_scale(v, head_dim, kind);
-                            float *oh = o + head * head_dim;
-                            if (kind == ROW_I8) {
-                                const int8_t *vq = (const int8_t *)v;
-                                for (int64_t d = 0; d < head_dim; d++)
-                                    oh[d] += weight * (float)vq[d];
-                            } else if (kind == ROW_F8) {
-                                const float *vf = decoded + (head / group) * head_dim;
-                                for (int64_t d = 0; d < head_dim; d++)
-                                    oh[d] += weight * vf[d];
-                            } else {
-                                const float *vf = (const float *)v;
+                            const float *weights = scores + (b * num_heads + head) * n;
+                            float *restrict oh = o + head * head_dim;
+                            for (int64_t u = from; u < to; u++) {
+                                const char *v = run + (u - p) * token_bytes + (head / group) * head_bytes;
+                                const float weight = weights[u - lowest] * head_scale(v, head_dim, kind);
+                                const float *vf = kind != ROW_F32
+                                    ? decoded + ((u - p) * num_kv_heads + head / group) * head_dim : (const float *)v;
                                 for (int64_t d = 0; d < head_dim; d++)
                                     oh[d] += weight * vf[d];
                             }
                         }
                     }
+                    run += (tile_end - p) * token_bytes;
+                    p = tile_end;
                 }
             }
         }

@@ -57,7 +57,7 @@ def native_kernel(symbol: str = "paged_attention_f32"):
                            None)
 
 
-MAX_DECODED = 8192  # cpu_attention.c decodes one cached token's E4M3 row (every KV head) into this many floats
+MAX_DECODED, TILE = 16384, 16  # cpu_attention.c decodes a tile of TILE cached tokens' one-byte rows into this many floats
 SYMBOLS = {torch.float32: "paged_attention_f32", torch.int8: "paged_attention_i8",
            torch.uint8: "paged_attention_f8"}  # uint8: E4M3 rows (kernels/kv_quant.py)
 
@@ -71,7 +71,7 @@ def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
         return False
     quantized = key_cache.dtype != torch.float32
     row = query.shape[2] + (SCALE_BYTES if quantized else 0)  # a quantized row ends in its scale
-    if key_cache.dtype == torch.uint8 and key_cache.shape[2] * query.shape[2] > MAX_DECODED:
+    if quantized and TILE * key_cache.shape[2] * query.shape[2] > MAX_DECODED:
         return False
     return (query.device.type == "cpu" and query.dtype == torch.float32
             and key_cache.dtype == value_cache.dtype
