@@ -32,14 +32,21 @@ static inline void rotate(const float *x, const float *restrict cos, const float
         out[i] = rotated[i];
 }
 
-/* An int8 cache row (kernels/kv_quant.py): head_dim values rounded from x over its largest
- * magnitude / 127, then that scale as a float32. */
-static inline void quantize_row(const float *x, int8_t *out, int64_t head_dim)
+/* A quantized row's scale: x's largest magnitude over `limit` (the format's largest value), never
+ * below FLT_MIN so that a row of zeros divides cleanly. */
+static inline float row_scale(const float *x, int64_t head_dim, float limit)
 {
     float top = 0.f;
     for (int64_t i = 0; i < head_dim; i++)
         top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
-    const float scale = top / 127.f > FLT_MIN ? top / 127.f : FLT_MIN;
+    return top / limit > FLT_MIN ? top / limit : FLT_MIN;
+}
+
+/* An int8 cache row (kernels/kv_quant.py): head_dim values rounded from x over its largest
+ * magnitude / 127, then that scale as a float32. */
+static inline void quantize_row(const float *x, int8_t *out, int64_t head_dim)
+{
+    const float scale = row_scale(x, head_dim, 127.f);
     for (int64_t i = 0; i < head_dim; i++) {
         const float q = nearbyintf(x[i] / scale);
         out[i] = (int8_t)(q > 127.f ? 127.f : q < -127.f ? -127.f : q);
@@ -68,10 +75,7 @@ static inline uint8_t fp8_e4m3_byte(float y)
  * then that scale as a float32. */
 static inline void quantize_row_fp8(const float *x, uint8_t *out, int64_t head_dim)
 {
-    float top = 0.f;
-    for (int64_t i = 0; i < head_dim; i++)
-        top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
-    const float scale = top / 448.f > FLT_MIN ? top / 448.f : FLT_MIN;
+    const float scale = row_scale(x, head_dim, 448.f);
     for (int64_t i = 0; i < head_dim; i++) {
         const float y = x[i] / scale;
         out[i] = fp8_e4m3_byte(y > 448.f ? 448.f : y < -448.f ? -448.f : y);
@@ -81,6 +85,14 @@ static inline void quantize_row_fp8(const float *x, uint8_t *out, int64_t head_d
 
 /* How a cache row holds its values: float32, or one byte each (int8, E4M3) and their scale. */
 enum row_kind { ROW_F32, ROW_I8, ROW_F8 };
+
+static inline void quantize_as(int kind, const float *x, char *out, int64_t head_dim)
+{
+    if (kind == ROW_I8)
+        quantize_row(x, (int8_t *)out, head_dim);
+    else
+        quantize_row_fp8(x, (uint8_t *)out, head_dim);
+}
 
 /* cos, sin: [num_tokens, head_dim]; query rows are num_heads * head_dim apart (query_stride
  * floats between tokens), keys and values num_kv_heads * head_dim (key_stride, value_stride). A
@@ -107,14 +119,10 @@ static inline __attribute__((always_inline)) int64_t rotate_and_write(
         char *k_out = key_cache + slots[t] * row, *v_out = value_cache + slots[t] * row;
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const float *v = value + t * value_stride + h * head_dim;
-            if (kind == ROW_I8) {
+            if (kind != ROW_F32) {
                 rotate(key + t * key_stride + h * head_dim, c, s, rotated, head_dim);
-                quantize_row(rotated, (int8_t *)(k_out + h * head_bytes), head_dim);
-                quantize_row(v, (int8_t *)(v_out + h * head_bytes), head_dim);
-            } else if (kind == ROW_F8) {
-                rotate(key + t * key_stride + h * head_dim, c, s, rotated, head_dim);
-                quantize_row_fp8(rotated, (uint8_t *)(k_out + h * head_bytes), head_dim);
-                quantize_row_fp8(v, (uint8_t *)(v_out + h * head_bytes), head_dim);
+                quantize_as(kind, rotated, k_out + h * head_bytes, head_dim);
+                quantize_as(kind, v, v_out + h * head_bytes, head_dim);
             } else {
                 rotate(key + t * key_stride + h * head_dim, c, s, (float *)(k_out + h * head_bytes), head_dim);
                 memcpy(v_out + h * head_bytes, v, head_dim * sizeof(float));
