@@ -2,8 +2,9 @@
 CPU, torch's own elsewhere (another dtype or device, no AVX2, no compiler). docs/kernels.md has
 the measurements.
 
-- `cpu_gemm.c` serves up to `GEMM_MAX_ROWS` rows (every decode step and verification) against
-  weights packed into panels when the model loads (`pack_weights`), split over the step's threads.
+- `cpu_gemm.c` serves up to `GEMM_MAX_ROWS` rows (every decode step and verification, short
+  prompts) against weights packed into panels when the model loads (`pack_weights`), split over
+  the step's threads.
 - `cpu_linear.c` serves up to `MAX_ROWS` rows of an unpacked weight (the TP shards' projections
   that take their weight directly).
 
@@ -23,7 +24,7 @@ from torch import nn
 from kernels import native
 
 MAX_ROWS = 6  # the unpacked kernel: past this the BLAS is about as fast per row
-GEMM_MAX_ROWS = 64  # the packed kernel: past this MKL is as fast per thread
+GEMM_MAX_ROWS = 256  # the packed kernel: past this MKL is as fast
 PANEL = 16  # output columns per packed panel (cpu_gemm.c)
 SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth splitting over threads
 SPLIT_ROWS = 4  # nor below this many rows: bound by reading the weights, a second thread adds little but its cost

@@ -50,13 +50,15 @@ def test_cpu_attention_bench_runs(tmp_path):
 
 
 def test_cpu_linear_bench_runs(tmp_path):
-    done = run_bench("cpu_linear_bench", tmp_path, repeats="1", rows="2,9")
+    done = run_bench("cpu_linear_bench", tmp_path, repeats="1", rows="2,9", step_rows="3", threads="1")
     if "cannot be built" in done.stderr:
         pytest.skip("no C compiler or no AVX2 here: the packed linear kernel cannot be built")
     assert done.returncode == 0, done.stderr
     rows = json.loads((tmp_path / "cpu_linear_bench.json").read_text())["rows"]
     assert len(rows) == 14 and all(row["torch"] > 0 and row["packed"] > 0 for row in rows)
     assert [("unpacked" in row) for row in rows[:2]] == [True, False]  # that kernel stops at six rows
+    [step] = json.loads((tmp_path / "cpu_linear_bench.json").read_text())["whole_step"]
+    assert step["rows"] == 3 and step["threads"] == 1 and step["torch_ms"] > 0 and step["packed_ms"] > 0
 
 
 def test_beam_memory_bench_runs(tmp_path):
