@@ -1,7 +1,8 @@
 """The README's Docker section, typed as written: the engine is prepared, `docker-compose up`
 builds the images from the local base image, the CPU stack and Prometheus come up, a streamed
 completion arrives through the published port, Prometheus scrapes the api, the scheduler and the
-worker, and Ctrl-C stops it all. Needs a Docker engine, docker-compose
+worker, the worker's image has no compiler and runs the wheel's prebuilt kernels, and Ctrl-C
+stops it all. Needs a Docker engine, docker-compose
 and the base image (.ci/run provides all three where it runs as root)."""
 
 from __future__ import annotations
@@ -57,6 +58,20 @@ def readme_docker_commands() -> list[str]:
     return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.split("#", 1)[0].strip()]
 
 
+def kernels_in_the_running_worker(project: str, env: dict[str, str]) -> tuple[list[str], str]:
+    """The C compilers the worker's image has (none, as it runs), and the library its packed linear
+    kernel loads: the installed package's prebuilt one."""
+    [container] = compose(project, env, "ps", "-q", "worker-cpu").stdout.split()
+    script = ("import glob, shutil; from kernels import native; "
+              "print([c for c in ('cc', 'gcc', 'clang') if shutil.which(c)] + glob.glob('/usr/bin/*-gcc-*')); "
+              "print(native.load('cpu_gemm')._name)")
+    done = subprocess.run(["docker", "exec", container, "python", "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compilers, kernel = done.stdout.strip().splitlines()[-2:]
+    return json.loads(compilers.replace("'", '"')), kernel
+
+
 def test_the_readme_docker_commands_as_written_serve_a_stream_prometheus_scrapes_and_ctrl_c_stops():
     prepare, up_command = readme_docker_commands()
     project = f"pagedservetest{os.getpid()}"
@@ -95,6 +110,9 @@ def test_the_readme_docker_commands_as_written_serve_a_stream_prometheus_scrapes
         prometheus = f"http://127.0.0.1:{prometheus_port}"
         assert wait_until(lambda: scraped_jobs(prometheus) == {"api": "1", "scheduler": "1", "worker": "1"}, 60, 1), \
             scraped_jobs(prometheus)
+        compilers, kernel = kernels_in_the_running_worker(project, env)
+        assert compilers == [], compilers
+        assert "/site-packages/kernels/prebuilt/cpu_gemm-" in kernel, kernel
         started = time.monotonic()
         up.send_signal(signal.SIGINT)  # Ctrl-C
         up.wait(timeout=60)
