@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -24,6 +23,7 @@ from services.api.engine_client import EngineClient
 from services.api.engine_group import EngineGroup
 from services.api.errors import ApiError
 from services.api.formats import ChatFormat, Chunk, CompletionFormat
+from services.api.json_body import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, JsonBodies
 from services.api.memory_return import ReturnMemoryAfterLargeBodies
 from services.api.metrics import ApiMetrics
 from services.api.requests import GenerationRequest, parse_chat, parse_completion
@@ -37,25 +37,16 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("pagedserve.access")
 
 
-DEFAULT_BODY_TIMEOUT = 60.0
-DEFAULT_MAX_BODY_BYTES = 8 << 20  # vLLM sets none; 8 MiB holds any prompt a context can take
-# Arrays and objects a body may open: a request needs a handful (messages, tools, token ids), and
-# parsing millions of them holds the event loop for seconds (a 7 MiB body of empty lists: 1.6 s).
-MAX_BODY_CONTAINERS = 16_384
-PARSE_OFF_LOOP_BYTES = 64 << 10  # parses in about a millisecond; larger ones go to a thread
-
-
 class OpenAIServer:
     def __init__(self, client: EngineGroup, tokenizer, model_name: str, vocab_size: int,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
                  max_logprobs: int = MAX_LOGPROBS, report_cached_tokens: bool = True,
                  body_timeout: float = DEFAULT_BODY_TIMEOUT):
         self.client = client
-        self.body_timeout = body_timeout
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = vocab_size
-        self.max_body_bytes = max_body_bytes
+        self.bodies = JsonBodies(max_body_bytes, body_timeout)
         self.metrics = ApiMetrics(client)
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
         self.tool_parser = TOOL_CALL_PARSERS[tool_call_parser]() if tool_call_parser else None
@@ -67,7 +58,7 @@ class OpenAIServer:
     # --- routes --------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        generation = await self._json_body(request, parse_completion)
+        generation = await self.bodies.read(request, parse_completion)
         self._admit(request, generation)
         await self._compile_grammar(generation)
         first = generation.prompt if generation.prompt is not None else generation.prompt_token_ids
@@ -99,7 +90,7 @@ class OpenAIServer:
         return prompt
 
     async def chat_completions(self, request: Request) -> Response:
-        generation = await self._json_body(request, parse_chat)
+        generation = await self.bodies.read(request, parse_chat)
         self._admit(request, generation)
         tools = generation.tools
         if tools is not None and tools.choice == "auto" and self.tool_parser is None:
@@ -149,35 +140,6 @@ class OpenAIServer:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # --- input ---------------------------------------------------------------------------
-
-    async def _json_body(self, request: Request, parse=None) -> object:
-        """The body as JSON (then through `parse`, where given), at most `max_body_bytes`, arrived
-        within `body_timeout`, every string valid Unicode. Bodies past PARSE_OFF_LOOP_BYTES are
-        parsed and checked in a thread, so streams keep flowing meanwhile."""
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise _too_large(self.max_body_bytes)
-        try:
-            raw = await asyncio.wait_for(self._read_body(request), self.body_timeout)
-        except asyncio.TimeoutError:
-            raise ApiError(f"the request body did not arrive within {self.body_timeout:g} s", status=408,
-                           code="body_timeout") from None
-        # An upper bound (brackets inside strings count too), counted in milliseconds before parsing.
-        if raw.count(b"[") + raw.count(b"{") > max(MAX_BODY_CONTAINERS, len(raw) // 64):
-            raise ApiError("the body holds more arrays and objects than any request needs",
-                           code="too_many_containers")
-        if len(raw) > PARSE_OFF_LOOP_BYTES:
-            return await asyncio.to_thread(_parse_json, raw, parse)
-        return _parse_json(raw, parse)
-
-    async def _read_body(self, request: Request) -> bytes:
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > self.max_body_bytes:
-                raise _too_large(self.max_body_bytes)
-            parts.append(part)
-        return b"".join(parts)
 
     async def _tokenize(self, encode, text: str, **kwargs) -> list[int]:
         self.check_could_fit(text)
@@ -397,39 +359,6 @@ async def _unless_disconnected(request: Request, work):
 async def _wait_for_disconnect(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.25)
-
-
-def _parse_json(raw: bytes, parse=None) -> object:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:
-        raise ApiError("the JSON body is nested too deeply", code="invalid_json") from None
-    _check_unicode(body)
-    return body if parse is None else parse(body)
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(f"the request body is larger than {limit} bytes", status=413, code="body_too_large")
-
-
-def _check_unicode(body: object) -> None:
-    """Reject strings with lone surrogates (JSON allows them; UTF-8 and the tokenizer do not)."""
-    stack = [body]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ApiError("a string in the body is not valid Unicode (a lone surrogate)",
-                               code="invalid_unicode") from None
-        elif isinstance(value, dict):
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
 
 
 def build_app(client: EngineGroup | EngineClient, tokenizer, model_name: str, vocab_size: int,

@@ -1,7 +1,7 @@
 """Deadlines for a request's headers: a client that sends them a byte at a time (slowloris) is cut
 off, where uvicorn's keep-alive timer restarts with every byte and would hold it forever.
 
-The body has its own deadline in the app (`_json_body`), where its size limit is checked too."""
+The body has its own deadline (`services.api.json_body`), where its size limit is checked too."""
 
 from __future__ import annotations
 

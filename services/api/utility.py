@@ -83,7 +83,7 @@ def _detokenized(server, body: dict) -> Response:
 
 
 async def _object(server, request: Request) -> dict:
-    body = await server._json_body(request)
+    body = await server.bodies.read(request)
     if not isinstance(body, dict):
         raise ApiError("the body must be a JSON object")
     return body

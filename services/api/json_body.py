@@ -1,0 +1,87 @@
+"""Request bodies as JSON, read within limits: a size, a deadline for the body to arrive, a bound
+on the arrays and objects it opens, and valid Unicode in every string. A violation is an
+`ApiError` (413 too large, 408 too slow, 400 otherwise) before anything is queued."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from starlette.requests import Request
+
+from services.api.errors import ApiError
+
+DEFAULT_BODY_TIMEOUT = 60.0
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # vLLM sets none; 8 MiB holds any prompt a context can take
+# Arrays and objects a body may open: a request needs a handful (messages, tools, token ids), and
+# parsing millions of them holds the event loop for seconds (a 7 MiB body of empty lists: 1.6 s).
+MAX_BODY_CONTAINERS = 16_384
+PARSE_OFF_LOOP_BYTES = 64 << 10  # parses in about a millisecond; larger ones go to a thread
+
+
+class JsonBodies:
+    def __init__(self, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT):
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+
+    async def read(self, request: Request, parse=None) -> object:
+        """The body as JSON (then through `parse`, where given), at most `max_body_bytes`, arrived
+        within `body_timeout`, every string valid Unicode. Bodies past PARSE_OFF_LOOP_BYTES are
+        parsed and checked in a thread, so streams keep flowing meanwhile."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise _too_large(self.max_body_bytes)
+        try:
+            raw = await asyncio.wait_for(self._read_body(request), self.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(f"the request body did not arrive within {self.body_timeout:g} s", status=408,
+                           code="body_timeout") from None
+        # An upper bound (brackets inside strings count too), counted in milliseconds before parsing.
+        if raw.count(b"[") + raw.count(b"{") > max(MAX_BODY_CONTAINERS, len(raw) // 64):
+            raise ApiError("the body holds more arrays and objects than any request needs",
+                           code="too_many_containers")
+        if len(raw) > PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(_parse_json, raw, parse)
+        return _parse_json(raw, parse)
+
+    async def _read_body(self, request: Request) -> bytes:
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self.max_body_bytes:
+                raise _too_large(self.max_body_bytes)
+            parts.append(part)
+        return b"".join(parts)
+
+
+def _parse_json(raw: bytes, parse=None) -> object:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError("the JSON body is nested too deeply", code="invalid_json") from None
+    _check_unicode(body)
+    return body if parse is None else parse(body)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(f"the request body is larger than {limit} bytes", status=413, code="body_too_large")
+
+
+def _check_unicode(body: object) -> None:
+    """Reject strings with lone surrogates (JSON allows them; UTF-8 and the tokenizer do not)."""
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError("a string in the body is not valid Unicode (a lone surrogate)",
+                               code="invalid_unicode") from None
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
