@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +64,28 @@ def function(name: str, symbol: str, argument_types: list, result_type=None):
         return None
     kernel = getattr(library, symbol)
     kernel.argtypes, kernel.restype = argument_types, result_type
-    return kernel
+    return profiled(kernel, f"pagedserve::{name}.{symbol}")
+
+
+def profiled(kernel: Callable, label: str) -> Callable:
+    """`kernel`, seen by torch's profiler as a range named `label` on the thread that calls it,
+    while the profiler records that thread (a ctypes call is no torch operator, so the profiler
+    would otherwise fold it into its caller). The libraries are plain C, not torch extensions, so
+    one build serves every torch version; the signature check above is what keeps a call from
+    passing the wrong types."""
+    def call(*args):
+        if _profiling():
+            with sys.modules["torch.autograd.profiler"].record_function(label):
+                return kernel(*args)
+        return kernel(*args)
+
+    call.__qualname__ = call.__name__ = label
+    return call
+
+
+def _profiling() -> bool:
+    profiler = sys.modules.get("torch.autograd.profiler")
+    return profiler is not None and profiler._is_profiler_enabled
 
 
 def signature(argument_types: list, result_type=None) -> str:
@@ -77,14 +99,19 @@ _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
 
-def run_parts(run: Callable[[int], object], parts: int) -> list:
+def run_parts(run: Callable[[int], object], parts: int, label: str = "pagedserve::kernel") -> list:
     """`run(0)`, ..., `run(parts - 1)`, each on a thread of one pool shared by the kernels (a kernel
-    called through ctypes lets go of the GIL, so the parts run on as many cores); their results."""
+    called through ctypes lets go of the GIL, so the parts run on as many cores); their results.
+    torch's profiler records only the thread it started on unless told to record them all, so
+    there the parts show as one range, `label` and the number of threads."""
     global _pool, _pool_size
     if parts <= 1:
         return [run(0)]
     if _pool_size < parts:
         _pool, _pool_size = ThreadPoolExecutor(parts, thread_name_prefix="kernel"), parts
+    if _profiling():
+        with sys.modules["torch.autograd.profiler"].record_function(f"{label} on {parts} threads"):
+            return list(_pool.map(run, range(parts)))
     return list(_pool.map(run, range(parts)))
 
 

@@ -1,5 +1,6 @@
 """The C kernels' ctypes declarations are checked against the signatures the C files state, so a
-declaration that drifts from its function leaves the kernel to torch instead of corrupting memory."""
+declaration that drifts from its function leaves the kernel to torch instead of corrupting memory,
+and torch's profiler sees every call by name."""
 
 import logging
 
@@ -25,3 +26,23 @@ def test_a_declaration_that_differs_from_the_c_signature_is_refused(caplog):
         kernel = native.function("cpu_norm", "rms_norm_f32", [p, p, p, i, p, i, i, i], i)  # eps as an int64
     assert kernel is None
     assert "rms_norm_f32 takes pppfpiii:i, where its caller passes pppipiii:i" in caplog.text
+
+
+def test_torch_profiler_sees_each_kernel_call_by_name_and_a_call_split_over_threads_as_one_range():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    x, weight = torch.randn(32, 256), torch.randn(512, 256)  # past SPLIT_MACS: two threads share the call
+    panels = cpu_linear.pack(weight)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as recorded:
+            cpu_norm.rms_norm(x, torch.ones(256), 1e-5)
+            out = cpu_linear.gemm(x, panels, 512, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert out is not None and torch.allclose(out, x @ weight.T, atol=1e-3)
+    counts = {event.key: event.count for event in recorded.key_averages()}
+    assert counts.get("pagedserve::cpu_norm.rms_norm_f32") == 1, sorted(counts)
+    assert counts.get("pagedserve::cpu_gemm.gemm_f32 on 2 threads") == 1, sorted(counts)
