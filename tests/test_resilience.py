@@ -90,6 +90,8 @@ def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir
                 break
             time.sleep(0.5)
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
+        # Its OpenMP threads sleep when idle rather than spin on the kernel threads' cores.
+        assert "OMP_WAIT_POLICY=PASSIVE" in (tmp_path / "worker2.log").read_text()
     finally:
         for process in processes:
             process.kill()

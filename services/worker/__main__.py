@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    # Before torch loads OpenMP: its idle threads would otherwise spin for a while after each
+    # operation, on the cores the compiled kernels' threads need (services/worker/cpu_threads.py).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.tensor_parallel_size > 1:
         setup_logging("worker")
         from services.worker.rank_group import run_group

@@ -102,7 +102,8 @@ class WorkerServer:
         swap_rate = cache.measure_swap_bandwidth()
         prefill_rate = self.runner.measure_prefill_rate()
         log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s%s", swap_rate / 1e9, prefill_rate,
-                 f"; compute threads: {threads.describe()}" if threads is not None else "")
+                 f"; compute threads: {threads.describe()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
+                 if threads is not None else "")
         self.ready = Ready(
             rank, world_size, num_blocks, num_cpu_blocks, args.block_size,
             config.max_position_embeddings, eos_ids, block_bytes,
