@@ -109,7 +109,7 @@ def paged_attention_native(
                tables.stride(0), starts.data_ptr(), lens.data_ptr(), first, last, num_heads, num_kv_heads, head_dim,
                block_size, scale, window or 0, scores.data_ptr(), out.data_ptr())
 
-    native.run_parts(run, len(parts), f"pagedserve::cpu_attention.{_symbol(key_cache)}")
+    native.run_parts(run, len(parts), kernel.__name__)
     return out
 
 

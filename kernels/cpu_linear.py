@@ -78,7 +78,7 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.T
     split = rows >= SPLIT_ROWS and rows * out_features * width >= SPLIT_MACS
     parts = min(torch.get_num_threads(), count) if split else 1
     bounds = [count * i // parts for i in range(parts + 1)]
-    done = native.run_parts(lambda i: kernel(*args, bounds[i], bounds[i + 1]), parts, "pagedserve::cpu_gemm.gemm_f32")
+    done = native.run_parts(lambda i: kernel(*args, bounds[i], bounds[i + 1]), parts, kernel.__name__)
     return out if all(d == 0 for d in done) else None
 
 

@@ -75,7 +75,7 @@ def profiled(kernel: Callable, label: str) -> Callable:
     passing the wrong types."""
     def call(*args):
         if _profiling():
-            with sys.modules["torch.autograd.profiler"].record_function(label):
+            with _profiler_range(label):
                 return kernel(*args)
         return kernel(*args)
 
@@ -86,6 +86,10 @@ def profiled(kernel: Callable, label: str) -> Callable:
 def _profiling() -> bool:
     profiler = sys.modules.get("torch.autograd.profiler")
     return profiler is not None and profiler._is_profiler_enabled
+
+
+def _profiler_range(label: str):
+    return sys.modules["torch.autograd.profiler"].record_function(label)
 
 
 def signature(argument_types: list, result_type=None) -> str:
@@ -110,7 +114,7 @@ def run_parts(run: Callable[[int], object], parts: int, label: str = "pagedserve
     if _pool_size < parts:
         _pool, _pool_size = ThreadPoolExecutor(parts, thread_name_prefix="kernel"), parts
     if _profiling():
-        with sys.modules["torch.autograd.profiler"].record_function(f"{label} on {parts} threads"):
+        with _profiler_range(f"{label} on {parts} threads"):
             return list(_pool.map(run, range(parts)))
     return list(_pool.map(run, range(parts)))
 
