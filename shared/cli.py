@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 
 from shared.config import SchedulerConfig, SpeculativeConfig
@@ -215,10 +216,15 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     )
 
 
-def stop_on_signals() -> None:
+def stop_on_signals() -> socket.socket:
     """SIGINT or SIGTERM (Ctrl-C, docker stop, the launcher) stops a service by a KeyboardInterrupt
     in the main thread, which the service turns into a clean exit. Only the first: a Ctrl-C in a
-    terminal reaches the launcher's children twice, from the terminal and from the launcher."""
+    terminal reaches the launcher's children twice, from the terminal and from the launcher.
+
+    Returns a socket for the service's main loop to poll beside its own: the kernel may hand the
+    signal to any thread (zmq's authenticator, the metrics server), and Python runs the handler
+    only when the main thread next runs, which a zmq poll without a timeout would never do. The
+    signal writes a byte to this socket's pair, and the poll wakes."""
     def interrupt(signum, frame):
         for each in (signal.SIGINT, signal.SIGTERM):
             signal.signal(each, signal.SIG_IGN)
@@ -226,6 +232,24 @@ def stop_on_signals() -> None:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, interrupt)
+    global _signal_sockets
+    _signal_sockets = socket.socketpair()
+    for end in _signal_sockets:
+        end.setblocking(False)
+    signal.set_wakeup_fd(_signal_sockets[1].fileno(), warn_on_full_buffer=False)
+    return _signal_sockets[0]
+
+
+_signal_sockets: tuple[socket.socket, socket.socket] | None = None  # kept open for the process's life
+
+
+def drain_wakeups(signals: socket.socket) -> None:
+    """Empty the socket `stop_on_signals` returned, once a poll has woken on it."""
+    try:
+        while signals.recv(64):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def exit_at_once(code: int = 0) -> None:

@@ -121,6 +121,51 @@ def test_each_service_alone_stops_within_two_seconds(llama_dir, tmp_path, signum
                 os.killpg(process.pid, signal.SIGKILL)
 
 
+TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)  # the syscall's number
+
+
+def helper_thread_taking(pid: int, signum: int) -> int:
+    """A thread of `pid` other than its main one that does not block `signum` (the metrics
+    server's, zmq's authenticator's): one the kernel may hand a process's signal to."""
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            blocked = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+        if tid != pid and not blocked & (1 << (signum - 1)):
+            return tid
+    raise AssertionError(f"no thread of {pid} but the main one takes signal {signum}")
+
+
+@pytest.mark.skipif(TGKILL is None, reason="tgkill's number is known here for x86_64 and aarch64 only")
+def test_a_signal_taken_by_a_helper_thread_still_stops_the_scheduler_and_the_worker(llama_dir, tmp_path):
+    """Python runs a signal's handler in the main thread, the next time it runs; the loops wait in
+    zmq polls without a timeout, so the signal must wake them."""
+    import ctypes
+
+    syscall = ctypes.CDLL(None, use_errno=True).syscall
+    ready_line = {"scheduler": "waiting for 1 worker rank", "worker": "measured:"}
+    for service, line in ready_line.items():
+        sockets = tmp_path / service
+        sockets.mkdir()
+        log = tmp_path / f"{service}.log"
+        process = start(service_commands(llama_dir, str(sockets))[service], log, sockets)
+        try:
+            assert wait_until(lambda: line in log.read_text() or process.poll() is not None, 60), log.read_text()
+            time.sleep(0.5)  # idle in its poll
+            started = time.monotonic()
+            assert syscall(TGKILL, process.pid, helper_thread_taking(process.pid, signal.SIGTERM),
+                           signal.SIGTERM) == 0, ctypes.get_errno()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+            took = time.monotonic() - started
+            assert process.poll() is not None and took < STOP_SECONDS, f"{service} still ran after {took:.1f} s"
+            assert "Traceback" not in log.read_text(), log.read_text()
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
 def test_a_sigkilled_launcher_leaves_no_service_and_no_socket_directory_behind(llama_dir, tmp_path):
     port, temp = free_port(), tmp_path / "tmp"
     temp.mkdir()

@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     launcher = os.getppid()
-    stop_on_signals()
+    signals = stop_on_signals()
     setup_logging("scheduler")
     endpoints = Endpoints(scheduler=args.scheduler_endpoint, workers=args.worker_endpoint)
     try:
@@ -37,7 +37,7 @@ def main() -> None:
         serve_metrics(server.metrics.registry, args.metrics_host, args.metrics_port, "scheduler")
     except MetricsPortError as exc:
         sys.exit(f"scheduler: {exc}")
-    code = server.run()
+    code = server.run(signals)
     remove_orphaned_runtime_dir(launcher)
     sys.exit(code)
 

@@ -21,6 +21,7 @@ fails at most the request it concerns.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections import deque
 
@@ -37,6 +38,7 @@ from services.scheduler.speculation import Speculation
 from services.scheduler.stats import Stats
 from services.scheduler.stats_log import StatsLog
 from shared import sockets
+from shared.cli import drain_wakeups
 from shared.config import Endpoints, SchedulerConfig
 from shared.frame_limits import MAX_FRAME_BYTES
 from shared.handshake_budget import HANDSHAKE_EVENTS, HandshakeBudget
@@ -121,8 +123,12 @@ class SchedulerServer:
         }
         self.worker_handlers = {Ready: self.on_ready, StepResult: self.on_step_result}
 
-    def run(self) -> int:
+    def run(self, signals: socket.socket | None = None) -> int:
+        """Serve until stopped; `signals`: the socket a signal taken by another thread wakes
+        (`shared.cli.stop_on_signals`)."""
         poller = zmq.Poller()
+        if signals is not None:
+            poller.register(signals, zmq.POLLIN)
         poller.register(self.api_socket, zmq.POLLIN)
         poller.register(self.worker_socket, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
@@ -156,8 +162,10 @@ class SchedulerServer:
                 self.on_connection_event(recv_monitor_message(sock), self.closed[sock])
             elif sock is self.api_socket:
                 self._drain(sock, self.api_handlers, API_MESSAGE_CONTAINERS)
-            else:
+            elif sock is self.worker_socket:
                 self._drain_workers()
+            else:  # woken for a signal, whose handler has run by now
+                drain_wakeups(sock)
         if self.scheduler is not None and self.stats_log.due_in() == 0.0:
             self.stats_log.write(self.scheduler.stats())
         if self.in_flight and time.monotonic() > self.step_deadline:

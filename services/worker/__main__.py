@@ -40,7 +40,7 @@ def main() -> None:
         from services.worker.rank_group import run_group
 
         sys.exit(run_group(without_tensor_parallel_size(sys.argv[1:]), args.tensor_parallel_size))
-    stop_on_signals()
+    signals = stop_on_signals()
     setup_logging(f"worker{args.rank}")
     try:
         keys = keys_for(args, "worker", [args.worker_endpoint])
@@ -62,7 +62,7 @@ def main() -> None:
     except ModelLoadError as exc:
         logging.getLogger("services.worker").error("cannot load the model: %s", exc)
         sys.exit(2)
-    server.run()
+    server.run(signals)
 
 
 def without_tensor_parallel_size(argv: list[str]) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import traceback
 
@@ -20,6 +21,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
+from shared.cli import drain_wakeups
 from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
 from shared.wire_security import WireKeys, connect_securely
 
@@ -122,15 +124,22 @@ class WorkerServer:
         self.last_sent = time.perf_counter()
         self.handlers = {Step: self.on_step, Reset: self.on_reset, Shutdown: self.on_shutdown}
 
-    def run(self) -> None:
+    def run(self, signals: socket.socket | None = None) -> None:
+        """Serve steps until stopped; `signals`: the socket a signal taken by another thread wakes
+        (`shared.cli.stop_on_signals`)."""
         # Each (re)connection to a scheduler is answered with Ready: a restarted scheduler
         # learns this rank again, and knows none of the sequences the old one had.
         events = self.connection_events
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(events, zmq.POLLIN)
+        if signals is not None:
+            poller.register(signals, zmq.POLLIN)
         while self.running:
             for sock, _ in poller.poll():
+                if sock is signals:  # woken for a signal, whose handler has run by now
+                    drain_wakeups(sock)
+                    continue
                 if sock is events:
                     events.recv_multipart()
                     self.runner.reset()
