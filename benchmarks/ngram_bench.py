@@ -1,4 +1,4 @@
-"""What the n-gram proposer costs the scheduler: microseconds per sequence per step, for a batch of
+"""What the n-gram proposer costs the worker: microseconds per sequence per step, for a batch of
 sequences that each gain one to k+1 tokens a step, as they do while speculating.
 
 Sequences start from prompts cut from Python sources (this repository's), so their n-grams recur
@@ -20,9 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from services.scheduler.ngram import NgramProposer  # noqa: E402
-from services.scheduler.request import Request, Sequence  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from services.worker.ngram import NgramProposer  # noqa: E402
 
 
 def source_tokens(rng: random.Random, length: int, files: list[Path]) -> list[int]:
@@ -45,20 +43,20 @@ def main() -> None:
     rng = random.Random(0)
     files = sorted((ROOT / "services").rglob("*.py")) + sorted((ROOT / "shared").glob("*.py"))
     proposer = NgramProposer(args.min_n, args.max_n)
-    seqs = [Sequence(i, Request(f"r{i}", source_tokens(rng, args.prompt_len, files), SamplingParams(), 0.0), 0)
-            for i in range(args.sequences)]
+    seqs = [source_tokens(rng, args.prompt_len, files) for _ in range(args.sequences)]
+    indexes = [proposer.new_index() for _ in seqs]
     started = time.perf_counter()
-    for seq in seqs:
-        proposer.propose(seq, args.k)
+    for tokens, index in zip(seqs, indexes):
+        proposer.propose(tokens, index, args.k)
     first = (time.perf_counter() - started) / len(seqs) * 1e6
     per_step = []
     proposed = 0
     for _ in range(args.steps):
-        for seq in seqs:  # what a verification kept: the accepted proposals and one more token
-            seq.output_token_ids += [rng.randrange(32, 127) for _ in range(rng.randint(1, args.k + 1))]
+        for tokens in seqs:  # what a verification kept: the accepted proposals and one more token
+            tokens += [rng.randrange(32, 127) for _ in range(rng.randint(1, args.k + 1))]
         started = time.perf_counter()
-        for seq in seqs:
-            proposed += len(proposer.propose(seq, args.k))
+        for tokens, index in zip(seqs, indexes):
+            proposed += len(proposer.propose(tokens, index, args.k))
         per_step.append((time.perf_counter() - started) / len(seqs) * 1e6)
     result = {
         "sequences": args.sequences, "steps": args.steps, "prompt_len": args.prompt_len, "k": args.k,

@@ -57,9 +57,9 @@ class SpeculativeConfig:
     """`--speculative-config`, in vLLM's form: who proposes tokens for the target model to verify.
 
     `ngram` looks the sequence's last n tokens (n from `prompt_lookup_max` down to
-    `prompt_lookup_min`) up in its own prompt and output, in the scheduler; `draft_model` runs
-    the smaller model in `model` (same tokenizer) in the worker. Either proposes up to
-    `num_speculative_tokens` tokens per sequence and step."""
+    `prompt_lookup_min`) up in its own prompt and output; `draft_model` runs the smaller model in
+    `model` (same tokenizer). Both run in the worker, and propose up to `num_speculative_tokens`
+    tokens per sequence and step."""
 
     method: str
     num_speculative_tokens: int

@@ -20,7 +20,9 @@ import msgpack
 from shared.frame_limits import MAX_FRAME_BYTES, ContainerBudget, ProtocolError, frame_tag
 from shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: a step verifies proposed tokens, a result lists the tokens each sequence keeps; 3: grammars
+# 2: a step verifies proposed tokens, a result lists the tokens each sequence keeps; 3: grammars;
+# 4: the worker makes every proposal, and may settle where an entry starts
+PROTOCOL_VERSION = 4
 
 
 # --- api <-> scheduler -------------------------------------------------------------------
@@ -136,7 +138,7 @@ class Ready:
     prefill_tokens_per_second: float  # measured at start-up on a dummy prompt
     vocab_size: int = 0
     device: str = "cpu"  # the device type its KV cache lives on: cpu or cuda
-    can_draft: bool = False  # it runs a draft model (--speculative-config with draft_model)
+    drafts: str = ""  # how it proposes tokens to verify: its --speculative-config's method, or "" for none
 
 
 @dataclass(slots=True)
@@ -163,10 +165,12 @@ class Fork:
 class ScheduledSequence:
     """One sequence's share of a step: compute `num_tokens` positions starting at `start`.
 
-    The last of them may be proposals to verify, which follow the sequence's last token: first
-    `proposed_token_ids` (the scheduler's), then `num_draft_tokens` that the worker's draft model
-    proposes itself. The result then lists the proposals the target model agrees with, and one
-    token after them."""
+    The last `num_draft_tokens` of them are proposals to verify, which follow the sequence's last
+    token and which the worker makes itself (prompt lookup or a draft model); it may find fewer
+    and then computes fewer positions. The result lists the proposals the target model agrees
+    with, and one token after them. An entry planned while a step that verifies proposals was in
+    flight cannot know how many that step keeps: with `start_at_end`, the worker starts it at
+    its own copy's last token (`num_tokens` still counts that token and the drafts)."""
 
     seq_id: int
     start: int
@@ -177,12 +181,8 @@ class ScheduledSequence:
     appended_token_ids: list[int]
     table_start: int  # the worker's block table keeps entries before this index...
     block_ids: list[int]  # ...and these replace the rest
-    proposed_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
-
-    @property
-    def num_proposals(self) -> int:
-        return len(self.proposed_token_ids) + self.num_draft_tokens
+    start_at_end: bool = False
 
 
 @dataclass(slots=True)
@@ -211,6 +211,7 @@ class SampledTokens:
     logprobs: list[float]  # each 0.0 where the request reads none (`SamplingParams.needs_logprobs`)
     top_ids: list[list[int]]  # per token its alternatives; [] where none are asked for
     top_logprobs: list[list[float]]
+    num_proposed: int = 0  # proposals the step verified for it (those it kept are all but the last token)
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ it also checks that no block leaks or is double-counted.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import torch
 
@@ -18,6 +19,7 @@ from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import KVCache, bytes_per_block
 from services.worker.loader import eos_token_ids, load_model
 from services.worker.model_runner import ModelRunner
+from services.worker.ngram import NgramProposer
 from shared.config import SpeculativeConfig
 from shared.protocol import AddRequest
 from shared.sampling import SamplingParams
@@ -30,11 +32,13 @@ class Engine:
     def __init__(self, model_dir: str, block_size=16, num_gpu_blocks=256, num_cpu_blocks=256,
                  preemption="recompute", prefix_caching=False, chunked_prefill=False,
                  max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None,
-                 kv_cache_dtype: str = "auto", threads=None):
+                 kv_cache_dtype: str = "auto", threads=None, depth: int = 1):
         model, config = load_model(model_dir, "float32", torch.device("cpu"))
         self.cache = KVCache(config.num_hidden_layers, num_gpu_blocks, block_size, model.num_kv_heads,
                              model.head_dim, torch.float32, torch.device("cpu"), num_cpu_blocks, kv_cache_dtype)
-        drafter = None
+        drafter, ngram = None, None
+        if speculative is not None and speculative.method == "ngram":
+            ngram = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         if speculative is not None and speculative.method == "draft_model":
             draft, draft_config = load_model(speculative.model, "float32", torch.device("cpu"))
             drafter = Drafter(draft, KVCache(draft_config.num_hidden_layers, num_gpu_blocks, block_size,
@@ -43,7 +47,7 @@ class Engine:
         eos_ids = eos_token_ids(model_dir, config)
         grammars = GrammarEngine.load(model_dir, model.lm_head.weight.shape[0], eos_ids)
         self.runner = ModelRunner(model, self.cache, torch.device("cpu"), seed=0, eos_token_ids=eos_ids,
-                                  drafter=drafter, threads=threads, grammars=grammars)
+                                  drafter=drafter, threads=threads, grammars=grammars, ngram=ngram)
         block_bytes = bytes_per_block(config.num_hidden_layers, block_size, model.num_kv_heads,
                                       model.head_dim, torch.float32, kv_cache_dtype)
         policy = PreemptionPolicy(preemption, block_bytes, self.cache.measure_swap_bandwidth(),
@@ -58,6 +62,7 @@ class Engine:
         self.scheduler = Scheduler(manager, budgets, eos_ids, policy, speculation=speculation)
         self.max_running_seqs = 0
         self.steps = []
+        self.depth = depth  # steps planned ahead of the one computing, as the scheduler server does with 2
 
     def add(self, prompt: list[int], **sampling) -> str:
         request_id = f"req-{next(_ids)}"
@@ -69,13 +74,18 @@ class Engine:
     def run(self, max_steps: int = 5000, on_step=None) -> dict[str, dict[int, list[int]]]:
         """Step until idle; returns each request's token ids by choice index."""
         tokens: dict[str, dict[int, list[int]]] = {}
+        in_flight = deque()
         for _ in range(max_steps):
-            step = self.scheduler.schedule()
-            if step is None:
+            while len(in_flight) < self.depth and not (in_flight and self.scheduler.needs_drain):
+                step = self.scheduler.schedule()
+                if step is None:
+                    break
+                self.steps.append(step)
+                in_flight.append(step)
+            if not in_flight:
                 assert not self.scheduler.has_work(), "work left that nothing schedules"
                 break
-            self.steps.append(step)
-            result = self.runner.execute(step)
+            result = self.runner.execute(in_flight.popleft())
             assert result.error is None
             for output in self.scheduler.update(result):
                 choices = tokens.setdefault(output.request_id, {})

@@ -9,6 +9,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.reservation import Reservation
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from services.scheduler.speculation import Speculation
+from services.worker.ngram import NgramProposer
 from shared.config import SpeculativeConfig
 from shared.protocol import AddRequest, RequestOutput, SampledTokens, Step, StepResult
 from shared.sampling import SamplingParams
@@ -21,12 +22,18 @@ class StandInWorker:
 
     Like the real worker it forks a finished prompt into best_of samples, reports the top
     2 x width candidates of every beam, appends what it samples where the request lets it, and
-    verifies proposals: it keeps them while they equal what it samples at their positions, and
-    gives the token after them. Its "draft model" proposes `draft_token(seq_id, n)`."""
+    makes and verifies proposals: it keeps them while they equal what it samples at their
+    positions, and gives the token after them. It proposes by prompt lookup (n from `ngram`),
+    or with `draft_token(seq_id, n)` as its "draft model"; and it starts an entry planned while
+    proposals were unsettled where its own copy of the sequence ends."""
 
-    def __init__(self, next_token=lambda seq_id, position: 100 + position, draft_token=None):
+    def __init__(self, next_token=lambda seq_id, position: 100 + position, draft_token=None, ngram=(1, 3),
+                 block_size: int = 0):
         self.next_token = next_token
-        self.draft_token = draft_token or next_token
+        self.block_size = block_size  # given: every position an entry computes must have its slot
+        self.draft_token = draft_token
+        self.ngram = NgramProposer(*ngram)
+        self.lookups: dict = {}
         self.tokens: dict[int, list[int]] = {}
         self.tables: dict[int, list[int]] = {}
         self.prompts: dict[int, tuple[int, SamplingParams]] = {}
@@ -52,13 +59,14 @@ class StandInWorker:
             tokens.extend(entry.appended_token_ids)
             del self.tables[entry.seq_id][entry.table_start :]
             self.tables[entry.seq_id].extend(entry.block_ids)
-            end = entry.start + entry.num_tokens - entry.num_proposals
+            start = len(tokens) - 1 if entry.start_at_end else entry.start
+            end = start + entry.num_tokens - entry.num_draft_tokens
             assert end <= len(tokens)
-            assert not entry.num_proposals or end == len(tokens), "proposals must follow the last token"
+            assert not entry.num_draft_tokens or end == len(tokens), "proposals must follow the last token"
+            if self.block_size:
+                assert start + entry.num_tokens <= len(self.tables[entry.seq_id]) * self.block_size, "a slot for each"
             if end == len(tokens):
-                proposals = list(entry.proposed_token_ids)
-                for _ in range(entry.num_draft_tokens):
-                    proposals.append(self.draft_token(entry.seq_id, len(tokens) + len(proposals)))
+                proposals = self._propose(entry.seq_id, tokens, entry.num_draft_tokens)
                 self.verified.append((entry.seq_id, len(proposals)))
                 samples = self._sample(entry.seq_id, tokens, proposals)
                 num_prompt, sampling = self.prompts[entry.seq_id]
@@ -66,6 +74,15 @@ class StandInWorker:
                     tokens.extend(samples[0].token_ids)
                 sampled += samples
         return StepResult(step.step_id, sampled, 0.0, 0.0)
+
+    def _propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
+        if not k:
+            return []
+        if self.draft_token is not None:
+            return [self.draft_token(seq_id, len(tokens) + j) for j in range(k)]
+        if self.lookups.get(seq_id, (None,))[0] is not tokens:  # a new copy (forked, or computed again)
+            self.lookups[seq_id] = (tokens, self.ngram.new_index())
+        return self.ngram.propose(tokens, self.lookups[seq_id][1], k)
 
     def _sample(self, seq_id: int, tokens: list[int], proposals: list[int]) -> list[SampledTokens]:
         num_prompt, sampling = self.prompts[seq_id]
@@ -86,7 +103,7 @@ class StandInWorker:
             run.append(self.next_token(seq_id, len(tokens) + i))
             if i == len(proposals) or run[-1] != proposals[i]:
                 break
-        return [SampledTokens(seq_id, run, [-1.0] * len(run), [], [])]
+        return [SampledTokens(seq_id, run, [-1.0] * len(run), [], [], len(proposals))]
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, context=256,

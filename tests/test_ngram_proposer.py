@@ -7,10 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.ngram import NgramProposer
-from services.scheduler.request import Request, Sequence
+from services.worker.ngram import NgramProposer
 from shared.config import SpeculativeConfig
-from shared.sampling import SamplingParams
 
 
 def reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -25,37 +23,49 @@ def reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     return []
 
 
-def sequence(prompt: list[int], output: list[int]) -> Sequence:
-    return Sequence(0, Request("r", list(prompt), SamplingParams(), 0.0), 0, list(output))
+class Growing:
+    """A sequence's tokens as the worker holds them, with the proposer's index of them."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens, self.index = list(tokens), None
+
+    def propose(self, proposer: NgramProposer, k: int) -> list[int]:
+        if self.index is None:
+            self.index = proposer.new_index()
+        return proposer.propose(self.tokens, self.index, k)
+
+
+def sequence(prompt: list[int], output: list[int]) -> Growing:
+    return Growing(prompt + output)
 
 
 def test_it_proposes_what_followed_the_suffix_earlier():
     seq = sequence([1, 2, 3, 4, 9, 9, 1, 2], [])
-    assert NgramProposer(2, 4).propose(seq, 3) == [3, 4, 9]
+    assert seq.propose(NgramProposer(2, 4), 3) == [3, 4, 9]
 
 
 def test_the_longest_match_wins_and_then_the_earliest_occurrence():
     # [7, 1, 2] occurs once (followed by 5); [1, 2] alone occurs earlier too (followed by 4).
-    seq = sequence([1, 2, 4, 7, 1, 2, 5, 0, 7, 1, 2], [])
-    assert NgramProposer(2, 3).propose(seq, 2) == [5, 0]
-    assert NgramProposer(2, 2).propose(seq, 2) == [4, 7]
+    tokens = [1, 2, 4, 7, 1, 2, 5, 0, 7, 1, 2]
+    assert sequence(tokens, []).propose(NgramProposer(2, 3), 2) == [5, 0]
+    assert sequence(tokens, []).propose(NgramProposer(2, 2), 2) == [4, 7]
 
 
 def test_no_proposal_for_a_new_suffix_or_a_sequence_shorter_than_min_n():
-    assert NgramProposer(2, 4).propose(sequence([1, 2, 3, 4], []), 4) == []
-    assert NgramProposer(3, 4).propose(sequence([5, 5], []), 4) == []
+    assert sequence([1, 2, 3, 4], []).propose(NgramProposer(2, 4), 4) == []
+    assert sequence([5, 5], []).propose(NgramProposer(3, 4), 4) == []
 
 
 def test_a_proposal_may_overlap_the_suffix_and_stops_at_the_last_token():
-    assert NgramProposer(2, 2).propose(sequence([6, 6, 6], []), 5) == [6]
+    assert sequence([6, 6, 6], []).propose(NgramProposer(2, 2), 5) == [6]
 
 
 def test_the_index_follows_the_sequence_as_it_grows():
     seq = sequence([1, 2, 3], [])
     proposer = NgramProposer(1, 2)
-    assert proposer.propose(seq, 2) == []
-    seq.output_token_ids += [1, 2]
-    assert proposer.propose(seq, 2) == [3, 1]
+    assert seq.propose(proposer, 2) == []
+    seq.tokens += [1, 2]
+    assert seq.propose(proposer, 2) == [3, 1]
 
 
 @settings(max_examples=300, deadline=None)
@@ -65,9 +75,9 @@ def test_it_agrees_with_the_plain_rule_at_every_length(prompt, output, split, bo
     min_n, max_n = bounds[0], bounds[0] + bounds[1]
     proposer = NgramProposer(min_n, max_n)
     seq = sequence(prompt, output[:split])
-    proposer.propose(seq, k)  # an index built part way, then extended
-    seq.output_token_ids += output[split:]
-    assert proposer.propose(seq, k) == reference(prompt + output, min_n, max_n, k)
+    seq.propose(proposer, k)  # an index built part way, then extended
+    seq.tokens += output[split:]
+    assert seq.propose(proposer, k) == reference(prompt + output, min_n, max_n, k)
 
 
 def test_the_speculative_config_takes_vllms_json_and_names_what_is_wrong():

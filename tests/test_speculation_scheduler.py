@@ -42,18 +42,34 @@ def tokens_of(outputs: dict, request_id: str, index: int = 0) -> list[int]:
     return [t for o in outputs[request_id] for d in o.sequences if d.index == index for t in d.token_ids]
 
 
-def test_a_decode_step_carries_its_proposals_and_the_slots_for_them():
+def test_a_decode_step_asks_the_worker_for_proposals_and_holds_the_slots_for_them():
     scheduler, worker = make_scheduler(block_size=4, speculative=NGRAM), StandInWorker(cycle(3))
     scheduler.add(request(prompt_len=6, max_tokens=20))  # prompt 1..6, then 100 + position % 3
     for _ in range(4):
         scheduler.update(worker.run(scheduler.schedule()))
     step = scheduler.schedule()
     entry = step.scheduled[0]
-    assert entry.proposed_token_ids and entry.num_tokens == 1 + len(entry.proposed_token_ids)
+    assert entry.num_draft_tokens == 4 and entry.num_tokens == 1 + 4 and not entry.start_at_end
     seq = scheduler.sequences[entry.seq_id]
     assert entry.start == seq.num_tokens - 1  # after the last token, whose keys come first
     assert len(seq.block_table) * 4 >= entry.start + entry.num_tokens  # a slot for every proposal
-    assert scheduler.needs_drain  # nothing is planned until the verified tokens are in
+    assert not scheduler.needs_drain  # the worker makes the proposals: the next step is planned at once
+
+
+def test_a_step_planned_behind_a_speculating_one_starts_where_the_worker_says():
+    # Proposals are right up to position 12, which breaks the cycle: the step ahead keeps fewer than it verified.
+    worker = StandInWorker(lambda seq_id, position: 999 if position == 12 else 100 + position % 3, block_size=4)
+    scheduler = make_scheduler(block_size=4, speculative=NGRAM)
+    req = request(prompt_len=6, max_tokens=30)
+    scheduler.add(req)
+    outputs = run_to_completion(scheduler, worker, depth=2)
+    behind = [e for step in worker.steps for e in step.scheduled if e.start_at_end]
+    assert behind and any(e.num_draft_tokens for e in behind)  # speculating steps were planned ahead
+    stats = scheduler.speculation.stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # some proposals were rejected
+    want = [999 if p == 12 else 100 + p % 3 for p in range(6, 36)]
+    assert tokens_of(outputs, req.request_id) == want
+    assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0
 
 
 def test_rejected_proposals_give_back_their_positions_and_blocks():
@@ -117,7 +133,7 @@ def test_beam_search_never_speculates():
     worker = StandInWorker(cycle(2))
     scheduler.add(request(prompt_len=6, max_tokens=8, use_beam_search=True, best_of=2))
     run_to_completion(scheduler, worker)
-    assert all(not e.num_proposals for step in worker.steps for e in step.scheduled)
+    assert all(not e.num_draft_tokens for step in worker.steps for e in step.scheduled)
 
 
 def test_a_draft_model_is_asked_for_its_drafts_by_count():
@@ -128,7 +144,7 @@ def test_a_draft_model_is_asked_for_its_drafts_by_count():
     scheduler.add(req)
     outputs = run_to_completion(scheduler, worker)
     decodes = [e for step in worker.steps for e in step.scheduled if e.start >= 6]
-    assert all(e.num_draft_tokens and not e.proposed_token_ids for e in decodes)
+    assert all(e.num_draft_tokens for e in decodes)
     assert len(worker.steps) == 1 + 3  # the prompt, then 4 tokens a step: 1 + 4 + 4 + 4 = 13
     assert tokens_of(outputs, req.request_id) == [100 + p % 5 for p in range(6, 19)]
 
@@ -164,7 +180,7 @@ def test_speculation_gives_the_tokens_of_plain_decoding_and_keeps_the_invariants
         for i, (prompt, sampling) in enumerate(specs):
             if scheduler.add(AddRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, **sampling), float(i))) is None:
                 prompts[f"r{i}"] = prompt
-        worker = StandInWorker(drifting)
+        worker = StandInWorker(drifting, block_size=scheduler.block_manager.block_size)
         outputs = run_to_completion(scheduler, worker, depth=depth)
         assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0
         check_block_accounting(scheduler)
@@ -182,7 +198,7 @@ def test_checking_blocks_after_every_step_of_a_speculating_batch_under_preemptio
     for preemption in ("swap", "recompute"):
         scheduler = make_scheduler(num_blocks=14, block_size=4, num_cpu_blocks=32, preemption=preemption,
                                    speculative=NGRAM)
-        worker = StandInWorker(drifting)
+        worker = StandInWorker(drifting, block_size=scheduler.block_manager.block_size)
         for i in range(4):
             scheduler.add(request(prompt_len=6 + i, max_tokens=24))
         steps = 0
@@ -206,5 +222,5 @@ def test_no_proposals_while_more_sequences_decode_than_disable_by_batch_size():
         scheduler.add(request(prompt_len=6, max_tokens=max_tokens))
     run_to_completion(scheduler, worker)
     steps = [[e for e in step.scheduled if e.start >= 6] for step in worker.steps]
-    assert all(not e.num_proposals for decodes in steps if len(decodes) > 2 for e in decodes)
-    assert any(e.num_proposals for decodes in steps if len(decodes) <= 2 for e in decodes)
+    assert all(not e.num_draft_tokens for decodes in steps if len(decodes) > 2 for e in decodes)
+    assert any(e.num_draft_tokens for decodes in steps if len(decodes) <= 2 for e in decodes)

@@ -36,11 +36,13 @@ def hf_without_eos(model_dir: str, prompt: list[int], max_tokens: int) -> list[i
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_greedy_tokens_equal_hf_with_ngram_speculation(family, family_dirs):
     model_dir = family_dirs[family]
-    engine = Engine(model_dir, speculative=NGRAM)
+    engine = Engine(model_dir, speculative=NGRAM, depth=2)  # steps planned ahead, as the server does
     assert engine.generate(PROMPTS, max_tokens=48, ignore_eos=True) == [hf_without_eos(model_dir, p, 48)
                                                                          for p in PROMPTS]
     stats = engine.scheduler.speculation.stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    # Steps were planned while proposals were in flight: the worker settled where they start.
+    assert any(entry.start_at_end for step in engine.steps for entry in step.scheduled)
 
 
 @pytest.mark.parametrize("family", ["llama", "opt", "gpt2", "qwen3"])
@@ -55,7 +57,8 @@ def test_a_draft_model_gives_hf_greedy_tokens_whether_it_agrees_or_not(family, f
     plain.generate(PROMPTS, max_tokens=40)
     assert len(agreeing.steps) < len(plain.steps) / 2
     other = family_dirs["qwen2" if family != "qwen2" else "llama"]  # same tokenizer, other weights
-    disagreeing = Engine(model_dir, speculative=SpeculativeConfig("draft_model", 3, model=other, adaptive=False))
+    disagreeing = Engine(model_dir, speculative=SpeculativeConfig("draft_model", 3, model=other, adaptive=False),
+                         depth=2)
     assert disagreeing.generate(PROMPTS, max_tokens=40) == want
 
 
@@ -71,8 +74,9 @@ SAMPLED = [
 def test_a_seed_fixes_the_tokens_with_speculation_as_without(sampling, family_dirs):
     model_dir = family_dirs["llama"]
     plain = Engine(model_dir).generate(PROMPTS, max_tokens=32, seed=1234, ignore_eos=True, **sampling)
-    for speculative in (NGRAM, SpeculativeConfig("draft_model", 3, model=model_dir, adaptive=False)):
-        engine = Engine(model_dir, speculative=speculative)
+    for speculative, depth in ((NGRAM, 2), (NGRAM, 1), (SpeculativeConfig("draft_model", 3, model=model_dir,
+                                                                            adaptive=False), 2)):
+        engine = Engine(model_dir, speculative=speculative, depth=depth)
         assert engine.generate(PROMPTS, max_tokens=32, seed=1234, ignore_eos=True, **sampling) == plain
         assert engine.scheduler.speculation.stats.num_draft_tokens > 0
     # The target's own greedy drafts are often what it samples: kept proposals are tested too.
@@ -83,7 +87,7 @@ def test_a_seed_fixes_the_tokens_with_speculation_as_without(sampling, family_di
 def test_preemption_in_the_middle_of_a_speculating_batch_keeps_hf_tokens(preemption, family_dirs):
     model_dir = family_dirs["qwen2"]
     engine = Engine(model_dir, block_size=4, num_gpu_blocks=40, num_cpu_blocks=64, preemption=preemption,
-                    speculative=NGRAM)
+                    speculative=NGRAM, depth=2)
     assert engine.generate(PROMPTS, max_tokens=40, ignore_eos=True) == [hf_without_eos(model_dir, p, 40)
                                                                          for p in PROMPTS]
     assert engine.scheduler.counters[preemption] > 0
@@ -155,7 +159,7 @@ def test_speculative_sampling_keeps_the_target_distribution(method, small_vocabu
     model_dir = small_vocabulary_model
     speculative = (SpeculativeConfig("ngram", 3, 1, 3, adaptive=False) if method == "ngram"
                    else SpeculativeConfig("draft_model", 3, model=model_dir, adaptive=False))
-    engine = Engine(model_dir, speculative=speculative, max_num_seqs=256, num_gpu_blocks=1200)
+    engine = Engine(model_dir, speculative=speculative, max_num_seqs=256, num_gpu_blocks=1200, depth=2)
     samples = 3000
     ids = [engine.add(PROMPT, max_tokens=4, temperature=TEMPERATURE, ignore_eos=True) for _ in range(samples)]
     tokens = engine.run()

@@ -38,12 +38,11 @@ class Sequence:
         self.num_tokens_known_to_worker = 0  # 0: the worker holds no copy of this sequence
         self.first_unsynced_block = 0  # block table entries from here on are new to the worker
         self.finish_reason: str | None = None
-        # Speculation: the proposals of the step being planned, and how many positions of the step in
-        # flight were proposals (counted in num_computed_tokens until its result settles them).
-        self.proposal: list[int] = []
+        # Speculation: the proposals the worker is to make in the step being planned, and how many
+        # positions of the steps in flight are proposals. Those count in num_computed_tokens, as if
+        # every one will be kept, until each step's result settles them.
         self.num_drafts = 0
         self.num_speculative = 0
-        self.lookup = None  # the n-gram proposer's index of its tokens, built on first use
 
     @property
     def num_tokens(self) -> int:

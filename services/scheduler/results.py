@@ -35,7 +35,8 @@ class ResultProcessor:
         self.registry = registry
         self.block_manager = block_manager
 
-    def apply(self, result: StepResult, scheduled: list[Sequence]) -> Applied:
+    def apply(self, result: StepResult, scheduled: list[Sequence], drafts: dict[int, int]) -> Applied:
+        """`drafts`: seq_id -> the proposals the step asked the worker for, counted as computed."""
         applied = Applied()
         self._fail_refused(result.failures, applied)
         by_request: dict[str, list[tuple[Sequence, SampledTokens]]] = {}
@@ -45,10 +46,12 @@ class ResultProcessor:
                 continue  # aborted or preempted while the step ran
             by_request.setdefault(seq.request.request_id, []).append((seq, sampled))
             applied.num_tokens += len(sampled.token_ids)
-            if seq.num_speculative:
+            asked = drafts.pop(seq.seq_id, 0)  # a prompt that forks reports once per sample
+            if asked:
                 accepted = len(sampled.token_ids) - 1
-                applied.verified.append((seq.num_speculative, accepted))
-                self.registry.settle_proposals(seq, accepted)
+                if sampled.num_proposed:
+                    applied.verified.append((sampled.num_proposed, accepted))
+                self.registry.settle_proposals(seq, asked, accepted)
         if self.block_manager.gpu.enable_caching:
             for seq in scheduled:
                 if not seq.finished and seq.request.status is RequestStatus.RUNNING:

@@ -22,10 +22,12 @@ one wasted position. Nothing is preempted ahead: a running request that finds no
 plan, and the next one waits for the steps in flight to finish (`needs_drain`).
 
 Speculation: in a step that speculates (`Speculation` decides which do), each decoding sequence
-also runs up to k proposed tokens, which take blocks only where blocks are free and never cause
-a preemption. The worker returns the proposals its model agrees with and one token after them;
-the rest of the positions count as not computed again, and their blocks go back. Proposals
-continue from a sequence's last token, so such a step is planned only once every result is in.
+also runs up to k tokens that the worker proposes, which take blocks only where blocks are free
+and never cause a preemption. The worker returns the proposals its model agrees with and one
+token after them; the rest of the positions count as not computed again, and their blocks go
+back. Until then the scheduler counts every proposal as kept: a step planned ahead schedules a
+sequence's next positions as if they all were, with blocks for that many, and the worker, which
+knows by then how many were kept, starts the sequence where its tokens end.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class _InFlight:
     num_decoding: int  # sequences that decode in it (not a prompt's chunk)
     speculated: bool
     has_prompt_tokens: bool
+    drafts: dict[int, int]  # seq_id -> proposals asked of the worker, counted as computed until settled
 
 
 @dataclass(slots=True)
@@ -113,7 +116,7 @@ class Scheduler:
         self.counters = {"swap": 0, "recompute": 0, "steps": 0, "computed": 0, "cached": 0, "swapped_out": 0,
                          "swapped_in": 0, "copied": 0, "scheduled_tokens": 0, "queried": 0}
         self.in_flight: dict[int, _InFlight] = {}
-        self.needs_drain = False  # the last plan stopped short of a preemption, or it speculates
+        self.needs_drain = False  # the last plan stopped short of a preemption
         self.queue_times: list[float] = []  # of requests started since the server last took them
         self._next_order = 0
         self._speculating = False  # whether the step being planned speculates
@@ -173,9 +176,6 @@ class Scheduler:
         ahead = bool(self.in_flight)
         self.needs_drain = False
         self._speculating = self.speculation is not None and self.speculation.decide(self._num_decoding())
-        if self._speculating and ahead:
-            self.needs_drain = True  # proposals continue from each sequence's last token: wait for it
-            return None
 
         queue = list(self.running)
         next_index, end = 0, len(queue)  # victims are taken from the end
@@ -213,15 +213,15 @@ class Scheduler:
         prompt's chunk, or a decode's last token and, in a step that speculates, its proposals."""
         wants = []
         for seq in request.seqs:
-            seq.proposal, seq.num_drafts = [], 0
+            seq.num_drafts = 0
             if seq.num_pending and not self._runs_ahead(seq):
                 continue
-            n = seq.num_tokens + seq.num_pending - seq.num_computed_tokens
+            n = seq.num_tokens + seq.num_pending + seq.num_speculative - seq.num_computed_tokens
             if n > budget:
                 n = budget if self.budgets.chunked_prefill else 0
-            if n == 1 and self._speculating and not seq.num_pending:
+            if n == 1 and self._speculating:
                 self.speculation.propose(seq, budget)
-                n += len(seq.proposal) + seq.num_drafts
+                n += seq.num_drafts
             if n > 0:
                 wants.append((seq, n))
                 budget -= n
@@ -234,8 +234,8 @@ class Scheduler:
             return wants
         fitted = []
         for seq, n in wants:
-            fitted.append((seq, n - len(seq.proposal) - seq.num_drafts))
-            seq.proposal, seq.num_drafts = [], 0
+            fitted.append((seq, n - seq.num_drafts))
+            seq.num_drafts = 0
         return fitted
 
     def _num_decoding(self) -> int:
@@ -244,12 +244,14 @@ class Scheduler:
                    if seq.num_computed_tokens >= seq.num_prompt_tokens)
 
     def _runs_ahead(self, seq: Sequence) -> bool:
-        """Whether a sequence's next position may be scheduled before its pending sample is known."""
+        """Whether a sequence's next position may be scheduled before its pending sample is known:
+        not if what the steps in flight may give it could be its last by length."""
         request, sampling = seq.request, seq.request.sampling
         if sampling.use_beam_search or (sampling.num_samples > 1 and not request.forked):
             return False
-        return (len(seq.output_token_ids) + seq.num_pending < sampling.max_tokens
-                and seq.num_tokens + seq.num_pending < self.budgets.max_model_len)
+        coming = seq.num_pending + seq.num_speculative
+        return (len(seq.output_token_ids) + coming < sampling.max_tokens
+                and seq.num_tokens + coming < self.budgets.max_model_len)
 
     def _take(self, wants, scheduled, budget) -> list[tuple[int, int]]:
         copies = []
@@ -397,7 +399,7 @@ class Scheduler:
         num_blocks = len({b for seq in request.seqs for b in seq.block_table})
         num_tokens = sum(seq.num_computed_tokens for seq in request.seqs)
         for seq in request.seqs:
-            seq.proposal, seq.num_drafts = [], 0
+            seq.num_drafts = 0
         if not alone and self.preemption.prefers_swap(num_blocks, num_tokens) and manager.can_swap_out(request):
             log.info("preempting %s by swapping %d blocks out", request.request_id, num_blocks)
             self.counters["swap"] += 1
@@ -418,15 +420,19 @@ class Scheduler:
         new_sequences: list[NewSequence] = []
         entries: list[ScheduledSequence] = []
         sampled: list[Sequence] = []
+        drafts: dict[int, int] = {}
         prompt_tokens_computed = num_decoding = 0
         for seq, num_tokens in scheduled:
             computed, num_prompt = seq.num_computed_tokens, seq.num_prompt_tokens
+            coming = seq.num_tokens + seq.num_pending + seq.num_speculative  # if every proposal in flight is kept
             new, entry = self.registry.step_entry(seq, num_tokens)
             if new is not None:
                 new_sequences.append(new)
             entries.append(entry)
             seq.num_computed_tokens = computed + num_tokens  # proposals included, until the result settles them
-            if seq.num_computed_tokens - entry.num_proposals == seq.num_tokens + seq.num_pending:  # it samples
+            if entry.num_draft_tokens:
+                drafts[seq.seq_id] = entry.num_draft_tokens
+            if seq.num_computed_tokens - entry.num_draft_tokens == coming:  # it samples
                 seq.num_pending += 1
                 sampled.append(seq)
             if computed < num_prompt:
@@ -442,12 +448,10 @@ class Scheduler:
         step = Step(self.counters["steps"], forks, dropped, preempted, new_sequences, entries, swap_out, swap_in,
                     copies)
         self.in_flight[step.step_id] = _InFlight([seq for seq, _ in scheduled], sampled, num_decoding,
-                                                 self._speculating, prompt_tokens_computed > 0)
+                                                 self._speculating, prompt_tokens_computed > 0, drafts)
         self.counters["steps"] += 1
         if self.speculation is not None:
             self.speculation.built(self._speculating)
-            if any(entry.num_proposals for entry in entries):
-                self.needs_drain = True  # the next step needs the tokens this one verifies
         return step
 
     # --- sequences and requests ending ---------------------------------------------------
@@ -480,7 +484,7 @@ class Scheduler:
             return []
         for seq in step.sampled:
             seq.num_pending = max(0, seq.num_pending - 1)  # 0 already if preempted meanwhile
-        applied = self.results.apply(result, step.scheduled)
+        applied = self.results.apply(result, step.scheduled, step.drafts)
         for request in applied.ended:
             self._dequeue(request)
         if self.speculation is not None:

@@ -96,12 +96,13 @@ class SequenceRegistry:
             seq.num_tokens_known_to_worker += kept
         return kept, reason
 
-    def settle_proposals(self, seq: Sequence, num_accepted: int) -> None:
-        """A step verified the sequence's proposals and kept `num_accepted` of them: the positions of
-        the rejected ones count as not computed, and the blocks only they had taken go back to the
-        pool, before any block is hashed, copied or swapped."""
-        rejected = seq.num_speculative - num_accepted
-        seq.num_speculative = 0
+    def settle_proposals(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        """A step verified `num_proposed` proposals of the sequence and kept `num_accepted`: the
+        positions of the rejected ones count as not computed, and the blocks only they had taken go
+        back to the pool, before any block is hashed, copied or swapped. A step planned after it
+        that is still in flight keeps what it needs: the worker starts it where this one ended."""
+        rejected = num_proposed - num_accepted
+        seq.num_speculative -= num_proposed
         if rejected <= 0:
             return
         seq.num_computed_tokens -= rejected
@@ -115,8 +116,8 @@ class SequenceRegistry:
 
     def step_entry(self, seq: Sequence, num_tokens: int) -> tuple[NewSequence | None, ScheduledSequence]:
         """The sequence's share of the next step: the sequence itself if the workers lack it, the
-        tokens their copy misses, the blocks new to them, and its proposals (which the entry takes:
-        they are in flight from here on)."""
+        tokens their copy misses, the blocks new to them, and its draft tokens (which the entry
+        takes: they are in flight from here on)."""
         known, num_prompt = seq.num_tokens_known_to_worker, seq.num_prompt_tokens
         new = None
         if known == 0:
@@ -127,11 +128,12 @@ class SequenceRegistry:
             appended = seq.output_token_ids[known - num_prompt:]
         seq.num_tokens_known_to_worker = num_prompt + len(seq.output_token_ids)
         start, table = seq.first_unsynced_block, seq.block_table
+        # Where the proposals of a step in flight are not settled yet, neither is this entry's start.
         entry = ScheduledSequence(seq.seq_id, seq.num_computed_tokens, num_tokens, appended, start, table[start:],
-                                  seq.proposal, seq.num_drafts)
+                                  seq.num_drafts, start_at_end=seq.num_speculative > 0)
         seq.first_unsynced_block = len(table)
-        seq.num_speculative = entry.num_proposals
-        seq.proposal, seq.num_drafts = [], 0
+        seq.num_speculative += seq.num_drafts
+        seq.num_drafts = 0
         return new, entry
 
     def take_worker_notices(self) -> tuple[list[Fork], list[int], list[int]]:

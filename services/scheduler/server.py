@@ -339,9 +339,10 @@ class SchedulerServer:
             first.prefill_tokens_per_second,
         )
         speculative = config.speculative
-        if speculative is not None and speculative.method == "draft_model" and not all(r.can_draft for r in self.ready):
-            raise ConfigError("--speculative-config asks for a draft model, but a worker rank runs without one "
-                              "(start the workers with the same --speculative-config)")
+        if speculative is not None and any(r.drafts != speculative.method for r in self.ready):
+            raise ConfigError(f"--speculative-config asks for {speculative.method} proposals, which the workers make, "
+                              "but a worker rank makes none or others (start the workers with the same "
+                              "--speculative-config)")
         speculation = Speculation(speculative, max_model_len) if speculative is not None else None
         self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids, preemption, first.vocab_size,
                                    Reservation(config.kv_reservation), speculation)

@@ -1,13 +1,13 @@
-"""Speculative decoding, the scheduler's part: whether the next step speculates, what each decoding
-sequence proposes, and what verification accepted.
+"""Speculative decoding, the scheduler's part: whether the next step speculates, how many tokens
+each decoding sequence may have proposed, and what verification accepted.
 
-A step that carries proposals needs its result before the next step can be planned (only then are
-the sequences' tokens known), so speculating gives up the overlap of planning with computing, and
-verifying k proposals costs the worker k more positions per sequence. Whether that pays depends on
-the machine, the model, the batch and the text, so it is measured, not assumed: `AdaptiveSwitch`
-keeps, per batch size (in powers of two), the tokens per sequence per millisecond of worker time
-that recent steps gave with speculation and without, takes the better, and now and then tries the
-other again.
+The worker makes the proposals (prompt lookup or a draft model), from tokens it holds as soon as
+it has sampled them; so a step that verifies proposals is planned while the step before it still
+runs, as any other. Verifying k proposals costs the worker k more positions per sequence, and
+whether that pays depends on the machine, the model, the batch and the text, so it is measured,
+not assumed: `AdaptiveSwitch` keeps, per batch size (in powers of two), the tokens per sequence
+per millisecond of worker time that recent steps gave with speculation and without, takes the
+better, and now and then tries the other again.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from services.scheduler.ngram import NgramProposer
 from services.scheduler.request import Sequence
 from shared.config import SpeculativeConfig
 
@@ -127,8 +126,6 @@ class Speculation:
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) \
-            if config.method == "ngram" else None
         self.switch = AdaptiveSwitch() if config.adaptive else None
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
         self._decision: bool | None = None  # for the next step built, once made
@@ -137,10 +134,10 @@ class Speculation:
         """Whether the next step speculates; the same answer until a step is built.
 
         Up to ALWAYS_UP_TO decoding sequences a step's cost is reading the weights, so verifying
-        proposals costs little (four proposals: 1.2x a plain step on this CPU) and a step without
-        any costs only the lost overlap, while the gain where text repeats is large: speculating
-        in every step gave 0.64x the TPOT of plain decoding at concurrency 1, the switch 0.78x
-        (it lags the stretches of a text that repeat). Above that, the switch decides."""
+        proposals costs little (four proposals: 1.2x a plain step on this CPU, and none where the
+        worker's lookup finds none), while the gain where text repeats is large: speculating in
+        every step gave 0.64x the TPOT of plain decoding at concurrency 1, the switch 0.78x (it lags
+        the stretches of a text that repeat). Above that, the switch decides."""
         if self._decision is None:
             limit = self.config.disable_by_batch_size
             if limit and num_decoding > limit:
@@ -159,17 +156,15 @@ class Speculation:
             self.stats.steps_plain += 1
 
     def propose(self, seq: Sequence, token_budget: int) -> None:
-        """Set the sequence's proposals for the step being planned, within what its request and the
-        context allow: each step may give it one token more than it proposes."""
+        """Set how many tokens the worker may propose for the sequence in the step being planned,
+        within what its request and the context allow, counting every token the steps in flight
+        may still give it: each step may give it one token more than it verifies."""
         sampling = seq.request.sampling
+        coming = seq.num_pending + seq.num_speculative
         k = min(self.config.num_speculative_tokens, token_budget - 1,
-                sampling.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
-        if k <= 0 or not sampling.can_speculate:
-            seq.proposal, seq.num_drafts = [], 0
-        elif self.proposer is not None:
-            seq.proposal, seq.num_drafts = self.proposer.propose(seq, k), 0
-        else:
-            seq.proposal, seq.num_drafts = [], k
+                sampling.max_tokens - len(seq.output_token_ids) - coming - 1,
+                self.max_model_len - seq.num_tokens - coming - 1)
+        seq.num_drafts = k if k > 0 and sampling.can_speculate else 0
 
     def verified(self, outcomes: list[tuple[int, int]]) -> None:
         """(proposals, accepted) of each sequence a step verified."""

@@ -32,7 +32,7 @@ class Drafter:
         drafting = []  # (entry index, seq_id, position of its last known token)
         for i, entry in enumerate(scheduled):
             mirror = mirrors[entry.seq_id]
-            known_end = entry.start + entry.num_tokens - entry.num_proposals
+            known_end = entry.start + entry.num_tokens - entry.num_draft_tokens
             begin = entry.start if mirror.num_drafted_positions < 0 else min(mirror.num_drafted_positions, entry.start)
             tokens.extend(mirror.token_ids[begin:known_end])
             positions.extend(range(begin, known_end))

@@ -26,6 +26,7 @@ from services.worker.cpu_threads import ComputeThreads
 from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine, GrammarState
 from services.worker.kv_cache import KVCache
+from services.worker.ngram import NgramIndex, NgramProposer
 from services.worker.sampler import Sample, Sampler, SampleRow
 from shared.protocol import NewSequence, PromptLogprobs, SampledTokens, ScheduledSequence, Step, StepResult
 from shared.sampling import InvalidParameter, SamplingParams
@@ -43,6 +44,7 @@ class SequenceMirror:
     num_blocks: int = 0  # entries of that row in use
     num_drafted_positions: int = -1  # positions the draft model has computed; -1: as many as the target
     grammar: GrammarState | None = None  # with SamplingParams.grammar: where its output stands in it
+    lookup: NgramIndex | None = None  # the n-gram proposer's index of its tokens, built on first use
 
     def copy(self, index: int, row: int) -> SequenceMirror:
         return SequenceMirror(list(self.token_ids), self.num_prompt_tokens, self.sampling, index, row,
@@ -57,7 +59,7 @@ class StepError(RuntimeError):
 class ModelRunner:
     def __init__(self, model, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None,
                  eos_token_ids: list[int] = (), drafter: Drafter | None = None, threads: ComputeThreads | None = None,
-                 grammars: GrammarEngine | None = None):
+                 grammars: GrammarEngine | None = None, ngram: NgramProposer | None = None):
         self.model = model
         self.cache = cache
         self.device = device
@@ -66,6 +68,7 @@ class ModelRunner:
         self.mirrors: dict[int, SequenceMirror] = {}
         self.tables = BlockTables(device)
         self.drafter = drafter  # a draft model with its own KV cache under the same block ids
+        self.ngram = ngram  # or prompt lookup: either fills the draft tokens a step asks for
         self.caches = [cache] + ([drafter.cache] if drafter is not None else [])
         self.threads = threads  # on a CPU: each step's share of the cores
         self.grammars = grammars  # None: requests with a grammar are refused
@@ -112,18 +115,16 @@ class ModelRunner:
         input_ids, positions, starts, context_lens, rows = [], [], [0], [], []
         to_sample: list[int] = []
         prompt_logprob_entries: list[int] = []  # of entries whose prompt tokens' logprobs are wanted
-        proposals: dict[int, list[int]] = {}  # seq_id -> what its positions after its last token hold
+        # seq_id -> what its positions after its last token hold (a draft model's: once drafted)
+        proposals = self._look_up_proposals(scheduled) if self.ngram is not None else {}
         for i, entry in enumerate(scheduled):
             mirror = self.mirrors[entry.seq_id]
             end = entry.start + entry.num_tokens
-            known_end = end - entry.num_proposals
+            known_end = end - entry.num_draft_tokens
             if mirror.sampling.prompt_logprobs is not None and entry.start < mirror.num_prompt_tokens - 1:
                 prompt_logprob_entries.append(i)
             input_ids.extend(mirror.token_ids[entry.start : known_end])
-            if entry.num_proposals:
-                proposals[entry.seq_id] = list(entry.proposed_token_ids)
-                input_ids.extend(entry.proposed_token_ids)
-                input_ids.extend([0] * entry.num_draft_tokens)  # filled once drafted
+            input_ids.extend(proposals.get(entry.seq_id, [0] * entry.num_draft_tokens))
             positions.extend(range(entry.start, end))
             starts.append(starts[-1] + entry.num_tokens)
             context_lens.append(end)
@@ -139,7 +140,7 @@ class ModelRunner:
             drafted = self.drafter.draft(scheduled, self.mirrors, self.tables)
             for i, entry in enumerate(scheduled):
                 if entry.num_draft_tokens:
-                    proposals[entry.seq_id] += drafted[entry.seq_id]
+                    proposals[entry.seq_id] = drafted[entry.seq_id]
                     input_ids[starts[i + 1] - entry.num_draft_tokens : starts[i + 1]] = drafted[entry.seq_id]
         # The grammars' masks depend on no logits: on a GPU they are computed while the model runs.
         masks = self._start_grammar_masks([(self.mirrors[scheduled[i].seq_id], proposals.get(scheduled[i].seq_id, []))
@@ -148,7 +149,7 @@ class ModelRunner:
         hidden = self.model(input_tensor, position_tensor, self.cache.layers, batch)
         # Every sampled entry's last position, and before it its proposals' positions.
         logit_rows = [row for i in to_sample
-                      for row in range(starts[i + 1] - 1 - scheduled[i].num_proposals, starts[i + 1])]
+                      for row in range(starts[i + 1] - 1 - scheduled[i].num_draft_tokens, starts[i + 1])]
         logits = self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)])
         prompt_logprobs = [self._prompt_logprobs(scheduled[i], starts[i], hidden) for i in prompt_logprob_entries]
         sampled_at = time.perf_counter()
@@ -172,7 +173,7 @@ class ModelRunner:
             kept = _accepted_run([row[0] for row in run], verified)
             sampled.append(SampledTokens(seq_id, [s.token_id for s in kept], [s.logprob for s in kept],
                                          [s.top_ids for s in kept] if kept[0].top_ids else [],
-                                         [s.top_logprobs for s in kept] if kept[0].top_ids else []))
+                                         [s.top_logprobs for s in kept] if kept[0].top_ids else [], len(verified)))
             generated = len(mirror.token_ids) - mirror.num_prompt_tokens
             if mirror.sampling.worker_keeps_samples(generated):
                 # Its next tokens are known here first: the scheduler may already have planned the next.
@@ -217,30 +218,46 @@ class ModelRunner:
             failures.setdefault(entry.seq_id, "unknown sequence")
             return False
         problem = None
-        if not all(0 <= t < self.vocab_size for t in entry.appended_token_ids + entry.proposed_token_ids):
+        if not all(0 <= t < self.vocab_size for t in entry.appended_token_ids):
             problem = "a token id outside the vocabulary"
         elif not all(0 <= b < self.cache.num_blocks for b in entry.block_ids):
             problem = f"a block id outside [0, {self.cache.num_blocks})"
         elif (not 0 <= entry.table_start <= mirror.num_blocks or entry.start < 0 or entry.num_draft_tokens < 0
-              or entry.num_tokens <= entry.num_proposals):
+              or entry.num_tokens <= entry.num_draft_tokens):
             problem = "an inconsistent step entry"
-        elif entry.num_draft_tokens and self.drafter is None:
-            problem = "draft tokens asked of a worker without a draft model"
+        elif entry.num_draft_tokens and self.drafter is None and self.ngram is None:
+            problem = "draft tokens asked of a worker that drafts none (start it with --speculative-config)"
         if problem is None:
             mirror.token_ids.extend(entry.appended_token_ids)
+            if entry.start_at_end:  # planned before the scheduler knew how many proposals a step kept
+                entry.start = len(mirror.token_ids) - 1
             self.tables.write(mirror.row, entry.table_start, entry.block_ids)
             mirror.num_blocks = entry.table_start + len(entry.block_ids)
             end = entry.start + entry.num_tokens
-            known_end = end - entry.num_proposals
+            known_end = end - entry.num_draft_tokens
             if known_end > len(mirror.token_ids) or end > mirror.num_blocks * self.cache.block_size:
                 problem = f"tokens or blocks missing for position {end}"
-            elif entry.num_proposals and known_end != len(mirror.token_ids):
+            elif entry.num_draft_tokens and known_end != len(mirror.token_ids):
                 problem = "proposals that do not follow the sequence's last token"
         if problem is not None:
             failures[entry.seq_id] = problem
             self._drop(entry.seq_id)
             return False
         return True
+
+    def _look_up_proposals(self, scheduled: list[ScheduledSequence]) -> dict[int, list[int]]:
+        """Each entry's draft tokens by prompt lookup; an entry computes only the proposals found."""
+        proposals = {}
+        for entry in scheduled:
+            if entry.num_draft_tokens:
+                mirror = self.mirrors[entry.seq_id]
+                if mirror.lookup is None:
+                    mirror.lookup = self.ngram.new_index()
+                found = self.ngram.propose(mirror.token_ids, mirror.lookup, entry.num_draft_tokens)
+                entry.num_tokens -= entry.num_draft_tokens - len(found)
+                entry.num_draft_tokens = len(found)
+                proposals[entry.seq_id] = found
+        return proposals
 
     def _drop(self, seq_id: int) -> None:
         mirror = self.mirrors.pop(seq_id, None)

@@ -15,6 +15,7 @@ import zmq
 from services.worker.cpu_threads import ComputeThreads
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
 from services.worker.drafter import Drafter
+from services.worker.ngram import NgramProposer
 from services.worker.grammar import GrammarEngine
 from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model
 from services.worker.metrics import WorkerMetrics
@@ -93,6 +94,8 @@ class WorkerServer:
                  f", of which the draft model's {num_blocks * layer_bytes[1] / 2**20:.1f}" if draft_cache else "",
                  num_cpu_blocks)
         drafter = Drafter(models[1][0], draft_cache[0], device) if draft_cache else None
+        ngram = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max) \
+            if speculative is not None and speculative.method == "ngram" else None
         eos_ids = eos_token_ids(args.model, config)
         vocab_size = model.lm_head.weight.shape[0]
         # On a CPU the masks run beside a forward that leaves them a core, or before one that took them all.
@@ -100,7 +103,7 @@ class WorkerServer:
         grammars = GrammarEngine.load(getattr(args, "tokenizer", None) or args.model, vocab_size, eos_ids,
                                       mask_threads)
         self.runner = ModelRunner(model, cache, device, args.seed, eos_token_ids=eos_ids, drafter=drafter,
-                                  threads=threads, grammars=grammars)
+                                  threads=threads, grammars=grammars, ngram=ngram)
         swap_rate = cache.measure_swap_bandwidth()
         prefill_rate = self.runner.measure_prefill_rate()
         log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s%s", swap_rate / 1e9, prefill_rate,
@@ -109,7 +112,8 @@ class WorkerServer:
         self.ready = Ready(
             rank, world_size, num_blocks, num_cpu_blocks, args.block_size,
             config.max_position_embeddings, eos_ids, block_bytes,
-            swap_rate, prefill_rate, self.runner.vocab_size, device.type, drafter is not None,
+            swap_rate, prefill_rate, self.runner.vocab_size, device.type,
+            speculative.method if speculative is not None else "",
         )
         self.metrics = metrics or WorkerMetrics(rank)
         self.context = zmq.Context()
