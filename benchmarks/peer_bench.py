@@ -200,7 +200,9 @@ def run_client(args, port: int, scenario: Scenario, seed: int, scratch: Path) ->
         command += ["--max-concurrency", str(scenario.max_concurrency)]
     if scenario.body:
         command += ["--extra-body", scenario.body]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads((scratch / result_file).read_text())
 
 
