@@ -22,8 +22,13 @@ from tests.conftest import ROOT, free_port, wait_until
 
 
 def start(*args: str, log: str) -> subprocess.Popen:
+    """A service as `python -m`; a scheduler or worker without a --metrics-port serves none, so that
+    one left over from another test cannot hold the default port and stop this one starting."""
+    command = [sys.executable, "-m", *args]
+    if args[0] in ("services.scheduler", "services.worker") and "--metrics-port" not in args:
+        command += ["--metrics-port", "0"]
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
 
 def healthy(url: str) -> bool:
