@@ -267,3 +267,17 @@ def test_a_scheduler_that_speculates_starts_with_workers_that_make_its_proposals
         server.stop()
         loop.join(timeout=5)
         context.destroy(linger=0)
+
+
+def test_no_proposals_for_the_step_that_forks_a_prompt_into_n_samples():
+    # Chunked prefill leaves one prompt token for the second step, which samples n = 2 at once.
+    scheduler = make_scheduler(block_size=4, chunked=True, max_tokens_per_step=8, speculative=NGRAM)
+    worker = StandInWorker(cycle(3), block_size=4)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7]
+    scheduler.add(AddRequest("forks", prompt, SamplingParams(temperature=0.0, max_tokens=6, n=2), 0.0))
+    outputs = run_to_completion(scheduler, worker, depth=2)
+    last_prompt_token = worker.steps[1].scheduled[0]
+    assert (last_prompt_token.start, last_prompt_token.num_tokens) == (8, 1)
+    assert last_prompt_token.num_draft_tokens == 0
+    assert {i: len(tokens_of(outputs, "forks", i)) for i in (0, 1)} == {0: 6, 1: 6}
+    assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0

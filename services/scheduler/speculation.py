@@ -164,7 +164,8 @@ class Speculation:
         k = min(self.config.num_speculative_tokens, token_budget - 1,
                 sampling.max_tokens - len(seq.output_token_ids) - coming - 1,
                 self.max_model_len - seq.num_tokens - coming - 1)
-        seq.num_drafts = k if k > 0 and sampling.can_speculate else 0
+        forks_now = sampling.num_samples > 1 and not seq.request.forked  # its next sample is n samples
+        seq.num_drafts = k if k > 0 and sampling.can_speculate and not forks_now else 0
 
     def verified(self, outcomes: list[tuple[int, int]]) -> None:
         """(proposals, accepted) of each sequence a step verified."""
