@@ -9,6 +9,7 @@ what it samples.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import zmq
@@ -21,6 +22,7 @@ from shared.config import Endpoints, SchedulerConfig, SpeculativeConfig
 from shared.prefix_keys import ROOT, chain_key
 from shared.protocol import AddRequest, Ready
 from shared.sampling import SamplingParams
+from tests.conftest import wait_until
 from tests.scheduler_harness import (
     StandInWorker,
     check_block_accounting,
@@ -28,7 +30,6 @@ from tests.scheduler_harness import (
     request,
     run_to_completion,
 )
-from tests.conftest import wait_until
 from tests.test_liveness import _build, configs
 
 NGRAM = SpeculativeConfig("ngram", 4, 1, 3, adaptive=False)
@@ -232,9 +233,9 @@ def test_no_proposals_while_more_sequences_decode_than_disable_by_batch_size():
     assert any(e.num_draft_tokens for decodes in steps if len(decodes) <= 2 for e in decodes)
 
 
-def test_a_scheduler_that_speculates_refuses_workers_that_do_not_make_its_proposals(tmp_path):
-    """The worker makes the proposals: a rank started without the same --speculative-config would
-    be asked for drafts it cannot make, so the scheduler stops at once and says why."""
+@contextlib.contextmanager
+def speculating_scheduler_told_ready(tmp_path, drafts: str):
+    """A speculating scheduler's loop in a thread, and a rank that reports Ready drafting `drafts`."""
     endpoints = Endpoints.local(str(tmp_path))
     server = SchedulerServer(SchedulerConfig(block_size=4, speculative=NGRAM), endpoints)
     loop = threading.Thread(target=server.run, daemon=True)
@@ -242,9 +243,8 @@ def test_a_scheduler_that_speculates_refuses_workers_that_do_not_make_its_propos
     context = zmq.Context()
     worker = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"worker-0")
     try:
-        sockets.send(worker, Ready(0, 1, 64, 0, 4, 128, [0], 1024, 1e9, 1e4, drafts=""))
-        loop.join(timeout=10)
-        assert not loop.is_alive() and server.exit_code == 2
+        sockets.send(worker, Ready(0, 1, 64, 0, 4, 128, [0], 1024, 1e9, 1e4, drafts=drafts))
+        yield server, loop
     finally:
         if loop.is_alive():
             server.stop()
@@ -252,21 +252,18 @@ def test_a_scheduler_that_speculates_refuses_workers_that_do_not_make_its_propos
         context.destroy(linger=0)
 
 
+def test_a_scheduler_that_speculates_refuses_workers_that_do_not_make_its_proposals(tmp_path):
+    """The worker makes the proposals: a rank started without the same --speculative-config would
+    be asked for drafts it cannot make, so the scheduler stops at once and says why."""
+    with speculating_scheduler_told_ready(tmp_path, drafts="") as (server, loop):
+        loop.join(timeout=10)
+        assert not loop.is_alive() and server.exit_code == 2
+
+
 def test_a_scheduler_that_speculates_starts_with_workers_that_make_its_proposals(tmp_path):
-    endpoints = Endpoints.local(str(tmp_path))
-    server = SchedulerServer(SchedulerConfig(block_size=4, speculative=NGRAM), endpoints)
-    loop = threading.Thread(target=server.run, daemon=True)
-    loop.start()
-    context = zmq.Context()
-    worker = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"worker-0")
-    try:
-        sockets.send(worker, Ready(0, 1, 64, 0, 4, 128, [0], 1024, 1e9, 1e4, drafts="ngram"))
+    with speculating_scheduler_told_ready(tmp_path, drafts="ngram") as (server, _):
         assert wait_until(lambda: server.scheduler is not None, timeout=10)
         assert server.running
-    finally:
-        server.stop()
-        loop.join(timeout=5)
-        context.destroy(linger=0)
 
 
 def test_no_proposals_for_the_step_that_forks_a_prompt_into_n_samples():

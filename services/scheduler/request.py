@@ -49,6 +49,12 @@ class Sequence:
         return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
+    def num_coming(self) -> int:
+        """Tokens the steps in flight may still give it: its pending samples, and its proposals as if
+        every one will be kept."""
+        return self.num_pending + self.num_speculative
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -100,6 +106,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def forks_at_next_sample(self) -> bool:
+        """Whether its next sample is n samples at once, which the scheduler forks it into."""
+        return self.sampling.num_samples > 1 and not self.forked
 
     @property
     def num_seats(self) -> int:

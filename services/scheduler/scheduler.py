@@ -216,7 +216,7 @@ class Scheduler:
             seq.num_drafts = 0
             if seq.num_pending and not self._runs_ahead(seq):
                 continue
-            n = seq.num_tokens + seq.num_pending + seq.num_speculative - seq.num_computed_tokens
+            n = seq.num_tokens + seq.num_coming - seq.num_computed_tokens
             if n > budget:
                 n = budget if self.budgets.chunked_prefill else 0
             if n == 1 and self._speculating:
@@ -246,12 +246,11 @@ class Scheduler:
     def _runs_ahead(self, seq: Sequence) -> bool:
         """Whether a sequence's next position may be scheduled before its pending sample is known:
         not if what the steps in flight may give it could be its last by length."""
-        request, sampling = seq.request, seq.request.sampling
-        if sampling.use_beam_search or (sampling.num_samples > 1 and not request.forked):
+        sampling = seq.request.sampling
+        if sampling.use_beam_search or seq.request.forks_at_next_sample:
             return False
-        coming = seq.num_pending + seq.num_speculative
-        return (len(seq.output_token_ids) + coming < sampling.max_tokens
-                and seq.num_tokens + coming < self.budgets.max_model_len)
+        return (len(seq.output_token_ids) + seq.num_coming < sampling.max_tokens
+                and seq.num_tokens + seq.num_coming < self.budgets.max_model_len)
 
     def _take(self, wants, scheduled, budget) -> list[tuple[int, int]]:
         copies = []
@@ -424,7 +423,7 @@ class Scheduler:
         prompt_tokens_computed = num_decoding = 0
         for seq, num_tokens in scheduled:
             computed, num_prompt = seq.num_computed_tokens, seq.num_prompt_tokens
-            coming = seq.num_tokens + seq.num_pending + seq.num_speculative  # if every proposal in flight is kept
+            coming = seq.num_tokens + seq.num_coming  # if every proposal in flight is kept
             new, entry = self.registry.step_entry(seq, num_tokens)
             if new is not None:
                 new_sequences.append(new)

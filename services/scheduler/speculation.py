@@ -160,12 +160,11 @@ class Speculation:
         within what its request and the context allow, counting every token the steps in flight
         may still give it: each step may give it one token more than it verifies."""
         sampling = seq.request.sampling
-        coming = seq.num_pending + seq.num_speculative
         k = min(self.config.num_speculative_tokens, token_budget - 1,
-                sampling.max_tokens - len(seq.output_token_ids) - coming - 1,
-                self.max_model_len - seq.num_tokens - coming - 1)
-        forks_now = sampling.num_samples > 1 and not seq.request.forked  # its next sample is n samples
-        seq.num_drafts = k if k > 0 and sampling.can_speculate and not forks_now else 0
+                sampling.max_tokens - len(seq.output_token_ids) - seq.num_coming - 1,
+                self.max_model_len - seq.num_tokens - seq.num_coming - 1)
+        speculates = sampling.can_speculate and not seq.request.forks_at_next_sample
+        seq.num_drafts = k if k > 0 and speculates else 0
 
     def verified(self, outcomes: list[tuple[int, int]]) -> None:
         """(proposals, accepted) of each sequence a step verified."""
