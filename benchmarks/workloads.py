@@ -10,11 +10,14 @@ as the paper's translation workload does (80 tokens one-shot, 341 five-shot).
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import statistics
+import subprocess
+import sys
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 
 @dataclass(slots=True)
@@ -105,17 +108,48 @@ def beams(count: int, width: int = 2, seed: int = 0, max_model_len: int = 1024, 
     return jobs
 
 
+# The commit whose sources the code workload cuts its prompts from: later edits to the tree change
+# no prompt, so sittings on different commits send the same requests.
+CODE_REVISION = "5f4a3adb45114538345e2fb866928ef82a2f8b07"
+CODE_FOLDERS = ("services", "shared", "kernels")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def code_sources(revision: str = CODE_REVISION, root: Path = ROOT) -> tuple[str, ...]:
+    """The text of every Python file under CODE_FOLDERS at `revision`, in path order, read with git;
+    the working tree's, with a warning, where git or that commit is not at hand (the prompts then
+    differ from other commits')."""
+    try:
+        git = ["git", "-C", str(root)]
+        listed = subprocess.run([*git, "ls-tree", "-r", "--name-only", revision, "--", *CODE_FOLDERS],
+                                capture_output=True, text=True, check=True).stdout.split()
+        paths = sorted((path for path in listed if path.endswith(".py")), key=PurePosixPath)
+        batch = subprocess.run([*git, "cat-file", "--batch"], input="".join(f"{revision}:{p}\n" for p in paths).encode(),
+                               capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"code workload: {revision[:12]} not readable with git ({exc}); cutting prompts from the working tree",
+              file=sys.stderr)
+        return tuple(p.read_text() for p in sorted(p for folder in CODE_FOLDERS for p in (root / folder).rglob("*.py")))
+    texts, at = [], 0
+    for _ in paths:  # each: "<id> blob <size>\n" then the bytes and a newline
+        header_end = batch.index(b"\n", at)
+        size = int(batch[at:header_end].split()[2])
+        texts.append(batch[header_end + 1 : header_end + 1 + size].decode())
+        at = header_end + 2 + size
+    return tuple(texts)
+
+
 def code(count: int, seed: int = 0, max_model_len: int = 1024, vocab_size: int = 4096, output_len: int = 128,
-         prompt_chars: int = 1100) -> list[Job]:
-    """Prompts cut from Python source files (this repository's, which the shipped model never saw),
-    each a run of whole lines of at most `prompt_chars` characters (about 350 of the shipped
-    model's tokens), greedy: the workload of code completion, where n-gram speculation pays."""
-    root = Path(__file__).resolve().parent.parent
-    files = sorted(p for folder in ("services", "shared", "kernels") for p in (root / folder).rglob("*.py"))
+         prompt_chars: int = 1100, sources: tuple[str, ...] | None = None) -> list[Job]:
+    """Prompts cut from Python source files (this repository's at CODE_REVISION, which the shipped
+    model never saw), each a run of whole lines of at most `prompt_chars` characters (about 350 of
+    the shipped model's tokens), greedy: the workload of code completion, where n-gram speculation pays."""
+    sources = code_sources() if sources is None else sources
     rng = random.Random(seed)
     jobs = []
     while len(jobs) < count:
-        lines = rng.choice(files).read_text().splitlines(keepends=True)
+        lines = rng.choice(sources).splitlines(keepends=True)
         if len(lines) < 40:
             continue
         start, text = rng.randrange(len(lines) - 30), ""

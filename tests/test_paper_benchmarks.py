@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from benchmarks.fig12_latency_vs_rate import sustained_rate
-from benchmarks.workloads import ALPACA_MEANS, SHAREGPT_MEANS, WORKLOADS, describe
+from benchmarks.workloads import ALPACA_MEANS, SHAREGPT_MEANS, WORKLOADS, code, code_sources, describe
 from tests.conftest import ROOT
 
 
@@ -27,6 +27,26 @@ def test_capped_traces_fit_the_context_and_are_seeded():
     assert [j.prompt for j in WORKLOADS["sharegpt"](5, seed=3)] == [j.prompt for j in WORKLOADS["sharegpt"](5, seed=3)]
     prefixed = WORKLOADS["prefix5"](3, seed=0)
     assert prefixed[0].prompt[:341] == prefixed[1].prompt[:341] == prefixed[2].prompt[:341]
+
+
+def test_code_prompts_come_from_a_fixed_commit_so_later_edits_change_none(tmp_path, capsys):
+    source = "".join(f"value_{i} = compute({i})\n" for i in range(60))
+    (tmp_path / "services").mkdir()
+    (tmp_path / "services" / "module.py").write_text(source)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "sources"], check=True)
+    revision = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "services" / "module.py").write_text(source.replace("compute", "changed"))
+
+    pinned = code_sources(revision, tmp_path)
+    assert pinned == (source,)
+    prompts = [job.prompt for job in code(3, seed=5, sources=pinned)]
+    assert prompts == [job.prompt for job in code(3, seed=5, sources=pinned)]
+    assert all(p and "changed" not in p and p in source for p in prompts)
+    assert code_sources("0" * 40, tmp_path)[0].count("changed") == 60  # no such commit: the tree, said aloud
+    assert "cutting prompts from the working tree" in capsys.readouterr().err
 
 
 def test_sustained_rate_is_where_latency_crosses_the_limit():
