@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "claims.h"
+
 #define QUERY_BLOCK 8 /* queries of one sequence served together: each key and value is read once for all */
 #define TILE 16       /* cached tokens whose keys (or values) every query row and head takes in turn */
 
@@ -188,24 +190,30 @@ static inline __attribute__((always_inline)) void attend_range(
     }
 }
 
-/* scores: scratch of QUERY_BLOCK * num_heads * max(context_lens) floats. A constant head_dim lets the
- * compiler unroll the inner loops into whole vectors; a constant row kind drops the other kinds'. */
+/* Sequences bounds[c] .. bounds[c + 1] - 1 are chunk c of `chunks`, claimed in turn by the threads
+ * that share the call (claims.h); the caller, wait != 0, returns once every chunk is done.
+ * scores: this thread's scratch of QUERY_BLOCK * num_heads * max(context_lens) floats. A constant
+ * head_dim lets the compiler unroll the inner loops into whole vectors; a constant row kind drops
+ * the other kinds'. */
 #define ATTEND_SPECIALIZED(KIND)                                                                        \
     switch (head_dim) {                                                                                 \
     case 64: ATTEND(64, KIND); break;                                                                   \
     case 128: ATTEND(128, KIND); break;                                                                 \
     default: ATTEND(head_dim, KIND);                                                                    \
-    }
+    }                                                                                                   \
+    if (wait)                                                                                           \
+        wait_for_chunks(counters, chunks);
 #define ATTEND(DIM, KIND)                                                                               \
-    attend_range(query, query_stride, (const char *)key_cache, (const char *)value_cache, block_tables,  \
-                 table_stride, query_start, context_lens, first_seq, last_seq, num_heads, num_kv_heads,  \
-                 DIM, block_size, scale, window, scores, out, KIND)
+    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters))                       \
+        attend_range(query, query_stride, (const char *)key_cache, (const char *)value_cache, block_tables, \
+                     table_stride, query_start, context_lens, bounds[c], bounds[c + 1], num_heads,       \
+                     num_kv_heads, DIM, block_size, scale, window, scores, out, KIND)
 
 void paged_attention_f32(
     const float *query, int64_t query_stride, const float *key_cache, const float *value_cache, const int32_t *block_tables,
-    int64_t table_stride, const int32_t *query_start, const int32_t *context_lens, int64_t first_seq,
-    int64_t last_seq, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, int64_t window, float *scores, float *out)
+    int64_t table_stride, const int32_t *query_start, const int32_t *context_lens, const int64_t *bounds,
+    int64_t chunks, int64_t *counters, int64_t wait, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, int64_t window, float *scores, float *out)
 {
     ATTEND_SPECIALIZED(ROW_F32)
 }
@@ -214,8 +222,9 @@ void paged_attention_f32(
 void paged_attention_i8(
     const float *query, int64_t query_stride, const int8_t *key_cache, const int8_t *value_cache,
     const int32_t *block_tables, int64_t table_stride, const int32_t *query_start, const int32_t *context_lens,
-    int64_t first_seq, int64_t last_seq, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int64_t window, float *scores, float *out)
+    const int64_t *bounds, int64_t chunks, int64_t *counters, int64_t wait, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float *scores,
+    float *out)
 {
     ATTEND_SPECIALIZED(ROW_I8)
 }
@@ -224,8 +233,9 @@ void paged_attention_i8(
 void paged_attention_f8(
     const float *query, int64_t query_stride, const uint8_t *key_cache, const uint8_t *value_cache,
     const int32_t *block_tables, int64_t table_stride, const int32_t *query_start, const int32_t *context_lens,
-    int64_t first_seq, int64_t last_seq, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int64_t window, float *scores, float *out)
+    const int64_t *bounds, int64_t chunks, int64_t *counters, int64_t wait, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float *scores,
+    float *out)
 {
     ATTEND_SPECIALIZED(ROW_F8)
 }
@@ -234,6 +244,6 @@ void paged_attention_f8(
 
 /* The argument types of paged_attention_f32, _i8 and _f8, as kernels/native.py checks them before
  * any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
-const char *paged_attention_f32_signature(void) { return "pipppippiiiiiifipp:v"; }
-const char *paged_attention_i8_signature(void) { return "pipppippiiiiiifipp:v"; }
-const char *paged_attention_f8_signature(void) { return "pipppippiiiiiifipp:v"; }
+const char *paged_attention_f32_signature(void) { return "pipppipppipiiiiifipp:v"; }
+const char *paged_attention_i8_signature(void) { return "pipppipppipiiiiifipp:v"; }
+const char *paged_attention_f8_signature(void) { return "pipppipppipiiiiifipp:v"; }

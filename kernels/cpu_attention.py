@@ -1,7 +1,8 @@
 """Paged attention for the CPU.
 
-`paged_attention_native` runs the C kernel of `cpu_attention.c` over the whole step, split over
-the torch threads by sequence. Where it cannot be compiled, or for dtypes other than float32,
+`paged_attention_native` runs the C kernel of `cpu_attention.c` over the whole step, its
+sequences in chunks of about equal work that the threads sharing the call claim in turn
+(`native.share`). Where it cannot be compiled, or for dtypes other than float32,
 `paged_attention_torch` serves a whole step in a few vectorized calls per layer: decode sequences (one query each) go together: their blocks are gathered into one padded
 `[seqs, context, kv_heads, head_dim]` workspace with `index_select`, and a single masked
 `scaled_dot_product_attention` (grouped-query aware) serves them all. Sequences with several
@@ -40,6 +41,7 @@ class Workspace:
 _workspace = Workspace()
 CHUNK_BYTES = 4 << 20  # gathered keys and values per attention call
 QUERY_BLOCK = 8  # queries of a sequence the compiled kernel serves together (cpu_attention.c)
+CHUNKS_PER_THREAD = 4  # a shared call's sequences come in this many chunks per thread, claimed in turn
 
 
 def paged_attention_cpu(query, key_cache, value_cache, batch: PagedBatch, scale: float,
@@ -53,8 +55,8 @@ def paged_attention_cpu(query, key_cache, value_cache, batch: PagedBatch, scale:
 def native_kernel(symbol: str = "paged_attention_f32"):
     """The C kernel over a float32 cache, or with "paged_attention_i8" (or "_f8") over an int8 (or E4M3) one."""
     p, i = native.POINTER, native.INT64
-    return native.function("cpu_attention", symbol, [p, i, p, p, p, i, p, p, i, i, i, i, i, i, native.FLOAT, i, p, p],
-                           None)
+    return native.function("cpu_attention", symbol,
+                           [p, i, p, p, p, i, p, p, p, i, p, i, i, i, i, i, native.FLOAT, i, p, p], None)
 
 
 MAX_DECODED, TILE = 16384, 16  # cpu_attention.c decodes a tile of TILE cached tokens' one-byte rows into this many floats
@@ -94,30 +96,35 @@ def paged_attention_native(
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     derived = batch.derived.get("native")
-    if derived is None:  # the same for every layer of the step
+    threads = native.threads()
+    if derived is None or derived[4] != threads:  # the same for every layer of the step
+        bounds = _split(batch, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
         derived = batch.derived["native"] = (
             batch.block_tables.to(torch.int32).contiguous(), batch.query_start_loc.to(torch.int32).contiguous(),
-            batch.context_lens.to(torch.int32).contiguous(), _split(batch, torch.get_num_threads()))
-    tables, starts, lens, parts = derived
+            batch.context_lens.to(torch.int32).contiguous(),
+            torch.tensor([first for first, _ in bounds] + [bounds[-1][1]], dtype=torch.int64), threads)
+    tables, starts, lens, bounds, _ = derived
+    chunks = len(bounds) - 1
+    threads = min(threads, chunks)
     out = torch.empty(query.shape, dtype=query.dtype)
     scratch = QUERY_BLOCK * num_heads * max(batch.context_lens_list)
+    scores = [workspace.take(f"scores{t}", (scratch,), torch.float32, query.device) for t in range(threads)]
+    args = (query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+            tables.stride(0), starts.data_ptr(), lens.data_ptr(), bounds.data_ptr(), chunks, native.new_counters())
+    shape = (num_heads, num_kv_heads, head_dim, block_size, scale, window or 0)
 
-    def run(part: int) -> None:
-        first, last = parts[part]
-        scores = workspace.take(f"scores{part}", (scratch,), torch.float32, query.device)
-        kernel(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
-               tables.stride(0), starts.data_ptr(), lens.data_ptr(), first, last, num_heads, num_kv_heads, head_dim,
-               block_size, scale, window or 0, scores.data_ptr(), out.data_ptr())
+    def run(thread: int, wait: bool) -> None:
+        kernel(*args, wait, *shape, scores[thread].data_ptr(), out.data_ptr())
 
-    native.run_parts(run, len(parts), kernel.__name__)
+    native.share(run, threads, kernel.__name__)
     return out
 
 
-def _split(batch: PagedBatch, threads: int) -> list[tuple[int, int]]:
-    """Consecutive ranges of sequences with about equal work (queries times context) each."""
+def _split(batch: PagedBatch, parts: int) -> list[tuple[int, int]]:
+    """Consecutive ranges of sequences with about equal work (queries times context) each, at most `parts`."""
     starts, lens = batch.query_start_list, batch.context_lens_list
     costs = [(starts[s + 1] - starts[s]) * lens[s] for s in range(len(lens))]
-    parts = min(threads, len(lens))
+    parts = min(parts, len(lens))
     if parts <= 1:
         return [(0, len(lens))]
     share, ranges, first, running = sum(costs) / parts, [], 0, 0

@@ -12,10 +12,13 @@
  * rows took 15-20 % less time, docs/kernels.md).
  *
  * x: [M, K] with rows x_stride floats apart; panels: [ceil(N / 16), K, 16]; y: [M, N] with rows
- * y_stride apart; bias: [N] or NULL. Only panels first_panel..last_panel-1, so threads can share
- * a call. Returns -1, with nothing done, without AVX2 and FMA. Sums run in float32, over k in order.
+ * y_stride apart; bias: [N] or NULL. Threads share a call by claiming its chunks of
+ * panels_per_chunk panels (claims.h); the caller, wait != 0, returns once every chunk is done.
+ * Returns -1, with nothing done, without AVX2 and FMA. Sums run in float32, over k in order.
  */
 #include <stdint.h>
+
+#include "claims.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -73,8 +76,8 @@ TILE(4)
 TILE(5)
 TILE(6)
 
-int64_t gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
-                 int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t first_panel, int64_t last_panel)
+static void gemm_panels(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
+                        int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t first_panel, int64_t last_panel)
 {
     for (int64_t p = first_panel; p < last_panel; p++) {
         const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
@@ -99,13 +102,27 @@ int64_t gemm_f32(const float *x, int64_t x_stride, const float *panels, const fl
             }
         }
     }
+}
+
+int64_t gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
+                 int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t panels_per_chunk, int64_t *counters,
+                 int64_t wait)
+{
+    const int64_t count = (N + NR - 1) / NR, chunks = (count + panels_per_chunk - 1) / panels_per_chunk;
+    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+        const int64_t first = c * panels_per_chunk, last = first + panels_per_chunk < count ? first + panels_per_chunk : count;
+        gemm_panels(x, x_stride, panels, bias, y, y_stride, M, N, K, first, last);
+    }
+    if (wait)
+        wait_for_chunks(counters, chunks);
     return 0;
 }
 
 #else
 
 int64_t gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
-                 int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t first_panel, int64_t last_panel)
+                 int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t panels_per_chunk, int64_t *counters,
+                 int64_t wait)
 {
     return -1; /* no vector unit to beat the BLAS with: the caller uses torch */
 }
@@ -114,4 +131,4 @@ int64_t gemm_f32(const float *x, int64_t x_stride, const float *panels, const fl
 
 /* The argument types of gemm_f32, as kernels/native.py checks them before any call: p a pointer,
  * i an int64_t, f a float; after the colon the result (v: none). */
-const char *gemm_f32_signature(void) { return "pipppiiiiii:i"; }
+const char *gemm_f32_signature(void) { return "pipppiiiiipi:i"; }

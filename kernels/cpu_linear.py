@@ -2,9 +2,9 @@
 CPU, torch's own elsewhere (another dtype or device, no AVX2, no compiler). docs/kernels.md has
 the measurements.
 
-- `cpu_gemm.c` serves up to `GEMM_MAX_ROWS` rows (every decode step and verification, short
-  prompts) against weights packed into panels when the model loads (`pack_weights`), split over
-  the step's threads.
+- `cpu_gemm.c` serves up to `GEMM_MAX_ROWS` rows (every decode step and verification, and
+  prompts up to a step's default token budget) against weights packed into panels when the model loads (`pack_weights`), its chunks
+  of panels claimed by the threads that share the call (`native.share`).
 - `cpu_linear.c` serves up to `MAX_ROWS` rows of an unpacked weight (the TP shards' projections
   that take their weight directly).
 
@@ -24,10 +24,12 @@ from torch import nn
 from kernels import native
 
 MAX_ROWS = 6  # the unpacked kernel: past this the BLAS is about as fast per row
-GEMM_MAX_ROWS = 256  # the packed kernel: past this MKL is as fast
+GEMM_MAX_ROWS = 2048  # the packed kernel: faster than MKL up to here, the most rows measured (docs/kernels.md)
 PANEL = 16  # output columns per packed panel (cpu_gemm.c)
-SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth splitting over threads
-SPLIT_ROWS = 4  # nor below this many rows: bound by reading the weights, a second thread adds little but its cost
+SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth sharing between threads
+SPLIT_ROWS = 4  # nor below this many rows, where reading the weight bounds it, unless the weight is larger
+SPLIT_WEIGHT = 1 << 20  # than this many parameters: then a second core reads it faster (docs/kernels.md)
+CHUNKS_PER_THREAD = 8  # a shared call's panels come in this many chunks per thread, claimed in turn
 
 
 @functools.cache
@@ -39,7 +41,7 @@ def native_kernel():
 @functools.cache
 def gemm_kernel():
     p, i = native.POINTER, native.INT64
-    return native.function("cpu_gemm", "gemm_f32", [p, i, p, p, p, i, i, i, i, i, i], i)
+    return native.function("cpu_gemm", "gemm_f32", [p, i, p, p, p, i, i, i, i, i, p, i], i)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,14 +74,14 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.T
     if kernel is None or rows > GEMM_MAX_ROWS or x.stride(1) != 1 or torch.is_grad_enabled():
         return None
     out = torch.empty((rows, out_features), dtype=torch.float32)
-    args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-            out_features, rows, out_features, width)
     count = panels.shape[0]
-    split = rows >= SPLIT_ROWS and rows * out_features * width >= SPLIT_MACS
-    parts = min(torch.get_num_threads(), count) if split else 1
-    bounds = [count * i // parts for i in range(parts + 1)]
-    done = native.run_parts(lambda i: kernel(*args, bounds[i], bounds[i + 1]), parts, kernel.__name__)
-    return out if all(d == 0 for d in done) else None
+    split = (rows >= SPLIT_ROWS and rows * out_features * width >= SPLIT_MACS) or out_features * width >= SPLIT_WEIGHT
+    threads = min(native.threads(), count) if split else 1
+    per_chunk = -(-count // (threads * CHUNKS_PER_THREAD)) if threads > 1 else count
+    args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+            out_features, rows, out_features, width, per_chunk, native.new_counters())
+    done = native.share(lambda _, wait: kernel(*args, wait), threads, kernel.__name__)
+    return out if done == 0 else None
 
 
 class Linear(nn.Linear):

@@ -12,15 +12,17 @@ None and callers use torch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger("pagedserve.kernels")
@@ -99,24 +101,63 @@ def signature(argument_types: list, result_type=None) -> str:
 
 POINTER, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_threads = 0  # set_threads; 0: torch's thread count
+_helpers: list[queue.SimpleQueue] = []
 
 
-def run_parts(run: Callable[[int], object], parts: int, label: str = "pagedserve::kernel") -> list:
-    """`run(0)`, ..., `run(parts - 1)`, each on a thread of one pool shared by the kernels (a kernel
-    called through ctypes lets go of the GIL, so the parts run on as many cores); their results.
-    torch's profiler records only the thread it started on unless told to record them all, so
-    there the parts show as one range, `label` and the number of threads."""
-    global _pool, _pool_size
-    if parts <= 1:
-        return [run(0)]
-    if _pool_size < parts:
-        _pool, _pool_size = ThreadPoolExecutor(parts, thread_name_prefix="kernel"), parts
-    if _profiling():
-        with _profiler_range(f"{label} on {parts} threads"):
-            return list(_pool.map(run, range(parts)))
-    return list(_pool.map(run, range(parts)))
+def set_threads(count: int) -> None:
+    """How many threads share a kernel call that is worth splitting: the caller and count - 1 helpers."""
+    global _threads
+    _threads = max(1, count)
+
+
+def threads() -> int:
+    return _threads or torch_threads()
+
+
+def torch_threads() -> int:
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else 1
+
+
+def new_counters() -> ctypes.Array:
+    """The claim counters of one shared call (claims.h), passed to the kernel as this object so that
+    the runs keep it alive: fresh for each call, as a helper that arrives late must find its own
+    call's chunks all claimed, never another's."""
+    return (ctypes.c_int64 * 2)()
+
+
+def share(run: Callable[[int, bool], object], count: int, label: str = "pagedserve::kernel") -> object:
+    """`run(0, True)` on this thread, and `run(i, False)` for i in 1..count-1 on helper threads; the
+    result of this thread's. The kernel behind `run` claims its chunks from counters all the runs
+    share (claims.h) and returns on this thread once every chunk is done: so a helper that has not
+    started by then, because its core is busy with the api, the scheduler or anything else, holds
+    up nothing; it joins later to find nothing left. A kernel called through ctypes lets go of the
+    GIL, so the runs compute side by side. torch's profiler records only the thread it started on
+    unless told to record them all, so there a shared call shows as one range: `label` and the count."""
+    for helper in range(1, count):
+        _helper_queue(helper).put(functools.partial(run, helper, False))
+    if count > 1 and _profiling():
+        with _profiler_range(f"{label} on {count} threads"):
+            return run(0, True)
+    return run(0, True)
+
+
+def _helper_queue(index: int) -> queue.SimpleQueue:
+    while len(_helpers) < index:
+        jobs = queue.SimpleQueue()
+        threading.Thread(target=_help, args=(jobs,), name=f"kernel-helper-{len(_helpers) + 1}", daemon=True).start()
+        _helpers.append(jobs)
+    return _helpers[index - 1]
+
+
+def _help(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        try:
+            job()
+        except Exception:  # a helper must outlive any one call; the caller's own run reports the failure
+            log.exception("a kernel helper's run failed")
 
 
 def _build_and_load(name: str) -> ctypes.CDLL | None:
@@ -135,7 +176,7 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         directory = scratch = Path(tempfile.mkdtemp(prefix="pagedserve-kernels-"))
     try:
         for flags, libraries in zip(FLAG_SETS, LIBRARIES):
-            digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(flags + libraries).encode(),
+            digest = hashlib.sha256(b"\0".join([*_source_bytes(source), " ".join(flags + libraries).encode(),
                                                 identity])).hexdigest()[:16]
             target = directory / f"{name}-{digest}.so"
             if not target.exists() and not _compile(compiler, source, flags, libraries, target):
@@ -149,6 +190,11 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
             shutil.rmtree(scratch, ignore_errors=True)
     log.warning("could not compile %s: it runs in torch, which is slower", source.name)
     return None
+
+
+def _source_bytes(source: Path) -> list[bytes]:
+    """The C file and every header beside it, which it may include."""
+    return [source.read_bytes(), *(header.read_bytes() for header in sorted(source.parent.glob("*.h")))]
 
 
 def _prebuilt(name: str) -> ctypes.CDLL | None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear
+from kernels import cpu_linear, native
 from kernels.cpu_linear import GEMM_MAX_ROWS, Linear, gemm, gemm_kernel, pack, pack_weights
 
 
@@ -56,6 +56,21 @@ def test_split_over_threads_the_result_is_the_same_bit_for_bit(threads, monkeypa
     finally:
         torch.set_num_threads(before)
     assert torch.equal(split, one)
+
+
+def test_a_call_is_shared_when_its_rows_are_many_enough_or_its_weight_large_enough(monkeypatch):
+    shared = []
+    real_share = native.share
+    monkeypatch.setattr(native, "share", lambda run, count, label: shared.append(count) or real_share(run, count, label))
+    monkeypatch.setattr(native, "_threads", 2)
+    small, large = torch.randn(256, 256), torch.randn(4096, 256)  # 64 Ki and 1 Mi parameters
+    for weight, rows in ((small, 1), (small, 3), (small, 32), (large, 1)):
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(gemm(x, pack(weight), weight.shape[0], None), F.linear(x, weight),
+                                   atol=1e-4, rtol=1e-4)
+    # A few rows against a small weight are one thread's: a helper costs more than it brings. Many
+    # rows are arithmetic, and one row against a large weight is bound by reading it: both shared.
+    assert shared == [1, 1, 2, 2]
 
 
 def test_a_packed_layer_uses_the_kernel_up_to_its_row_limit_and_torch_past_it(monkeypatch):

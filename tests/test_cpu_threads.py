@@ -3,6 +3,7 @@ one core left to them otherwise (the api and scheduler streaming many tokens, or
 
 import torch
 
+from kernels import native
 from services.worker import cpu_threads
 from services.worker.cpu_threads import ComputeThreads, cpu_seconds_busy
 
@@ -71,6 +72,18 @@ def test_a_core_given_back_is_held_back_for_a_while():
     assert threads.for_step() == 1
     machine.run(cpu_threads.HOLD, worker_cores=1.0, others_cores=0.0)
     assert threads.for_step() == 2
+
+
+def test_the_compiled_kernels_share_every_core_whatever_the_others_do(monkeypatch):
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: None)
+    monkeypatch.setattr(native, "_threads", 0)  # restored after the test
+    machine = Machine()
+    busy, fixed, ranks = machine.threads(), machine.threads(requested=1), machine.threads(cores=8, num_ranks=2)
+    machine.run(1.0, worker_cores=1.0, others_cores=0.45)
+    assert busy.for_step() == 1  # torch's own operations leave a core to the others
+    for threads, kernel_threads in ((busy, 2), (fixed, 1), (ranks, 4)):
+        threads.use(threads.for_step())
+        assert native.threads() == kernel_threads
 
 
 def test_the_flag_fixes_the_count():

@@ -3,6 +3,7 @@ declaration that drifts from its function leaves the kernel to torch instead of 
 and torch's profiler sees every call by name."""
 
 import logging
+import threading
 
 import pytest
 
@@ -46,3 +47,40 @@ def test_torch_profiler_sees_each_kernel_call_by_name_and_a_call_split_over_thre
     counts = {event.key: event.count for event in recorded.key_averages()}
     assert counts.get("pagedserve::cpu_norm.rms_norm_f32") == 1, sorted(counts)
     assert counts.get("pagedserve::cpu_gemm.gemm_f32 on 2 threads") == 1, sorted(counts)
+
+
+@pytest.fixture
+def blocked_helper():
+    """Two threads share each call, but the helper is held up until the test lets it go (as when the
+    api keeps its core busy); yields the event that lets it go."""
+    held, drained = threading.Event(), threading.Event()
+    native._helper_queue(1).put(held.wait)
+    native.set_threads(2)
+    try:
+        yield held
+    finally:
+        native.set_threads(0)
+        held.set()
+        native._helper_queue(1).put(drained.set)
+        assert drained.wait(10), "the helper never came back"
+
+
+def test_a_call_shared_with_a_helper_that_never_starts_is_finished_by_the_caller(blocked_helper):
+    import torch
+
+    from tests.test_kernels import make_batch
+
+    x, weight = torch.randn(32, 256), torch.randn(512, 256)  # past SPLIT_MACS: shared by two threads
+    panels = cpu_linear.pack(weight)
+    query, key_cache, value_cache, batch = make_batch([(1, 40), (3, 30), (1, 9), (1, 70)], 4, 2, 64, 8,
+                                                      torch.float32)
+    with torch.no_grad():
+        shared_linear = cpu_linear.gemm(x, panels, 512, None)
+        shared_attention = cpu_attention.paged_attention_native(query, key_cache, value_cache, batch, 0.125)
+    assert not blocked_helper.is_set()  # both calls returned while the helper had not started either
+    native.set_threads(1)
+    batch.derived.clear()
+    with torch.no_grad():
+        assert torch.equal(shared_linear, cpu_linear.gemm(x, panels, 512, None))
+        assert torch.equal(shared_attention,
+                           cpu_attention.paged_attention_native(query, key_cache, value_cache, batch, 0.125))

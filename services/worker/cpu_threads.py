@@ -1,4 +1,4 @@
-"""How many torch threads the forward pass gets on a CPU.
+"""How many threads the forward pass gets on a CPU.
 
 Torch's threads meet at a barrier after every operation, so one thread that shares its core with
 another busy process holds all of them up: on 2 cores beside one busy process, two threads served
@@ -16,8 +16,11 @@ two. Hence two thresholds, and a hold after giving a core back.
 docs/benchmarks.md ("CPU: a 12-layer model at real shapes") has the measurements. `--cpu-threads N`
 fixes the count instead.
 
-The step's threads are two sets: torch's OpenMP threads for its own operations, and the pool that
-runs the compiled kernels' parts (`kernels.native.run_parts`). An idle OpenMP thread spins for a
+The step's threads are two sets: torch's OpenMP threads for its own operations, counted as above,
+and the compiled kernels' helpers (`kernels.native.share`), one per core but the caller's, always:
+a helper claims a call's chunks only once its core lets it run, so a busy core slows no call
+(kernels/claims.h). On the shipped model at 48 streams, where torch keeps one thread, they served
+1.09-1.21x the tokens of one thread (docs/benchmarks.md). An idle OpenMP thread spins for a
 while before it sleeps, on a core a kernel thread needs next, so the worker process starts with
 OMP_WAIT_POLICY=PASSIVE unless the environment sets it: on the 12-layer model with two threads, a
 256-token prompt took 430-570 against 550-650 ms, and concurrency 16 served 103-113 against
@@ -31,6 +34,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from kernels import native
 
 ENTER_SHARE = 0.25  # of one core: the others this idle, the worker takes every core
 LEAVE_SHARE = 0.35  # this busy, it gives one back, and for HOLD seconds
@@ -78,6 +83,9 @@ class ComputeThreads:
         self.taking_all = False
         self.held_until = 0.0
         self.current = 0  # torch's count is set by the first `use`
+        # A shared kernel call never waits for a helper that has not started (kernels/claims.h), so
+        # the compiled kernels take every core whatever the others do.
+        self.kernel_threads = self.fixed or self.all_cores
 
     def _sample(self) -> tuple[float, float | None, float]:
         return self.clock(), self.busy() if self.adapts else None, self.own()
@@ -119,3 +127,4 @@ class ComputeThreads:
         if threads != self.current:
             torch.set_num_threads(threads)
             self.current = threads
+        native.set_threads(self.kernel_threads)

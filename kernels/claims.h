@@ -1,0 +1,39 @@
+/* A kernel call shared by threads that claim its chunks one at a time (kernels/native.py, `share`).
+ *
+ * counters[0] is the next chunk to claim and counters[1] the number finished, both zero when the
+ * call starts. The calling thread claims chunks as its helpers do, so a helper that starts late,
+ * or not at all because its core is busy with other work, leaves more chunks to the caller rather
+ * than holding it up; the caller then waits only for chunks a helper has claimed and not yet
+ * finished. A helper that arrives after the last chunk was claimed touches nothing. */
+#ifndef PAGEDSERVE_CLAIMS_H
+#define PAGEDSERVE_CLAIMS_H
+
+#include <sched.h>
+#include <stdint.h>
+
+static inline int64_t claim_chunk(int64_t *counters)
+{
+    return __atomic_fetch_add(&counters[0], 1, __ATOMIC_RELAXED);
+}
+
+/* Release: the chunk's writes are seen by whoever sees it counted. */
+static inline void finish_chunk(int64_t *counters)
+{
+    __atomic_fetch_add(&counters[1], 1, __ATOMIC_RELEASE);
+}
+
+/* For the caller: until every chunk is finished. Spins briefly (a helper's chunk ends within
+ * microseconds), then yields the core, as the helper it waits for may need it. */
+static inline void wait_for_chunks(int64_t *counters, int64_t chunks)
+{
+    for (int spins = 0; __atomic_load_n(&counters[1], __ATOMIC_ACQUIRE) < chunks; spins++) {
+        if (spins >= 4096)
+            sched_yield();
+#if defined(__x86_64__) || defined(__i386__)
+        else
+            __builtin_ia32_pause();
+#endif
+    }
+}
+
+#endif
