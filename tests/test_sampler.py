@@ -2,14 +2,19 @@ import math
 
 import torch
 
-from services.worker.sampler import Sampler, SampleRow, filtered_probs
+from services.worker.sampler import Sampler, SampleRow, filter_settings, filtered_probs
 from shared.sampling import SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625]]))
 
 
+def filtered(params: SamplingParams) -> torch.Tensor:
+    return filtered_probs(LOGITS, *(torch.tensor(values, dtype=torch.float32)
+                                    for values in filter_settings([params], LOGITS.shape[-1])))[0]
+
+
 def surviving(params: SamplingParams) -> list[int]:
-    probs = filtered_probs(LOGITS, [params])[0]
+    probs = filtered(params)
     return [i for i, p in enumerate(probs.tolist()) if p > 0]
 
 
@@ -28,7 +33,7 @@ def test_min_p_drops_tokens_below_a_share_of_the_best():
 
 
 def test_temperature_sharpens_the_distribution():
-    cold = filtered_probs(LOGITS, [SamplingParams(temperature=0.5)])[0]
+    cold = filtered(SamplingParams(temperature=0.5))
     assert math.isclose(cold[0].item() / cold[1].item(), 4.0, rel_tol=1e-5)
 
 

@@ -1,15 +1,29 @@
 """Every live sequence's block table as one row of a persistent device tensor.
 
 A step changes a row only where its entries add or replace blocks, so a decode step writes almost
-nothing; the step's padded tables and its slot mapping are then gathered with a few tensor ops
-instead of being rebuilt from Python lists.
+nothing, and its writes reach the table together, in one copy (`StepInputs`); the step's padded
+tables and its slot mapping are then gathered with a few tensor ops instead of being rebuilt from
+Python lists.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.batch import PagedBatch
+from services.worker.step_inputs import StepInputs
+
+
+@dataclass(slots=True)
+class StepTensors:
+    """A forward pass's inputs on the device."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    batch: PagedBatch
+    logit_rows: torch.Tensor  # the rows of the pass's hidden states whose logits are wanted
 
 
 class BlockTables:
@@ -17,6 +31,10 @@ class BlockTables:
         self.device = device
         self.table = torch.zeros(rows, columns, dtype=torch.int32, device=device)
         self.free_rows = list(range(rows - 1, -1, -1))
+        self.staging = StepInputs(device)
+        self.pending_rows: list[int] = []
+        self.pending_columns: list[int] = []
+        self.pending_ids: list[int] = []
 
     def claim(self) -> int:
         if not self.free_rows:
@@ -30,41 +48,65 @@ class BlockTables:
 
     def reset(self) -> None:
         self.free_rows = list(range(self.table.shape[0] - 1, -1, -1))
+        self.pending_rows, self.pending_columns, self.pending_ids = [], [], []
 
     def write(self, row: int, start: int, block_ids: list[int]) -> None:
+        """Staged: the step's writes reach the table together, in `flush`."""
         if not block_ids:
             return
         end = start + len(block_ids)
         columns = self.table.shape[1]
         if end > columns:
+            self.flush()  # the staged writes go to the table they were staged for
             wider = torch.zeros(self.table.shape[0], max(end, 2 * columns), dtype=torch.int32, device=self.device)
             wider[:, :columns] = self.table
             self.table = wider
-        self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.int32, device=self.device)
+        self.pending_rows.extend([row] * len(block_ids))
+        self.pending_columns.extend(range(start, end))
+        self.pending_ids.extend(block_ids)
+
+    def flush(self) -> None:
+        """Every staged write, in one copy to the device and one indexed store."""
+        if self.pending_ids:
+            rows, columns, ids = self.staging.load(self.pending_rows, self.pending_columns, self.pending_ids)
+            self.table[rows, columns] = ids.to(torch.int32)
+            self.pending_rows, self.pending_columns, self.pending_ids = [], [], []
 
     def copy_row(self, source: int, target: int) -> None:
+        self.flush()
         self.table[target] = self.table[source]
 
     def gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:
         """The step's block tables, `[len(rows), width]`; columns past a sequence's blocks hold stale ids."""
+        self.flush()
         return self.table[rows, :width]
 
     def slot_mapping(self, token_rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        self.flush()
         blocks = self.table[token_rows, positions // block_size].long()
         return blocks * block_size + positions % block_size
 
-    def batch(self, rows: list[int], positions: torch.Tensor, starts: list[int], context_lens: list[int],
-              block_size: int) -> PagedBatch:
+    def batch(self, rows: torch.Tensor, token_rows: torch.Tensor, positions: torch.Tensor, query_start: torch.Tensor,
+              context_lens: torch.Tensor, starts: list[int], lens: list[int], block_size: int) -> PagedBatch:
         """The kernels' view of a flattened step: sequence `s` (row `rows[s]`) owns the tokens
-        `starts[s]:starts[s + 1]` at `positions`, and sees `context_lens[s]` positions."""
-        device = self.device
-        row_index = torch.tensor(rows, dtype=torch.int64, device=device)
-        query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.int64, device=device)
+        `starts[s]:starts[s + 1]` (each token's row in `token_rows`) at `positions`, and sees
+        `lens[s]` positions; the tensors on the device, the two lists on the host."""
         return PagedBatch(
-            slot_mapping=self.slot_mapping(row_index.repeat_interleave(query_lens), positions, block_size),
-            block_tables=self.gather(row_index, -(-max(context_lens) // block_size)),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            slot_mapping=self.slot_mapping(token_rows, positions, block_size),
+            block_tables=self.gather(rows, -(-max(lens) // block_size)),
+            query_start_loc=query_start.to(torch.int32),
+            context_lens=context_lens.to(torch.int32),
             query_start_list=starts,
-            context_lens_list=context_lens,
+            context_lens_list=lens,
         )
+
+    def step(self, inputs: StepInputs, token_ids: list[int], positions: list[int], rows: list[int], starts: list[int],
+             context_lens: list[int], logit_rows: list[int], block_size: int) -> StepTensors:
+        """A forward pass's inputs, from one load of `inputs`: sequence `s` (row `rows[s]`) owns the
+        tokens `starts[s]:starts[s + 1]`, at `positions`, and sees `context_lens[s]` positions."""
+        token_rows = [row for s, row in enumerate(rows) for _ in range(starts[s + 1] - starts[s])]
+        ids, position_tensor, row_tensor, token_row_tensor, start_tensor, len_tensor, logit_tensor = inputs.load(
+            token_ids, positions, rows, token_rows, starts, context_lens, logit_rows)
+        batch = self.batch(row_tensor, token_row_tensor, position_tensor, start_tensor, len_tensor, starts,
+                           context_lens, block_size)
+        return StepTensors(ids, position_tensor, batch, logit_tensor)

@@ -17,6 +17,7 @@ import torch
 
 from services.worker.block_tables import BlockTables
 from services.worker.kv_cache import KVCache
+from services.worker.step_inputs import StepInputs
 from shared.protocol import ScheduledSequence
 
 
@@ -25,6 +26,7 @@ class Drafter:
         self.model = model
         self.cache = cache
         self.device = device
+        self.inputs = StepInputs(device)
 
     def draft(self, scheduled: list[ScheduledSequence], mirrors: dict, tables: BlockTables) -> dict[int, list[int]]:
         """Compute the step's known positions in the draft's cache and propose each entry's drafts."""
@@ -65,11 +67,9 @@ class Drafter:
     def _forward(self, tokens, positions, starts, context_lens, rows, tables: BlockTables,
                  logit_rows: list[int]) -> list[int]:
         """One pass of the draft model; the most likely next token at each of `logit_rows`."""
-        position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        batch = tables.batch(rows, position_tensor, starts, context_lens, self.cache.block_size)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, position_tensor, self.cache.layers, batch)
+        inputs = tables.step(self.inputs, tokens, positions, rows, starts, context_lens, logit_rows,
+                             self.cache.block_size)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
         if not logit_rows:
             return []
-        picked = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]
-        return self.model.logits(picked).argmax(dim=-1).tolist()
+        return self.model.logits(hidden[inputs.logit_rows]).argmax(dim=-1).tolist()  # the next pass needs them

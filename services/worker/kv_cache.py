@@ -13,6 +13,7 @@ import torch
 
 from kernels import dispatch
 from kernels.kv_quant import cache_layout
+from services.worker.step_inputs import StepInputs
 
 GIB = 1 << 30
 
@@ -57,11 +58,13 @@ class KVCache:
                                       dtype=dtype, pin_memory=on_cuda)
         self._side_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._pending_out: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
+        self.staging = StepInputs(self.device)  # the step's copy-on-write pairs
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst becomes a copy of block src, in every layer, in one launch."""
         if pairs:
-            dispatch.copy_blocks(self.cache, torch.tensor(pairs, dtype=torch.int64, device=self.device))
+            [flat] = self.staging.load([block for pair in pairs for block in pair])
+            dispatch.copy_blocks(self.cache, flat.view(-1, 2))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, CPU block) pairs. On CUDA the copy to pinned memory runs on a side

@@ -28,6 +28,7 @@ from services.worker.grammar import GrammarEngine, GrammarState
 from services.worker.kv_cache import KVCache
 from services.worker.ngram import NgramIndex, NgramProposer
 from services.worker.sampler import Sample, Sampler, SampleRow
+from services.worker.step_inputs import StepInputs
 from shared.protocol import NewSequence, PromptLogprobs, SampledTokens, ScheduledSequence, Step, StepResult
 from shared.sampling import InvalidParameter, SamplingParams
 
@@ -67,6 +68,7 @@ class ModelRunner:
         self.vocab_size = vocab_size or model.lm_head.weight.shape[0]
         self.mirrors: dict[int, SequenceMirror] = {}
         self.tables = BlockTables(device)
+        self.inputs = StepInputs(device)  # the step's token ids, positions, rows and offsets
         self.drafter = drafter  # a draft model with its own KV cache under the same block ids
         self.ngram = ngram  # or prompt lookup: either fills the draft tokens a step asks for
         self.caches = [cache] + ([drafter.cache] if drafter is not None else [])
@@ -134,8 +136,6 @@ class ModelRunner:
 
         if self.threads is not None:
             self.threads.use(self.threads.for_step())
-        position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        batch = self.tables.batch(rows, position_tensor, starts, context_lens, self.cache.block_size)
         if self.drafter is not None:
             drafted = self.drafter.draft(scheduled, self.mirrors, self.tables)
             for i, entry in enumerate(scheduled):
@@ -145,12 +145,13 @@ class ModelRunner:
         # The grammars' masks depend on no logits: on a GPU they are computed while the model runs.
         masks = self._start_grammar_masks([(self.mirrors[scheduled[i].seq_id], proposals.get(scheduled[i].seq_id, []))
                                            for i in to_sample])
-        input_tensor = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_tensor, position_tensor, self.cache.layers, batch)
         # Every sampled entry's last position, and before it its proposals' positions.
         logit_rows = [row for i in to_sample
                       for row in range(starts[i + 1] - 1 - scheduled[i].num_draft_tokens, starts[i + 1])]
-        logits = self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)])
+        inputs = self.tables.step(self.inputs, input_ids, positions, rows, starts, context_lens, logit_rows,
+                                  self.cache.block_size)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
+        logits = self.model.logits(hidden[inputs.logit_rows])
         prompt_logprobs = [self._prompt_logprobs(scheduled[i], starts[i], hidden) for i in prompt_logprob_entries]
         sampled_at = time.perf_counter()
 

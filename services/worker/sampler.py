@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.worker.logits_processing import process_logits, processors
+from services.worker.step_inputs import StepInputs
 from shared.sampling import SamplingParams
 
 
@@ -42,28 +43,35 @@ class Sampler:
         self.unseeded = torch.Generator(device="cpu")
         self.unseeded.manual_seed(seed)
         self.seeded = torch.Generator(device="cpu")
+        self.staging: dict[torch.device, tuple[StepInputs, StepInputs]] = {}  # (indices, values) per device
+
+    def _staging(self, device: torch.device) -> tuple[StepInputs, StepInputs]:
+        if device not in self.staging:
+            self.staging[device] = StepInputs(device), StepInputs(device, torch.float32)
+        return self.staging[device]
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[Sample]]:
         logits = logits.float()
         logits = process_logits(logits, rows, self.processors)
         owners = [i for i, row in enumerate(rows) for _ in range(row.num_samples)]
         draws = [k for row in rows for k in range(row.num_samples)]
-        owner_index = torch.tensor(owners, dtype=torch.int64, device=logits.device)
+        random_draws = [j for j, i in enumerate(owners) if not rows[i].params.greedy]
+        random_owners = [owners[j] for j in random_draws]
+        owner_index, random_index, random_owner_index = self._staging(logits.device)[0].load(
+            owners, random_draws, random_owners)
         greedy = logits.argmax(dim=-1)
         choices = greedy[owner_index]
-        random_draws = [j for j, i in enumerate(owners) if not rows[i].params.greedy]
         if random_draws:
-            random_owners = [owners[j] for j in random_draws]
-            choices[random_draws] = self._draw(logits, rows, random_owners, [draws[j] for j in random_draws],
-                                               greedy[random_owners])
+            choices[random_index] = self._draw(logits, rows, random_owners, random_owner_index,
+                                               [draws[j] for j in random_draws], greedy[random_owner_index])
         # Log-probabilities without the whole table, and only where someone reads them: the
         # exponentials cost more than the rest of sampling.
+        chosen = None
         if any(row.params.needs_logprobs for row in rows):
             log_total = torch.logsumexp(logits, dim=-1)
-            chosen = (logits[owner_index, choices] - log_total[owner_index]).tolist()
-        else:
-            chosen = [0.0] * len(owners)
-        choices = choices.tolist()
+            chosen = logits[owner_index, choices] - log_total[owner_index]
+        choices = choices.tolist()  # the step's one wait on the device: what follows is computed by now
+        chosen = chosen.tolist() if chosen is not None else [0.0] * len(owners)
         num_top = max(row.params.num_top_logprobs for row in rows)
         if num_top:
             top_values, top_ids = logits.topk(num_top, dim=-1)
@@ -75,39 +83,45 @@ class Sampler:
             samples[i].append(Sample(choices[j], chosen[j], *top))
         return samples
 
-    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], owners: list[int], draws: list[int],
-              most_likely: torch.Tensor) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], owners: list[int], owner_index: torch.Tensor,
+              draws: list[int], most_likely: torch.Tensor) -> torch.Tensor:
         """One batched draw, except that seeded rows take their uniform from their own reseeded
         generator so that batch company cannot change their tokens."""
         params = [rows[i].params for i in owners]
-        picked = logits if owners == list(range(len(rows))) else logits[owners]
-        if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
-            temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-            weights = torch.softmax(picked / temperature[:, None], dim=-1)  # what filtering would give
-        else:
-            weights = filtered_probs(picked, params)
-        cdf = weights.cumsum_(dim=-1)
+        picked = logits if owners == list(range(len(rows))) else logits[owner_index]
         uniform = torch.rand(len(owners), generator=self.unseeded)
         for j, (i, k) in enumerate(zip(owners, draws)):
             row = rows[i]
             if row.params.seed is not None:
                 self.seeded.manual_seed(_mix(row.params.seed, row.index + k, row.num_generated))
                 uniform[j] = torch.rand((), generator=self.seeded)
-        targets = uniform.to(cdf.device)[:, None] * cdf[:, -1:]
+        values = self._staging(logits.device)[1]
+        if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
+            temperature, uniform = values.load([p.temperature for p in params], uniform)
+            weights = torch.softmax(picked / temperature[:, None], dim=-1)  # what filtering would give
+        else:
+            *settings, uniform = values.load(*filter_settings(params, logits.shape[-1]), uniform)
+            weights = filtered_probs(picked, *settings)
+        cdf = weights.cumsum_(dim=-1)
+        targets = uniform[:, None] * cdf[:, -1:]
         picks = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[-1] - 1)
         # Rounding can put a target at the very top, past every token: take the most likely one there.
         return torch.where(cdf.gather(1, picks) > targets, picks, most_likely[:, None]).squeeze(1)
 
 
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p, one row per sequence."""
+def filter_settings(params: list[SamplingParams], vocab: int) -> tuple[list[float], list[int], list[float], list[float]]:
+    """Each row's temperature, top-k (the whole vocabulary where off), top-p and min-p."""
+    return ([p.temperature for p in params], [p.top_k if p.top_k > 0 else vocab for p in params],
+            [p.top_p for p in params], [p.min_p for p in params])
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p, one row per sequence (each setting
+    one value per row, on the logits' device: `filter_settings`)."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
 
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
