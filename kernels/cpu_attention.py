@@ -109,8 +109,9 @@ def paged_attention_native(
     out = torch.empty(query.shape, dtype=query.dtype)
     scratch = QUERY_BLOCK * num_heads * max(batch.context_lens_list)
     scores = [workspace.take(f"scores{t}", (scratch,), torch.float32, query.device) for t in range(threads)]
-    args = (query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
-            tables.stride(0), starts.data_ptr(), lens.data_ptr(), bounds.data_ptr(), chunks, native.new_counters())
+    args = (query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+            tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), bounds.data_ptr(),
+            chunks, native.new_counters())
     shape = (num_heads, num_kv_heads, head_dim, block_size, scale, window or 0)
 
     def run(thread: int, wait: bool) -> None:

@@ -3,8 +3,9 @@ CPU, torch's own elsewhere (another dtype or device, no AVX2, no compiler). docs
 the measurements.
 
 - `cpu_gemm.c` serves up to `GEMM_MAX_ROWS` rows (every decode step and verification, and
-  prompts up to a step's default token budget) against weights packed into panels when the model loads (`pack_weights`), its chunks
-  of panels claimed by the threads that share the call (`native.share`).
+  prompts up to a step's default token budget) against weights packed into panels when the model
+  loads (`pack_weights`), its chunks of panels claimed by the threads that share the call
+  (`native.share`).
 - `cpu_linear.c` serves up to `MAX_ROWS` rows of an unpacked weight (the TP shards' projections
   that take their weight directly).
 
@@ -24,7 +25,7 @@ from torch import nn
 from kernels import native
 
 MAX_ROWS = 6  # the unpacked kernel: past this the BLAS is about as fast per row
-GEMM_MAX_ROWS = 2048  # the packed kernel: faster than MKL up to here, the most rows measured (docs/kernels.md)
+GEMM_MAX_ROWS = 2048  # the packed kernel: faster than MKL up to here, the most rows measured
 PANEL = 16  # output columns per packed panel (cpu_gemm.c)
 SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth sharing between threads
 SPLIT_ROWS = 4  # nor below this many rows, where reading the weight bounds it, unless the weight is larger
@@ -75,11 +76,12 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.T
         return None
     out = torch.empty((rows, out_features), dtype=torch.float32)
     count = panels.shape[0]
-    split = (rows >= SPLIT_ROWS and rows * out_features * width >= SPLIT_MACS) or out_features * width >= SPLIT_WEIGHT
+    macs = rows * out_features * width
+    split = (rows >= SPLIT_ROWS and macs >= SPLIT_MACS) or out_features * width >= SPLIT_WEIGHT
     threads = min(native.threads(), count) if split else 1
     per_chunk = -(-count // (threads * CHUNKS_PER_THREAD)) if threads > 1 else count
-    args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-            out_features, rows, out_features, width, per_chunk, native.new_counters())
+    args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            out.data_ptr(), out_features, rows, out_features, width, per_chunk, native.new_counters())
     done = native.share(lambda _, wait: kernel(*args, wait), threads, kernel.__name__)
     return out if done == 0 else None
 

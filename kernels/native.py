@@ -146,7 +146,8 @@ def share(run: Callable[[int, bool], object], count: int, label: str = "pagedser
 def _helper_queue(index: int) -> queue.SimpleQueue:
     while len(_helpers) < index:
         jobs = queue.SimpleQueue()
-        threading.Thread(target=_help, args=(jobs,), name=f"kernel-helper-{len(_helpers) + 1}", daemon=True).start()
+        name = f"kernel-helper-{len(_helpers) + 1}"
+        threading.Thread(target=_help, args=(jobs,), name=name, daemon=True).start()
         _helpers.append(jobs)
     return _helpers[index - 1]
 

@@ -72,4 +72,4 @@ class Drafter:
         hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
         if not logit_rows:
             return []
-        return self.model.logits(hidden[inputs.logit_rows]).argmax(dim=-1).tolist()  # the next pass needs them
+        return self.model.logits(hidden[inputs.logit_rows]).argmax(dim=-1).tolist()  # for the next pass

@@ -109,7 +109,7 @@ class Sampler:
         return torch.where(cdf.gather(1, picks) > targets, picks, most_likely[:, None]).squeeze(1)
 
 
-def filter_settings(params: list[SamplingParams], vocab: int) -> tuple[list[float], list[int], list[float], list[float]]:
+def filter_settings(params: list[SamplingParams], vocab: int) -> tuple[list, list, list, list]:
     """Each row's temperature, top-k (the whole vocabulary where off), top-p and min-p."""
     return ([p.temperature for p in params], [p.top_k if p.top_k > 0 else vocab for p in params],
             [p.top_p for p in params], [p.min_p for p in params])

@@ -34,7 +34,7 @@ class StepInputs:
         self.on_device = torch.empty(capacity, dtype=self.dtype, device=self.device) if pinned else self.host
 
     def load(self, *fields: Sequence | torch.Tensor) -> list[torch.Tensor]:
-        """Each field (a list of numbers, or a CPU tensor) as a 1-D tensor of this object's dtype on the device."""
+        """Each field (a list of numbers, or a CPU tensor) as a 1-D tensor of this dtype on the device."""
         sizes = [len(field) for field in fields]
         total = sum(sizes)
         if self.copied is not None:
