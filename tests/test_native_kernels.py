@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kernels import cpu_attention, cpu_linear, cpu_norm, native, rotary
+from kernels import cpu_activation, cpu_attention, cpu_linear, cpu_norm, native, rotary
 
 pytestmark = pytest.mark.skipif(native.load("cpu_norm") is None, reason="no C compiler here")
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(native.load("cpu_norm") is None, reason="no C co
                                     lambda: cpu_attention.native_kernel("paged_attention_f8"),
                                     cpu_linear.native_kernel, cpu_linear.gemm_kernel, cpu_norm.native_kernel,
                                     rotary.native_kernel, lambda: rotary.native_kernel("rotate_and_write_i8"),
-                                    lambda: rotary.native_kernel("rotate_and_write_f8")])
+                                    lambda: rotary.native_kernel("rotate_and_write_f8"), cpu_activation.native_kernel])
 def test_every_kernel_loads_with_the_signature_its_c_file_states(getter):
     assert getter() is not None
 
@@ -77,10 +77,13 @@ def test_a_call_shared_with_a_helper_that_never_starts_is_finished_by_the_caller
     with torch.no_grad():
         shared_linear = cpu_linear.gemm(x, panels, 512, None)
         shared_attention = cpu_attention.paged_attention_native(query, key_cache, value_cache, batch, 0.125)
-    assert not blocked_helper.is_set()  # both calls returned while the helper had not started either
+        gate_up = torch.randn(64, 2 * 1024)  # past SPLIT_VALUES
+        shared_activation = cpu_activation.silu_and_mul(gate_up, 1024)
+    assert not blocked_helper.is_set()  # the calls returned while the helper had not started any
     native.set_threads(1)
     batch.derived.clear()
     with torch.no_grad():
         assert torch.equal(shared_linear, cpu_linear.gemm(x, panels, 512, None))
         assert torch.equal(shared_attention,
                            cpu_attention.paged_attention_native(query, key_cache, value_cache, batch, 0.125))
+        assert torch.equal(shared_activation, cpu_activation.silu_and_mul(gate_up, 1024))

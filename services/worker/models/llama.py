@@ -7,10 +7,10 @@ All tokens of a step come in one flattened batch: `[num_tokens]` ids and positio
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.batch import PagedBatch
+from kernels.cpu_activation import silu_and_mul
 from kernels.cpu_linear import Linear
 from kernels.cpu_norm import rms_norm
 from services.worker.models.activations import activation
@@ -130,9 +130,10 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.width, dim=-1)
-        if self.silu:  # in place: no extra activations-sized tensors per layer
-            return row_parallel_linear(self.down_proj, F.silu(gate, inplace=True).mul_(up), self.tp)
+        gate_up = self.gate_up_proj(x)
+        if self.silu:  # one pass, no extra activations-sized tensors per layer
+            return row_parallel_linear(self.down_proj, silu_and_mul(gate_up, self.width), self.tp)
+        gate, up = gate_up.split(self.width, dim=-1)
         return row_parallel_linear(self.down_proj, self.act(gate) * up, self.tp)
 
     def shards(self, prefix: str) -> dict[str, Shard]:

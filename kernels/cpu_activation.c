@@ -1,0 +1,34 @@
+/* SiLU(gate) * up over the rows of a fused gate_up projection ([rows, 2 * width]: gate, then up):
+ * the input of a gated MLP's down projection, in one pass where torch takes two (SiLU, then the
+ * product) and, for a decode step's few rows, most of its time in calling them.
+ *
+ * gate_up rows are `stride` floats apart, out rows `out_stride` apart. Threads share a call by
+ * claiming its chunks of rows_per_chunk rows (claims.h); the caller, wait != 0, returns once every
+ * chunk is done. Built with -ffast-math, so the loop becomes SIMD and expf the vector library's.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "claims.h"
+
+int64_t silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t out_stride, int64_t rows,
+                     int64_t width, int64_t rows_per_chunk, int64_t *counters, int64_t wait)
+{
+    const int64_t chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+        const int64_t end = (c + 1) * rows_per_chunk < rows ? (c + 1) * rows_per_chunk : rows;
+        for (int64_t r = c * rows_per_chunk; r < end; r++) {
+            const float *gate = gate_up + r * stride, *up = gate + width;
+            float *o = out + r * out_stride;
+            for (int64_t i = 0; i < width; i++)
+                o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        }
+    }
+    if (wait)
+        wait_for_chunks(counters, chunks);
+    return 0;
+}
+
+/* The argument types of silu_mul_f32, as kernels/native.py checks them before any call: p a pointer,
+ * i an int64_t, f a float; after the colon the result (v: none). */
+const char *silu_mul_f32_signature(void) { return "pipiiiipi:i"; }

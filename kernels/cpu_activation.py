@@ -1,0 +1,37 @@
+"""A gated MLP's activation, SiLU(gate) * up, from its fused gate_up projection: the compiled
+kernel of `cpu_activation.c` on a CPU in float32, shared between cores as the linear layers are
+(`native.share`); torch elsewhere."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+
+SPLIT_VALUES = 1 << 16  # outputs below which a call is not worth sharing between threads
+CHUNKS_PER_THREAD = 4
+
+
+@functools.cache
+def native_kernel():
+    p, i = native.POINTER, native.INT64
+    return native.function("cpu_activation", "silu_mul_f32", [p, i, p, i, i, i, i, p, i], i)
+
+
+def silu_and_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
+    """`SiLU(gate_up[:, :width]) * gate_up[:, width:]`; `gate_up` is overwritten where torch serves."""
+    rows = gate_up.shape[0]
+    if (gate_up.dtype is torch.float32 and not gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(1) == 1
+            and gate_up.shape[1] == 2 * width and not torch.is_grad_enabled() and (kernel := native_kernel()) is not None):
+        out = torch.empty((rows, width), dtype=torch.float32)
+        threads = min(native.threads(), rows) if rows * width >= SPLIT_VALUES else 1
+        per_chunk = -(-rows // (threads * CHUNKS_PER_THREAD)) if threads > 1 else max(rows, 1)
+        args = (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, rows, width, per_chunk,
+                native.new_counters())
+        if native.share(lambda _, wait: kernel(*args, wait), threads, kernel.__name__) == 0:
+            return out
+    gate, up = gate_up.split(width, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)

@@ -1,0 +1,37 @@
+"""A gated MLP's SiLU(gate) * up from its fused gate_up rows: the compiled kernel, shared between
+threads or not, against torch's two operations."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+from kernels.cpu_activation import native_kernel, silu_and_mul
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.inference_mode():
+        yield
+
+
+def expected(gate_up: torch.Tensor, width: int) -> torch.Tensor:
+    return F.silu(gate_up[:, :width]) * gate_up[:, width:]
+
+
+@pytest.mark.parametrize("rows, width", [(1, 8), (3, 704), (48, 704), (300, 256)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernel_matches_silu_times_up_on_one_thread_or_shared(rows, width, threads, monkeypatch):
+    if native_kernel() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(native, "_threads", threads)
+    gate_up = torch.randn(rows, 2 * width) * 4
+    torch.testing.assert_close(silu_and_mul(gate_up.clone(), width), expected(gate_up, width), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_of_a_wider_tensor_are_read_in_place_and_other_dtypes_go_to_torch():
+    wide = torch.randn(5, 40)
+    gate_up = wide[:, :32]  # rows 40 floats apart
+    torch.testing.assert_close(silu_and_mul(gate_up, 16), expected(gate_up, 16), atol=1e-5, rtol=1e-5)
+    half = torch.randn(4, 32).to(torch.bfloat16)
+    torch.testing.assert_close(silu_and_mul(half.clone(), 16), expected(half, 16))
