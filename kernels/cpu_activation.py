@@ -24,14 +24,12 @@ def native_kernel():
 def silu_and_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
     """`SiLU(gate_up[:, :width]) * gate_up[:, width:]`; `gate_up` is overwritten where torch serves."""
     rows = gate_up.shape[0]
-    if (gate_up.dtype is torch.float32 and not gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(1) == 1
-            and gate_up.shape[1] == 2 * width and not torch.is_grad_enabled() and (kernel := native_kernel()) is not None):
+    if (gate_up.dtype is torch.float32 and not gate_up.is_cuda and gate_up.dim() == 2
+            and gate_up.stride(1) == 1 and gate_up.shape[1] == 2 * width and not torch.is_grad_enabled()
+            and (kernel := native_kernel()) is not None):
         out = torch.empty((rows, width), dtype=torch.float32)
-        threads = min(native.threads(), rows) if rows * width >= SPLIT_VALUES else 1
-        per_chunk = -(-rows // (threads * CHUNKS_PER_THREAD)) if threads > 1 else max(rows, 1)
-        args = (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, rows, width, per_chunk,
-                native.new_counters())
-        if native.share(lambda _, wait: kernel(*args, wait), threads, kernel.__name__) == 0:
+        args = (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, rows, width)
+        if native.share_units(kernel, args, rows, rows * width >= SPLIT_VALUES, CHUNKS_PER_THREAD) == 0:
             return out
     gate, up = gate_up.split(width, dim=-1)
     return F.silu(gate, inplace=True).mul_(up)

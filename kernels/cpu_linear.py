@@ -75,14 +75,11 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.T
     if kernel is None or rows > GEMM_MAX_ROWS or x.stride(1) != 1 or torch.is_grad_enabled():
         return None
     out = torch.empty((rows, out_features), dtype=torch.float32)
-    count = panels.shape[0]
     macs = rows * out_features * width
     split = (rows >= SPLIT_ROWS and macs >= SPLIT_MACS) or out_features * width >= SPLIT_WEIGHT
-    threads = min(native.threads(), count) if split else 1
-    per_chunk = -(-count // (threads * CHUNKS_PER_THREAD)) if threads > 1 else count
     args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-            out.data_ptr(), out_features, rows, out_features, width, per_chunk, native.new_counters())
-    done = native.share(lambda _, wait: kernel(*args, wait), threads, kernel.__name__)
+            out.data_ptr(), out_features, rows, out_features, width)
+    done = native.share_units(kernel, args, panels.shape[0], split, CHUNKS_PER_THREAD)
     return out if done == 0 else None
 
 

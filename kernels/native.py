@@ -143,6 +143,16 @@ def share(run: Callable[[int, bool], object], count: int, label: str = "pagedser
     return run(0, True)
 
 
+def share_units(kernel: Callable, args: tuple, units: int, worth_sharing: bool, per_thread: int) -> object:
+    """`kernel(*args, units_per_chunk, counters, wait)` over its `units` (panels, rows) in chunks,
+    about `per_thread` of them a thread, shared by every thread where `worth_sharing`; the
+    caller's result."""
+    count = min(threads(), units) if worth_sharing else 1
+    per_chunk = -(-units // (count * per_thread)) if count > 1 else max(units, 1)
+    whole = (*args, per_chunk, new_counters())
+    return share(lambda _, wait: kernel(*whole, wait), count, kernel.__name__)
+
+
 def _helper_queue(index: int) -> queue.SimpleQueue:
     while len(_helpers) < index:
         jobs = queue.SimpleQueue()
