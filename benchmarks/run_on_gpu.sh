@@ -4,6 +4,8 @@
 #                                                  on CUDA, the kernel benchmark
 #   bash benchmarks/run_on_gpu.sh fig12 POLICIES RATES [NUM_PROMPTS]   (context $MAX_MODEL_LEN, default 2048 as OPT)
 #                                                  Figure 12 on a dummy-weight OPT-13B
+#   bash benchmarks/run_on_gpu.sh graphs8b [CONCURRENCY]   a dummy Llama-3.1-8B in float16 served with CUDA
+#                                                  graphs and with --enforce-eager, alternating
 # Wheels the GPU image lacks (pyzmq, starlette, uvicorn) are installed from .whl/ when it exists.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -36,6 +38,12 @@ fig12)
         --model ops/configs/opt-13b --server-args "$OPT13B_FLAGS" --max-model-len "${MAX_MODEL_LEN:-2048}" --num-blocks 915 \
         --policies "$2" --rates "$3" --num-prompts "${4:-100}" --tag "${FIG12_TAG:-_opt13b_h100}" \
         --out-dir "$OUT" --plot-dir "$OUT" 2>&1 | tee "$OUT/fig12.log"
+    tar czf "$OUT/bench_logs.tgz" -C /tmp bench-logs 2>/dev/null
+    ;;
+graphs8b)
+    mkdir -p /tmp/bench-logs
+    BENCH_LOG_DIR=/tmp/bench-logs timeout "${GRAPHS_TIMEOUT:-560}" python3 benchmarks/cuda_graphs_bench.py \
+        --concurrency "${2:-1,16,64}" --out "$OUT/cuda_graphs_8b.json" 2>&1 | tee "$OUT/cuda_graphs.log"
     tar czf "$OUT/bench_logs.tgz" -C /tmp bench-logs 2>/dev/null
     ;;
 esac

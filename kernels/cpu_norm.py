@@ -1,5 +1,5 @@
 """RMSNorm, fused with the residual add before it: the compiled kernel of `cpu_norm.c` on a CPU for
-float32, torch elsewhere (and where no compiler is at hand)."""
+float32, Triton's (`norm_triton.py`) on CUDA, torch elsewhere (and where no compiler is at hand)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import dispatch, native
+from kernels.norm_triton import rms_norm_triton
 
 
 @functools.cache
@@ -20,6 +21,8 @@ def native_kernel():
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """`x` normalized over its last dimension and scaled by `weight`; with `residual`, first
     `residual += x` (in place), and then `residual` is what is normalized."""
+    if dispatch.use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual)
     width = x.shape[-1]
     if (x.dtype is torch.float32 and weight.dtype is torch.float32 and not x.is_cuda and x.is_contiguous()
             and weight.is_contiguous() and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))

@@ -83,6 +83,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="worker ranks that split the model's attention heads and MLP among them, one "
                             "process each (on GPUs: one GPU each)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="no CUDA graphs: every step runs eagerly (by default a GPU worker of one rank replays "
+                            "decode steps of up to --max-num-seqs sequences from graphs captured at start-up)")
+    group.add_argument("--max-seq-len-to-capture", type=int, default=8192,
+                       help="the longest context a decode step on CUDA graphs covers; longer ones run eagerly")
     group.add_argument("--cpu-threads", type=int, default=0,
                        help="torch threads of a worker on a CPU device (0: every core while other processes "
                             "leave them nearly idle, one fewer otherwise; chosen each second)")

@@ -14,6 +14,7 @@ import torch
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from services.scheduler.speculation import Speculation
+from services.worker.decode_graphs import DecodeGraphs
 from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import KVCache, bytes_per_block
@@ -32,22 +33,26 @@ class Engine:
     def __init__(self, model_dir: str, block_size=16, num_gpu_blocks=256, num_cpu_blocks=256,
                  preemption="recompute", prefix_caching=False, chunked_prefill=False,
                  max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None,
-                 kv_cache_dtype: str = "auto", threads=None, depth: int = 1):
-        model, config = load_model(model_dir, "float32", torch.device("cpu"))
+                 kv_cache_dtype: str = "auto", threads=None, depth: int = 1, decode_graphs: dict | None = None,
+                 device: str = "cpu"):
+        device = torch.device(device)
+        model, config = load_model(model_dir, "float32", device)
         self.cache = KVCache(config.num_hidden_layers, num_gpu_blocks, block_size, model.num_kv_heads,
-                             model.head_dim, torch.float32, torch.device("cpu"), num_cpu_blocks, kv_cache_dtype)
+                             model.head_dim, torch.float32, device, num_cpu_blocks, kv_cache_dtype)
         drafter, ngram = None, None
         if speculative is not None and speculative.method == "ngram":
             ngram = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         if speculative is not None and speculative.method == "draft_model":
-            draft, draft_config = load_model(speculative.model, "float32", torch.device("cpu"))
+            draft, draft_config = load_model(speculative.model, "float32", device)
             drafter = Drafter(draft, KVCache(draft_config.num_hidden_layers, num_gpu_blocks, block_size,
-                                             draft.num_kv_heads, draft.head_dim, torch.float32, torch.device("cpu"),
-                                             num_cpu_blocks), torch.device("cpu"))
+                                             draft.num_kv_heads, draft.head_dim, torch.float32, device,
+                                             num_cpu_blocks), device)
         eos_ids = eos_token_ids(model_dir, config)
         grammars = GrammarEngine.load(model_dir, model.lm_head.weight.shape[0], eos_ids)
-        self.runner = ModelRunner(model, self.cache, torch.device("cpu"), seed=0, eos_token_ids=eos_ids,
-                                  drafter=drafter, threads=threads, grammars=grammars, ngram=ngram)
+        # decode_graphs: the CUDA graphs' static buffers and padding (on a CPU, run eagerly)
+        graphs = DecodeGraphs(model, self.cache, device, **decode_graphs) if decode_graphs else None
+        self.runner = ModelRunner(model, self.cache, device, seed=0, eos_token_ids=eos_ids,
+                                  drafter=drafter, threads=threads, grammars=grammars, ngram=ngram, graphs=graphs)
         block_bytes = bytes_per_block(config.num_hidden_layers, block_size, model.num_kv_heads,
                                       model.head_dim, torch.float32, kv_cache_dtype)
         policy = PreemptionPolicy(preemption, block_bytes, self.cache.measure_swap_bandwidth(),

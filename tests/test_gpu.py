@@ -42,3 +42,28 @@ def test_half_precision_dummy_weights_serve_on_cuda(llama_dir, tmp_path):
         got = complete_all(server, prompts(llama_dir), max_tokens=24)
         assert wait_until(server.is_idle, 5)
     assert all(1 <= len(ids) <= 24 for ids in got)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_decode_steps_replayed_from_cuda_graphs_give_hf_greedy_tokens(family, tmp_path):
+    from tests.engine_harness import Engine
+    from tests.test_speculative_decoding import PROMPTS, hf_without_eos
+
+    model_dir = build_model(str(tmp_path / family), family)
+    engine = Engine(model_dir, depth=2, device="cuda", decode_graphs={"max_batch": 8, "max_context": 256})
+    graphs = engine.runner.graphs
+    graphs.capture()
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    got = engine.generate(PROMPTS, max_tokens=24, ignore_eos=True)  # five sequences: graphs of 8, then fewer
+    assert got == [hf_without_eos(model_dir, p, 24) for p in PROMPTS]
+    assert graphs.replays >= 23
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_worker_captures_decode_graphs_unless_told_to_stay_eager(llama_dir, eager, tmp_path):
+    flags = [*CUDA_FLAGS, *(["--enforce-eager"] if eager else [])]
+    with serve(llama_dir, str(tmp_path), *flags) as server:
+        got = complete_all(server, prompts(llama_dir))
+        log = server.log()
+    assert got == [hf_greedy(llama_dir, p, 16) for p in prompts(llama_dir)]
+    assert ("decode batch sizes up to 256 sequences" in log) != eager

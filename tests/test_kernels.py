@@ -13,6 +13,7 @@ import triton  # noqa: F401  (installed with the test extra: these tests must ru
 from kernels.batch import PagedBatch
 from kernels.block_copy import copy_blocks_reference, copy_blocks_triton
 from kernels.kv_write import write_kv_reference, write_kv_triton
+from kernels.norm_triton import rms_norm_triton
 from kernels.paged_attention import paged_attention_reference, paged_attention_triton
 
 CUDA = torch.cuda.is_available()
@@ -156,3 +157,22 @@ def test_offsets_past_int32_do_not_overflow():
     out = paged_attention_triton(query, key_cache, value_cache, batch, head_dim**-0.5)
     expected = reference_in_float32(query, key_cache, value_cache, batch, head_dim**-0.5)
     torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_residual_rms_norm_is_the_add_then_hf_rms_norm(dtype, with_residual):
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 40, generator=generator).to(dtype).to(DEVICE)  # a width that is no power of two
+    residual = torch.randn(5, 40, generator=generator).to(dtype).to(DEVICE) if with_residual else None
+    weight = (1 + torch.randn(40, generator=generator) / 4).to(dtype).to(DEVICE)
+    expected_sum = residual + x if with_residual else x
+    summed = expected_sum.float()  # HF: the sum in the model's dtype, normalized in float32
+    expected = weight * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    out = rms_norm_triton(x, weight, 1e-6, residual)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    if with_residual and (CUDA or dtype != torch.bfloat16):
+        assert torch.equal(residual, expected_sum)  # updated in place, exactly
+    elif with_residual:  # triton's interpreter truncates to bfloat16 where compiled triton rounds
+        torch.testing.assert_close(residual, expected_sum, atol=0, rtol=2**-7)

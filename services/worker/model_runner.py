@@ -23,6 +23,7 @@ import torch
 from kernels.batch import PagedBatch
 from services.worker.block_tables import BlockTables
 from services.worker.cpu_threads import ComputeThreads
+from services.worker.decode_graphs import DecodeGraphs
 from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine, GrammarState
 from services.worker.kv_cache import KVCache
@@ -60,7 +61,8 @@ class StepError(RuntimeError):
 class ModelRunner:
     def __init__(self, model, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None,
                  eos_token_ids: list[int] = (), drafter: Drafter | None = None, threads: ComputeThreads | None = None,
-                 grammars: GrammarEngine | None = None, ngram: NgramProposer | None = None):
+                 grammars: GrammarEngine | None = None, ngram: NgramProposer | None = None,
+                 graphs: DecodeGraphs | None = None):
         self.model = model
         self.cache = cache
         self.device = device
@@ -75,6 +77,7 @@ class ModelRunner:
         self.threads = threads  # on a CPU: each step's share of the cores
         self.grammars = grammars  # None: requests with a grammar are refused
         self.mask_thread: ThreadPoolExecutor | None = None
+        self.graphs = graphs  # decode steps on CUDA graphs; None: every step eagerly
 
     @torch.inference_mode()
     def execute(self, step: Step) -> StepResult:
@@ -148,10 +151,17 @@ class ModelRunner:
         # Every sampled entry's last position, and before it its proposals' positions.
         logit_rows = [row for i in to_sample
                       for row in range(starts[i + 1] - 1 - scheduled[i].num_draft_tokens, starts[i + 1])]
-        inputs = self.tables.step(self.inputs, input_ids, positions, rows, starts, context_lens, logit_rows,
-                                  self.cache.block_size)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
-        logits = self.model.logits(hidden[inputs.logit_rows])
+        if self.graphs is not None and self.graphs.covers(len(input_ids), context_lens):
+            hidden = self.graphs.run(self.tables, input_ids, positions, rows, context_lens)
+            sampled_rows = hidden  # but for a one-token prompt chunk that samples nothing:
+            if len(logit_rows) < len(rows):
+                sampled_rows = hidden[self.inputs.load(logit_rows)[0]]
+            logits = self.model.logits(sampled_rows)
+        else:
+            inputs = self.tables.step(self.inputs, input_ids, positions, rows, starts, context_lens, logit_rows,
+                                      self.cache.block_size)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
+            logits = self.model.logits(hidden[inputs.logit_rows])
         prompt_logprobs = [self._prompt_logprobs(scheduled[i], starts[i], hidden) for i in prompt_logprob_entries]
         sampled_at = time.perf_counter()
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import zmq
 
 from services.worker.cpu_threads import ComputeThreads
+from services.worker.decode_graphs import DecodeGraphs
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
 from services.worker.drafter import Drafter
 from services.worker.ngram import NgramProposer
@@ -55,6 +56,26 @@ def load_draft_model(model_dir: str, target, dtype: torch.dtype, device: torch.d
         raise ModelLoadError(f"the draft model {model_dir} has a vocabulary of {draft.lm_head.weight.shape[0]} "
                              f"tokens, the target {target.lm_head.weight.shape[0]}: they must share the tokenizer")
     return draft, config
+
+
+def capture_decode_graphs(model, cache: KVCache, device: torch.device, args, config,
+                          world_size: int) -> DecodeGraphs | None:
+    """CUDA graphs of decode steps up to --max-num-seqs sequences, or None where steps stay eager."""
+    if world_size > 1:
+        log.info("CUDA graphs: off for tensor-parallel ranks, which run every step eagerly")
+        return None
+    context = min(args.max_seq_len_to_capture, args.max_model_len or config.max_position_embeddings)
+    graphs = DecodeGraphs(model, cache, device, args.max_num_seqs, context)
+    started = time.perf_counter()
+    try:
+        graphs.capture()
+    except torch.cuda.OutOfMemoryError:
+        log.warning("CUDA graphs: no memory left to capture them; every step runs eagerly "
+                    "(lower --gpu-memory-utilization to leave some)")
+        return None
+    log.info("CUDA graphs: %d decode batch sizes up to %d sequences, contexts up to %d, captured in %.1f s",
+             len(graphs.sizes), graphs.sizes[-1], graphs.max_context, time.perf_counter() - started)
+    return graphs
 
 
 class WorkerServer:
@@ -106,6 +127,8 @@ class WorkerServer:
                                   threads=threads, grammars=grammars, ngram=ngram)
         swap_rate = cache.measure_swap_bandwidth()
         prefill_rate = self.runner.measure_prefill_rate()
+        if device.type == "cuda" and not args.enforce_eager:
+            self.runner.graphs = capture_decode_graphs(model, cache, device, args, config, world_size)
         log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s%s", swap_rate / 1e9, prefill_rate,
                  f"; compute threads: {threads.describe()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
                  if threads is not None else "")

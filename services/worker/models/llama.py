@@ -49,8 +49,9 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * inv_freq[None, :]
+        if self.inv_freq.device != positions.device:  # moved once: a copy per step would wait for the device
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 

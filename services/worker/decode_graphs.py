@@ -1,0 +1,99 @@
+"""Decode steps replayed from CUDA graphs: the host launches one graph per step, not some ten
+kernels per layer.
+
+A graph replays the kernels it captured on the device addresses it captured them with, so a
+decode step (one token per sequence) runs on static buffers sized for the largest capture: its n
+sequences fill their first n rows, and the rows up to the next captured size are padding, which
+writes no KV (slot -1) and attends to one key of whatever block its table row names. Each size is
+captured once, at start-up, largest first, all in one memory pool; the attention kernel's key
+splits are chosen for the longest context a graph takes, and its programs past a sequence's
+length end at once. Steps with a prompt chunk or proposals, more sequences than the largest
+size, or a context past `max_context` run eagerly, as every step does under `--enforce-eager`.
+
+On a CPU nothing is captured: `run` calls the model on the same static buffers, so the CPU
+tests of filling, padding and slicing test the path a GPU takes; capture itself is tested on a
+GPU (tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.batch import PagedBatch
+from services.worker.block_tables import BlockTables
+from services.worker.kv_cache import KVCache
+from services.worker.step_inputs import StepInputs
+
+CAPTURE_SIZES = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # as vLLM captures
+
+
+class DecodeGraphs:
+    def __init__(self, model, cache: KVCache, device: torch.device, max_batch: int = 512, max_context: int = 8192):
+        self.model, self.cache, self.device = model, cache, device
+        self.sizes = [size for size in CAPTURE_SIZES if size <= max_batch] or [1]
+        self.width = -(-max_context // cache.block_size)  # block table columns
+        self.max_context = self.width * cache.block_size
+        largest = self.sizes[-1]
+        self.ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.slots = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        self.lens = torch.ones(largest, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(largest, self.width, dtype=torch.int32, device=device)
+        self.starts = torch.arange(largest + 1, dtype=torch.int32, device=device)  # one query token each
+        self.inputs = StepInputs(device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # each graph's output
+        self.replays = 0
+
+    def covers(self, num_tokens: int, context_lens: list[int]) -> bool:
+        """Whether a step of `num_tokens` over sequences seeing `context_lens` runs from a graph."""
+        return num_tokens == len(context_lens) <= self.sizes[-1] and max(context_lens) <= self.max_context
+
+    def size_for(self, num_seqs: int) -> int:
+        return next(size for size in self.sizes if size >= num_seqs)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size (CUDA only), largest first, sharing one memory pool."""
+        pool = None
+        warm_up = torch.cuda.Stream(self.device)
+        for size in reversed(self.sizes):
+            warm_up.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(warm_up):  # Triton compiles and the allocator settles outside the capture
+                self._forward(size, [self.max_context] * size)
+            torch.cuda.current_stream(self.device).wait_stream(warm_up)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.hidden[size] = self._forward(size, [self.max_context] * size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
+    def run(self, tables: BlockTables, token_ids: list[int], positions: list[int], rows: list[int],
+            context_lens: list[int]) -> torch.Tensor:
+        """The hidden states of a decode step: sequence `s` (row `rows[s]` of `tables`) computes its
+        token `token_ids[s]` at `positions[s]` and sees `context_lens[s]` positions."""
+        n = len(rows)
+        size = self.size_for(n)
+        ids, position_tensor, row_tensor, lens = self.inputs.load(token_ids, positions, rows, context_lens)
+        self.ids[:n] = ids
+        self.positions[:n] = position_tensor
+        self.slots[:n] = tables.slot_mapping(row_tensor, position_tensor, self.cache.block_size)
+        self.lens[:n] = lens
+        width = min(self.width, tables.table.shape[1])  # columns past a context are never read
+        self.tables[:n, :width] = tables.gather(row_tensor, width)
+        if size > n:  # padding: written nowhere, one key seen
+            self.ids[n:size] = 0
+            self.positions[n:size] = 0
+            self.slots[n:size] = -1
+            self.lens[n:size] = 1
+        self.replays += 1
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.hidden[size][:n]
+        return self._forward(size, list(context_lens) + [1] * (size - n))[:n]
+
+    def _forward(self, size: int, context_lens: list[int]) -> torch.Tensor:
+        batch = PagedBatch(self.slots[:size], self.tables[:size], self.starts[: size + 1], self.lens[:size],
+                           list(range(size + 1)), context_lens)
+        return self.model(self.ids[:size], self.positions[:size], self.cache.layers, batch)
