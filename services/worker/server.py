@@ -74,7 +74,7 @@ def capture_decode_graphs(model, cache: KVCache, device: torch.device, args, con
                     "(lower --gpu-memory-utilization to leave some)")
         return None
     except Exception:  # serving eagerly beats not serving; the log says why
-        log.exception("CUDA graphs: capture failed; every step runs eagerly (--enforce-eager says so quietly)")
+        log.exception("CUDA graphs: capture failed; every step runs eagerly (--enforce-eager skips the capture)")
         return None
     log.info("CUDA graphs: %d decode batch sizes up to %d sequences, contexts up to %d, captured in %.1f s",
              len(graphs.sizes), graphs.sizes[-1], graphs.max_context, time.perf_counter() - started)
