@@ -29,22 +29,17 @@ def test_padding_rows_write_no_kv_and_only_the_steps_a_graph_covers_use_one(llam
     graphs = engine.runner.graphs
     assert graphs.sizes == [1, 2, 4] and graphs.max_context == 16
     assert [graphs.size_for(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
-    replays = []
-
-    def watch(engine):
-        replays.append(graphs.replays)
-
     before = {}
     real_run = graphs.run
 
-    def run(tables, token_ids, positions, rows, context_lens):
+    def run(inputs):
         before["cache"] = engine.cache.cache.clone()
-        before["slots"] = tables.slot_mapping(torch.tensor(rows), torch.tensor(positions), 4).tolist()
-        hidden = real_run(tables, token_ids, positions, rows, context_lens)
+        before["slots"] = inputs.batch.slot_mapping.tolist()  # the step's own sequences' slots
+        hidden = real_run(inputs)
         changed = (engine.cache.cache != before["cache"]).flatten(4).any(-1)  # [2, layers, blocks, block_size]
         written = sorted(int(b) * 4 + int(o) for b, o in changed.any(0).any(0).nonzero().tolist())
         assert written == sorted(before["slots"])  # the padding rows wrote nothing
-        assert hidden.shape[0] == len(rows)
+        assert hidden.shape[0] == len(before["slots"])
         return hidden
 
     graphs.run = run

@@ -20,9 +20,8 @@ from __future__ import annotations
 import torch
 
 from kernels.batch import PagedBatch
-from services.worker.block_tables import BlockTables
+from services.worker.block_tables import StepTensors
 from services.worker.kv_cache import KVCache
-from services.worker.step_inputs import StepInputs
 
 CAPTURE_SIZES = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # as vLLM captures
 
@@ -40,7 +39,6 @@ class DecodeGraphs:
         self.lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.tables = torch.zeros(largest, self.width, dtype=torch.int32, device=device)
         self.starts = torch.arange(largest + 1, dtype=torch.int32, device=device)  # one query token each
-        self.inputs = StepInputs(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # each graph's output
         self.replays = 0
@@ -69,19 +67,16 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
 
-    def run(self, tables: BlockTables, token_ids: list[int], positions: list[int], rows: list[int],
-            context_lens: list[int]) -> torch.Tensor:
-        """The hidden states of a decode step: sequence `s` (row `rows[s]` of `tables`) computes its
-        token `token_ids[s]` at `positions[s]` and sees `context_lens[s]` positions."""
-        n = len(rows)
+    def run(self, inputs: StepTensors) -> torch.Tensor:
+        """The hidden states of a decode step whose inputs (`BlockTables.step`) a graph covers."""
+        batch = inputs.batch
+        n, width = batch.block_tables.shape  # width: the step's longest context, in blocks
         size = self.size_for(n)
-        ids, position_tensor, row_tensor, lens = self.inputs.load(token_ids, positions, rows, context_lens)
-        self.ids[:n] = ids
-        self.positions[:n] = position_tensor
-        self.slots[:n] = tables.slot_mapping(row_tensor, position_tensor, self.cache.block_size)
-        self.lens[:n] = lens
-        width = min(self.width, tables.table.shape[1])  # columns past a context are never read
-        self.tables[:n, :width] = tables.gather(row_tensor, width)
+        self.ids[:n] = inputs.input_ids
+        self.positions[:n] = inputs.positions
+        self.slots[:n] = batch.slot_mapping
+        self.lens[:n] = batch.context_lens
+        self.tables[:n, :width] = batch.block_tables  # columns past a context are never read
         if size > n:  # padding: written nowhere, one key seen
             self.ids[n:size] = 0
             self.positions[n:size] = 0
@@ -91,7 +86,7 @@ class DecodeGraphs:
         if size in self.graphs:
             self.graphs[size].replay()
             return self.hidden[size][:n]
-        return self._forward(size, list(context_lens) + [1] * (size - n))[:n]
+        return self._forward(size, batch.context_lens_list + [1] * (size - n))[:n]
 
     def _forward(self, size: int, context_lens: list[int]) -> torch.Tensor:
         batch = PagedBatch(self.slots[:size], self.tables[:size], self.starts[: size + 1], self.lens[:size],

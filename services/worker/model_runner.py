@@ -151,17 +151,13 @@ class ModelRunner:
         # Every sampled entry's last position, and before it its proposals' positions.
         logit_rows = [row for i in to_sample
                       for row in range(starts[i + 1] - 1 - scheduled[i].num_draft_tokens, starts[i + 1])]
+        inputs = self.tables.step(self.inputs, input_ids, positions, rows, starts, context_lens, logit_rows,
+                                  self.cache.block_size)
         if self.graphs is not None and self.graphs.covers(len(input_ids), context_lens):
-            hidden = self.graphs.run(self.tables, input_ids, positions, rows, context_lens)
-            sampled_rows = hidden  # but for a one-token prompt chunk that samples nothing:
-            if len(logit_rows) < len(rows):
-                sampled_rows = hidden[self.inputs.load(logit_rows)[0]]
-            logits = self.model.logits(sampled_rows)
+            hidden = self.graphs.run(inputs)
         else:
-            inputs = self.tables.step(self.inputs, input_ids, positions, rows, starts, context_lens, logit_rows,
-                                      self.cache.block_size)
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
-            logits = self.model.logits(hidden[inputs.logit_rows])
+        logits = self.model.logits(hidden[inputs.logit_rows])
         prompt_logprobs = [self._prompt_logprobs(scheduled[i], starts[i], hidden) for i in prompt_logprob_entries]
         sampled_at = time.perf_counter()
 
