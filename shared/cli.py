@@ -229,8 +229,11 @@ def stop_on_signals() -> socket.socket:
     Returns a socket for the service's main loop to poll beside its own: the kernel may hand the
     signal to any thread (zmq's authenticator, the metrics server), and Python runs the handler
     only when the main thread next runs, which a zmq poll without a timeout would never do. The
-    signal writes a byte to this socket's pair, and the poll wakes."""
+    signal writes a byte to this socket's pair, and the poll wakes; the loop then calls
+    `drain_wakeups`."""
     def interrupt(signum, frame):
+        global _stop_requested
+        _stop_requested = True
         for each in (signal.SIGINT, signal.SIGTERM):
             signal.signal(each, signal.SIG_IGN)
         raise KeyboardInterrupt
@@ -246,15 +249,27 @@ def stop_on_signals() -> socket.socket:
 
 
 _signal_sockets: tuple[socket.socket, socket.socket] | None = None  # kept open for the process's life
+_stop_requested = False
 
 
-def drain_wakeups(signals: socket.socket) -> None:
-    """Empty the socket `stop_on_signals` returned, once a poll has woken on it."""
-    try:
-        while signals.recv(64):
+def is_wakeup(polled: object, signals: socket.socket | None) -> bool:
+    """Whether what a zmq poll returned is `signals`: the poller hands back a plain socket's fd."""
+    return signals is not None and (polled is signals or polled == signals.fileno())
+
+
+def drain_wakeups() -> None:
+    """Empty the socket `stop_on_signals` returned, once a poll has woken on it, and stop if a
+    signal asked to: the handler's own KeyboardInterrupt is lost when the main thread runs it
+    inside a destructor (Python only prints "Exception ignored" there), and the handler has
+    already set the signals to be ignored, so nothing else would stop the service."""
+    if _signal_sockets is not None:
+        try:
+            while _signal_sockets[0].recv(64):
+                pass
+        except BlockingIOError:
             pass
-    except BlockingIOError:
-        pass
+    if _stop_requested:
+        raise KeyboardInterrupt
 
 
 def exit_at_once(code: int = 0) -> None:

@@ -166,6 +166,40 @@ def test_a_signal_taken_by_a_helper_thread_still_stops_the_scheduler_and_the_wor
                 os.killpg(process.pid, signal.SIGKILL)
 
 
+LOST_INTERRUPT = """
+import os, signal, zmq
+from shared.cli import drain_wakeups, is_wakeup, stop_on_signals
+
+signals = stop_on_signals()
+
+class SignalledWhileDestroyed:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10_000):  # the handler runs here, and Python drops its KeyboardInterrupt
+            pass
+
+SignalledWhileDestroyed()
+print("survived the lost interrupt", flush=True)
+poller = zmq.Poller()
+poller.register(signals, zmq.POLLIN)
+try:
+    for polled, _ in poller.poll(5000):
+        assert is_wakeup(polled, signals), polled
+        drain_wakeups()
+    print("still running")
+except KeyboardInterrupt:
+    print("stopped")
+"""
+
+
+def test_a_signal_whose_interrupt_is_lost_in_a_destructor_still_stops_the_loop():
+    """zmq frees its message frames in destructors; a signal handled there raises a KeyboardInterrupt
+    that Python drops. The signal's wake-up must stop the loop instead."""
+    done = subprocess.run([sys.executable, "-c", LOST_INTERRUPT], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "Exception ignored" in done.stderr and "KeyboardInterrupt" in done.stderr, done.stderr
+    assert done.stdout.split() == ["survived", "the", "lost", "interrupt", "stopped"], done.stdout + done.stderr
+
+
 def test_a_sigkilled_launcher_leaves_no_service_and_no_socket_directory_behind(llama_dir, tmp_path):
     port, temp = free_port(), tmp_path / "tmp"
     temp.mkdir()

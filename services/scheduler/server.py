@@ -164,8 +164,8 @@ class SchedulerServer:
                 self._drain(sock, self.api_handlers, API_MESSAGE_CONTAINERS)
             elif sock is self.worker_socket:
                 self._drain_workers()
-            else:  # woken for a signal, whose handler has run by now
-                drain_wakeups(sock)
+            else:  # woken for a signal
+                drain_wakeups()
         if self.scheduler is not None and self.stats_log.due_in() == 0.0:
             self.stats_log.write(self.scheduler.stats())
         if self.in_flight and time.monotonic() > self.step_deadline:

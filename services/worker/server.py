@@ -23,7 +23,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
-from shared.cli import drain_wakeups
+from shared.cli import drain_wakeups, is_wakeup
 from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
 from shared.wire_security import WireKeys, connect_securely
 
@@ -167,8 +167,8 @@ class WorkerServer:
             poller.register(signals, zmq.POLLIN)
         while self.running:
             for sock, _ in poller.poll():
-                if sock is signals:  # woken for a signal, whose handler has run by now
-                    drain_wakeups(sock)
+                if is_wakeup(sock, signals):
+                    drain_wakeups()
                     continue
                 if sock is events:
                     events.recv_multipart()
