@@ -245,7 +245,15 @@ def stop_on_signals() -> socket.socket:
     for end in _signal_sockets:
         end.setblocking(False)
     signal.set_wakeup_fd(_signal_sockets[1].fileno(), warn_on_full_buffer=False)
+    sys.unraisablehook = _quiet_about_lost_interrupts
     return _signal_sockets[0]
+
+
+def _quiet_about_lost_interrupts(unraisable) -> None:
+    """A stop's KeyboardInterrupt dropped inside a destructor is not an error: `drain_wakeups`
+    raises it again. Anything else is reported as Python would."""
+    if not (_stop_requested and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+        sys.__unraisablehook__(unraisable)
 
 
 _signal_sockets: tuple[socket.socket, socket.socket] | None = None  # kept open for the process's life
@@ -260,7 +268,7 @@ def is_wakeup(polled: object, signals: socket.socket | None) -> bool:
 def drain_wakeups() -> None:
     """Empty the socket `stop_on_signals` returned, once a poll has woken on it, and stop if a
     signal asked to: the handler's own KeyboardInterrupt is lost when the main thread runs it
-    inside a destructor (Python only prints "Exception ignored" there), and the handler has
+    inside a destructor (zmq frees its message frames in them), and the handler has
     already set the signals to be ignored, so nothing else would stop the service."""
     if _signal_sockets is not None:
         try:

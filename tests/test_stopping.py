@@ -194,9 +194,9 @@ except KeyboardInterrupt:
 
 def test_a_signal_whose_interrupt_is_lost_in_a_destructor_still_stops_the_loop():
     """zmq frees its message frames in destructors; a signal handled there raises a KeyboardInterrupt
-    that Python drops. The signal's wake-up must stop the loop instead."""
+    that Python drops. The signal's wake-up must stop the loop instead, with nothing in the log."""
     done = subprocess.run([sys.executable, "-c", LOST_INTERRUPT], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert "Exception ignored" in done.stderr and "KeyboardInterrupt" in done.stderr, done.stderr
+    assert done.stderr == ""
     assert done.stdout.split() == ["survived", "the", "lost", "interrupt", "stopped"], done.stdout + done.stderr
 
 
