@@ -260,11 +260,6 @@ _signal_sockets: tuple[socket.socket, socket.socket] | None = None  # kept open 
 _stop_requested = False
 
 
-def is_wakeup(polled: object, signals: socket.socket | None) -> bool:
-    """Whether what a zmq poll returned is `signals`: the poller hands back a plain socket's fd."""
-    return signals is not None and (polled is signals or polled == signals.fileno())
-
-
 def drain_wakeups() -> None:
     """Empty the socket `stop_on_signals` returned, once a poll has woken on it, and stop if a
     signal asked to: the handler's own KeyboardInterrupt is lost when the main thread runs it

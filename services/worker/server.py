@@ -23,7 +23,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
-from shared.cli import drain_wakeups, is_wakeup
+from shared.cli import drain_wakeups
 from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
 from shared.wire_security import WireKeys, connect_securely
 
@@ -163,11 +163,13 @@ class WorkerServer:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(events, zmq.POLLIN)
+        wakeup = None
         if signals is not None:
             poller.register(signals, zmq.POLLIN)
+            wakeup = signals.fileno()  # what the poller hands back for a plain socket
         while self.running:
             for sock, _ in poller.poll():
-                if is_wakeup(sock, signals):
+                if sock == wakeup:
                     drain_wakeups()
                     continue
                 if sock is events:
