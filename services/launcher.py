@@ -107,9 +107,9 @@ SCHEDULER_FLAGS = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_
                    "preemption_mode", "kv_reservation", "async_scheduling", "step_timeout", "log_stats_interval",
                    "speculative_config"]
 WORKER_FLAGS = ["model", "tokenizer", "device", "dtype", "kv_cache_dtype", "load_format", "gpu_memory_utilization",
-                "kv_cache_memory", "swap_space",
-                "seed", "cpu_threads", "block_size", "num_gpu_blocks_override", "tensor_parallel_size",
-                "speculative_config", "enforce_eager", "max_seq_len_to_capture", "max_num_seqs", "max_model_len"]
+                "kv_cache_memory", "swap_space", "seed", "cpu_threads", "block_size", "num_gpu_blocks_override",
+                "tensor_parallel_size", "speculative_config", "enforce_eager", "max_seq_len_to_capture",
+                "max_num_seqs", "max_model_len"]
 API_FLAGS = ["model", "tokenizer", "host", "port", "served_model_name", "max_request_body_bytes",
              "enable_auto_tool_choice", "tool_call_parser", "chat_template", "max_logprobs", "disable_log_requests",
              "trust_remote_code", "scheduler_timeout", "routing", "report_cached_tokens", "request_header_timeout",
