@@ -14,6 +14,14 @@
 
 #include "claims.h"
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#else
+/* Without AVX a vector of 8 floats passed by value changes the ABI; none crosses a call here (each such
+ * function is inlined), so GCC's note of it says nothing. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 #define QUERY_BLOCK 8 /* queries of one sequence served together: each key and value is read once for all */
 #define TILE 16       /* cached tokens whose keys (or values) every query row and head takes in turn */
 
@@ -86,6 +94,22 @@ static inline void decode_tile(const char *run, int64_t count, int64_t token_byt
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* Scores from .. to - 1 become their softmax, in place. */
+static inline void softmax(float *weights, int64_t from, int64_t to)
+{
+    float top = weights[from];
+    for (int64_t t = from + 1; t < to; t++)
+        top = weights[t] > top ? weights[t] : top;
+    float total = 0.f;
+    for (int64_t t = from; t < to; t++) {
+        weights[t] = expf(weights[t] - top);
+        total += weights[t];
+    }
+    const float inverse = 1.f / total;
+    for (int64_t t = from; t < to; t++)
+        weights[t] *= inverse;
+}
+
 #define AHEAD 8 /* cached tokens whose rows are asked for before they are read: a block's rows are contiguous,
                  * but blocks lie anywhere, and the hardware's prefetchers stop at every page */
 
@@ -99,6 +123,128 @@ static inline void prefetch_rows(const char *cache, const int32_t *table, int64_
         for (const char *line = run, *last = run + (stop - q) * token_bytes; line < last; line += 64)
             __builtin_prefetch(line, 0, 2);
     }
+}
+
+/* One query row's attention over one-byte rows (int8, E4M3) at head size 64, in whole vectors of 8 floats
+ * (GCC's vector extensions: AVX on x86-64-v3 and native builds, narrower vectors elsewhere): a decode step's
+ * row, and the last row of a prompt's chunk. Each cached row is converted to floats in registers as it is
+ * read, with no decoded copy stored and read back; query heads take it two at a time; and each head's output
+ * stays in registers over the whole context. One thread, the shipped model's 4 heads over 2 KV heads, 48
+ * sequences at 300 tokens, 6 layers: int8 2.9-3.0 ms against 5.0 ms in the tiled walk below, E4M3 5.0-5.3
+ * against 6.4-6.6; 8 heads over 2: int8 2.6-2.7 against 3.5-3.6, but E4M3 5.0-5.3 against 4.5-4.7 (each pair
+ * of heads converts the row again, and E4M3 costs more to convert than int8), so it keeps the walk there, as
+ * do odd groups, other head sizes and float32 rows (whose keys' pass already runs at the memory's speed). */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+
+/* Eight bytes of a row widened to 32-bit lanes: sign-extended (int8) or not (E4M3). GCC widens a vector of 8
+ * bytes lane by lane, so AVX2 does it in one instruction where the build has it. */
+static inline __attribute__((always_inline)) vi8 widen_bytes(const char *bytes, const int is_signed)
+{
+#ifdef __AVX2__
+    const __m128i x = _mm_loadl_epi64((const __m128i *)bytes);
+    return (vi8)(is_signed ? _mm256_cvtepi8_epi32(x) : _mm256_cvtepu8_epi32(x));
+#else
+    vi8 lanes;
+    for (int i = 0; i < 8; i++)
+        lanes[i] = is_signed ? ((const int8_t *)bytes)[i] : ((const uint8_t *)bytes)[i];
+    return lanes;
+#endif
+}
+
+/* Floats c * 8 .. c * 8 + 7 of a cached row (scale apart), as decode_token reads them. */
+static inline __attribute__((always_inline)) vf8 row_chunk(const char *row, int64_t c, const int kind)
+{
+    if (kind == ROW_F32) {
+        vf8 x;
+        memcpy(&x, row + c * 32, sizeof x);
+        return x;
+    }
+    const vi8 byte = widen_bytes(row + c * 8, kind == ROW_I8);
+    if (kind == ROW_I8)
+        return __builtin_convertvector(byte, vf8);
+    const vi8 magnitude = byte & 0x7f;
+    const vi8 normal = (magnitude << 20) + (120 << 23), is_normal = magnitude >= 8;
+    const vf8 subnormal = __builtin_convertvector(magnitude & 7, vf8) * 0x1p-9f;
+    vi8 subnormal_bits;
+    memcpy(&subnormal_bits, &subnormal, sizeof subnormal_bits);
+    const vi8 bits = (normal & is_normal) | (subnormal_bits & ~is_normal) | ((byte & 0x80) << 24);
+    vf8 value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline __attribute__((always_inline)) float lanes_sum(vf8 x)
+{
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+#define MAX_CHUNKS 8 /* head_dim / 8 at head size 64, the one it serves */
+
+static inline __attribute__((always_inline)) void attend_one_query(
+    const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
+    const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
+    const int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict out,
+    const int kind)
+{
+    const int64_t group = num_heads / num_kv_heads, chunks = head_dim / 8, n = high + 1 - low;
+    const int64_t head_bytes = head_dim + (int64_t)sizeof(float), token_bytes = num_kv_heads * head_bytes;
+    prefetch_rows(key_cache, table, low, min64(low + AHEAD, high + 1), block_size, token_bytes);
+    for (int64_t kv = 0; kv < num_kv_heads; kv++)
+        for (int64_t head = kv * group; head < (kv + 1) * group; head += 2) {
+            vf8 q0[MAX_CHUNKS], q1[MAX_CHUNKS];
+            for (int64_t c = 0; c < chunks; c++) {
+                memcpy(&q0[c], q + head * head_dim + c * 8, sizeof q0[c]);
+                memcpy(&q1[c], q + (head + 1) * head_dim + c * 8, sizeof q1[c]);
+            }
+            float *s0 = scores + head * n, *s1 = scores + (head + 1) * n;
+            for (int64_t p = low, stop; p <= high;) {
+                const char *run = block_run(key_cache, table, p, high + 1, block_size, token_bytes, &stop);
+                if (kv == 0 && head == 0)
+                    prefetch_rows(key_cache, table, min64(stop + AHEAD - 1, high + 1),
+                                  min64(stop + AHEAD - 1 + block_size, high + 1), block_size, token_bytes);
+                for (const char *row = run + kv * head_bytes; p < stop; p++, row += token_bytes) {
+                    vf8 a0 = {0}, a1 = {0};
+                    for (int64_t c = 0; c < chunks; c++) {
+                        const vf8 k = row_chunk(row, c, kind);
+                        a0 += q0[c] * k;
+                        a1 += q1[c] * k;
+                    }
+                    const float row_scale = head_scale(row, head_dim, kind) * scale;
+                    s0[p - low] = lanes_sum(a0) * row_scale;
+                    s1[p - low] = lanes_sum(a1) * row_scale;
+                }
+            }
+        }
+    prefetch_rows(value_cache, table, low, min64(low + AHEAD, high + 1), block_size, token_bytes);
+    for (int64_t head = 0; head < num_heads; head++)
+        softmax(scores + head * n, 0, n);
+    for (int64_t kv = 0; kv < num_kv_heads; kv++)
+        for (int64_t head = kv * group; head < (kv + 1) * group; head += 2) {
+            vf8 o0[MAX_CHUNKS], o1[MAX_CHUNKS];
+            for (int64_t c = 0; c < chunks; c++)
+                o0[c] = o1[c] = (vf8){0};
+            const float *w0 = scores + head * n, *w1 = scores + (head + 1) * n;
+            for (int64_t p = low, stop; p <= high;) {
+                const char *run = block_run(value_cache, table, p, high + 1, block_size, token_bytes, &stop);
+                if (kv == 0 && head == 0)
+                    prefetch_rows(value_cache, table, min64(stop + AHEAD - 1, high + 1),
+                                  min64(stop + AHEAD - 1 + block_size, high + 1), block_size, token_bytes);
+                for (const char *row = run + kv * head_bytes; p < stop; p++, row += token_bytes) {
+                    const float row_scale = head_scale(row, head_dim, kind);
+                    const float weight0 = w0[p - low] * row_scale, weight1 = w1[p - low] * row_scale;
+                    for (int64_t c = 0; c < chunks; c++) {
+                        const vf8 v = row_chunk(row, c, kind);
+                        o0[c] += weight0 * v;
+                        o1[c] += weight1 * v;
+                    }
+                }
+            }
+            for (int64_t c = 0; c < chunks; c++) {
+                memcpy(out + head * head_dim + c * 8, &o0[c], sizeof o0[c]);
+                memcpy(out + (head + 1) * head_dim + c * 8, &o1[c], sizeof o1[c]);
+            }
+        }
 }
 
 static inline __attribute__((always_inline)) void attend_range(
@@ -125,6 +271,12 @@ static inline __attribute__((always_inline)) void attend_range(
                 low[b] = (window > 0 && high[b] - window + 1 > 0) ? high[b] - window + 1 : 0;
             }
             const int64_t lowest = low[0], n = high[block - 1] + 1 - lowest; /* span of the block's rows */
+            if (block == 1 && head_dim == 64 && group % 2 == 0 && (kind == ROW_I8 || (kind == ROW_F8 && group == 2))) {
+                attend_one_query(query + (first + i0) * query_stride, key_cache, value_cache, table, low[0], high[0],
+                                 num_heads, num_kv_heads, head_dim, block_size, scale, scores,
+                                 out + (first + i0) * num_heads * head_dim, kind);
+                continue;
+            }
             /* Scores of row (b, head) at t = p - lowest live at scores[(b * num_heads + head) * n + t]. The
              * positions are walked a tile of up to TILE cached tokens at a time: each token's row (every KV
              * head, consecutive) is read from memory once, and within the tile each query row and head
@@ -163,21 +315,8 @@ static inline __attribute__((always_inline)) void attend_range(
                 }
             }
             for (int64_t b = 0; b < block; b++)
-                for (int64_t head = 0; head < num_heads; head++) {
-                    float *weights = scores + (b * num_heads + head) * n;
-                    const int64_t from = low[b] - lowest, to = high[b] - lowest + 1;
-                    float top = weights[from];
-                    for (int64_t t = from + 1; t < to; t++)
-                        top = weights[t] > top ? weights[t] : top;
-                    float total = 0.f;
-                    for (int64_t t = from; t < to; t++) {
-                        weights[t] = expf(weights[t] - top);
-                        total += weights[t];
-                    }
-                    const float inverse = 1.f / total;
-                    for (int64_t t = from; t < to; t++)
-                        weights[t] *= inverse;
-                }
+                for (int64_t head = 0; head < num_heads; head++)
+                    softmax(scores + (b * num_heads + head) * n, low[b] - lowest, high[b] - lowest + 1);
             memset(out + (first + i0) * num_heads * head_dim, 0, block * num_heads * head_dim * sizeof(float));
             /* Values, tile by tile as the keys were: each output row accumulates the tile's weighted
              * values before it is stored again. */

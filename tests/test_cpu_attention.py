@@ -4,7 +4,7 @@ reference over the kernel tests' shapes."""
 import pytest
 import torch
 
-from kernels import cpu_attention
+from kernels import cpu_attention, kv_quant
 from kernels.cpu_attention import (Workspace, native_accepts, native_kernel, paged_attention_native,
                                    paged_attention_torch)
 from tests.test_kernels import ATTENTION_CASES, TOLERANCE, make_batch, reference_in_float32
@@ -47,6 +47,28 @@ def test_compiled_cpu_attention_matches_reference(shapes, heads, kv_heads, head_
     expected = reference_in_float32(query, key_cache, value_cache, batch, scale, window)
     torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
+
+
+QUANTIZED_CASES = ATTENTION_CASES + [
+    ([(1, 37), (9, 40), (1, 3)], 4, 2, 64, 16, torch.float32),  # the shipped model's heads
+]
+
+
+@pytest.mark.parametrize("storage", [torch.int8, torch.uint8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("shapes, heads, kv_heads, head_dim, block_size, dtype", QUANTIZED_CASES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_compiled_attention_over_a_quantized_cache_is_the_reference_over_its_values(
+        shapes, heads, kv_heads, head_dim, block_size, dtype, window, storage):
+    # One-query rows (decode, a chunk's ninth) at head size 64 with groups of 2 (and of 4, int8 only)
+    # take whole vectors, every other row the tiled walk: these shapes reach both, with and without a window.
+    compiled_kernel()
+    query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, block_size, torch.float32)
+    keys, values = kv_quant.quantize(key_cache, storage), kv_quant.quantize(value_cache, storage)
+    assert native_accepts(query, keys, values)
+    out = paged_attention_native(query, keys, values, batch, head_dim**-0.5, window)
+    expected = reference_in_float32(query, kv_quant.dequantize(keys, torch.float32),
+                                    kv_quant.dequantize(values, torch.float32), batch, head_dim**-0.5, window)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 def test_the_compiled_kernel_reads_queries_in_place_from_a_fused_qkv_row():
     compiled_kernel()
