@@ -3,7 +3,8 @@
 Shapes of the shipped model (4 query heads, 2 KV heads, head size 64, block size 32, float32),
 blocks scattered over the cache as serving leaves them, one thread (what the worker gets on a
 2-core machine). Decode: batches of 1, 64 and 256 sequences at contexts of 128 and 512; prefill:
-4 prompts of 128 tokens. Prints the median over repeats and writes
+4 prompts of 128 tokens. The compiled kernel also runs over an int8 cache of the same values
+(`--kv-cache-dtype int8`, a quarter of the bytes and their scales). Prints the median over repeats and writes
 benchmarks/results/cpu_attention_bench.json (PAGEDSERVE_BENCH_OUT moves it).
 """
 
@@ -22,6 +23,7 @@ import torch  # noqa: E402
 
 from kernels.batch import PagedBatch  # noqa: E402
 from kernels.cpu_attention import native_kernel, paged_attention_native, paged_attention_torch  # noqa: E402
+from kernels.kv_quant import quantize  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 64, 32
 REPEATS = int(os.environ.get("PAGEDSERVE_BENCH_REPEATS", "30"))
@@ -57,19 +59,21 @@ def main() -> None:
     if native_kernel() is None:
         sys.exit("no C compiler: the compiled kernel cannot be built here")
     rows = []
-    print(f"{'case':<26}{'torch ms':>10}{'compiled ms':>13}{'speedup':>9}{'GB/s read':>11}")
+    print(f"{'case':<26}{'torch ms':>10}{'compiled ms':>13}{'speedup':>9}{'GB/s read':>11}{'int8 ms':>10}")
     for kind, seqs, context in CASES:
         args = setup(kind, seqs, context)
         torch_ms = median_ms(paged_attention_torch, *args)
         native_ms = median_ms(paged_attention_native, *args)
+        query, key_cache, value_cache, batch = args
+        int8_ms = median_ms(paged_attention_native, query, quantize(key_cache), quantize(value_cache), batch)
         kv_bytes = 2 * seqs * context * KV_HEADS * HEAD_DIM * 4
         row = {"kind": kind, "seqs": seqs, "context": context, "torch_ms": round(torch_ms, 3),
                "compiled_ms": round(native_ms, 3), "speedup": round(torch_ms / native_ms, 2),
-               "compiled_gb_per_s": round(kv_bytes / native_ms / 1e6, 1)}
+               "compiled_gb_per_s": round(kv_bytes / native_ms / 1e6, 1), "compiled_int8_ms": round(int8_ms, 3)}
         rows.append(row)
         name = f"{kind} {seqs} x {context}"
         print(f"{name:<26}{torch_ms:>10.3f}{native_ms:>13.3f}{row['speedup']:>8.2f}x"
-              f"{row['compiled_gb_per_s']:>11.1f}")
+              f"{row['compiled_gb_per_s']:>11.1f}{int8_ms:>10.3f}")
     out_dir = os.environ.get("PAGEDSERVE_BENCH_OUT", os.path.join(os.path.dirname(__file__), "results"))
     os.makedirs(out_dir, exist_ok=True)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": 1, "repeats": REPEATS,

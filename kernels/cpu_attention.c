@@ -95,7 +95,7 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* Scores from .. to - 1 become their softmax, in place. */
-static inline void softmax(float *weights, int64_t from, int64_t to)
+static inline __attribute__((always_inline)) void softmax(float *weights, int64_t from, int64_t to)
 {
     float top = weights[from];
     for (int64_t t = from + 1; t < to; t++)
@@ -152,14 +152,9 @@ static inline __attribute__((always_inline)) vi8 widen_bytes(const char *bytes, 
 #endif
 }
 
-/* Floats c * 8 .. c * 8 + 7 of a cached row (scale apart), as decode_token reads them. */
+/* Values c * 8 .. c * 8 + 7 of a one-byte row as floats (scale apart), as decode_token reads them. */
 static inline __attribute__((always_inline)) vf8 row_chunk(const char *row, int64_t c, const int kind)
 {
-    if (kind == ROW_F32) {
-        vf8 x;
-        memcpy(&x, row + c * 32, sizeof x);
-        return x;
-    }
     const vi8 byte = widen_bytes(row + c * 8, kind == ROW_I8);
     if (kind == ROW_I8)
         return __builtin_convertvector(byte, vf8);

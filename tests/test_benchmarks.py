@@ -46,7 +46,8 @@ def test_cpu_attention_bench_runs(tmp_path):
         pytest.skip("no C compiler here: the compiled CPU attention kernel cannot be built")
     assert done.returncode == 0, done.stderr
     rows = json.loads((tmp_path / "cpu_attention_bench.json").read_text())["rows"]
-    assert len(rows) == 5 and all(row["torch_ms"] > 0 and row["compiled_ms"] > 0 for row in rows)
+    assert len(rows) == 5 and all(row["torch_ms"] > 0 and row["compiled_ms"] > 0 and row["compiled_int8_ms"] > 0
+                                  for row in rows)
 
 
 def test_cpu_linear_bench_runs(tmp_path):
