@@ -127,13 +127,14 @@ static inline void prefetch_rows(const char *cache, const int32_t *table, int64_
 
 /* One query row's attention over one-byte rows (int8, E4M3) at head size 64, in whole vectors of 8 floats
  * (GCC's vector extensions: AVX on x86-64-v3 and native builds, narrower vectors elsewhere): a decode step's
- * row, and the last row of a prompt's chunk. Each cached row is converted to floats in registers as it is
- * read, with no decoded copy stored and read back; query heads take it two at a time; and each head's output
- * stays in registers over the whole context. One thread, the shipped model's 4 heads over 2 KV heads, 48
- * sequences at 300 tokens, 6 layers: int8 2.9-3.0 ms against 5.0 ms in the tiled walk below, E4M3 5.0-5.3
- * against 6.4-6.6; 8 heads over 2: int8 2.6-2.7 against 3.5-3.6, but E4M3 5.0-5.3 against 4.5-4.7 (each pair
- * of heads converts the row again, and E4M3 costs more to convert than int8), so it keeps the walk there, as
- * do odd groups, other head sizes and float32 rows (whose keys' pass already runs at the memory's speed). */
+ * row, and a chunk's row alone in its block of QUERY_BLOCK queries (its ninth, seventeenth, ...). Each cached
+ * row is converted to floats in registers as it is read, with no decoded copy stored and read back; query heads
+ * take it two at a time; and each head's output stays in registers over the whole context. One thread, the
+ * shipped model's 4 heads over 2 KV heads, 48 sequences at 300 tokens, 6 layers: int8 2.9-3.0 ms against 5.0 ms
+ * in the tiled walk below, E4M3 5.0-5.3 against 6.4-6.6; 8 heads over 2: int8 2.6-2.7 against 3.5-3.6, but
+ * E4M3 5.0-5.3 against 4.5-4.7 (each pair of heads converts the row again, and E4M3 costs more to convert than
+ * int8), so it keeps the walk there, as do odd groups, other head sizes and float32 rows (whose keys' pass
+ * already runs at the memory's speed). */
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 

@@ -48,7 +48,6 @@ def test_compiled_cpu_attention_matches_reference(shapes, heads, kv_heads, head_
     torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-
 QUANTIZED_CASES = ATTENTION_CASES + [
     ([(1, 37), (9, 40), (1, 3)], 4, 2, 64, 16, torch.float32),  # the shipped model's heads
 ]
@@ -69,6 +68,7 @@ def test_compiled_attention_over_a_quantized_cache_is_the_reference_over_its_val
     expected = reference_in_float32(query, kv_quant.dequantize(keys, torch.float32),
                                     kv_quant.dequantize(values, torch.float32), batch, head_dim**-0.5, window)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
 
 def test_the_compiled_kernel_reads_queries_in_place_from_a_fused_qkv_row():
     compiled_kernel()
