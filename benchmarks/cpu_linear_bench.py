@@ -9,12 +9,15 @@ step's batch). Prints GFLOP/s (median over repeats) and writes benchmarks/result
 Each weight above is small enough to stay in the third-level cache between repeats. A real step
 reads every layer's weights from memory (300 MiB on the 12-layer model), so a second table times
 the linear layers of a whole 12-layer step, torch and packed calls alternating, at 1 and 2 threads
-(PAGEDSERVE_BENCH_STEP_ROWS, PAGEDSERVE_BENCH_THREADS).
+(PAGEDSERVE_BENCH_STEP_ROWS, PAGEDSERVE_BENCH_THREADS). Its last column has the panels on 2 MiB
+huge pages, where the others have torch's default 4 KiB pages (run it without THP_MEM_ALLOC_ENABLE):
+the worker asks for huge pages, and most of its panels land on them.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import platform
 import statistics
@@ -33,6 +36,7 @@ ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_ROWS", "1,4,16,48,64").
 STEP_ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_STEP_ROWS", "1,4,16,48,128,256").split(",")]
 THREADS = [int(t) for t in os.environ.get("PAGEDSERVE_BENCH_THREADS", "1,2").split(",")]
 STEP_LAYERS = 12
+HUGE_PAGE = 2 << 20
 WEIGHTS = {  # name: (out features, in features)
     "12-layer qkv": (1280, 768), "12-layer o": (768, 768), "12-layer gate_up": (4096, 768),
     "12-layer down": (768, 2048), "12-layer lm_head": (4096, 768),
@@ -49,21 +53,34 @@ def median_s(run) -> float:
     return statistics.median(times[3:])
 
 
+def on_huge_pages(tensor: torch.Tensor, mappings: list[mmap.mmap]) -> torch.Tensor:
+    """A copy of `tensor` in memory that asks the kernel for huge pages (where it has them on request)."""
+    mapping = mmap.mmap(-1, tensor.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    mappings.append(mapping)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
 def whole_step() -> list[dict]:
     """Milliseconds for the linear layers of one 12-layer step, torch against packed, alternating."""
     shapes = [WEIGHTS[f"12-layer {name}"] for name in ("qkv", "o", "gate_up", "down")] * STEP_LAYERS
     shapes.append(WEIGHTS["12-layer lm_head"])
     weights = [torch.randn(out_features, in_features) * 0.02 for out_features, in_features in shapes]
     panels = [pack(weight) for weight in weights]
+    mappings: list[mmap.mmap] = []
+    huge = [on_huge_pages(panel, mappings) for panel in panels]
     rows_out = []
     print(f"\nlinear layers of a whole {STEP_LAYERS}-layer step (weights from memory), ms")
-    print(f"{'threads':>7}{'rows':>6}{'torch':>9}{'packed':>9}")
+    print(f"{'threads':>7}{'rows':>6}{'torch':>9}{'packed':>9}{'huge pages':>12}")
     for threads in THREADS:
         torch.set_num_threads(threads)
         for rows in STEP_ROWS:
             x = {width: torch.randn(rows, width) for _, width in shapes}
             calls = {"torch": lambda: [F.linear(x[w.shape[1]], w) for w in weights],
-                     "packed": lambda: [gemm(x[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, panels)]}
+                     "packed": lambda: [gemm(x[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, panels)],
+                     "packed_huge": lambda: [gemm(x[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, huge)]}
             times = {name: [] for name in calls}
             for _ in range(max(3, REPEATS // 5)):
                 for name, call in calls.items():
@@ -73,7 +90,7 @@ def whole_step() -> list[dict]:
             row = {"threads": threads, "rows": rows,
                    **{f"{name}_ms": round(1e3 * statistics.median(t), 2) for name, t in times.items()}}
             rows_out.append(row)
-            print(f"{threads:>7}{rows:>6}{row['torch_ms']:>9.2f}{row['packed_ms']:>9.2f}")
+            print(f"{threads:>7}{rows:>6}{row['torch_ms']:>9.2f}{row['packed_ms']:>9.2f}{row['packed_huge_ms']:>12.2f}")
     torch.set_num_threads(1)
     return rows_out
 

@@ -9,7 +9,8 @@
  * so the multiply-add units, not the loads, set the pace. Each k row of a panel is one cache line,
  * and every tile prefetches the next panel's line k into the second-level cache: the reads from
  * memory spread over all the passes of a panel, not bunched into its first (a decode step of 16
- * rows took 15-20 % less time, docs/kernels.md).
+ * rows took 15-20 % less time, docs/kernels.md). One or two rows are bound by the reads alone, and
+ * there the hardware's own prefetch streams the panels faster without ours (docs/kernels.md).
  *
  * x: [M, K] with rows x_stride floats apart; panels: [ceil(N / 16), K, 16]; y: [M, N] with rows
  * y_stride apart; bias: [N] or NULL. Threads share a call by claiming its chunks of
@@ -25,6 +26,7 @@
 
 #define MR 6
 #define NR 16
+#define PREFETCH_MIN_ROWS 3
 
 /* The tile's sums, plus the bias, into y: whole vectors for a full panel, through a row buffer for
  * the last, partial one. */
@@ -57,7 +59,8 @@ static inline __attribute__((always_inline)) void store_row(__m256 a, __m256 b, 
         _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++)                                           \
             acc0[r] = acc1[r] = _mm256_setzero_ps();                                                     \
         for (int64_t k = 0; k < K; k++) {                                                                \
-            _mm_prefetch((const char *)(ahead + k * NR), _MM_HINT_T1);                                   \
+            if (ahead)                                                                                   \
+                _mm_prefetch((const char *)(ahead + k * NR), _MM_HINT_T1);                               \
             const __m256 w0 = _mm256_loadu_ps(panel + k * NR), w1 = _mm256_loadu_ps(panel + k * NR + 8); \
             _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++) {                                     \
                 const __m256 v = _mm256_broadcast_ss(x + r * x_stride + k);                              \
@@ -83,7 +86,8 @@ static void gemm_panels(const float *x, int64_t x_stride, const float *panels, c
         const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
         const float *b = bias ? bias + n : 0;
         const float *panel = panels + p * K * NR;
-        const float *next = panel + K * NR; /* past the last panel too: a prefetch never faults */
+        /* The next panel, past the last one too (a prefetch never faults); none for a row or two. */
+        const float *next = M >= PREFETCH_MIN_ROWS ? panel + K * NR : 0;
         /* Rows in chunks whose x stays in the second-level cache while the chunk passes. */
         for (int64_t m0 = 0; m0 < M; m0 += 48) {
             const int64_t m_end = m0 + 48 < M ? m0 + 48 : M;

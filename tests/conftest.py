@@ -55,6 +55,24 @@ def memory_mib(pid: int, field: str = "VmRSS") -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
 
 
+def children(pid: int) -> dict[str, int]:
+    """The launcher's children by service name."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+        except OSError:
+            continue
+        if parent == pid and b"-m" in cmdline:
+            found[cmdline[cmdline.index(b"-m") + 1].decode().split(".")[-1]] = int(entry)
+    return found
+
+
 def free_port(span: int = 1) -> int:
     """A port that is free now, with the `span - 1` ports above it, and never handed out before.
 

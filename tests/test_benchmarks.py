@@ -60,6 +60,7 @@ def test_cpu_linear_bench_runs(tmp_path):
     assert [("unpacked" in row) for row in rows[:2]] == [True, False]  # that kernel stops at six rows
     [step] = json.loads((tmp_path / "cpu_linear_bench.json").read_text())["whole_step"]
     assert step["rows"] == 3 and step["threads"] == 1 and step["torch_ms"] > 0 and step["packed_ms"] > 0
+    assert step["packed_huge_ms"] > 0
 
 
 def test_beam_memory_bench_runs(tmp_path):

@@ -32,7 +32,7 @@ from shared.protocol import (
     StepResult,
 )
 from shared.sampling import SamplingParams
-from tests.conftest import memory_mib, serve, wait_until
+from tests.conftest import children, memory_mib, serve, wait_until
 from tests.scheduler_harness import StandInWorker
 
 
@@ -42,24 +42,6 @@ def small_server(llama_dir, tmp_path_factory):
              "--request-header-timeout", "2", "--request-body-timeout", "3")
     with serve(llama_dir, str(tmp_path_factory.mktemp("logs")), *flags) as server:
         yield server
-
-
-def _children(pid: int) -> dict[str, int]:
-    """The launcher's children by service name."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().split(b"\0")
-        except OSError:
-            continue
-        if parent == pid and b"-m" in cmdline:
-            found[cmdline[cmdline.index(b"-m") + 1].decode().split(".")[-1]] = int(entry)
-    return found
 
 
 def _health(base: str) -> int:
@@ -133,7 +115,7 @@ def _stop_mid_stream(server, service: str) -> tuple[str, float]:
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         next(line for line in lines if line.startswith("data: {"))
-        os.kill(_children(server.process.pid)[service], signal.SIGSTOP)
+        os.kill(children(server.process.pid)[service], signal.SIGSTOP)
         stopped = time.monotonic()
         rest = [line for line in lines if line.startswith("data:")]
         ended_after = time.monotonic() - stopped
@@ -149,7 +131,7 @@ def _serves_again(server, timeout: float) -> None:
 
 
 def test_a_hung_worker_fails_its_requests_within_the_step_timeout_and_recovery_follows(small_server):
-    worker = _children(small_server.process.pid)["worker"]
+    worker = children(small_server.process.pid)["worker"]
     try:
         error, ended_after = _stop_mid_stream(small_server, "worker")
         assert ended_after < 3 + 5 and "did not finish a step" in error
@@ -163,7 +145,7 @@ def test_a_hung_worker_fails_its_requests_within_the_step_timeout_and_recovery_f
 
 
 def test_a_hung_scheduler_shows_on_health_and_fails_streams_within_its_timeout_then_service_resumes(small_server):
-    scheduler = _children(small_server.process.pid)["scheduler"]
+    scheduler = children(small_server.process.pid)["scheduler"]
     try:
         error, ended_after = _stop_mid_stream(small_server, "scheduler")
         print(f"a SIGSTOPped scheduler failed the stream and turned /health 503 after {ended_after:.2f} s "
@@ -308,7 +290,7 @@ def test_large_json_bodies_are_parsed_and_checked_off_the_loop_so_streams_go_on(
               ("/detokenize", {"tokens": ids}, 400),  # more than any context: refused, not decoded
               ("/detokenize", {"tokens": ids[:1000]}, 200),
               ("/tokenize", {"prompt": text}, 400)]  # longer than any prompt that fits: refused untokenized
-    api = _children(small_server.process.pid)["api"]
+    api = children(small_server.process.pid)["api"]
     before = memory_mib(api)
     encoded = [(path, json.dumps(body).encode(), status) for path, body, status in bodies]  # not while streaming
     streamer, gaps = _stream_gaps(small_server, done, 300)
