@@ -1,5 +1,6 @@
 """The forward pass's threads on a CPU: every core while other processes leave them nearly idle,
-one core left to them otherwise (the api and scheduler streaming many tokens, or anything else)."""
+one core left to them otherwise (the api and scheduler streaming many tokens, or anything else);
+and the worker's large buffers on huge pages."""
 
 import pytest
 import torch
