@@ -1,27 +1,33 @@
-"""CPU linear layers, float32, one thread: torch's BLAS against the packed-panel kernel (`cpu_gemm.c`)
-and, up to six rows, the unpacked one (`cpu_linear.c`).
+"""CPU linear layers against what the core can do: torch's own (its BLAS, or oneDNN) against the packed
+kernels of `cpu_gemm.c` in float32, bfloat16 and float16, one thread.
 
-Weights of the 12-layer, 768-wide Llama of `ops/configs/llama-12l-768` (fused q/k/v and gate/up,
-the down projection and the LM head) and of the shipped model's MLP, at 1 to 128 rows (a decode
-step's batch). Prints GFLOP/s (median over repeats) and writes benchmarks/results/cpu_linear_bench.json
-(PAGEDSERVE_BENCH_OUT moves it; PAGEDSERVE_BENCH_ROWS and PAGEDSERVE_BENCH_REPEATS shrink it).
+First a probe (`cpu_peak.c`, built for this CPU) measures the core's peak: float32 multiply-adds in its
+widest vectors, the bfloat16 dot product where the CPU has one (without it a bfloat16 weight is widened
+and multiplied in float32, so float32's peak is its peak), and the rate one thread reads memory.
 
-Each weight above is small enough to stay in the third-level cache between repeats. A real step
-reads every layer's weights from memory (300 MiB on the 12-layer model), so a second table times
-the linear layers of a whole 12-layer step, torch and packed calls alternating, at 1 and 2 threads
-(PAGEDSERVE_BENCH_STEP_ROWS, PAGEDSERVE_BENCH_THREADS). Its last column has the panels on 2 MiB
-huge pages, where the others have torch's default 4 KiB pages (run it without THP_MEM_ALLOC_ENABLE):
-the worker asks for huge pages, and most of its panels land on them.
+Then weights of the 12-layer, 768-wide Llama of `ops/configs/llama-12l-768` (fused q/k/v and gate/up,
+the down projection and the LM head) and of the shipped model's MLP, from one row (a decode at
+concurrency 1) to 2,048 (a prefill): GFLOP/s (median over repeats) and, for the packed kernels, the
+fraction of the dtype's peak. These weights stay in the third-level cache between repeats; a real step
+reads every layer's weights from memory, so a second table times the linear layers of a whole 12-layer
+step, at 1 and 2 threads, with each layout's weights on huge pages as the worker has them, and gives the
+rate at which they stream (GB/s) against the probe's. Writes benchmarks/results/cpu_linear_bench.json.
+
+    python benchmarks/cpu_linear_bench.py
+    PAGEDSERVE_BENCH_ROWS=1,16 PAGEDSERVE_BENCH_REPEATS=3 python benchmarks/cpu_linear_bench.py   # shorter
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,11 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.cpu_linear import GEMM_MAX_ROWS, MAX_ROWS, gemm, gemm_kernel, linear, native_kernel, pack  # noqa: E402
+from kernels import native  # noqa: E402
+from kernels.cpu_linear import gemm, gemm_build, pack  # noqa: E402
 
-REPEATS = int(os.environ.get("PAGEDSERVE_BENCH_REPEATS", "25"))
-ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_ROWS", "1,4,16,48,64").split(",")]
-STEP_ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_STEP_ROWS", "1,4,16,48,128,256").split(",")]
+REPEATS = int(os.environ.get("PAGEDSERVE_BENCH_REPEATS", "15"))
+ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_ROWS", "1,4,16,48,256,2048").split(",")]
+STEP_ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_STEP_ROWS", "1,4,16,48,256").split(",")]
 THREADS = [int(t) for t in os.environ.get("PAGEDSERVE_BENCH_THREADS", "1,2").split(",")]
 STEP_LAYERS = 12
 HUGE_PAGE = 2 << 20
@@ -42,15 +49,42 @@ WEIGHTS = {  # name: (out features, in features)
     "12-layer down": (768, 2048), "12-layer lm_head": (4096, 768),
     "shipped gate_up": (1408, 256), "shipped down": (256, 704),
 }
+LAYOUTS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_peak.c")
 
 
-def median_s(run) -> float:
+def median_s(run, repeats: int = REPEATS) -> float:
     times = []
-    for _ in range(REPEATS + 3):
+    for _ in range(repeats + 2):
         started = time.perf_counter()
         run()
         times.append(time.perf_counter() - started)
-    return statistics.median(times[3:])
+    return statistics.median(times[2:])
+
+
+def probe() -> dict:
+    """This core's peak GFLOP/s in float32 and in bfloat16, and its read rate from memory in GB/s."""
+    with tempfile.TemporaryDirectory() as scratch:
+        library = os.path.join(scratch, "cpu_peak.so")
+        subprocess.run(["cc", "-O2", "-march=native", "-fPIC", "-shared", "-o", library, PROBE], check=True)
+        peak = ctypes.CDLL(library)
+    for name in ("fma_rounds", "dot_rounds"):
+        getattr(peak, name).argtypes, getattr(peak, name).restype = [ctypes.c_int64], ctypes.c_float
+    peak.read_all.argtypes, peak.read_all.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_float
+    width, rounds = peak.vector_width(), 20_000_000
+    fma = 24 * width * rounds / min(_timed(lambda: peak.fma_rounds(rounds)) for _ in range(3)) / 1e9
+    has_dot = peak.dot_rounds(1) != -1.0
+    dot = 48 * width * rounds / min(_timed(lambda: peak.dot_rounds(rounds)) for _ in range(3)) / 1e9 if has_dot else fma
+    data = torch.ones(256 << 18)  # 256 MiB
+    read = data.nbytes / min(_timed(lambda: peak.read_all(data.data_ptr(), data.nbytes)) for _ in range(5)) / 1e9
+    return {"vector_floats": width, "f32_gflops": round(fma, 1), "bf16_gflops": round(dot, 1),
+            "bf16_native": has_dot, "read_gb_s": round(read, 1)}
+
+
+def _timed(run) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
 
 
 def on_huge_pages(tensor: torch.Tensor, mappings: list[mmap.mmap]) -> torch.Tensor:
@@ -63,34 +97,67 @@ def on_huge_pages(tensor: torch.Tensor, mappings: list[mmap.mmap]) -> torch.Tens
     return whole[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
-def whole_step() -> list[dict]:
-    """Milliseconds for the linear layers of one 12-layer step, torch against packed, alternating."""
+def per_weight(peaks: dict) -> list[dict]:
+    print(f"\nGFLOP/s, one thread (% of the dtype's peak: float32 {peaks['f32_gflops']}, "
+          f"bfloat16 {peaks['bf16_gflops']})")
+    print(f"{'weight (out x in)':<30}{'rows':>5}{'torch f32':>10}{'torch bf16':>11}"
+          + "".join(f"{'ours ' + name:>15}" for name in LAYOUTS))
+    rows_out = []
+    for name, (out_features, in_features) in WEIGHTS.items():
+        weight = torch.randn(out_features, in_features) * 0.02
+        half = weight.to(torch.bfloat16)
+        panels = {layout: pack(weight.to(dtype)) for layout, dtype in LAYOUTS.items()}
+        for rows in ROWS:
+            x = torch.randn(rows, in_features)
+            flops = 2 * rows * out_features * in_features / 1e9
+            repeats = REPEATS if rows < 256 else max(3, REPEATS // 5)
+            row = {"weight": name, "out_features": out_features, "in_features": in_features, "rows": rows,
+                   "torch_f32": flops / median_s(lambda: F.linear(x, weight), repeats),
+                   "torch_bf16": flops / median_s(lambda: F.linear(x.to(torch.bfloat16), half), max(1, repeats // 3))}
+            for layout, p in panels.items():
+                row[layout] = flops / median_s(lambda: gemm(x, p, out_features, None), repeats)
+                row[f"{layout}_of_peak"] = row[layout] / peaks["bf16_gflops" if layout == "bf16" else "f32_gflops"]
+            rows_out.append({k: round(v, 3 if k.endswith("peak") else 1) if isinstance(v, float) else v
+                             for k, v in row.items()})
+            print(f"{name + f' ({out_features} x {in_features})':<30}{rows:>5}{row['torch_f32']:>10.1f}"
+                  f"{row['torch_bf16']:>11.1f}"
+                  + "".join(f"{row[layout]:>8.1f} ({row[layout + '_of_peak']:>3.0%})" for layout in LAYOUTS))
+    return rows_out
+
+
+def whole_step(peaks: dict) -> list[dict]:
+    """Milliseconds for the linear layers of one 12-layer step, each layout alternating, and the rate
+    its weights stream at."""
     shapes = [WEIGHTS[f"12-layer {name}"] for name in ("qkv", "o", "gate_up", "down")] * STEP_LAYERS
     shapes.append(WEIGHTS["12-layer lm_head"])
     weights = [torch.randn(out_features, in_features) * 0.02 for out_features, in_features in shapes]
-    panels = [pack(weight) for weight in weights]
     mappings: list[mmap.mmap] = []
-    huge = [on_huge_pages(panel, mappings) for panel in panels]
+    panels = {layout: [on_huge_pages(pack(w.to(dtype)), mappings) for w in weights] for layout, dtype in LAYOUTS.items()}
+    sizes = {layout: sum(p.nbytes for p in ps) for layout, ps in panels.items()}
     rows_out = []
-    print(f"\nlinear layers of a whole {STEP_LAYERS}-layer step (weights from memory), ms")
-    print(f"{'threads':>7}{'rows':>6}{'torch':>9}{'packed':>9}{'huge pages':>12}")
+    print(f"\nlinear layers of a whole {STEP_LAYERS}-layer step (weights from memory, on huge pages), ms, "
+          f"and the weights' rate in GB/s (one thread reads {peaks['read_gb_s']} GB/s)")
+    print(f"{'threads':>7}{'rows':>6}{'torch f32':>11}" + "".join(f"{name:>17}" for name in LAYOUTS))
     for threads in THREADS:
         torch.set_num_threads(threads)
         for rows in STEP_ROWS:
             x = {width: torch.randn(rows, width) for _, width in shapes}
-            calls = {"torch": lambda: [F.linear(x[w.shape[1]], w) for w in weights],
-                     "packed": lambda: [gemm(x[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, panels)],
-                     "packed_huge": lambda: [gemm(x[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, huge)]}
+            calls = {"torch_f32": lambda: [F.linear(x[w.shape[1]], w) for w in weights]}
+            for layout, ps in panels.items():
+                calls[layout] = lambda ps=ps: [gemm(x[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, ps)]
             times = {name: [] for name in calls}
-            for _ in range(max(3, REPEATS // 5)):
+            for _ in range(max(3, REPEATS // 3)):
                 for name, call in calls.items():
                     started = time.perf_counter()
                     call()
                     times[name].append(time.perf_counter() - started)
             row = {"threads": threads, "rows": rows,
                    **{f"{name}_ms": round(1e3 * statistics.median(t), 2) for name, t in times.items()}}
+            for layout in LAYOUTS:
+                row[f"{layout}_gb_s"] = round(sizes[layout] / row[f"{layout}_ms"] / 1e6, 1)
             rows_out.append(row)
-            print(f"{threads:>7}{rows:>6}{row['torch_ms']:>9.2f}{row['packed_ms']:>9.2f}{row['packed_huge_ms']:>12.2f}")
+            print(f"{threads:>7}{rows:>6}{row['torch_f32_ms']:>11.2f}"
+                  + "".join(f"{row[layout + '_ms']:>9.2f} ({row[layout + '_gb_s']:>4.1f})" for layout in LAYOUTS))
     torch.set_num_threads(1)
     return rows_out
 
@@ -98,35 +165,36 @@ def whole_step() -> list[dict]:
 def main() -> None:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
-    if gemm_kernel() is None:
-        sys.exit("no C compiler or no AVX2: the packed kernel cannot be built here")
-    if max(ROWS + STEP_ROWS) > GEMM_MAX_ROWS:
-        sys.exit(f"{max(ROWS + STEP_ROWS)} rows: past the packed kernel's {GEMM_MAX_ROWS}")
-    rows_out = []
-    print(f"{'weight (out x in)':<32}{'rows':>5}{'torch':>8}{'packed':>8}{'unpacked':>10}  GFLOP/s")
-    for name, (out_features, in_features) in WEIGHTS.items():
-        weight = torch.randn(out_features, in_features) * 0.02
-        panels = pack(weight)
-        for rows in ROWS:
-            x = torch.randn(rows, in_features)
-            flops = 2 * rows * out_features * in_features / 1e9
-            row = {"weight": name, "out_features": out_features, "in_features": in_features, "rows": rows,
-                   "torch": flops / median_s(lambda: F.linear(x, weight)),
-                   "packed": flops / median_s(lambda: gemm(x, panels, out_features, None))}
-            if rows <= MAX_ROWS and native_kernel() is not None:
-                row["unpacked"] = flops / median_s(lambda: linear(x, weight))
-            rows_out.append({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
-            unpacked = f"{row['unpacked']:>10.1f}" if "unpacked" in row else f"{'-':>10}"
-            print(f"{name + f' ({out_features} x {in_features})':<32}{rows:>5}{row['torch']:>8.1f}"
-                  f"{row['packed']:>8.1f}{unpacked}")
-    step = whole_step()
+    build = gemm_build()
+    if build is None:
+        sys.exit("no C compiler: the packed kernels cannot be built here")
+    peaks = probe()
+    print(f"kernels: {build.variant} ({build.description}); this core: float32 {peaks['f32_gflops']} GFLOP/s in "
+          f"{peaks['vector_floats']}-float vectors, bfloat16 {peaks['bf16_gflops']} GFLOP/s "
+          f"({'its dot product' if peaks['bf16_native'] else 'widened to float32'}), reads {peaks['read_gb_s']} GB/s")
+    rows = per_weight(peaks)
+    step = whole_step(peaks)
     out_dir = os.environ.get("PAGEDSERVE_BENCH_OUT", os.path.join(os.path.dirname(__file__), "results"))
     os.makedirs(out_dir, exist_ok=True)
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": 1, "repeats": REPEATS,
-              "date": time.strftime("%Y-%m-%d"), "unit": "GFLOP/s", "rows": rows_out,
-              "whole_step": step}
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {cpu_model()}", "cpu_flags": cpu_features(),
+              "kernels": f"{build.variant} ({build.description})", "threads": 1, "repeats": REPEATS,
+              "date": time.strftime("%Y-%m-%d"), "unit": "GFLOP/s", "peak": peaks, "rows": rows, "whole_step": step}
     with open(os.path.join(out_dir, "cpu_linear_bench.json"), "w") as f:
         json.dump(result, f, indent=2)
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_features() -> list[str]:
+    """The flags that choose a kernel build (kernels/native.py)."""
+    wanted = {"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
+    return sorted(native.cpu_flags() & wanted)
 
 
 if __name__ == "__main__":

@@ -36,17 +36,37 @@ static inline const char *block_run(const char *cache, const int32_t *table, int
     return cache + ((int64_t)table[p / block_size] * block_size + offset) * token_bytes;
 }
 
-/* How a cached row holds its values (kernels/kv_quant.py): float32, or head_dim one-byte values
- * (int8, or OCP E4M3 floats) followed by their float32 scale. */
-enum row_kind { ROW_F32, ROW_I8, ROW_F8 };
+/* How a cached row holds its values: float32; bfloat16 or float16 (the model's dtype where it is a
+ * half type); or head_dim one-byte values (int8, or OCP E4M3 floats) followed by their float32
+ * scale (kernels/kv_quant.py). */
+enum row_kind { ROW_F32, ROW_BF16, ROW_F16, ROW_I8, ROW_F8 };
 
-/* One KV head's keys (or values) at `row`: returns the row's scale (1 for float32). */
+static inline int quantized(int kind) { return kind == ROW_I8 || kind == ROW_F8; }
+
+/* The bytes of one KV head's row. */
+static inline int64_t head_row_bytes(int64_t head_dim, int kind)
+{
+    if (quantized(kind))
+        return head_dim + (int64_t)sizeof(float);
+    return head_dim * (kind == ROW_F32 ? 4 : 2);
+}
+
+/* One KV head's keys (or values) at `row`: returns the row's scale (1 where it has none). */
 static inline float head_scale(const char *row, int64_t head_dim, int kind)
 {
     float scale = 1.f;
-    if (kind != ROW_F32)
+    if (quantized(kind))
         memcpy(&scale, row + head_dim, sizeof scale);
     return scale;
+}
+
+/* A bfloat16 value's bits as a float: the upper half of its float32. */
+static inline float bf16_value(uint16_t bits)
+{
+    const uint32_t word = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &word, sizeof value);
+    return value;
 }
 
 /* An E4M3 byte as a float, in operations that vectorize and without float32 subnormals (which
@@ -62,10 +82,10 @@ static inline float fp8_e4m3_value(uint8_t byte)
     return result.value;
 }
 
-#define MAX_DECODED 16384 /* floats of a tile's one-byte rows decoded at once: TILE x num_kv_heads x head_dim at most
+#define MAX_DECODED 16384 /* floats of a tile's half or one-byte rows decoded at once: TILE x num_kv_heads x head_dim at most
                           * (kernels/cpu_attention.py checks) */
 
-/* Every KV head's one-byte values (int8 or E4M3) of one cached token, as floats (scales apart):
+/* Every KV head's values (half types, int8 or E4M3) of one cached token, as floats (scales apart):
  * decoded once for all the query heads and query rows that read them. */
 static inline void decode_token(const char *restrict row, int64_t num_kv_heads, int64_t head_dim,
                                 int64_t head_bytes, float *restrict decoded, const int kind)
@@ -73,7 +93,13 @@ static inline void decode_token(const char *restrict row, int64_t num_kv_heads, 
     for (int64_t h = 0; h < num_kv_heads; h++) {
         const char *bytes = row + h * head_bytes;
         float *values = decoded + h * head_dim;
-        if (kind == ROW_I8)
+        if (kind == ROW_BF16)
+            for (int64_t d = 0; d < head_dim; d++)
+                values[d] = bf16_value(((const uint16_t *)bytes)[d]);
+        else if (kind == ROW_F16)
+            for (int64_t d = 0; d < head_dim; d++)
+                values[d] = (float)((const _Float16 *)bytes)[d];
+        else if (kind == ROW_I8)
             for (int64_t d = 0; d < head_dim; d++)
                 values[d] = (float)((const int8_t *)bytes)[d];
         else
@@ -252,7 +278,7 @@ static inline __attribute__((always_inline)) void attend_range(
 {
     const int64_t group = num_heads / num_kv_heads;
     /* bytes of one KV head's row, and of a cached token: every KV head's row */
-    const int64_t head_bytes = kind != ROW_F32 ? head_dim + (int64_t)sizeof(float) : head_dim * (int64_t)sizeof(float);
+    const int64_t head_bytes = head_row_bytes(head_dim, kind);
     const int64_t token_bytes = num_kv_heads * head_bytes;
     int64_t low[QUERY_BLOCK], high[QUERY_BLOCK];          /* each query's visible positions, inclusive */
     float decoded[kind != ROW_F32 ? MAX_DECODED : 1];
@@ -376,7 +402,28 @@ void paged_attention_f32(
     ATTEND_SPECIALIZED(ROW_F32)
 }
 
-/* The same over an int8 cache: each KV head's row is head_dim int8 values and their float32 scale. */
+/* The same over a bfloat16 cache, and over a float16 one: each KV head's row is head_dim such values. */
+void paged_attention_bf16(
+    const float *query, int64_t query_stride, const uint16_t *key_cache, const uint16_t *value_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *query_start, const int32_t *context_lens,
+    const int64_t *bounds, int64_t chunks, int64_t *counters, int64_t wait, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float *scores,
+    float *out)
+{
+    ATTEND_SPECIALIZED(ROW_BF16)
+}
+
+void paged_attention_f16(
+    const float *query, int64_t query_stride, const uint16_t *key_cache, const uint16_t *value_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *query_start, const int32_t *context_lens,
+    const int64_t *bounds, int64_t chunks, int64_t *counters, int64_t wait, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float *scores,
+    float *out)
+{
+    ATTEND_SPECIALIZED(ROW_F16)
+}
+
+/* And over an int8 cache: each KV head's row is head_dim int8 values and their float32 scale. */
 void paged_attention_i8(
     const float *query, int64_t query_stride, const int8_t *key_cache, const int8_t *value_cache,
     const int32_t *block_tables, int64_t table_stride, const int32_t *query_start, const int32_t *context_lens,
@@ -400,8 +447,10 @@ void paged_attention_f8(
 #undef ATTEND
 #undef ATTEND_SPECIALIZED
 
-/* The argument types of paged_attention_f32, _i8 and _f8, as kernels/native.py checks them before
- * any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
+/* The argument types of paged_attention_f32, _bf16, _f16, _i8 and _f8, as kernels/native.py checks them
+ * before any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
 const char *paged_attention_f32_signature(void) { return "pipppipppipiiiiifipp:v"; }
+const char *paged_attention_bf16_signature(void) { return "pipppipppipiiiiifipp:v"; }
+const char *paged_attention_f16_signature(void) { return "pipppipppipiiiiifipp:v"; }
 const char *paged_attention_i8_signature(void) { return "pipppipppipiiiiifipp:v"; }
 const char *paged_attention_f8_signature(void) { return "pipppipppipiiiiifipp:v"; }

@@ -1,8 +1,8 @@
 """Paged attention for the CPU.
 
-`paged_attention_native` runs the C kernel of `cpu_attention.c` over the whole step, its
-sequences in chunks of about equal work that the threads sharing the call claim in turn
-(`native.share`). Where it cannot be compiled, or for dtypes other than float32,
+`paged_attention_native` runs the C kernel of `cpu_attention.c` over the whole step (float32
+queries, a cache of float32, a half type, int8 or E4M3), its sequences in chunks of about equal
+work that the threads sharing the call claim in turn (`native.share`). Where it cannot be compiled,
 `paged_attention_torch` serves a whole step in a few vectorized calls per layer: decode sequences (one query each) go together: their blocks are gathered into one padded
 `[seqs, context, kv_heads, head_dim]` workspace with `index_select`, and a single masked
 `scaled_dot_product_attention` (grouped-query aware) serves them all. Sequences with several
@@ -53,14 +53,16 @@ def paged_attention_cpu(query, key_cache, value_cache, batch: PagedBatch, scale:
 
 @functools.cache
 def native_kernel(symbol: str = "paged_attention_f32"):
-    """The C kernel over a float32 cache, or with "paged_attention_i8" (or "_f8") over an int8 (or E4M3) one."""
+    """The C kernel over a float32 cache, or with "paged_attention_bf16" (or "_f16", "_i8", "_f8") over a
+    bfloat16 (or float16, int8, E4M3) one."""
     p, i = native.POINTER, native.INT64
     return native.function("cpu_attention", symbol,
                            [p, i, p, p, p, i, p, p, p, i, p, i, i, i, i, i, native.FLOAT, i, p, p], None)
 
 
-MAX_DECODED, TILE = 16384, 16  # cpu_attention.c decodes a tile of TILE cached tokens' one-byte rows into this many floats
-SYMBOLS = {torch.float32: "paged_attention_f32", torch.int8: "paged_attention_i8",
+MAX_DECODED, TILE = 16384, 16  # cpu_attention.c decodes a tile of TILE cached tokens' rows into this many floats
+SYMBOLS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16",
+           torch.float16: "paged_attention_f16", torch.int8: "paged_attention_i8",
            torch.uint8: "paged_attention_f8"}  # uint8: E4M3 rows (kernels/kv_quant.py)
 
 
@@ -71,9 +73,9 @@ def _symbol(key_cache: torch.Tensor) -> str:
 def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     if key_cache.dtype not in SYMBOLS:
         return False
-    quantized = key_cache.dtype != torch.float32
+    quantized = key_cache.dtype in (torch.int8, torch.uint8)
     row = query.shape[2] + (SCALE_BYTES if quantized else 0)  # a quantized row ends in its scale
-    if quantized and TILE * key_cache.shape[2] * query.shape[2] > MAX_DECODED:
+    if key_cache.dtype != torch.float32 and TILE * key_cache.shape[2] * query.shape[2] > MAX_DECODED:
         return False
     return (query.device.type == "cpu" and query.dtype == torch.float32
             and key_cache.dtype == value_cache.dtype

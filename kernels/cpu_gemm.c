@@ -1,138 +1,321 @@
-/* y = x W^T (+ b) for a batch of rows: the matmuls of a decode step, where torch's BLAS runs this
- * AMD CPU at a fraction of its speed (docs/kernels.md).
+/* y = x W^T (+ b) for a batch of rows, W packed once when the model loads: the linear layers of
+ * every step on a CPU, from one row (a decode at concurrency 1) to a prompt's thousands.
  *
- * The weights are packed once, when the model loads, into panels of 16 output columns: panel p
- * holds W[16p .. 16p+15][k] for every k, as K rows of 16 floats (zeros past N). A panel streams
- * from memory in one run and stays in the second-level cache while every tile of rows passes over
- * it. A tile is up to 6 rows of x against one panel: 12 vector accumulators (6 rows x 2 vectors of
- * 8), and for each k two loads of the panel, six broadcasts of x and twelve fused multiply-adds,
- * so the multiply-add units, not the loads, set the pace. Each k row of a panel is one cache line,
- * and every tile prefetches the next panel's line k into the second-level cache: the reads from
- * memory spread over all the passes of a panel, not bunched into its first (a decode step of 16
- * rows took 15-20 % less time, docs/kernels.md). One or two rows are bound by the reads alone, and
- * there the hardware's own prefetch streams the panels faster without ours (docs/kernels.md).
+ * W is packed into panels of NR output columns (two vectors of the build's width: 16 columns with
+ * AVX2, 32 with AVX-512). A panel holds its columns for every k, in one of three formats:
+ *   float32:  [K][NR] floats;
+ *   float16:  [K][NR] halves, widened to floats in registers as they are read;
+ *   bfloat16: [ceil(K / 2)][NR] pairs, each 32 bits holding W[n][k] (low half) and W[n][k + 1] (high
+ *             half): the layout of the AVX512-BF16 dot product, which multiplies such pairs by pairs
+ *             of x and adds both products into a float32 lane. Without it a pair becomes two float
+ *             vectors with one shift and one mask, and x stays float32.
+ * A tile is up to MR rows of x against one panel, in 2 x MR vector accumulators, so the multiply-
+ * add units and not the loads set the pace. A panel streams from memory in one run and stays in the
+ * second-level cache while every tile of rows passes over it, and each tile prefetches the next
+ * panel into that cache: the reads from memory spread over all the passes of a panel, not bunched
+ * into its first. One or two rows are bound by the reads alone, and there the hardware's own
+ * prefetch streams the panels faster without ours (docs/kernels.md). Blocking K as well, so that a
+ * panel's block would stay in the first-level cache, was slower on the shapes measured.
  *
- * x: [M, K] with rows x_stride floats apart; panels: [ceil(N / 16), K, 16]; y: [M, N] with rows
- * y_stride apart; bias: [N] or NULL. Threads share a call by claiming its chunks of
- * panels_per_chunk panels (claims.h); the caller, wait != 0, returns once every chunk is done.
- * Returns -1, with nothing done, without AVX2 and FMA. Sums run in float32, over k in order.
+ * x: [M, K] floats with rows x_stride apart (bfloat16 rows of even length where
+ * gemm_bf16_reads_bf16_rows() says so); y: [M, N] with rows y_stride apart; bias: [N] or NULL.
+ * Threads share a call by claiming its chunks of panels_per_chunk panels (claims.h); the caller,
+ * wait != 0, returns once every chunk is done. Sums run in float32.
+ *
+ * Written with GCC's vector extensions, so one source serves every instruction set the package
+ * builds (kernels/native.py): GEMM_VEC floats a vector (16 where AVX-512 is built in, else 8; a
+ * build may set it, and a width the machine lacks is carried out in halves, which the tests use
+ * to run the AVX-512 layout on an AVX2 machine), and GEMM_BF16_DOT_EMULATED has the bfloat16
+ * format take bfloat16 rows as the dot product does, computed without it.
  */
 #include <stdint.h>
+#include <string.h>
 
 #include "claims.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+
+#ifndef GEMM_VEC
+#ifdef __AVX512F__
+#define GEMM_VEC 16
+#else
+#define GEMM_VEC 8
+#endif
+#endif
+
+#if defined(__AVX512BF16__) && GEMM_VEC == 16
+#define BF16_DOT 1 /* the instruction */
+#elif defined(GEMM_BF16_DOT_EMULATED)
+#define BF16_DOT 2 /* its arithmetic, in plain multiply-adds */
+#else
+#define BF16_DOT 0
+#endif
+#if BF16_DOT == 2
+#define BF16_NOTE ", bfloat16 rows as by the dot product"
+#else
+#define BF16_NOTE ""
+#endif
+
+/* Without a vector unit as wide as these vectors, GCC's note that passing one changes the ABI says
+ * nothing: none crosses a call (every such function is inlined). */
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 #define MR 6
-#define NR 16
+#define NR (2 * GEMM_VEC)
+#define MC 48 /* rows per block: their x stays in the second-level cache while the block passes a panel */
 #define PREFETCH_MIN_ROWS 3
 
-/* The tile's sums, plus the bias, into y: whole vectors for a full panel, through a row buffer for
- * the last, partial one. */
-static inline __attribute__((always_inline)) void store_row(__m256 a, __m256 b, const float *bias, float *y,
-                                                            int64_t cols)
+enum weight_kind { W_F32, W_F16, W_BF16 };
+
+typedef float vf __attribute__((vector_size(4 * GEMM_VEC)));
+typedef uint32_t vu __attribute__((vector_size(4 * GEMM_VEC)));
+typedef float vf_unaligned __attribute__((vector_size(4 * GEMM_VEC), aligned(4)));
+typedef uint32_t vu_unaligned __attribute__((vector_size(4 * GEMM_VEC), aligned(4)));
+
+static inline __attribute__((always_inline)) vf load_floats(const float *p) { return *(const vf_unaligned *)p; }
+static inline __attribute__((always_inline)) vu load_words(const void *p) { return *(const vu_unaligned *)p; }
+static inline __attribute__((always_inline)) vf splat(float s) { return (vf){0} + s; }
+static inline __attribute__((always_inline)) vf as_floats(vu bits) { return (vf)bits; }
+
+/* GEMM_VEC float16 values as floats: F16C's conversion where the build has it, else the bits moved
+ * into float32's fields (normal numbers rebiased 15 -> 127, subnormals as mantissa x 2^-24). */
+static inline __attribute__((always_inline)) vf halves_to_floats(const uint16_t *p)
+{
+#if GEMM_VEC == 16 && defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    vf out;
+    for (int part = 0; part < GEMM_VEC / 8; part++) {
+        const __m256 eight = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8 * part)));
+        memcpy((float *)&out + 8 * part, &eight, sizeof eight);
+    }
+    return out;
+#else
+    vu h;
+    for (int i = 0; i < GEMM_VEC; i++)
+        h[i] = p[i];
+    const vu exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, sign = (h & 0x8000) << 16;
+    const vu normal = ((exponent + 112) << 23) | (mantissa << 13);
+    const vu special = 0x7f800000u | (mantissa << 13); /* infinities and NaNs */
+    const vf subnormal = __builtin_convertvector(mantissa, vf) * 0x1p-24f;
+    const vu is_normal = (exponent != 0) & (exponent != 31), is_special = exponent == 31;
+    const vu bits = (normal & is_normal) | (special & is_special) | ((vu)subnormal & ~(is_normal | is_special));
+    return as_floats(bits | sign);
+#endif
+}
+
+/* acc + the products of the bfloat16 pairs in `x_pair` (broadcast) and in each lane of `w`. */
+static inline __attribute__((always_inline)) vf dot_pairs(vf acc, uint32_t x_pair, vu w)
+{
+#if BF16_DOT == 1
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)(__m512i)((vu){0} + x_pair), (__m512bh)(__m512i)w);
+#else
+    const vu x = (vu){0} + x_pair;
+    return acc + as_floats(x << 16) * as_floats(w << 16) + as_floats(x & 0xffff0000u) * as_floats(w & 0xffff0000u);
+#endif
+}
+
+/* Row r's sums, plus the bias, into y: whole vectors for a full panel, through a row buffer for the
+ * last, partial one. */
+static inline __attribute__((always_inline)) void store_row(vf a, vf b, const float *bias, float *y, int64_t cols)
 {
     if (cols == NR) {
         if (bias) {
-            a = _mm256_add_ps(a, _mm256_loadu_ps(bias));
-            b = _mm256_add_ps(b, _mm256_loadu_ps(bias + 8));
+            a += load_floats(bias);
+            b += load_floats(bias + GEMM_VEC);
         }
-        _mm256_storeu_ps(y, a);
-        _mm256_storeu_ps(y + 8, b);
+        *(vf_unaligned *)y = a;
+        *(vf_unaligned *)(y + GEMM_VEC) = b;
         return;
     }
     float row[NR];
-    _mm256_storeu_ps(row, a);
-    _mm256_storeu_ps(row + 8, b);
+    memcpy(row, &a, sizeof a);
+    memcpy(row + GEMM_VEC, &b, sizeof b);
     for (int64_t c = 0; c < cols; c++)
         y[c] = row[c] + (bias ? bias[c] : 0.0f);
 }
 
-/* The accumulators are locals of the tile, stored by it: nothing takes their address, so they stay
- * in registers for the whole k loop. */
-#define TILE(ROWS)                                                                                       \
-    static void tile_##ROWS(const float *x, int64_t x_stride, const float *panel, int64_t K,              \
-                            const float *bias, float *y, int64_t y_stride, int64_t cols, const float *ahead) \
-    {                                                                                                    \
-        __m256 acc0[ROWS], acc1[ROWS];                                                                   \
-        _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++)                                           \
-            acc0[r] = acc1[r] = _mm256_setzero_ps();                                                     \
-        for (int64_t k = 0; k < K; k++) {                                                                \
-            if (ahead)                                                                                   \
-                _mm_prefetch((const char *)(ahead + k * NR), _MM_HINT_T1);                               \
-            const __m256 w0 = _mm256_loadu_ps(panel + k * NR), w1 = _mm256_loadu_ps(panel + k * NR + 8); \
-            _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++) {                                     \
-                const __m256 v = _mm256_broadcast_ss(x + r * x_stride + k);                              \
-                acc0[r] = _mm256_fmadd_ps(v, w0, acc0[r]);                                               \
-                acc1[r] = _mm256_fmadd_ps(v, w1, acc1[r]);                                               \
-            }                                                                                            \
-        }                                                                                                \
-        _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++)                                           \
-            store_row(acc0[r], acc1[r], bias, y + r * y_stride, cols);                                   \
+/* `rows` rows of x against one panel, over its kc values of k. The accumulators are locals that nothing takes the address of, so they stay in registers
+ * for the whole block. */
+static inline __attribute__((always_inline)) void tile(
+    const int rows, const int kind, const char *x, int64_t x_stride, const char *w, int64_t kc,
+    const float *bias, float *y, int64_t y_stride, int64_t cols, const char *ahead)
+{
+    vf acc0[MR], acc1[MR];
+    for (int r = 0; r < rows; r++)
+        acc0[r] = acc1[r] = (vf){0};
+    if (kind == W_BF16 && BF16_DOT) {
+        const uint32_t *xw = (const uint32_t *)x; /* bfloat16 rows: x_stride counts bfloat16 values */
+        for (int64_t p = 0; p < kc / 2; p++) {
+            if (ahead)
+                __builtin_prefetch(ahead + p * NR * 4, 0, 2);
+            const vu w0 = load_words(w + p * NR * 4), w1 = load_words(w + p * NR * 4 + 4 * GEMM_VEC);
+            for (int r = 0; r < rows; r++) {
+                const uint32_t pair = xw[r * x_stride / 2 + p];
+                acc0[r] = dot_pairs(acc0[r], pair, w0);
+                acc1[r] = dot_pairs(acc1[r], pair, w1);
+            }
+        }
+    } else if (kind == W_BF16) {
+        const float *xf = (const float *)x;
+        for (int64_t p = 0; 2 * p < kc; p++) {
+            if (ahead)
+                __builtin_prefetch(ahead + p * NR * 4, 0, 2);
+            const vu w0 = load_words(w + p * NR * 4), w1 = load_words(w + p * NR * 4 + 4 * GEMM_VEC);
+            const vf low0 = as_floats(w0 << 16), low1 = as_floats(w1 << 16);
+            for (int r = 0; r < rows; r++) {
+                const vf v = splat(xf[r * x_stride + 2 * p]);
+                acc0[r] += v * low0;
+                acc1[r] += v * low1;
+            }
+            if (2 * p + 1 == kc)
+                break; /* an odd K's last pair holds one weight and a zero */
+            /* The pairs read again rather than held (six rows leave sixteen registers no room): an
+             * address the compiler cannot see through keeps it from reusing the first reads. */
+            const char *again = w + p * NR * 4;
+            __asm__("" : "+r"(again));
+            const vf high0 = as_floats(load_words(again) & 0xffff0000u);
+            const vf high1 = as_floats(load_words(again + 4 * GEMM_VEC) & 0xffff0000u);
+            for (int r = 0; r < rows; r++) {
+                const vf v = splat(xf[r * x_stride + 2 * p + 1]);
+                acc0[r] += v * high0;
+                acc1[r] += v * high1;
+            }
+        }
+    } else {
+        const float *xf = (const float *)x;
+        const int64_t row_bytes = NR * (kind == W_F16 ? 2 : 4);
+        for (int64_t k = 0; k < kc; k++) {
+            if (ahead)
+                __builtin_prefetch(ahead + k * row_bytes, 0, 2);
+            vf w0, w1;
+            if (kind == W_F16) {
+                w0 = halves_to_floats((const uint16_t *)(w + k * row_bytes));
+                w1 = halves_to_floats((const uint16_t *)(w + k * row_bytes) + GEMM_VEC);
+            } else {
+                w0 = load_floats((const float *)(w + k * row_bytes));
+                w1 = load_floats((const float *)(w + k * row_bytes) + GEMM_VEC);
+            }
+            for (int r = 0; r < rows; r++) {
+                const vf v = splat(xf[r * x_stride + k]);
+                acc0[r] += v * w0;
+                acc1[r] += v * w1;
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        store_row(acc0[r], acc1[r], bias, y + r * y_stride, cols);
+}
+
+#define TILES(KIND)                                                                                     \
+    switch (rows) {                                                                                     \
+    case 6: tile(6, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead); break;   \
+    case 5: tile(5, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead); break;   \
+    case 4: tile(4, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead); break;   \
+    case 3: tile(3, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead); break;   \
+    case 2: tile(2, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead); break;   \
+    default: tile(1, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead);         \
     }
 
-TILE(1)
-TILE(2)
-TILE(3)
-TILE(4)
-TILE(5)
-TILE(6)
-
-static void gemm_panels(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
-                        int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t first_panel, int64_t last_panel)
+static void tile_of(const int kind, int rows, const char *xm, int64_t x_stride, const char *w, int64_t kc,
+                    const float *bias, float *ym, int64_t y_stride, int64_t cols, const char *ahead)
 {
+    switch (kind) {
+    case W_F32: TILES(W_F32) break;
+    case W_F16: TILES(W_F16) break;
+    default: TILES(W_BF16)
+    }
+}
+#undef TILES
+
+/* The bytes of one panel of K values of k. */
+static inline int64_t panel_bytes(int kind, int64_t K)
+{
+    return kind == W_BF16 ? (K + 1) / 2 * NR * 4 : K * NR * (kind == W_F16 ? 2 : 4);
+}
+
+static void gemm_panels(const int kind, const char *x, int64_t x_stride, const char *panels, const float *bias,
+                        float *y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t first_panel,
+                        int64_t last_panel)
+{
+    const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, whole_panel = panel_bytes(kind, K);
     for (int64_t p = first_panel; p < last_panel; p++) {
         const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
-        const float *b = bias ? bias + n : 0;
-        const float *panel = panels + p * K * NR;
+        const char *w = panels + p * whole_panel;
         /* The next panel, past the last one too (a prefetch never faults); none for a row or two. */
-        const float *next = M >= PREFETCH_MIN_ROWS ? panel + K * NR : 0;
-        /* Rows in chunks whose x stays in the second-level cache while the chunk passes. */
-        for (int64_t m0 = 0; m0 < M; m0 += 48) {
-            const int64_t m_end = m0 + 48 < M ? m0 + 48 : M;
+        const char *next = M >= PREFETCH_MIN_ROWS ? w + whole_panel : 0;
+        /* Rows in blocks whose x stays in the second-level cache while the block passes. */
+        for (int64_t m0 = 0; m0 < M; m0 += MC) {
+            const int64_t m_end = m0 + MC < M ? m0 + MC : M;
             for (int64_t m = m0; m < m_end; m += MR) {
                 const int rows = m_end - m < MR ? (int)(m_end - m) : MR;
-                const float *xm = x + m * x_stride;
-                float *ym = y + m * y_stride + n;
-                switch (rows) {
-                case 6: tile_6(xm, x_stride, panel, K, b, ym, y_stride, cols, next); break;
-                case 5: tile_5(xm, x_stride, panel, K, b, ym, y_stride, cols, next); break;
-                case 4: tile_4(xm, x_stride, panel, K, b, ym, y_stride, cols, next); break;
-                case 3: tile_3(xm, x_stride, panel, K, b, ym, y_stride, cols, next); break;
-                case 2: tile_2(xm, x_stride, panel, K, b, ym, y_stride, cols, next); break;
-                default: tile_1(xm, x_stride, panel, K, b, ym, y_stride, cols, next);
-                }
+                tile_of(kind, rows, x + m * x_stride * x_element, x_stride, w, K, bias ? bias + n : 0,
+                        y + m * y_stride + n, y_stride, cols, next);
             }
         }
     }
 }
 
-int64_t gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
-                 int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t panels_per_chunk, int64_t *counters,
-                 int64_t wait)
+static int64_t gemm(const int kind, const void *x, int64_t x_stride, const void *panels, const float *bias, float *y,
+                    int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t panels_per_chunk, int64_t *counters,
+                    int64_t wait)
 {
     const int64_t count = (N + NR - 1) / NR, chunks = (count + panels_per_chunk - 1) / panels_per_chunk;
     for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
         const int64_t first = c * panels_per_chunk, last = first + panels_per_chunk < count ? first + panels_per_chunk : count;
-        gemm_panels(x, x_stride, panels, bias, y, y_stride, M, N, K, first, last);
+        gemm_panels(kind, (const char *)x, x_stride, (const char *)panels, bias, y, y_stride, M, N, K, first, last);
     }
     if (wait)
         wait_for_chunks(counters, chunks);
     return 0;
 }
 
-#else
-
 int64_t gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
                  int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t panels_per_chunk, int64_t *counters,
                  int64_t wait)
 {
-    return -1; /* no vector unit to beat the BLAS with: the caller uses torch */
+    return gemm(W_F32, x, x_stride, panels, bias, y, y_stride, M, N, K, panels_per_chunk, counters, wait);
 }
 
-#endif
+int64_t gemm_f16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias, float *y,
+                 int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t panels_per_chunk, int64_t *counters,
+                 int64_t wait)
+{
+    return gemm(W_F16, x, x_stride, panels, bias, y, y_stride, M, N, K, panels_per_chunk, counters, wait);
+}
 
-/* The argument types of gemm_f32, as kernels/native.py checks them before any call: p a pointer,
- * i an int64_t, f a float; after the colon the result (v: none). */
+int64_t gemm_bf16(const void *x, int64_t x_stride, const uint32_t *panels, const float *bias, float *y,
+                  int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t panels_per_chunk, int64_t *counters,
+                  int64_t wait)
+{
+    return gemm(W_BF16, x, x_stride, panels, bias, y, y_stride, M, N, K, panels_per_chunk, counters, wait);
+}
+
+/* What the caller must know of this build: the panels' width in columns, whether gemm_bf16 takes
+ * bfloat16 rows of x (of even length, an odd K's last padded with a zero), and how it multiplies. */
+int64_t gemm_panel_width(void) { return NR; }
+int64_t gemm_bf16_reads_bf16_rows(void) { return BF16_DOT != 0; }
+const char *gemm_description(void)
+{
+#if BF16_DOT == 1
+    return "AVX-512, bfloat16 by its dot product";
+#elif GEMM_VEC == 16 && defined(__AVX512F__)
+    return "AVX-512";
+#elif GEMM_VEC == 16
+    return "the AVX-512 layout in narrower vectors" BF16_NOTE;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "AVX2 and FMA" BF16_NOTE;
+#else
+    return "portable vectors" BF16_NOTE;
+#endif
+}
+
+/* The argument types of the gemm_* functions, as kernels/native.py checks them before any call: p a
+ * pointer, i an int64_t, f a float; after the colon the result (v: none). */
 const char *gemm_f32_signature(void) { return "pipppiiiiipi:i"; }
+const char *gemm_f16_signature(void) { return "pipppiiiiipi:i"; }
+const char *gemm_bf16_signature(void) { return "pipppiiiiipi:i"; }
+const char *gemm_panel_width_signature(void) { return ":i"; }
+const char *gemm_bf16_reads_bf16_rows_signature(void) { return ":i"; }

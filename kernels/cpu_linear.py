@@ -1,22 +1,20 @@
-"""Linear layers on a CPU, in float32: compiled kernels where torch's BLAS (MKL) is slow on this AMD
-CPU, torch's own elsewhere (another dtype or device, no AVX2, no compiler). docs/kernels.md has
-the measurements.
+"""Linear layers on a CPU: the packed kernels of `cpu_gemm.c`, where torch's own are slow (its BLAS on
+AMD CPUs, and any bfloat16 or float16 weight on a CPU without their instructions; docs/kernels.md).
 
-- `cpu_gemm.c` serves up to `GEMM_MAX_ROWS` rows (every decode step and verification, and
-  prompts up to a step's default token budget) against weights packed into panels when the model
-  loads (`pack_weights`), its chunks of panels claimed by the threads that share the call
-  (`native.share`).
-- `cpu_linear.c` serves up to `MAX_ROWS` rows of an unpacked weight (the TP shards' projections
-  that take their weight directly).
+Weights are packed into panels when the model loads (`pack`), in the layout of the build that runs
+(`GemmBuild`: its panel width, and whether bfloat16 weights meet bfloat16 rows of x in the AVX512-BF16
+dot product or float32 rows converted in registers). x and y are float32 in every format, so only the
+weights' bytes change with the dtype. A call's panels are shared by the threads (`native.share_units`).
 
 `Linear` is `nn.Linear` with that dispatch: the models build their projections from it, so a
 checkpoint loads into it as into `nn.Linear`. Its `weight` stays as loaded; the panels are a
-second copy of it, made only where the kernel runs.
+second copy of it, made only where a kernel runs.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,81 +22,118 @@ from torch import nn
 
 from kernels import native
 
-MAX_ROWS = 6  # the unpacked kernel: past this the BLAS is about as fast per row
-GEMM_MAX_ROWS = 2048  # the packed kernel: faster than MKL up to here, the most rows measured
-PANEL = 16  # output columns per packed panel (cpu_gemm.c)
 SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth sharing between threads
 SPLIT_ROWS = 4  # nor below this many rows, where reading the weight bounds it, unless the weight is larger
-SPLIT_WEIGHT = 1 << 20  # than this many parameters: then a second core reads it faster (docs/kernels.md)
+SPLIT_BYTES = 4 << 20  # than this: then a second core reads it faster (docs/kernels.md)
 CHUNKS_PER_THREAD = 8  # a shared call's panels come in this many chunks per thread, claimed in turn
+SYMBOLS = {torch.float32: "gemm_f32", torch.float16: "gemm_f16", torch.bfloat16: "gemm_bf16"}
+
+
+@dataclass(frozen=True, slots=True)
+class GemmBuild:
+    """One build of cpu_gemm.c: its kernel per weight dtype and what packing and calling them needs."""
+
+    kernels: dict[torch.dtype, object]
+    panel_width: int
+    bf16_rows: bool  # bfloat16 weights take x rounded to bfloat16 (the dot product), not float32
+    description: str
+    variant: str
 
 
 @functools.cache
-def native_kernel():
+def gemm_build(variant: str | None = None) -> GemmBuild | None:
+    """The build that runs here (or `variant`'s), None where none loads."""
     p, i = native.POINTER, native.INT64
-    return native.function("cpu_linear", "linear_f32", [p, i, p, p, p, i, i, i, i], i)
+    kernels = {dtype: native.function("cpu_gemm", symbol, [p, i, p, p, p, i, i, i, i, i, p, i], i, variant=variant)
+               for dtype, symbol in SYMBOLS.items()}
+    width = native.function("cpu_gemm", "gemm_panel_width", [], i, variant=variant)
+    bf16_rows = native.function("cpu_gemm", "gemm_bf16_reads_bf16_rows", [], i, variant=variant)
+    if width is None or bf16_rows is None or None in kernels.values():
+        return None
+    library = native.load("cpu_gemm", variant)
+    library.gemm_description.restype = native.ctypes.c_char_p
+    return GemmBuild(kernels, width(), bool(bf16_rows()), library.gemm_description().decode(),
+                     native.variant_of(library))
 
 
-@functools.cache
-def gemm_kernel():
-    p, i = native.POINTER, native.INT64
-    return native.function("cpu_gemm", "gemm_f32", [p, i, p, p, p, i, i, i, i, i, p, i], i)
+def packs(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` run in a compiled kernel here."""
+    return dtype in SYMBOLS and gemm_build() is not None
+
+
+def pack(weight: torch.Tensor, build: GemmBuild | None = None) -> torch.Tensor:
+    """`weight` [N, K] as panels of the build's width: [panels, K, width] for float32 and float16 (row k
+    of panel p holds W[width p .. width p + width - 1][k]); for bfloat16 [panels, ceil(K / 2), width, 2],
+    each column's k and k + 1 side by side (cpu_gemm.c)."""
+    build = build or gemm_build()
+    n, k = weight.shape
+    width = build.panel_width
+    panels = -(-n // width)
+    pairs = weight.dtype is torch.bfloat16
+    padded = torch.zeros(panels * width, k + (k % 2 if pairs else 0), dtype=weight.dtype)
+    padded[:n, :k] = weight
+    columns = padded.view(panels, width, -1).transpose(1, 2)  # [panels, K, width]
+    if pairs:
+        return columns.reshape(panels, -1, 2, width).transpose(2, 3).contiguous()
+    return columns.contiguous()
+
+
+def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+         build: GemmBuild | None = None) -> torch.Tensor | None:
+    """`x W^T + b` from W's panels, x and the result float32; None where the kernel does not apply."""
+    build = build or gemm_build()
+    if build is None or x.stride(1) != 1 or x.dtype is not torch.float32 or torch.is_grad_enabled():
+        return None
+    if panels.dtype is torch.bfloat16 and build.bf16_rows:
+        x = bf16_rows(x)
+    rows, width = x.shape
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    split = (rows >= SPLIT_ROWS and rows * out_features * width >= SPLIT_MACS) or panels.nbytes >= SPLIT_BYTES
+    args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            out.data_ptr(), out_features, rows, out_features, width)
+    done = native.share_units(build.kernels[panels.dtype], args, panels.shape[0], split, CHUNKS_PER_THREAD)
+    return out if done == 0 else None
+
+
+def bf16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bfloat16, its rows padded with a zero to an even length (the dot product takes pairs)."""
+    rows, width = x.shape
+    if width % 2 == 0:
+        return x.to(torch.bfloat16)
+    padded = torch.zeros(rows, width + 1, dtype=torch.bfloat16)
+    padded[:, :width] = x
+    return padded
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`."""
-    rows = x.shape[0]
-    if (rows <= MAX_ROWS and x.dim() == 2
-            and x.dtype is torch.float32 and weight.dtype is torch.float32 and not x.is_cuda and x.stride(1) == 1
-            and weight.is_contiguous() and not torch.is_grad_enabled() and (kernel := native_kernel()) is not None
-            and (bias is None or bias.is_contiguous())):
-        out = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
-        if kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                  out.data_ptr(), out.stride(0), rows, weight.shape[0], x.shape[1]) == 0:
-            return out
+    """`F.linear` in x's dtype, whatever the weight's."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
     return F.linear(x, weight, bias)
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] as panels [ceil(N / 16), K, 16]: panel p, row k holds W[16p .. 16p+15][k]."""
-    n, k = weight.shape
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
-    padded[:n] = weight
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
-
-
-def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """`x W^T + b` from W's panels; None where the kernel does not apply."""
-    rows, width = x.shape
-    kernel = gemm_kernel()
-    if kernel is None or rows > GEMM_MAX_ROWS or x.stride(1) != 1 or torch.is_grad_enabled():
-        return None
-    out = torch.empty((rows, out_features), dtype=torch.float32)
-    macs = rows * out_features * width
-    split = (rows >= SPLIT_ROWS and macs >= SPLIT_MACS) or out_features * width >= SPLIT_WEIGHT
-    args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-            out.data_ptr(), out_features, rows, out_features, width)
-    done = native.share_units(kernel, args, panels.shape[0], split, CHUNKS_PER_THREAD)
-    return out if done == 0 else None
 
 
 class Linear(nn.Linear):
     panels: torch.Tensor | None = None
 
     def pack(self) -> None:
-        """Pack the weight for `cpu_gemm.c`, where it will run: float32 on a CPU, kernel at hand."""
+        """Pack the weight for `cpu_gemm.c`, where it will run: a CPU, a kernel for its dtype at hand."""
         weight = self.weight
-        if (weight.dtype is torch.float32 and weight.device.type == "cpu" and gemm_kernel() is not None
-                and (self.bias is None or self.bias.is_contiguous())):
+        if (weight.device.type == "cpu" and packs(weight.dtype)
+                and (self.bias is None or (self.bias.is_contiguous() and self.bias.dtype is torch.float32))):
             self.panels = pack(weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and x.dim() == 2 and x.dtype is torch.float32:
-            out = gemm(x, self.panels, self.out_features, self.bias)
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x W^T`, plus `bias` where given (the row-parallel projections of tensor parallelism add
+        theirs after the all-reduce)."""
+        if self.panels is not None and x.dim() == 2:
+            out = gemm(x, self.panels, self.out_features, bias)
             if out is not None:
                 return out
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, bias)
 
 
 def pack_weights(model: nn.Module) -> None:

@@ -6,7 +6,8 @@ an image built on one host runs on another and needs no compiler. A source tree,
 with no variant for this CPU, is compiled for this CPU (`-march=native`) on first use into a
 private cache directory, named by a digest of the source, the flags, the compiler and the CPU,
 so a changed source or a different machine gets a fresh build. With neither, `load` returns
-None and callers use torch.
+None and callers use torch. PAGEDSERVE_CPU_KERNELS=<variant> runs one variant's build instead (the
+tests run each one this CPU can, against the portable one).
 """
 
 from __future__ import annotations
@@ -34,27 +35,58 @@ FLAG_SETS = (  # the vector math library where glibc has one; plain -lm elsewher
 )
 LIBRARIES = (["-lmvec", "-lm"], ["-lm"])
 PREBUILT = SOURCES / "prebuilt"
-# Prebuilt variants, best first, with the CPU flags each needs. The portable cpu_gemm and
-# cpu_linear hold no vector code: they decline every call, and torch does the work.
+_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+# Prebuilt variants, best first, with the CPU flags each needs (as /proc/cpuinfo names them).
 VARIANTS = {
-    "x86-64-v3": (["-O3", "-march=x86-64-v3", "-ffast-math", "-fopenmp-simd", "-fPIC"], {"avx2", "fma"}),
+    "x86-64-v4-bf16": (["-O3", "-march=x86-64-v4", "-mavx512bf16", "-ffast-math", "-fopenmp-simd", "-fPIC"],
+                       _AVX512 | {"avx512_bf16"}),
+    "x86-64-v4": (["-O3", "-march=x86-64-v4", "-ffast-math", "-fopenmp-simd", "-fPIC"], _AVX512),
+    "x86-64-v3": (["-O3", "-march=x86-64-v3", "-ffast-math", "-fopenmp-simd", "-fPIC"], {"avx2", "fma", "f16c"}),
     "portable": (["-O3", "-ffast-math", "-fPIC"], set()),
 }
-_loaded: dict[str, ctypes.CDLL | None] = {}
+# Builds for the tests only: the AVX-512 kernels' layout, and the arithmetic of the bfloat16 dot
+# product, in AVX2 code, so that a machine without AVX-512 runs them against the others.
+EMULATED = {
+    "x86-64-v3-as-v4-bf16": (VARIANTS["x86-64-v3"][0] + ["-DGEMM_VEC=16", "-DGEMM_BF16_DOT_EMULATED"],
+                             VARIANTS["x86-64-v3"][1]),
+}
+FORCE = "PAGEDSERVE_CPU_KERNELS"  # a variant's name: every kernel in that build (from source if need be)
+_loaded: dict[tuple[str, str | None], ctypes.CDLL | None] = {}
+_variant_of: dict[str, str] = {}  # the variant each loaded library is, by its path
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled `kernels/<name>.c`, or None where it cannot be built here."""
-    if name not in _loaded:
-        _loaded[name] = _build_and_load(name)
-    return _loaded[name]
+def load(name: str, variant: str | None = None) -> ctypes.CDLL | None:
+    """The compiled `kernels/<name>.c`, or None where it cannot be built here: the best prebuilt
+    variant this CPU runs, else a build for this CPU; with `variant` (or the PAGEDSERVE_CPU_KERNELS
+    environment variable), that variant's build, or None where this CPU cannot run it."""
+    variant = variant or os.environ.get(FORCE) or None
+    if (name, variant) not in _loaded:
+        _loaded[name, variant] = _build_and_load(name) if variant is None else _load_variant(name, variant)
+    return _loaded[name, variant]
 
 
-def function(name: str, symbol: str, argument_types: list, result_type=None):
-    """A typed ctypes function of the compiled `kernels/<name>.c`, or None where it cannot be built
-    or where its C signature (`<symbol>_signature`) differs from these types: a call with the wrong
-    types would corrupt memory, so the kernel is left to torch."""
-    library = load(name)
+def variant_of(library: ctypes.CDLL) -> str:
+    """Which build `library` is: a name of VARIANTS or EMULATED, or "native" (for this CPU)."""
+    return _variant_of.get(library._name, "native")
+
+
+def best_variant() -> str:
+    """The first of VARIANTS whose instructions this CPU has: the prebuilt build an installed package runs."""
+    flags = cpu_flags()
+    return next(name for name, (_, needs) in VARIANTS.items() if needs <= flags)
+
+
+def runnable_variants() -> list[str]:
+    """The variants (and test-only emulations) whose instructions this CPU has, best first."""
+    flags = cpu_flags()
+    return [name for name, (_, needs) in (VARIANTS | EMULATED).items() if needs <= flags]
+
+
+def function(name: str, symbol: str, argument_types: list, result_type=None, variant: str | None = None):
+    """A typed ctypes function of the compiled `kernels/<name>.c` (in `variant`'s build, if given),
+    or None where it cannot be built or where its C signature (`<symbol>_signature`) differs from
+    these types: a call with the wrong types would corrupt memory, so the kernel is left to torch."""
+    library = load(name, variant)
     if library is None:
         return None
     wanted = signature(argument_types, result_type)
@@ -175,6 +207,38 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
     library = _prebuilt(name)
     if library is not None:
         return library
+    library = _build(name, list(zip(FLAG_SETS, LIBRARIES)))
+    if library is None:
+        log.warning("could not compile %s.c: it runs in torch, which is slower", name)
+    return library
+
+
+def _load_variant(name: str, variant: str) -> ctypes.CDLL | None:
+    if variant not in VARIANTS and variant not in EMULATED:
+        raise ValueError(f"{FORCE}={variant!r}: expected one of {', '.join([*VARIANTS, *EMULATED])}")
+    flags, needs = (VARIANTS | EMULATED)[variant]
+    if not needs <= cpu_flags():
+        log.warning("this CPU lacks %s for the %s kernels: %s runs in torch", ", ".join(sorted(needs - cpu_flags())),
+                    variant, name)
+        return None
+    path = PREBUILT / f"{name}-{variant}.so"
+    library = _open(path) if path.exists() else _build(name, [(flags, libraries) for libraries in LIBRARIES])
+    if library is not None:
+        _variant_of[library._name] = variant
+    return library
+
+
+def _open(path: Path) -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("could not load %s: %s", path, exc)
+        return None
+
+
+def _build(name: str, attempts: list[tuple[list[str], list[str]]]) -> ctypes.CDLL | None:
+    """The first of `attempts` (compiler flags, libraries) that compiles and loads, built into the
+    private cache under a digest of everything that makes the build."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler found: %s runs in torch, which is slower", name)
@@ -186,20 +250,18 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
     if directory is None:  # build where no one else can write, load, and leave nothing behind
         directory = scratch = Path(tempfile.mkdtemp(prefix="pagedserve-kernels-"))
     try:
-        for flags, libraries in zip(FLAG_SETS, LIBRARIES):
+        for flags, libraries in attempts:
             digest = hashlib.sha256(b"\0".join([*_source_bytes(source), " ".join(flags + libraries).encode(),
                                                 identity])).hexdigest()[:16]
             target = directory / f"{name}-{digest}.so"
             if not target.exists() and not _compile(compiler, source, flags, libraries, target):
                 continue
-            try:
-                return ctypes.CDLL(str(target))
-            except OSError as exc:
-                log.warning("could not load %s: %s", target, exc)
+            library = _open(target)
+            if library is not None:
+                return library
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-    log.warning("could not compile %s: it runs in torch, which is slower", source.name)
     return None
 
 
@@ -213,11 +275,9 @@ def _prebuilt(name: str) -> ctypes.CDLL | None:
     flags = cpu_flags()
     for variant, (_, needs) in VARIANTS.items():
         path = PREBUILT / f"{name}-{variant}.so"
-        if needs <= flags and path.exists():
-            try:
-                return ctypes.CDLL(str(path))
-            except OSError as exc:
-                log.warning("could not load %s: %s", path, exc)
+        if needs <= flags and path.exists() and (library := _open(path)) is not None:
+            _variant_of[library._name] = variant
+            return library
     return None
 
 

@@ -22,25 +22,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 QUANTIZED_SYMBOLS = {torch.int8: "rotate_and_write_i8", torch.uint8: "rotate_and_write_f8"}  # kernels/kv_quant.py
+SYMBOLS = {torch.float32: "rotate_and_write_f32", torch.bfloat16: "rotate_and_write_bf16",
+           torch.float16: "rotate_and_write_f16", **QUANTIZED_SYMBOLS}
 
 
 @functools.cache
 def native_kernel(symbol: str = "rotate_and_write_f32"):
-    """The kernel into a float32 cache, or with "rotate_and_write_i8" (or "_f8") into an int8 (or E4M3) one."""
+    """The kernel into a float32 cache, or with "rotate_and_write_bf16" (or "_f16", "_i8", "_f8") into a
+    bfloat16 (or float16, int8, E4M3) one."""
     p, i = native.POINTER, native.INT64
     return native.function("rotary_write", symbol, [p, i, p, i, p, i, p, p, p, i, i, i, i, p, p], i)
 
 
 def rotate_and_write_native(query, key, value, cos, sin, key_cache, value_cache, slot_mapping) -> bool:
-    """Rotate `query` in place and store the rotated keys and the values in their slots (quantized
-    into an int8 or E4M3 cache); False, with nothing done, where the compiled kernel does not apply
-    (then rotate and store in torch)."""
-    quantized = key_cache.dtype == value_cache.dtype and key_cache.dtype in QUANTIZED_SYMBOLS
-    kernel = native_kernel(QUANTIZED_SYMBOLS[key_cache.dtype] if quantized else "rotate_and_write_f32")
-    tensors = (query, key, value, cos, sin) if quantized else (query, key, value, cos, sin, key_cache, value_cache)
-    if quantized and (key_cache.shape[3] != query.shape[2] + SCALE_BYTES or key_cache.device.type != "cpu"):
+    """Rotate `query` (float32) in place and store the rotated keys and the values in their slots (in the
+    cache's dtype, quantized into an int8 or E4M3 one); False, with nothing done, where the compiled
+    kernel does not apply (then rotate and store in torch)."""
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in SYMBOLS or key_cache.device.type != "cpu":
         return False
-    if (kernel is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+    width = query.shape[2] + (SCALE_BYTES if key_cache.dtype in QUANTIZED_SYMBOLS else 0)
+    kernel = native_kernel(SYMBOLS[key_cache.dtype])
+    if (kernel is None or key_cache.shape[3] != width
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (query, key, value, cos, sin))
             or slot_mapping.dtype != torch.int64 or not key_cache.is_contiguous() or not value_cache.is_contiguous()
             or not cos.is_contiguous() or not sin.is_contiguous() or not slot_mapping.is_contiguous()):
         return False

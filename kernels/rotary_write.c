@@ -4,7 +4,8 @@
  * The rotation is HF's "rotate half": for i < d/2, x'[i] = x[i] cos[i] - x[i + d/2] sin[i] and
  * x'[i + d/2] = x[i + d/2] cos[i + d/2] + x[i] sin[i + d/2]. Each product and the sum are rounded
  * as torch rounds them (no fused multiply-add), so the result is bit for bit the reference's.
- * Queries are rotated in place; rotated keys go straight to the cache. A slot < 0 is skipped.
+ * Queries are rotated in place; rotated keys go straight to the cache (converted to its type as
+ * torch converts them, rounding to nearest even). A slot < 0 is skipped.
  */
 #include <float.h>
 #include <math.h>
@@ -83,12 +84,30 @@ static inline void quantize_row_fp8(const float *x, uint8_t *out, int64_t head_d
     memcpy(out + head_dim, &scale, sizeof scale);
 }
 
-/* How a cache row holds its values: float32, or one byte each (int8, E4M3) and their scale. */
-enum row_kind { ROW_F32, ROW_I8, ROW_F8 };
-
-static inline void quantize_as(int kind, const float *x, char *out, int64_t head_dim)
+/* x as a bfloat16, rounded to nearest even as torch converts it (a NaN stays a quiet NaN). */
+static inline uint16_t bf16_bits(float x)
 {
-    if (kind == ROW_I8)
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* How a cache row holds its values: float32; bfloat16 or float16; or one byte each (int8, E4M3)
+ * and their scale. */
+enum row_kind { ROW_F32, ROW_BF16, ROW_F16, ROW_I8, ROW_F8 };
+
+/* x's head_dim values into a cache row of `kind` (not float32). */
+static inline void store_as(int kind, const float *x, char *out, int64_t head_dim)
+{
+    if (kind == ROW_BF16)
+        for (int64_t i = 0; i < head_dim; i++)
+            ((uint16_t *)out)[i] = bf16_bits(x[i]);
+    else if (kind == ROW_F16)
+        for (int64_t i = 0; i < head_dim; i++)
+            ((_Float16 *)out)[i] = (_Float16)x[i];
+    else if (kind == ROW_I8)
         quantize_row(x, (int8_t *)out, head_dim);
     else
         quantize_row_fp8(x, (uint8_t *)out, head_dim);
@@ -105,7 +124,8 @@ static inline __attribute__((always_inline)) int64_t rotate_and_write(
 {
     if (head_dim > 512 || head_dim % 2)
         return -1;
-    const int64_t head_bytes = kind != ROW_F32 ? head_dim + (int64_t)sizeof(float) : head_dim * (int64_t)sizeof(float);
+    const int64_t head_bytes = kind == ROW_I8 || kind == ROW_F8 ? head_dim + (int64_t)sizeof(float)
+                             : head_dim * (kind == ROW_F32 ? 4 : 2);
     const int64_t row = num_kv_heads * head_bytes;
     float rotated[512];
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -121,8 +141,8 @@ static inline __attribute__((always_inline)) int64_t rotate_and_write(
             const float *v = value + t * value_stride + h * head_dim;
             if (kind != ROW_F32) {
                 rotate(key + t * key_stride + h * head_dim, c, s, rotated, head_dim);
-                quantize_as(kind, rotated, k_out + h * head_bytes, head_dim);
-                quantize_as(kind, v, v_out + h * head_bytes, head_dim);
+                store_as(kind, rotated, k_out + h * head_bytes, head_dim);
+                store_as(kind, v, v_out + h * head_bytes, head_dim);
             } else {
                 rotate(key + t * key_stride + h * head_dim, c, s, (float *)(k_out + h * head_bytes), head_dim);
                 memcpy(v_out + h * head_bytes, v, head_dim * sizeof(float));
@@ -139,6 +159,24 @@ int64_t rotate_and_write_f32(
 {
     return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
                             num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_F32);
+}
+
+int64_t rotate_and_write_bf16(
+    float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
+    int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uint16_t *key_cache, uint16_t *value_cache)
+{
+    return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_BF16);
+}
+
+int64_t rotate_and_write_f16(
+    float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
+    int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uint16_t *key_cache, uint16_t *value_cache)
+{
+    return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_F16);
 }
 
 int64_t rotate_and_write_i8(
@@ -159,8 +197,10 @@ int64_t rotate_and_write_f8(
                             num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_F8);
 }
 
-/* The argument types of rotate_and_write_f32, _i8 and _f8, as kernels/native.py checks them before
- * any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
+/* The argument types of rotate_and_write_f32, _bf16, _f16, _i8 and _f8, as kernels/native.py checks them
+ * before any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
 const char *rotate_and_write_f32_signature(void) { return "pipipipppiiiipp:i"; }
+const char *rotate_and_write_bf16_signature(void) { return "pipipipppiiiipp:i"; }
+const char *rotate_and_write_f16_signature(void) { return "pipipipppiiiipp:i"; }
 const char *rotate_and_write_i8_signature(void) { return "pipipipppiiiipp:i"; }
 const char *rotate_and_write_f8_signature(void) { return "pipipipppiiiipp:i"; }

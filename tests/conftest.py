@@ -192,8 +192,9 @@ NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 
 @pytest.fixture(scope="session")
 def shipped_ngram_server(tmp_path_factory):
     """The shipped model with n-gram speculation, async scheduling and tool_choice "auto" (tests of
-    speculation, structured outputs and tool calls through all three processes)."""
-    with serve(None, str(tmp_path_factory.mktemp("spec")), "--speculative-config", NGRAM,
+    speculation, structured outputs and tool calls through all three processes), in float32: the
+    path whose greedy tokens are HF's exactly."""
+    with serve(None, str(tmp_path_factory.mktemp("spec")), "--dtype", "float32", "--speculative-config", NGRAM,
                "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as server:
         yield server
 

@@ -34,18 +34,19 @@ class Engine:
                  preemption="recompute", prefix_caching=False, chunked_prefill=False,
                  max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None,
                  kv_cache_dtype: str = "auto", threads=None, depth: int = 1, decode_graphs: dict | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", dtype: str = "float32"):
         device = torch.device(device)
-        model, config = load_model(model_dir, "float32", device)
+        model, config = load_model(model_dir, dtype, device)
+        dtype = model.lm_head.weight.dtype  # what `auto` chose: the KV cache's too
         self.cache = KVCache(config.num_hidden_layers, num_gpu_blocks, block_size, model.num_kv_heads,
-                             model.head_dim, torch.float32, device, num_cpu_blocks, kv_cache_dtype)
+                             model.head_dim, dtype, device, num_cpu_blocks, kv_cache_dtype)
         drafter, ngram = None, None
         if speculative is not None and speculative.method == "ngram":
             ngram = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         if speculative is not None and speculative.method == "draft_model":
-            draft, draft_config = load_model(speculative.model, "float32", device)
+            draft, draft_config = load_model(speculative.model, str(dtype).removeprefix("torch."), device)
             drafter = Drafter(draft, KVCache(draft_config.num_hidden_layers, num_gpu_blocks, block_size,
-                                             draft.num_kv_heads, draft.head_dim, torch.float32, device,
+                                             draft.num_kv_heads, draft.head_dim, dtype, device,
                                              num_cpu_blocks), device)
         eos_ids = eos_token_ids(model_dir, config)
         grammars = GrammarEngine.load(model_dir, model.lm_head.weight.shape[0], eos_ids)
@@ -54,7 +55,7 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, device, seed=0, eos_token_ids=eos_ids,
                                   drafter=drafter, threads=threads, grammars=grammars, ngram=ngram, graphs=graphs)
         block_bytes = bytes_per_block(config.num_hidden_layers, block_size, model.num_kv_heads,
-                                      model.head_dim, torch.float32, kv_cache_dtype)
+                                      model.head_dim, dtype, kv_cache_dtype)
         policy = PreemptionPolicy(preemption, block_bytes, self.cache.measure_swap_bandwidth(),
                                   self.runner.measure_prefill_rate())
         manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark=0.0,
@@ -68,6 +69,7 @@ class Engine:
         self.max_running_seqs = 0
         self.steps = []
         self.depth = depth  # steps planned ahead of the one computing, as the scheduler server does with 2
+        self.top_logprobs: dict[str, dict[int, list[dict[int, float]]]] = {}
 
     def add(self, prompt: list[int], **sampling) -> str:
         request_id = f"req-{next(_ids)}"
@@ -77,7 +79,8 @@ class Engine:
         return request_id
 
     def run(self, max_steps: int = 5000, on_step=None) -> dict[str, dict[int, list[int]]]:
-        """Step until idle; returns each request's token ids by choice index."""
+        """Step until idle; returns each request's token ids by choice index (their top
+        log-probabilities, where the request asked for them, go to `self.top_logprobs` alike)."""
         tokens: dict[str, dict[int, list[int]]] = {}
         in_flight = deque()
         for _ in range(max_steps):
@@ -94,8 +97,10 @@ class Engine:
             assert result.error is None
             for output in self.scheduler.update(result):
                 choices = tokens.setdefault(output.request_id, {})
+                tops = self.top_logprobs.setdefault(output.request_id, {})
                 for delta in output.sequences:
                     choices.setdefault(delta.index, []).extend(delta.token_ids)
+                    tops.setdefault(delta.index, []).extend(delta.top_logprobs)
             self.max_running_seqs = max(self.max_running_seqs, self.stats().num_running)
             check_block_accounting(self.scheduler)
             if on_step is not None:
@@ -107,6 +112,13 @@ class Engine:
         ids = [self.add(p, **sampling) for p in prompts]
         tokens = self.run()
         return [tokens[i][0] for i in ids]
+
+    def generate_with_logprobs(self, prompts: list[list[int]], top: int = 5, **sampling
+                               ) -> list[tuple[list[int], list[dict[int, float]]]]:
+        """Greedy outputs of every prompt with each position's `top` log-probabilities by token id."""
+        ids = [self.add(p, logprobs=top, **sampling) for p in prompts]
+        tokens = self.run()
+        return [(tokens[i][0], self.top_logprobs[i][0]) for i in ids]
 
     def stats(self):
         return self.scheduler.stats()

@@ -48,6 +48,21 @@ def test_compiled_cpu_attention_matches_reference(shapes, heads, kv_heads, head_
     torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shapes, heads, kv_heads, head_dim, block_size, dtype", FLOAT32_CASES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_compiled_attention_over_a_half_cache_is_the_reference_over_its_values(
+        shapes, heads, kv_heads, head_dim, block_size, dtype, window, storage):
+    # The CPU serves a bf16 or fp16 checkpoint with float32 queries over a cache of its own dtype.
+    compiled_kernel()
+    query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, block_size, torch.float32)
+    keys, values = key_cache.to(storage), value_cache.to(storage)
+    assert native_accepts(query, keys, values)
+    out = paged_attention_native(query, keys, values, batch, head_dim**-0.5, window)
+    expected = reference_in_float32(query, keys, values, batch, head_dim**-0.5, window)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
 QUANTIZED_CASES = ATTENTION_CASES + [
     ([(1, 37), (9, 40), (1, 3)], 4, 2, 64, 16, torch.float32),  # the shipped model's heads
 ]
@@ -82,10 +97,11 @@ def test_the_compiled_kernel_reads_queries_in_place_from_a_fused_qkv_row():
     torch.testing.assert_close(out, paged_attention_native(query, key_cache, value_cache, batch, head_dim**-0.5))
 
 
-def test_the_compiled_kernel_takes_float32_only_and_leaves_other_dtypes_to_torch():
+def test_the_compiled_kernel_takes_float32_queries_only_and_leaves_half_ones_to_torch():
     for dtype, taken in ((torch.float32, True), (torch.bfloat16, False), (torch.float16, False)):
         query, key_cache, value_cache, _ = make_batch([(1, 5)], 4, 2, 64, 8, dtype)
         assert native_accepts(query, key_cache, value_cache) is taken
+        assert native_accepts(query.float(), key_cache, value_cache) is (native_kernel() is not None)
 
 
 def test_sequences_are_split_over_threads_by_work_and_none_is_left_out():
@@ -185,4 +201,27 @@ def test_compiled_rotary_and_kv_write_are_bit_for_bit_the_torch_reference(heads,
     assert torch.equal(rotated, apply_rope(query, cos, sin))
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert not rotate_and_write_native(query.half(), key.half(), value.half(), cos.half(), sin.half(),
-                                       caches[0].half(), caches[1].half(), slots)  # float32 only
+                                       caches[0].half(), caches[1].half(), slots)  # float32 queries only
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_compiled_rotary_writes_a_half_cache_rounded_as_torch_rounds(storage):
+    from kernels.kv_write import write_kv_reference
+    from kernels.rotary import SYMBOLS, apply_rope, native_kernel as rotary_kernel, rotate_and_write_native
+
+    if rotary_kernel(SYMBOLS[storage]) is None:
+        pytest.skip("no C compiler here: the compiled rotary kernel cannot be built")
+    generator = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, head_dim = 6, 4, 2, 64
+    query = torch.randn(tokens, heads, head_dim, generator=generator)
+    key, value = (torch.randn(tokens, kv_heads, head_dim, generator=generator) * 100 for _ in range(2))
+    value[0, 0, :3] = torch.tensor([float("inf"), 3e38, 1e-30])  # out of float16's range, and below it
+    angles = torch.rand(tokens, head_dim // 2, generator=generator) * 50
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    slots = torch.tensor([3, 9, -1, 0, 17, 12])
+    caches = [torch.zeros(5, 4, kv_heads, head_dim, dtype=storage) for _ in range(4)]
+    rotated = query.clone()
+    assert rotate_and_write_native(rotated, key, value, cos, sin, caches[0], caches[1], slots)
+    write_kv_reference(apply_rope(key, cos, sin), value, caches[2], caches[3], slots)
+    assert torch.equal(rotated, apply_rope(query, cos, sin))
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

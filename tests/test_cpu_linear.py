@@ -1,39 +1,91 @@
-"""The CPU linear kernels against `F.linear`: the packed-panel kernel for batches of rows (decode
-steps), split over threads or not, and the layer that picks it."""
+"""The CPU linear kernels against `F.linear`: the packed-panel kernel for every weight dtype (float32,
+and bfloat16 and float16 widened in registers), in every build this CPU runs, split over threads or
+not, and the layer that picks it."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_linear, native
-from kernels.cpu_linear import GEMM_MAX_ROWS, Linear, gemm, gemm_kernel, pack, pack_weights
+from kernels.cpu_linear import Linear, gemm, gemm_build, pack, pack_weights
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(37, 100), (64, 256), (50, 13), (33, 1), (40, 7)]  # partial panels; odd K, down to one
 
 
 @pytest.fixture(autouse=True)
 def compiled_kernel():
-    if gemm_kernel() is None:
-        pytest.skip("no C compiler or no AVX2 here: the packed linear kernel cannot be built")
+    if gemm_build() is None:
+        pytest.skip("no C compiler here: the packed linear kernel cannot be built")
     with torch.inference_mode():
         yield
 
 
-def test_packing_puts_sixteen_output_columns_side_by_side_for_each_input_column():
-    weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+def expected(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, build) -> torch.Tensor:
+    """F.linear in float64 over the values the build multiplies: the weight's own, and x rounded to
+    bfloat16 where the build meets a bfloat16 weight with the dot product."""
+    if weight.dtype is torch.bfloat16 and build.bf16_rows:
+        x = x.to(torch.bfloat16)
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
+
+
+def test_packing_puts_a_panel_of_output_columns_side_by_side_for_each_input_column():
+    width = gemm_build().panel_width
+    weight = torch.arange((width + 4) * 3, dtype=torch.float32).view(width + 4, 3)
     panels = pack(weight)
-    assert panels.shape == (2, 3, 16)
-    assert torch.equal(panels[0, 1], weight[:16, 1])
-    assert torch.equal(panels[1, 2, :4], weight[16:, 2]) and not panels[1, :, 4:].any()  # zeros past N
+    assert panels.shape == (2, 3, width)
+    assert torch.equal(panels[0, 1], weight[:width, 1])
+    assert torch.equal(panels[1, 2, :4], weight[width:, 2]) and not panels[1, :, 4:].any()  # zeros past N
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 48, 49, GEMM_MAX_ROWS])
-@pytest.mark.parametrize("out_features, in_features", [(37, 100), (64, 256), (50, 13)])
+def test_bfloat16_panels_hold_each_column_k_and_k_plus_one_side_by_side_an_odd_k_padded_with_zero():
+    width = gemm_build().panel_width
+    weight = torch.randn(width, 5).to(torch.bfloat16)
+    panels = pack(weight)
+    assert panels.shape == (1, 3, width, 2)
+    assert torch.equal(panels[0, 1, :, 0], weight[:, 2]) and torch.equal(panels[0, 1, :, 1], weight[:, 3])
+    assert torch.equal(panels[0, 2, :, 0], weight[:, 4]) and not panels[0, 2, :, 1].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 48, 49, 300])
+@pytest.mark.parametrize("out_features, in_features", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_packed_kernel_matches_f_linear(rows, out_features, in_features, bias):
-    layer = Linear(in_features, out_features, bias=bias)
+def test_the_packed_kernel_matches_f_linear(dtype, rows, out_features, in_features, bias):
+    build = gemm_build()
+    weight = (torch.randn(out_features, in_features) * 0.2).to(dtype)
+    b = torch.randn(out_features) if bias else None
     x = torch.randn(rows, in_features)
-    expected = F.linear(x, layer.weight, layer.bias)
-    out = gemm(x, pack(layer.weight), out_features, layer.bias)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    out = gemm(x, pack(weight), out_features, b)
+    torch.testing.assert_close(out, expected(x, weight, b, build), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", native.runnable_variants())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_build_this_cpu_runs_gives_the_portable_builds_results(variant, dtype):
+    """The instruction set is chosen at run time; each build must compute what the portable one does
+    (to rounding). On a machine without AVX-512 an emulated build runs the AVX-512 layout and the
+    bfloat16 dot product's arithmetic in AVX2, so that code is checked here too."""
+    portable, build = gemm_build("portable"), gemm_build(variant)
+    assert build is not None and build.variant == variant
+    generator = torch.Generator().manual_seed(7)
+    for rows, (out_features, in_features) in zip([1, 3, 7, 49, 130], SHAPES):
+        weight = (torch.randn(out_features, in_features, generator=generator) * 0.2).to(dtype)
+        x, b = torch.randn(rows, in_features, generator=generator), torch.randn(out_features, generator=generator)
+        if dtype is torch.bfloat16 and build.bf16_rows:
+            x = x.to(torch.bfloat16).float()  # the values both builds multiply
+        out = gemm(x, pack(weight, build), out_features, b, build)
+        reference = gemm(x, pack(weight, portable), out_features, b, portable)
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, expected(x, weight, b, build), atol=1e-5, rtol=1e-5)
+
+
+def test_the_tests_reach_the_avx512_layout_and_the_dot_product_on_every_x86_machine():
+    variants = native.runnable_variants()
+    if "avx2" not in native.cpu_flags():
+        pytest.skip("not an x86-64 machine with AVX2")
+    wide = [gemm_build(v) for v in variants if gemm_build(v).panel_width == 32]
+    assert any(build.bf16_rows for build in wide), variants
 
 
 def test_rows_of_a_wider_tensor_are_read_in_place():
@@ -43,9 +95,10 @@ def test_rows_of_a_wider_tensor_are_read_in_place():
     torch.testing.assert_close(gemm(x, pack(weight), 40, None), F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threads", [2, 3])
-def test_split_over_threads_the_result_is_the_same_bit_for_bit(threads, monkeypatch):
-    weight, x = torch.randn(200, 64), torch.randn(12, 64)
+def test_split_over_threads_the_result_is_the_same_bit_for_bit(dtype, threads, monkeypatch):
+    weight, x = torch.randn(200, 64).to(dtype), torch.randn(12, 64)
     one = gemm(x, pack(weight), 200, None)
     monkeypatch.setattr(cpu_linear, "SPLIT_MACS", 0)
     monkeypatch.setattr(cpu_linear, "SPLIT_ROWS", 1)
@@ -63,32 +116,40 @@ def test_a_call_is_shared_when_its_rows_are_many_enough_or_its_weight_large_enou
     real_share = native.share
     monkeypatch.setattr(native, "share", lambda run, count, label: shared.append(count) or real_share(run, count, label))
     monkeypatch.setattr(native, "_threads", 2)
-    small, large = torch.randn(256, 256), torch.randn(4096, 256)  # 64 Ki and 1 Mi parameters
-    for weight, rows in ((small, 1), (small, 3), (small, 32), (large, 1)):
+    small, large = torch.randn(256, 256), torch.randn(4096, 256)  # 256 KiB and 4 MiB of float32
+    for weight, rows in ((small, 1), (small, 3), (small, 32), (large, 1), (large.to(torch.bfloat16), 1)):
         x = torch.randn(rows, 256)
-        torch.testing.assert_close(gemm(x, pack(weight), weight.shape[0], None), F.linear(x, weight),
+        torch.testing.assert_close(gemm(x, pack(weight), weight.shape[0], None), F.linear(x, weight.float()),
                                    atol=1e-4, rtol=1e-4)
     # A few rows against a small weight are one thread's: a helper costs more than it brings. Many
-    # rows are arithmetic, and one row against a large weight is bound by reading it: both shared.
-    assert shared == [1, 1, 2, 2]
+    # rows are arithmetic, and one row against a large weight is bound by reading it: both shared,
+    # by its bytes, so the same weight in bfloat16 (half the bytes) is one thread's.
+    assert shared == [1, 1, 2, 2, 1]
 
 
-def test_a_packed_layer_uses_the_kernel_up_to_its_row_limit_and_torch_past_it(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_layer_packs_its_weight_on_a_cpu_and_computes_in_float32(dtype):
+    layer = Linear(32, 24).to(dtype)
+    layer.bias.data = layer.bias.data.float()  # as the loader leaves a half model's biases
+    pack_weights(layer)
+    assert layer.panels is not None and layer.panels.dtype is dtype
+    x = torch.randn(5, 32)
+    out = layer(x)
+    assert out.dtype is torch.float32
+    torch.testing.assert_close(out, expected(x, layer.weight, layer.bias, gemm_build()), atol=1e-5, rtol=1e-5)
+
+
+def test_a_row_parallel_product_leaves_the_bias_to_be_added_after_the_all_reduce():
     layer = Linear(32, 24)
     pack_weights(layer)
-    assert layer.panels is not None
-    past = torch.randn(GEMM_MAX_ROWS + 1, 32)
-    assert gemm(past, layer.panels, 24, layer.bias) is None
-    torch.testing.assert_close(layer(past), F.linear(past, layer.weight, layer.bias))
-    calls = []
-    monkeypatch.setattr(cpu_linear, "gemm", lambda x, *rest: calls.append(x.shape[0]))  # declines: torch serves
-    for rows in (3, GEMM_MAX_ROWS):
-        x = torch.randn(rows, 32)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert calls == [3, GEMM_MAX_ROWS]
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer.product(x, None), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
 
 
-def test_only_float32_weights_on_a_cpu_are_packed():
-    layer = Linear(32, 24).to(torch.float16)
-    layer.pack()
+def test_without_a_kernel_a_half_weight_still_serves_float32_rows(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "gemm_build", lambda variant=None: None)
+    layer = Linear(16, 8).to(torch.bfloat16)
+    pack_weights(layer)
     assert layer.panels is None
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight.float(), layer.bias.float()))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kernels import native
 from tests.conftest import ROOT
 
 
@@ -66,7 +67,7 @@ def test_the_wheel_carries_the_c_kernels_prebuilt_and_the_shipped_model(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     kernels = {os.path.basename(p)[:-2] for p in glob.glob(os.path.join(ROOT, "kernels", "*.c"))}
     assert {f"kernels/{k}.c" for k in kernels} <= names
-    assert {f"kernels/prebuilt/{k}-x86-64-v3.so" for k in kernels} <= names  # this CI machine is x86-64
+    assert {f"kernels/prebuilt/{k}-{variant}.so" for k in kernels for variant in native.VARIANTS} <= names  # x86-64
     assert {"kernels/prebuilt/cpu_norm-portable.so", "kernels/prebuilt/cpu_attention-portable.so"} <= names
     assert "-linux_x86_64" in wheel.name  # a platform wheel: it holds compiled code
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
@@ -98,7 +99,8 @@ def test_the_installed_package_runs_its_prebuilt_kernels_with_no_compiler_on_pat
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     loaded = done.stdout.strip().splitlines()[-1]
     libraries = re.findall(r"'([^']+)'", loaded)
-    assert len(libraries) == 4 and all(path.startswith(str(target / "kernels" / "prebuilt")) and path.endswith("-x86-64-v3.so")
+    best = native.best_variant()  # the best build this CPU runs, chosen at run time
+    assert len(libraries) == 4 and all(path.startswith(str(target / "kernels" / "prebuilt")) and path.endswith(f"-{best}.so")
                for path in libraries), libraries
     assert not any(cache.rglob("*.so"))  # nothing compiled
 

@@ -63,3 +63,14 @@ def test_the_scheduler_and_the_worker_time_the_same_steps(burst_server):
     for phase in ("forward", "sample"):
         assert worker[f'pagedserve_step_phase_seconds_count{{phase="{phase}",rank="0"}}'] == steps
     assert scheduler["pagedserve_request_queue_time_seconds_count"] == 14
+
+
+def test_the_worker_says_how_it_computes_and_which_kernels_run(burst_server):
+    from kernels.cpu_linear import gemm_build
+
+    [info] = [name for name in burst_server.metrics("worker") if name.startswith("pagedserve_worker_compute_info")]
+    build = gemm_build()
+    kernels = f"{build.variant} ({build.description})" if build else "torch"
+    # llama_dir is a float32 checkpoint: auto keeps float32, the exact path
+    assert ('activations="float32"' in info and 'device="cpu"' in info and 'weights="float32"' in info
+            and f'kernels="{kernels}"' in info and 'rank="0"' in info), info

@@ -2,6 +2,7 @@
 declaration that drifts from its function leaves the kernel to torch instead of corrupting memory,
 and torch's profiler sees every call by name."""
 
+import functools
 import logging
 import threading
 
@@ -12,11 +13,10 @@ from kernels import cpu_activation, cpu_attention, cpu_linear, cpu_norm, native,
 pytestmark = pytest.mark.skipif(native.load("cpu_norm") is None, reason="no C compiler here")
 
 
-@pytest.mark.parametrize("getter", [cpu_attention.native_kernel, lambda: cpu_attention.native_kernel("paged_attention_i8"),
-                                    lambda: cpu_attention.native_kernel("paged_attention_f8"),
-                                    cpu_linear.native_kernel, cpu_linear.gemm_kernel, cpu_norm.native_kernel,
-                                    rotary.native_kernel, lambda: rotary.native_kernel("rotate_and_write_i8"),
-                                    lambda: rotary.native_kernel("rotate_and_write_f8"), cpu_activation.native_kernel])
+@pytest.mark.parametrize("getter", [*(functools.partial(cpu_attention.native_kernel, symbol)
+                                      for symbol in cpu_attention.SYMBOLS.values()),
+                                    *(functools.partial(rotary.native_kernel, symbol) for symbol in rotary.SYMBOLS.values()),
+                                    cpu_linear.gemm_build, cpu_norm.native_kernel, cpu_activation.native_kernel])
 def test_every_kernel_loads_with_the_signature_its_c_file_states(getter):
     assert getter() is not None
 

@@ -112,7 +112,8 @@ def test_a_client_that_leaves_mid_stream_frees_every_block(ngram_server, tokeniz
 def test_tp_2_with_a_draft_model_gives_hf_greedy_tokens(tmp_path, tokenizer):
     draft = json.dumps({"method": "draft_model", "model": SHIPPED_MODEL, "num_speculative_tokens": 3})
     prompts = [tokenizer.encode(text) for text in OPENINGS[:2]]
-    with serve(None, str(tmp_path), "--tensor-parallel-size", "2", "--speculative-config", draft) as server:
+    with serve(None, str(tmp_path), "--dtype", "float32", "--tensor-parallel-size", "2", "--speculative-config",
+               draft) as server:
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: complete(server, p, max_tokens=40)["choices"][0]["token_ids"], prompts))
         metrics = server.metrics("scheduler")

@@ -79,8 +79,10 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(directory: str, family: str = "llama", seed: int = 0, **overrides) -> str:
-    """Save a tiny random-weight model of `family` with its tokenizer into `directory`."""
+def build_model(directory: str, family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
+                **overrides) -> str:
+    """Save a tiny random-weight model of `family` with its tokenizer into `directory`, its weights
+    (and the dtype its config declares) in `dtype`."""
     tokenizer = build_tokenizer()
     config_class, family_defaults = CONFIGS[family]
     settings = dict(
@@ -99,7 +101,7 @@ def build_model(directory: str, family: str = "llama", seed: int = 0, **override
     config = config_class(**settings)
     config.architectures = [ARCHITECTURE_OF.get(family, config_class.__name__.replace("Config", "ForCausalLM"))]
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.eos_token_id
     model.save_pretrained(directory)
@@ -141,3 +143,43 @@ def _hf_model(directory: str):
         _HF_MODELS[directory] = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     return _HF_MODELS[directory]
 
+
+
+def hf_greedy_with_logprobs(directory: str, prompt_ids: list[int], max_new_tokens: int, dtype: torch.dtype,
+                            top: int = 5) -> tuple[list[int], list[dict[int, float]]]:
+    """HF's greedy generate with the model in `dtype` (bf16 on a CPU: what the closeness rule compares
+    against), and each position's `top` log-probabilities by token id, up to and including EOS."""
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens, output_logits=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    if eos in tokens:
+        tokens = tokens[: tokens.index(eos) + 1]
+    tops = []
+    for logits in out.logits[: len(tokens)]:
+        values, indices = torch.log_softmax(logits[0].float(), -1).topk(top)
+        tops.append(dict(zip(indices.tolist(), values.tolist())))
+    return tokens, tops
+
+
+def check_logprobs_close(ours: list[tuple[list[int], list[dict]]], reference: list[tuple[list[int], list[dict]]]
+                         ) -> list[int]:
+    """vLLM's rule for outputs in a half type (its tests' `check_logprobs_close`): at each position the
+    two greedy tokens are equal, or each side's token is among the other's top log-probabilities, after
+    which that sequence's comparison ends. Returns how many leading tokens each pair shares."""
+    agreed = []
+    for s, ((tokens, tops), (expected, expected_tops)) in enumerate(zip(ours, reference, strict=True)):
+        assert tokens and expected, f"sequence {s}: no tokens"
+        same = 0
+        for i, (token, other) in enumerate(zip(tokens, expected)):
+            if token != other:
+                assert token in expected_tops[i] and other in tops[i], (
+                    f"sequence {s}, position {i}: {token} (ours, top {sorted(tops[i])}) against {other} "
+                    f"(reference, top {sorted(expected_tops[i])})")
+                break
+            same += 1
+        agreed.append(same)
+    return agreed

@@ -7,14 +7,16 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from kernels.cpu_linear import pack_weights
+from kernels.cpu_linear import Linear, gemm_build, pack_weights, packs
 from services.worker.model_config import read_config
 from services.worker.models import ARCHITECTURES
+from services.worker.models.base import Embedding
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel
 
 log = logging.getLogger(__name__)
@@ -36,14 +38,37 @@ def load_config(model_dir: str):
 
 
 def resolve_dtype(config, name: str, device: torch.device) -> torch.dtype:
+    """The dtype of the weights and the KV cache. `auto` follows the checkpoint's declared dtype: on a
+    GPU its half type (float16 for a float32 checkpoint, as vLLM downcasts it); on a CPU its half type
+    where a compiled kernel reads it (`cpu_linear.packs`), else, and for a float32 checkpoint, float32."""
     if name != "auto":
         return DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
     declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(declared, str):
         declared = DTYPES.get(declared)
-    return declared if declared in (torch.float16, torch.bfloat16) else torch.float16
+    half = declared if declared in (torch.float16, torch.bfloat16) else None
+    if device.type == "cpu":
+        return half if half is not None and packs(half) else torch.float32
+    return half or torch.float16
+
+
+def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the forward pass computes in: on a CPU always float32, the half types only stored (weights
+    and KV cache, widened in registers as the kernels read them: no rounding between operations, and
+    elementwise kernels in one dtype); on a GPU the weights' dtype."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
+def store_half_only_where_read(model: nn.Module, compute: torch.dtype) -> None:
+    """Every parameter and buffer in `compute`, except what the kernels read in its stored dtype: the
+    projections' weights and the embedding tables (whose rows are widened as they are looked up)."""
+    for module in model.modules():
+        kept = {"weight"} if isinstance(module, (Linear, Embedding)) else set()
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if name not in kept and tensor.is_floating_point() and tensor.dtype != compute:
+                tensor.data = tensor.data.to(compute)
+        if isinstance(module, Embedding):
+            module.out_dtype = compute
 
 
 def model_class_for(config):
@@ -108,10 +133,37 @@ def load_model(model_dir: str, dtype_name: str, device: torch.device, load_forma
     model.tie_weights()
     del state  # the fused projections below then replace the loaded ones rather than add to them
     model.fuse_projections()
+    compute = activation_dtype(dtype, device)
+    if compute != dtype:
+        store_half_only_where_read(model, compute)
     pack_weights(model)
     model.eval()
-    log.info("loaded %s as %s on %s in %.1f s", type(model).__name__, dtype, device, time.monotonic() - started)
+    log.info("loaded %s in %.1f s: %s", type(model).__name__, time.monotonic() - started, numerics(model, device))
     return model, config
+
+
+@dataclass(frozen=True, slots=True)
+class Numerics:
+    """How a loaded model computes: what the log says at start-up and the info metric exports."""
+
+    device: str
+    weights: str  # the weights' and the KV cache's dtype
+    activations: str
+    kernels: str  # on a CPU the compiled kernels' build, or "torch" without one
+
+    def __str__(self) -> str:
+        if self.weights == self.activations:
+            return f"{self.weights} on {self.device}, kernels: {self.kernels}"
+        return (f"{self.weights} weights and KV cache, {self.activations} activations, on {self.device}, "
+                f"kernels: {self.kernels}")
+
+
+def numerics(model: nn.Module, device: torch.device) -> Numerics:
+    weights = model.lm_head.weight.dtype
+    build = gemm_build() if device.type == "cpu" else None
+    kernels = "triton" if device.type == "cuda" else f"{build.variant} ({build.description})" if build else "torch"
+    return Numerics(device.type, str(weights).removeprefix("torch."),
+                    str(activation_dtype(weights, device)).removeprefix("torch."), kernels)
 
 
 def checked_weights(model, state: dict[str, torch.Tensor], model_dir: str) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, Info
 
 from shared.protocol import StepResult
 
@@ -19,6 +19,14 @@ class WorkerMetrics:
         )
         self.forward = phases.labels("forward", str(rank))
         self.sample = phases.labels("sample", str(rank))
+        self.compute = Info("pagedserve_worker_compute", "how this rank computes: device, the weights' and the "
+                            "activations' dtypes, and which build of the kernels runs", ["rank"],
+                            registry=self.registry).labels(str(rank))
+
+    def describe_compute(self, numerics) -> None:
+        """`numerics`: the loader's `Numerics` of the model this rank serves."""
+        self.compute.info({"device": numerics.device, "weights": numerics.weights,
+                           "activations": numerics.activations, "kernels": numerics.kernels})
 
     def observe(self, result: StepResult) -> None:
         if result.error is None:

@@ -18,7 +18,7 @@ from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_t
 from services.worker.drafter import Drafter
 from services.worker.ngram import NgramProposer
 from services.worker.grammar import GrammarEngine
-from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model
+from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model, numerics
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 from services.worker.tensor_parallel import TensorParallel
@@ -142,6 +142,7 @@ class WorkerServer:
             speculative.method if speculative is not None else "",
         )
         self.metrics = metrics or WorkerMetrics(rank)
+        self.metrics.describe_compute(numerics(model, device))
         self.context = zmq.Context()
         self.socket = sockets.new_socket(self.context, zmq.DEALER, args.max_message_bytes)
         # No fixed identity: the scheduler's socket names each connection, so no one who

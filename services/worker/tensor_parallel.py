@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from kernels.cpu_linear import linear
+from kernels.cpu_linear import Linear, linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +55,11 @@ def row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out + bias if bias is not None else out
 
 
-def row_parallel_linear(projection: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def row_parallel_linear(projection: Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     if tp.world_size == 1:
         return projection(x)  # one fused call, bit for bit what it was before tensor parallelism
-    return row_parallel(x, projection.weight, projection.bias, tp)
+    out = tp.all_reduce(projection.product(x, None))
+    return out + projection.bias if projection.bias is not None else out
 
 
 @dataclass(frozen=True, slots=True)

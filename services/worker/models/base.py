@@ -8,6 +8,17 @@ from torch import nn
 from kernels.cpu_linear import Linear
 
 
+class Embedding(nn.Embedding):
+    """`nn.Embedding` whose rows come out in `out_dtype`: a table stored in a half type serves a
+    float32 forward pass without a float32 copy of it."""
+
+    out_dtype: torch.dtype | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = super().forward(ids)
+        return rows if self.out_dtype is None else rows.to(self.out_dtype)
+
+
 def fused(*projections: Linear) -> Linear:
     """One projection of the same input whose output is `projections`' outputs side by side: one
     matmul where there were several. It takes over their weights (concatenated) as they are loaded."""

@@ -7,7 +7,7 @@ from torch import nn
 
 from kernels.batch import PagedBatch
 from services.worker.models.activations import activation
-from services.worker.models.base import PagedCausalLM
+from services.worker.models.base import Embedding, PagedCausalLM
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel
 
@@ -92,8 +92,8 @@ class GPT2Block(nn.Module):
 class _GPT2Model(nn.Module):
     def __init__(self, config, tp: TensorParallel):
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.wte = Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config, i, tp) for i in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 

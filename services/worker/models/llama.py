@@ -14,7 +14,7 @@ from kernels.cpu_activation import silu_and_mul
 from kernels.cpu_linear import Linear
 from kernels.cpu_norm import rms_norm
 from services.worker.models.activations import activation
-from services.worker.models.base import PagedCausalLM, fused
+from services.worker.models.base import Embedding, PagedCausalLM, fused
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
 
@@ -168,7 +168,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, qkv_bias, o_bias, qk_norm, tp) for _ in range(config.num_hidden_layers)
         )

@@ -8,7 +8,7 @@ from torch import nn
 from kernels.batch import PagedBatch
 from kernels.cpu_linear import Linear
 from services.worker.models.activations import activation
-from services.worker.models.base import PagedCausalLM, fused
+from services.worker.models.base import Embedding, PagedCausalLM, fused
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
 
@@ -90,8 +90,8 @@ class OPTDecoder(nn.Module):
     def __init__(self, config, tp: TensorParallel):
         super().__init__()
         projected = config.word_embed_proj_dim
-        self.embed_tokens = nn.Embedding(config.vocab_size, projected)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, projected)
+        self.embed_positions = Embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
         if projected != config.hidden_size:
             self.project_in = Linear(projected, config.hidden_size, bias=False)
             self.project_out = Linear(config.hidden_size, projected, bias=False)
