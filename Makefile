@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install up test bench
+.PHONY: install up test check lint docs docs-check bench
 
 # Serving needs only the package itself (torch, no triton or test tools); tests add the rest.
 $(VENV)/.installed: pyproject.toml
@@ -14,8 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e '.[test,bench]'
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e '.[test,bench,dev]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -26,6 +26,20 @@ up: install
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q $(ARGS)
+
+# The inner loop: lint, types and every test that starts no server (a couple of minutes).
+check: lint
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+docs: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8080
+
+docs-check: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir $$(mktemp -d)
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/scheduler_bench.py

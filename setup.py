@@ -19,7 +19,9 @@ class BuildKernels(build_py):
             return
         compiler = shutil.which(os.environ.get("CC", "cc"))
         if compiler is None:
-            self.warn("no C compiler: the wheel carries no prebuilt kernels (they compile on first use, or run in torch)")
+            self.warn(
+                "no C compiler: the wheel carries no prebuilt kernels (they compile on first use, or run in torch)"
+            )
             return
         spec = importlib.util.spec_from_file_location("native", Path(__file__).parent / "kernels" / "native.py")
         native = importlib.util.module_from_spec(spec)

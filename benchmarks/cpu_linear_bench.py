@@ -112,10 +112,11 @@ def per_weight(peaks: dict) -> list[dict]:
             flops = 2 * rows * out_features * in_features / 1e9
             repeats = REPEATS if rows < 256 else max(3, REPEATS // 5)
             row = {"weight": name, "out_features": out_features, "in_features": in_features, "rows": rows,
-                   "torch_f32": flops / median_s(lambda: F.linear(x, weight), repeats),
-                   "torch_bf16": flops / median_s(lambda: F.linear(x.to(torch.bfloat16), half), max(1, repeats // 3))}
+                   "torch_f32": flops / median_s(lambda x=x, w=weight: F.linear(x, w), repeats),
+                   "torch_bf16": flops / median_s(lambda x=x, w=half: F.linear(x.to(torch.bfloat16), w),
+                                                  max(1, repeats // 3))}
             for layout, p in panels.items():
-                row[layout] = flops / median_s(lambda: gemm(x, p, out_features, None), repeats)
+                row[layout] = flops / median_s(lambda x=x, p=p, n=out_features: gemm(x, p, n, None), repeats)
                 row[f"{layout}_of_peak"] = row[layout] / peaks["bf16_gflops" if layout == "bf16" else "f32_gflops"]
             rows_out.append({k: round(v, 3 if k.endswith("peak") else 1) if isinstance(v, float) else v
                              for k, v in row.items()})
@@ -132,32 +133,42 @@ def whole_step(peaks: dict) -> list[dict]:
     shapes.append(WEIGHTS["12-layer lm_head"])
     weights = [torch.randn(out_features, in_features) * 0.02 for out_features, in_features in shapes]
     mappings: list[mmap.mmap] = []
-    panels = {layout: [on_huge_pages(pack(w.to(dtype)), mappings) for w in weights] for layout, dtype in LAYOUTS.items()}
+    panels = {layout: [on_huge_pages(pack(w.to(dtype)), mappings) for w in weights]
+              for layout, dtype in LAYOUTS.items()}
     sizes = {layout: sum(p.nbytes for p in ps) for layout, ps in panels.items()}
     rows_out = []
-    print(f"\nlinear layers of a whole {STEP_LAYERS}-layer step (weights from memory, on huge pages), ms, "
-          f"and the weights' rate in GB/s (one thread reads {peaks['read_gb_s']} GB/s)")
+    print(
+        f"\nlinear layers of a whole {STEP_LAYERS}-layer step (weights from memory, on huge pages), ms, "
+        f"and the weights' rate in GB/s (one thread reads {peaks['read_gb_s']} GB/s)"
+    )
     print(f"{'threads':>7}{'rows':>6}{'torch f32':>11}" + "".join(f"{name:>17}" for name in LAYOUTS))
     for threads in THREADS:
         torch.set_num_threads(threads)
         for rows in STEP_ROWS:
             x = {width: torch.randn(rows, width) for _, width in shapes}
-            calls = {"torch_f32": lambda: [F.linear(x[w.shape[1]], w) for w in weights]}
+            calls = {"torch_f32": lambda x=x: [F.linear(x[w.shape[1]], w) for w in weights]}
             for layout, ps in panels.items():
-                calls[layout] = lambda ps=ps: [gemm(x[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, ps)]
+                calls[layout] = lambda x=x, ps=ps: [
+                    gemm(x[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, ps)
+                ]
             times = {name: [] for name in calls}
             for _ in range(max(3, REPEATS // 3)):
                 for name, call in calls.items():
                     started = time.perf_counter()
                     call()
                     times[name].append(time.perf_counter() - started)
-            row = {"threads": threads, "rows": rows,
-                   **{f"{name}_ms": round(1e3 * statistics.median(t), 2) for name, t in times.items()}}
+            row = {
+                "threads": threads,
+                "rows": rows,
+                **{f"{name}_ms": round(1e3 * statistics.median(t), 2) for name, t in times.items()},
+            }
             for layout in LAYOUTS:
                 row[f"{layout}_gb_s"] = round(sizes[layout] / row[f"{layout}_ms"] / 1e6, 1)
             rows_out.append(row)
-            print(f"{threads:>7}{rows:>6}{row['torch_f32_ms']:>11.2f}"
-                  + "".join(f"{row[layout + '_ms']:>9.2f} ({row[layout + '_gb_s']:>4.1f})" for layout in LAYOUTS))
+            print(
+                f"{threads:>7}{rows:>6}{row['torch_f32_ms']:>11.2f}"
+                + "".join(f"{row[layout + '_ms']:>9.2f} ({row[layout + '_gb_s']:>4.1f})" for layout in LAYOUTS)
+            )
     torch.set_num_threads(1)
     return rows_out
 
@@ -169,16 +180,27 @@ def main() -> None:
     if build is None:
         sys.exit("no C compiler: the packed kernels cannot be built here")
     peaks = probe()
-    print(f"kernels: {build.variant} ({build.description}); this core: float32 {peaks['f32_gflops']} GFLOP/s in "
-          f"{peaks['vector_floats']}-float vectors, bfloat16 {peaks['bf16_gflops']} GFLOP/s "
-          f"({'its dot product' if peaks['bf16_native'] else 'widened to float32'}), reads {peaks['read_gb_s']} GB/s")
+    print(
+        f"kernels: {build.variant} ({build.description}); this core: float32 {peaks['f32_gflops']} GFLOP/s in "
+        f"{peaks['vector_floats']}-float vectors, bfloat16 {peaks['bf16_gflops']} GFLOP/s "
+        f"({'its dot product' if peaks['bf16_native'] else 'widened to float32'}), reads {peaks['read_gb_s']} GB/s"
+    )
     rows = per_weight(peaks)
     step = whole_step(peaks)
     out_dir = os.environ.get("PAGEDSERVE_BENCH_OUT", os.path.join(os.path.dirname(__file__), "results"))
     os.makedirs(out_dir, exist_ok=True)
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {cpu_model()}", "cpu_flags": cpu_features(),
-              "kernels": f"{build.variant} ({build.description})", "threads": 1, "repeats": REPEATS,
-              "date": time.strftime("%Y-%m-%d"), "unit": "GFLOP/s", "peak": peaks, "rows": rows, "whole_step": step}
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {cpu_model()}",
+        "cpu_flags": cpu_features(),
+        "kernels": f"{build.variant} ({build.description})",
+        "threads": 1,
+        "repeats": REPEATS,
+        "date": time.strftime("%Y-%m-%d"),
+        "unit": "GFLOP/s",
+        "peak": peaks,
+        "rows": rows,
+        "whole_step": step,
+    }
     with open(os.path.join(out_dir, "cpu_linear_bench.json"), "w") as f:
         json.dump(result, f, indent=2)
 

@@ -3,7 +3,8 @@ reservation baselines (Orca Max, Pow2, Oracle), on ShareGPT-like and Alpaca-like
 
 Every system is the same server with the same model, kernels and KV budget (`--num-blocks`); only
 `--kv-reservation` differs. `paged_int8` is pagedserve with `--kv-cache-dtype int8` in the same
-bytes: `--num-blocks` float blocks' worth of int8 blocks. For each system and rate the same seeded trace arrives as a Poisson
+bytes: `--num-blocks` float blocks' worth of int8 blocks. For each system and rate the same seeded trace arrives as a
+Poisson
 process. A system's sustained rate is where its normalized latency crosses `--slo` times the
 paged server's lowest-rate normalized latency (interpolated between measured rates). Prints a
 table, writes benchmarks/results/fig12_<workload><tag>.json and docs/fig12_<workload><tag>.png.
@@ -20,13 +21,27 @@ from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.paper_harness import (ROOT, budget_flags, commit, machine, pagedserve, pyplot,  # noqa: E402
-                                      run_at_rate, save_figure, write_json)
+from benchmarks.paper_harness import (  # noqa: E402
+    ROOT,
+    budget_flags,
+    commit,
+    machine,
+    pagedserve,
+    pyplot,
+    run_at_rate,
+    save_figure,
+    write_json,
+)
 from benchmarks.workloads import WORKLOADS, describe  # noqa: E402
 
 POLICIES = ("paged", "oracle", "pow2", "max")
-LABELS = {"paged": "pagedserve", "oracle": "Orca (Oracle)", "pow2": "Orca (Pow2)", "max": "Orca (Max)",
-          "paged_int8": "pagedserve int8"}
+LABELS = {
+    "paged": "pagedserve",
+    "oracle": "Orca (Oracle)",
+    "pow2": "Orca (Pow2)",
+    "max": "Orca (Max)",
+    "paged_int8": "pagedserve int8",
+}
 
 
 def sustained_rate(points: list[tuple[float, float]], limit: float) -> float:
@@ -63,17 +78,29 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--slo", type=float, default=2.0, help="latency limit, times paged's lowest-rate latency")
     parser.add_argument("--model", default=None, help="model directory (default: the shipped model)")
-    parser.add_argument("--server-args", default="", help="more `pagedserve up` flags, e.g. "
-                        "'--device cuda --load-format dummy' for a real-shape model on a GPU")
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="more `pagedserve up` flags, e.g. '--device cuda --load-format dummy' for a real-shape model on a GPU",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="", help="added to the result and plot file names")
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--plot-dir", default=str(ROOT / "docs"))
-    parser.add_argument("--interleave", action="store_true", help="start every system at once and run them in "
-                        "turn at each rate, so that a drift in the machine's speed touches all alike (the CPU; on a "
-                        "GPU the systems' weights would not fit together)")
-    parser.add_argument("--combine", nargs="+", metavar="JSON", help="run nothing: join the systems of earlier "
-                        "result files (each run the same way, e.g. in two calls on a lent GPU) into one figure")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every system at once and run them in "
+        "turn at each rate, so that a drift in the machine's speed touches all alike (the CPU; on a "
+        "GPU the systems' weights would not fit together)",
+    )
+    parser.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: join the systems of earlier "
+        "result files (each run the same way, e.g. in two calls on a lent GPU) into one figure",
+    )
     args = parser.parse_args()
     if args.combine:
         return combine(args)
@@ -85,12 +112,16 @@ def main() -> None:
 
     def measure(policy: str, server: tuple[str, str], i: int, rate: float) -> None:
         # The warm-up requests go once per server, before its first rate.
-        result = run_at_rate(*server, jobs if i == 0 else jobs[warmup:], rate, seed=args.seed,
-                             warmup=warmup if i == 0 else 0)
+        result = run_at_rate(
+            *server, jobs if i == 0 else jobs[warmup:], rate, seed=args.seed, warmup=warmup if i == 0 else 0
+        )
         runs[policy].append({"rate": rate, **result})
-        print(f"{LABELS[policy]:<14} rate {rate:5.2f}/s  normalized {result['normalized_latency_s_per_token']:.4f} "
-              f"s/token  throughput {result['request_throughput']:.2f} req/s  "
-              f"tokens {result['kv_slots_percent']['tokens']:.1f} % of KV used or stranded", flush=True)
+        print(
+            f"{LABELS[policy]:<14} rate {rate:5.2f}/s  normalized {result['normalized_latency_s_per_token']:.4f} "
+            f"s/token  throughput {result['request_throughput']:.2f} req/s  "
+            f"tokens {result['kv_slots_percent']['tokens']:.1f} % of KV used or stranded",
+            flush=True,
+        )
 
     def save() -> dict:  # after each system or rate: a cut-off run keeps what it measured
         payload = summarize({p: points for p, points in runs.items() if points}, args, describe(jobs[warmup:]))
@@ -101,8 +132,13 @@ def main() -> None:
         if policy == "paged_int8":
             blocks = int8_blocks_in_the_same_bytes(args)
             print(f"{LABELS[policy]}: {blocks} int8 blocks in the bytes of {args.num_blocks}", flush=True)
-            flags = ["--kv-reservation", "paged", "--kv-cache-dtype", "int8",
-                     *budget_flags(argparse.Namespace(**{**vars(args), "num_blocks": blocks}))]
+            flags = [
+                "--kv-reservation",
+                "paged",
+                "--kv-cache-dtype",
+                "int8",
+                *budget_flags(argparse.Namespace(**{**vars(args), "num_blocks": blocks})),
+            ]
         else:
             flags = ["--kv-reservation", policy, *budget_flags(args)]
         return pagedserve(*flags, *args.server_args.split(), model=args.model)
@@ -127,10 +163,14 @@ def combine(args) -> None:
     files = [json.loads(Path(name).read_text()) for name in args.combine]
     runs = {policy: points for payload in files for policy, points in payload["runs"].items()}
     runs = {policy: runs[policy] for policy in sorted(runs, key=POLICIES.index)}  # pagedserve first: the baseline
-    recorded = argparse.Namespace(**{**files[0]["args"], "slo": args.slo, "tag": args.tag, "combine": args.combine,
-                                     "policies": ",".join(runs)})
-    payload = {**summarize(runs, recorded, files[0]["trace"]), "commit": files[0]["commit"],
-               **{key: files[0][key] for key in ("machine", "processor", "cores", "gpu", "python", "date")}}
+    recorded = argparse.Namespace(
+        **{**files[0]["args"], "slo": args.slo, "tag": args.tag, "combine": args.combine, "policies": ",".join(runs)}
+    )
+    payload = {
+        **summarize(runs, recorded, files[0]["trace"]),
+        "commit": files[0]["commit"],
+        **{key: files[0][key] for key in ("machine", "processor", "cores", "gpu", "python", "date")},
+    }
     write_json(Path(args.out_dir) / f"fig12_{recorded.workload}{args.tag}.json", payload)
     report(payload, argparse.Namespace(**{**vars(recorded), "out_dir": args.out_dir, "plot_dir": args.plot_dir}))
 
@@ -138,31 +178,52 @@ def combine(args) -> None:
 def report(payload: dict, args) -> None:
     runs, limit, sustained = payload["runs"], payload["slo_s_per_token"], payload["sustained_rate"]
     policies = list(runs)
-    print(f"\nsustained rate at normalized latency <= {limit:.4f} s/token ({args.slo:g} x {LABELS[policies[0]]} "
-          "at the lowest rate):")
+    print(
+        f"\nsustained rate at normalized latency <= {limit:.4f} s/token ({args.slo:g} x {LABELS[policies[0]]} "
+        "at the lowest rate):"
+    )
     for policy in policies:
         ratio = sustained[policies[0]] / sustained[policy] if sustained[policy] else float("inf")
         print(f"  {LABELS[policy]:<14} {sustained[policy]:.2f} req/s   {LABELS[policies[0]]} / this: {ratio:.2f}x")
     model = Path(args.model).name if args.model else "tiny-python"
-    plot(runs, limit, f"{model}, {args.workload}-like, {args.num_blocks} KV blocks of {args.block_size}, "
-         f"context {args.max_model_len}",
-         Path(args.plot_dir) / f"fig12_{args.workload}{args.tag}.png")
+    plot(
+        runs,
+        limit,
+        f"{model}, {args.workload}-like, {args.num_blocks} KV blocks of {args.block_size}, "
+        f"context {args.max_model_len}",
+        Path(args.plot_dir) / f"fig12_{args.workload}{args.tag}.png",
+    )
 
 
 def summarize(runs: dict[str, list[dict]], args, trace: dict) -> dict:
     first = next(iter(runs))
     limit = args.slo * runs[first][0]["normalized_latency_s_per_token"]
-    sustained = {p: sustained_rate([(r["rate"], r["normalized_latency_s_per_token"]) for r in points], limit)
-                 for p, points in runs.items()}
-    return {"figure": "12", "workload": args.workload, "trace": trace, "args": vars(args),
-            "commit": commit(), **machine(), "slo_s_per_token": limit, "sustained_rate": sustained, "runs": runs}
+    sustained = {
+        p: sustained_rate([(r["rate"], r["normalized_latency_s_per_token"]) for r in points], limit)
+        for p, points in runs.items()
+    }
+    return {
+        "figure": "12",
+        "workload": args.workload,
+        "trace": trace,
+        "args": vars(args),
+        "commit": commit(),
+        **machine(),
+        "slo_s_per_token": limit,
+        "sustained_rate": sustained,
+        "runs": runs,
+    }
 
 
 def plot(runs: dict[str, list[dict]], limit: float, title: str, path: Path) -> None:
     figure, axes = pyplot().subplots(figsize=(6, 4))
     for policy, points in runs.items():
-        axes.plot([p["rate"] for p in points], [p["normalized_latency_s_per_token"] for p in points], marker="o",
-                  label=LABELS[policy])
+        axes.plot(
+            [p["rate"] for p in points],
+            [p["normalized_latency_s_per_token"] for p in points],
+            marker="o",
+            label=LABELS[policy],
+        )
     axes.axhline(limit, color="grey", linestyle=":", label="latency limit")
     axes.set_xlabel("request rate (req/s)")
     axes.set_ylabel("normalized latency (s/token)")

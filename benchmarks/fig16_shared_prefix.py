@@ -17,8 +17,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.paper_harness import (ROOT, budget_flags, commit, machine, pagedserve, pyplot,  # noqa: E402
-                                      run_at_rate, save_figure, write_json)
+from benchmarks.paper_harness import (  # noqa: E402
+    ROOT,
+    budget_flags,
+    commit,
+    machine,
+    pagedserve,
+    pyplot,
+    run_at_rate,
+    save_figure,
+    write_json,
+)
 from benchmarks.workloads import WORKLOADS, describe  # noqa: E402
 
 SYSTEMS = {  # name: flags
@@ -53,10 +62,15 @@ def main() -> None:
                   f"{result['output_throughput']:8.1f} output tok/s", flush=True)
     for workload, by_system in results.items():
         shared, alone = by_system["pagedserve, prefix caching"], by_system["pagedserve, no sharing"]
-        print(f"{workload}: prefix caching gives {shared['request_throughput'] / alone['request_throughput']:.2f}x "
-              f"the throughput without it, {shared['request_throughput'] / by_system['Orca (Oracle)']['request_throughput']:.2f}x Oracle's")
-    write_json(Path(args.out_dir) / "fig16_shared_prefix.json", {
-        "figure": "16", "traces": traces, "args": vars(args), "commit": commit(), **machine(), "results": results})
+        print(
+            f"{workload}: prefix caching gives {shared['request_throughput'] / alone['request_throughput']:.2f}x "
+            f"the throughput without it, "
+            f"{shared['request_throughput'] / by_system['Orca (Oracle)']['request_throughput']:.2f}x Oracle's"
+        )
+    write_json(
+        Path(args.out_dir) / "fig16_shared_prefix.json",
+        {"figure": "16", "traces": traces, "args": vars(args), "commit": commit(), **machine(), "results": results},
+    )
     plot(results, Path(args.plot_dir) / "fig16_shared_prefix.png")
 
 
@@ -65,10 +79,16 @@ def plot(results: dict[str, dict[str, dict]], path: Path) -> None:
     workloads = list(results)
     width = 0.8 / len(SYSTEMS)
     for i, system in enumerate(SYSTEMS):
-        axes.bar([w + i * width for w in range(len(workloads))],
-                 [results[w][system]["request_throughput"] for w in workloads], width, label=system)
-    axes.set_xticks([w + width * (len(SYSTEMS) - 1) / 2 for w in range(len(workloads))],
-                    ["one-shot prefix (80)", "five-shot prefix (341)"])
+        axes.bar(
+            [w + i * width for w in range(len(workloads))],
+            [results[w][system]["request_throughput"] for w in workloads],
+            width,
+            label=system,
+        )
+    axes.set_xticks(
+        [w + width * (len(SYSTEMS) - 1) / 2 for w in range(len(workloads))],
+        ["one-shot prefix (80)", "five-shot prefix (341)"],
+    )
     axes.set_ylabel("request throughput (req/s)")
     axes.set_title("shared prefix, same KV budget, CPU")
     axes.legend()

@@ -19,8 +19,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.fig12_latency_vs_rate import LABELS, POLICIES  # noqa: E402
-from benchmarks.paper_harness import (ROOT, budget_flags, commit, machine, pagedserve, pyplot,  # noqa: E402
-                                      run_at_rate, save_figure, write_json)
+from benchmarks.paper_harness import (  # noqa: E402
+    ROOT,
+    budget_flags,
+    commit,
+    machine,
+    pagedserve,
+    pyplot,
+    run_at_rate,
+    save_figure,
+    write_json,
+)
 from benchmarks.workloads import WORKLOADS, describe  # noqa: E402
 
 STATES = (("tokens", "token states"), ("reserved", "reserved"), ("unused", "internal fragmentation"),

@@ -42,7 +42,9 @@ def documents() -> list[tuple[str, dict, str]]:
 def _example(spec: dict):
     if "enum" in spec:
         return spec["enum"][0]
-    return {"integer": 7, "string": "ab-123", "boolean": True, "array": [1.5], "object": {"x": 1, "y": "z"}}[spec["type"]]
+    return {"integer": 7, "string": "ab-123", "boolean": True, "array": [1.5], "object": {"x": 1, "y": "z"}}[
+        spec["type"]
+    ]
 
 
 def llguidance_engine(tokenizer, vocab: int):
@@ -53,8 +55,9 @@ def llguidance_engine(tokenizer, vocab: int):
     layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
     def compile_(schema: dict):
-        return llguidance.LLMatcher(lltokenizer, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                                                              defaults=layout))
+        return llguidance.LLMatcher(
+            lltokenizer, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=layout)
+        )
 
     def mask(matcher, row: torch.Tensor) -> None:
         matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
@@ -68,12 +71,14 @@ def llguidance_engine(tokenizer, vocab: int):
 def xgrammar_engine(tokenizer, vocab: int):
     import xgrammar
 
-    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab),
-                                        cache_enabled=False)
+    compiler = xgrammar.GrammarCompiler(
+        xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab), cache_enabled=False
+    )
 
     def compile_(schema: dict):
-        return xgrammar.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
-                                                                    separators=(", ", ": ")))
+        return xgrammar.GrammarMatcher(
+            compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
+        )
 
     def mask(matcher, row: torch.Tensor) -> None:
         matcher.fill_next_token_bitmask(row[None, :])
@@ -101,9 +106,12 @@ def measure(engine, tokenizer, vocab: int, repeats: int) -> dict:
                 masks.append(time.perf_counter() - started)
                 if not accept(matcher, token):
                     raise RuntimeError(f"{name}: the document's token {token} was refused")
-        figures[name] = {"compile_ms": statistics.median(compiles) * 1e3,
-                         "mask_us_median": statistics.median(masks) * 1e6, "mask_us_max": max(masks) * 1e6,
-                         "tokens": len(tokens)}
+        figures[name] = {
+            "compile_ms": statistics.median(compiles) * 1e3,
+            "mask_us_median": statistics.median(masks) * 1e6,
+            "mask_us_max": max(masks) * 1e6,
+            "tokens": len(tokens),
+        }
     return figures
 
 
@@ -124,8 +132,10 @@ def main() -> None:
     print(f"{'engine':12} {'schema':14} {'compile ms':>10} {'mask us (median)':>17} {'mask us (max)':>14}")
     for name, build in engines.items():
         for schema, figure in measure(build(tokenizer, vocab), tokenizer, vocab, args.repeats).items():
-            print(f"{name:12} {schema:14} {figure['compile_ms']:10.2f} {figure['mask_us_median']:17.1f} "
-                  f"{figure['mask_us_max']:14.1f}")
+            print(
+                f"{name:12} {schema:14} {figure['compile_ms']:10.2f} {figure['mask_us_median']:17.1f} "
+                f"{figure['mask_us_max']:14.1f}"
+            )
 
 
 if __name__ == "__main__":

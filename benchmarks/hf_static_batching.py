@@ -25,7 +25,9 @@ from benchmarks.workloads import WORKLOADS, Job, describe  # noqa: E402
 from services.launcher import SHIPPED_MODEL  # noqa: E402
 
 
-def hf_generate(model_dir: str, jobs: list[Job], batch_size: int, threads: int, max_model_len: int) -> tuple[float, int]:
+def hf_generate(
+    model_dir: str, jobs: list[Job], batch_size: int, threads: int, max_model_len: int
+) -> tuple[float, int]:
     """Seconds for `generate` to produce every job's output in static batches, and the useful tokens
     it produced: a batch padded past the context stops there, short of its longest outputs."""
     import torch
@@ -43,8 +45,14 @@ def hf_generate(model_dir: str, jobs: list[Job], batch_size: int, threads: int, 
         longest = min(max(j.output_len for j in batch), max_model_len - width)
         useful += sum(min(j.output_len, longest) for j in batch)
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                           do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad,
+            )
     return time.perf_counter() - started, useful
 
 
@@ -54,8 +62,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="torch threads for generate; pagedserve's CPU worker takes cores - 1 by default")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="torch threads for generate; pagedserve's CPU worker takes cores - 1 by default",
+    )
     parser.add_argument("--model", default=SHIPPED_MODEL)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
@@ -70,11 +82,23 @@ def main() -> None:
     print(f"pagedserve (continuous batching): {ours:8.1f} output tok/s  ({served['duration']:.1f} s)")
     print(f"HF generate (static, batch {args.batch_size}): {theirs:8.1f} output tok/s  ({seconds:.1f} s)")
     print(f"pagedserve / HF generate: {ours / theirs:.2f}x")
-    write_json(Path(args.out_dir) / "hf_static_batching.json", {
-        "workload": args.workload, "trace": describe(jobs[2:]), "args": vars(args), "commit": commit(), **machine(),
-        "pagedserve_output_tok_s": ours, "hf_generate_output_tok_s": theirs, "ratio": ours / theirs,
-        "pagedserve": served, "hf_generate_seconds": seconds, "useful_tokens": useful,
-        "hf_generate_useful_tokens": hf_useful})
+    write_json(
+        Path(args.out_dir) / "hf_static_batching.json",
+        {
+            "workload": args.workload,
+            "trace": describe(jobs[2:]),
+            "args": vars(args),
+            "commit": commit(),
+            **machine(),
+            "pagedserve_output_tok_s": ours,
+            "hf_generate_output_tok_s": theirs,
+            "ratio": ours / theirs,
+            "pagedserve": served,
+            "hf_generate_seconds": seconds,
+            "useful_tokens": useful,
+            "hf_generate_useful_tokens": hf_useful,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -66,26 +66,44 @@ class Scenario:
 
 SCENARIOS = {
     "throughput": Scenario(128, 128, 200, max_concurrency=64),
-    "c48": Scenario(128, 128, 192, max_concurrency=48),
+    "c48": Scenario(128, 128, 192, max_concurrency=48, metrics=("output_throughput", "mean_tpot_ms", "median_ttft_ms")),
     # End-to-end too: a server that holds the first token back shows a lower TPOT for the same wait.
     "latency": Scenario(32, 64, 20, max_concurrency=1, metrics=("mean_tpot_ms", "mean_ttft_ms", "mean_e2el_ms")),
     # ShareGPT's mean lengths; all at once, so request throughput is the highest sustainable rate.
     "sharegpt_saturation": Scenario(161, 338, 200, metrics=("request_throughput", "output_throughput")),
-    "sharegpt_rate2": Scenario(161, 338, 60, request_rate=2.0,
-                               metrics=("mean_tpot_ms", "mean_ttft_ms", "mean_e2el_ms")),
+    "sharegpt_rate2": Scenario(
+        161, 338, 60, request_rate=2.0, metrics=("mean_tpot_ms", "mean_ttft_ms", "mean_e2el_ms")
+    ),
     "throughput_loaded": Scenario(128, 128, 200, max_concurrency=64, cpu_load=True),
     # Code completion, greedy, for speculative decoding (about 350 prompt tokens, 128 out).
-    "code_c1": Scenario(0, 128, 24, max_concurrency=1, workload="code",
-                        metrics=("output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms")),
-    "code_c4": Scenario(0, 128, 48, max_concurrency=4, workload="code",
-                        metrics=("output_throughput", "mean_tpot_ms", "mean_ttft_ms")),
-    "code_c48": Scenario(0, 128, 192, max_concurrency=48, workload="code",
-                         metrics=("output_throughput", "mean_tpot_ms")),
+    "code_c1": Scenario(
+        0,
+        128,
+        24,
+        max_concurrency=1,
+        workload="code",
+        metrics=("output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms"),
+    ),
+    "code_c4": Scenario(
+        0, 128, 48, max_concurrency=4, workload="code", metrics=("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
+    ),
+    "code_c48": Scenario(
+        0, 128, 192, max_concurrency=48, workload="code", metrics=("output_throughput", "mean_tpot_ms")
+    ),
     # A model past toy size, where the step is matmuls (ops/configs/llama-12l-768 with dummy weights).
-    "mid_c16": Scenario(256, 96, 64, max_concurrency=16),
-    "mid_c1": Scenario(256, 96, 12, max_concurrency=1,
-                       metrics=("output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms")),
+    "mid_c16": Scenario(
+        256, 96, 64, max_concurrency=16, metrics=("output_throughput", "mean_tpot_ms", "median_ttft_ms")
+    ),
+    "mid_c1": Scenario(
+        256,
+        96,
+        12,
+        max_concurrency=1,
+        metrics=("output_throughput", "mean_tpot_ms", "median_tpot_ms", "median_ttft_ms"),
+    ),
 }
+
+
 class Server:
     def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log_dir: Path):
         self.name, self.port = name, port
@@ -94,8 +112,9 @@ class Server:
                 if probe.connect_ex(("127.0.0.1", taken)) == 0:
                     raise RuntimeError(f"port {taken} is in use: another server is running there")
         with open(log_dir / f"{name}-{port}.log", "w") as log:  # the child keeps its own descriptor
-            self.process = subprocess.Popen(command, env={**os.environ, **env}, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
@@ -124,23 +143,65 @@ class Server:
 
 
 def pagedserve_command(args, port: int, speculative: bool = False) -> tuple[list[str], dict[str, str]]:
-    command = [sys.executable, "-c", "from services.launcher import main_entry; main_entry()", "up",
-               "--model", args.model, "--port", str(port), "--served-model-name", SERVED_NAME,
-               "--device", "cpu", "--dtype", args.dtype, "--block-size", str(args.block_size),
-               "--kv-cache-memory", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-               "--scheduler-metrics-port", str(port + 1), "--worker-metrics-port", "0",
-               "--load-format", args.load_format, "--tokenizer", args.tokenizer] + args.pagedserve_args.split()
+    command = [
+        sys.executable,
+        "-c",
+        "from services.launcher import main_entry; main_entry()",
+        "up",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_NAME,
+        "--device",
+        "cpu",
+        "--dtype",
+        args.dtype,
+        "--block-size",
+        str(args.block_size),
+        "--kv-cache-memory",
+        str(args.kv_cache_gib),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--scheduler-metrics-port",
+        str(port + 1),
+        "--worker-metrics-port",
+        "0",
+        "--load-format",
+        args.load_format,
+        "--tokenizer",
+        args.tokenizer,
+    ] + args.pagedserve_args.split()
     if speculative:
         command += ["--speculative-config", args.speculative_config]
     return command, {}
 
 
 def vllm_command(args, port: int, speculative: bool = False) -> tuple[list[str], dict[str, str]]:
-    command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", args.model, "--port", str(port),
-               "--served-model-name", SERVED_NAME, "--dtype", args.dtype, "--block-size", str(args.block_size),
-               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-               str(args.max_num_batched_tokens), "--load-format", args.load_format, "--tokenizer", args.tokenizer]
+    command = [
+        str(Path(args.vllm_venv) / "bin" / "vllm"),
+        "serve",
+        args.model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_NAME,
+        "--dtype",
+        args.dtype,
+        "--block-size",
+        str(args.block_size),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--load-format",
+        args.load_format,
+        "--tokenizer",
+        args.tokenizer,
+    ]
     if speculative:  # without pagedserve's own key ("adaptive"), which vLLM does not know
         config = {k: v for k, v in json.loads(args.speculative_config).items() if k != "adaptive"}
         command += ["--speculative-config", json.dumps(config)]
@@ -167,35 +228,85 @@ def run_client(args, port: int, scenario: Scenario, seed: int, scratch: Path) ->
     code = scenario.workload == "code"
     # Prompts of their own for each scenario: none found in a prefix cache (on by default in vLLM)
     # from another scenario or from the warm-up.
-    if code:
-        seed = 1000 * seed + scenario.max_concurrency
-    else:
-        seed = 1000 * seed + zlib.crc32(repr(scenario).encode()) % 1000
+    seed = 1000 * seed + (scenario.max_concurrency if code else zlib.crc32(repr(scenario).encode()) % 1000)
     if args.client == "ours":
         if code:
             jobs = workloads.code(scenario.num_prompts, seed=seed, output_len=scenario.output_len)
-            return asyncio.run(serve_client.run_jobs(base_url, SERVED_NAME, jobs, scenario.request_rate,
-                                                     scenario.max_concurrency, seed))
-        return asyncio.run(serve_client.run(base_url, SERVED_NAME, scenario.input_len, scenario.output_len,
-                                            scenario.num_prompts, scenario.request_rate,
-                                            scenario.max_concurrency, seed,
-                                            params=json.loads(scenario.body) if scenario.body else None))
+            return asyncio.run(
+                serve_client.run_jobs(
+                    base_url, SERVED_NAME, jobs, scenario.request_rate, scenario.max_concurrency, seed
+                )
+            )
+        return asyncio.run(
+            serve_client.run(
+                base_url,
+                SERVED_NAME,
+                scenario.input_len,
+                scenario.output_len,
+                scenario.num_prompts,
+                scenario.request_rate,
+                scenario.max_concurrency,
+                seed,
+                params=json.loads(scenario.body) if scenario.body else None,
+            )
+        )
     result_file = f"result-{time.monotonic_ns()}.json"
     if code:  # the same prompts as our client's, as a custom dataset, sent as they are (no chat template)
         dataset = scratch / f"code-{seed}.jsonl"
-        dataset.write_text("".join(json.dumps({"prompt": job.prompt}) + "\n"
-                                   for job in workloads.code(scenario.num_prompts, seed=seed)))
-        prompts = ["--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
-                   "--custom-output-len", str(scenario.output_len), "--disable-shuffle", "--temperature", "0"]
+        dataset.write_text(
+            "".join(
+                json.dumps({"prompt": job.prompt}) + "\n" for job in workloads.code(scenario.num_prompts, seed=seed)
+            )
+        )
+        prompts = [
+            "--dataset-name",
+            "custom",
+            "--dataset-path",
+            str(dataset),
+            "--skip-chat-template",
+            "--custom-output-len",
+            str(scenario.output_len),
+            "--disable-shuffle",
+            "--temperature",
+            "0",
+        ]
     else:
-        prompts = ["--dataset-name", "random", "--random-input-len", str(scenario.input_len),
-                   "--random-output-len", str(scenario.output_len)]
-    command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
-               "--base-url", base_url, "--model", SERVED_NAME, "--tokenizer", args.tokenizer, *prompts,
-               "--num-prompts", str(scenario.num_prompts),
-               "--request-rate", str(scenario.request_rate), "--ignore-eos", "--seed", str(seed),
-               "--percentile-metrics", "ttft,tpot,itl,e2el",
-               "--save-result", "--result-dir", str(scratch), "--result-filename", result_file]
+        prompts = [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(scenario.input_len),
+            "--random-output-len",
+            str(scenario.output_len),
+        ]
+    command = [
+        str(Path(args.vllm_venv) / "bin" / "vllm"),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        base_url,
+        "--model",
+        SERVED_NAME,
+        "--tokenizer",
+        args.tokenizer,
+        *prompts,
+        "--num-prompts",
+        str(scenario.num_prompts),
+        "--request-rate",
+        str(scenario.request_rate),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--save-result",
+        "--result-dir",
+        str(scratch),
+        "--result-filename",
+        result_file,
+    ]
     if scenario.max_concurrency:
         command += ["--max-concurrency", str(scenario.max_concurrency)]
     if scenario.body:
@@ -227,8 +338,10 @@ def acceptance_counters(name: str, port: int) -> tuple[float, float]:
         text = response.read().decode()
     totals = {"accepted": 0.0, "drafts": 0.0}
     for line in text.splitlines():
-        for key, suffix in (("accepted", "spec_decode_num_accepted_tokens_total"),
-                            ("drafts", "spec_decode_num_drafts_total")):
+        for key, suffix in (
+            ("accepted", "spec_decode_num_accepted_tokens_total"),
+            ("drafts", "spec_decode_num_drafts_total"),
+        ):
             metric = line.split("{")[0].split(" ")[0]
             if metric.endswith(suffix) and metric.split(":")[-1].removeprefix("pagedserve_") == suffix:
                 totals[key] += float(line.rsplit(" ", 1)[1])
@@ -248,8 +361,7 @@ def start_system(args, name: str, port: int, scratch: Path) -> Server:
     return server
 
 
-def run_scenario(args, name: str, port: int, scenario_name: str, scenario: Scenario, seed: int,
-                 scratch: Path) -> dict:
+def run_scenario(args, name: str, port: int, scenario_name: str, scenario: Scenario, seed: int, scratch: Path) -> dict:
     """One scenario against a running system, with its worker's idle share and its acceptance length."""
     speculative = SYSTEMS[name][1]
     burners = cpu_burners(args.load_cores) if scenario.cpu_load else []
@@ -285,16 +397,18 @@ def run_interleaved(args, systems: list[str], scenarios: dict[str, Scenario], sc
             print(f"repetition {repeat + 1}/{args.repeats}", flush=True)
             for scenario_name, scenario in scenarios.items():
                 for name in systems:
-                    runs[name][repeat][scenario_name] = run_scenario(args, name, ports[name], scenario_name, scenario,
-                                                                     repeat, scratch)
+                    runs[name][repeat][scenario_name] = run_scenario(
+                        args, name, ports[name], scenario_name, scenario, repeat, scratch
+                    )
     finally:
         for server in servers:
             server.stop()
     return runs
 
 
-def run_system(args, name: str, port: int, scenarios: dict[str, Scenario], seed: int, scratch: Path,
-               rates: list[float]) -> tuple[dict, dict]:
+def run_system(
+    args, name: str, port: int, scenarios: dict[str, Scenario], seed: int, scratch: Path, rates: list[float]
+) -> tuple[dict, dict]:
     results, sweep = {}, {}
     server = None
     try:
@@ -302,8 +416,9 @@ def run_system(args, name: str, port: int, scenarios: dict[str, Scenario], seed:
         for scenario_name, scenario in scenarios.items():
             results[scenario_name] = run_scenario(args, name, port, scenario_name, scenario, seed, scratch)
         for rate in rates:
-            sweep[rate] = run_client(args, port, Scenario(161, 338, args.sweep_prompts, request_rate=rate),
-                                     seed, scratch)
+            sweep[rate] = run_client(
+                args, port, Scenario(161, 338, args.sweep_prompts, request_rate=rate), seed, scratch
+            )
             print(f"  {name} rate {rate:g}: mean TPOT {sweep[rate]['mean_tpot_ms']:.1f} ms", flush=True)
     finally:
         if server is not None:
@@ -330,8 +445,11 @@ def add_system_args(parser: argparse.ArgumentParser) -> None:
 
 def settle_system_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.tokenizer is None:
-        args.tokenizer = args.model if os.path.isfile(os.path.join(args.model, "tokenizer.json")) else \
-            str(ROOT / "ops" / "models" / "tiny-python")
+        args.tokenizer = (
+            args.model
+            if os.path.isfile(os.path.join(args.model, "tokenizer.json"))
+            else str(ROOT / "ops" / "models" / "tiny-python")
+        )
     if args.client == "auto":
         args.client = "vllm" if args.vllm_venv else "ours"
     if args.client == "vllm" and not args.vllm_venv:
@@ -341,8 +459,11 @@ def settle_system_args(parser: argparse.ArgumentParser, args: argparse.Namespace
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_system_args(parser)
-    parser.add_argument("--vllm-all-cores", action="store_true",
-                        help="also run vLLM with every core bound to its worker (VLLM_CPU_OMP_THREADS_BIND)")
+    parser.add_argument(
+        "--vllm-all-cores",
+        action="store_true",
+        help="also run vLLM with every core bound to its worker (VLLM_CPU_OMP_THREADS_BIND)",
+    )
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--sweep", default="", help="request rates for the TPOT-vs-rate plot, e.g. 1,2,4,8")
     parser.add_argument("--sweep-prompts", type=int, default=40)
@@ -351,10 +472,16 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peer_bench.json"))
     parser.add_argument("--plot", default=str(ROOT / "docs" / "tpot_vs_rate.png"))
     parser.add_argument("--from-json", default=None, help="print the table and plot again from a saved run")
-    parser.add_argument("--interleave", action="store_true",
-                        help="start every system at once and run each scenario on each in turn (no --sweep)")
-    parser.add_argument("--speculative-config", default=None,
-                        help="run pagedserve without and with this config, and vLLM with it (JSON, vLLM's form)")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every system at once and run each scenario on each in turn (no --sweep)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help="run pagedserve without and with this config, and vLLM with it (JSON, vLLM's form)",
+    )
     args = parser.parse_args()
     if args.from_json:
         record = json.loads(Path(args.from_json).read_text())
@@ -363,8 +490,7 @@ def main() -> None:
             return
         print_table(record["table"])
         if record["sweep"]:
-            plot({s: {float(r): v for r, v in sweep.items()} for s, sweep in record["sweep"].items()},
-                 Path(args.plot))
+            plot({s: {float(r): v for r, v in sweep.items()} for s, sweep in record["sweep"].items()}, Path(args.plot))
             print(f"wrote {args.plot}")
         return
     if args.interleave and args.sweep:
@@ -389,8 +515,15 @@ def main() -> None:
         for repeat in range(0 if args.interleave else args.repeats):
             for system in systems:
                 print(f"repetition {repeat + 1}/{args.repeats}: {system}", flush=True)
-                results, sweep = run_system(args, system, args.port, scenarios, seed=repeat, scratch=Path(scratch),
-                                            rates=rates if repeat == 0 else [])
+                results, sweep = run_system(
+                    args,
+                    system,
+                    args.port,
+                    scenarios,
+                    seed=repeat,
+                    scratch=Path(scratch),
+                    rates=rates if repeat == 0 else [],
+                )
                 runs[system].append(results)
                 if sweep:
                     sweeps[system] = sweep
@@ -402,14 +535,39 @@ def main() -> None:
         print_table(rows)
     record = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "date": time.strftime("%Y-%m-%d"), "client": args.client, "model": args.model,
-        "settings": {k: getattr(args, k) for k in ("block_size", "dtype", "kv_cache_gib", "max_num_seqs",
-                                                    "max_num_batched_tokens", "load_cores", "pagedserve_args",
-                                                    "interleave", "load_format", "tokenizer")},
-        "scenarios": {name: {"input_len": s.input_len, "output_len": s.output_len, "num_prompts": s.num_prompts,
-                             "max_concurrency": s.max_concurrency, "request_rate": str(s.request_rate),
-                             "cpu_load": s.cpu_load, "workload": s.workload} for name, s in scenarios.items()},
-        "speculative_config": args.speculative_config, "table": rows, "runs": runs,
+        "date": time.strftime("%Y-%m-%d"),
+        "client": args.client,
+        "model": args.model,
+        "settings": {
+            k: getattr(args, k)
+            for k in (
+                "block_size",
+                "dtype",
+                "kv_cache_gib",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "load_cores",
+                "pagedserve_args",
+                "interleave",
+                "load_format",
+                "tokenizer",
+            )
+        },
+        "scenarios": {
+            name: {
+                "input_len": s.input_len,
+                "output_len": s.output_len,
+                "num_prompts": s.num_prompts,
+                "max_concurrency": s.max_concurrency,
+                "request_rate": str(s.request_rate),
+                "cpu_load": s.cpu_load,
+                "workload": s.workload,
+            }
+            for name, s in scenarios.items()
+        },
+        "speculative_config": args.speculative_config,
+        "table": rows,
+        "runs": runs,
         "sweep": {system: {str(rate): result for rate, result in sweep.items()} for system, sweep in sweeps.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

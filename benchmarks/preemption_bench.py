@@ -60,7 +60,7 @@ def main() -> None:
                         model.head_dim, dtype, device, num_cpu_blocks=num_blocks)
         runner = ModelRunner(model, cache, device, seed=0)
         pairs = [(i, i) for i in range(num_blocks)]
-        swap_ms = timed(lambda: (cache.swap_out(pairs), cache.swap_in(pairs)), sync)
+        swap_ms = timed(lambda cache=cache, pairs=pairs: (cache.swap_out(pairs), cache.swap_in(pairs)), sync)
         recompute_ms = 1e3 * NUM_TOKENS / runner.measure_prefill_rate(NUM_TOKENS)
         kv_mib = num_blocks * sum(layer[:, 0].numel() * layer.element_size() for layer in cache.layers) / 2**20
         rows.append({"block_size": block_size, "kv_mib": kv_mib, "swap_out_and_in_ms": swap_ms,

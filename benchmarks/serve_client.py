@@ -180,9 +180,13 @@ def main() -> None:
     if args.workload == "fixed":
         jobs = fixed(args.num_prompts + args.warmup, args.input_len, args.output_len, seed=args.seed)
     else:
-        jobs = WORKLOADS[args.workload](args.num_prompts + args.warmup, seed=args.seed, max_model_len=args.max_model_len)
-    result = asyncio.run(run_jobs(args.base_url, args.model, jobs, args.request_rate, args.max_concurrency,
-                                  args.seed, warmup=args.warmup))
+        jobs = WORKLOADS[args.workload](args.num_prompts + args.warmup, seed=args.seed,
+                                        max_model_len=args.max_model_len)
+    result = asyncio.run(
+        run_jobs(
+            args.base_url, args.model, jobs, args.request_rate, args.max_concurrency, args.seed, warmup=args.warmup
+        )
+    )
     print_table(result)
     if args.out:
         with open(args.out, "w") as f:

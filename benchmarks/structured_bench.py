@@ -30,8 +30,14 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks import serve_client, workloads  # noqa: E402
-from benchmarks.peer_bench import (SERVED_NAME, Scenario, add_system_args, run_interleaved,  # noqa: E402
-                                   settle_system_args, start_system)
+from benchmarks.peer_bench import (  # noqa: E402
+    SERVED_NAME,
+    Scenario,
+    add_system_args,
+    run_interleaved,
+    settle_system_args,
+    start_system,
+)
 from benchmarks.peer_report import spread  # noqa: E402
 
 RECORDS = {
@@ -118,14 +124,25 @@ def main() -> None:
         return [run[scenario][metric] for run in runs[system]]
 
     rows = {"schema / free throughput, pagedserve": [s / f for s, f in zip(
-        figures("pagedserve", "schema_c32", "output_throughput"), figures("pagedserve", "free_c32", "output_throughput"))]}
+        figures("pagedserve", "schema_c32", "output_throughput"),
+        figures("pagedserve", "free_c32", "output_throughput"))]}
     if "vllm" in runs:
-        rows["schema / free throughput, vLLM"] = [s / f for s, f in zip(
-            figures("vllm", "schema_c32", "output_throughput"), figures("vllm", "free_c32", "output_throughput"))]
-        rows["pagedserve / vLLM, with the schema"] = [p / v for p, v in zip(
-            figures("pagedserve", "schema_c32", "output_throughput"), figures("vllm", "schema_c32", "output_throughput"))]
-    rows["TTFT while compiling / alone (mean)"] = [c["mean_ttft_ms"] / a["mean_ttft_ms"]
-                                                   for a, c in zip(ttft["alone"], ttft["compiling"])]
+        rows["schema / free throughput, vLLM"] = [
+            s / f
+            for s, f in zip(
+                figures("vllm", "schema_c32", "output_throughput"), figures("vllm", "free_c32", "output_throughput")
+            )
+        ]
+        rows["pagedserve / vLLM, with the schema"] = [
+            p / v
+            for p, v in zip(
+                figures("pagedserve", "schema_c32", "output_throughput"),
+                figures("vllm", "schema_c32", "output_throughput"),
+            )
+        ]
+    rows["TTFT while compiling / alone (mean)"] = [
+        c["mean_ttft_ms"] / a["mean_ttft_ms"] for a, c in zip(ttft["alone"], ttft["compiling"])
+    ]
     print(f"\n{'figure':44} median (min–max) over {args.repeats} repetitions")
     for system in systems:
         for scenario in table:
@@ -135,9 +152,16 @@ def main() -> None:
         print(f"{'pagedserve TTFT ms, ' + case:44} {spread([r['mean_ttft_ms'] for r in results])}")
     for name, values in rows.items():
         print(f"{name:44} {spread(values, 3)}")
-    record = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-              "date": time.strftime("%Y-%m-%d"), "client": args.client, "model": args.model, "schema": RECORDS,
-              "runs": runs, "ttft": ttft, "ratios": rows}
+    record = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "date": time.strftime("%Y-%m-%d"),
+        "client": args.client,
+        "model": args.model,
+        "schema": RECORDS,
+        "runs": runs,
+        "ttft": ttft,
+        "ratios": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")

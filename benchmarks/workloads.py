@@ -125,11 +125,17 @@ def code_sources(revision: str = CODE_REVISION, root: Path = ROOT) -> tuple[str,
         listed = subprocess.run([*git, "ls-tree", "-r", "--name-only", revision, "--", *CODE_FOLDERS],
                                 capture_output=True, text=True, check=True).stdout.split()
         paths = sorted((path for path in listed if path.endswith(".py")), key=PurePosixPath)
-        batch = subprocess.run([*git, "cat-file", "--batch"], input="".join(f"{revision}:{p}\n" for p in paths).encode(),
-                               capture_output=True, check=True).stdout
+        batch = subprocess.run(
+            [*git, "cat-file", "--batch"],
+            input="".join(f"{revision}:{p}\n" for p in paths).encode(),
+            capture_output=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
-        print(f"code workload: {revision[:12]} not readable with git ({exc}); cutting prompts from the working tree",
-              file=sys.stderr)
+        print(
+            f"code workload: {revision[:12]} not readable with git ({exc}); cutting prompts from the working tree",
+            file=sys.stderr,
+        )
         return tuple(p.read_text() for p in sorted(p for folder in CODE_FOLDERS for p in (root / folder).rglob("*.py")))
     texts, at = [], 0
     for _ in paths:  # each: "<id> blob <size>\n" then the bytes and a newline
@@ -140,8 +146,15 @@ def code_sources(revision: str = CODE_REVISION, root: Path = ROOT) -> tuple[str,
     return tuple(texts)
 
 
-def code(count: int, seed: int = 0, max_model_len: int = 1024, vocab_size: int = 4096, output_len: int = 128,
-         prompt_chars: int = 1100, sources: tuple[str, ...] | None = None) -> list[Job]:
+def code(
+    count: int,
+    seed: int = 0,
+    max_model_len: int = 1024,
+    vocab_size: int = 4096,
+    output_len: int = 128,
+    prompt_chars: int = 1100,
+    sources: tuple[str, ...] | None = None,
+) -> list[Job]:
     """Prompts cut from Python source files (this repository's at CODE_REVISION, which the shipped
     model never saw), each a run of whole lines of at most `prompt_chars` characters (about 350 of
     the shipped model's tokens), greedy: the workload of code completion, where n-gram speculation pays."""
@@ -177,5 +190,10 @@ WORKLOADS = {
 def describe(jobs: list[Job]) -> dict:
     """Lengths in tokens (in characters for text prompts)."""
     inputs, outputs = [len(j.prompt) for j in jobs], [j.output_len for j in jobs]
-    return {"requests": len(jobs), "mean_input": statistics.mean(inputs), "mean_output": statistics.mean(outputs),
-            "max_input": max(inputs), "max_output": max(outputs)}
+    return {
+        "requests": len(jobs),
+        "mean_input": statistics.mean(inputs),
+        "mean_output": statistics.mean(outputs),
+        "max_input": max(inputs),
+        "max_output": max(outputs),
+    }

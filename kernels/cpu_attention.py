@@ -3,7 +3,8 @@
 `paged_attention_native` runs the C kernel of `cpu_attention.c` over the whole step (float32
 queries, a cache of float32, a half type, int8 or E4M3), its sequences in chunks of about equal
 work that the threads sharing the call claim in turn (`native.share`). Where it cannot be compiled,
-`paged_attention_torch` serves a whole step in a few vectorized calls per layer: decode sequences (one query each) go together: their blocks are gathered into one padded
+`paged_attention_torch` serves a whole step in a few vectorized calls per layer: decode sequences (one
+query each) go together: their blocks are gathered into one padded
 `[seqs, context, kv_heads, head_dim]` workspace with `index_select`, and a single masked
 `scaled_dot_product_attention` (grouped-query aware) serves them all. Sequences with several
 queries (prompt chunks) are few per step and go one call each, causal where the chunk is the
@@ -44,8 +45,9 @@ QUERY_BLOCK = 8  # queries of a sequence the compiled kernel serves together (cp
 CHUNKS_PER_THREAD = 4  # a shared call's sequences come in this many chunks per thread, claimed in turn
 
 
-def paged_attention_cpu(query, key_cache, value_cache, batch: PagedBatch, scale: float,
-                        window: int | None = None) -> torch.Tensor:
+def paged_attention_cpu(
+    query, key_cache, value_cache, batch: PagedBatch, scale: float, window: int | None = None
+) -> torch.Tensor:
     if native_accepts(query, key_cache, value_cache):
         return paged_attention_native(query, key_cache, value_cache, batch, scale, window)
     return paged_attention_torch(query, key_cache, value_cache, batch, scale, window)
@@ -56,14 +58,19 @@ def native_kernel(symbol: str = "paged_attention_f32"):
     """The C kernel over a float32 cache, or with "paged_attention_bf16" (or "_f16", "_i8", "_f8") over a
     bfloat16 (or float16, int8, E4M3) one."""
     p, i = native.POINTER, native.INT64
-    return native.function("cpu_attention", symbol,
-                           [p, i, p, p, p, i, p, p, p, i, p, i, i, i, i, i, native.FLOAT, i, p, p], None)
+    return native.function(
+        "cpu_attention", symbol, [p, i, p, p, p, i, p, p, p, i, p, i, i, i, i, i, native.FLOAT, i, p, p], None
+    )
 
 
 MAX_DECODED, TILE = 16384, 16  # cpu_attention.c decodes a tile of TILE cached tokens' rows into this many floats
-SYMBOLS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16",
-           torch.float16: "paged_attention_f16", torch.int8: "paged_attention_i8",
-           torch.uint8: "paged_attention_f8"}  # uint8: E4M3 rows (kernels/kv_quant.py)
+SYMBOLS = {
+    torch.float32: "paged_attention_f32",
+    torch.bfloat16: "paged_attention_bf16",
+    torch.float16: "paged_attention_f16",
+    torch.int8: "paged_attention_i8",
+    torch.uint8: "paged_attention_f8",
+}  # uint8: E4M3 rows (kernels/kv_quant.py)
 
 
 def _symbol(key_cache: torch.Tensor) -> str:
@@ -77,12 +84,18 @@ def native_accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     row = query.shape[2] + (SCALE_BYTES if quantized else 0)  # a quantized row ends in its scale
     if key_cache.dtype != torch.float32 and TILE * key_cache.shape[2] * query.shape[2] > MAX_DECODED:
         return False
-    return (query.device.type == "cpu" and query.dtype == torch.float32
-            and key_cache.dtype == value_cache.dtype
-            and key_cache.shape[3] == row and native_kernel(_symbol(key_cache)) is not None
-            and query.stride(2) == 1 and query.stride(1) == query.shape[2]  # each token's heads one row
-            and key_cache.is_contiguous() and value_cache.is_contiguous()
-            and query.shape[1] % key_cache.shape[2] == 0)
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and key_cache.dtype == value_cache.dtype
+        and key_cache.shape[3] == row
+        and native_kernel(_symbol(key_cache)) is not None
+        and query.stride(2) == 1
+        and query.stride(1) == query.shape[2]  # each token's heads one row
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and query.shape[1] % key_cache.shape[2] == 0
+    )
 
 
 def paged_attention_native(
@@ -102,18 +115,31 @@ def paged_attention_native(
     if derived is None or derived[4] != threads:  # the same for every layer of the step
         bounds = _split(batch, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
         derived = batch.derived["native"] = (
-            batch.block_tables.to(torch.int32).contiguous(), batch.query_start_loc.to(torch.int32).contiguous(),
+            batch.block_tables.to(torch.int32).contiguous(),
+            batch.query_start_loc.to(torch.int32).contiguous(),
             batch.context_lens.to(torch.int32).contiguous(),
-            torch.tensor([first for first, _ in bounds] + [bounds[-1][1]], dtype=torch.int64), threads)
+            torch.tensor([first for first, _ in bounds] + [bounds[-1][1]], dtype=torch.int64),
+            threads,
+        )
     tables, starts, lens, bounds, _ = derived
     chunks = len(bounds) - 1
     threads = min(threads, chunks)
     out = torch.empty(query.shape, dtype=query.dtype)
     scratch = QUERY_BLOCK * num_heads * max(batch.context_lens_list)
     scores = [workspace.take(f"scores{t}", (scratch,), torch.float32, query.device) for t in range(threads)]
-    args = (query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-            tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), bounds.data_ptr(),
-            chunks, native.new_counters())
+    args = (
+        query.data_ptr(),
+        query.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        starts.data_ptr(),
+        lens.data_ptr(),
+        bounds.data_ptr(),
+        chunks,
+        native.new_counters(),
+    )
     shape = (num_heads, num_kv_heads, head_dim, block_size, scale, window or 0)
 
     def run(thread: int, wait: bool) -> None:
@@ -157,18 +183,29 @@ def paged_attention_torch(
     if decode:
         rows = torch.tensor([starts[s] for s in decode], dtype=torch.int64, device=query.device)
         seqs = torch.tensor(decode, dtype=torch.int64, device=query.device)
-        out[rows] = _decode(query[rows], key_cache, value_cache, batch, seqs, scale, window, workspace,
-                            [lens[s] for s in decode])
+        out[rows] = _decode(
+            query[rows], key_cache, value_cache, batch, seqs, scale, window, workspace, [lens[s] for s in decode]
+        )
     for s, context_len in enumerate(lens):
         begin, end = starts[s], starts[s + 1]
         if end - begin > 1:
-            out[begin:end] = attend_one(query[begin:end], key_cache, value_cache, batch.block_tables[s],
-                                        context_len, scale, window)
+            out[begin:end] = attend_one(
+                query[begin:end], key_cache, value_cache, batch.block_tables[s], context_len, scale, window
+            )
     return out
 
 
-def _decode(query, key_cache, value_cache, batch: PagedBatch, seqs: torch.Tensor | None, scale, window,
-            workspace: Workspace, lens: list[int] | None = None) -> torch.Tensor:
+def _decode(
+    query,
+    key_cache,
+    value_cache,
+    batch: PagedBatch,
+    seqs: torch.Tensor | None,
+    scale,
+    window,
+    workspace: Workspace,
+    lens: list[int] | None = None,
+) -> torch.Tensor:
     """One query per sequence: gather every sequence's keys and values, attend in one call."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -202,14 +239,26 @@ def _decode(query, key_cache, value_cache, batch: PagedBatch, seqs: torch.Tensor
         values = torch.index_select(value_cache, 0, flat[rows], out=value_buffer[:count])
         keys = keys.view(last - first, width, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
         values = values.view(last - first, width, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
-        out[first:last] = F.scaled_dot_product_attention(queries[first:last], keys, values,
-                                                         attn_mask=mask[first:last], scale=scale,
-                                                         enable_gqa=num_heads != num_kv_heads)
+        out[first:last] = F.scaled_dot_product_attention(
+            queries[first:last],
+            keys,
+            values,
+            attn_mask=mask[first:last],
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
     return out.view(num_seqs, num_heads, head_dim)
 
 
-def attend_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
-               context_len: int, scale: float, window: int | None) -> torch.Tensor:
+def attend_one(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: torch.Tensor,
+    context_len: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     """One sequence's queries (its last `len(query)` tokens) against its `context_len` keys."""
     num_queries, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]

@@ -24,13 +24,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if dispatch.use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
     width = x.shape[-1]
-    if (x.dtype is torch.float32 and weight.dtype is torch.float32 and not x.is_cuda and x.is_contiguous()
-            and weight.is_contiguous() and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))
-            and not torch.is_grad_enabled() and (kernel := native_kernel()) is not None):
+    if (
+        x.dtype is torch.float32
+        and weight.dtype is torch.float32
+        and not x.is_cuda
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))
+        and not torch.is_grad_enabled()
+        and (kernel := native_kernel()) is not None
+    ):
         out = torch.empty_like(x)
         rows = x.numel() // width
-        if kernel(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
-                  out.data_ptr(), rows, width, width) == 0:
+        if (
+            kernel(
+                x.data_ptr(),
+                0 if residual is None else residual.data_ptr(),
+                weight.data_ptr(),
+                eps,
+                out.data_ptr(),
+                rows,
+                width,
+                width,
+            )
+            == 0
+        ):
             return out
     if residual is not None:
         x = residual.add_(x)

@@ -24,14 +24,24 @@ import tempfile
 import time
 import urllib.request
 
-from shared.cli import (API_KEY_ENV, ENGINE_ENV, RUNTIME_DIR_ENV, HelpFormatter, add_api_args, add_scheduler_args,
-                        add_worker_args, api_keys, keep_api_key_off_the_command_line)
-from shared.config import (ENGINE_PORT_STRIDE, SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints,
-                           SpeculativeConfig)
+from shared.cli import (
+    API_KEY_ENV,
+    ENGINE_ENV,
+    RUNTIME_DIR_ENV,
+    HelpFormatter,
+    add_api_args,
+    add_scheduler_args,
+    add_worker_args,
+    api_keys,
+    keep_api_key_off_the_command_line,
+)
+from shared.config import ENGINE_PORT_STRIDE, SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints, SpeculativeConfig
 
 PR_SET_PDEATHSIG = 1
 
-SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models", "tiny-python")
+SHIPPED_MODEL = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models", "tiny-python"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,27 +59,49 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"pagedserve {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    up = commands.add_parser("up", formatter_class=HelpFormatter, help="serve a model with all three processes on this machine")
-    up.add_argument("--model", default=SHIPPED_MODEL, help="local HF-format model directory (default: the shipped tiny-python)")
-    serve = commands.add_parser("serve", formatter_class=HelpFormatter,
-                                help="the same as up, with the model as the first argument (as `vllm serve MODEL`)")
+    up = commands.add_parser(
+        "up", formatter_class=HelpFormatter, help="serve a model with all three processes on this machine"
+    )
+    up.add_argument(
+        "--model", default=SHIPPED_MODEL, help="local HF-format model directory (default: the shipped tiny-python)"
+    )
+    serve = commands.add_parser(
+        "serve",
+        formatter_class=HelpFormatter,
+        help="the same as up, with the model as the first argument (as `vllm serve MODEL`)",
+    )
     serve.add_argument("model", help="local HF-format model directory")
     for command in (up, serve):
         add_api_args(command)
         add_scheduler_args(command)
         add_worker_args(command)
-        command.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                             help="engines, each a scheduler with its own workers (and its own tensor-parallel "
-                                  "ranks); the api routes each request to one of them (--routing). An engine that "
-                                  "dies is started again while the others serve")
+        command.add_argument(
+            "--data-parallel-size",
+            "-dp",
+            type=int,
+            default=1,
+            help="engines, each a scheduler with its own workers (and its own tensor-parallel "
+            "ranks); the api routes each request to one of them (--routing). An engine that "
+            "dies is started again while the others serve",
+        )
         command.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
-        command.add_argument("--scheduler-metrics-port", type=int, default=SCHEDULER_METRICS_PORT,
-                             help="port of the scheduler's Prometheus /metrics, on --host (0: none); engine i of "
-                                  f"several: this + {ENGINE_PORT_STRIDE} * i")
-        command.add_argument("--worker-metrics-port", type=int, default=WORKER_METRICS_PORT,
-                             help="port of the worker's Prometheus /metrics, on --host (0: none); rank r of "
-                                  f"engine i: this + {ENGINE_PORT_STRIDE} * i + r")
-    keys = commands.add_parser("keys", formatter_class=HelpFormatter, help="make CURVE key pairs for the scheduler, the api and the workers")
+        command.add_argument(
+            "--scheduler-metrics-port",
+            type=int,
+            default=SCHEDULER_METRICS_PORT,
+            help="port of the scheduler's Prometheus /metrics, on --host (0: none); engine i of "
+            f"several: this + {ENGINE_PORT_STRIDE} * i",
+        )
+        command.add_argument(
+            "--worker-metrics-port",
+            type=int,
+            default=WORKER_METRICS_PORT,
+            help="port of the worker's Prometheus /metrics, on --host (0: none); rank r of "
+            f"engine i: this + {ENGINE_PORT_STRIDE} * i + r",
+        )
+    keys = commands.add_parser(
+        "keys", formatter_class=HelpFormatter, help="make CURVE key pairs for the scheduler, the api and the workers"
+    )
     keys.add_argument("directory", help="gets one folder per service: scheduler/, api/, worker/")
     keys.add_argument("--force", action="store_true", help="replace keys already there")
     return parser
@@ -102,18 +134,61 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
     return flags
 
 
-SCHEDULER_FLAGS = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                   "num_gpu_blocks_override", "enable_prefix_caching", "enable_chunked_prefill",
-                   "preemption_mode", "kv_reservation", "async_scheduling", "step_timeout", "log_stats_interval",
-                   "speculative_config"]
-WORKER_FLAGS = ["model", "tokenizer", "device", "dtype", "kv_cache_dtype", "load_format", "gpu_memory_utilization",
-                "kv_cache_memory", "swap_space", "seed", "cpu_threads", "block_size", "num_gpu_blocks_override",
-                "tensor_parallel_size", "speculative_config", "enforce_eager", "max_seq_len_to_capture",
-                "max_num_seqs", "max_model_len"]
-API_FLAGS = ["model", "tokenizer", "host", "port", "served_model_name", "max_request_body_bytes",
-             "enable_auto_tool_choice", "tool_call_parser", "chat_template", "max_logprobs", "disable_log_requests",
-             "trust_remote_code", "scheduler_timeout", "routing", "report_cached_tokens", "request_header_timeout",
-             "request_body_timeout"]
+SCHEDULER_FLAGS = [
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "num_gpu_blocks_override",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "preemption_mode",
+    "kv_reservation",
+    "async_scheduling",
+    "step_timeout",
+    "log_stats_interval",
+    "speculative_config",
+]
+WORKER_FLAGS = [
+    "model",
+    "tokenizer",
+    "device",
+    "dtype",
+    "kv_cache_dtype",
+    "load_format",
+    "gpu_memory_utilization",
+    "kv_cache_memory",
+    "swap_space",
+    "seed",
+    "cpu_threads",
+    "block_size",
+    "num_gpu_blocks_override",
+    "tensor_parallel_size",
+    "speculative_config",
+    "enforce_eager",
+    "max_seq_len_to_capture",
+    "max_num_seqs",
+    "max_model_len",
+]
+API_FLAGS = [
+    "model",
+    "tokenizer",
+    "host",
+    "port",
+    "served_model_name",
+    "max_request_body_bytes",
+    "enable_auto_tool_choice",
+    "tool_call_parser",
+    "chat_template",
+    "max_logprobs",
+    "disable_log_requests",
+    "trust_remote_code",
+    "scheduler_timeout",
+    "routing",
+    "report_cached_tokens",
+    "request_header_timeout",
+    "request_body_timeout",
+]
 
 
 def engine_names(args: argparse.Namespace, engine: int) -> tuple[str, str]:
@@ -126,8 +201,10 @@ def engine_names(args: argparse.Namespace, engine: int) -> tuple[str, str]:
 def metrics_ports(args: argparse.Namespace, engine: int) -> tuple[int, int]:
     """Engine i's scheduler metrics port and its worker rank 0's (0: none)."""
     shift = ENGINE_PORT_STRIDE * engine
-    return (args.scheduler_metrics_port + shift if args.scheduler_metrics_port else 0,
-            args.worker_metrics_port + shift if args.worker_metrics_port else 0)
+    return (
+        args.scheduler_metrics_port + shift if args.scheduler_metrics_port else 0,
+        args.worker_metrics_port + shift if args.worker_metrics_port else 0,
+    )
 
 
 def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
@@ -138,14 +215,30 @@ def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
         scheduler, worker = engine_names(args, engine)
         scheduler_port, worker_port = metrics_ports(args, engine)
         services[scheduler] = (
-            python + ["services.scheduler", "--scheduler-endpoint", endpoints.scheduler,
-                      "--worker-endpoint", endpoints.workers, "--world-size", str(args.tensor_parallel_size)]
-            + _flags(args, SCHEDULER_FLAGS) + ["--metrics-host", args.host, "--metrics-port", str(scheduler_port)])
+            python
+            + [
+                "services.scheduler",
+                "--scheduler-endpoint",
+                endpoints.scheduler,
+                "--worker-endpoint",
+                endpoints.workers,
+                "--world-size",
+                str(args.tensor_parallel_size),
+            ]
+            + _flags(args, SCHEDULER_FLAGS)
+            + ["--metrics-host", args.host, "--metrics-port", str(scheduler_port)]
+        )
         services[worker] = (
-            python + ["services.worker", "--worker-endpoint", endpoints.workers]
-            + _flags(args, WORKER_FLAGS) + ["--metrics-host", args.host, "--metrics-port", str(worker_port)])
-    services["api"] = (python + ["services.api", "--scheduler-endpoint", ",".join(e.scheduler for e in engines)]
-                       + _flags(args, API_FLAGS))
+            python
+            + ["services.worker", "--worker-endpoint", endpoints.workers]
+            + _flags(args, WORKER_FLAGS)
+            + ["--metrics-host", args.host, "--metrics-port", str(worker_port)]
+        )
+    services["api"] = (
+        python
+        + ["services.api", "--scheduler-endpoint", ",".join(e.scheduler for e in engines)]
+        + _flags(args, API_FLAGS)
+    )
     return services
 
 
@@ -164,20 +257,28 @@ def main(argv: list[str] | None = None) -> int:
         the = "the " if args.data_parallel_size == 1 else ""
         wanted.append((f"{the}{scheduler}'s metrics", "--scheduler-metrics-port", scheduler_port))
         if worker_port:  # rank r serves on the port + r
-            wanted += [(f"{worker} rank {rank}'s metrics", "--worker-metrics-port", worker_port + rank)
-                       for rank in range(args.tensor_parallel_size)]
+            wanted += [
+                (f"{worker} rank {rank}'s metrics", "--worker-metrics-port", worker_port + rank)
+                for rank in range(args.tensor_parallel_size)
+            ]
     taken = {}
     for service, flag, port in wanted:
         if port and port in taken:
-            print(f"pagedserve: {service} and {taken[port]} would both listen on port {port} (choose ports "
-                  f"{ENGINE_PORT_STRIDE} or more apart, or fewer ranks)", file=sys.stderr)
+            print(
+                f"pagedserve: {service} ({flag}) and {taken[port]} would both listen on port {port} (choose ports "
+                f"{ENGINE_PORT_STRIDE} or more apart, or fewer ranks)",
+                file=sys.stderr,
+            )
             return 2
         taken[port] = service
     for service, flag, port in wanted:
         problem = _port_problem(args.host, port) if port else None
         if problem:  # before any model loads, so a busy port costs no start-up time
-            print(f"pagedserve: cannot listen on {args.host}:{port} for {service}: {problem} "
-                  f"(choose another with {flag})", file=sys.stderr)
+            print(
+                f"pagedserve: cannot listen on {args.host}:{port} for {service}: {problem} "
+                f"(choose another with {flag})",
+                file=sys.stderr,
+            )
             return 2
     directory = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700
     try:
@@ -281,8 +382,11 @@ class EngineRestarts:
             names = self.engines[engine]
             for name in names:
                 if name in dead:
-                    print(f"pagedserve: {name} exited with code {dead[name]}; restarting engine {engine}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"pagedserve: {name} exited with code {dead[name]}; restarting engine {engine}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 elif self.children[name].poll() is None:
                     self.children[name].terminate()
             for name in names:
@@ -306,9 +410,11 @@ def _startup_problem(args: argparse.Namespace) -> str | None:
         return "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
     if not os.path.isdir(args.model):
         if re.fullmatch(r"[\w.-]+/[\w.-]+", args.model) and not os.path.exists(os.path.dirname(args.model)):
-            return (f"{args.model} looks like a Hugging Face model id, and pagedserve serves local directories "
-                    f"only (it never downloads): fetch it with `huggingface-cli download {args.model} --local-dir "
-                    "DIR` where the hub is reachable, then serve DIR")
+            return (
+                f"{args.model} looks like a Hugging Face model id, and pagedserve serves local directories "
+                f"only (it never downloads): fetch it with `huggingface-cli download {args.model} --local-dir "
+                "DIR` where the hub is reachable, then serve DIR"
+            )
         return f"the model {args.model} is not a directory"
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         return f"{args.model} has no config.json: it is not a Hugging Face model directory"

@@ -21,8 +21,9 @@ from shared.frame_limits import MAX_FRAME_BYTES, ContainerBudget, ProtocolError,
 from shared.sampling import SamplingParams
 
 # 2: a step verifies proposed tokens, a result lists the tokens each sequence keeps; 3: grammars;
-# 4: the worker makes every proposal, and may settle where an entry starts
-PROTOCOL_VERSION = 4
+# 4: the worker makes every proposal, and may settle where an entry starts; 5: the scheduler says
+# whether the worker keeps a sequence's samples
+PROTOCOL_VERSION = 5
 
 
 # --- api <-> scheduler -------------------------------------------------------------------
@@ -176,13 +177,15 @@ class ScheduledSequence:
     start: int
     num_tokens: int
     # Tokens the worker lacks. The worker appends what it samples to its own copy where
-    # `SamplingParams.worker_keeps_samples` says so (a plain decode then sends none); beams and
-    # forked samples get theirs here.
+    # `worker_keeps_samples` says so (a plain decode then sends none); beams and forked samples
+    # get theirs here.
     appended_token_ids: list[int]
     table_start: int  # the worker's block table keeps entries before this index...
     block_ids: list[int]  # ...and these replace the rest
     num_draft_tokens: int = 0
     start_at_end: bool = False
+    # The scheduler's decision (`SamplingParams.worker_keeps_samples`), sent so the two never differ.
+    worker_keeps_samples: bool = True
 
 
 @dataclass(slots=True)
@@ -265,7 +268,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
 _TAG_OF = {cls: cls.__name__ for cls in MESSAGE_TYPES}
 _CLASS_OF = {name: cls for cls, name in _TAG_OF.items()}
 
-Message = typing.Union[MESSAGE_TYPES]  # type: ignore[valid-type]
+Message = typing.Union[MESSAGE_TYPES]  # type: ignore[valid-type]  # noqa: UP007 (a tuple of types has no | form)
 
 
 def encode(message: object) -> bytes:

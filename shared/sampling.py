@@ -140,19 +140,26 @@ class SamplingParams:
         _number("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
         if self.repetition_penalty == 0.0:
-            raise InvalidParameter("repetition_penalty", f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
+            raise InvalidParameter("repetition_penalty",
+                                   f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
         _integer("min_tokens", self.min_tokens, 0, self.max_tokens, "min_tokens must be an integer in [0, max_tokens]")
         if type(self.grammar) is not str or len(self.grammar) > MAX_GRAMMAR_CHARS:
             raise InvalidParameter("grammar", f"grammar must be a string of at most {MAX_GRAMMAR_CHARS} characters")
         if self.grammar and self.use_beam_search:
             raise InvalidParameter("use_beam_search", "structured outputs are not supported with beam search")
         if type(self.logit_bias) is not dict or len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
-            raise InvalidParameter("logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} token ids "
-                                                 "to biases")
+            raise InvalidParameter(
+                "logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} token ids to biases"
+            )
         for token, bias in self.logit_bias.items():
             _integer("logit_bias", token, 0, id_limit, f"logit_bias keys must be token ids in [0, {id_limit}]")
-            _number("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS,
-                    f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            _number(
+                "logit_bias",
+                bias,
+                -MAX_LOGIT_BIAS,
+                MAX_LOGIT_BIAS,
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            )
 
 
 def _integer(param: str, value: object, low: int, high: int, message: str = "") -> None:

@@ -155,13 +155,34 @@ def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] 
     log_path = os.path.join(log_dir, f"server-{port}.log")
     model = ["--model", model_dir] if model_dir else []
     ports = metrics_port_flags()
-    cmd = [sys.executable, "-m", "services.launcher", "up", *model, "--port", str(port), *ports, "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.launcher",
+        "up",
+        *model,
+        "--port",
+        str(port),
+        *ports,
+        "--device",
+        "cpu",
+        "--kv-cache-memory",
+        "0.05",
+        "--swap-space",
+        "0.05",
+        *flags,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
-    server = Server(process, base_url, os.path.basename(os.path.normpath(model_dir or "tiny-python")), log_path,
-                    {"scheduler": int(ports[1]), "worker": int(ports[3])})
+    server = Server(
+        process,
+        base_url,
+        os.path.basename(os.path.normpath(model_dir or "tiny-python")),
+        log_path,
+        {"scheduler": int(ports[1]), "worker": int(ports[3])},
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -185,8 +206,10 @@ def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] 
 
 
 # Proposals in every step, so that a request's steps are the same each time it is sent alone.
-NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
-         '"adaptive": false}')
+NGRAM = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+    '"adaptive": false}'
+)
 
 
 @pytest.fixture(scope="session")
@@ -194,8 +217,17 @@ def shipped_ngram_server(tmp_path_factory):
     """The shipped model with n-gram speculation, async scheduling and tool_choice "auto" (tests of
     speculation, structured outputs and tool calls through all three processes), in float32: the
     path whose greedy tokens are HF's exactly."""
-    with serve(None, str(tmp_path_factory.mktemp("spec")), "--dtype", "float32", "--speculative-config", NGRAM,
-               "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as server:
+    with serve(
+        None,
+        str(tmp_path_factory.mktemp("spec")),
+        "--dtype",
+        "float32",
+        "--speculative-config",
+        NGRAM,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ) as server:
         yield server
 
 

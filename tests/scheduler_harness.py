@@ -70,7 +70,9 @@ class StandInWorker:
                 self.verified.append((entry.seq_id, len(proposals)))
                 samples = self._sample(entry.seq_id, tokens, proposals)
                 num_prompt, sampling = self.prompts[entry.seq_id]
-                if sampling.worker_keeps_samples(len(tokens) - num_prompt):
+                # The worker follows the scheduler's word, which must be the rule's
+                assert entry.worker_keeps_samples == sampling.worker_keeps_samples(len(tokens) - num_prompt)
+                if entry.worker_keeps_samples:
                     tokens.extend(samples[0].token_ids)
                 sampled += samples
         return StepResult(step.step_id, sampled, 0.0, 0.0)

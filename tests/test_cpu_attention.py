@@ -5,8 +5,13 @@ import pytest
 import torch
 
 from kernels import cpu_attention, kv_quant
-from kernels.cpu_attention import (Workspace, native_accepts, native_kernel, paged_attention_native,
-                                   paged_attention_torch)
+from kernels.cpu_attention import (
+    Workspace,
+    native_accepts,
+    native_kernel,
+    paged_attention_native,
+    paged_attention_torch,
+)
 from tests.test_kernels import ATTENTION_CASES, TOLERANCE, make_batch, reference_in_float32
 
 
@@ -182,7 +187,8 @@ def test_loading_the_kernel_leaves_subnormal_numbers_alone():
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (8, 1, 128), (3, 3, 16)])
 def test_compiled_rotary_and_kv_write_are_bit_for_bit_the_torch_reference(heads, kv_heads, head_dim):
     from kernels.kv_write import write_kv_reference
-    from kernels.rotary import apply_rope, native_kernel as rotary_kernel, rotate_and_write_native
+    from kernels.rotary import apply_rope, rotate_and_write_native
+    from kernels.rotary import native_kernel as rotary_kernel
 
     if rotary_kernel() is None:
         pytest.skip("no C compiler here: the compiled rotary kernel cannot be built")
@@ -207,7 +213,8 @@ def test_compiled_rotary_and_kv_write_are_bit_for_bit_the_torch_reference(heads,
 @pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_compiled_rotary_writes_a_half_cache_rounded_as_torch_rounds(storage):
     from kernels.kv_write import write_kv_reference
-    from kernels.rotary import SYMBOLS, apply_rope, native_kernel as rotary_kernel, rotate_and_write_native
+    from kernels.rotary import SYMBOLS, apply_rope, rotate_and_write_native
+    from kernels.rotary import native_kernel as rotary_kernel
 
     if rotary_kernel(SYMBOLS[storage]) is None:
         pytest.skip("no C compiler here: the compiled rotary kernel cannot be built")

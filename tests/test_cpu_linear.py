@@ -114,13 +114,16 @@ def test_split_over_threads_the_result_is_the_same_bit_for_bit(dtype, threads, m
 def test_a_call_is_shared_when_its_rows_are_many_enough_or_its_weight_large_enough(monkeypatch):
     shared = []
     real_share = native.share
-    monkeypatch.setattr(native, "share", lambda run, count, label: shared.append(count) or real_share(run, count, label))
+    monkeypatch.setattr(
+        native, "share", lambda run, count, label: shared.append(count) or real_share(run, count, label)
+    )
     monkeypatch.setattr(native, "_threads", 2)
     small, large = torch.randn(256, 256), torch.randn(4096, 256)  # 256 KiB and 4 MiB of float32
     for weight, rows in ((small, 1), (small, 3), (small, 32), (large, 1), (large.to(torch.bfloat16), 1)):
         x = torch.randn(rows, 256)
-        torch.testing.assert_close(gemm(x, pack(weight), weight.shape[0], None), F.linear(x, weight.float()),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            gemm(x, pack(weight), weight.shape[0], None), F.linear(x, weight.float()), atol=1e-4, rtol=1e-4
+        )
     # A few rows against a small weight are one thread's: a helper costs more than it brings. Many
     # rows are arithmetic, and one row against a large weight is bound by reading it: both shared,
     # by its bytes, so the same weight in bfloat16 (half the bytes) is one thread's.

@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -130,7 +129,8 @@ def test_a_killed_engine_fails_only_its_own_requests_and_a_restarted_one_serves_
     port = free_port()
     engines = [engine(i, 0) for i in range(ENGINES)]
     api = start("services.api", "--model", llama_dir, "--port", str(port), "--routing", "least_load",
-                "--scheduler-endpoint", ",".join(scheduler for scheduler, _ in endpoints), log=str(tmp_path / "api.log"))
+                "--scheduler-endpoint", ",".join(scheduler for scheduler, _ in endpoints),
+                log=str(tmp_path / "api.log"))
     base, model = f"http://127.0.0.1:{port}", os.path.basename(llama_dir)
     try:
         wait_healthy(f"{base}/health")
@@ -151,8 +151,9 @@ def test_a_killed_engine_fails_only_its_own_requests_and_a_restarted_one_serves_
         health = httpx.get(f"{base}/health")
         assert health.status_code == 200 and health.json() == {"status": "degraded", "engines_up": 1, "engines": 2}
         body = {"model": model, "prompt": "import os", "max_tokens": 3}
-        assert [httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code
-                for _ in range(3)] == [200] * 3  # the other engine takes every new request
+        assert [httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code for _ in range(3)] == [
+            200
+        ] * 3  # the other engine takes every new request
 
         engines.append(engine(1, 1))
         assert wait_until(lambda: httpx.get(f"{base}/health").json()["status"] == "ok", 60)
@@ -172,8 +173,14 @@ class Stream:
     """A streamed completion in a thread of its own: its first token, and how it ended."""
 
     def __init__(self, base: str, model: str, max_tokens: int = 400):
-        self.body = {"model": model, "prompt": "def f(x):", "max_tokens": max_tokens, "ignore_eos": True,
-                     "temperature": 0, "stream": True}
+        self.body = {
+            "model": model,
+            "prompt": "def f(x):",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         self.base, self.first_token = base, threading.Event()
         self.outcome, self.error = None, ""
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -184,7 +191,7 @@ class Stream:
             for line in response.iter_lines():
                 if not line.startswith("data: {"):
                     continue
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     self.outcome, self.error = "error", event["error"]["message"]
                     return

@@ -118,8 +118,14 @@ def test_the_readme_docker_commands_as_written_serve_a_stream_prometheus_scrapes
         up.wait(timeout=60)
         timings["ctrl-c"] = time.monotonic() - started
         stopped = compose(project, env, "ps", "-q")
-        running = [c for c in stopped.stdout.split() if subprocess.run(
-            ["docker", "inspect", "-f", "{{.State.Running}}", c], capture_output=True, text=True).stdout.strip() == "true"]
+        running = [
+            c
+            for c in stopped.stdout.split()
+            if subprocess.run(
+                ["docker", "inspect", "-f", "{{.State.Running}}", c], capture_output=True, text=True
+            ).stdout.strip()
+            == "true"
+        ]
         assert not running, "".join(output[-40:])
     finally:
         if up.poll() is None:
@@ -146,8 +152,9 @@ def test_two_engines_under_compose_answer_and_prometheus_scrapes_each():
     env = dict(os.environ, COMPOSE_PROJECT_NAME=project, PORT=str(port), PROMETHEUS_PORT=str(prometheus_port))
     env.pop("COMPOSE_PROFILES", None)
     files = ["-f", "compose.yaml", "-f", "compose.two-engines.yaml"]
-    prepared = subprocess.run(["bash", "ops/docker/prepare-engine.sh"], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=900)
+    prepared = subprocess.run(
+        ["bash", "ops/docker/prepare-engine.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
     try:
         up = compose(project, env, *files, "up", "-d", "--build")
@@ -166,12 +173,20 @@ def test_two_engines_under_compose_answer_and_prometheus_scrapes_each():
         body = {"model": "tiny-python", "prompt": prompts, "max_tokens": 8}
         response = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200 and len(response.json()["choices"]) == 8
-        routed = {line.split()[0]: float(line.split()[1]) for line in httpx.get(f"{base}/metrics").text.splitlines()
-                  if line.startswith("pagedserve_engine_routed_requests_total")}
+        routed = {
+            line.split()[0]: float(line.split()[1])
+            for line in httpx.get(f"{base}/metrics").text.splitlines()
+            if line.startswith("pagedserve_engine_routed_requests_total")
+        }
         assert len(routed) == 2 and all(count >= 1 for count in routed.values()), routed
         prometheus = f"http://127.0.0.1:{prometheus_port}"
-        wanted = {("api", ""): "1", ("scheduler", "0"): "1", ("scheduler", "1"): "1", ("worker", "0"): "1",
-                  ("worker", "1"): "1"}
+        wanted = {
+            ("api", ""): "1",
+            ("scheduler", "0"): "1",
+            ("scheduler", "1"): "1",
+            ("worker", "0"): "1",
+            ("worker", "1"): "1",
+        }
         assert wait_until(lambda: scraped_engines(prometheus) == wanted, 60, 1), scraped_engines(prometheus)
     finally:
         down = compose(project, env, *files, "down", "-v", "--remove-orphans", timeout=120)

@@ -11,11 +11,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from kernels import native
 from tests.conftest import ROOT
@@ -87,21 +87,27 @@ def test_the_installed_package_runs_its_prebuilt_kernels_with_no_compiler_on_pat
         assert shutil.which("cc") is None and shutil.which("gcc") is None
         loaded = {name: native.load(name)._name for name in ("cpu_norm", "cpu_gemm", "cpu_attention", "rotary_write")}
         x, weight = torch.randn(5, 64), torch.randn(64)
-        assert torch.allclose(rms_norm(x, weight, 1e-5), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight,
-                              atol=1e-5)
+        expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+        assert torch.allclose(rms_norm(x, weight, 1e-5), expected, atol=1e-5)
         print(sorted(loaded.values()))
     """)
     libraries = [p for p in sys.path if p and os.path.abspath(p) != ROOT]  # torch and the rest, not this tree
-    env = {"PATH": "/nonexistent", "PYTHONPATH": os.pathsep.join([str(target), *libraries]),
-           "XDG_CACHE_HOME": str(cache), "HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    env = {
+        "PATH": "/nonexistent",
+        "PYTHONPATH": os.pathsep.join([str(target), *libraries]),
+        "XDG_CACHE_HOME": str(cache),
+        "HOME": str(tmp_path),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     loaded = done.stdout.strip().splitlines()[-1]
     libraries = re.findall(r"'([^']+)'", loaded)
     best = native.best_variant()  # the best build this CPU runs, chosen at run time
-    assert len(libraries) == 4 and all(path.startswith(str(target / "kernels" / "prebuilt")) and path.endswith(f"-{best}.so")
-               for path in libraries), libraries
+    assert len(libraries) == 4 and all(
+        path.startswith(str(target / "kernels" / "prebuilt")) and path.endswith(f"-{best}.so") for path in libraries
+    ), libraries
     assert not any(cache.rglob("*.so"))  # nothing compiled
 
 
@@ -122,7 +128,8 @@ def test_the_worker_gives_hf_greedy_tokens_with_triton_and_matplotlib_not_instal
               sys.modules["triton"] is not None)
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]), TRITON_INTERPRET="0")
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True", "False"], done.stdout + done.stderr[-3000:]

@@ -29,9 +29,28 @@ def test_the_launcher_exits_non_zero_when_a_child_dies_and_leaves_no_socket_dire
 
 
 def test_start_up_refuses_budgets_that_could_never_run_a_full_length_request(llama_dir):
-    cmd = [sys.executable, "-m", "services.launcher", "up", "--model", llama_dir, "--port", str(free_port()), *metrics_port_flags(),
-           "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05", "--ready-timeout", "60",
-           "--no-enable-chunked-prefill", "--max-num-batched-tokens", "64"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.launcher",
+        "up",
+        "--model",
+        llama_dir,
+        "--port",
+        str(free_port()),
+        *metrics_port_flags(),
+        "--device",
+        "cpu",
+        "--kv-cache-memory",
+        "0.05",
+        "--swap-space",
+        "0.05",
+        "--ready-timeout",
+        "60",
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        "64",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert done.returncode != 0
     assert "max_num_batched_tokens (64) is below the context (512)" in done.stderr
@@ -41,8 +60,11 @@ def test_start_up_refuses_budgets_that_could_never_run_a_full_length_request(lla
 def test_a_dummy_weight_model_serves_requests_with_a_tokenizer_from_elsewhere(llama_dir, tmp_path):
     shutil.copy(os.path.join(llama_dir, "config.json"), tmp_path)  # a config alone, as in ops/configs/
     with serve(str(tmp_path), str(tmp_path), "--load-format", "dummy", "--tokenizer", llama_dir) as server:
-        response = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
-                              json={"model": server.model, "prompt": "def f():", "max_tokens": 5, "ignore_eos": True})
+        response = httpx.post(
+            f"{server.base_url}/v1/completions",
+            timeout=60,
+            json={"model": server.model, "prompt": "def f():", "max_tokens": 5, "ignore_eos": True},
+        )
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
     # A clean stop is quiet: the services' shutdown is logged at INFO, and the api says where it listened.
     log = server.log()
@@ -52,8 +74,9 @@ def test_a_dummy_weight_model_serves_requests_with_a_tokenizer_from_elsewhere(ll
 
 
 def test_version_is_the_installed_packages():
-    done = subprocess.run([sys.executable, "-m", "services.launcher", "--version"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.launcher", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0 and done.stdout.strip() == f"pagedserve {importlib.metadata.version('pagedserve')}"
 
 
@@ -67,13 +90,20 @@ def _parsers():
 
     launcher = launcher_parser()
     commands = next(a for a in launcher._actions if isinstance(a, argparse._SubParsersAction))
-    return {"pagedserve up": commands.choices["up"], "pagedserve serve": commands.choices["serve"],
-            "pagedserve keys": commands.choices["keys"],
-            "services.api": api_parser(), "services.scheduler": scheduler_parser(), "services.worker": worker_parser()}
+    return {
+        "pagedserve up": commands.choices["up"],
+        "pagedserve serve": commands.choices["serve"],
+        "pagedserve keys": commands.choices["keys"],
+        "services.api": api_parser(),
+        "services.scheduler": scheduler_parser(),
+        "services.worker": worker_parser(),
+    }
 
 
-@pytest.mark.parametrize("name", ["pagedserve up", "pagedserve serve", "pagedserve keys", "services.api",
-                                  "services.scheduler", "services.worker"])
+@pytest.mark.parametrize(
+    "name",
+    ["pagedserve up", "pagedserve serve", "pagedserve keys", "services.api", "services.scheduler", "services.worker"],
+)
 def test_every_flag_has_help_and_shows_its_default(name):
     parser = _parsers()[name]
     text = parser.format_help()
@@ -96,12 +126,29 @@ def test_a_busy_port_fails_at_once_with_one_line_naming_its_service_and_flag(lla
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        ports = {"--port": str(free_port()), "--scheduler-metrics-port": str(free_port()),
-                 "--worker-metrics-port": str(free_port()), flag: str(port)}
+        ports = {
+            "--port": str(free_port()),
+            "--scheduler-metrics-port": str(free_port()),
+            "--worker-metrics-port": str(free_port()),
+            flag: str(port),
+        }
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--device", "cpu",
-                               *[item for pair in ports.items() for item in pair]],
-                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.launcher",
+                "serve",
+                llama_dir,
+                "--device",
+                "cpu",
+                *[item for pair in ports.items() for item in pair],
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         elapsed = time.monotonic() - started
     assert done.returncode == 2 and elapsed < 2.0  # the interpreter start included; no model loaded
     lines = (done.stdout + done.stderr).strip().splitlines()
@@ -115,12 +162,30 @@ def test_startup_failures_are_one_line_and_a_non_zero_exit(tmp_path, llama_dir, 
 
     if case == "no cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    model, expected = {"empty model directory": (str(tmp_path), "has no config.json"),
-                       "no cuda": (llama_dir, "--device cuda, but torch sees no CUDA device"),
-                       "hub id": ("Qwen/Qwen2.5-0.5B-Instruct", "serves local directories only")}[case]
+    model, expected = {
+        "empty model directory": (str(tmp_path), "has no config.json"),
+        "no cuda": (llama_dir, "--device cuda, but torch sees no CUDA device"),
+        "hub id": ("Qwen/Qwen2.5-0.5B-Instruct", "serves local directories only"),
+    }[case]
     device = "cuda" if case == "no cuda" else "cpu"
-    done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", model, "--port", str(free_port()), *metrics_port_flags(),
-                           "--device", device], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "serve",
+            model,
+            "--port",
+            str(free_port()),
+            *metrics_port_flags(),
+            "--device",
+            device,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and expected in lines[0]
 
@@ -128,10 +193,29 @@ def test_startup_failures_are_one_line_and_a_non_zero_exit(tmp_path, llama_dir, 
 def test_engines_whose_metrics_ports_would_collide_are_refused_before_anything_starts(llama_dir):
     base = free_port(span=12)
     # engine 0's worker is given base + 10, which engine 1's scheduler takes too
-    done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--device", "cpu",
-                           "--data-parallel-size", "2", "--port", str(free_port()),
-                           "--scheduler-metrics-port", str(base), "--worker-metrics-port", str(base + 10)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "serve",
+            llama_dir,
+            "--device",
+            "cpu",
+            "--data-parallel-size",
+            "2",
+            "--port",
+            str(free_port()),
+            "--scheduler-metrics-port",
+            str(base),
+            "--worker-metrics-port",
+            str(base + 10),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     [line] = (done.stdout + done.stderr).strip().splitlines()
     assert f"would both listen on port {base + 10}" in line and "engine 1's scheduler" in line
@@ -140,11 +224,27 @@ def test_engines_whose_metrics_ports_would_collide_are_refused_before_anything_s
 def test_with_several_engines_each_gets_its_own_sockets_and_metrics_ports():
     from services.launcher import commands, parse_args
 
-    args = parse_args(["up", "--data-parallel-size", "2", "--scheduler-metrics-port", "9001",
-                       "--worker-metrics-port", "9002", "-tp", "2"])
+    args = parse_args(
+        [
+            "up",
+            "--data-parallel-size",
+            "2",
+            "--scheduler-metrics-port",
+            "9001",
+            "--worker-metrics-port",
+            "9002",
+            "-tp",
+            "2",
+        ]
+    )
     services = commands(args, "/run/x")
-    assert set(services) == {"engine 0's scheduler", "engine 0's worker", "engine 1's scheduler",
-                             "engine 1's worker", "api"}
+    assert set(services) == {
+        "engine 0's scheduler",
+        "engine 0's worker",
+        "engine 1's scheduler",
+        "engine 1's worker",
+        "api",
+    }
 
     def flag(service: str, name: str) -> str:
         command = services[service]
@@ -157,5 +257,6 @@ def test_with_several_engines_each_gets_its_own_sockets_and_metrics_ports():
     assert flag("engine 1's worker", "--worker-endpoint") == flag("engine 1's scheduler", "--worker-endpoint")
     assert flag("engine 0's worker", "--worker-endpoint") != flag("engine 1's worker", "--worker-endpoint")
     assert flag("api", "--scheduler-endpoint") == ",".join(
-        flag(f"engine {i}'s scheduler", "--scheduler-endpoint") for i in range(2))
+        flag(f"engine {i}'s scheduler", "--scheduler-endpoint") for i in range(2)
+    )
     assert flag("api", "--routing") == "prefix"

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import RequestStatus
-from services.scheduler.speculation import Speculation
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
+from services.scheduler.speculation import Speculation
 from shared.config import SpeculativeConfig
 from shared.protocol import AddRequest
 from shared.sampling import SamplingParams
@@ -125,7 +125,8 @@ def test_every_admitted_request_finishes_within_the_bound(config, specs):
             check_block_accounting(scheduler)
             _check_fcfs_order(scheduler)
             assert sum(len(r.seqs) for r in scheduler.running) <= config["max_num_seqs"]
-            assert busy_steps <= config["depth"] * bound, f"still running after {busy_steps} steps; the bound is {bound}"
+            assert busy_steps <= config["depth"] * bound, (
+                f"still running after {busy_steps} steps; the bound is {bound}")
         step_index += 1
     assert set(admitted) <= finished
     manager = scheduler.block_manager

@@ -318,7 +318,7 @@ def _closed_within(sock: socket.socket, seconds: float, drip: bytes) -> float | 
         try:
             if sock.recv(4096) == b"":
                 return time.monotonic() - started
-        except socket.timeout:
+        except TimeoutError:
             pass
         except ConnectionError:
             return time.monotonic() - started

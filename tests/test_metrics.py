@@ -26,7 +26,9 @@ def test_block_gauges_return_to_idle_after_a_burst_with_preemptions(burst_server
     device = {state: metrics[f'pagedserve_kv_blocks{{device="cpu",pool="device",state="{state}"}}']
               for state in ("used", "cached", "free")}
     assert device["used"] == 0 and device["cached"] > 0  # the prefix stays cached, evictable
-    assert device["cached"] + device["free"] == metrics['pagedserve_kv_blocks_capacity{device="cpu",pool="device"}'] == 40
+    assert (
+        device["cached"] + device["free"] == metrics['pagedserve_kv_blocks_capacity{device="cpu",pool="device"}'] == 40
+    )
     swap = metrics['pagedserve_kv_blocks{device="cpu",pool="swap",state="free"}']
     assert swap == metrics['pagedserve_kv_blocks_capacity{device="cpu",pool="swap"}'] > 0
     assert metrics['pagedserve_kv_usage_ratio{device="cpu",pool="device"}'] == 0
@@ -36,8 +38,10 @@ def test_block_gauges_return_to_idle_after_a_burst_with_preemptions(burst_server
 def test_preemption_counters_equal_the_preemptions_the_scheduler_logged(burst_server):
     metrics = burst_server.metrics("scheduler")
     log = burst_server.log()
-    logged = {"swap": len(re.findall(r"preempting \S+ by swapping", log)),
-              "recompute": len(re.findall(r"preempting \S+ by recompute", log))}
+    logged = {
+        "swap": len(re.findall(r"preempting \S+ by swapping", log)),
+        "recompute": len(re.findall(r"preempting \S+ by recompute", log)),
+    }
     assert sum(logged.values()) > 0
     for mode, count in logged.items():
         assert metrics[f'pagedserve_preemptions_total{{mode="{mode}"}}'] == count
@@ -72,5 +76,10 @@ def test_the_worker_says_how_it_computes_and_which_kernels_run(burst_server):
     build = gemm_build()
     kernels = f"{build.variant} ({build.description})" if build else "torch"
     # llama_dir is a float32 checkpoint: auto keeps float32, the exact path
-    assert ('activations="float32"' in info and 'device="cpu"' in info and 'weights="float32"' in info
-            and f'kernels="{kernels}"' in info and 'rank="0"' in info), info
+    assert (
+        'activations="float32"' in info
+        and 'device="cpu"' in info
+        and 'weights="float32"' in info
+        and f'kernels="{kernels}"' in info
+        and 'rank="0"' in info
+    ), info

@@ -41,7 +41,9 @@ def assert_same(model_dir: str) -> None:
 
 
 def shipped_and_benchmark_dirs() -> list[str]:
-    return [os.path.join(ROOT, "ops", "models", "tiny-python")] + sorted(glob.glob(os.path.join(ROOT, "ops", "configs", "*")))
+    return [os.path.join(ROOT, "ops", "models", "tiny-python")] + sorted(
+        glob.glob(os.path.join(ROOT, "ops", "configs", "*"))
+    )
 
 
 @pytest.mark.parametrize("model_dir", shipped_and_benchmark_dirs(), ids=os.path.basename)
@@ -65,6 +67,8 @@ def test_a_config_that_leaves_out_every_optional_field_gets_transformers_default
 
 
 def test_scaled_rope_and_unknown_families_go_through_transformers():
-    assert light_config(dict(MINIMAL, model_type="llama", rope_parameters={"rope_type": "llama3", "factor": 8.0})) is None
+    assert (
+        light_config(dict(MINIMAL, model_type="llama", rope_parameters={"rope_type": "llama3", "factor": 8.0})) is None
+    )
     assert light_config(dict(MINIMAL, model_type="gemma")) is None
     assert light_config({"model_type": "llama", "num_attention_heads": 4}) is None  # transformers says what is wrong

@@ -1,5 +1,6 @@
 """The worker's model over a paged cache gives HF transformers' greedy tokens (in process)."""
 
+import copy
 import random
 
 import pytest
@@ -97,3 +98,25 @@ def test_the_worker_refuses_a_bad_sequence_alone_and_serves_the_rest(llama_dir):
     assert set(result.failures) == {1, 2} and "vocabulary" in result.failures[1] and "block" in result.failures[2]
     assert [s.seq_id for s in result.sampled] == [0]
     assert result.sampled[0].token_ids == hf_greedy(llama_dir, [5, 9, 13], 1)
+
+
+def test_the_worker_follows_the_schedulers_word_on_keeping_samples_and_leaves_its_messages_as_sent(llama_dir):
+    """docs/design/checks.md: whether the worker appends what it samples is decided by the scheduler and
+    sent; a step the worker received is never edited, even where it resolves an entry's start itself."""
+    model, config = load_model(llama_dir, "float32", torch.device("cpu"))
+    cache = KVCache(config.num_hidden_layers, 16, 4, model.num_kv_heads, model.head_dim, torch.float32,
+                    torch.device("cpu"))
+    runner = ModelRunner(model, cache, torch.device("cpu"), seed=0)
+    greedy = SamplingParams(temperature=0)
+    news = [NewSequence(0, [5, 9, 13], 3, greedy, 0), NewSequence(1, [5, 9, 13], 3, greedy, 0)]
+    first = Step(0, [], [], [], news, [ScheduledSequence(0, 0, 3, [], 0, [0]),
+                                       ScheduledSequence(1, 0, 3, [], 0, [1], worker_keeps_samples=False)])
+    result = runner.execute(first)
+    assert [len(runner.mirrors[s].token_ids) for s in (0, 1)] == [4, 3]  # kept where told, not elsewhere
+    token = result.sampled[1].token_ids[0]
+    # Planned before the scheduler knew where the sequence ends: its start is the worker's to resolve (3).
+    entry = ScheduledSequence(1, 2, 1, [token], 1, [], start_at_end=True)
+    second = Step(1, [], [], [], [], [entry])
+    sent = copy.deepcopy(second)
+    assert runner.execute(second).error is None
+    assert second == sent and entry.start == 2 and entry.start_at_end

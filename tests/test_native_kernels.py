@@ -13,10 +13,16 @@ from kernels import cpu_activation, cpu_attention, cpu_linear, cpu_norm, native,
 pytestmark = pytest.mark.skipif(native.load("cpu_norm") is None, reason="no C compiler here")
 
 
-@pytest.mark.parametrize("getter", [*(functools.partial(cpu_attention.native_kernel, symbol)
-                                      for symbol in cpu_attention.SYMBOLS.values()),
-                                    *(functools.partial(rotary.native_kernel, symbol) for symbol in rotary.SYMBOLS.values()),
-                                    cpu_linear.gemm_build, cpu_norm.native_kernel, cpu_activation.native_kernel])
+@pytest.mark.parametrize(
+    "getter",
+    [
+        *(functools.partial(cpu_attention.native_kernel, symbol) for symbol in cpu_attention.SYMBOLS.values()),
+        *(functools.partial(rotary.native_kernel, symbol) for symbol in rotary.SYMBOLS.values()),
+        cpu_linear.gemm_build,
+        cpu_norm.native_kernel,
+        cpu_activation.native_kernel,
+    ],
+)
 def test_every_kernel_loads_with_the_signature_its_c_file_states(getter):
     assert getter() is not None
 
@@ -72,8 +78,7 @@ def test_a_call_shared_with_a_helper_that_never_starts_is_finished_by_the_caller
 
     x, weight = torch.randn(32, 256), torch.randn(512, 256)  # past SPLIT_MACS: shared by two threads
     panels = cpu_linear.pack(weight)
-    query, key_cache, value_cache, batch = make_batch([(1, 40), (3, 30), (1, 9), (1, 70)], 4, 2, 64, 8,
-                                                      torch.float32)
+    query, key_cache, value_cache, batch = make_batch([(1, 40), (3, 30), (1, 9), (1, 70)], 4, 2, 64, 8, torch.float32)
     with torch.no_grad():
         shared_linear = cpu_linear.gemm(x, panels, 512, None)
         shared_attention = cpu_attention.paged_attention_native(query, key_cache, value_cache, batch, 0.125)
@@ -84,6 +89,7 @@ def test_a_call_shared_with_a_helper_that_never_starts_is_finished_by_the_caller
     batch.derived.clear()
     with torch.no_grad():
         assert torch.equal(shared_linear, cpu_linear.gemm(x, panels, 512, None))
-        assert torch.equal(shared_attention,
-                           cpu_attention.paged_attention_native(query, key_cache, value_cache, batch, 0.125))
+        assert torch.equal(
+            shared_attention, cpu_attention.paged_attention_native(query, key_cache, value_cache, batch, 0.125)
+        )
         assert torch.equal(shared_activation, cpu_activation.silu_and_mul(gate_up, 1024))

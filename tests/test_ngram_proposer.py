@@ -87,18 +87,24 @@ def test_the_speculative_config_takes_vllms_json_and_names_what_is_wrong():
         ("ngram", 4, 2, 4)
     assert SpeculativeConfig.parse(parsed.to_json()) == parsed
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').prompt_lookup_min == 5
-    assert SpeculativeConfig.parse('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}').model == "/m"
+    assert (
+        SpeculativeConfig.parse('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}').model == "/m"
+    )
     assert SpeculativeConfig.parse(None) is None
     capped = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 8}')
     assert capped.disable_by_batch_size == 8 and SpeculativeConfig.parse(capped.to_json()) == capped
-    for bad, named in (('{"method": "eagle", "num_speculative_tokens": 3}', "method"),
-                       ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
-                       ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
-                        '"prompt_lookup_max": 2}', "prompt_lookup"),
-                       ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
-                       ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}',
-                        "disable_by_batch_size"),
-                       ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "typo"),
-                       ("[1]", "object"), ("{", "JSON")):
+    for bad, named in (
+        ('{"method": "eagle", "num_speculative_tokens": 3}', "method"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+            "prompt_lookup",
+        ),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}', "disable_by_batch_size"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "typo"),
+        ("[1]", "object"),
+        ("{", "JSON"),
+    ):
         with pytest.raises(ValueError, match=named):
             SpeculativeConfig.parse(bad)

@@ -99,11 +99,15 @@ def test_the_two_engine_compose_file_adds_an_engine_like_the_first_that_the_api_
         assert extra[second]["command"].replace("scheduler-1:", "scheduler:") == base[first]["command"]
         assert extra[second]["volumes"] == base[first]["volumes"]
         assert extra[second].get("profiles") == base[first].get("profiles")
-    assert "--scheduler-endpoint tcp://scheduler:5555,tcp://scheduler-1:5555" in " ".join(extra["api"]["command"].split())
+    assert "--scheduler-endpoint tcp://scheduler:5555,tcp://scheduler-1:5555" in " ".join(
+        extra["api"]["command"].split()
+    )
     assert extra["prometheus"]["volumes"] == ["./ops/prometheus.two-engines.yml:/etc/prometheus/prometheus.yml:ro"]
     assert scrape_targets("prometheus.two-engines.yml") == {
-        "api": {"api:8000": None}, "scheduler": {"scheduler:8001": "0", "scheduler-1:8001": "1"},
-        "worker": {"worker:8002": "0", "worker-1:8002": "1"}}
+        "api": {"api:8000": None},
+        "scheduler": {"scheduler:8001": "0", "scheduler-1:8001": "1"},
+        "worker": {"worker:8002": "0", "worker-1:8002": "1"},
+    }
 
 
 def test_compose_hands_one_speculative_config_to_the_scheduler_and_every_worker():
@@ -118,19 +122,48 @@ def test_compose_hands_one_speculative_config_to_the_scheduler_and_every_worker(
 
 def test_an_image_build_whose_pip_meets_an_untrusted_tls_certificate_says_so_in_one_line(tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     server.socket = context.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:  # an index whose certificate no CA in the image vouches for: what a TLS-inspecting proxy shows
-        env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=f"https://127.0.0.1:{server.server_port}/simple",
-                   PIP_CERT="/etc/ssl/certs/ca-certificates.crt", PIP_RETRIES="0", PIP_DEFAULT_TIMEOUT="5",
-                   PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
-        done = subprocess.run(["sh", os.path.join(ROOT, "ops", "docker", "pip-install.sh"), "no-such-package-xyz"],
-                              env=env, capture_output=True, text=True, timeout=120)
+        env = dict(
+            os.environ,
+            PIP_CONFIG_FILE=os.devnull,
+            PIP_INDEX_URL=f"https://127.0.0.1:{server.server_port}/simple",
+            PIP_CERT="/etc/ssl/certs/ca-certificates.crt",
+            PIP_RETRIES="0",
+            PIP_DEFAULT_TIMEOUT="5",
+            PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+        )
+        done = subprocess.run(
+            ["sh", os.path.join(ROOT, "ops", "docker", "pip-install.sh"), "no-such-package-xyz"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         server.shutdown()
     assert done.returncode != 0

@@ -1,3 +1,4 @@
+import contextlib
 import tracemalloc
 
 import msgpack
@@ -63,7 +64,10 @@ def test_request_carries_sampling_params():
         (msgpack.packb([PROTOCOL_VERSION, "Abort", [1]]), "Abort.request_ids: expected a list of str"),
         (msgpack.packb([PROTOCOL_VERSION, "Abort", "x"]), "expected a list"),
         (msgpack.packb([PROTOCOL_VERSION, "Hello", "a", 2]), "fields"),
-        (msgpack.packb([PROTOCOL_VERSION, "AddRequest", "r", [1, True], [], 0.0]), "prompt_token_ids: expected a list of int"),
+        (
+            msgpack.packb([PROTOCOL_VERSION, "AddRequest", "r", [1, True], [], 0.0]),
+            "prompt_token_ids: expected a list of int",
+        ),
     ],
 )
 def test_malformed_frames_are_rejected_with_a_reason(frame, complaint):
@@ -90,6 +94,7 @@ def test_a_bad_field_deep_inside_a_step_is_named():
 
 # --- what a frame may cost before anything reads it -------------------------------------------
 
+
 def _never_unpacked(monkeypatch) -> None:
     def unpackb(*args, **kwargs):
         raise AssertionError("the frame was decoded")
@@ -107,8 +112,11 @@ def test_a_frame_larger_than_its_type_ever_is_refused_before_decoding(tag, monke
 
 def test_a_frame_with_no_message_type_in_its_first_bytes_is_refused_before_decoding(monkeypatch):
     _never_unpacked(monkeypatch)
-    for frame in (msgpack.packb([PROTOCOL_VERSION, "A" * 100, [[]] * 1000]), msgpack.packb([[[]] * 1000, "Abort"]),
-                  b"\xc1garbage"):
+    for frame in (
+        msgpack.packb([PROTOCOL_VERSION, "A" * 100, [[]] * 1000]),
+        msgpack.packb([[[]] * 1000, "Abort"]),
+        b"\xc1garbage",
+    ):
         with pytest.raises(ProtocolError, match="a frame is a list"):
             decode(frame)
 
@@ -132,10 +140,8 @@ def test_decoding_any_frame_of_any_type_costs_at_most_the_stated_factor_of_its_b
     assert len(frame) <= size + 64
     for budget in (API_MESSAGE_CONTAINERS, trusted_peer_containers(frame)):  # the scheduler's api socket; the rest
         tracemalloc.start()
-        try:
+        with contextlib.suppress(ProtocolError):
             decode(frame, budget)
-        except ProtocolError:
-            pass
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert peak <= DECODED_BYTES_PER_FRAME_BYTE * len(frame) + (16 << 10), (payload, budget, peak / len(frame))

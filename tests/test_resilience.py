@@ -82,15 +82,18 @@ def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir
         assert len(rest) + 1 < 500  # it ended early, with an error rather than all its tokens
         assert first
         lost_health = httpx.get(f"{base}/health", timeout=5)
-        assert lost_health.status_code == 503 and lost_health.json()["status"] == "unavailable"  # until a worker is back
+        assert (
+            lost_health.status_code == 503 and lost_health.json()["status"] == "unavailable"
+        )  # until a worker is back
         lost = httpx.post(f"{base}/v1/completions", timeout=10, json={"model": model, "prompt": "x"})
         assert lost.status_code == 503 and lost.json()["error"]["code"] == "not_ready"
 
         processes.append(start(*worker_args, log=str(tmp_path / "worker2.log")))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            again = httpx.post(f"{base}/v1/completions", timeout=60,
-                               json={"model": model, "prompt": "import os", "max_tokens": 4})
+            again = httpx.post(
+                f"{base}/v1/completions", timeout=60, json={"model": model, "prompt": "import os", "max_tokens": 4}
+            )
             if again.status_code == 200:
                 break
             time.sleep(0.5)
@@ -110,10 +113,30 @@ def test_a_dead_scheduler_fails_requests_and_a_restarted_one_is_found_again(llam
     scheduler_args = ("services.scheduler", "--scheduler-endpoint", scheduler_ep, "--worker-endpoint", worker_ep)
     processes = [
         start(*scheduler_args, log=str(tmp_path / "scheduler1.log")),
-        start("services.worker", "--model", llama_dir, "--worker-endpoint", worker_ep, "--device", "cpu",
-              "--kv-cache-memory", "0.05", "--swap-space", "0.05", log=str(tmp_path / "worker.log")),
-        start("services.api", "--model", llama_dir, "--scheduler-endpoint", scheduler_ep, "--port", str(port),
-              log=str(tmp_path / "api.log")),
+        start(
+            "services.worker",
+            "--model",
+            llama_dir,
+            "--worker-endpoint",
+            worker_ep,
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            "0.05",
+            "--swap-space",
+            "0.05",
+            log=str(tmp_path / "worker.log"),
+        ),
+        start(
+            "services.api",
+            "--model",
+            llama_dir,
+            "--scheduler-endpoint",
+            scheduler_ep,
+            "--port",
+            str(port),
+            log=str(tmp_path / "api.log"),
+        ),
     ]
     base = f"http://127.0.0.1:{port}"
     model = os.path.basename(llama_dir)
@@ -127,7 +150,7 @@ def test_a_dead_scheduler_fails_requests_and_a_restarted_one_is_found_again(llam
             processes[0].kill()  # the scheduler dies mid-request
             rest = [line for line in lines if line.startswith("data:")]
         assert time.monotonic() - started < 30
-        assert "scheduler" in json.loads(rest[-2][len("data: "):])["error"]["message"]
+        assert "scheduler" in json.loads(rest[-2][len("data: ") :])["error"]["message"]
         assert httpx.get(f"{base}/health").status_code == 503
         meanwhile = httpx.post(f"{base}/v1/completions", timeout=10, json={"model": model, "prompt": "x"})
         assert meanwhile.status_code == 503 and meanwhile.json()["error"]["code"] == "not_ready"

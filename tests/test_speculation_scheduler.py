@@ -120,7 +120,7 @@ def test_proposals_never_run_past_max_tokens_or_the_context():
     for step in worker.steps:
         for entry in step.scheduled:
             assert entry.start + entry.num_tokens <= 23  # the last token of a full context is never computed
-    for request_id, limit in ((short.request_id, 9), (long.request_id, 18)):
+    for request_id in (short.request_id, long.request_id):
         assert outputs[request_id][-1].sequences[0].finish_reason == "length"
 
 
@@ -185,7 +185,8 @@ def test_speculation_gives_the_tokens_of_plain_decoding_and_keeps_the_invariants
         scheduler = _build(config, speculative)
         prompts = {}
         for i, (prompt, sampling) in enumerate(specs):
-            if scheduler.add(AddRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, **sampling), float(i))) is None:
+            request = AddRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, **sampling), float(i))
+            if scheduler.add(request) is None:
                 prompts[f"r{i}"] = prompt
         worker = StandInWorker(drifting, block_size=scheduler.block_manager.block_size)
         outputs = run_to_completion(scheduler, worker, depth=depth)
@@ -195,16 +196,22 @@ def test_speculation_gives_the_tokens_of_plain_decoding_and_keeps_the_invariants
         if scheduler.block_manager.gpu.enable_caching and not beams:  # no rejected token was ever hashed
             cached = set(scheduler.block_manager.gpu._by_hash)
             assert cached <= _cache_keys_of_true_tokens(outputs, prompts, scheduler.block_manager.block_size)
-        results.append({(r, d.index): [t for o in outputs[r] for dd in o.sequences if dd.index == d.index
-                                       for t in dd.token_ids]
-                        for r in outputs for o in outputs[r] for d in o.sequences})
+        results.append(
+            {
+                (r, d.index): [t for o in outputs[r] for dd in o.sequences if dd.index == d.index for t in dd.token_ids]
+                for r in outputs
+                for o in outputs[r]
+                for d in o.sequences
+            }
+        )
     assert results[0] == results[1]
 
 
 def test_checking_blocks_after_every_step_of_a_speculating_batch_under_preemption():
     for preemption in ("swap", "recompute"):
-        scheduler = make_scheduler(num_blocks=14, block_size=4, num_cpu_blocks=32, preemption=preemption,
-                                   speculative=NGRAM)
+        scheduler = make_scheduler(
+            num_blocks=14, block_size=4, num_cpu_blocks=32, preemption=preemption, speculative=NGRAM
+        )
         worker = StandInWorker(drifting, block_size=scheduler.block_manager.block_size)
         for i in range(4):
             scheduler.add(request(prompt_len=6 + i, max_tokens=24))
@@ -219,7 +226,6 @@ def test_checking_blocks_after_every_step_of_a_speculating_batch_under_preemptio
         assert scheduler.counters[preemption] > 0, "the pool was meant to be too small for all four"
         assert any(n for _, n in worker.verified) and scheduler.speculation.stats.num_accepted_tokens > 0
         assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0
-
 
 
 def test_no_proposals_while_more_sequences_decode_than_disable_by_batch_size():

@@ -3,6 +3,7 @@ the launcher with a stream in flight, and each service run alone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -102,8 +103,8 @@ def test_each_service_alone_stops_within_two_seconds(llama_dir, tmp_path, signum
         processes[service] = start(service_commands(llama_dir, str(sockets))[service], logs[service], sockets)
     try:
         for service, process in processes.items():
-            assert wait_until(lambda: ready_line[service] in logs[service].read_text() or process.poll() is not None,
-                              60), logs[service].read_text()
+            assert wait_until(lambda service=service, process=process: ready_line[service] in logs[service].read_text()
+                              or process.poll() is not None, 60), logs[service].read_text()
             assert process.poll() is None, logs[service].read_text()
             if "--metrics-port" in process.args:  # its metrics port answers /metrics and /health, and 404 else
                 base = f"http://127.0.0.1:{process.args[process.args.index('--metrics-port') + 1]}"
@@ -149,15 +150,14 @@ def test_a_signal_taken_by_a_helper_thread_still_stops_the_scheduler_and_the_wor
         log = tmp_path / f"{service}.log"
         process = start(service_commands(llama_dir, str(sockets))[service], log, sockets)
         try:
-            assert wait_until(lambda: line in log.read_text() or process.poll() is not None, 60), log.read_text()
+            assert wait_until(lambda line=line, log=log, process=process: line in log.read_text()
+                              or process.poll() is not None, 60), log.read_text()
             time.sleep(0.5)  # idle in its poll
             started = time.monotonic()
             assert syscall(TGKILL, process.pid, helper_thread_taking(process.pid, signal.SIGTERM),
                            signal.SIGTERM) == 0, ctypes.get_errno()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
             took = time.monotonic() - started
             assert process.poll() is not None and took < STOP_SECONDS, f"{service} still ran after {took:.1f} s"
             assert "Traceback" not in log.read_text(), log.read_text()
@@ -215,10 +215,8 @@ def test_a_sigkilled_launcher_leaves_no_service_and_no_socket_directory_behind(l
         assert wait_until(lambda: not any(_running(pid) for pid in children), 15), "a service outlived its launcher"
         assert wait_until(lambda: not os.listdir(temp), 5), f"left behind: {os.listdir(temp)}"
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _running(pid: str) -> bool:

@@ -81,27 +81,36 @@ def test_a_text_response_format_or_none_asks_for_nothing():
     assert parse_structured({}) is None
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format.json_schema.schema"),
-    ({"guided_choice": []}, "guided_choice"),
-    ({"guided_regex": 5}, "guided_regex"),
-    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": 5}, "guided_regex"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ],
+)
 def test_a_malformed_or_doubled_constraint_names_its_field(body, param):
     with pytest.raises(ApiError) as caught:
         parse_structured(body)
     assert caught.value.param == param and caught.value.status == 400
 
 
-@pytest.mark.parametrize("spec, problem", [
-    (GrammarSpec("regex", "a(b", "guided_regex"), "unclosed group"),
-    (GrammarSpec("json", '{"type": "nope"}', "guided_json"), "nope"),
-    (GrammarSpec("json", "{not json", "guided_json"), ""),
-    (GrammarSpec("grammar", "start: undefined_rule", "guided_grammar"), "undefined_rule"),
-])
+@pytest.mark.parametrize(
+    "spec, problem",
+    [
+        (GrammarSpec("regex", "a(b", "guided_regex"), "unclosed group"),
+        (GrammarSpec("json", '{"type": "nope"}', "guided_json"), "nope"),
+        (GrammarSpec("json", "{not json", "guided_json"), ""),
+        (GrammarSpec("grammar", "start: undefined_rule", "guided_grammar"), "undefined_rule"),
+    ],
+)
 def test_an_invalid_constraint_is_a_400_that_says_what_is_wrong(llama_dir, spec, problem):
     with pytest.raises(ApiError) as caught:
         compiled(llama_dir, spec)
@@ -122,8 +131,11 @@ def bitmask(allowed: list[int], vocab: int) -> torch.Tensor:
 def test_the_mask_leaves_only_the_allowed_tokens_and_rows_without_a_grammar_alone():
     logits = torch.randn(3, 70)
     before = logits.clone()
-    rows = [SampleRow(SamplingParams(), 0, allowed=bitmask([3, 31, 32, 63, 69], 70)), SampleRow(SamplingParams(), 0),
-            SampleRow(SamplingParams(), 0, allowed=bitmask([0], 70))]
+    rows = [
+        SampleRow(SamplingParams(), 0, allowed=bitmask([3, 31, 32, 63, 69], 70)),
+        SampleRow(SamplingParams(), 0),
+        SampleRow(SamplingParams(), 0, allowed=bitmask([0], 70)),
+    ]
     GrammarMask().apply(logits, rows, [0, 2])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3, 31, 32, 63, 69]
     assert torch.equal(logits[0, [3, 31, 32, 63, 69]], before[0, [3, 31, 32, 63, 69]])
@@ -146,8 +158,9 @@ def test_when_min_tokens_removed_every_token_the_grammar_allows_the_grammar_wins
 def test_every_output_is_valid_json_of_its_schema_on_every_family(family, temperature, family_dirs):
     model_dir = family_dirs[family]
     engine = Engine(model_dir)
-    outputs = engine.generate(PROMPTS, grammar=schema_grammar(model_dir), max_tokens=120, temperature=temperature,
-                              seed=1)
+    outputs = engine.generate(
+        PROMPTS, grammar=schema_grammar(model_dir), max_tokens=120, temperature=temperature, seed=1
+    )
     for tokens, text in zip(outputs, texts(model_dir, outputs)):
         assert len(tokens) < 120  # ended by the grammar's EOS, not by the length
         jsonschema.validate(json.loads(text), PERSON)
@@ -169,8 +182,7 @@ def test_regex_choice_and_grammar_outputs_match(llama_dir):
 
 def test_each_of_n_samples_follows_its_own_path_through_the_grammar(llama_dir):
     engine = Engine(llama_dir)
-    request = engine.add(PROMPTS[0], grammar=schema_grammar(llama_dir), n=4, temperature=1.0, seed=3,
-                         max_tokens=120)
+    request = engine.add(PROMPTS[0], grammar=schema_grammar(llama_dir), n=4, temperature=1.0, seed=3, max_tokens=120)
     samples = engine.run()[request]
     documents = [json.loads(text) for text in texts(llama_dir, [samples[i] for i in range(4)])]
     for document in documents:
@@ -222,14 +234,14 @@ def test_a_worker_without_a_tokenizer_refuses_a_constrained_request_alone(llama_
 
 
 @pytest.mark.parametrize("which", ["test model", "shipped model"])
-def test_the_worker_reads_the_tokenizer_for_grammars_without_transformers_and_sees_what_the_api_sees(
-        llama_dir, which):
+def test_the_worker_reads_the_tokenizer_for_grammars_without_transformers_and_sees_what_the_api_sees(llama_dir, which):
     from services.launcher import SHIPPED_MODEL
     from services.worker.grammar import grammar_tokenizer as worker_view
 
     directory = llama_dir if which == "test model" else SHIPPED_MODEL
     hf = AutoTokenizer.from_pretrained(directory)
-    vocab = json.load(open(f"{directory}/config.json"))["vocab_size"]
+    with open(f"{directory}/config.json") as config:
+        vocab = json.load(config)["vocab_size"]
     ours, api = worker_view(directory, vocab, hf.eos_token_id), grammar_tokenizer(hf, vocab)
     assert all(ours.decode_bytes([i]) == api.decode_bytes([i]) for i in range(vocab))
     assert all(ours.is_special_token(i) == api.is_special_token(i) for i in range(vocab))

@@ -79,6 +79,31 @@ def beam_search(server, prompt: list[int]) -> list[list[int]]:
     return [c["token_ids"] for c in choices]
 
 
+def test_a_bf16_checkpoint_at_tp_2_is_close_to_hf_in_bf16(tmp_path):
+    """At `auto` the ranks keep their shards in bf16 and all-reduce float32 partial sums."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import check_logprobs_close, hf_greedy_with_logprobs
+
+    model_dir = build_model(str(tmp_path / "model"), "llama", dtype=torch.bfloat16)
+    decode = AutoTokenizer.from_pretrained(model_dir).decode
+    with serve(model_dir, str(tmp_path), "--tensor-parallel-size", "2", *SMALL_KV) as server:
+        body = {"model": server.model, "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "logprobs": 5, "return_token_ids": True}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        worker = server.metrics("worker")
+    assert any('weights="bfloat16"' in name for name in worker), [n for n in worker if "compute" in n]
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    # The api gives alternatives by their text: compare texts on both sides.
+    ours = [([decode([t]) for t in c["token_ids"]], c["logprobs"]["top_logprobs"]) for c in choices]
+    reference = []
+    for prompt in PROMPTS:
+        tokens, tops = hf_greedy_with_logprobs(model_dir, prompt, MAX_TOKENS, torch.bfloat16)
+        reference.append(([decode([t]) for t in tokens], [{decode([t]): lp for t, lp in top.items()} for top in tops]))
+    check_logprobs_close(ours, reference)
+
+
 def test_a_model_whose_heads_do_not_divide_stops_with_one_clear_error(llama_dir, tmp_path):
     import subprocess
     import sys

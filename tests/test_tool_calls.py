@@ -11,8 +11,15 @@ import openai
 import pytest
 
 from services.api.errors import ApiError
-from services.api.tools import (HermesParser, Llama3JsonParser, ToolCallStream, ToolUse, calls_from_forced,
-                                parse_tool_use, whole_message)
+from services.api.tools import (
+    HermesParser,
+    Llama3JsonParser,
+    ToolCallStream,
+    ToolUse,
+    calls_from_forced,
+    parse_tool_use,
+    whole_message,
+)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -18,12 +18,11 @@ import msgpack
 import pytest
 import zmq
 
-from shared import sockets
+from shared import sockets, wire_security
 from shared.handshake_budget import HandshakeBudget
 from shared.log_limits import RateLimit
 from shared.protocol import AddRequest, Hello, Ready, SampledTokens, SchedulerInfo, Shutdown, StepResult
 from shared.sampling import SamplingParams
-from shared import wire_security
 from shared.wire_security import load_keys, make_keys
 from tests.conftest import ROOT, free_port, memory_mib, wait_until
 from tests.test_resilience import start, wait_healthy

@@ -114,7 +114,9 @@ def hf_greedy(directory: str, prompt_ids: list[int], max_new_tokens: int) -> lis
     return _hf_generate(directory, prompt_ids, max_new_tokens)[0]
 
 
-def hf_beam_search(directory: str, prompt_ids: list[int], width: int, max_new_tokens: int, **options) -> list[list[int]]:
+def hf_beam_search(
+    directory: str, prompt_ids: list[int], width: int, max_new_tokens: int, **options
+) -> list[list[int]]:
     """The oracle for beam search: HF's `generate(num_beams=width, num_return_sequences=width)`."""
     return _hf_generate(directory, prompt_ids, max_new_tokens, num_beams=width, num_return_sequences=width, **options)
 
@@ -144,18 +146,23 @@ def _hf_model(directory: str):
     return _HF_MODELS[directory]
 
 
-
-def hf_greedy_with_logprobs(directory: str, prompt_ids: list[int], max_new_tokens: int, dtype: torch.dtype,
-                            top: int = 5) -> tuple[list[int], list[dict[int, float]]]:
+def hf_greedy_with_logprobs(
+    directory: str, prompt_ids: list[int], max_new_tokens: int, dtype: torch.dtype, top: int = 5
+) -> tuple[list[int], list[dict[int, float]]]:
     """HF's greedy generate with the model in `dtype` (bf16 on a CPU: what the closeness rule compares
     against), and each position's `top` log-probabilities by token id, up to and including EOS."""
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     eos = model.generation_config.eos_token_id
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, output_logits=True,
-                             return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     if eos in tokens:
         tokens = tokens[: tokens.index(eos) + 1]
     tops = []
@@ -165,8 +172,9 @@ def hf_greedy_with_logprobs(directory: str, prompt_ids: list[int], max_new_token
     return tokens, tops
 
 
-def check_logprobs_close(ours: list[tuple[list[int], list[dict]]], reference: list[tuple[list[int], list[dict]]]
-                         ) -> list[int]:
+def check_logprobs_close(
+    ours: list[tuple[list[int], list[dict]]], reference: list[tuple[list[int], list[dict]]]
+) -> list[int]:
     """vLLM's rule for outputs in a half type (its tests' `check_logprobs_close`): at each position the
     two greedy tokens are equal, or each side's token is among the other's top log-probabilities, after
     which that sequence's comparison ends. Returns how many leading tokens each pair shares."""
@@ -178,7 +186,8 @@ def check_logprobs_close(ours: list[tuple[list[int], list[dict]]], reference: li
             if token != other:
                 assert token in expected_tops[i] and other in tops[i], (
                     f"sequence {s}, position {i}: {token} (ours, top {sorted(tops[i])}) against {other} "
-                    f"(reference, top {sorted(expected_tops[i])})")
+                    f"(reference, top {sorted(expected_tops[i])})"
+                )
                 break
             same += 1
         agreed.append(same)

@@ -1,6 +1,7 @@
 """`python -m services.api`: run the HTTP gateway alone, for deployment."""
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -13,8 +14,15 @@ from services.api.engine_client import EngineClient
 from services.api.engine_group import EngineGroup
 from services.api.http_deadlines import with_header_deadline
 from services.api.routing import Router
-from shared.cli import (HelpFormatter, add_api_args, add_wire_args, api_keys, exit_at_once,
-                        keep_api_key_off_the_command_line, setup_logging)
+from shared.cli import (
+    HelpFormatter,
+    add_api_args,
+    add_wire_args,
+    api_keys,
+    exit_at_once,
+    keep_api_key_off_the_command_line,
+    setup_logging,
+)
 from shared.sampling import MAX_LOGPROBS
 from shared.wire_security import WireSecurityError, keys_for
 
@@ -112,8 +120,6 @@ class OnceStoppedServer(uvicorn.Server):
 
 
 if __name__ == "__main__":
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # before uvicorn started
         main()
-    except KeyboardInterrupt:  # before uvicorn started
-        pass
     exit_at_once()

@@ -280,15 +280,21 @@ def _tool_calls(calls: object, where: str) -> list[dict]:
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _type_error(f"{where}.tool_calls", "a list of {'type': 'function', 'function': {'name', 'arguments'}}")
+            raise _type_error(f"{where}.tool_calls",
+                              "a list of {'type': 'function', 'function': {'name', 'arguments'}}")
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
                 raise ApiError(f"{where}.tool_calls: arguments must be JSON", param=f"{where}.tool_calls") from None
-        kept.append({"id": call.get("id", ""), "type": "function",
-                     "function": {"name": function["name"], "arguments": arguments}})
+        kept.append(
+            {
+                "id": call.get("id", ""),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
     return kept
 
 

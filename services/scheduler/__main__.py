@@ -1,13 +1,22 @@
 """`python -m services.scheduler`: run the scheduler alone, for deployment."""
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
 
 from services.scheduler.server import SchedulerServer
-from shared.cli import (RUNTIME_DIR_ENV, HelpFormatter, add_endpoint_args, add_metrics_args, add_scheduler_args,
-                        scheduler_config, setup_logging, stop_on_signals)
+from shared.cli import (
+    RUNTIME_DIR_ENV,
+    HelpFormatter,
+    add_endpoint_args,
+    add_metrics_args,
+    add_scheduler_args,
+    scheduler_config,
+    setup_logging,
+    stop_on_signals,
+)
 from shared.config import SCHEDULER_METRICS_PORT, Endpoints
 from shared.metrics_http import MetricsPortError, serve_metrics
 from shared.wire_security import WireSecurityError, keys_for
@@ -51,7 +60,5 @@ def remove_orphaned_runtime_dir(launcher: int) -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         main()
-    except KeyboardInterrupt:
-        pass

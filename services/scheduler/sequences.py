@@ -129,8 +129,9 @@ class SequenceRegistry:
         seq.num_tokens_known_to_worker = num_prompt + len(seq.output_token_ids)
         start, table = seq.first_unsynced_block, seq.block_table
         # Where the proposals of a step in flight are not settled yet, neither is this entry's start.
+        keeps = seq.request.sampling.worker_keeps_samples(len(seq.output_token_ids))
         entry = ScheduledSequence(seq.seq_id, seq.num_computed_tokens, num_tokens, appended, start, table[start:],
-                                  seq.num_drafts, start_at_end=seq.num_speculative > 0)
+                                  seq.num_drafts, start_at_end=seq.num_speculative > 0, worker_keeps_samples=keeps)
         seq.first_unsynced_block = len(table)
         seq.num_speculative += seq.num_drafts
         seq.num_drafts = 0

@@ -42,8 +42,6 @@ from shared.cli import drain_wakeups
 from shared.config import Endpoints, SchedulerConfig
 from shared.frame_limits import MAX_FRAME_BYTES
 from shared.handshake_budget import HANDSHAKE_EVENTS, HandshakeBudget
-from shared.sampling import MAX_SAMPLES
-from shared.wire_security import WireKeys, start_authenticator
 from shared.protocol import (
     Abort,
     AddRequest,
@@ -59,6 +57,8 @@ from shared.protocol import (
     StepResult,
     Unavailable,
 )
+from shared.sampling import MAX_SAMPLES
+from shared.wire_security import WireKeys, start_authenticator
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,21 @@
 """`python -m services.worker`: run one worker rank alone, for deployment."""
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 
-from shared.cli import (HelpFormatter, add_metrics_args, add_scheduler_args, add_wire_args, add_worker_args,
-                        exit_at_once, setup_logging, stop_on_signals)
+from shared.cli import (
+    HelpFormatter,
+    add_metrics_args,
+    add_scheduler_args,
+    add_wire_args,
+    add_worker_args,
+    exit_at_once,
+    setup_logging,
+    stop_on_signals,
+)
 from shared.config import WORKER_METRICS_PORT
 from shared.metrics_http import MetricsPortError, serve_metrics
 from shared.wire_security import WireSecurityError, keys_for
@@ -82,8 +91,6 @@ def without_tensor_parallel_size(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         main()
-    except KeyboardInterrupt:
-        pass
     exit_at_once()

@@ -127,7 +127,8 @@ def load_model(model_dir: str, dtype_name: str, device: torch.device, load_forma
         state = random_weights(model, config, seed, device, dtype)
     else:
         shards = model.shards() if tp.world_size > 1 else {}
-        state = checked_weights(model, read_weights(model_dir, getattr(model, "ignored_weights", ()), shards), model_dir)
+        weights = read_weights(model_dir, getattr(model, "ignored_weights", ()), shards)
+        state = checked_weights(model, weights, model_dir)
         state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
@@ -154,16 +155,22 @@ class Numerics:
     def __str__(self) -> str:
         if self.weights == self.activations:
             return f"{self.weights} on {self.device}, kernels: {self.kernels}"
-        return (f"{self.weights} weights and KV cache, {self.activations} activations, on {self.device}, "
-                f"kernels: {self.kernels}")
+        return (
+            f"{self.weights} weights and KV cache, {self.activations} activations, on {self.device}, "
+            f"kernels: {self.kernels}"
+        )
 
 
 def numerics(model: nn.Module, device: torch.device) -> Numerics:
     weights = model.lm_head.weight.dtype
     build = gemm_build() if device.type == "cpu" else None
     kernels = "triton" if device.type == "cuda" else f"{build.variant} ({build.description})" if build else "torch"
-    return Numerics(device.type, str(weights).removeprefix("torch."),
-                    str(activation_dtype(weights, device)).removeprefix("torch."), kernels)
+    return Numerics(
+        device.type,
+        str(weights).removeprefix("torch."),
+        str(activation_dtype(weights, device)).removeprefix("torch."),
+        kernels,
+    )
 
 
 def checked_weights(model, state: dict[str, torch.Tensor], model_dir: str) -> dict[str, torch.Tensor]:
@@ -178,20 +185,17 @@ def checked_weights(model, state: dict[str, torch.Tensor], model_dir: str) -> di
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ModelLoadError(
-            f"weights in {model_dir} do not match config.json: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
+            f"weights in {model_dir} do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     for name, tensor in expected.items():
         if tuple(state[name].shape) != tuple(tensor.shape):
             raise ModelLoadError(
-                f"weight {name} has shape {tuple(state[name].shape)}, config.json implies "
-                f"{tuple(tensor.shape)}"
+                f"weight {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(tensor.shape)}"
             )
     return state
 
 
-def random_weights(model, config, seed: int, device: torch.device, dtype: torch.dtype
-                   ) -> dict[str, torch.Tensor]:
+def random_weights(model, config, seed: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """`--load-format dummy`: weights of the right shapes from a seeded normal distribution, drawn
     on the device in the serving dtype (a 13B model never passes through host memory)."""
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -212,8 +216,9 @@ def random_weights(model, config, seed: int, device: torch.device, dtype: torch.
     return state
 
 
-def read_weights(model_dir: str, ignored: tuple[str, ...] = (), shards: dict[str, Shard] | None = None
-                 ) -> dict[str, torch.Tensor]:
+def read_weights(
+    model_dir: str, ignored: tuple[str, ...] = (), shards: dict[str, Shard] | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, or of `shards` only this rank's part, read as such."""
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index_path):
@@ -227,11 +232,12 @@ def read_weights(model_dir: str, ignored: tuple[str, ...] = (), shards: dict[str
         path = os.path.join(model_dir, name)
         if not os.path.isfile(path):
             raise ModelLoadError(f"weight file {path} is missing")
-        log.info("reading weights: file %d of %d, %s (%.0f MiB)", i + 1, len(files), name,
-                 os.path.getsize(path) / 2**20)
+        log.info(
+            "reading weights: file %d of %d, %s (%.0f MiB)", i + 1, len(files), name, os.path.getsize(path) / 2**20
+        )
         try:
             with safe_open(path, "pt") as f:
-                for key in f.keys():
+                for key in f.keys():  # noqa: SIM118 (a safetensors file, not a dict)
                     if not key.endswith(ignored):
                         shard = (shards or {}).get(key)
                         state[key] = shard.take(f.get_slice(key)) if shard else f.get_tensor(key)

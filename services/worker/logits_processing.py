@@ -128,7 +128,8 @@ _NEG_INF = torch.tensor(float("-inf"))
 def _unpack(words: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Bitmask rows of int32 words (on the host) as bool rows of 32 per word, on `device`."""
     if device.type == "cpu":  # numpy's unpacking is a byte table: 8x faster here than shifts
-        return torch.from_numpy(np.unpackbits(words.numpy().view(np.uint8), axis=-1, bitorder="little")).view(torch.bool)
+        bits = np.unpackbits(words.numpy().view(np.uint8), axis=-1, bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool)
     words = words.to(device, non_blocking=True)
     bits = torch.tensor([1 << i if i < 31 else -(1 << 31) for i in range(32)], dtype=torch.int32, device=device)
     return (words[:, :, None] & bits).ne(0).flatten(1)
@@ -139,7 +140,7 @@ def _token_counts(sequences: list[list[int]], vocab: int, device, dtype) -> torc
     width = max((len(s) for s in sequences), default=0)
     padded = torch.full((len(sequences), width), vocab, dtype=torch.int64)
     for i, tokens in enumerate(sequences):
-        padded[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
     counts = torch.zeros(len(sequences), vocab + 1, dtype=dtype, device=device)
     counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, dtype=dtype, device=device))
     return counts[:, :vocab]

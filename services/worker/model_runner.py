@@ -14,6 +14,7 @@ tokens with speculation as without.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from services.worker.ngram import NgramIndex, NgramProposer
 from services.worker.sampler import Sample, Sampler, SampleRow
 from services.worker.step_inputs import StepInputs
 from shared.protocol import NewSequence, PromptLogprobs, SampledTokens, ScheduledSequence, Step, StepResult
-from shared.sampling import InvalidParameter, SamplingParams
+from shared.sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -113,7 +114,7 @@ class ModelRunner:
             cache.swap_out(step.swap_out)
             cache.swap_in(step.swap_in)
             cache.copy_blocks(step.copies)
-        scheduled = [entry for entry in step.scheduled if self._accepts(entry, failures)]
+        scheduled = [resolved for entry in step.scheduled if (resolved := self._accepts(entry, failures)) is not None]
         if not scheduled:
             return StepResult(step.step_id, [], 0.0, 0.0, failures=failures)
 
@@ -182,7 +183,7 @@ class ModelRunner:
                                          [s.top_ids for s in kept] if kept[0].top_ids else [],
                                          [s.top_logprobs for s in kept] if kept[0].top_ids else [], len(verified)))
             generated = len(mirror.token_ids) - mirror.num_prompt_tokens
-            if mirror.sampling.worker_keeps_samples(generated):
+            if scheduled[i].worker_keeps_samples:
                 # Its next tokens are known here first: the scheduler may already have planned the next.
                 mirror.token_ids.extend(s.token_id for s in kept)
             if self.drafter is not None and verified:
@@ -212,18 +213,16 @@ class ModelRunner:
             return "a token id outside the vocabulary"
         if not 0 < new.num_prompt_tokens <= len(new.token_ids):
             return "a prompt length that does not match its tokens"
-        try:
-            new.sampling.validate(self.vocab_size)
-        except InvalidParameter as exc:
-            return f"{exc.param}: {exc}"
-        return None
+        return None  # its sampling parameters: the scheduler checked them (docs/design/checks.md)
 
-    def _accepts(self, entry: ScheduledSequence, failures: dict[int, str]) -> bool:
-        """Apply the entry's differences to its mirror, or refuse the sequence."""
+    def _accepts(self, entry: ScheduledSequence, failures: dict[int, str]) -> ScheduledSequence | None:
+        """Apply the entry's differences to its mirror and return the entry as this step computes it
+        (an entry planned before the scheduler knew how many proposals a step kept starts at the
+        mirror's last token), or refuse the sequence."""
         mirror = self.mirrors.get(entry.seq_id)
         if mirror is None:
             failures.setdefault(entry.seq_id, "unknown sequence")
-            return False
+            return None
         problem = None
         if not all(0 <= t < self.vocab_size for t in entry.appended_token_ids):
             problem = "a token id outside the vocabulary"
@@ -236,8 +235,8 @@ class ModelRunner:
             problem = "draft tokens asked of a worker that drafts none (start it with --speculative-config)"
         if problem is None:
             mirror.token_ids.extend(entry.appended_token_ids)
-            if entry.start_at_end:  # planned before the scheduler knew how many proposals a step kept
-                entry.start = len(mirror.token_ids) - 1
+            if entry.start_at_end:
+                entry = dataclasses.replace(entry, start=len(mirror.token_ids) - 1, start_at_end=False)
             self.tables.write(mirror.row, entry.table_start, entry.block_ids)
             mirror.num_blocks = entry.table_start + len(entry.block_ids)
             end = entry.start + entry.num_tokens
@@ -249,8 +248,8 @@ class ModelRunner:
         if problem is not None:
             failures[entry.seq_id] = problem
             self._drop(entry.seq_id)
-            return False
-        return True
+            return None
+        return entry
 
     def _look_up_proposals(self, scheduled: list[ScheduledSequence]) -> dict[int, list[int]]:
         """Each entry's draft tokens by prompt lookup; an entry computes only the proposals found."""

@@ -1,7 +1,8 @@
 """Turn the last-position logits of each sequence into its next token(s).
 
 Logits are first processed as the request asks (`logits_processing.py`: logit bias, min_tokens,
-penalties, a grammar's mask). Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw by
+penalties, a grammar's mask). Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p,
+then draw by
 inverse CDF: one uniform number per sample, batched. A seeded request draws its number from a
 generator reseeded from (seed, sample index, tokens generated so far), so its tokens do not
 depend on what else is in the batch, nor on whether it was preempted and recomputed.
@@ -58,12 +59,19 @@ class Sampler:
         random_draws = [j for j, i in enumerate(owners) if not rows[i].params.greedy]
         random_owners = [owners[j] for j in random_draws]
         owner_index, random_index, random_owner_index = self._staging(logits.device)[0].load(
-            owners, random_draws, random_owners)
+            owners, random_draws, random_owners
+        )
         greedy = logits.argmax(dim=-1)
         choices = greedy[owner_index]
         if random_draws:
-            choices[random_index] = self._draw(logits, rows, random_owners, random_owner_index,
-                                               [draws[j] for j in random_draws], greedy[random_owner_index])
+            choices[random_index] = self._draw(
+                logits,
+                rows,
+                random_owners,
+                random_owner_index,
+                [draws[j] for j in random_draws],
+                greedy[random_owner_index],
+            )
         # Log-probabilities without the whole table, and only where someone reads them: the
         # exponentials cost more than the rest of sampling.
         chosen = None
@@ -83,8 +91,15 @@ class Sampler:
             samples[i].append(Sample(choices[j], chosen[j], *top))
         return samples
 
-    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], owners: list[int], owner_index: torch.Tensor,
-              draws: list[int], most_likely: torch.Tensor) -> torch.Tensor:
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRow],
+        owners: list[int],
+        owner_index: torch.Tensor,
+        draws: list[int],
+        most_likely: torch.Tensor,
+    ) -> torch.Tensor:
         """One batched draw, except that seeded rows take their uniform from their own reseeded
         generator so that batch company cannot change their tokens."""
         params = [rows[i].params for i in owners]
@@ -111,12 +126,17 @@ class Sampler:
 
 def filter_settings(params: list[SamplingParams], vocab: int) -> tuple[list, list, list, list]:
     """Each row's temperature, top-k (the whole vocabulary where off), top-p and min-p."""
-    return ([p.temperature for p in params], [p.top_k if p.top_k > 0 else vocab for p in params],
-            [p.top_p for p in params], [p.min_p for p in params])
+    return (
+        [p.temperature for p in params],
+        [p.top_k if p.top_k > 0 else vocab for p in params],
+        [p.top_p for p in params],
+        [p.min_p for p in params],
+    )
 
 
-def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p, one row per sequence (each setting
     one value per row, on the logits' device: `filter_settings`)."""
     device = logits.device

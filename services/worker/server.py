@@ -14,13 +14,13 @@ import zmq
 
 from services.worker.cpu_threads import ComputeThreads
 from services.worker.decode_graphs import DecodeGraphs
-from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
 from services.worker.drafter import Drafter
-from services.worker.ngram import NgramProposer
 from services.worker.grammar import GrammarEngine
+from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
 from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model, numerics
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
+from services.worker.ngram import NgramProposer
 from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
 from shared.cli import drain_wakeups
@@ -99,8 +99,10 @@ class WorkerServer:
             models.append(load_draft_model(speculative.model, model, dtype, device, args, tp))
         # The draft's cache lives under the same block ids, so a block costs both models' bytes.
         kv_dtype = getattr(args, "kv_cache_dtype", "auto")
-        layer_bytes = [bytes_per_block(c.num_hidden_layers, args.block_size, m.num_kv_heads, m.head_dim, dtype, kv_dtype)
-                       for m, c in models]
+        layer_bytes = [
+            bytes_per_block(c.num_hidden_layers, args.block_size, m.num_kv_heads, m.head_dim, dtype, kv_dtype)
+            for m, c in models
+        ]
         block_bytes = sum(layer_bytes)
         num_blocks = args.num_gpu_blocks_override or num_blocks_that_fit(
             device, block_bytes, args.gpu_memory_utilization, args.kv_cache_memory
@@ -109,36 +111,75 @@ class WorkerServer:
             raise RuntimeError("no memory left for a single KV block; lower the model or raise the limit")
         num_cpu_blocks = int(args.swap_space * GIB // block_bytes)
         cache, *draft_cache = [
-            KVCache(c.num_hidden_layers, num_blocks, args.block_size, m.num_kv_heads, m.head_dim, dtype, device,
-                    num_cpu_blocks, kv_dtype)
+            KVCache(
+                c.num_hidden_layers,
+                num_blocks,
+                args.block_size,
+                m.num_kv_heads,
+                m.head_dim,
+                dtype,
+                device,
+                num_cpu_blocks,
+                kv_dtype,
+            )
             for m, c in models
         ]
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB%s%s); swap space: %d blocks", num_blocks,
-                 args.block_size, num_blocks * block_bytes / 2**20, f", {kv_dtype}" if kv_dtype != "auto" else "",
-                 f", of which the draft model's {num_blocks * layer_bytes[1] / 2**20:.1f}" if draft_cache else "",
-                 num_cpu_blocks)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB%s%s); swap space: %d blocks",
+            num_blocks,
+            args.block_size,
+            num_blocks * block_bytes / 2**20,
+            f", {kv_dtype}" if kv_dtype != "auto" else "",
+            f", of which the draft model's {num_blocks * layer_bytes[1] / 2**20:.1f}" if draft_cache else "",
+            num_cpu_blocks,
+        )
         drafter = Drafter(models[1][0], draft_cache[0], device) if draft_cache else None
-        ngram = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max) \
-            if speculative is not None and speculative.method == "ngram" else None
+        ngram = (
+            NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+            if speculative is not None and speculative.method == "ngram"
+            else None
+        )
         eos_ids = eos_token_ids(args.model, config)
         vocab_size = model.lm_head.weight.shape[0]
         # On a CPU the masks run beside a forward that leaves them a core, or before one that took them all.
         mask_threads = 0 if device.type == "cuda" else max(1, len(os.sched_getaffinity(0)) - 1)
-        grammars = GrammarEngine.load(getattr(args, "tokenizer", None) or args.model, vocab_size, eos_ids,
-                                      mask_threads)
-        self.runner = ModelRunner(model, cache, device, args.seed, eos_token_ids=eos_ids, drafter=drafter,
-                                  threads=threads, grammars=grammars, ngram=ngram)
+        grammars = GrammarEngine.load(getattr(args, "tokenizer", None) or args.model, vocab_size, eos_ids, mask_threads)
+        self.runner = ModelRunner(
+            model,
+            cache,
+            device,
+            args.seed,
+            eos_token_ids=eos_ids,
+            drafter=drafter,
+            threads=threads,
+            grammars=grammars,
+            ngram=ngram,
+        )
         swap_rate = cache.measure_swap_bandwidth()
         prefill_rate = self.runner.measure_prefill_rate()
         if device.type == "cuda" and not args.enforce_eager:
             self.runner.graphs = capture_decode_graphs(model, cache, device, args, config, world_size)
-        log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s%s", swap_rate / 1e9, prefill_rate,
-                 f"; compute threads: {threads.describe()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
-                 if threads is not None else "")
+        log.info(
+            "measured: swap %.2f GB/s, prefill %.0f tokens/s%s",
+            swap_rate / 1e9,
+            prefill_rate,
+            f"; compute threads: {threads.describe()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
+            if threads is not None
+            else "",
+        )
         self.ready = Ready(
-            rank, world_size, num_blocks, num_cpu_blocks, args.block_size,
-            config.max_position_embeddings, eos_ids, block_bytes,
-            swap_rate, prefill_rate, self.runner.vocab_size, device.type,
+            rank,
+            world_size,
+            num_blocks,
+            num_cpu_blocks,
+            args.block_size,
+            config.max_position_embeddings,
+            eos_ids,
+            block_bytes,
+            swap_rate,
+            prefill_rate,
+            self.runner.vocab_size,
+            device.type,
             speculative.method if speculative is not None else "",
         )
         self.metrics = metrics or WorkerMetrics(rank)

@@ -72,8 +72,11 @@ class GPT2MLP(nn.Module):
 
     def shards(self, prefix: str) -> dict[str, Shard]:
         inner = self.c_proj.weight.shape[0]
-        return {f"{prefix}.c_fc.weight": Shard(1, self.first, inner), f"{prefix}.c_fc.bias": Shard(0, self.first, inner),
-                f"{prefix}.c_proj.weight": Shard(0, self.first, inner)}
+        return {
+            f"{prefix}.c_fc.weight": Shard(1, self.first, inner),
+            f"{prefix}.c_fc.bias": Shard(0, self.first, inner),
+            f"{prefix}.c_proj.weight": Shard(0, self.first, inner),
+        }
 
 
 class GPT2Block(nn.Module):

@@ -104,13 +104,19 @@ class Attention(nn.Module):
 
     def shards(self, prefix: str) -> dict[str, Shard]:
         hd = self.head_dim
-        q, kv = Shard(0, self.first_head * hd, self.num_heads * hd), Shard(0, self.first_kv_head * hd, self.num_kv_heads * hd)
-        shards = {f"{prefix}.q_proj.weight": q, f"{prefix}.k_proj.weight": kv, f"{prefix}.v_proj.weight": kv,
-                  f"{prefix}.o_proj.weight": Shard(1, q.start, q.size)}
+        q, kv = (
+            Shard(0, self.first_head * hd, self.num_heads * hd),
+            Shard(0, self.first_kv_head * hd, self.num_kv_heads * hd),
+        )
+        shards = {
+            f"{prefix}.q_proj.weight": q,
+            f"{prefix}.k_proj.weight": kv,
+            f"{prefix}.v_proj.weight": kv,
+            f"{prefix}.o_proj.weight": Shard(1, q.start, q.size),
+        }
         if self.q_proj.bias is not None:
             shards |= {f"{prefix}.q_proj.bias": q, f"{prefix}.k_proj.bias": kv, f"{prefix}.v_proj.bias": kv}
         return shards
-
 
 
 class MLP(nn.Module):
