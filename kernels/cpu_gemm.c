@@ -14,8 +14,9 @@
  * second-level cache while every tile of rows passes over it, and each tile prefetches the next
  * panel into that cache: the reads from memory spread over all the passes of a panel, not bunched
  * into its first. One or two rows are bound by the reads alone, and there the hardware's own
- * prefetch streams the panels faster without ours (docs/kernels.md). Blocking K as well, so that a
- * panel's block would stay in the first-level cache, was slower on the shapes measured.
+ * prefetch streams the panels faster without ours (docs/kernels.md). Blocking as BLIS does, rows packed
+ * into micro-panels and K cut so that a panel's block stays in the first-level cache, was faster on one
+ * thread at 2,048 rows but not on two sharing a call (docs/kernels.md), so it is not done.
  *
  * x: [M, K] floats with rows x_stride apart (bfloat16 rows of even length where
  * gemm_bf16_reads_bf16_rows() says so); y: [M, N] with rows y_stride apart; bias: [N] or NULL.

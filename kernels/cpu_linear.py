@@ -46,14 +46,14 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     p, i = native.POINTER, native.INT64
     kernels = {dtype: native.function("cpu_gemm", symbol, [p, i, p, p, p, i, i, i, i, i, p, i], i, variant=variant)
                for dtype, symbol in SYMBOLS.items()}
-    width = native.function("cpu_gemm", "gemm_panel_width", [], i, variant=variant)
-    bf16_rows = native.function("cpu_gemm", "gemm_bf16_reads_bf16_rows", [], i, variant=variant)
-    if width is None or bf16_rows is None or None in kernels.values():
+    facts = {name: native.function("cpu_gemm", f"gemm_{name}", [], i, variant=variant)
+             for name in ("panel_width", "bf16_reads_bf16_rows")}
+    if None in facts.values() or None in kernels.values():
         return None
     library = native.load("cpu_gemm", variant)
     library.gemm_description.restype = native.ctypes.c_char_p
-    return GemmBuild(kernels, width(), bool(bf16_rows()), library.gemm_description().decode(),
-                     native.variant_of(library))
+    width, bf16_rows = (fact() for fact in facts.values())
+    return GemmBuild(kernels, width, bool(bf16_rows), library.gemm_description().decode(), native.variant_of(library))
 
 
 def packs(dtype: torch.dtype) -> bool:

@@ -77,7 +77,9 @@ def batches(tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-python"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-python")
+    )
     parser.add_argument("--steps", type=int, default=1600)
     parser.add_argument("--minutes", type=float, default=120.0, help="stop early after this long")
     parser.add_argument("--layers", type=int, default=6)
@@ -90,8 +92,12 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=0, help="use only the first N corpus files (quick checks)")
     parser.add_argument("--no-plot", action="store_true", help="skip the loss curve (needs matplotlib)")
     parser.add_argument("--init-from", default=None, help="start from a model this script saved (its tokenizer too)")
-    parser.add_argument("--unlikelihood-steps", type=int, default=0,
-                        help="then fine-tune this many steps against repeating its own greedy continuations")
+    parser.add_argument(
+        "--unlikelihood-steps",
+        type=int,
+        default=0,
+        help="then fine-tune this many steps against repeating its own greedy continuations",
+    )
     parser.add_argument("--unlikelihood-lr", type=float, default=3e-4)
     args = parser.parse_args()
     if args.threads:
@@ -114,10 +120,19 @@ def main() -> None:
     print(f"corpus: {len(files)} files, {len(tokens):,} tokens", flush=True)
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=704, num_hidden_layers=args.layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
     config.architectures = ["LlamaForCausalLM"]
     if args.init_from:
@@ -153,7 +168,9 @@ def main() -> None:
         if step % 50 == 0:
             print(f"step {step:5d}  loss {loss.item():.3f}  {time.monotonic() - started:6.0f}s", flush=True)
 
-    unlikelihood_losses = fine_tune_against_repetition(model, tokenizer, tokens, args) if args.unlikelihood_steps else []
+    unlikelihood_losses = (
+        fine_tune_against_repetition(model, tokenizer, tokens, args) if args.unlikelihood_steps else []
+    )
     last_losses = ([loss for _, loss in losses] + [lm for _, lm, _, _ in unlikelihood_losses])[-50:]
     model.eval()
     os.makedirs(args.out, exist_ok=True)
@@ -164,15 +181,32 @@ def main() -> None:
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out, save_jinja_files=False)  # the template inside tokenizer_config.json
     with open(os.path.join(args.out, "training.json"), "w") as f:
-        json.dump({
-            "steps": len(losses), "tokens_seen": len(losses) * args.batch_size * args.seq_len,
-            "final_loss": sum(last_losses) / max(1, len(last_losses)),
-            "seconds": round(time.monotonic() - started), "seed": args.seed, "corpus_files": len(files),
-            "corpus_tokens": len(tokens), "python": platform.python_version(), "torch": torch.__version__,
-            "argv": sys.argv[1:], "init_from": started_from(args.init_from),
-            "unlikelihood": [{"step": s, "lm_loss": round(lm, 4), "unlikelihood_loss": round(ul, 4),
-                              "repeated_token_share": round(share, 4)} for s, lm, ul, share in unlikelihood_losses],
-        }, f, indent=2)
+        json.dump(
+            {
+                "steps": len(losses),
+                "tokens_seen": len(losses) * args.batch_size * args.seq_len,
+                "final_loss": sum(last_losses) / max(1, len(last_losses)),
+                "seconds": round(time.monotonic() - started),
+                "seed": args.seed,
+                "corpus_files": len(files),
+                "corpus_tokens": len(tokens),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "argv": sys.argv[1:],
+                "init_from": started_from(args.init_from),
+                "unlikelihood": [
+                    {
+                        "step": s,
+                        "lm_loss": round(lm, 4),
+                        "unlikelihood_loss": round(ul, 4),
+                        "repeated_token_share": round(share, 4),
+                    }
+                    for s, lm, ul, share in unlikelihood_losses
+                ],
+            },
+            f,
+            indent=2,
+        )
     if not args.no_plot:
         if losses:
             plot(losses, os.path.join(args.out, "loss.png"))
@@ -210,8 +244,7 @@ def repeated_line_positions(sequence: list[int], start: int, pieces: list[str], 
     return marked
 
 
-def fine_tune_against_repetition(model, tokenizer, tokens: torch.Tensor, args
-                                 ) -> list[tuple[int, float, float, float]]:
+def fine_tune_against_repetition(model, tokenizer, tokens: torch.Tensor, args) -> list[tuple[int, float, float, float]]:
     """Sequence-level unlikelihood training (Welleck et al., 2019), with lines for n-grams: continue
     random corpus prefixes greedily, and lower the probability of the tokens of every line that
     repeats for the third time or more, while a corpus batch keeps the language-model loss.
@@ -227,9 +260,14 @@ def fine_tune_against_repetition(model, tokenizer, tokens: torch.Tensor, args
         model.eval()
         prompt, _ = next(prefixes)
         with torch.no_grad():
-            generated = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                       max_new_tokens=continuation, min_new_tokens=continuation,
-                                       pad_token_id=model.config.pad_token_id)
+            generated = model.generate(
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=False,
+                max_new_tokens=continuation,
+                min_new_tokens=continuation,
+                pad_token_id=model.config.pad_token_id,
+            )
         model.train()
         rows, columns = [], []
         for row, sequence in enumerate(generated.tolist()):
@@ -253,8 +291,11 @@ def fine_tune_against_repetition(model, tokenizer, tokens: torch.Tensor, args
         share = len(rows) / (generated.shape[0] * continuation)
         history.append((step, lm.item(), unlikelihood.item(), share))
         if step % 10 == 0:
-            print(f"unlikelihood step {step:4d}  lm {lm.item():.3f}  ul {unlikelihood.item():.3f}  "
-                  f"repeated {share:.1%}  {time.monotonic() - started:6.0f}s", flush=True)
+            print(
+                f"unlikelihood step {step:4d}  lm {lm.item():.3f}  ul {unlikelihood.item():.3f}  "
+                f"repeated {share:.1%}  {time.monotonic() - started:6.0f}s",
+                flush=True,
+            )
     return history
 
 
@@ -267,8 +308,10 @@ def plot(losses: list[tuple[int, float]], path: str) -> None:
     steps = [s for s, _ in losses]
     values = [v for _, v in losses]
     window = 25
-    smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
-              for i in range(len(values))]
+    smooth = [
+        sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        for i in range(len(values))
+    ]
     figure, axes = plt.subplots(figsize=(7, 4))
     axes.plot(steps, values, alpha=0.3, label="loss")
     axes.plot(steps, smooth, label=f"mean of {window}")

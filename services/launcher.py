@@ -27,15 +27,26 @@ import urllib.request
 from shared.cli import (
     API_KEY_ENV,
     ENGINE_ENV,
+    EXIT_PORT_TAKEN,
     RUNTIME_DIR_ENV,
     HelpFormatter,
     add_api_args,
+    add_model_args,
     add_scheduler_args,
     add_worker_args,
     api_keys,
     keep_api_key_off_the_command_line,
 )
-from shared.config import ENGINE_PORT_STRIDE, SCHEDULER_METRICS_PORT, WORKER_METRICS_PORT, Endpoints, SpeculativeConfig
+from shared.config import (
+    ENGINE_PORT_STRIDE,
+    ApiConfig,
+    Endpoints,
+    LauncherConfig,
+    ModelConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
+from shared.options import add_options, from_namespace, to_flags
 
 PR_SET_PDEATHSIG = 1
 
@@ -62,43 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser(
         "up", formatter_class=HelpFormatter, help="serve a model with all three processes on this machine"
     )
-    up.add_argument(
-        "--model", default=SHIPPED_MODEL, help="local HF-format model directory (default: the shipped tiny-python)"
-    )
+    add_model_args(up, model=SHIPPED_MODEL)
     serve = commands.add_parser(
         "serve",
         formatter_class=HelpFormatter,
         help="the same as up, with the model as the first argument (as `vllm serve MODEL`)",
     )
-    serve.add_argument("model", help="local HF-format model directory")
+    add_model_args(serve, positional=True)
     for command in (up, serve):
+        add_options(command, LauncherConfig, "launcher")
         add_api_args(command)
         add_scheduler_args(command)
         add_worker_args(command)
-        command.add_argument(
-            "--data-parallel-size",
-            "-dp",
-            type=int,
-            default=1,
-            help="engines, each a scheduler with its own workers (and its own tensor-parallel "
-            "ranks); the api routes each request to one of them (--routing). An engine that "
-            "dies is started again while the others serve",
-        )
-        command.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
-        command.add_argument(
-            "--scheduler-metrics-port",
-            type=int,
-            default=SCHEDULER_METRICS_PORT,
-            help="port of the scheduler's Prometheus /metrics, on --host (0: none); engine i of "
-            f"several: this + {ENGINE_PORT_STRIDE} * i",
-        )
-        command.add_argument(
-            "--worker-metrics-port",
-            type=int,
-            default=WORKER_METRICS_PORT,
-            help="port of the worker's Prometheus /metrics, on --host (0: none); rank r of "
-            f"engine i: this + {ENGINE_PORT_STRIDE} * i + r",
-        )
     keys = commands.add_parser(
         "keys", formatter_class=HelpFormatter, help="make CURVE key pairs for the scheduler, the api and the workers"
     )
@@ -118,79 +104,6 @@ def make_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
-    flags = []
-    for name in names:
-        value = getattr(args, name)
-        flag = f"--{name.replace('_', '-')}"
-        if isinstance(value, SpeculativeConfig):
-            flags += [flag, value.to_json()]
-        elif value is True:
-            flags.append(flag)
-        elif value is False and name in ("enable_chunked_prefill", "async_scheduling", "report_cached_tokens"):
-            flags.append(f"--no-{flag[2:]}")
-        elif value is not None and value is not False:
-            flags += [flag, str(value)]
-    return flags
-
-
-SCHEDULER_FLAGS = [
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "num_gpu_blocks_override",
-    "enable_prefix_caching",
-    "enable_chunked_prefill",
-    "preemption_mode",
-    "kv_reservation",
-    "async_scheduling",
-    "step_timeout",
-    "log_stats_interval",
-    "speculative_config",
-]
-WORKER_FLAGS = [
-    "model",
-    "tokenizer",
-    "device",
-    "dtype",
-    "kv_cache_dtype",
-    "load_format",
-    "gpu_memory_utilization",
-    "kv_cache_memory",
-    "swap_space",
-    "seed",
-    "cpu_threads",
-    "block_size",
-    "num_gpu_blocks_override",
-    "tensor_parallel_size",
-    "speculative_config",
-    "enforce_eager",
-    "max_seq_len_to_capture",
-    "max_num_seqs",
-    "max_model_len",
-]
-API_FLAGS = [
-    "model",
-    "tokenizer",
-    "host",
-    "port",
-    "served_model_name",
-    "max_request_body_bytes",
-    "enable_auto_tool_choice",
-    "tool_call_parser",
-    "chat_template",
-    "max_logprobs",
-    "disable_log_requests",
-    "trust_remote_code",
-    "scheduler_timeout",
-    "routing",
-    "report_cached_tokens",
-    "request_header_timeout",
-    "request_body_timeout",
-]
-
-
 def engine_names(args: argparse.Namespace, engine: int) -> tuple[str, str]:
     """The names the launcher gives an engine's scheduler and worker in what it prints."""
     if args.data_parallel_size == 1:
@@ -208,37 +121,29 @@ def metrics_ports(args: argparse.Namespace, engine: int) -> tuple[int, int]:
 
 
 def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
+    """Each service's command line: its part of the typed configs, as flags (shared/options.py)."""
     python = [sys.executable, "-m"]
+    model = to_flags(from_namespace(ModelConfig, args))
+    scheduler_flags = to_flags(from_namespace(SchedulerConfig, args))
     engines = [Endpoints.local(directory, engine) for engine in range(args.data_parallel_size)]
     services = {}
     for engine, endpoints in enumerate(engines):
         scheduler, worker = engine_names(args, engine)
         scheduler_port, worker_port = metrics_ports(args, engine)
-        services[scheduler] = (
-            python
-            + [
-                "services.scheduler",
-                "--scheduler-endpoint",
-                endpoints.scheduler,
-                "--worker-endpoint",
-                endpoints.workers,
-                "--world-size",
-                str(args.tensor_parallel_size),
-            ]
-            + _flags(args, SCHEDULER_FLAGS)
-            + ["--metrics-host", args.host, "--metrics-port", str(scheduler_port)]
-        )
-        services[worker] = (
-            python
-            + ["services.worker", "--worker-endpoint", endpoints.workers]
-            + _flags(args, WORKER_FLAGS)
-            + ["--metrics-host", args.host, "--metrics-port", str(worker_port)]
-        )
-    services["api"] = (
-        python
-        + ["services.api", "--scheduler-endpoint", ",".join(e.scheduler for e in engines)]
-        + _flags(args, API_FLAGS)
-    )
+        services[scheduler] = [
+            *python, "services.scheduler", "--scheduler-endpoint", endpoints.scheduler,
+            "--worker-endpoint", endpoints.workers, "--world-size", str(args.tensor_parallel_size),
+            *scheduler_flags, "--metrics-host", args.host, "--metrics-port", str(scheduler_port),
+        ]
+        services[worker] = [
+            *python, "services.worker", "--worker-endpoint", endpoints.workers, *model,
+            *to_flags(from_namespace(WorkerConfig, args)), *scheduler_flags,
+            "--metrics-host", args.host, "--metrics-port", str(worker_port),
+        ]
+    # The key goes to the api in its environment, never on a command line.
+    api = from_namespace(ApiConfig, args, api_key=None, api_key_file=None)
+    services["api"] = [*python, "services.api", "--scheduler-endpoint", ",".join(e.scheduler for e in engines),
+                       *model, *to_flags(api)]
     return services
 
 
@@ -261,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 (f"{worker} rank {rank}'s metrics", "--worker-metrics-port", worker_port + rank)
                 for rank in range(args.tensor_parallel_size)
             ]
-    taken = {}
+    taken: dict[int, str] = {}
     for service, flag, port in wanted:
         if port and port in taken:
             print(
@@ -327,6 +232,14 @@ def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
     ready = False
     while not stopping:
         dead = _exited(children)
+        taken = [name for name, code in dead.items() if code == EXIT_PORT_TAKEN]
+        if taken:  # a port taken since the check above: a restart would only fail again
+            for name in taken:
+                print(f"pagedserve: {name} could not listen on its port, taken since start-up (choose another "
+                      f"with {port_flag(args, name)}); stopping", file=sys.stderr)
+            failed = True
+            stop(signal.SIGTERM, None)
+            break
         if dead and restarts.restart(dead):
             continue
         if dead:
@@ -393,6 +306,14 @@ class EngineRestarts:
                 _reap(self.children[name])
                 self.children[name] = self.start(name)
         return True
+
+
+def port_flag(args: argparse.Namespace, name: str) -> str:
+    """The flag that moves the port of the service `name`."""
+    if name == "api":
+        return "--port"
+    schedulers = {engine_names(args, engine)[0] for engine in range(args.data_parallel_size)}
+    return "--scheduler-metrics-port" if name in schedulers else "--worker-metrics-port"
 
 
 def _die_with(parent: int) -> None:

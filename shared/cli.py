@@ -12,14 +12,17 @@ import signal
 import socket
 import sys
 
-from shared.config import SchedulerConfig, SpeculativeConfig
-from shared.sampling import MAX_LOGPROBS
+from shared.config import ApiConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from shared.options import add_options
 from shared.sockets import MAX_MESSAGE_BYTES
 from shared.wire_security import add_wire_security_args
 
 RUNTIME_DIR_ENV = "PAGEDSERVE_RUNTIME_DIR"  # the launcher's socket directory, for the scheduler to remove if orphaned
 ENGINE_ENV = "PAGEDSERVE_ENGINE"  # with several engines, the launcher names each one's processes in their logs
 API_KEY_ENV = "PAGEDSERVE_API_KEY"  # the launcher hands the key to the api this way, not on a command line
+# A service's exit status when a port it must listen on is taken: a restart would not help, so the
+# launcher stops and names the flag that moves the port.
+EXIT_PORT_TAKEN = 3
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -29,233 +32,29 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if action.dest in ("api_key", "keys_dir") or action.required or "(default:" in text:
             return text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or text
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("scheduler")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
-    group.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens per step; None: 2048 with chunked prefill, else max(context, 2048)",
-    )
-    group.add_argument("--max-model-len", type=int, default=None, help="context length limit; None: the model's own")
-    group.add_argument(
-        "--num-gpu-blocks-override",
-        type=int,
-        default=None,
-        help="KV blocks on the device, instead of what memory allows (for tests and benchmarks)",
-    )
-    group.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt blocks")
-    group.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split long prompts over steps, mixed with decodes",
-    )
-    group.add_argument(
-        "--preemption-mode",
-        choices=["swap", "recompute", "auto"],
-        default="auto",
-        help="what happens to a preempted request: swapped to CPU memory, dropped and recomputed, "
-        "or whichever costs less for it",
-    )
-    group.add_argument(
-        "--kv-reservation",
-        choices=["paged", "max", "pow2", "oracle"],
-        default="paged",
-        help="KV memory a request holds from its start: blocks on demand (paged), or, as baselines "
-        "that reserve contiguous memory would, room for the whole context (max), for the next "
-        "power of two of max_tokens (pow2) or for exactly max_tokens (oracle)",
-    )
-    group.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="plan each step while the workers compute the one before",
-    )
-    group.add_argument(
-        "--step-timeout", type=float, default=180.0, help="seconds a step may take before its worker counts as lost"
-    )
-    group.add_argument(
-        "--log-stats-interval",
-        type=float,
-        default=10.0,
-        help="seconds between log lines of throughput, queues and KV use (0: none)",
-    )
-    group.add_argument(
-        "--speculative-config",
-        type=speculative_config,
-        default=None,
-        help="speculative decoding, as JSON in vLLM's form: "
-        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": DIR, '
-        '"num_speculative_tokens": 3}\' (default: none)',
-    )
+    add_options(parser, SchedulerConfig, "scheduler")
+
+
+def add_model_args(parser: argparse.ArgumentParser, model: str | None = None, positional: bool = False) -> None:
+    """--model (required unless given a default, or a positional argument) and --tokenizer."""
+    if positional:
+        parser.add_argument("model", help="local HF-format model directory")
+    add_options(parser, ModelConfig, "model", defaults={"model": model}, exclude=("model",) if positional else ())
+    if not positional and model is None:
+        next(a for a in parser._actions if a.dest == "model").required = True
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("worker")
-    group.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="where the model runs; auto: cuda where there is one",
-    )
-    group.add_argument(
-        "--dtype",
-        type=_dtype,
-        choices=["auto", "float32", "float16", "bfloat16"],
-        default="auto",
-        help="weights and KV cache; auto: the checkpoint's (a half type on a CPU where the compiled "
-        "kernels read it, with float32 activations; a float32 checkpoint as float16 on CUDA)",
-    )
-    group.add_argument(
-        "--kv-cache-dtype",
-        choices=["auto", "int8", "fp8"],
-        default="auto",
-        help="auto: the model's dtype; int8 or fp8 (E4M3): each cached key and value row quantized "
-        "to one byte a value with its own scale, 3.8x the tokens of a float32 cache in the "
-        "same memory (1.9x of float16)",
-    )
-    group.add_argument(
-        "--load-format",
-        choices=["auto", "dummy"],
-        default="auto",
-        help="dummy: random weights from config.json alone, for benchmarks",
-    )
-    group.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="share of the GPU's memory for weights, activations and KV cache",
-    )
-    group.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache on CPU")
-    group.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space for KV blocks")
-    group.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without one")
-    group.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="worker ranks that split the model's attention heads and MLP among them, one "
-        "process each (on GPUs: one GPU each)",
-    )
-    group.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="no CUDA graphs: every step runs eagerly (by default a GPU worker of one rank replays "
-        "decode steps of up to --max-num-seqs sequences from graphs captured at start-up)",
-    )
-    group.add_argument(
-        "--max-seq-len-to-capture",
-        type=int,
-        default=8192,
-        help="the longest context a decode step on CUDA graphs covers; longer ones run eagerly",
-    )
-    group.add_argument(
-        "--cpu-threads",
-        type=int,
-        default=0,
-        help="torch threads of a worker on a CPU device (0: every core while other processes "
-        "leave them nearly idle, one fewer otherwise; chosen each second)",
-    )
-
-
-def _dtype(name: str) -> str:
-    """vLLM's dtype names too: half and float."""
-    return {"half": "float16", "float": "float32"}.get(name, name)
+    add_options(parser, WorkerConfig, "worker")
 
 
 def add_api_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("api")
-    group.add_argument("--host", default="127.0.0.1", help="address the api listens on")
-    group.add_argument("--port", type=int, default=8000, help="port the api listens on")
-    group.add_argument(
-        "--served-model-name", default=None, help="the name clients ask for; None: the model directory's name"
-    )
-    group.add_argument(
-        "--tokenizer",
-        default=None,
-        help="directory of the tokenizer; None: the model directory (a dummy-weight config needs one)",
-    )
-    group.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
-    group.add_argument(
-        "--request-header-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a connection has to send a request's headers before it is closed",
-    )
-    group.add_argument(
-        "--request-body-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a request's body has to arrive whole before it gets 408",
-    )
-    group.add_argument(
-        "--scheduler-timeout",
-        type=float,
-        default=5.0,
-        help="seconds without a word from the scheduler (it answers a heartbeat twice a second) "
-        "before the api counts it as stalled: requests in flight fail, /health answers 503 "
-        "until it answers again",
-    )
-    group.add_argument(
-        "--routing",
-        choices=["round_robin", "least_load", "prefix"],
-        default="prefix",
-        help="with several engines, which serves a request: in turn, the least loaded, or the one "
-        "its prompt's first blocks hash to (where they are cached), unless that one is loaded "
-        "well above the others",
-    )
-    group.add_argument(
-        "--chat-template", default=None, help="a Jinja chat template, as a file or inline, in place of the tokenizer's"
-    )
-    group.add_argument(
-        "--max-logprobs",
-        type=int,
-        default=MAX_LOGPROBS,
-        help=f"the most log-probabilities a request may ask for per token (at most {MAX_LOGPROBS})",
-    )
-    group.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
-    group.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="accepted as vLLM accepts it; pagedserve never runs code from a model directory",
-    )
-    group.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="serve tool_choice 'auto' (the default with tools): the model's calls are parsed "
-        "from its text by --tool-call-parser",
-    )
-    group.add_argument(
-        "--tool-call-parser",
-        choices=["hermes", "llama3_json"],
-        default=None,
-        help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3) or llama3_json (Llama 3.1+)",
-    )
-    group.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        help="every route but /health and /metrics then needs 'Authorization: Bearer KEY'; several "
-        f"keys, comma-separated, are tenants of their own (default: ${API_KEY_ENV}; never shown)",
-    )
-    group.add_argument(
-        "--api-key-file",
-        default=None,
-        help="keys as for --api-key, one a line, from a file (keeps them off the command line)",
-    )
-    group.add_argument(
-        "--report-cached-tokens",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="usage.prompt_tokens_details.cached_tokens in responses (always from the request's own "
-        "tenant and cache_salt); --no-report-cached-tokens leaves it out",
-    )
+    # The key's default is read now: `keep_api_key_off_the_command_line` may have just put it there.
+    add_options(parser, ApiConfig, "api", defaults={"api_key": os.environ.get(API_KEY_ENV) or None})
 
 
 def keep_api_key_off_the_command_line() -> None:
@@ -320,32 +119,6 @@ def add_metrics_args(parser: argparse.ArgumentParser, default_port: int, what: s
     )
 
 
-def speculative_config(text: str) -> SpeculativeConfig | None:
-    """argparse's type for --speculative-config: a bad value is a usage error naming the problem."""
-    try:
-        return SpeculativeConfig.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    return SchedulerConfig(
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        preemption_mode=args.preemption_mode,
-        kv_reservation=args.kv_reservation,
-        async_scheduling=args.async_scheduling,
-        step_timeout=args.step_timeout,
-        log_stats_interval=args.log_stats_interval,
-        speculative=args.speculative_config,
-    )
-
-
 def stop_on_signals() -> socket.socket:
     """SIGINT or SIGTERM (Ctrl-C, docker stop, the launcher) stops a service by a KeyboardInterrupt
     in the main thread, which the service turns into a clean exit. Only the first: a Ctrl-C in a
@@ -357,7 +130,7 @@ def stop_on_signals() -> socket.socket:
     signal writes a byte to this socket's pair, and the poll wakes; the loop then calls
     `drain_wakeups`."""
 
-    def interrupt(signum, frame):
+    def interrupt(signum: int, frame: object) -> None:
         global _stop_requested
         _stop_requested = True
         for each in (signal.SIGINT, signal.SIGTERM):
@@ -375,7 +148,7 @@ def stop_on_signals() -> socket.socket:
     return _signal_sockets[0]
 
 
-def _quiet_about_lost_interrupts(unraisable) -> None:
+def _quiet_about_lost_interrupts(unraisable: sys.UnraisableHookArgs) -> None:
     """A stop's KeyboardInterrupt dropped inside a destructor is not an error: `drain_wakeups`
     raises it again. Anything else is reported as Python would."""
     if not (_stop_requested and isinstance(unraisable.exc_value, KeyboardInterrupt)):

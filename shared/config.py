@@ -2,28 +2,160 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import dataclass
 
+from shared.options import option
+from shared.sampling import MAX_LOGPROBS
+
+SCHEDULER_METRICS_PORT = 8001  # each service's own /metrics; the api's is on its HTTP port
+WORKER_METRICS_PORT = 8002  # rank r: this + r
+ENGINE_PORT_STRIDE = 10  # engine i of several (data parallelism): both ports + 10 * i
+
+
+def _speculative_config(text: str) -> SpeculativeConfig | None:
+    """argparse's type for --speculative-config: a bad value is a usage error naming the problem."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _dtype(name: str) -> str:
+    """vLLM's dtype names too: half and float."""
+    return {"half": "float16", "float": "float32"}.get(name, name)
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: the model's context length, at least 2048
-    max_model_len: int | None = None  # None: the model's own
-    num_gpu_blocks_override: int | None = None
+    """The scheduler's policy and budgets; the workers read the block size and limits from it too."""
+
+    block_size: int = option(16, "tokens per KV block")
+    max_num_seqs: int = option(256, "sequences per step")
+    max_num_batched_tokens: int | None = option(
+        None, "tokens per step; None: 2048 with chunked prefill, else max(context, 2048)", parse=int)
+    max_model_len: int | None = option(None, "context length limit; None: the model's own", parse=int)
+    num_gpu_blocks_override: int | None = option(
+        None, "KV blocks on the device, instead of what memory allows (for tests and benchmarks)", parse=int)
     watermark: float = 0.01  # fraction of GPU blocks kept free when admitting new prompts
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = True  # long prompts never wait behind decodes
-    preemption_mode: str = "auto"  # swap | recompute | auto
-    kv_reservation: str = "paged"  # paged | max | pow2 | oracle: the last three are baselines
-    async_scheduling: bool = True  # plan the next step while the workers compute this one
-    step_timeout: float = 180.0  # seconds a step may take before its worker counts as lost
-    log_stats_interval: float = 10.0  # seconds between the periodic stats lines; 0: none
+    enable_prefix_caching: bool = option(False, "reuse cached prompt blocks")
+    enable_chunked_prefill: bool = option(True, "split long prompts over steps, mixed with decodes", negatable=True)
+    preemption_mode: str = option(
+        "auto", "what happens to a preempted request: swapped to CPU memory, dropped and recomputed, or whichever "
+        "costs less for it", choices=("swap", "recompute", "auto"))
+    kv_reservation: str = option(
+        "paged", "KV memory a request holds from its start: blocks on demand (paged), or, as baselines that reserve "
+        "contiguous memory would, room for the whole context (max), for the next power of two of max_tokens (pow2) "
+        "or for exactly max_tokens (oracle)", choices=("paged", "max", "pow2", "oracle"))
+    async_scheduling: bool = option(True, "plan each step while the workers compute the one before", negatable=True)
+    step_timeout: float = option(180.0, "seconds a step may take before its worker counts as lost")
+    log_stats_interval: float = option(10.0, "seconds between log lines of throughput, queues and KV use (0: none)")
     api_send_queue: int = 10_000  # messages queued for one api before it counts as not reading
-    speculative: SpeculativeConfig | None = None  # --speculative-config; None: no speculation
+    speculative: SpeculativeConfig | None = option(
+        None, 'speculative decoding, as JSON in vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": DIR, '
+        '"num_speculative_tokens": 3}\' (default: none)', flag="--speculative-config", parse=_speculative_config,
+        render=lambda config: config.to_json())
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """What the api and the workers both read: where the model and its tokenizer are."""
+
+    model: str = option(None, "local HF-format model directory")
+    tokenizer: str | None = option(
+        None, "directory of the tokenizer (the api's, and the worker's for grammars); None: the model directory (a "
+        "dummy-weight config needs one)")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """How a worker rank holds the model and its KV cache."""
+
+    device: str = option("auto", "where the model runs; auto: cuda where there is one", choices=("auto", "cpu", "cuda"))
+    dtype: str = option(
+        "auto", "weights and KV cache; auto: the checkpoint's (a half type on a CPU where the compiled kernels read "
+        "it, with float32 activations; a float32 checkpoint as float16 on CUDA)",
+        choices=("auto", "float32", "float16", "bfloat16"), parse=_dtype)
+    kv_cache_dtype: str = option(
+        "auto", "auto: the model's dtype; int8 or fp8 (E4M3): each cached key and value row quantized to one byte a "
+        "value with its own scale, 3.8x the tokens of a float32 cache in the same memory (1.9x of float16)",
+        choices=("auto", "int8", "fp8"))
+    load_format: str = option("auto", "dummy: random weights from config.json alone, for benchmarks",
+                              choices=("auto", "dummy"))
+    gpu_memory_utilization: float = option(0.9, "share of the GPU's memory for weights, activations and KV cache")
+    kv_cache_memory: float = option(1.0, "GiB of KV cache on CPU")
+    swap_space: float = option(4.0, "GiB of CPU swap space for KV blocks")
+    seed: int = option(0, "seed of the sampler for requests without one")
+    tensor_parallel_size: int = option(
+        1, "worker ranks that split the model's attention heads and MLP among them, one process each (on GPUs: one "
+        "GPU each)", short="-tp")
+    enforce_eager: bool = option(
+        False, "no CUDA graphs: every step runs eagerly (by default a GPU worker of one rank replays decode steps of "
+        "up to --max-num-seqs sequences from graphs captured at start-up)")
+    max_seq_len_to_capture: int = option(
+        8192, "the longest context a decode step on CUDA graphs covers; longer ones run eagerly")
+    cpu_threads: int = option(
+        0, "torch threads of a worker on a CPU device (0: every core while other processes leave them nearly idle, "
+        "one fewer otherwise; chosen each second)")
+
+
+@dataclass(slots=True)
+class ApiConfig:
+    """The HTTP gateway: where it listens, its limits, and what it serves."""
+
+    host: str = option("127.0.0.1", "address the api listens on")
+    port: int = option(8000, "port the api listens on")
+    served_model_name: str | None = option(None, "the name clients ask for; None: the model directory's name")
+    max_request_body_bytes: int = option(8 << 20, "larger request bodies get 413")
+    request_header_timeout: float = option(
+        10.0, "seconds a connection has to send a request's headers before it is closed")
+    request_body_timeout: float = option(60.0, "seconds a request's body has to arrive whole before it gets 408")
+    scheduler_timeout: float = option(
+        5.0, "seconds without a word from the scheduler (it answers a heartbeat twice a second) before the api counts "
+        "it as stalled: requests in flight fail, /health answers 503 until it answers again")
+    routing: str = option(
+        "prefix", "with several engines, which serves a request: in turn, the least loaded, or the one its prompt's "
+        "first blocks hash to (where they are cached), unless that one is loaded well above the others",
+        choices=("round_robin", "least_load", "prefix"))
+    chat_template: str | None = option(None, "a Jinja chat template, as a file or inline, in place of the tokenizer's")
+    max_logprobs: int = option(
+        MAX_LOGPROBS, f"the most log-probabilities a request may ask for per token (at most {MAX_LOGPROBS})")
+    disable_log_requests: bool = option(False, "no log line per request")
+    trust_remote_code: bool = option(
+        False, "accepted as vLLM accepts it; pagedserve never runs code from a model directory")
+    enable_auto_tool_choice: bool = option(
+        False, "serve tool_choice 'auto' (the default with tools): the model's calls are parsed from its text by "
+        "--tool-call-parser")
+    tool_call_parser: str | None = option(
+        None, "the model's tool-call format: hermes (Hermes, Qwen 2.5/3) or llama3_json (Llama 3.1+)",
+        choices=("hermes", "llama3_json"))
+    api_key: str | None = option(
+        None, "every route but /health and /metrics then needs 'Authorization: Bearer KEY'; several keys, "
+        "comma-separated, are tenants of their own (default: $PAGEDSERVE_API_KEY; never shown)")
+    api_key_file: str | None = option(
+        None, "keys as for --api-key, one a line, from a file (keeps them off the command line)")
+    report_cached_tokens: bool = option(
+        True, "usage.prompt_tokens_details.cached_tokens in responses (always from the request's own tenant and "
+        "cache_salt); --no-report-cached-tokens leaves it out", negatable=True)
+
+
+@dataclass(slots=True)
+class LauncherConfig:
+    """`pagedserve up`'s own flags: how many engines, and where their metrics listen."""
+
+    data_parallel_size: int = option(
+        1, "engines, each a scheduler with its own workers (and its own tensor-parallel ranks); the api routes each "
+        "request to one of them (--routing). An engine that dies is started again while the others serve", short="-dp")
+    ready_timeout: float = option(300.0, "seconds to wait for /health")
+    scheduler_metrics_port: int = option(
+        SCHEDULER_METRICS_PORT, "port of the scheduler's Prometheus /metrics, on --host (0: none); engine i of "
+        f"several: this + {ENGINE_PORT_STRIDE} * i")
+    worker_metrics_port: int = option(
+        WORKER_METRICS_PORT, "port of the worker's Prometheus /metrics, on --host (0: none); rank r of engine i: "
+        f"this + {ENGINE_PORT_STRIDE} * i + r")
 
 
 @dataclass(slots=True)
@@ -44,9 +176,6 @@ class Endpoints:
         )
 
 
-SCHEDULER_METRICS_PORT = 8001  # each service's own /metrics; the api's is on its HTTP port
-WORKER_METRICS_PORT = 8002  # rank r: this + r
-ENGINE_PORT_STRIDE = 10  # engine i of several (data parallelism): both ports + 10 * i
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

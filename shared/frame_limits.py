@@ -4,9 +4,14 @@ claims, read from its first bytes without decoding it."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 
 class ProtocolError(ValueError):
     """A frame that is not a valid message of this protocol version."""
+
+
+T = TypeVar("T")
 
 
 class ContainerBudget:
@@ -16,7 +21,7 @@ class ContainerBudget:
     def __init__(self, limit: int):
         self.left = limit
 
-    def __call__(self, container):
+    def __call__(self, container: T) -> T:
         self.left -= 1
         if self.left < 0:
             raise ProtocolError("more arrays and maps than this socket's messages ever hold")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 
 class RateLimit(logging.Filter):
     """Lets `burst` records through per `window` seconds; the first one let through after a quiet
     spell says how many were dropped meanwhile."""
 
-    def __init__(self, burst: int = 10, window: float = 60.0, clock=time.monotonic):
+    def __init__(self, burst: int = 10, window: float = 60.0, clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self.burst, self.window, self.clock = burst, window, clock
         self.window_start = -window

@@ -36,7 +36,7 @@ def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args) -> None:  # scrapes every few seconds: not worth a line
+        def log_message(self, format: str, *args: object) -> None:  # scrapes every few seconds: not worth a line
             pass
 
     return Handler

@@ -68,9 +68,11 @@ class Pong:
 
 @dataclass(slots=True)
 class Unavailable:
-    """The workers were lost (gone, hung, or failed): the api answers 503 until the next `SchedulerInfo`."""
+    """The workers were lost (gone, hung, or failed), or the scheduler is stopping: the api answers 503
+    until the next `SchedulerInfo`."""
 
     reason: str
+    stopping: bool = False  # the scheduler itself stops (a signal): its going away is no failure
 
 
 MAX_CACHE_SALT_CHARS = 1024
@@ -275,7 +277,8 @@ def encode(message: object) -> bytes:
     tag = _TAG_OF.get(type(message))
     if tag is None:
         raise TypeError(f"not a protocol message: {type(message).__name__}")
-    return msgpack.packb([PROTOCOL_VERSION, tag, *_field_values(message)], default=_field_values)
+    frame: bytes = msgpack.packb([PROTOCOL_VERSION, tag, *_field_values(message)], default=_field_values)
+    return frame
 
 
 def decode(frame: bytes, max_containers: int | None = None) -> object:
@@ -287,10 +290,14 @@ def decode(frame: bytes, max_containers: int | None = None) -> object:
     limit = MAX_FRAME_BYTES.get(tag)
     if limit is not None and len(frame) > limit:
         raise ProtocolError(f"a {tag} frame of {len(frame)} bytes, where no {tag} is over {limit}")
-    hooks = {}
+    hooks: dict[str, typing.Callable[..., object]] = {}
     if max_containers is not None:
         budget = ContainerBudget(max_containers)
-        hooks = {"list_hook": budget, "object_pairs_hook": lambda pairs: dict(budget(pairs))}
+
+        def pairs_to_map(pairs: list[tuple[object, object]]) -> dict[object, object]:
+            return dict(budget(pairs))
+
+        hooks = {"list_hook": budget, "object_pairs_hook": pairs_to_map}
     try:
         raw = msgpack.unpackb(frame, raw=False, strict_map_key=False, **hooks)
     except ProtocolError:
@@ -308,7 +315,7 @@ def decode(frame: bytes, max_containers: int | None = None) -> object:
     return _checker(cls)(values)
 
 
-def _field_values(obj: object) -> list:
+def _field_values(obj: object) -> list[object]:
     """A message as the list of its fields; msgpack calls this for every nested message too."""
     names = _FIELD_NAMES.get(type(obj))
     if names is None:
@@ -344,17 +351,17 @@ def _make_checker(hint: object) -> Checker:
     if origin is dict:
         key, value = (_checker(t) for t in typing.get_args(hint))
 
-        def check_map(v):
+        def check_map(v: object) -> object:
             if type(v) is not dict:
                 raise ProtocolError("expected a map")
             return {key(k): value(x) for k, x in v.items()}
 
         return check_map
-    if is_dataclass(hint):
+    if isinstance(hint, type) and is_dataclass(hint):
         return _message_checker(hint)
     if hint is float:
 
-        def check_float(v):
+        def check_float(v: object) -> object:
             if type(v) is float:
                 return v
             if type(v) is int:
@@ -362,10 +369,10 @@ def _make_checker(hint: object) -> Checker:
             raise ProtocolError("expected a number")
 
         return check_float
-    if hint in (int, str, bool, bytes, type(None)):
+    if isinstance(hint, type) and hint in (int, str, bool, bytes, type(None)):
         name = "null" if hint is type(None) else hint.__name__
 
-        def check_exact(v):
+        def check_exact(v: object) -> object:
             if type(v) is not hint:
                 raise ProtocolError(f"expected {name}")
             return v
@@ -375,7 +382,7 @@ def _make_checker(hint: object) -> Checker:
 
 
 def _union_checker(options: list[Checker], hint: object) -> Checker:
-    def check_union(v):
+    def check_union(v: object) -> object:
         for option in options:
             try:
                 return option(v)
@@ -387,18 +394,19 @@ def _union_checker(options: list[Checker], hint: object) -> Checker:
 
 
 def _list_checker(item: object) -> Checker:
-    if item in (int, str, float):
-        expected = {int: (int,), str: (str,), float: (float, int)}[item]
+    if item is int or item is str or item is float:
+        expected: tuple[type, ...] = {int: (int,), str: (str,), float: (float, int)}[item]
+        kind = item.__name__
 
-        def check_plain_list(v):
+        def check_plain_list(v: object) -> object:
             if type(v) is not list or not all(type(x) in expected for x in v):
-                raise ProtocolError(f"expected a list of {item.__name__}")
+                raise ProtocolError(f"expected a list of {kind}")
             return [float(x) for x in v] if item is float else v
 
         return check_plain_list
     check_item = _checker(item)
 
-    def check_list(v):
+    def check_list(v: object) -> object:
         if type(v) is not list:
             raise ProtocolError("expected a list")
         return [check_item(x) for x in v]
@@ -407,7 +415,7 @@ def _list_checker(item: object) -> Checker:
 
 
 def _tuple_checker(items: list[Checker]) -> Checker:
-    def check_tuple(v):
+    def check_tuple(v: object) -> object:
         if type(v) is not list or len(v) != len(items):
             raise ProtocolError(f"expected {len(items)} items")
         return tuple(check(x) for check, x in zip(items, v))
@@ -422,7 +430,7 @@ def _message_checker(cls: type) -> Checker:
     required = sum(1 for f in declared if f.default is MISSING and f.default_factory is MISSING)
     name = cls.__name__
 
-    def build(values):
+    def build(values: object) -> object:
         if type(values) is not list:
             raise ProtocolError(f"{name}: expected a list of fields")
         if not required <= len(values) <= len(names):

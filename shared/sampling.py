@@ -168,5 +168,5 @@ def _integer(param: str, value: object, low: int, high: int, message: str = "") 
 
 
 def _number(param: str, value: object, low: float, high: float, message: str = "") -> None:
-    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
+    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:  # type: ignore[arg-type, operator]
         raise InvalidParameter(param, message or f"{param} must be a finite number in [{low}, {high}]")

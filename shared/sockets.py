@@ -8,12 +8,19 @@ costs more than a small multiple of its bytes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import zmq
 
+from shared.frame_limits import ProtocolError
 from shared.log_limits import RateLimit
-from shared.protocol import ProtocolError, decode, encode
+from shared.protocol import decode, encode
 from shared.wire_security import WireKeys, connect_securely, serve_securely
+
+Socket = zmq.Socket[bytes]
+Context = zmq.Context[Socket]
+AnySocket = TypeVar("AnySocket", bound="zmq.Socket[Any]")  # a blocking socket, or an asyncio one
 
 log = logging.getLogger(__name__)
 peer_log = logging.getLogger("pagedserve.peers")  # lines a misbehaving peer causes: rate-limited
@@ -31,7 +38,7 @@ def trusted_peer_containers(frame: bytes) -> int:
     return len(frame) // 2 + 64
 
 
-def new_socket(context: zmq.Context, kind: int, max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+def new_socket(context: zmq.Context[AnySocket], kind: int, max_bytes: int = MAX_MESSAGE_BYTES) -> AnySocket:
     """A socket with the limits every process's sockets share: no linger, a frame size limit and a
     short handshake interval."""
     sock = context.socket(kind)
@@ -41,8 +48,8 @@ def new_socket(context: zmq.Context, kind: int, max_bytes: int = MAX_MESSAGE_BYT
     return sock
 
 
-def bind(context: zmq.Context, kind: int, endpoint: str, keys: WireKeys | None = None, domain: str = "",
-         max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+def bind(context: Context, kind: int, endpoint: str, keys: WireKeys | None = None, domain: str = "",
+         max_bytes: int = MAX_MESSAGE_BYTES) -> Socket:
     sock = new_socket(context, kind, max_bytes)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -51,8 +58,8 @@ def bind(context: zmq.Context, kind: int, endpoint: str, keys: WireKeys | None =
     return sock
 
 
-def connect(context: zmq.Context, kind: int, endpoint: str, identity: bytes | None = None,
-            keys: WireKeys | None = None, max_bytes: int = MAX_MESSAGE_BYTES):
+def connect(context: zmq.Context[AnySocket], kind: int, endpoint: str, identity: bytes | None = None,
+            keys: WireKeys | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> AnySocket:
     sock = new_socket(context, kind, max_bytes)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
@@ -61,7 +68,7 @@ def connect(context: zmq.Context, kind: int, endpoint: str, identity: bytes | No
     return sock
 
 
-def send(sock: zmq.Socket, message: object, to: bytes | None = None) -> None:
+def send(sock: Socket, message: object, to: bytes | None = None) -> None:
     """Send one message; `to` is the peer identity on a ROUTER socket."""
     frame = encode(message)
     if to is None:
@@ -70,7 +77,7 @@ def send(sock: zmq.Socket, message: object, to: bytes | None = None) -> None:
         sock.send_multipart([to, frame])
 
 
-def try_send(sock: zmq.Socket, message: object, to: bytes | None = None) -> bool:
+def try_send(sock: Socket, message: object, to: bytes | None = None) -> bool:
     """Send without blocking; False if the peer is gone or its queue is full."""
     frame = encode(message)
     try:
@@ -84,7 +91,7 @@ def try_send(sock: zmq.Socket, message: object, to: bytes | None = None) -> bool
     return True
 
 
-def receive(sock: zmq.Socket, routed: bool = False,
+def receive(sock: Socket, routed: bool = False,
             max_containers: int | None = None) -> tuple[bytes | None, object | None]:
     """Receive one message as (sender, message); a malformed frame is logged and gives None.
     Without `max_containers`, the frame gets the bound of what the scheduler sends."""
@@ -96,8 +103,8 @@ def receive(sock: zmq.Socket, routed: bool = False,
     return sender, _decode_or_log(frame, sender, max_containers)
 
 
-def receive_with_connection(sock: zmq.Socket, max_containers: int,
-                            admit=None) -> tuple[bytes, int, object | None]:
+def receive_with_connection(sock: Socket, max_containers: int,
+                            admit: Callable[[bytes, int], bool] | None = None) -> tuple[bytes, int, object | None]:
     """On a ROUTER: (sender, the file descriptor of its connection, message). The descriptor is
     what the socket monitor names when that connection closes. `admit(sender, size)`, where given,
     decides before decoding: a frame it refuses is dropped unread (message None)."""

@@ -46,7 +46,7 @@ class WireKeys:
     admitted: dict[str, set[bytes]] = field(default_factory=dict)  # role -> public keys (scheduler)
 
 
-def make_keys(directory: str | os.PathLike) -> list[Path]:
+def make_keys(directory: str | os.PathLike[str]) -> list[Path]:
     """One pair per role, each service's folder holding its secret and its peers' public keys.
 
     Every file and folder is private from its first byte (umask 077), and `directory`, when it
@@ -58,11 +58,11 @@ def make_keys(directory: str | os.PathLike) -> list[Path]:
         if root.stat().st_mode & 0o077:
             log.warning("%s was open to other users: closing it (0700) before writing keys into it", root)
             root.chmod(0o700)
-        pairs = {}
+        pairs: dict[str, tuple[Path, Path]] = {}
         for role in PEERS:
-            public, secret = zmq.auth.create_certificates(str(root), role)
-            pairs[role] = (Path(public), Path(secret))
-        written = []
+            public_file, secret_file = zmq.auth.create_certificates(str(root), role)
+            pairs[role] = (Path(public_file), Path(secret_file))
+        written: list[Path] = []
         for role, peers in PEERS.items():
             folder = root / role
             folder.mkdir(exist_ok=True, mode=0o700)
@@ -78,12 +78,14 @@ def make_keys(directory: str | os.PathLike) -> list[Path]:
     return written
 
 
-def load_keys(directory: str | os.PathLike, role: str) -> WireKeys:
+def load_keys(directory: str | os.PathLike[str], role: str) -> WireKeys:
     folder = Path(directory)
     secret_file = folder / f"{role}.key_secret"
     if not secret_file.exists():
         raise WireSecurityError(f"no {secret_file}: make keys with `pagedserve keys DIR` and pass DIR/{role}")
     public, secret = zmq.auth.load_certificate(str(secret_file))
+    if secret is None:
+        raise WireSecurityError(f"{secret_file} holds no secret key")
     keys = WireKeys(public, secret)
     if role == "scheduler":
         for peer in PEERS["scheduler"]:
@@ -119,7 +121,7 @@ def keys_for(args: argparse.Namespace, role: str, endpoints: list[str]) -> WireK
     return load_keys(args.keys_dir, role)
 
 
-def serve_securely(sock: zmq.Socket, keys: WireKeys | None, domain: str) -> None:
+def serve_securely(sock: zmq.Socket[bytes], keys: WireKeys | None, domain: str) -> None:
     """Make `sock` a CURVE server whose peers the authenticator checks against `domain`'s keys."""
     if keys is None:
         return
@@ -129,7 +131,7 @@ def serve_securely(sock: zmq.Socket, keys: WireKeys | None, domain: str) -> None
     sock.zap_domain = domain.encode()
 
 
-def connect_securely(sock: zmq.Socket, keys: WireKeys | None) -> None:
+def connect_securely(sock: zmq.Socket[bytes], keys: WireKeys | None) -> None:
     if keys is None:
         return
     sock.curve_secretkey = keys.secret
@@ -149,7 +151,7 @@ class _Admitted:
         return False
 
 
-def start_authenticator(context: zmq.Context, keys: WireKeys | None) -> ThreadAuthenticator | None:
+def start_authenticator(context: zmq.Context[zmq.Socket[bytes]], keys: WireKeys | None) -> ThreadAuthenticator | None:
     """The ZAP handler that admits each role's keys on that role's socket (domain)."""
     if keys is None:
         return None

@@ -3,7 +3,11 @@ batch size: on a machine where a batch is compute-bound, speculation stops costi
 
 from __future__ import annotations
 
+import pytest
+
 from services.scheduler.speculation import AdaptiveSwitch
+
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
 
 
 def run(switch: AdaptiveSwitch, batch: int, steps: int, worker_ms) -> list[bool]:

@@ -8,6 +8,8 @@ from tests.conftest import serve, wait_until
 from tests.test_end_to_end import MAX_TOKENS, prompts
 from tests.tiny_models import hf_beam_search, hf_greedy
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 FLAGS = ["--block-size", "4", "--num-gpu-blocks-override", "24", "--preemption-mode", "swap",
          "--enable-prefix-caching", "--enable-chunked-prefill", "--max-num-batched-tokens", "32"]
 

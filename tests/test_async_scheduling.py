@@ -79,7 +79,7 @@ def test_nothing_is_preempted_while_a_step_is_in_flight():
         if scheduler.needs_drain:
             break
         scheduler.update(worker.run(in_flight.pop(0)))
-    assert scheduler.counters["recompute"] == 0
+    assert scheduler.counters.preemptions_recompute == 0
     while in_flight:  # drain, as the server does
         scheduler.update(worker.run(in_flight.pop(0)))
     step = scheduler.schedule()

@@ -11,6 +11,8 @@ import pytest
 from kernels.cpu_linear import gemm_build
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 
 def load(name):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))

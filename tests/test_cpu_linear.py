@@ -48,7 +48,7 @@ def test_bfloat16_panels_hold_each_column_k_and_k_plus_one_side_by_side_an_odd_k
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 48, 49, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 48, 49, 300, 1030])
 @pytest.mark.parametrize("out_features, in_features", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_packed_kernel_matches_f_linear(dtype, rows, out_features, in_features, bias):
@@ -69,7 +69,7 @@ def test_every_build_this_cpu_runs_gives_the_portable_builds_results(variant, dt
     portable, build = gemm_build("portable"), gemm_build(variant)
     assert build is not None and build.variant == variant
     generator = torch.Generator().manual_seed(7)
-    for rows, (out_features, in_features) in zip([1, 3, 7, 49, 130], SHAPES):
+    for rows, (out_features, in_features) in zip([1, 3, 7, 49, 1030, 1100], SHAPES + [(70, 600)]):
         weight = (torch.randn(out_features, in_features, generator=generator) * 0.2).to(dtype)
         x, b = torch.randn(rows, in_features, generator=generator), torch.randn(out_features, generator=generator)
         if dtype is torch.bfloat16 and build.bf16_rows:
@@ -156,3 +156,4 @@ def test_without_a_kernel_a_half_weight_still_serves_float32_rows(monkeypatch):
     assert layer.panels is None
     x = torch.randn(2, 16)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight.float(), layer.bias.float()))
+

@@ -10,6 +10,8 @@ from services.worker import cpu_threads
 from services.worker.cpu_threads import ComputeThreads, cpu_seconds_busy
 from tests.conftest import children
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 
 class Machine:
     """A clock, the cores' busy seconds and the worker's own CPU seconds, advanced by hand."""

@@ -16,6 +16,8 @@ from tests.test_end_to_end import MAX_TOKENS, prompts
 from tests.test_resilience import socket_dir, start, wait_healthy  # noqa: F401 (a fixture)
 from tests.tiny_models import hf_greedy
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 ENGINES = 2
 
 

@@ -1,4 +1,4 @@
-"""The README's Docker section, typed as written: the engine is prepared, `docker-compose up`
+"""The Docker page (docs/deployment/docker.md), typed as written: the engine is prepared, `docker-compose up`
 builds the images from the local base image, the CPU stack and Prometheus come up, a streamed
 completion arrives through the published port, Prometheus scrapes the api, the scheduler and the
 worker, the worker's image has no compiler and runs the wheel's prebuilt kernels, and Ctrl-C
@@ -34,7 +34,7 @@ def engine_problem() -> str | None:
 
 
 PROBLEM = engine_problem()
-pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"docker compose test: {PROBLEM}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(PROBLEM is not None, reason=f"docker compose test: {PROBLEM}")]
 
 
 def compose(project: str, env: dict[str, str], *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -51,9 +51,9 @@ def scraped_jobs(prometheus: str) -> dict[str, str]:
 
 
 def readme_docker_commands() -> list[str]:
-    """The commands of the README's Docker section, as a reader would type them."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        section = f.read().split("## Deploy with Docker", 1)[1]
+    """The commands of the Docker page's first block, as a reader would type them."""
+    with open(os.path.join(ROOT, "docs", "deployment", "docker.md")) as f:
+        section = f.read()
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.split("#", 1)[0].strip()]
 

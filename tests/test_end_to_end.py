@@ -9,6 +9,8 @@ from transformers import AutoTokenizer
 from tests.conftest import serve, wait_until
 from tests.tiny_models import hf_greedy
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 TEXTS = [
     "import os",
     "def main():\n    return 0",

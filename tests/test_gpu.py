@@ -12,6 +12,8 @@ from tests.conftest import serve, wait_until  # noqa: E402
 from tests.test_end_to_end import complete_all, prompts  # noqa: E402
 from tests.tiny_models import build_model, hf_greedy  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 CUDA_FLAGS = ["--device", "cuda", "--dtype", "float32", "--num-gpu-blocks-override", "256"]
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import wait_until
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 NUMERIC_FIELDS = ["n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "logprobs",
                   "length_penalty"]
 EXTREMES = ["9223372036854775808", "18446744073709551616", "-1", "NaN", "Infinity", "1e309"]

@@ -20,6 +20,8 @@ import tomllib
 from kernels import native
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 
 def test_a_machine_without_cuda_gets_the_cpu_build_of_torch():
     done = subprocess.run([sys.executable, os.path.join(ROOT, "ops", "install_torch.py"), "--dry-run", "--cpu"],
@@ -43,7 +45,7 @@ def test_a_plain_install_serves_with_torch_and_without_triton_plots_or_test_tool
     names = {requirement_name(spec) for spec in project["dependencies"]}
     assert {"torch", "safetensors", "transformers", "pyzmq", "starlette"} <= names
     assert not names & SERVING_ONLY_EXCLUDES, names & SERVING_ONLY_EXCLUDES
-    assert set(project["optional-dependencies"]) == {"cuda", "test", "bench"}
+    assert set(project["optional-dependencies"]) == {"cuda", "test", "bench", "dev"}  # dev: lint, types, docs
 
 
 @pytest.fixture(scope="module")

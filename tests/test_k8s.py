@@ -19,6 +19,8 @@ from services.worker.__main__ import build_parser as worker_parser
 from shared.wire_security import load_keys
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 RENDER = os.path.join(ROOT, "ops", "k8s", "render.py")
 VARIANTS = {"pagedserve.yaml": [], "pagedserve-gpu.yaml": ["--gpu"]}
 KUBERNETES_VERSION = "1.30"

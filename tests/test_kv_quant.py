@@ -18,6 +18,8 @@ from services.worker.kv_cache import bytes_per_block
 from tests.conftest import serve
 from tests.engine_harness import Engine
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 TEXTS = ["def fibonacci(n):", "import os\nimport sys\n\ndef main():", "class Stack:\n    def __init__(self):",
          "for i in range(10):", "# read a file\nwith open(path) as f:", "def quicksort(xs):",
          "import json\n\ndef load(path):", "while True:"]

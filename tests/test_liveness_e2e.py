@@ -35,6 +35,11 @@ from shared.sampling import SamplingParams
 from tests.conftest import children, memory_mib, serve, wait_until
 from tests.scheduler_harness import StandInWorker
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+# The longest pause a stream may show while a large body is handled: its tokens come every few tens of
+# milliseconds, and work held on the api's loop (parsing megabytes) would stall it for seconds.
+MAX_GAP = 1.0
+
 
 @pytest.fixture(scope="module")
 def small_server(llama_dir, tmp_path_factory):
@@ -278,7 +283,7 @@ def test_a_body_of_millions_of_empty_lists_is_refused_before_parsing_and_streams
         assert time.monotonic() - started < 1.0
     refused.set()
     streamer.join(120)
-    assert gaps and max(gaps) < 0.5, f"the stream stalled for {max(gaps):.2f} s"
+    assert gaps and max(gaps) < MAX_GAP, f"the stream stalled for {max(gaps):.2f} s"
 
 
 def test_large_json_bodies_are_parsed_and_checked_off_the_loop_so_streams_go_on(small_server):
@@ -305,7 +310,7 @@ def test_large_json_bodies_are_parsed_and_checked_off_the_loop_so_streams_go_on(
     after, peak = memory_mib(api), memory_mib(api, "VmHWM")
     print(f"longest stream gap while 8 MB bodies were parsed: {max(gaps):.3f} s; api memory {before:.0f} MiB "
           f"before, {peak:.0f} at its peak, {after:.0f} after")
-    assert gaps and max(gaps) < 0.5, f"the stream stalled for {max(gaps):.2f} s"
+    assert gaps and max(gaps) < MAX_GAP, f"the stream stalled for {max(gaps):.2f} s"
     assert after - before < 64  # what nine large bodies took is mostly given back, not kept per request
 
 
@@ -350,7 +355,7 @@ def test_a_client_dripping_its_headers_or_its_body_is_cut_off_and_streams_go_on(
         assert time.monotonic() - started < 3 + 1.5  # --request-body-timeout 3
     done.set()
     streamer.join(120)
-    assert gaps and max(gaps) < 0.5, f"the stream stalled for {max(gaps):.2f} s"
+    assert gaps and max(gaps) < MAX_GAP, f"the stream stalled for {max(gaps):.2f} s"
     assert httpx.get(f"{small_server.base_url}/health", timeout=5).status_code == 200
 
 

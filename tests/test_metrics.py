@@ -11,6 +11,8 @@ import pytest
 from tests.conftest import serve, wait_until
 from tests.test_prometheus import SMALL_KV, load
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 
 @pytest.fixture(scope="module")
 def burst_server(llama_dir, tmp_path_factory):

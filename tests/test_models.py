@@ -17,6 +17,8 @@ from tests.conftest import ROOT
 from tests.engine_harness import Engine
 from tests.tiny_models import CONFIGS, build_model, hf_greedy
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 PROMPTS = [[5, 9, 13, 200, 17], [7] * 23, list(range(20, 57)), [400, 3]]
 CONFIG_DIR = os.path.join(ROOT, "ops", "configs")
 

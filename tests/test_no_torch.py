@@ -5,6 +5,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TORCH_FREE = ["services/scheduler", "services/api", "shared"]
 

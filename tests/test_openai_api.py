@@ -11,6 +11,8 @@ import pytest
 from services.api.formats import event
 from tests.conftest import device_blocks_used, wait_until
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 
 @pytest.fixture(scope="module")
 def client(llama_server):

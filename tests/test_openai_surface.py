@@ -13,6 +13,8 @@ from services.api.requests import parse_completion
 from services.launcher import parse_args
 from tests.conftest import serve, wait_until
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
 
@@ -78,6 +80,28 @@ def test_continuous_usage_stats_put_the_running_usage_in_every_chunk(llama_serve
                 usages.append(json.loads(line[6:])["usage"])
     completion = [u["completion_tokens"] for u in usages]
     assert completion == sorted(completion) and completion[-1] == 6 and len(usages) >= 6
+
+
+CHAT_BODY = {"messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.mark.parametrize("endpoint, body", [("/v1/completions", {"prompt": "The cat"}),
+                                            ("/v1/chat/completions", CHAT_BODY)])
+def test_include_usage_puts_usage_null_in_every_chunk_and_the_whole_usage_in_a_last_one(llama_server, endpoint,
+                                                                                          body):
+    """As OpenAI's stream: with stream_options.include_usage every chunk has "usage": null, and one more chunk
+    before [DONE] has no choices and the request's usage; without it no chunk has the field."""
+    for include in (True, False):
+        with httpx.stream("POST", f"{llama_server.base_url}{endpoint}", timeout=60, json={
+                "model": llama_server.model, **body, "max_tokens": 5, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": include}}) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        if include:
+            *streamed, last = chunks
+            assert streamed and all("usage" in c and c["usage"] is None for c in streamed)
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+        else:
+            assert chunks and not any("usage" in c for c in chunks)
 
 
 def test_unknown_fields_are_served_and_logged_by_name(llama_server):

@@ -10,11 +10,14 @@ import sys
 import threading
 
 import httpx
+import pytest
 import yaml
 
 from services.scheduler.metrics import speculation_metrics
 from services.scheduler.speculation import SpeculationStats
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
 
 
 def test_every_dashboard_query_uses_an_exported_metric(llama_server):

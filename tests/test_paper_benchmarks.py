@@ -13,6 +13,8 @@ from benchmarks.fig12_latency_vs_rate import sustained_rate
 from benchmarks.workloads import ALPACA_MEANS, SHAREGPT_MEANS, WORKLOADS, code, code_sources, describe
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 
 @pytest.mark.parametrize("name, means", [("sharegpt", SHAREGPT_MEANS), ("alpaca", ALPACA_MEANS)])
 def test_traces_have_the_papers_mean_lengths_when_nothing_caps_them(name, means):

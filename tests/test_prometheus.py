@@ -24,7 +24,8 @@ from tests.conftest import ROOT, free_port, serve, wait_until
 from tests.test_resilience import healthy
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus)")]
 
 SMALL_KV = ["--block-size", "4", "--num-gpu-blocks-override", "40", "--enable-prefix-caching"]
 # Proposals in every step (not only where the switch finds they pay), for the speculation panels.

@@ -20,6 +20,8 @@ from shared.protocol import AddRequest, Hello, Ready, SampledTokens, SchedulerIn
 from shared.sampling import SamplingParams
 from tests.conftest import ROOT, free_port, wait_until
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 
 def start(*args: str, log: str) -> subprocess.Popen:
     """A service as `python -m`; a scheduler or worker without a --metrics-port serves none, so that

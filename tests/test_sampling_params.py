@@ -15,6 +15,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from tests.tiny_models import _hf_generate, _hf_model
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 PROMPTS = [[5, 9, 13, 200, 17, 44], [7, 7, 8, 300, 12], [100, 101, 102, 103, 5, 6, 7]]
 MAX_TOKENS = 14
 

@@ -78,7 +78,7 @@ def test_latest_arrival_is_preempted_by_recompute_when_blocks_run_out():
     scheduler.add(early)
     scheduler.add(late)
     outputs = run_to_completion(scheduler, worker)
-    assert scheduler.counters["recompute"] >= 1
+    assert scheduler.counters.preemptions_recompute >= 1
     assert any(step.preempted_seq_ids == [1] for step in worker.steps)
     recomputed = [s for step in worker.steps for s in step.new_sequences if s.seq_id == 1][-1]
     assert len(recomputed.token_ids) > 8  # prompt plus the tokens generated before preemption

@@ -32,7 +32,7 @@ def test_resumption_serves_the_earliest_arrival_across_swap_and_recompute():
                 r.order for r in [*scheduler.waiting, *scheduler.swapped])
         assert [r.order for r in scheduler.swapped] == sorted(r.order for r in scheduler.swapped)
         assert [r.order for r in scheduler.waiting] == sorted(r.order for r in scheduler.waiting)
-    assert scheduler.counters["swap"] >= 1 and scheduler.counters["recompute"] >= 1
+    assert scheduler.counters.preemptions_swap >= 1 and scheduler.counters.preemptions_recompute >= 1
 
 
 def test_a_waiting_request_never_overtakes_an_earlier_swapped_one():
@@ -78,7 +78,7 @@ def test_a_request_alone_that_cannot_copy_its_shared_block_is_recomputed_at_once
     steps = [_step(scheduler, worker)[0] for _ in range(2)]
     assert steps[1].preempted_seq_ids == [0, 1, 2, 3]  # dropped and started again in the same step
     assert [n.seq_id for n in steps[1].new_sequences] == [0, 1, 2, 3]
-    assert scheduler.counters == {**scheduler.counters, "swap": 0, "recompute": 1}
+    assert (scheduler.counters.preemptions_swap, scheduler.counters.preemptions_recompute) == (0, 1)
     assert not scheduler.has_work()
 
 

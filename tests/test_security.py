@@ -16,6 +16,8 @@ from shared.sampling import SamplingParams
 from tests.conftest import serve
 from tests.tiny_models import hf_greedy
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 
 def test_an_api_key_guards_every_route_but_health_and_metrics(llama_dir, tmp_path):
     prompt = [5, 9, 13, 200]

@@ -16,6 +16,8 @@ from tests.conftest import ROOT, serve
 from tests.engine_harness import Engine
 from tests.tiny_models import hf_greedy
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 MODEL_DIR = os.path.join(ROOT, "ops", "models", "tiny-python")
 PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Parser:\n    def __init__(self", "    for item in "]
 KEYWORDS = {"def", "return", "self", "if", "None", "import", "for", "in", "not", "class", "is", "raise",

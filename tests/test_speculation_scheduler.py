@@ -131,7 +131,7 @@ def test_proposals_take_only_free_blocks_and_never_preempt_anyone():
     for _ in range(2):
         scheduler.add(request(prompt_len=12, max_tokens=4))
     outputs = run_to_completion(scheduler, worker)
-    assert scheduler.counters["recompute"] == scheduler.counters["swap"] == 0
+    assert scheduler.counters.preemptions_recompute == scheduler.counters.preemptions_swap == 0
     assert all(len(tokens_of(outputs, r)) == 4 for r in outputs)
 
 
@@ -223,7 +223,8 @@ def test_checking_blocks_after_every_step_of_a_speculating_batch_under_preemptio
             scheduler.update(worker.run(step))
             check_block_accounting(scheduler)
             steps += 1
-        assert scheduler.counters[preemption] > 0, "the pool was meant to be too small for all four"
+        preempted = getattr(scheduler.counters, f"preemptions_{preemption}")
+        assert preempted > 0, "the pool was meant to be too small for all four"
         assert any(n for _, n in worker.verified) and scheduler.speculation.stats.num_accepted_tokens > 0
         assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0
 

@@ -17,6 +17,8 @@ from services.launcher import SHIPPED_MODEL
 from tests.conftest import ROOT, metrics_port_flags, serve, wait_until
 from tests.tiny_models import _hf_model, hf_greedy
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 OPENINGS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "import os\nimport sys\n\n\ndef main():\n",

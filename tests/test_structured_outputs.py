@@ -21,6 +21,8 @@ from shared.sampling import SamplingParams
 from tests.engine_harness import Engine
 from tests.tiny_models import CONFIGS, build_model
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 # Every string, number and list is bounded, so a valid document always fits in max_tokens.
 PERSON = {
     "type": "object",

@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import wait_until
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 FUNCTION = {
     "type": "object",
     "properties": {

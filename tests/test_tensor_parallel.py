@@ -15,6 +15,8 @@ import torch
 from tests.conftest import serve, wait_until
 from tests.tiny_models import build_model, hf_beam_search, hf_greedy
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 PROMPTS = [[5, 9, 13, 200, 17, 44], [7, 7, 8, 300, 12], [100, 101, 102, 103, 5, 6, 7], [5, 9, 13, 200, 17, 44, 60]]
 MAX_TOKENS = 24
 # 20 blocks of 4 tokens hold 80 tokens; the 4 requests reach 121 together, so some are preempted.

@@ -21,6 +21,8 @@ from services.api.tools import (
     whole_message,
 )
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},

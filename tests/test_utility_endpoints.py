@@ -7,6 +7,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 
 @pytest.fixture(scope="module")
 def tokenizer(llama_dir):

@@ -28,6 +28,8 @@ from tests.conftest import ROOT, free_port, memory_mib, wait_until
 from tests.test_resilience import start, wait_healthy
 from tests.tiny_models import hf_greedy
 
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
 PROMPT = [5, 17, 42, 9]
 LONG = 160  # tokens: long enough that the attacks land while the stream runs
 

@@ -5,6 +5,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import sys
 
 import uvicorn
@@ -15,8 +16,10 @@ from services.api.engine_group import EngineGroup
 from services.api.http_deadlines import with_header_deadline
 from services.api.routing import Router
 from shared.cli import (
+    EXIT_PORT_TAKEN,
     HelpFormatter,
     add_api_args,
+    add_model_args,
     add_wire_args,
     api_keys,
     exit_at_once,
@@ -29,7 +32,7 @@ from shared.wire_security import WireSecurityError, keys_for
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.api", formatter_class=HelpFormatter)
-    parser.add_argument("--model", required=True, help="model directory (tokenizer and config.json)")
+    add_model_args(parser)
     parser.add_argument("--scheduler-endpoint", required=True, type=_endpoints,
                         help="where the scheduler listens, e.g. tcp://scheduler:5555; several engines' schedulers "
                              "comma-separated (data parallelism: each request goes to one, chosen by --routing)")
@@ -78,10 +81,28 @@ def main() -> None:
                     args.max_request_body_bytes, api_keys(args),
                     args.tool_call_parser if args.enable_auto_tool_choice else None, args.max_logprobs,
                     args.report_cached_tokens, args.request_body_timeout)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=0.5,
+    # uvicorn annotates the grace as int seconds; it takes a float
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=0.5,  # type: ignore[arg-type]
                             http=with_header_deadline(args.request_header_timeout))
+    listening = listen(args.host, args.port)
     log.info("listening on http://%s:%d", args.host, args.port)
-    OnceStoppedServer(config).run()
+    OnceStoppedServer(config).run(sockets=[listening])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The api's socket, bound here rather than by uvicorn: a port taken since the launcher looked is
+    one line and EXIT_PORT_TAKEN, not a traceback and a restart."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        print(f"api: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        sys.exit(EXIT_PORT_TAKEN)
+    sock.set_inheritable(True)
+    return sock
 
 
 def _endpoints(value: str) -> list[str]:
@@ -98,7 +119,7 @@ def _tokenizers_only() -> None:
     tokenizers: torch is hidden, as on a machine without it (three seconds less at start-up, and
     hundreds of MB less memory)."""
     if "torch" not in sys.modules:
-        sys.modules["torch"] = None  # `import torch` now fails here; transformers then leaves it out
+        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` fails here; transformers leaves it out
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its note that torch is missing
 
 

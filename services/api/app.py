@@ -6,9 +6,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -61,7 +62,7 @@ class OpenAIServer:
         generation = await self.bodies.read(request, parse_completion)
         self._admit(request, generation)
         await self._compile_grammar(generation)
-        first = generation.prompt if generation.prompt is not None else generation.prompt_token_ids
+        first = generation.prompt if generation.prompt is not None else generation.prompt_token_ids or []
         # OpenAI's batch: a request per prompt, each with its own copy of the sampling parameters.
         batch = [generation] + [replace(generation, sampling=replace(generation.sampling), more_prompts=[])
                                 for _ in generation.more_prompts]
@@ -264,7 +265,7 @@ class OpenAIServer:
                     done[delta.index] = reason is not None
                     if reason is not None and delta.index == 0:
                         first_reason = reason
-                    stop_reason = detokenizer.stop_string  # or the stop token id that ended it, as vLLM
+                    stop_reason: str | int | None = detokenizer.stop_string  # or the stop token id that ended it
                     if reason == "stop" and stop_reason is None and taken and \
                             delta.token_ids[taken - 1] in generation.sampling.stop_token_ids:
                         stop_reason = delta.token_ids[taken - 1]
@@ -362,7 +363,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def build_app(client: EngineGroup | EngineClient, tokenizer, model_name: str, vocab_size: int,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_keys: list[str] = (),
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_keys: Sequence[str] = (),
               tool_call_parser: str | None = None, max_logprobs: int = MAX_LOGPROBS,
               report_cached_tokens: bool = True, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> Starlette:
     if isinstance(client, EngineClient):
@@ -397,7 +398,7 @@ def build_app(client: EngineGroup | EngineClient, tokenizer, model_name: str, vo
         Route("/metrics", server.prometheus, methods=["GET"]),
         *utility_routes(server),
     ]
-    handlers = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected}
+    handlers: dict[Any, Any] = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected}
     middleware = [Middleware(ReturnMemoryAfterLargeBodies)]
     if api_keys:
         middleware.append(Middleware(RequireApiKey, api_keys=list(api_keys)))

@@ -7,21 +7,21 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shared import sockets
-from shared.frame_limits import MAX_FRAME_BYTES
+from shared.frame_limits import MAX_FRAME_BYTES, ProtocolError
 from shared.protocol import (
     Abort,
     AddRequest,
     Hello,
     Ping,
     Pong,
-    ProtocolError,
     RequestOutput,
     RequestOutputs,
     SchedulerInfo,
@@ -45,8 +45,9 @@ class EngineClient:
                  stall_timeout: float = STALL_TIMEOUT):
         self.endpoint = endpoint
         self.context = zmq.asyncio.Context()
-        self.socket = sockets.connect(self.context, zmq.DEALER, endpoint, f"api-{uuid.uuid4().hex[:8]}".encode(),
-                                      keys, max_message_bytes)
+        self.identity = f"api-{uuid.uuid4().hex[:8]}"
+        self.socket = sockets.connect(self.context, zmq.DEALER, endpoint, self.identity.encode(), keys,
+                                      max_message_bytes)
         self.info: SchedulerInfo | None = None
         self.has_served = False  # ready at least once: a later loss is an outage, not a start
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -56,9 +57,10 @@ class EngineClient:
         self.stall_timeout = stall_timeout
         self.last_heard = time.monotonic()  # the last frame from the scheduler
         self.stalled = False
+        self.scheduler_stopped = False  # it said so; cleared when it reports ready again
         self.load = Pong(0.0)  # the scheduler's last report of its load
         self.cached_prefixes: frozenset[bytes] = frozenset()  # and of the prefixes its cache holds
-        self.handlers = {
+        self.handlers: dict[type, Callable[[Any], None]] = {
             RequestOutputs: self._on_outputs,
             SchedulerInfo: self._on_info,
             Unavailable: self._on_unavailable,
@@ -70,7 +72,7 @@ class EngineClient:
         self._receiver = asyncio.create_task(self._receive_loop())
         self._watcher = asyncio.create_task(self._watch_connection())
         self._heart = asyncio.create_task(self._heartbeat())
-        await self._send(Hello(self.socket.getsockopt(zmq.IDENTITY).decode()))
+        await self._send(Hello(self.identity))
 
     async def close(self) -> None:
         for task in (self._receiver, self._watcher, self._heart):
@@ -87,11 +89,11 @@ class EngineClient:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 if self._queues:  # with nothing in flight (a clean stop, a restart) nothing failed
                     log.error("lost the scheduler at %s; failing %d request(s)", self.endpoint, len(self._queues))
-                else:
+                elif not self.scheduler_stopped:  # it said it stops: the line was written then
                     log.info("the scheduler at %s went away; waiting for it", self.endpoint)
                 self._fail_all("the scheduler went away")
             elif self.info is None:
-                await self._send(Hello(self.socket.getsockopt(zmq.IDENTITY).decode()))
+                await self._send(Hello(self.identity))
 
     async def _heartbeat(self) -> None:
         """Ping the scheduler; if nothing at all comes back for `stall_timeout` seconds (its loop is
@@ -123,7 +125,7 @@ class EngineClient:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float,
         cache_salt: str = "",
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; aborts it if the caller stops early."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
@@ -163,7 +165,7 @@ class EngineClient:
             if self.stalled:
                 self.stalled = False
                 log.info("the scheduler answers again")
-                await self._send(Hello(self.socket.getsockopt(zmq.IDENTITY).decode()))
+                await self._send(Hello(self.identity))
             try:
                 message = decode(frame, trusted_peer_containers(frame))
             except ProtocolError as exc:
@@ -186,6 +188,7 @@ class EngineClient:
             log.info("the scheduler at %s is ready: serving", self.endpoint)
         self.info = message
         self.has_served = True
+        self.scheduler_stopped = False
 
     def _on_pong(self, message: Pong) -> None:
         self.load = message  # its arrival is news too: `last_heard` moved
@@ -196,5 +199,14 @@ class EngineClient:
         return len(self._queues)
 
     def _on_unavailable(self, message: Unavailable) -> None:
-        log.error("the scheduler at %s lost its workers: %s", self.endpoint, message.reason)
+        """An error only where requests fail by it: an orderly stop (the workers, or the scheduler
+        itself) is no failure."""
+        self.scheduler_stopped = message.stopping
+        if message.stopping:
+            log.info("the scheduler at %s is stopping", self.endpoint)
+        elif self._queues:
+            log.error("the scheduler at %s lost its workers: %s; failing %d request(s)", self.endpoint,
+                      message.reason, len(self._queues))
+        else:
+            log.info("the scheduler at %s has no workers now: %s", self.endpoint, message.reason)
         self.info = None

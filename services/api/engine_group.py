@@ -4,7 +4,7 @@ serve on, and it takes requests again as soon as it is back."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from services.api.engine_client import EngineClient
 from services.api.routing import EngineLoad, Router
@@ -44,10 +44,11 @@ class EngineGroup:
         loads = [EngineLoad(c.endpoint, c.in_flight, c.load.running, c.load.waiting, c.load.kv_usage,
                             c.cached_prefixes) for c in (self.clients[i] for i in up)]
         info = self.clients[up[0]].info
-        return up[self.router.choose(loads, prompt_token_ids, info.block_size, cache_salt)]
+        block_size = info.block_size if info is not None else 1
+        return up[self.router.choose(loads, prompt_token_ids, block_size, cache_salt)]
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float,
-                 cache_salt: str = "") -> AsyncIterator[RequestOutput]:
+                 cache_salt: str = "") -> AsyncGenerator[RequestOutput, None]:
         index = self.choose(prompt_token_ids, cache_salt)
         self.routed[index] += 1
         return self.clients[index].generate(request_id, prompt_token_ids, sampling, arrival, cache_salt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from services.api.errors import ApiError
@@ -51,10 +51,12 @@ class _Format:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def envelope(self, kind: str, choices: list, usage: dict | None = None) -> dict:
+    def envelope(self, kind: str, choices: list, usage: dict | None = None, usage_field: bool = False) -> dict:
+        """A response or chunk; `usage` where given, and `"usage": null` where `usage_field` asks for the field
+        without one (a stream with stream_options.include_usage has it in every chunk, as OpenAI's does)."""
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.model_name,
                 "choices": choices}
-        if usage is not None:
+        if usage is not None or usage_field:
             body["usage"] = usage
         return body
 
@@ -63,32 +65,36 @@ class _Format:
         return self.envelope(self.object_whole, choices, self.usage(num_prompt, chunks))
 
     async def stream(self, chunks: AsyncIterator[Chunk], num_prompt: int) -> AsyncIterator[str]:
+        usage_field = self.generation.include_usage
         for opening in self.stream_openings():
-            yield event(self.envelope(self.object_chunk, [opening]))
-        seen: list[Chunk] = []
+            yield event(self.envelope(self.object_chunk, [opening], usage_field=usage_field))
         offsets = [0] * self.num_choices
+        generated = cached = 0  # kept as they come: usage in every chunk costs no pass over the earlier ones
         async for chunk in errors_as_events(chunks):
             if isinstance(chunk, str):
                 yield chunk
                 return
-            seen.append(chunk)
+            generated += len(chunk.token_ids)
+            cached = max(cached, chunk.num_cached_tokens)
             choice = self.chunk_choice(chunk, offsets[chunk.index])
             offsets[chunk.index] += len(chunk.text)
-            usage = self.usage(num_prompt, seen) if self.generation.continuous_usage else None
-            yield event(self.envelope(self.object_chunk, [choice], usage))
-        if self.generation.include_usage:
-            yield event(self.envelope(self.object_chunk, [], self.usage(num_prompt, seen)))
+            usage = self._usage(num_prompt, generated, cached) if self.generation.continuous_usage else None
+            yield event(self.envelope(self.object_chunk, [choice], usage, usage_field))
+        if usage_field:
+            yield event(self.envelope(self.object_chunk, [], self._usage(num_prompt, generated, cached)))
         yield "data: [DONE]\n\n"
 
     def stream_openings(self) -> list[dict]:
         return []
 
-    def usage(self, num_prompt: int, chunks: list[Chunk]) -> dict:
-        completion = sum(len(c.token_ids) for c in chunks)
-        usage = {"prompt_tokens": num_prompt, "completion_tokens": completion,
-                 "total_tokens": num_prompt + completion}
+    def usage(self, num_prompt: int, chunks: list[Chunk]) -> dict[str, object]:
+        return self._usage(num_prompt, sum(len(c.token_ids) for c in chunks),
+                           max((c.num_cached_tokens for c in chunks), default=0))
+
+    def _usage(self, num_prompt: int, completion: int, cached: int) -> dict[str, object]:
+        usage: dict[str, object] = {"prompt_tokens": num_prompt, "completion_tokens": completion,
+                                    "total_tokens": num_prompt + completion}
         if self.report_cached_tokens:
-            cached = max((c.num_cached_tokens for c in chunks), default=0)
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
@@ -109,7 +115,7 @@ class CompletionFormat(_Format):
     object_whole = object_chunk = "text_completion"
     id_prefix = "cmpl"
     def __init__(self, model_name: str, tokenizer, generation: GenerationRequest, echo: str = "",
-                 echo_token_ids: list[int] = (), num_choices: int = 0):
+                 echo_token_ids: Sequence[int] = (), num_choices: int = 0):
         super().__init__(model_name, tokenizer, generation, num_choices)
         self.echo, self.echo_token_ids = echo, echo_token_ids  # the prompt, when the request asks it back
         self.echoed: set[int] = set()  # choices whose stream carried the prompt already
@@ -125,7 +131,7 @@ class CompletionFormat(_Format):
         return self.add_token_ids(choice, chunks)
 
     def chunk_choice(self, chunk: Chunk, offset: int) -> dict:
-        text, first = chunk.text, self.echo and chunk.index not in self.echoed
+        text, first = chunk.text, bool(self.echo) and chunk.index not in self.echoed
         if first:  # a choice's first chunk carries the prompt
             self.echoed.add(chunk.index)
             text = self.echo + text
@@ -137,10 +143,11 @@ class CompletionFormat(_Format):
     def _logprobs(self, chunks: list[Chunk], offset: int, with_prompt: bool = False) -> dict | None:
         if self.generation.sampling.logprobs is None:
             return None
-        entries = []  # (token id, logprob, alternatives)
+        entries: list[tuple[int, float | None, dict[int, float] | None]] = []  # (token id, logprob, alternatives)
         prompt = next((c for c in chunks if c.prompt_logprobs is not None), None) if with_prompt else None
-        if prompt is not None:  # echo: the prompt's tokens first, the very first without a logprob
-            entries += zip(self.echo_token_ids, [None] + prompt.prompt_logprobs, [None] + prompt.prompt_top_logprobs)
+        if prompt is not None and prompt.prompt_logprobs is not None:  # echo: the prompt's tokens first, the very
+            entries += zip(self.echo_token_ids, [None, *prompt.prompt_logprobs],  # first without a logprob
+                           [None, *(prompt.prompt_top_logprobs or [])])
         entries += [entry for chunk in chunks for entry in zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)]
         decode = self.tokenizer.decode
         tokens, token_logprobs, tops, offsets = [], [], [], []
@@ -176,7 +183,7 @@ class ChatFormat(_Format):
     def whole_choice(self, index: int, chunks: list[Chunk]) -> dict:
         text = "".join(c.text for c in chunks)
         finish = chunks[-1].finish_reason if chunks else None
-        message = {"role": "assistant", "content": text}
+        message: dict[str, object] = {"role": "assistant", "content": text}
         if self.tool_use is not None:
             content, calls = whole_message(self.tool_use, self.tool_parser, text)
             if calls:
@@ -187,7 +194,8 @@ class ChatFormat(_Format):
         return self.add_token_ids(choice, chunks)
 
     def chunk_choice(self, chunk: Chunk, offset: int) -> dict:
-        text, finish, delta = chunk.text, chunk.finish_reason, {}
+        text, finish = chunk.text, chunk.finish_reason
+        delta: dict[str, object] = {}
         if self.tool_use is not None:  # content until a call may begin; the calls when the choice ends
             stream = self.tool_streams.setdefault(chunk.index, ToolCallStream(self.tool_use, self.tool_parser))
             text, calls = stream.feed(chunk.text, final=finish is not None)
@@ -202,7 +210,8 @@ class ChatFormat(_Format):
 
     def _finish_with_calls(self, finish: str | None) -> str | None:
         """OpenAI's finish reason for a choice that made calls: "tool_calls", but "stop" for a named function."""
-        return "tool_calls" if finish == "stop" and self.tool_use.choice != "named" else finish
+        named = self.tool_use is not None and self.tool_use.choice == "named"
+        return "tool_calls" if finish == "stop" and not named else finish
 
     def _logprobs(self, chunks: list[Chunk]) -> dict | None:
         if self.generation.sampling.logprobs is None:

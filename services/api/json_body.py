@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
+from typing import TypeVar, overload
 
 from starlette.requests import Request
 
 from services.api.errors import ApiError
+
+T = TypeVar("T")
 
 DEFAULT_BODY_TIMEOUT = 60.0
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # vLLM sets none; 8 MiB holds any prompt a context can take
@@ -24,7 +28,13 @@ class JsonBodies:
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
 
-    async def read(self, request: Request, parse=None) -> object:
+    @overload
+    async def read(self, request: Request) -> object: ...
+
+    @overload
+    async def read(self, request: Request, parse: Callable[[object], T]) -> T: ...
+
+    async def read(self, request: Request, parse: Callable[[object], object] | None = None) -> object:
         """The body as JSON (then through `parse`, where given), at most `max_body_bytes`, arrived
         within `body_timeout`, every string valid Unicode. Bodies past PARSE_OFF_LOOP_BYTES are
         parsed and checked in a thread, so streams keep flowing meanwhile."""
@@ -54,7 +64,7 @@ class JsonBodies:
         return b"".join(parts)
 
 
-def _parse_json(raw: bytes, parse=None) -> object:
+def _parse_json(raw: bytes, parse: Callable[[object], object] | None = None) -> object:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

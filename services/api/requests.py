@@ -134,7 +134,7 @@ def parse_chat(body: object) -> GenerationRequest:
     request.messages = [_message(m, i) for i, m in enumerate(messages)]
     request.tools = parse_tool_use(fields.body)
     forced = request.tools.forced() if request.tools is not None else None
-    if forced is not None:
+    if forced is not None and request.tools is not None:
         if request.structured is not None:
             raise ApiError(f"tool_choice '{request.tools.choice}' and '{request.structured.param}' both constrain "
                            "the output; set one", param=request.structured.param)

@@ -16,6 +16,7 @@ import asyncio
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, cast
 
 from services.api.errors import ApiError
 
@@ -48,13 +49,14 @@ def parse_structured(body: dict) -> GrammarSpec | None:
 def _response_format(value: object) -> GrammarSpec | None:
     if value is None:
         return None
-    kind = value.get("type") if isinstance(value, dict) else None
+    fields: dict[str, object] = value if isinstance(value, dict) else {}
+    kind = fields.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return GrammarSpec("json", '{"type": "object"}', "response_format")
     if kind == "json_schema":
-        described = value.get("json_schema")
+        described = fields.get("json_schema")
         if not isinstance(described, dict):
             raise ApiError("response_format.json_schema must be an object with a 'schema'",
                            param="response_format.json_schema")
@@ -110,7 +112,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int):
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._tokenizer = None
+        self._tokenizer: Any = None  # llguidance's view of the tokenizer, made at the first grammar
         self._compiled: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._lock = asyncio.Lock()  # one tokenizer build, however many requests wait for it
 
@@ -131,7 +133,7 @@ class GrammarCompiler:
         return grammar
 
 
-def grammar_tokenizer(hf_tokenizer, vocab_size: int):
+def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int) -> Any:
     """The llguidance view of a fast HF tokenizer, over the model's whole vocabulary."""
     import llguidance.hf
 
@@ -144,9 +146,9 @@ def compile_grammar(spec: GrammarSpec, tokenizer) -> str:
 
     try:
         if spec.kind == "json":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=JSON_LAYOUT)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=cast(Any, JSON_LAYOUT))
         else:
-            grammar = llguidance.grammar_from(spec.kind, spec.text)
+            grammar = llguidance.grammar_from(cast(Any, spec.kind), spec.text)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         problem = messages[0] if is_error else ""
     except Exception as exc:  # llguidance raises ValueError for text it cannot read at all

@@ -210,7 +210,7 @@ def _call(value: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
             return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = next((value[k] for k in argument_keys if k in value), {})
+    arguments: object = next((value[k] for k in argument_keys if k in value), {})
     return ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
 
 

@@ -8,17 +8,18 @@ import sys
 
 from services.scheduler.server import SchedulerServer
 from shared.cli import (
+    EXIT_PORT_TAKEN,
     RUNTIME_DIR_ENV,
     HelpFormatter,
     add_endpoint_args,
     add_metrics_args,
     add_scheduler_args,
-    scheduler_config,
     setup_logging,
     stop_on_signals,
 )
-from shared.config import SCHEDULER_METRICS_PORT, Endpoints
+from shared.config import SCHEDULER_METRICS_PORT, Endpoints, SchedulerConfig
 from shared.metrics_http import MetricsPortError, serve_metrics
+from shared.options import from_namespace
 from shared.wire_security import WireSecurityError, keys_for
 
 
@@ -41,11 +42,13 @@ def main() -> None:
         keys = keys_for(args, "scheduler", [endpoints.scheduler, endpoints.workers])
     except WireSecurityError as exc:
         sys.exit(f"scheduler: {exc}")
-    server = SchedulerServer(scheduler_config(args), endpoints, args.world_size, keys, args.max_message_bytes)
+    server = SchedulerServer(from_namespace(SchedulerConfig, args), endpoints, args.world_size, keys,
+                             args.max_message_bytes)
     try:
         serve_metrics(server.metrics.registry, args.metrics_host, args.metrics_port, "scheduler")
     except MetricsPortError as exc:
-        sys.exit(f"scheduler: {exc}")
+        print(f"scheduler: {exc}", file=sys.stderr)
+        sys.exit(EXIT_PORT_TAKEN)
     code = server.run(signals)
     remove_orphaned_runtime_dir(launcher)
     sys.exit(code)

@@ -12,13 +12,14 @@ hypotheses exist).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
 def length_normalized(cumulative_logprob: float, length: int, length_penalty: float) -> float:
     """cumulative_logprob / length ** length_penalty, finite for every allowed penalty."""
     try:
-        return cumulative_logprob / length**length_penalty
+        return cumulative_logprob / float(length**length_penalty)
     except (OverflowError, ZeroDivisionError):
         if cumulative_logprob == 0:
             return 0.0
@@ -60,7 +61,7 @@ class BeamSearch:
     improvable: bool = True
     done: bool = False
 
-    def step(self, beams: list[BeamInput], ends_sequence) -> list[Candidate]:
+    def step(self, beams: list[BeamInput], ends_sequence: Callable[[int, int], bool]) -> list[Candidate]:
         """Pick the next running beams; `ends_sequence(token_id, new_length)` applies stop rules."""
         candidates = [
             Candidate(i, token, logprob, beam.cumulative_logprob + logprob)

@@ -8,14 +8,15 @@ scrape asks the loop for a `Stats` snapshot (`Snapshots`) and waits for it, a se
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from services.scheduler.speculation import SpeculationStats
 from services.scheduler.stats import Stats
+from shared.sockets import Context
 
 SCHEDULE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 TOKENS_PER_STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -44,7 +45,7 @@ class Snapshots:
     """A scrape, in the HTTP thread, asks over an inproc socket; the loop, which polls `requests`,
     answers with `take`. A loop busy with a long step leaves the scrape the last snapshot."""
 
-    def __init__(self, context: zmq.Context, name: str):
+    def __init__(self, context: Context, name: str):
         self.context = context
         self.endpoint = f"inproc://scheduler-snapshot-{name}"
         self.requests = context.socket(zmq.PULL)
@@ -82,7 +83,7 @@ class StatsCollector:
     def __init__(self, fresh_stats: Callable[[], tuple[Stats | None, str]]):
         self.fresh_stats = fresh_stats  # the snapshot, and the workers' device type
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats, device = self.fresh_stats()
         if stats is None:
             return
@@ -132,7 +133,7 @@ class StatsCollector:
                               {"swap": stats.num_preemptions_swap, "recompute": stats.num_preemptions_recompute})
         yield labeled_counter("pagedserve_blocks_swapped", "KV blocks moved between the device and swap space",
                               "direction", {"out": stats.blocks_swapped_out, "in": stats.blocks_swapped_in})
-        counters = {
+        counters: dict[str, tuple[str, float]] = {
             "blocks_copied": ("KV blocks copied on write (a shared block written)", stats.blocks_copied),
             "tokens_scheduled": ("prompt and decode tokens run through the model", stats.tokens_scheduled),
             "steps": ("steps scheduled", stats.num_steps),
@@ -146,13 +147,13 @@ class StatsCollector:
             "worker_waiting_seconds": ("time rank 0 waited for its next step while the scheduler had work "
                                        "(overhead, not idleness)", stats.worker_waiting_seconds),
         }
-        for name, (help_text, value) in counters.items():
-            yield CounterMetricFamily(f"pagedserve_{name}", help_text, value=value)
+        for name, (help_text, count) in counters.items():
+            yield CounterMetricFamily(f"pagedserve_{name}", help_text, value=count)
         if stats.speculation is not None:
             yield from speculation_metrics(stats.speculation)
 
 
-def speculation_metrics(stats: SpeculationStats):
+def speculation_metrics(stats: SpeculationStats) -> Iterator[Metric]:
     """vLLM's counters of speculative decoding, under our prefix. The acceptance rate is
     rate(..._num_accepted_tokens_total) / rate(..._num_draft_tokens_total), the mean acceptance
     length 1 + rate(..._num_accepted_tokens_total) / rate(..._num_drafts_total)."""

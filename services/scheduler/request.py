@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 import time
 
+from services.scheduler.beam_search import BeamSearch
 from shared.prefix_keys import salted_root
+from shared.protocol import SampledTokens
 from shared.sampling import SamplingParams
 
 
@@ -22,6 +24,11 @@ class RequestStatus(enum.Enum):
 
 
 class Sequence:
+    __slots__ = ("seq_id", "request", "num_prompt_tokens", "index", "output_token_ids", "output_logprobs",
+                 "output_top_logprobs", "cumulative_logprob", "num_computed_tokens", "num_pending", "block_table",
+                 "block_hashes", "num_tokens_known_to_worker", "first_unsynced_block", "finish_reason", "num_drafts",
+                 "num_speculative")
+
     def __init__(self, seq_id: int, request: Request, index: int, output_token_ids: list[int] | None = None):
         self.seq_id = seq_id
         self.request = request
@@ -77,6 +84,11 @@ class Sequence:
 
 
 class Request:
+    __slots__ = ("request_id", "cache_root", "prompt_token_ids", "sampling", "arrival_time", "order", "forked",
+                 "status", "seqs", "finished_seqs", "beam", "beam_pending", "num_cached_prompt_tokens", "looked_up",
+                 "received", "first_scheduled", "prompt_logprobs", "prompt_top_logprobs", "prompt_logprobs_sent",
+                 "left_for_companions")
+
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_time: float,
                  order: int = 0, cache_salt: str = ""):
         self.request_id = request_id
@@ -89,11 +101,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.seqs: list[Sequence] = []  # live sequences
         self.finished_seqs: list[Sequence] = []
-        self.beam = None  # BeamSearch state when sampling.use_beam_search
-        self.beam_pending: dict = {}  # seq_id -> SampledTokens, until every beam has reported
+        self.beam: BeamSearch | None = None  # when sampling.use_beam_search
+        self.beam_pending: dict[int, SampledTokens] = {}  # seq_id -> what it sampled, until every beam has reported
         self.num_cached_prompt_tokens = 0
         self.looked_up = False  # in the prefix cache: counted once, however often it is recomputed
         self.received = time.monotonic()  # at the scheduler, for its queue time
+        self.left_for_companions = False  # a step planned ahead left it out, to start with later arrivals
         self.first_scheduled: float | None = None
         # With sampling.prompt_logprobs: per prompt position from 1 on, filled as steps compute them.
         self.prompt_logprobs: list[float | None] | None = None

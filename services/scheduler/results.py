@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.beam_search import BeamInput, BeamSearch
+from services.scheduler.beam_search import BeamInput, BeamSearch, Candidate
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, RequestStatus, Sequence
 from services.scheduler.sequences import SequenceRegistry
@@ -85,7 +85,8 @@ class ResultProcessor:
 
     # --- sampling (n, best_of) -----------------------------------------------------------
 
-    def _append_samples(self, request: Request, items, applied: Applied) -> RequestOutput | None:
+    def _append_samples(self, request: Request, items: list[tuple[Sequence, SampledTokens]],
+                        applied: Applied) -> RequestOutput | None:
         sampling = request.sampling
         first = request.seqs[0]
         if len(items) > 1 and len(request.seqs) == 1 and not first.output_token_ids:
@@ -114,11 +115,13 @@ class ResultProcessor:
 
     # --- beam search ---------------------------------------------------------------------
 
-    def _advance_beams(self, request: Request, items, applied: Applied) -> RequestOutput | None:
+    def _advance_beams(self, request: Request, items: list[tuple[Sequence, SampledTokens]],
+                       applied: Applied) -> RequestOutput | None:
         sampling = request.sampling
         if request.beam is None:
             request.beam = BeamSearch(sampling.num_samples, sampling.length_penalty,
                                       sampling.early_stopping, sampling.max_tokens)
+        beam = request.beam
         pending = request.beam_pending
         for seq, sampled in items:
             pending[seq.seq_id] = sampled
@@ -137,18 +140,18 @@ class ResultProcessor:
         def ends(token_id: int, length: int) -> bool:
             return stop.reason(sampling, token_id, length, num_prompt + length) is not None
 
-        chosen = request.beam.step(inputs, ends)
-        if request.beam.done:
+        chosen = beam.step(inputs, ends)
+        if beam.done:
             self._end(request, applied)
             deltas = [
                 SequenceDelta(i, h.token_ids, h.logprobs, [{} for _ in h.token_ids],
                               stop.reason(sampling, h.token_ids[-1], len(h.token_ids),
                                           num_prompt + len(h.token_ids)) or "length")
-                for i, h in enumerate(request.beam.best(sampling.n))
+                for i, h in enumerate(beam.best(sampling.n))
             ]
             return self._output(request, deltas, True)
         used: set[int] = set()
-        assignments = []
+        assignments: list[tuple[Sequence, Candidate]] = []
         for candidate in chosen:
             parent = beams[candidate.beam]
             if candidate.beam in used:
@@ -182,7 +185,8 @@ class ResultProcessor:
                                num_cached_tokens=request.num_cached_prompt_tokens)
         if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             request.prompt_logprobs_sent = True  # the prompt is done once anything is sampled
-            output.prompt_logprobs = request.prompt_logprobs
+            # every position is computed by now: none is left None
+            output.prompt_logprobs = [lp for lp in request.prompt_logprobs if lp is not None]
             output.prompt_top_logprobs = request.prompt_top_logprobs
         return output
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.scheduler.admission import Admission, Budgets, ConfigError
 from services.scheduler.block_manager import BlockManager
@@ -64,6 +64,45 @@ class _InFlight:
     speculated: bool
     has_prompt_tokens: bool
     drafts: dict[int, int]  # seq_id -> proposals asked of the worker, counted as computed until settled
+
+
+@dataclass(slots=True)
+class Counters:
+    """What the scheduler has done since it started, for its metrics (`Stats`)."""
+
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    steps: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0  # counted once per request
+    prompt_tokens_queried: int = 0  # looked up in the prefix cache, once per request
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    blocks_copied: int = 0
+    tokens_scheduled: int = 0
+
+
+@dataclass(slots=True)
+class _Plan:
+    """The step being planned: what it runs, the block moves it needs, and the tokens it has left."""
+
+    tokens_left: int
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, positions to compute)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _StartPlan:
+    """How a waiting request starts: its first sequence from its prefix-cache hits, the others
+    (a request recomputed after forking) sharing the full blocks they have in common with it."""
+
+    leader: Sequence
+    hits: list[int]  # the leader's blocks found in the prefix cache
+    num_tokens: int  # the leader's positions to compute now
+    shared_blocks: int
+    followers: list[tuple[Sequence, int]]
 
 
 @dataclass(slots=True)
@@ -113,8 +152,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order
         self.swapped: list[Request] = []  # in arrival order
-        self.counters = {"swap": 0, "recompute": 0, "steps": 0, "computed": 0, "cached": 0, "swapped_out": 0,
-                         "swapped_in": 0, "copied": 0, "scheduled_tokens": 0, "queried": 0}
+        self.counters = Counters()
         self.in_flight: dict[int, _InFlight] = {}
         self.needs_drain = False  # the last plan stopped short of a preemption
         self.queue_times: list[float] = []  # of requests started since the server last took them
@@ -133,6 +171,7 @@ class Scheduler:
 
     def add(self, message: AddRequest) -> RequestOutput | None:
         """Queue a request; returns an error output instead if it can never run."""
+        problem: str | None
         try:
             if message.request_id in self.requests:
                 problem = f"request id {message.request_id!r} is already in use"
@@ -167,11 +206,7 @@ class Scheduler:
 
     def schedule(self) -> Step | None:
         """Decide the next step, or None when there is nothing to run."""
-        budget = [self.budgets.max_num_batched_tokens]
-        scheduled: list[tuple[Sequence, int]] = []
-        copies: list[tuple[int, int]] = []
-        swap_out: list[tuple[int, int]] = []
-        swap_in: list[tuple[int, int]] = []
+        plan = _Plan(self.budgets.max_num_batched_tokens)
         preempted = False
         ahead = bool(self.in_flight)
         self.needs_drain = False
@@ -182,7 +217,7 @@ class Scheduler:
         while next_index < end:
             request = queue[next_index]
             next_index += 1
-            wants = self._within_free_blocks(self._wants(request, budget[0]))
+            wants = self._within_free_blocks(self._wants(request, plan.tokens_left))
             if not wants:
                 continue
             if ahead and not self.block_manager.can_append(wants):
@@ -194,24 +229,24 @@ class Scheduler:
                     victim = queue[end]
                 else:
                     victim = request
-                swap_out += self._preempt(victim)
+                plan.swap_out += self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
-                copies += self._take(wants, scheduled, budget)
+                self._take(wants, plan)
 
         if not (preempted and self.running) and not self.needs_drain:  # the head resumes once nothing runs
-            swap_in += self._resume(scheduled, copies, budget)
+            self._resume(plan, starts_prompts=not ahead or self._deferred() or self._prompts_fill(plan.tokens_left))
 
-        if not (scheduled or swap_out or swap_in):
+        if not (plan.scheduled or plan.swap_out or plan.swap_in):
             return None
-        return self._build_step(scheduled, copies, swap_out, swap_in)
+        return self._build_step(plan)
 
     def _wants(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, positions) to compute for a request this step, within the token budget: a
         prompt's chunk, or a decode's last token and, in a step that speculates, its proposals."""
-        wants = []
+        wants: list[tuple[Sequence, int]] = []
         for seq in request.seqs:
             seq.num_drafts = 0
             if seq.num_pending and not self._runs_ahead(seq):
@@ -219,7 +254,7 @@ class Scheduler:
             n = seq.num_tokens + seq.num_coming - seq.num_computed_tokens
             if n > budget:
                 n = budget if self.budgets.chunked_prefill else 0
-            if n == 1 and self._speculating:
+            if n == 1 and self._speculating and self.speculation is not None:
                 self.speculation.propose(seq, budget)
                 n += seq.num_drafts
             if n > 0:
@@ -252,13 +287,11 @@ class Scheduler:
         return (len(seq.output_token_ids) + seq.num_coming < sampling.max_tokens
                 and seq.num_tokens + seq.num_coming < self.budgets.max_model_len)
 
-    def _take(self, wants, scheduled, budget) -> list[tuple[int, int]]:
-        copies = []
+    def _take(self, wants: list[tuple[Sequence, int]], plan: _Plan) -> None:
         for seq, n in wants:
-            copies += self.block_manager.append_slots(seq, n)
-            scheduled.append((seq, n))
-            budget[0] -= n
-        return copies
+            plan.copies += self.block_manager.append_slots(seq, n)
+            plan.scheduled.append((seq, n))
+            plan.tokens_left -= n
 
     def _num_running_seats(self) -> int:
         return sum(r.num_seats for r in self.running)
@@ -271,42 +304,61 @@ class Scheduler:
             return waiting
         return swapped
 
-    def _resume(self, scheduled, copies, budget) -> list[tuple[int, int]]:
-        """Bring back swapped requests and start waiting ones, strictly in arrival order."""
-        swap_in = []
+    def _prompts_fill(self, budget: int) -> bool:
+        """Whether the waiting requests' prompts fill `budget` tokens.
+
+        A step planned while another computes starts waiting requests only where they fill its budget,
+        or where the first of them was left out of a step planned so before: otherwise it leaves them to
+        the next step, which takes the requests that arrive meanwhile too. A burst of prompts (clients
+        that all send at once) then runs in full steps rather than in one with the first few and more
+        with the rest, each such step seconds long on a CPU; and no request waits more than one step so."""
+        tokens = 0
+        for request in self.waiting:
+            tokens += sum(seq.num_tokens for seq in request.seqs)
+            if tokens >= budget:
+                return True
+        if self.waiting:
+            self.waiting[0].left_for_companions = True
+        return False
+
+    def _deferred(self) -> bool:
+        return bool(self.waiting) and self.waiting[0].left_for_companions
+
+    def _resume(self, plan: _Plan, starts_prompts: bool = True) -> None:
+        """Bring back swapped requests and start waiting ones (where `starts_prompts`), strictly in arrival
+        order."""
         while (request := self._next_to_resume()) is not None:
             if self._num_running_seats() + request.num_seats > self.budgets.max_num_seqs:
                 break
             if request.status is RequestStatus.SWAPPED:
                 if self.block_manager.can_swap_in(request):
                     self.swapped.pop(0)
-                    swap_in += self.block_manager.swap_in(request)
+                    plan.swap_in += self.block_manager.swap_in(request)
                     self._mark_running(request)
-                    wants = self._within_free_blocks(self._wants(request, budget[0]))
+                    wants = self._within_free_blocks(self._wants(request, plan.tokens_left))
                     if wants and self.block_manager.can_append(wants):
-                        copies += self._take(wants, scheduled, budget)
+                        self._take(wants, plan)
                     continue
                 if self.running:
                     break  # they will finish and free blocks
                 self._recompute_instead(request)  # it cannot come back even into an idle pool
                 continue
-            if budget[0] <= 0 or not self._start(request, scheduled, copies, budget):
+            if not starts_prompts or plan.tokens_left <= 0 or not self._start(request, plan):
                 break
-        return swap_in
 
-    def _start(self, request: Request, scheduled, copies, budget) -> bool:
-        plan = self._plan_start(request, budget[0])
-        if plan is None:
+    def _start(self, request: Request, plan: _Plan) -> bool:
+        start = self._plan_start(request, plan.tokens_left)
+        if start is None:
             return False
         self.waiting.popleft()
         self._mark_running(request)
-        (leader, hits, n), shared_blocks, followers = plan
-        self._begin(leader, hits, from_cache=True)
+        leader = start.leader
+        self._begin(leader, start.hits, from_cache=True)
         self.block_manager.reserve(leader, self._reserved_blocks(request))
-        copies += self._take([(leader, n)] if n else [], scheduled, budget)
-        for seq, n in followers:
-            self._begin(seq, leader.block_table[:shared_blocks], from_cache=False)
-            copies += self._take([(seq, n)] if n else [], scheduled, budget)
+        self._take([(leader, start.num_tokens)] if start.num_tokens else [], plan)
+        for seq, n in start.followers:
+            self._begin(seq, leader.block_table[:start.shared_blocks], from_cache=False)
+            self._take([(seq, n)] if n else [], plan)
         return True
 
     def _recompute_instead(self, request: Request) -> None:
@@ -326,7 +378,7 @@ class Scheduler:
             self.waiting[i], self.waiting[i + 1] = self.waiting[i + 1], self.waiting[i]
             i += 1
 
-    def _plan_start(self, request: Request, budget: int):
+    def _plan_start(self, request: Request, budget: int) -> _StartPlan | None:
         """How a waiting request starts, or None if it does not fit now.
 
         The first sequence starts from its prefix-cache hits. The others (only a request that
@@ -343,7 +395,7 @@ class Scheduler:
         budget -= n
         needed = -(-(len(hits) * size + n) // size) - len(hits)
         shared_blocks = min(_common_prefix(request.seqs) - 1, len(hits) * size + n) // size if others else 0
-        followers = []
+        followers: list[tuple[Sequence, int]] = []
         for seq in others:
             n_seq = self._fit(seq.num_tokens - shared_blocks * size, budget)
             budget -= n_seq
@@ -360,7 +412,7 @@ class Scheduler:
         # The watermark keeps room for running sequences to grow into; a reservation never grows.
         if left < (self.block_manager.watermark_blocks if self.reservation.paged else 0):
             return None
-        return (leader, hits, n), shared_blocks, followers
+        return _StartPlan(leader, hits, n, shared_blocks, followers)
 
     def _fit(self, num_tokens: int, budget: int) -> int:
         """Tokens of a prompt to run now: all, a chunk, or none if it must wait for a later step."""
@@ -378,10 +430,10 @@ class Scheduler:
             self.queue_times.append(request.first_scheduled - request.received)
         if not request.looked_up and self.block_manager.gpu.enable_caching:
             request.looked_up = True
-            self.counters["queried"] += request.num_prompt_tokens
+            self.counters.prompt_tokens_queried += request.num_prompt_tokens
         cached = min(seq.num_computed_tokens, request.num_prompt_tokens)
         # Counted once per request: a recomputed request that hits its own blocks again is no new hit.
-        self.counters["cached"] += max(0, cached - request.num_cached_prompt_tokens)
+        self.counters.prompt_tokens_cached += max(0, cached - request.num_cached_prompt_tokens)
         request.num_cached_prompt_tokens = max(request.num_cached_prompt_tokens, cached)
 
     def _mark_running(self, request: Request) -> None:
@@ -401,13 +453,13 @@ class Scheduler:
             seq.num_drafts = 0
         if not alone and self.preemption.prefers_swap(num_blocks, num_tokens) and manager.can_swap_out(request):
             log.info("preempting %s by swapping %d blocks out", request.request_id, num_blocks)
-            self.counters["swap"] += 1
+            self.counters.preemptions_swap += 1
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             self.swapped.sort(key=lambda r: r.order)
             return manager.swap_out(request)
         log.info("preempting %s by recompute", request.request_id)
-        self.counters["recompute"] += 1
+        self.counters.preemptions_recompute += 1
         for seq in request.seqs:
             manager.free(seq)
             self.registry.forget_worker_copy(seq)
@@ -415,13 +467,13 @@ class Scheduler:
         self._requeue(request)
         return []
 
-    def _build_step(self, scheduled, copies, swap_out, swap_in) -> Step:
+    def _build_step(self, plan: _Plan) -> Step:
         new_sequences: list[NewSequence] = []
         entries: list[ScheduledSequence] = []
         sampled: list[Sequence] = []
         drafts: dict[int, int] = {}
         prompt_tokens_computed = num_decoding = 0
-        for seq, num_tokens in scheduled:
+        for seq, num_tokens in plan.scheduled:
             computed, num_prompt = seq.num_computed_tokens, seq.num_prompt_tokens
             coming = seq.num_tokens + seq.num_coming  # if every proposal in flight is kept
             new, entry = self.registry.step_entry(seq, num_tokens)
@@ -438,17 +490,18 @@ class Scheduler:
                 prompt_tokens_computed += min(computed + num_tokens, num_prompt) - computed
             else:
                 num_decoding += 1
-        self.counters["computed"] += prompt_tokens_computed
-        self.counters["swapped_out"] += len(swap_out)
-        self.counters["swapped_in"] += len(swap_in)
-        self.counters["copied"] += len(copies)
-        self.counters["scheduled_tokens"] += sum(n for _, n in scheduled)
+        counters = self.counters
+        counters.prompt_tokens_computed += prompt_tokens_computed
+        counters.blocks_swapped_out += len(plan.swap_out)
+        counters.blocks_swapped_in += len(plan.swap_in)
+        counters.blocks_copied += len(plan.copies)
+        counters.tokens_scheduled += sum(n for _, n in plan.scheduled)
         forks, dropped, preempted = self.registry.take_worker_notices()
-        step = Step(self.counters["steps"], forks, dropped, preempted, new_sequences, entries, swap_out, swap_in,
-                    copies)
-        self.in_flight[step.step_id] = _InFlight([seq for seq, _ in scheduled], sampled, num_decoding,
+        step = Step(counters.steps, forks, dropped, preempted, new_sequences, entries, plan.swap_out, plan.swap_in,
+                    plan.copies)
+        self.in_flight[step.step_id] = _InFlight([seq for seq, _ in plan.scheduled], sampled, num_decoding,
                                                  self._speculating, prompt_tokens_computed > 0, drafts)
-        self.counters["steps"] += 1
+        counters.steps += 1
         if self.speculation is not None:
             self.speculation.built(self._speculating)
         return step
@@ -468,7 +521,7 @@ class Scheduler:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request: the worker could not run a step."""
-        outputs = []
+        outputs: list[RequestOutput] = []
         self.in_flight.clear()
         for request in list(self.requests.values()):
             self.finish_request(request)
@@ -501,17 +554,21 @@ class Scheduler:
     def stats(self) -> Stats:
         gpu, cpu = self.block_manager.gpu, self.block_manager.cpu
         holding, reserved = self._slot_use()
+        counters = self.counters
         return Stats(
-            gpu.num_blocks, gpu.num_free, gpu.num_evictable, cpu.num_blocks, cpu.num_available,
-            sum(len(r.seqs) for r in self.running), len(self.waiting), len(self.swapped),
-            self.counters["swap"], self.counters["recompute"], self.counters["steps"],
-            self.counters["computed"], self.counters["cached"],
-            blocks_swapped_out=self.counters["swapped_out"], blocks_swapped_in=self.counters["swapped_in"],
-            blocks_copied=self.counters["copied"], tokens_scheduled=self.counters["scheduled_tokens"],
+            num_gpu_blocks=gpu.num_blocks, num_free_gpu_blocks=gpu.num_free, num_cached_gpu_blocks=gpu.num_evictable,
+            num_cpu_blocks=cpu.num_blocks, num_free_cpu_blocks=cpu.num_available,
+            num_running=sum(len(r.seqs) for r in self.running), num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped), num_preemptions_swap=counters.preemptions_swap,
+            num_preemptions_recompute=counters.preemptions_recompute, num_steps=counters.steps,
+            num_prompt_tokens_computed=counters.prompt_tokens_computed,
+            num_prompt_tokens_cached=counters.prompt_tokens_cached,
+            blocks_swapped_out=counters.blocks_swapped_out, blocks_swapped_in=counters.blocks_swapped_in,
+            blocks_copied=counters.blocks_copied, tokens_scheduled=counters.tokens_scheduled,
             kv_slots_holding_tokens=holding, kv_slots_reserved=reserved,
             kv_slots_fragmented=self._fragmented_blocks() * self.block_manager.block_size,
             block_size=self.block_manager.block_size,
-            prefix_cache_queries=self.counters["queried"],
+            prefix_cache_queries=counters.prompt_tokens_queried,
             speculation=self.speculation.snapshot() if self.speculation is not None else None,
         )
 

@@ -24,6 +24,8 @@ import logging
 import socket
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -60,6 +62,7 @@ from shared.protocol import (
 from shared.sampling import MAX_SAMPLES
 from shared.wire_security import WireKeys, start_authenticator
 
+Handler = Callable[[bytes, Any], None]  # a message type's handler: (sender, message)
 log = logging.getLogger(__name__)
 
 API_MESSAGE_CONTAINERS = 16  # an AddRequest holds 4 arrays; Abort and Hello fewer
@@ -114,14 +117,14 @@ class SchedulerServer:
         self.metrics = SchedulerMetrics(self.snapshots.fresh)
         self.running = True
         self.exit_code = 0
-        self.api_handlers = {
+        self.api_handlers: dict[type, Handler] = {
             Hello: self.on_hello,
             AddRequest: self.on_add_request,
             Abort: self.on_abort,
             Ping: self.on_ping,
             Shutdown: self.on_refused_shutdown,
         }
-        self.worker_handlers = {Ready: self.on_ready, StepResult: self.on_step_result}
+        self.worker_handlers: dict[type, Handler] = {Ready: self.on_ready, StepResult: self.on_step_result}
 
     def run(self, signals: socket.socket | None = None) -> int:
         """Serve until stopped; `signals`: the socket a signal taken by another thread wakes
@@ -141,6 +144,8 @@ class SchedulerServer:
                 self._iterate(poller)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM, which __main__ maps to it
             log.info("stopping")
+        for api in list(self.apis):
+            sockets.try_send(self.api_socket, Unavailable("the scheduler is stopping", stopping=True), to=api)
         for monitor in self.closed:
             monitor.close()
         self.api_socket.disable_monitor()
@@ -194,8 +199,8 @@ class SchedulerServer:
         waits = [self.stats_log.due_in()]
         if self.in_flight:
             waits.append(self.step_deadline - time.monotonic())
-        waits = [w for w in waits if w is not None]
-        return max(0, int(min(waits) * 1000)) + 1 if waits else None
+        known = [w for w in waits if w is not None]
+        return max(0, int(min(known) * 1000)) + 1 if known else None
 
     def _drain_workers(self) -> None:
         self._drain(self.worker_socket, self.worker_handlers, self.worker_message_containers, self._admits_worker_frame)
@@ -204,7 +209,8 @@ class SchedulerServer:
         """Only rank 0 sends results; any other worker peer sends a `Ready` and nothing large."""
         return sender == self.workers.get(0) or size <= SMALL_WORKER_FRAME
 
-    def _drain(self, sock: zmq.Socket, handlers: dict, max_containers: int, admit=None) -> None:
+    def _drain(self, sock: sockets.Socket, handlers: dict[type, Handler], max_containers: int,
+               admit: Callable[[bytes, int], bool] | None = None) -> None:
         while self.running and sock.poll(0, zmq.POLLIN):
             sender, self.connection, message = sockets.receive_with_connection(sock, max_containers, admit)
             handler = handlers.get(type(message))
@@ -262,7 +268,8 @@ class SchedulerServer:
         if self.scheduler is None:
             self._send_api(sender, Pong(message.sent))
         else:
-            self._send_api(sender, Pong(message.sent, *self.scheduler.load(), self.cached_prefixes.report()))
+            cached = self.cached_prefixes.report() if self.cached_prefixes is not None else []
+            self._send_api(sender, Pong(message.sent, *self.scheduler.load(), cached))
 
     def on_add_request(self, sender: bytes, message: AddRequest) -> None:
         self._know_api(sender)
@@ -275,7 +282,8 @@ class SchedulerServer:
             self._send_outputs(sender, [error])
         else:
             self.owner_of[message.request_id] = sender
-            self.cached_prefixes.note(message.prompt_token_ids, message.cache_salt)
+            if self.cached_prefixes is not None:
+                self.cached_prefixes.note(message.prompt_token_ids, message.cache_salt)
 
     def on_abort(self, sender: bytes, message: Abort) -> None:
         self._know_api(sender)
@@ -353,7 +361,7 @@ class SchedulerServer:
         for api in list(self.apis):
             self._send_api(api, self.info)
 
-    def on_connection_event(self, event: dict, role: str) -> None:
+    def on_connection_event(self, event: dict[str, Any], role: str) -> None:
         budget = self.handshakes.get(role)
         if budget is not None:
             budget.on_event(event["event"], event["value"])
@@ -436,7 +444,7 @@ class SchedulerServer:
     def _send_outputs(self, owner: bytes, outputs: list[RequestOutput]) -> None:
         self._send_api(owner, RequestOutputs(outputs), outputs)
 
-    def _send_api(self, api: bytes, message: object, outputs: list[RequestOutput] = ()) -> None:
+    def _send_api(self, api: bytes, message: object, outputs: Sequence[RequestOutput] = ()) -> None:
         if api in self.cut_off or sockets.try_send(self.api_socket, message, to=api):
             if api in self.cut_off:
                 self.cut_off[api] += [o.request_id for o in outputs if not o.finished]

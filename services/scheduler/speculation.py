@@ -71,7 +71,7 @@ class AdaptiveSwitch:
     PROBE_EVERY_MIN, PROBE_EVERY_MAX = 16, 1024  # steps between probes
     PROBE_COST = 0.01  # probes spaced so that what they lose is about this share of the better choice's rate
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.buckets: dict[int, _Bucket] = {}
 
     def choose(self, num_decoding: int) -> bool:

@@ -7,8 +7,10 @@ import os
 import sys
 
 from shared.cli import (
+    EXIT_PORT_TAKEN,
     HelpFormatter,
     add_metrics_args,
+    add_model_args,
     add_scheduler_args,
     add_wire_args,
     add_worker_args,
@@ -16,16 +18,15 @@ from shared.cli import (
     setup_logging,
     stop_on_signals,
 )
-from shared.config import WORKER_METRICS_PORT
+from shared.config import WORKER_METRICS_PORT, ModelConfig, SchedulerConfig, WorkerConfig
 from shared.metrics_http import MetricsPortError, serve_metrics
+from shared.options import from_namespace
 from shared.wire_security import WireSecurityError, keys_for
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.worker", formatter_class=HelpFormatter)
-    parser.add_argument("--model", required=True, help="local HF-format model directory")
-    parser.add_argument("--tokenizer", default=None,
-                        help="directory of the tokenizer, for grammars (structured outputs); None: the model directory")
+    add_model_args(parser)
     parser.add_argument("--worker-endpoint", required=True, help="the scheduler's worker endpoint")
     parser.add_argument("--rank", type=int, default=0,
                         help="this worker's rank among the tensor-parallel workers, to join a group by hand")
@@ -61,16 +62,20 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from services.worker.loader import ModelLoadError  # torch loads only after flags parse
     from services.worker.metrics import WorkerMetrics
-    from services.worker.server import WorkerServer
+    from services.worker.server import WorkerServer, WorkerSetup
 
     metrics = WorkerMetrics(args.rank)
     try:  # before the model loads, so a busy port costs no start-up time
         port = args.metrics_port + args.rank if args.metrics_port else 0
         serve_metrics(metrics.registry, args.metrics_host, port, f"worker rank {args.rank}")
     except MetricsPortError as exc:
-        sys.exit(f"worker: {exc}")
+        print(f"worker: {exc}", file=sys.stderr)
+        sys.exit(EXIT_PORT_TAKEN)
+    setup = WorkerSetup(from_namespace(ModelConfig, args), from_namespace(WorkerConfig, args),
+                        from_namespace(SchedulerConfig, args), args.worker_endpoint, args.dist_init_method,
+                        args.max_message_bytes)
     try:
-        server = WorkerServer(args, args.rank, args.world_size, keys, metrics)
+        server = WorkerServer(setup, args.rank, args.world_size, keys, metrics)
     except ModelLoadError as exc:
         logging.getLogger("services.worker").error("cannot load the model: %s", exc)
         sys.exit(2)

@@ -30,7 +30,9 @@ class Drafter:
 
     def draft(self, scheduled: list[ScheduledSequence], mirrors: dict, tables: BlockTables) -> dict[int, list[int]]:
         """Compute the step's known positions in the draft's cache and propose each entry's drafts."""
-        tokens, positions, starts, context_lens, rows = [], [], [0], [], []
+        tokens: list[int] = []
+        positions: list[int] = []
+        starts, context_lens, rows = [0], [], []
         drafting = []  # (entry index, seq_id, position of its last known token)
         for i, entry in enumerate(scheduled):
             mirror = mirrors[entry.seq_id]

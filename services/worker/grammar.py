@@ -19,6 +19,7 @@ import json
 import logging
 import os
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ def grammar_tokenizer(tokenizer_dir: str, vocab_size: int, eos_token: int | None
     from transformers import AutoTokenizer
 
     hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token)
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token)  # type: ignore[arg-type]
 
 
 def _tokens_added_elsewhere(tokenizer_dir: str, backend) -> bool:
@@ -88,7 +89,7 @@ class GrammarEngine:
         import llguidance
 
         self.tokenizer = tokenizer  # an llguidance LLTokenizer
-        self.templates: OrderedDict[str, object] = OrderedDict()
+        self.templates: OrderedDict[str, Any] = OrderedDict()  # compiled grammars: llguidance matchers
         # Computes a step's masks in its own threads, outside the GIL; 0: one per core.
         self.executor = llguidance.LLExecutor(threads or max(1, len(os.sched_getaffinity(0))))
         words = [0] * ((vocab_size + 31) // 32)

@@ -16,7 +16,7 @@ from torch import nn
 from kernels.cpu_linear import Linear, gemm_build, pack_weights, packs
 from services.worker.model_config import read_config
 from services.worker.models import ARCHITECTURES
-from services.worker.models.base import Embedding
+from services.worker.models.base import Embedding, PagedCausalLM
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class Numerics:
         )
 
 
-def numerics(model: nn.Module, device: torch.device) -> Numerics:
+def numerics(model: PagedCausalLM, device: torch.device) -> Numerics:
     weights = model.lm_head.weight.dtype
     build = gemm_build() if device.type == "cpu" else None
     kernels = "triton" if device.type == "cuda" else f"{build.variant} ({build.description})" if build else "torch"
@@ -202,15 +202,15 @@ def random_weights(model, config, seed: int, device: torch.device, dtype: torch.
     std = getattr(config, "initializer_range", getattr(config, "init_std", 0.02))
     norms = {name for name, module in model.named_modules() if "norm" in type(module).__name__.lower()}
     state = {}
-    like = {"device": device, "dtype": dtype}
     for name, tensor in model.state_dict().items():
         owner, _, kind = name.rpartition(".")
         if owner in norms:
-            state[name] = torch.ones(tensor.shape, **like) if kind == "weight" else torch.zeros(tensor.shape, **like)
+            fill = torch.ones if kind == "weight" else torch.zeros
+            state[name] = fill(tensor.shape, device=device, dtype=dtype)
         elif kind == "bias":
-            state[name] = torch.zeros(tensor.shape, **like)
+            state[name] = torch.zeros(tensor.shape, device=device, dtype=dtype)
         else:
-            state[name] = torch.randn(tensor.shape, generator=generator, **like).mul_(std)
+            state[name] = torch.randn(tensor.shape, generator=generator, device=device, dtype=dtype).mul_(std)
     if model.tie_word_embeddings:
         state["lm_head.weight"] = state[model.embedding_weight]
     return state

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -61,7 +62,8 @@ class StepError(RuntimeError):
 
 class ModelRunner:
     def __init__(self, model, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None,
-                 eos_token_ids: list[int] = (), drafter: Drafter | None = None, threads: ComputeThreads | None = None,
+                 eos_token_ids: Sequence[int] = (), drafter: Drafter | None = None,
+                 threads: ComputeThreads | None = None,
                  grammars: GrammarEngine | None = None, ngram: NgramProposer | None = None,
                  graphs: DecodeGraphs | None = None):
         self.model = model
@@ -97,11 +99,14 @@ class ModelRunner:
             self._drop(seq_id)
         for new in step.new_sequences:
             problem = self._refusal(new)
-            grammar = None
+            grammar: GrammarState | None = None
             if problem is None and new.sampling.grammar:
-                grammar = self.grammars.start(new.sampling.grammar) if self.grammars else (
+                matcher = self.grammars.start(new.sampling.grammar) if self.grammars else (
                     "structured outputs need the model's tokenizer in the worker")
-                problem, grammar = (grammar, None) if isinstance(grammar, str) else (None, grammar)
+                if isinstance(matcher, str):
+                    problem = matcher
+                else:
+                    grammar = matcher
             if problem is None:
                 self._drop(new.seq_id)
                 self.mirrors[new.seq_id] = SequenceMirror(list(new.token_ids), new.num_prompt_tokens, new.sampling,
@@ -118,11 +123,13 @@ class ModelRunner:
         if not scheduled:
             return StepResult(step.step_id, [], 0.0, 0.0, failures=failures)
 
-        input_ids, positions, starts, context_lens, rows = [], [], [0], [], []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        starts, context_lens, rows = [0], [], []
         to_sample: list[int] = []
         prompt_logprob_entries: list[int] = []  # of entries whose prompt tokens' logprobs are wanted
         # seq_id -> what its positions after its last token hold (a draft model's: once drafted)
-        proposals = self._look_up_proposals(scheduled) if self.ngram is not None else {}
+        proposals = self._look_up_proposals(scheduled, self.ngram) if self.ngram is not None else {}
         for i, entry in enumerate(scheduled):
             mirror = self.mirrors[entry.seq_id]
             end = entry.start + entry.num_tokens
@@ -251,17 +258,18 @@ class ModelRunner:
             return None
         return entry
 
-    def _look_up_proposals(self, scheduled: list[ScheduledSequence]) -> dict[int, list[int]]:
-        """Each entry's draft tokens by prompt lookup; an entry computes only the proposals found."""
+    def _look_up_proposals(self, scheduled: list[ScheduledSequence], ngram: NgramProposer) -> dict[int, list[int]]:
+        """Each entry's draft tokens by prompt lookup; an entry computes only the proposals found (its
+        place in `scheduled`, this step's own list, takes a copy that says so)."""
         proposals = {}
-        for entry in scheduled:
+        for i, entry in enumerate(scheduled):
             if entry.num_draft_tokens:
                 mirror = self.mirrors[entry.seq_id]
                 if mirror.lookup is None:
-                    mirror.lookup = self.ngram.new_index()
-                found = self.ngram.propose(mirror.token_ids, mirror.lookup, entry.num_draft_tokens)
-                entry.num_tokens -= entry.num_draft_tokens - len(found)
-                entry.num_draft_tokens = len(found)
+                    mirror.lookup = ngram.new_index()
+                found = ngram.propose(mirror.token_ids, mirror.lookup, entry.num_draft_tokens)
+                scheduled[i] = dataclasses.replace(entry, num_tokens=entry.num_tokens - entry.num_draft_tokens
+                                                   + len(found), num_draft_tokens=len(found))
                 proposals[entry.seq_id] = found
         return proposals
 
@@ -326,13 +334,15 @@ class ModelRunner:
         if not constrained:
             return None
         counts = [len(verified) + 1 for *_, verified in constrained]
+        grammars = self.grammars
+        assert grammars is not None  # constrained sequences have their grammar started by it
         if not self._masks_beside_forward():
-            done = Future()
-            done.set_result(self.grammars.masks(constrained))
+            done: Future[torch.Tensor] = Future()
+            done.set_result(grammars.masks(constrained))
             return firsts, counts, done
         if self.mask_thread is None:
             self.mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return firsts, counts, self.mask_thread.submit(self.grammars.masks, constrained)
+        return firsts, counts, self.mask_thread.submit(grammars.masks, constrained)
 
     def _masks_beside_forward(self) -> bool:
         """Whether a step's masks are computed in a thread while the model runs: on a GPU, whose
@@ -343,9 +353,10 @@ class ModelRunner:
         return self.device.type == "cuda" or (self.threads is not None and self.threads.leaves_a_core())
 
     @staticmethod
-    def _add_grammar_masks(rows: list[SampleRow], firsts: list[int], counts: list[int], masks: Future) -> None:
+    def _add_grammar_masks(rows: list[SampleRow], firsts: list[int], counts: list[int],
+                           computing: Future[torch.Tensor]) -> None:
         """Give each constrained sequence's rows (its last position, then each proposal's) their masks."""
-        masks, at = masks.result(), 0
+        masks, at = computing.result(), 0
         for first, count in zip(firsts, counts):
             for j in range(count):
                 rows[first + j].allowed = masks[at + j]

@@ -4,8 +4,9 @@ process each, joined in one process group, and keep them together.
 A rank that dies leaves the others stuck in their next all-reduce, so the group lives and dies as
 a whole: when one rank exits, the others are stopped and all N start again (the scheduler fails
 the requests in flight when the first rank's connection drops, and schedules again once every
-rank has reported Ready). A rank that exits with code 2 could not load the model: then the group
-stops for good, with that code.
+rank has reported Ready). A rank that exits with code 2 could not load the model, and one that exits
+with EXIT_PORT_TAKEN could not listen on its metrics port: then the group stops for good, with that
+code, as starting again would not help.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import subprocess
 import sys
 import time
 
+from shared.cli import EXIT_PORT_TAKEN
+
 log = logging.getLogger("services.worker.rank_group")
 
 RESTART_PAUSE = 1.0  # seconds between a group's end and its restart
+FINAL = (2, EXIT_PORT_TAKEN)  # exit statuses that a restart would only repeat
 
 
 def free_port() -> int:
@@ -56,7 +60,7 @@ def run_group(worker_args: list[str], size: int) -> int:
             code = ranks[dead].returncode
             log.error("rank %d of %d exited with code %s; stopping the group", dead, size, code)
             stop(signal.SIGTERM, None)
-            stopping = code == 2
+            stopping = code in FINAL
         for rank in ranks:
             try:
                 rank.wait(10)
@@ -64,6 +68,6 @@ def run_group(worker_args: list[str], size: int) -> int:
                 rank.kill()
                 rank.wait()
         if stopping:
-            return 2 if any(rank.returncode == 2 for rank in ranks) else 0
+            return next((rank.returncode for rank in ranks if rank.returncode in FINAL), 0)
         log.info("restarting all %d ranks", size)
         time.sleep(RESTART_PAUSE)

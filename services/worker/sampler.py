@@ -78,17 +78,19 @@ class Sampler:
         if any(row.params.needs_logprobs for row in rows):
             log_total = torch.logsumexp(logits, dim=-1)
             chosen = logits[owner_index, choices] - log_total[owner_index]
-        choices = choices.tolist()  # the step's one wait on the device: what follows is computed by now
-        chosen = chosen.tolist() if chosen is not None else [0.0] * len(owners)
+        chosen_ids: list[int] = choices.tolist()  # the step's one wait on the device: the rest is computed by now
+        chosen_logprobs: list[float] = chosen.tolist() if chosen is not None else [0.0] * len(owners)
         num_top = max(row.params.num_top_logprobs for row in rows)
+        top_ids: list[list[int]] = []
+        top_values: list[list[float]] = []
         if num_top:
-            top_values, top_ids = logits.topk(num_top, dim=-1)
-            top_values, top_ids = (top_values - log_total[:, None]).tolist(), top_ids.tolist()
+            values, ids = logits.topk(num_top, dim=-1)
+            top_values, top_ids = (values - log_total[:, None]).tolist(), ids.tolist()
         samples: list[list[Sample]] = [[] for _ in rows]
         for j, i in enumerate(owners):
             k = rows[i].params.num_top_logprobs
-            top = (top_ids[i][:k], top_values[i][:k]) if k else ([], [])
-            samples[i].append(Sample(choices[j], chosen[j], *top))
+            top: tuple[list[int], list[float]] = (top_ids[i][:k], top_values[i][:k]) if k else ([], [])
+            samples[i].append(Sample(chosen_ids[j], chosen_logprobs[j], *top))
         return samples
 
     def _draw(

@@ -7,6 +7,9 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +27,9 @@ from services.worker.ngram import NgramProposer
 from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
 from shared.cli import drain_wakeups
+from shared.config import ModelConfig, SchedulerConfig, WorkerConfig
 from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
+from shared.sockets import MAX_MESSAGE_BYTES
 from shared.wire_security import WireKeys, connect_securely
 
 log = logging.getLogger(__name__)
@@ -48,24 +53,26 @@ def join_rank_group(rank: int, world_size: int, init_method: str, device: torch.
     return TensorParallel(rank, world_size)
 
 
-def load_draft_model(model_dir: str, target, dtype: torch.dtype, device: torch.device, args, tp: TensorParallel):
+def load_draft_model(model_dir: str, target, dtype: torch.dtype, device: torch.device, worker: WorkerConfig,
+                     tp: TensorParallel):
     """The draft model of `--speculative-config`, in the target's dtype and tensor-parallel split."""
     dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
-    draft, config = load_model(model_dir, dtype_name, device, args.load_format, args.seed, tp)
+    draft, config = load_model(model_dir, dtype_name, device, worker.load_format, worker.seed, tp)
     if draft.lm_head.weight.shape[0] != target.lm_head.weight.shape[0]:
         raise ModelLoadError(f"the draft model {model_dir} has a vocabulary of {draft.lm_head.weight.shape[0]} "
                              f"tokens, the target {target.lm_head.weight.shape[0]}: they must share the tokenizer")
     return draft, config
 
 
-def capture_decode_graphs(model, cache: KVCache, device: torch.device, args, config,
+def capture_decode_graphs(model, cache: KVCache, device: torch.device, setup: WorkerSetup, config,
                           world_size: int) -> DecodeGraphs | None:
     """CUDA graphs of decode steps up to --max-num-seqs sequences, or None where steps stay eager."""
     if world_size > 1:
         log.info("CUDA graphs: off for tensor-parallel ranks, which run every step eagerly")
         return None
-    context = min(args.max_seq_len_to_capture, args.max_model_len or config.max_position_embeddings)
-    graphs = DecodeGraphs(model, cache, device, args.max_num_seqs, context)
+    max_model_len = setup.scheduler.max_model_len or config.max_position_embeddings
+    context = min(setup.worker.max_seq_len_to_capture, max_model_len)
+    graphs = DecodeGraphs(model, cache, device, setup.scheduler.max_num_seqs, context)
     started = time.perf_counter()
     try:
         graphs.capture()
@@ -81,40 +88,54 @@ def capture_decode_graphs(model, cache: KVCache, device: torch.device, args, con
     return graphs
 
 
+@dataclass(slots=True)
+class WorkerSetup:
+    """Everything a worker rank is started with: its configs, built once from the flags, and where it
+    connects."""
+
+    model: ModelConfig
+    worker: WorkerConfig
+    scheduler: SchedulerConfig  # the block size and the limits the cache and the graphs are sized by
+    endpoint: str  # the scheduler's worker endpoint
+    dist_init_method: str = "tcp://127.0.0.1:29500"
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+
+
 class WorkerServer:
-    def __init__(self, args, rank: int = 0, world_size: int = 1, keys: WireKeys | None = None,
+    def __init__(self, setup: WorkerSetup, rank: int = 0, world_size: int = 1, keys: WireKeys | None = None,
                  metrics: WorkerMetrics | None = None):
+        worker, scheduler, model_dir = setup.worker, setup.scheduler, setup.model.model
         self.rank, self.world_size = rank, world_size
-        device = pick_device(args.device, rank)
-        threads = ComputeThreads(args.cpu_threads, world_size) if device.type == "cpu" else None
+        device = pick_device(worker.device, rank)
+        threads = ComputeThreads(worker.cpu_threads, world_size) if device.type == "cpu" else None
         if threads is not None:
             threads.use(threads.for_step())
-        tp = join_rank_group(rank, world_size, args.dist_init_method, device)
-        torch.manual_seed(args.seed)  # the same on every rank: they sample the same tokens
-        model, config = load_model(args.model, args.dtype, device, args.load_format, args.seed, tp)
+        tp = join_rank_group(rank, world_size, setup.dist_init_method, device)
+        torch.manual_seed(worker.seed)  # the same on every rank: they sample the same tokens
+        model, config = load_model(model_dir, worker.dtype, device, worker.load_format, worker.seed, tp)
         dtype = model.lm_head.weight.dtype
         models = [(model, config)]
-        speculative = args.speculative_config
-        if speculative is not None and speculative.method == "draft_model":
-            models.append(load_draft_model(speculative.model, model, dtype, device, args, tp))
+        speculative = scheduler.speculative
+        if speculative is not None and speculative.method == "draft_model" and speculative.model is not None:
+            models.append(load_draft_model(speculative.model, model, dtype, device, worker, tp))
         # The draft's cache lives under the same block ids, so a block costs both models' bytes.
-        kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+        kv_dtype = worker.kv_cache_dtype
         layer_bytes = [
-            bytes_per_block(c.num_hidden_layers, args.block_size, m.num_kv_heads, m.head_dim, dtype, kv_dtype)
+            bytes_per_block(c.num_hidden_layers, scheduler.block_size, m.num_kv_heads, m.head_dim, dtype, kv_dtype)
             for m, c in models
         ]
         block_bytes = sum(layer_bytes)
-        num_blocks = args.num_gpu_blocks_override or num_blocks_that_fit(
-            device, block_bytes, args.gpu_memory_utilization, args.kv_cache_memory
+        num_blocks = scheduler.num_gpu_blocks_override or num_blocks_that_fit(
+            device, block_bytes, worker.gpu_memory_utilization, worker.kv_cache_memory
         )
         if num_blocks < 1:
             raise RuntimeError("no memory left for a single KV block; lower the model or raise the limit")
-        num_cpu_blocks = int(args.swap_space * GIB // block_bytes)
+        num_cpu_blocks = int(worker.swap_space * GIB // block_bytes)
         cache, *draft_cache = [
             KVCache(
                 c.num_hidden_layers,
                 num_blocks,
-                args.block_size,
+                scheduler.block_size,
                 m.num_kv_heads,
                 m.head_dim,
                 dtype,
@@ -127,7 +148,7 @@ class WorkerServer:
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB%s%s); swap space: %d blocks",
             num_blocks,
-            args.block_size,
+            scheduler.block_size,
             num_blocks * block_bytes / 2**20,
             f", {kv_dtype}" if kv_dtype != "auto" else "",
             f", of which the draft model's {num_blocks * layer_bytes[1] / 2**20:.1f}" if draft_cache else "",
@@ -139,16 +160,16 @@ class WorkerServer:
             if speculative is not None and speculative.method == "ngram"
             else None
         )
-        eos_ids = eos_token_ids(args.model, config)
+        eos_ids = eos_token_ids(model_dir, config)
         vocab_size = model.lm_head.weight.shape[0]
         # On a CPU the masks run beside a forward that leaves them a core, or before one that took them all.
         mask_threads = 0 if device.type == "cuda" else max(1, len(os.sched_getaffinity(0)) - 1)
-        grammars = GrammarEngine.load(getattr(args, "tokenizer", None) or args.model, vocab_size, eos_ids, mask_threads)
+        grammars = GrammarEngine.load(setup.model.tokenizer or model_dir, vocab_size, eos_ids, mask_threads)
         self.runner = ModelRunner(
             model,
             cache,
             device,
-            args.seed,
+            worker.seed,
             eos_token_ids=eos_ids,
             drafter=drafter,
             threads=threads,
@@ -157,8 +178,8 @@ class WorkerServer:
         )
         swap_rate = cache.measure_swap_bandwidth()
         prefill_rate = self.runner.measure_prefill_rate()
-        if device.type == "cuda" and not args.enforce_eager:
-            self.runner.graphs = capture_decode_graphs(model, cache, device, args, config, world_size)
+        if device.type == "cuda" and not worker.enforce_eager:
+            self.runner.graphs = capture_decode_graphs(model, cache, device, setup, config, world_size)
         log.info(
             "measured: swap %.2f GB/s, prefill %.0f tokens/s%s",
             swap_rate / 1e9,
@@ -172,7 +193,7 @@ class WorkerServer:
             world_size,
             num_blocks,
             num_cpu_blocks,
-            args.block_size,
+            scheduler.block_size,
             config.max_position_embeddings,
             eos_ids,
             block_bytes,
@@ -185,16 +206,17 @@ class WorkerServer:
         self.metrics = metrics or WorkerMetrics(rank)
         self.metrics.describe_compute(numerics(model, device))
         self.context = zmq.Context()
-        self.socket = sockets.new_socket(self.context, zmq.DEALER, args.max_message_bytes)
+        self.socket = sockets.new_socket(self.context, zmq.DEALER, setup.max_message_bytes)
         # No fixed identity: the scheduler's socket names each connection, so no one who
         # connects first under a rank's name can keep the rank's worker out.
         connect_securely(self.socket, keys)
         # Watch before connecting, so the first connection's event is seen too.
         self.connection_events = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self.socket.connect(args.worker_endpoint)
+        self.socket.connect(setup.endpoint)
         self.running = True
         self.last_sent = time.perf_counter()
-        self.handlers = {Step: self.on_step, Reset: self.on_reset, Shutdown: self.on_shutdown}
+        self.handlers: dict[type, Callable[[Any], None]] = {Step: self.on_step, Reset: self.on_reset,
+                                                             Shutdown: self.on_shutdown}
 
     def run(self, signals: socket.socket | None = None) -> None:
         """Serve steps until stopped; `signals`: the socket a signal taken by another thread wakes

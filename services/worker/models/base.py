@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kernels.cpu_linear import Linear
+from services.worker.tensor_parallel import Shard
 
 
 class Embedding(nn.Embedding):
@@ -49,13 +50,14 @@ class PagedCausalLM(nn.Module):
         """Once the checkpoint is loaded (under its own names, whole or sharded): every module's
         projections of one input become one (q, k and v; gate and up)."""
         for module in list(self.modules()):
-            if module is not self and hasattr(module, "fuse"):
-                module.fuse()
+            fuse = getattr(module, "fuse", None)
+            if module is not self and callable(fuse):
+                fuse()
 
-    def shards(self) -> dict:
+    def shards(self) -> dict[str, Shard]:
         """The checkpoint tensors a tensor-parallel rank loads only part of, by name (every other
         one it loads whole): what each of its modules with a `shards(prefix)` says."""
-        found = {}
+        found: dict[str, Shard] = {}
         for name, module in self.named_modules():
             if module is not self and hasattr(module, "shards"):
                 found |= module.shards(name)

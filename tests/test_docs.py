@@ -1,0 +1,102 @@
+"""The documentation says what the code does: the flags page is the parser's, and every command and
+program of the getting-started page runs as written and prints what the page says it prints."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT
+
+GETTING_STARTED = os.path.join(ROOT, "docs", "getting-started.md")
+FLAGS_PAGE = os.path.join(ROOT, "docs", "serving", "flags.md")
+# Blocks that run the tests, which run this one: not run from here.
+RUNS_THE_TESTS = ("make check", "make test")
+
+
+def test_the_flags_page_is_generated_from_the_parser():
+    from ops.docs.flags_page import page
+
+    with open(FLAGS_PAGE) as f:
+        assert f.read() == page(), "stale: python ops/docs/flags_page.py > docs/serving/flags.md"
+
+
+def blocks(path: str) -> list[tuple[str, str, str | None]]:
+    """The page's fenced bash and python blocks in order, each with the text block that follows it (what
+    it prints), if one does before the next code block."""
+    with open(path) as f:
+        text = f.read()
+    fenced = re.findall(r"```(\w+)\n(.*?)```", text, re.S)
+    found = []
+    for i, (kind, body) in enumerate(fenced):
+        if kind in ("bash", "python"):
+            follows = fenced[i + 1] if i + 1 < len(fenced) else None
+            found.append((kind, body, follows[1] if follows and follows[0] == "text" else None))
+    return found
+
+
+def serves(command: str) -> str | None:
+    """The api's base URL where `command` starts a server, else None."""
+    if command.strip() == "make up":
+        return "http://127.0.0.1:8000"
+    port = re.search(r"pagedserve (?:serve|up)\b.*--port (\d+)", command)
+    return f"http://127.0.0.1:{port.group(1)}" if port else None
+
+
+def wait_ready(base_url: str, process: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the server exited with {process.returncode}"
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{base_url} not ready in {timeout:g} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@pytest.mark.slow
+def test_every_block_of_the_getting_started_page_runs_as_written_and_prints_what_it_says(tmp_path):
+    servers: list[subprocess.Popen] = []
+    checked = 0
+    try:
+        for kind, body, expected in blocks(GETTING_STARTED):
+            if any(command in body for command in RUNS_THE_TESTS):
+                continue
+            if kind == "bash" and (base_url := serves(body)) is not None:
+                log = open(tmp_path / f"server-{len(servers)}.log", "w")  # noqa: SIM115 (the server keeps it)
+                servers.append(subprocess.Popen(["bash", "-c", body], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True))
+                wait_ready(base_url, servers[-1])
+                checked += 1
+                continue
+            command = ["bash", "-c", body] if kind == "bash" else [os.path.join(ROOT, ".venv", "bin", "python"), "-c",
+                                                                   body]
+            if kind == "python" and not os.path.exists(command[0]):
+                command[0] = sys.executable
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, f"{body}\n{done.stdout}\n{done.stderr[-3000:]}"
+            if expected is not None:
+                assert done.stdout == expected, f"{body} printed {done.stdout!r}, the page says {expected!r}"
+            checked += 1
+    finally:
+        for process in servers:
+            stop(process)
+    assert checked >= 5
