@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.provenance import commit, cpu_model  # noqa: E402
 from kernels import native  # noqa: E402
 from kernels.cpu_linear import gemm, gemm_build, pack  # noqa: E402
 
@@ -66,7 +67,7 @@ def probe() -> dict:
     """This core's peak GFLOP/s in float32 and in bfloat16, and its read rate from memory in GB/s."""
     with tempfile.TemporaryDirectory() as scratch:
         library = os.path.join(scratch, "cpu_peak.so")
-        subprocess.run(["cc", "-O2", "-march=native", "-fPIC", "-shared", "-o", library, PROBE], check=True)
+        subprocess.run(["cc", "-O3", "-march=native", "-fPIC", "-shared", "-o", library, PROBE], check=True)
         peak = ctypes.CDLL(library)
     for name in ("fma_rounds", "dot_rounds"):
         getattr(peak, name).argtypes, getattr(peak, name).restype = [ctypes.c_int64], ctypes.c_float
@@ -195,6 +196,7 @@ def main() -> None:
         "kernels": f"{build.variant} ({build.description})",
         "threads": 1,
         "repeats": REPEATS,
+        "commit": commit(),
         "date": time.strftime("%Y-%m-%d"),
         "unit": "GFLOP/s",
         "peak": peaks,
@@ -203,14 +205,6 @@ def main() -> None:
     }
     with open(os.path.join(out_dir, "cpu_linear_bench.json"), "w") as f:
         json.dump(result, f, indent=2)
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def cpu_features() -> list[str]:

@@ -2,7 +2,7 @@
  * layers against: float32 multiply-adds in the widest vectors the build has, bfloat16 pairs by the
  * AVX512-BF16 dot product where the build has it, and reads from memory.
  *
- * Built with -O2 -march=native by the bench. Each loop keeps 12 independent accumulators, enough to hide
+ * Built with -O3 -march=native by the bench. Each loop keeps 12 independent accumulators, enough to hide
  * the multiply-add's latency on every core seen (4-5 cycles, 2 a cycle).
  */
 #include <stdint.h>
@@ -19,19 +19,24 @@
 
 typedef float vf __attribute__((vector_size(4 * WIDTH)));
 
+/* Twelve accumulators as named locals (an array of them the compiler keeps in memory, and then each
+ * multiply-add waits on a store and a load). */
+#define TWELVE(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11)
+
 /* `iterations` rounds of 12 vector multiply-adds: 24 * WIDTH float operations a round. */
 float fma_rounds(int64_t iterations)
 {
-    vf acc[12], x = (vf){0} + 1.0000001f, y = (vf){0} + 1e-7f;
-    for (int i = 0; i < 12; i++)
-        acc[i] = (vf){0} + (float)i;
-    for (int64_t n = 0; n < iterations; n++)
-        for (int i = 0; i < 12; i++)
-            acc[i] = acc[i] * x + y;
-    float sum = 0;
-    for (int i = 0; i < 12; i++)
-        sum += acc[i][0];
-    return sum;
+    const vf x = (vf){0} + 1.0000001f, y = (vf){0} + 1e-7f;
+#define START(i) vf a##i = x + (float)i;
+    TWELVE(START)
+    for (int64_t n = 0; n < iterations; n++) {
+#define ROUND(i) a##i = a##i * x + y;
+        TWELVE(ROUND)
+    }
+    vf sum = (vf){0};
+#define ADD(i) sum += a##i;
+    TWELVE(ADD)
+    return sum[0];
 }
 
 /* The same with the bfloat16 dot product (48 * WIDTH operations a round: two products and two adds
@@ -39,16 +44,16 @@ float fma_rounds(int64_t iterations)
 float dot_rounds(int64_t iterations)
 {
 #if defined(__AVX512BF16__) && WIDTH == 16
-    __m512 acc[12];
     const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x33d633d6);
-    for (int i = 0; i < 12; i++)
-        acc[i] = _mm512_set1_ps((float)i);
-    for (int64_t n = 0; n < iterations; n++)
-        for (int i = 0; i < 12; i++)
-            acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
+#define DOT_START(i) __m512 d##i = _mm512_set1_ps((float)i);
+    TWELVE(DOT_START)
+    for (int64_t n = 0; n < iterations; n++) {
+#define DOT_ROUND(i) d##i = _mm512_dpbf16_ps(d##i, x, y);
+        TWELVE(DOT_ROUND)
+    }
     float sum = 0;
-    for (int i = 0; i < 12; i++)
-        sum += _mm512_reduce_add_ps(acc[i]);
+#define DOT_ADD(i) sum += _mm512_reduce_add_ps(d##i);
+    TWELVE(DOT_ADD)
     return sum;
 #else
     (void)iterations;
@@ -58,17 +63,21 @@ float dot_rounds(int64_t iterations)
 
 int64_t vector_width(void) { return WIDTH; }
 
-/* A read of `bytes` (a multiple of 64) in whole vectors: the streaming rate from memory. */
+/* A read of `bytes` (a multiple of 256) in whole vectors: the streaming rate from memory. */
 float read_all(const float *data, int64_t bytes)
 {
-    vf acc[4] = {{0}, {0}, {0}, {0}};
-    const int64_t count = bytes / (int64_t)sizeof(vf);
-    for (int64_t i = 0; i + 3 < count; i += 4)
-        for (int j = 0; j < 4; j++) {
-            vf v;
-            memcpy(&v, data + (i + j) * WIDTH, sizeof v);
-            acc[j] += v;
-        }
-    vf total = acc[0] + acc[1] + acc[2] + acc[3];
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (const float *p = data, *end = data + bytes / 4; p + 4 * WIDTH <= end; p += 4 * WIDTH) {
+        vf v0, v1, v2, v3;
+        memcpy(&v0, p, sizeof v0);
+        memcpy(&v1, p + WIDTH, sizeof v1);
+        memcpy(&v2, p + 2 * WIDTH, sizeof v2);
+        memcpy(&v3, p + 3 * WIDTH, sizeof v3);
+        a0 += v0;
+        a1 += v1;
+        a2 += v2;
+        a3 += v3;
+    }
+    vf total = a0 + a1 + a2 + a3;
     return total[0];
 }

@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import serve_client  # noqa: E402
-from benchmarks.paper_harness import SERVED_NAME, commit, machine, pagedserve, write_json  # noqa: E402
+from benchmarks.paper_harness import SERVED_NAME, machine, pagedserve, write_json  # noqa: E402
+from benchmarks.provenance import commit  # noqa: E402
 
 MODES = {"cuda_graphs": [], "eager": ["--enforce-eager"]}
 

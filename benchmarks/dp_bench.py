@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks import serve_client  # noqa: E402
-from benchmarks.paper_harness import SERVED_NAME, commit, free_ports, machine, pagedserve, write_json  # noqa: E402
+from benchmarks.paper_harness import SERVED_NAME, free_ports, machine, pagedserve, write_json  # noqa: E402
+from benchmarks.provenance import commit  # noqa: E402
 from benchmarks.workloads import system_prompts, tenants  # noqa: E402
 
 POLICIES = ("round_robin", "least_load", "prefix")

@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.paper_harness import (  # noqa: E402
     ROOT,
     budget_flags,
-    commit,
     machine,
     pagedserve,
     pyplot,
@@ -32,6 +31,7 @@ from benchmarks.paper_harness import (  # noqa: E402
     save_figure,
     write_json,
 )
+from benchmarks.provenance import commit  # noqa: E402
 from benchmarks.workloads import WORKLOADS, describe  # noqa: E402
 
 POLICIES = ("paged", "oracle", "pow2", "max")

@@ -22,7 +22,6 @@ from benchmarks.fig12_latency_vs_rate import LABELS, POLICIES  # noqa: E402
 from benchmarks.paper_harness import (  # noqa: E402
     ROOT,
     budget_flags,
-    commit,
     machine,
     pagedserve,
     pyplot,
@@ -30,6 +29,7 @@ from benchmarks.paper_harness import (  # noqa: E402
     save_figure,
     write_json,
 )
+from benchmarks.provenance import commit  # noqa: E402
 from benchmarks.workloads import WORKLOADS, describe  # noqa: E402
 
 STATES = (("tokens", "token states"), ("reserved", "reserved"), ("unused", "internal fragmentation"),

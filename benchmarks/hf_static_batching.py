@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.paper_harness import ROOT, commit, machine, pagedserve, run_at_rate, write_json  # noqa: E402
+from benchmarks.paper_harness import ROOT, machine, pagedserve, run_at_rate, write_json  # noqa: E402
+from benchmarks.provenance import commit  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Job, describe  # noqa: E402
 from services.launcher import SHIPPED_MODEL  # noqa: E402
 

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks import serve_client  # noqa: E402
 from benchmarks.peer_bench import Server  # noqa: E402
+from benchmarks.provenance import cpu_model  # noqa: E402
 from benchmarks.workloads import Job  # noqa: E402
 
 SERVED_NAME = "bench-model"
@@ -143,7 +144,7 @@ def save_figure(figure, path: Path) -> None:
 
 
 def machine() -> dict:
-    return {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+    return {"machine": platform.machine(), "processor": cpu_model(),
             "cores": os.cpu_count(), "gpu": gpu_name(), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
@@ -162,9 +163,3 @@ def write_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"

@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks import serve_client, workloads  # noqa: E402
 from benchmarks.peer_report import plot, print_spec_table, print_table, spec_table, table  # noqa: E402
+from benchmarks.provenance import commit, cpu_model  # noqa: E402
 
 SERVED_NAME = "bench-model"
 
@@ -456,6 +457,14 @@ def settle_system_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("--client vllm needs --vllm-venv")
 
 
+def provenance_line(record: dict) -> str:
+    """What a saved run was: model and dtype, CPU, date and commit (older files lack the last two)."""
+    settings = record.get("settings", {})
+    return (f"{record.get('model') or 'shipped model'} at --dtype {settings.get('dtype', 'auto')}; "
+            f"{record.get('cpu', record.get('machine', '?'))}; {record.get('date', '?')}; "
+            f"commit {record.get('commit', 'not recorded')}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_system_args(parser)
@@ -485,6 +494,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.from_json:
         record = json.loads(Path(args.from_json).read_text())
+        print(provenance_line(record))
         if record.get("speculative_config"):
             print_spec_table(record["table"], list(record["runs"]))
             return
@@ -535,6 +545,8 @@ def main() -> None:
         print_table(rows)
     record = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "cpu": cpu_model(),
+        "commit": commit(),
         "date": time.strftime("%Y-%m-%d"),
         "client": args.client,
         "model": args.model,

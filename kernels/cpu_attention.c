@@ -139,8 +139,8 @@ static inline __attribute__((always_inline)) void softmax(float *weights, int64_
 #define AHEAD 8 /* cached tokens whose rows are asked for before they are read: a block's rows are contiguous,
                  * but blocks lie anywhere, and the hardware's prefetchers stop at every page */
 
-/* Asks for the cached rows of one sequence's positions from .. to - 1, into the second-level cache: on the
- * shipped model's shapes, attention over contexts in memory (not in cache) took 30-45 % less time. */
+/* Asks for the cached rows of one sequence's positions from .. to - 1, into the second-level cache: attention over
+ * contexts in memory (not in cache) takes markedly less time (docs/kernels.md). */
 static inline void prefetch_rows(const char *cache, const int32_t *table, int64_t from, int64_t to,
                                  int64_t block_size, int64_t token_bytes)
 {
@@ -155,12 +155,10 @@ static inline void prefetch_rows(const char *cache, const int32_t *table, int64_
  * (GCC's vector extensions: AVX on x86-64-v3 and native builds, narrower vectors elsewhere): a decode step's
  * row, and a chunk's row alone in its block of QUERY_BLOCK queries (its ninth, seventeenth, ...). Each cached
  * row is converted to floats in registers as it is read, with no decoded copy stored and read back; query heads
- * take it two at a time; and each head's output stays in registers over the whole context. One thread, the
- * shipped model's 4 heads over 2 KV heads, 48 sequences at 300 tokens, 6 layers: int8 2.9-3.0 ms against 5.0 ms
- * in the tiled walk below, E4M3 5.0-5.3 against 6.4-6.6; 8 heads over 2: int8 2.6-2.7 against 3.5-3.6, but
- * E4M3 5.0-5.3 against 4.5-4.7 (each pair of heads converts the row again, and E4M3 costs more to convert than
- * int8), so it keeps the walk there, as do odd groups, other head sizes and float32 rows (whose keys' pass
- * already runs at the memory's speed). */
+ * take it two at a time; and each head's output stays in registers over the whole context. It is faster than the
+ * tiled walk below for int8 at groups of 2 and 4 and for E4M3 at groups of 2 (docs/kernels.md); with more heads
+ * a group converts each row again for every pair, and E4M3 costs more to convert than int8, so the walk keeps
+ * those, as it does odd groups, other head sizes, half types and float32 rows. */
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 

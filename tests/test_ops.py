@@ -4,6 +4,7 @@ import http.server
 import json
 import os
 import re
+import socket
 import ssl
 import subprocess
 import sys
@@ -172,3 +173,60 @@ def test_an_image_build_whose_pip_meets_an_untrusted_tls_certificate_says_so_in_
     assert done.returncode != 0
     [line] = [line for line in done.stderr.splitlines() if line.startswith("pip failed because")]
     assert "TLS certificate" in line and "ops/docker/certs/" in line, done.stderr
+
+
+def _fake_docker_tools(bin_dir, calls):
+    """`docker` without the Grafana image and a `docker-compose` that only records how it was called."""
+    bin_dir.mkdir()
+    for name, body in (
+        ("docker", f'echo "docker $*" >> {calls}\n[ "$1 $2" = "image inspect" ] && exit 1\nexit 0\n'),
+        ("docker-compose", f'echo "docker-compose $* COMPOSE_PROFILES=$COMPOSE_PROFILES" >> {calls}\n'),
+    ):
+        tool = bin_dir / name
+        tool.write_text("#!/bin/sh\n" + body)
+        tool.chmod(0o755)
+
+
+def _up_with_grafana(bin_dir, registry):
+    env = dict(os.environ, PATH=os.pathsep.join([str(bin_dir), os.environ["PATH"]]),
+               GRAFANA_REGISTRY_PROBE=registry, COMPOSE_PROFILES="cpu")
+    return subprocess.run([os.path.join(ROOT, "ops", "docker", "up-with-grafana.sh"), "--build"],
+                          env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_grafana_without_its_image_or_a_registry_fails_at_once_in_one_line_naming_what_to_do(tmp_path):
+    calls = tmp_path / "calls"
+    _fake_docker_tools(tmp_path / "bin", calls)
+    with socket.socket() as closed:  # a port nothing listens on: the registry is unreachable
+        closed.bind(("127.0.0.1", 0))
+        registry = f"http://127.0.0.1:{closed.getsockname()[1]}/v2/"
+    done = _up_with_grafana(tmp_path / "bin", registry)
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert "grafana/grafana-oss" in line and "docker load" in line and "ops/grafana/dashboards" in line
+    assert "docker-compose" not in calls.read_text()  # nothing was started or pulled
+    assert "docker pull" not in calls.read_text()
+
+
+def test_grafana_with_a_reachable_registry_pulls_its_image_and_starts_the_grafana_profile(tmp_path):
+    calls = tmp_path / "calls"
+    _fake_docker_tools(tmp_path / "bin", calls)
+
+    class Unauthorized(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # what Docker Hub answers an anonymous probe
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Unauthorized)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = _up_with_grafana(tmp_path / "bin", f"http://127.0.0.1:{server.server_port}/v2/")
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr
+    pulled, started = calls.read_text().splitlines()[1:]
+    assert pulled.startswith("docker pull grafana/grafana-oss")
+    assert started == "docker-compose up --build COMPOSE_PROFILES=cpu,grafana"

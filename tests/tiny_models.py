@@ -124,26 +124,33 @@ def hf_beam_search(
 def _hf_generate(directory: str, prompt_ids: list[int], max_new_tokens: int, **options) -> list[list[int]]:
     """Generated ids of each returned sequence, up to and including the first EOS."""
     model = _hf_model(directory)
-    eos = model.generation_config.eos_token_id
+    out = _greedy(model, prompt_ids, max_new_tokens, **options)
+    rows = out[:, len(prompt_ids) :].tolist()
+    return [_through_eos(row, model.generation_config.eos_token_id) for row in rows]
+
+
+def _greedy(model, prompt_ids: list[int], max_new_tokens: int, **options):
     with torch.no_grad():
-        out = model.generate(
+        return model.generate(
             torch.tensor([prompt_ids]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
             do_sample=False,
             max_new_tokens=max_new_tokens,
             **options,
         )
-    rows = out[:, len(prompt_ids) :].tolist()
-    return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
 
 
-_HF_MODELS: dict[str, object] = {}
+def _through_eos(row: list[int], eos: int) -> list[int]:
+    return row[: row.index(eos) + 1] if eos in row else row
 
 
-def _hf_model(directory: str):
-    if directory not in _HF_MODELS:
-        _HF_MODELS[directory] = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    return _HF_MODELS[directory]
+_HF_MODELS: dict[tuple[str, torch.dtype], object] = {}
+
+
+def _hf_model(directory: str, dtype: torch.dtype = torch.float32):
+    if (directory, dtype) not in _HF_MODELS:
+        _HF_MODELS[directory, dtype] = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    return _HF_MODELS[directory, dtype]
 
 
 def hf_greedy_with_logprobs(
@@ -151,20 +158,9 @@ def hf_greedy_with_logprobs(
 ) -> tuple[list[int], list[dict[int, float]]]:
     """HF's greedy generate with the model in `dtype` (bf16 on a CPU: what the closeness rule compares
     against), and each position's `top` log-probabilities by token id, up to and including EOS."""
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
-    eos = model.generation_config.eos_token_id
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt_ids) :].tolist()
-    if eos in tokens:
-        tokens = tokens[: tokens.index(eos) + 1]
+    model = _hf_model(directory, dtype)
+    out = _greedy(model, prompt_ids, max_new_tokens, output_logits=True, return_dict_in_generate=True)
+    tokens = _through_eos(out.sequences[0, len(prompt_ids) :].tolist(), model.generation_config.eos_token_id)
     tops = []
     for logits in out.logits[: len(tokens)]:
         values, indices = torch.log_softmax(logits[0].float(), -1).topk(top)

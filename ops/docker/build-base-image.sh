@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the local base image `pagedserve-base:bookworm` from Debian packages with debootstrap,
 # for machines that reach Debian's archive but no container registry. Where a registry is
-# reachable, `docker compose build --build-arg BASE_IMAGE=debian:bookworm-slim` skips this.
+# reachable, `docker-compose build --build-arg BASE_IMAGE=debian:bookworm-slim` skips this.
 set -euo pipefail
 image="${1:-pagedserve-base:bookworm}"
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"

@@ -6,8 +6,9 @@ OpenAI and vLLM use for it, and compiled into llguidance grammar text for the wo
     guided_json, guided_regex, guided_choice, guided_grammar                            (vLLM, older)
 
 Compiling checks the grammar against the model's tokenizer, off the event loop, so an invalid
-schema or regex is a 400 that names the problem before anything is queued. Compiled grammars
-are kept by content.
+schema or regex is a 400 that names the problem before anything is queued. Grammars past the
+bounds llguidance survives are refused first (shared/grammar_guard.py), and compilation runs on
+a thread with a deep stack. Compiled grammars are kept by content, up to `GRAMMAR_BYTES`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from services.api.errors import ApiError
+from shared.grammar_guard import CompileThreads, unbounded_reason
 
-GRAMMARS_KEPT = 256
+GRAMMAR_BYTES = 64 << 20  # schemas and compiled grammars kept for reuse, counted by their text
 # Outputs as json.dumps writes them: one space after ',' and ':', none elsewhere. Free
 # whitespace would let a model pad forever inside an object.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -114,7 +116,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._tokenizer: Any = None  # llguidance's view of the tokenizer, made at the first grammar
         self._compiled: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._compiled_bytes = 0
         self._lock = asyncio.Lock()  # one tokenizer build, however many requests wait for it
+        self._threads = CompileThreads(1, "api-grammar")  # one at a time: a 2-core machine has no more to give
 
     async def compile(self, spec: GrammarSpec) -> str:
         key = (spec.kind, spec.text)
@@ -126,10 +130,14 @@ class GrammarCompiler:
             async with self._lock:
                 if self._tokenizer is None:
                     self._tokenizer = await asyncio.to_thread(grammar_tokenizer, self.hf_tokenizer, self.vocab_size)
-        grammar = await asyncio.to_thread(compile_grammar, spec, self._tokenizer)
-        self._compiled[key] = grammar
-        if len(self._compiled) > GRAMMARS_KEPT:
-            self._compiled.popitem(last=False)
+        tokenizer = self._tokenizer
+        grammar = await asyncio.wrap_future(self._threads.submit(lambda: compile_grammar(spec, tokenizer)))
+        if key not in self._compiled:
+            self._compiled[key] = grammar
+            self._compiled_bytes += len(spec.text) + len(grammar)
+        while self._compiled_bytes > GRAMMAR_BYTES and self._compiled:
+            (_, text), evicted = self._compiled.popitem(last=False)
+            self._compiled_bytes -= len(text) + len(evicted)
         return grammar
 
 
@@ -144,6 +152,10 @@ def compile_grammar(spec: GrammarSpec, tokenizer) -> str:
     """llguidance grammar text for `spec`, checked against `tokenizer`; `ApiError` if it is invalid."""
     import llguidance
 
+    problem = unbounded_reason(spec.text)
+    if problem:
+        raise ApiError(f"'{spec.param}' is too large to compile: {problem}", param=spec.param,
+                       code="grammar_too_large")
     try:
         if spec.kind == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=cast(Any, JSON_LAYOUT))

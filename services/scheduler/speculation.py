@@ -134,10 +134,9 @@ class Speculation:
         """Whether the next step speculates; the same answer until a step is built.
 
         Up to ALWAYS_UP_TO decoding sequences a step's cost is reading the weights, so verifying
-        proposals costs little (four proposals: 1.2x a plain step on this CPU, and none where the
-        worker's lookup finds none), while the gain where text repeats is large: speculating in
-        every step gave 0.64x the TPOT of plain decoding at concurrency 1, the switch 0.78x (it lags
-        the stretches of a text that repeat). Above that, the switch decides."""
+        proposals costs little (and nothing where the worker's lookup finds none), while the gain
+        where text repeats is large, more than the switch, which lags the stretches of a text that
+        repeat, would take (docs/features/speculative-decoding.md). Above that, the switch decides."""
         if self._decision is None:
             limit = self.config.disable_by_batch_size
             if limit and num_decoding > limit:

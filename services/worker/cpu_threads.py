@@ -1,30 +1,26 @@
 """How many threads the forward pass gets on a CPU.
 
 Torch's threads meet at a barrier after every operation, so one thread that shares its core with
-another busy process holds all of them up: on 2 cores beside one busy process, two threads served
-66 tokens/s where one served 1,506. The api and the scheduler are such processes in proportion to
-the tokens streamed: on the shipped model at 16-48 streams they take a fifth to a quarter of a
-core, and there two threads lost 30 % of the throughput. A model past toy size streams few tokens
-for its compute: with a benchmark client and two idle servers beside it the others took 9-17 % of
-a core, and two threads served 1.2-1.35x as much.
+another busy process holds all of them up, by a factor of twenty in one measurement. The api and
+the scheduler are such processes in proportion to the tokens streamed: on a toy model at dozens of
+streams they take a fifth to a quarter of a core, and two threads then serve less than one. A model
+past toy size streams few tokens for its compute, the others stay nearly idle, and two threads
+serve more.
 
 So the worker watches how busy its cores are with anything but itself (from /proc/stat, once a
 second) and takes every core while the others leave them nearly idle, and all but one otherwise.
-Contention makes the others busier: on the shipped model at 48 streams they measured 0.3 of a core
-beside one thread and 0.55 beside two, and with one threshold the count flipped every second or
-two. Hence two thresholds, and a hold after giving a core back.
-docs/benchmarks.md ("CPU: a 12-layer model at real shapes") has the measurements. `--cpu-threads N`
+Contention makes the others busier, and with one threshold the count flipped every second or two.
+Hence two thresholds, and a hold after giving a core back. The benchmark archive
+(docs/benchmarks-archive.md, "CPU: a 12-layer model at real shapes") has the measurements. `--cpu-threads N`
 fixes the count instead.
 
 The step's threads are two sets: torch's OpenMP threads for its own operations, counted as above,
 and the compiled kernels' helpers (`kernels.native.share`), one per core but the caller's, always:
 a helper claims a call's chunks only once its core lets it run, so a busy core slows no call
-(kernels/claims.h). On the shipped model at 48 streams, where torch keeps one thread, they served
-1.09-1.21x the tokens of one thread (docs/benchmarks.md). An idle OpenMP thread spins for a
-while before it sleeps, on a core a kernel thread needs next, so the worker process starts with
-OMP_WAIT_POLICY=PASSIVE unless the environment sets it: on the 12-layer model with two threads, a
-256-token prompt took 430-570 against 550-650 ms, and concurrency 16 served 103-113 against
-95-102 tok/s (docs/benchmarks.md).
+(kernels/claims.h); where torch keeps one thread they still serve more tokens than one thread. An
+idle OpenMP thread spins for a while before it sleeps, on a core a kernel thread needs next, so the
+worker process starts with OMP_WAIT_POLICY=PASSIVE unless the environment sets it (both measured in
+docs/benchmarks-archive.md).
 """
 
 from __future__ import annotations

@@ -8,13 +8,15 @@ reach a sequence (sampled here, sent by the scheduler for forked samples, replay
 recompute) moves it the same way. Proposals to verify are walked through and rolled back, by
 llguidance's executor, which computes a whole step's masks in its own threads.
 
-Grammars arrive compiled and validated by the api; a matcher per grammar text is kept as a
-template and copied for each sequence, so a grammar compiles once per worker however many
-requests use it.
+Grammars arrive compiled and validated by the api, and are checked again here against the same
+bounds (shared/grammar_guard.py), because a grammar llguidance cannot take ends the process. A
+matcher per grammar text is kept as a template and copied for each sequence, so a grammar compiles
+once per worker however many requests use it; templates are kept up to `TEMPLATE_BYTES` of heap.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -23,9 +25,11 @@ from typing import Any
 
 import torch
 
+from shared.grammar_guard import CompileThreads, unbounded_reason
+
 log = logging.getLogger(__name__)
 
-TEMPLATES_KEPT = 256
+TEMPLATE_BYTES = 256 << 20  # heap held by compiled grammars kept for reuse (a 20,000-value enum: 7 MB)
 
 
 def grammar_tokenizer(tokenizer_dir: str, vocab_size: int, eos_token: int | None):
@@ -89,7 +93,9 @@ class GrammarEngine:
         import llguidance
 
         self.tokenizer = tokenizer  # an llguidance LLTokenizer
-        self.templates: OrderedDict[str, Any] = OrderedDict()  # compiled grammars: llguidance matchers
+        self.templates: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # grammar: (llguidance matcher, bytes)
+        self.template_bytes = 0
+        self.compile_thread = CompileThreads(1, "grammar-template")
         # Computes a step's masks in its own threads, outside the GIL; 0: one per core.
         self.executor = llguidance.LLExecutor(threads or max(1, len(os.sched_getaffinity(0))))
         words = [0] * ((vocab_size + 31) // 32)
@@ -112,18 +118,21 @@ class GrammarEngine:
 
     def start(self, grammar: str) -> GrammarState | str:
         """A fresh state for `grammar`, or why it cannot be served."""
-        template = self.templates.get(grammar)
-        if template is None:
-            import llguidance
-
-            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-            if template.is_error():
-                return f"grammar: {template.get_error()}"
-            self.templates[grammar] = template
-            if len(self.templates) > TEMPLATES_KEPT:
-                self.templates.popitem(last=False)
-        else:
+        kept = self.templates.get(grammar)
+        if kept is not None:
             self.templates.move_to_end(grammar)
+            return GrammarState(kept[0].deep_copy())
+        problem = unbounded_reason(grammar)
+        if problem:
+            return f"grammar: {problem}"
+        template, size = self.compile_thread.run(lambda: _compiled(self.tokenizer, grammar))
+        if template.is_error():
+            return f"grammar: {template.get_error()}"
+        self.templates[grammar] = (template, size)
+        self.template_bytes += size
+        while self.template_bytes > TEMPLATE_BYTES and len(self.templates) > 1:
+            _, (_, evicted) = self.templates.popitem(last=False)
+            self.template_bytes -= evicted
         return GrammarState(template.deep_copy())
 
     def masks(self, sequences: list[tuple[GrammarState, list[int], int, list[int]]]) -> torch.Tensor:
@@ -146,3 +155,38 @@ class GrammarEngine:
         if verifying:
             self.executor.unsafe_compute_mask_ptr_with_draft_token(verifying, *where)
         return rows
+
+
+def _compiled(tokenizer, grammar: str) -> tuple[Any, int]:
+    """llguidance's matcher for `grammar`, and the heap it took (the grammar text where that cannot be measured)."""
+    import llguidance
+
+    before = heap_in_use()
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    grown = heap_in_use() - before
+    return matcher, (max(grown, len(grammar)) if before else len(grammar))
+
+
+class _MallocInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_in_use() -> int:
+    """Bytes the C heap has handed out (glibc's mallinfo2, over every arena), or 0 where unknown."""
+    if _MALLINFO2 is None:
+        return 0
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
+
+
+def _find_mallinfo2():
+    try:
+        function = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):  # not glibc, or glibc before 2.33
+        return None
+    function.restype = _MallocInfo
+    return function
+
+
+_MALLINFO2 = _find_mallinfo2()

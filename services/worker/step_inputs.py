@@ -9,9 +9,7 @@ valid until the next `load` on the same object, which first waits for the previo
 long ended by then, as every step ends by reading its sampled ids. On a CPU the host buffer is the
 device's and nothing is copied, so the tests of this path on a CPU are tests of the CUDA path.
 Each user (the step, the block tables' writes, the draft model, the sampler, copy-on-write) owns
-one. On a CPU it also spares a step the allocations: the shipped model at concurrency 1 streamed
-at a TPOT of 2.24-2.50 ms against 2.46-2.59 before, and at 48 served 2,315-2,461 against
-2,237-2,423 tok/s (our client, three alternating runs each, 2026-11-26).
+one. On a CPU it also spares a step its allocations (docs/kernels.md, "Step inputs").
 """
 
 from __future__ import annotations
