@@ -47,6 +47,13 @@ def _bad_bodies(model: str) -> list[tuple[str, str, bool]]:
          False),
         ("deep JSON", "[" * 100_000 + "]" * 100_000, False),
         ("deep JSON in a field", f'{{{base}, "stop": ' + "[" * 50_000 + "]" * 50_000 + "}", False),
+        ("a 5,000-digit seed", f'{{{base}, "seed": {"9" * 5000}}}', False),
+        ("tool-call arguments nested 5,000 deep", json.dumps({
+            "model": model, "max_tokens": 2, "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+                    "name": "f", "arguments": '{"a": ' * 5000 + "1" + "}" * 5000}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "ok"}]}), False),
         ("body over the limit", f'{{{base}, "padding": "' + "x" * (9 << 20) + '"}', False),
     ]
     return bodies

@@ -109,11 +109,14 @@ def test_a_stream_sends_content_until_a_call_may_begin_and_the_calls_at_the_end(
     assert plain.feed("box", final=True) == ("<toolbox", [])  # not a call after all: sent at the end
 
 
-def test_forced_outputs_become_calls_and_a_cut_one_becomes_none():
+def test_forced_outputs_become_calls_and_a_cut_array_keeps_the_calls_written_before_the_cut():
     use = ToolUse([WEATHER, TIME], "required")
     calls = calls_from_forced(use, '[{"name": "get_time", "parameters": {"zone": "UTC"}}]')
     assert [(c.name, c.arguments) for c in calls] == [("get_time", '{"zone": "UTC"}')]
     assert calls_from_forced(use, '[{"name": "get_ti') == []
+    cut = '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_weather", "parameters": {"ci'
+    assert [(c.name, c.arguments) for c in calls_from_forced(use, cut)] == [("get_time", '{"zone": "UTC"}')]
+    assert calls_from_forced(use, "[" + "[" * 5000) == []  # too deep to be a call: none, and no error
     assert whole_message(ToolUse([WEATHER], "named", "get_weather"), None, '{"city": "Oslo", "days": 1}')[1][0].name \
         == "get_weather"
 

@@ -67,12 +67,21 @@ class JsonBodies:
 def _parse_json(raw: bytes, parse: Callable[[object], object] | None = None) -> object:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
         raise ApiError("the JSON body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, and integers of more than 4,300 digits
+        raise ApiError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     _check_unicode(body)
     return body if parse is None else parse(body)
+
+
+def json_value(text: str) -> object:
+    """JSON text a client sent inside a field (tool-call arguments) or a model wrote; ValueError for
+    anything Python's parser refuses, nesting past its recursion limit included."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _too_large(limit: int) -> ApiError:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 
 from services.api.errors import ApiError
+from services.api.json_body import json_value
 from services.api.structured import GrammarSpec, parse_structured
 from services.api.tools import ToolUse, parse_tool_use
 from shared.protocol import MAX_CACHE_SALT_CHARS
@@ -225,7 +225,7 @@ def _logit_bias(fields: _Body) -> dict[int, float]:
         try:
             token = int(key)
         except ValueError:
-            raise ApiError(f"logit_bias keys must be token ids, not {key!r}", param="logit_bias") from None
+            raise ApiError(f"logit_bias keys must be token ids, not {key[:40]!r}", param="logit_bias") from None
         if isinstance(value, bool) or not isinstance(value, _NUMBER):
             raise _type_error("logit_bias", "an object mapping token ids to numbers")
         try:
@@ -285,8 +285,8 @@ def _tool_calls(calls: object, where: str) -> list[dict]:
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+                arguments = json_value(arguments)
+            except ValueError:
                 raise ApiError(f"{where}.tool_calls: arguments must be JSON", param=f"{where}.tool_calls") from None
         kept.append(
             {

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from services.api.errors import ApiError
+from services.api.json_body import json_value
 from services.api.structured import GrammarSpec
 
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -165,11 +166,29 @@ def calls_from_forced(use: ToolUse, text: str) -> list[ToolCall]:
     """The calls in an output that `required` or a named function's grammar produced."""
     if use.choice == "named":
         return [ToolCall(use.name, text.strip())]
-    try:
-        listed = json.loads(text)
-    except json.JSONDecodeError:
-        return []  # cut short by max_tokens
-    return [c for c in (_call(item, ("parameters",)) for item in listed) if c is not None]
+    return [c for c in (_call(item, ("parameters",)) for item in _complete_items(text)) if c is not None]
+
+
+_SEPARATORS = re.compile(r"[\s,]*")
+
+
+def _complete_items(text: str) -> list[object]:
+    """The items of a JSON array, up to the first one that is not complete: a `required` array cut
+    short by max_tokens keeps the calls written before the cut."""
+    decoder, items = json.JSONDecoder(), list[object]()
+    at = _SEPARATORS.match(text).end()  # type: ignore[union-attr]
+    if not text.startswith("[", at):
+        return items
+    at += 1
+    while True:
+        at = _SEPARATORS.match(text, at).end()  # type: ignore[union-attr]  # matches the empty string too
+        if at >= len(text) or text[at] == "]":
+            return items
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return items
+        items.append(item)
 
 
 class ToolCallStream:
@@ -205,8 +224,8 @@ def whole_message(use: ToolUse, parser, text: str) -> tuple[str | None, list[Too
 def _call(value: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
+            value = json_value(value)
+        except ValueError:
             return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
