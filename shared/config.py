@@ -102,6 +102,9 @@ class WorkerConfig:
         "one fewer otherwise; chosen each second)")
 
 
+DEFAULT_MAX_PROMPTS = 2048  # OpenAI's and vLLM's scale for a batch of prompts
+
+
 @dataclass(slots=True)
 class ApiConfig:
     """The HTTP gateway: where it listens, its limits, and what it serves."""
@@ -121,6 +124,8 @@ class ApiConfig:
         "first blocks hash to (where they are cached), unless that one is loaded well above the others",
         choices=("round_robin", "least_load", "prefix"))
     chat_template: str | None = option(None, "a Jinja chat template, as a file or inline, in place of the tokenizer's")
+    max_prompts_per_request: int = option(
+        DEFAULT_MAX_PROMPTS, "the most prompts one completions request may hold (OpenAI's batch); more get a 400")
     max_logprobs: int = option(
         MAX_LOGPROBS, f"the most log-probabilities a request may ask for per token (at most {MAX_LOGPROBS})")
     disable_log_requests: bool = option(False, "no log line per request")

@@ -24,6 +24,7 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     AddRequest,
     Hello,
+    Ping,
     Ready,
     RequestOutputs,
     SampledTokens,
@@ -239,6 +240,35 @@ def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tm
         assert finished and not any(errors) and tokens == [100 + p for p in range(3, 303)]
         assert wait_until(lambda: not any(r.startswith("stuck") for r in server.scheduler.requests), 30)
         assert server.scheduler.block_manager.gpu.num_referenced == 0
+
+
+def test_an_api_cut_off_for_not_reading_learns_how_each_of_its_requests_ended_once_it_reads_again(tmp_path):
+    config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=4)
+    with scheduler_in_process(tmp_path, config, lambda seq_id, position: 100 + position % 800) as (server, endpoints,
+                                                                                                  context):
+        stuck = context.socket(zmq.DEALER)
+        stuck.setsockopt(zmq.IDENTITY, b"api-stuck")
+        stuck.setsockopt(zmq.RCVHWM, 1)
+        stuck.setsockopt(zmq.RCVBUF, 4096)
+        stuck.connect(endpoints.scheduler)
+        ids = [f"stuck-{i}" for i in range(4)] + ["short"]
+        for request_id in ids[:4]:
+            sockets.send(stuck, AddRequest(request_id, [1, 2, 3], greedy(50_000), time.time()))
+        sockets.send(stuck, AddRequest("short", [1, 2, 3], greedy(2), time.time()))  # ends while it is cut off
+        assert wait_until(lambda: b"api-stuck" in server.cut_off, 30)
+        assert wait_until(lambda: not server.scheduler.requests, 30)
+
+        ended: dict[str, str | None] = {}  # it reads again and pings, as the api's heartbeat does
+        deadline = time.monotonic() + 30
+        while set(ended) != set(ids) and time.monotonic() < deadline:
+            sockets.send(stuck, Ping(time.time()))
+            while stuck.poll(200):
+                message = sockets.receive(stuck)[1]
+                if isinstance(message, RequestOutputs):
+                    ended.update({o.request_id: o.error for o in message.outputs if o.finished})
+        assert set(ended) == set(ids)  # every request's final answer, none lost to the full queue
+        assert all(error is None or "stopped reading" in error for error in ended.values())
+        assert b"api-stuck" not in server.cut_off and b"api-stuck" in server.apis
 
 
 def test_a_scheduler_busy_past_the_step_timeout_does_not_blame_a_worker_that_answered(tmp_path):

@@ -47,6 +47,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.max_prompts_per_request < 1:
+        parser.error("--max-prompts-per-request must be at least 1")
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         parser.error(f"--max-logprobs must be in [0, {MAX_LOGPROBS}]")
     setup_logging("api")
@@ -80,7 +82,8 @@ def main() -> None:
     app = build_app(client, tokenizer, name, vocab_size,
                     args.max_request_body_bytes, api_keys(args),
                     args.tool_call_parser if args.enable_auto_tool_choice else None, args.max_logprobs,
-                    args.report_cached_tokens, args.request_body_timeout)
+                    args.report_cached_tokens, args.request_body_timeout,
+                    max_prompts=args.max_prompts_per_request)
     # uvicorn annotates the grace as int seconds; it takes a float
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=0.5,  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ from services.api.routing import Router
 from services.api.structured import GrammarCompiler
 from services.api.tools import TOOL_CALL_PARSERS
 from services.api.utility import utility_routes
+from shared.config import DEFAULT_MAX_PROMPTS
 from shared.sampling import MAX_LOGPROBS, InvalidParameter
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,9 @@ class OpenAIServer:
     def __init__(self, client: EngineGroup, tokenizer, model_name: str, vocab_size: int,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
                  max_logprobs: int = MAX_LOGPROBS, report_cached_tokens: bool = True,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT):
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, max_prompts: int = DEFAULT_MAX_PROMPTS):
         self.client = client
+        self.max_prompts = max_prompts
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = vocab_size
@@ -61,6 +63,9 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         generation = await self.bodies.read(request, parse_completion)
         self._admit(request, generation)
+        if 1 + len(generation.more_prompts) > self.max_prompts:
+            raise ApiError(f"the request holds {1 + len(generation.more_prompts)} prompts; at most {self.max_prompts} "
+                           "are accepted (--max-prompts-per-request)", param="prompt", code="too_many_prompts")
         await self._compile_grammar(generation)
         first = generation.prompt if generation.prompt is not None else generation.prompt_token_ids or []
         # OpenAI's batch: a request per prompt, each with its own copy of the sampling parameters.
@@ -76,8 +81,16 @@ class OpenAIServer:
                                num_choices=len(prompts) * generation.sampling.n)
         fmt.report_cached_tokens = self.report_cached_tokens
         chunks = [self._generate(each, prompt_ids, fmt.endpoint) for each, prompt_ids in zip(batch, prompts)]
-        merged = chunks[0] if len(chunks) == 1 else _merged(chunks, generation.sampling.n)
+        merged = chunks[0] if len(chunks) == 1 else _merged(chunks, generation.sampling.n,
+                                                            self._prompts_at_once(generation))
         return await self._respond(request, generation, merged, sum(map(len, prompts)), fmt)
+
+    def _prompts_at_once(self, generation: GenerationRequest) -> int:
+        """How many of a batch's prompts are queued at the scheduler at once: what one step can run, so
+        a large batch takes turns with other clients' requests instead of queueing ahead of them all."""
+        info = self.client.info
+        width = info.max_num_seqs if info is not None and info.max_num_seqs else 256
+        return max(1, width // generation.sampling.num_samples)
 
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -295,16 +308,18 @@ def _engine_error(output, ready: bool) -> ApiError:
     return ApiError(output.error, status=500, type="server_error")
 
 
-async def _merged(streams: list[AsyncIterator[Chunk]], n: int) -> AsyncIterator[Chunk]:
-    """The chunks of several requests as they come, request i's choice j renumbered i * n + j.
-    Closing it early, or a failure of any, aborts them all."""
+async def _merged(streams: list[AsyncIterator[Chunk]], n: int, at_once: int) -> AsyncIterator[Chunk]:
+    """The chunks of several requests as they come, request i's choice j renumbered i * n + j, with at
+    most `at_once` of them started and unfinished. Closing it early, or a failure of any, aborts them all."""
     queue: asyncio.Queue = asyncio.Queue()
+    turns = asyncio.Semaphore(at_once)
 
     async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
         try:
-            async for chunk in stream:
-                chunk.index += i * n
-                await queue.put(chunk)
+            async with turns:
+                async for chunk in stream:
+                    chunk.index += i * n
+                    await queue.put(chunk)
             await queue.put(None)
         except Exception as exc:
             await queue.put(exc)
@@ -365,11 +380,12 @@ async def _wait_for_disconnect(request: Request) -> None:
 def build_app(client: EngineGroup | EngineClient, tokenizer, model_name: str, vocab_size: int,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_keys: Sequence[str] = (),
               tool_call_parser: str | None = None, max_logprobs: int = MAX_LOGPROBS,
-              report_cached_tokens: bool = True, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> Starlette:
+              report_cached_tokens: bool = True, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+              max_prompts: int = DEFAULT_MAX_PROMPTS) -> Starlette:
     if isinstance(client, EngineClient):
         client = EngineGroup([client], Router("round_robin"))
     server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes, tool_call_parser, max_logprobs,
-                          report_cached_tokens, body_timeout)
+                          report_cached_tokens, body_timeout, max_prompts)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -4,6 +4,7 @@ and a heartbeat: a scheduler that answers nothing for `stall_timeout` seconds co
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -37,6 +38,7 @@ from shared.wire_security import WireKeys
 log = logging.getLogger(__name__)
 
 PING_INTERVAL = 0.5  # seconds between heartbeats
+ABORTS_PER_MESSAGE = 8192  # request ids of 32 characters: well under an Abort frame's limit
 STALL_TIMEOUT = 5.0  # seconds without a frame from the scheduler before it counts as stalled
 
 
@@ -54,6 +56,9 @@ class EngineClient:
         self._receiver: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._heart: asyncio.Task | None = None
+        self._aborter: asyncio.Task | None = None
+        self._to_abort: dict[str, None] = {}  # request ids waiting to be sent in an Abort, in order
+        self._abort_ready = asyncio.Event()
         self.stall_timeout = stall_timeout
         self.last_heard = time.monotonic()  # the last frame from the scheduler
         self.stalled = False
@@ -72,10 +77,11 @@ class EngineClient:
         self._receiver = asyncio.create_task(self._receive_loop())
         self._watcher = asyncio.create_task(self._watch_connection())
         self._heart = asyncio.create_task(self._heartbeat())
+        self._aborter = asyncio.create_task(self._send_aborts())
         await self._send(Hello(self.identity))
 
     async def close(self) -> None:
-        for task in (self._receiver, self._watcher, self._heart):
+        for task in (self._receiver, self._watcher, self._heart, self._aborter):
             if task is not None:
                 task.cancel()
         self.context.destroy(linger=0)
@@ -152,8 +158,21 @@ class EngineClient:
                 self.abort(request_id)
 
     def abort(self, *request_ids: str) -> None:
-        # Not awaited: this runs in cleanup paths, where the task may be cancelled already.
-        self.socket.send(encode(Abort(list(request_ids))), zmq.NOBLOCK)
+        """Abort these requests at the scheduler. Not awaited (it runs in cleanup paths, where the task
+        may be cancelled already): the ids wait in an outbox that a task sends as the link takes them,
+        so none is lost to a full queue."""
+        self._to_abort.update(dict.fromkeys(request_ids))
+        self._abort_ready.set()
+
+    async def _send_aborts(self) -> None:
+        while True:
+            await self._abort_ready.wait()
+            self._abort_ready.clear()
+            while self._to_abort:
+                batch = list(itertools.islice(self._to_abort, ABORTS_PER_MESSAGE))
+                for request_id in batch:
+                    del self._to_abort[request_id]
+                await self._send(Abort(batch))
 
     async def _send(self, message: object) -> None:
         await self.socket.send(encode(message))

@@ -265,6 +265,8 @@ class SchedulerServer:
             self._send_api(sender, self.info)
 
     def on_ping(self, sender: bytes, message: Ping) -> None:
+        if sender in self.cut_off:
+            self._know_api(sender)
         if self.scheduler is None:
             self._send_api(sender, Pong(message.sent))
         else:
@@ -423,11 +425,16 @@ class SchedulerServer:
     # --- sending to apis, never blocking -------------------------------------------------
 
     def _know_api(self, api: bytes) -> None:
-        self.apis.add(api)
+        """An api spoke. One that was cut off learns first which of its requests ended meanwhile; until
+        that notice goes through it stays cut off, and the notice is tried again at its next message."""
         notices = self.cut_off.pop(api, None)
-        if notices:  # it reads again: tell it which of its requests were aborted meanwhile
-            self._send_outputs(api, [error_output(r, 0, "aborted: this api stopped reading its results", "abort")
-                                     for r in notices])
+        if notices:
+            ended = RequestOutputs([error_output(r, 0, "aborted: this api stopped reading its results", "abort")
+                                    for r in dict.fromkeys(notices)])
+            if not sockets.try_send(self.api_socket, ended, to=api):
+                self.cut_off[api] = notices
+                return
+        self.apis.add(api)
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         by_owner: dict[bytes, list[RequestOutput]] = {}
@@ -446,8 +453,8 @@ class SchedulerServer:
 
     def _send_api(self, api: bytes, message: object, outputs: Sequence[RequestOutput] = ()) -> None:
         if api in self.cut_off or sockets.try_send(self.api_socket, message, to=api):
-            if api in self.cut_off:
-                self.cut_off[api] += [o.request_id for o in outputs if not o.finished]
+            if api in self.cut_off:  # these never reach it, finished or not: each gets the notice
+                self.cut_off[api] += [o.request_id for o in outputs]
             return
         # Gone, or its queue is full because it stopped reading: drop it, abort its requests.
         mine = [r for r, owner in self.owner_of.items() if owner == api]
@@ -457,7 +464,7 @@ class SchedulerServer:
                 self.scheduler.abort(request_id)
             del self.owner_of[request_id]
         self.apis.discard(api)
-        self.cut_off[api] = mine + [o.request_id for o in outputs if o.request_id not in mine and not o.finished]
+        self.cut_off[api] = mine + [o.request_id for o in outputs if o.request_id not in mine]
 
     def _stop_workers(self) -> None:
         for identity in self.workers.values():

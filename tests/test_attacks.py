@@ -1,0 +1,112 @@
+"""Attacks on a running server, as a hostile client would make them: each costs its own request a
+4xx at most, while another client keeps streaming and the services' memory stays bounded.
+
+Margins are generous (a loaded 2-core runner); what each bound would have been before the defence
+is in the comments."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import children, memory_mib, serve, wait_until
+
+pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+
+MAX_NUM_SEQS = 8
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    with serve(llama_dir, str(tmp_path_factory.mktemp("attacks")), "--max-num-seqs", str(MAX_NUM_SEQS)) as running:
+        yield running
+
+
+def _completion(server, **fields) -> httpx.Response:
+    body = {"model": server.model, "prompt": "import os", "max_tokens": 4} | fields
+    return httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300)
+
+
+def _time_to_first_token(server, max_tokens: int = 8) -> float:
+    started = time.monotonic()
+    body = {"model": server.model, "prompt": "def f(x):", "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                return time.monotonic() - started
+    raise AssertionError("no token came")
+
+
+# --- batches of prompts --------------------------------------------------------------------------
+
+def test_a_batch_over_the_prompt_limit_is_refused_whole_before_anything_is_queued(server):
+    response = _completion(server, prompt=["x"] * 2049)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "too_many_prompts"
+    assert "2048" in response.json()["error"]["message"]
+    assert server.is_idle()
+
+
+def test_a_large_batch_takes_turns_with_another_clients_request(server):
+    """2,048 prompts queued at once would put another client behind all of them (hundreds of steps);
+    a batch keeps only what one step can run at the scheduler."""
+    batch_done = threading.Event()
+    batch_status: list[int] = []
+
+    def batch():
+        body = {"model": server.model, "prompt": ["x"] * 2048, "max_tokens": 16, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=300) as response:
+            batch_status.append(response.status_code)
+            for _ in response.iter_lines():
+                if batch_done.is_set():
+                    break  # closing the stream aborts what is left of the batch
+
+    api = children(server.process.pid)["api"]
+    before = memory_mib(api)
+    thread = threading.Thread(target=batch)
+    thread.start()
+    try:
+        assert wait_until(lambda: batch_status, 30)
+        time.sleep(1.0)  # the batch is running
+        waits = [_time_to_first_token(server) for _ in range(3)]
+    finally:
+        batch_done.set()
+        thread.join(120)
+    assert batch_status == [200]
+    # Behind the whole batch: 2,048 x 16 tokens at 8 sequences a step, 4,096 steps.
+    assert max(waits) < 5.0, waits
+    assert wait_until(server.is_idle, 60)  # the aborted rest freed its blocks
+    assert memory_mib(api) < before + 150, (before, memory_mib(api))
+
+
+def test_another_client_is_answered_while_a_batch_is_refused_and_aborted_repeatedly(server):
+    """Many large batches, each cut by its client: every abort reaches the scheduler, none is lost."""
+    def cut_batch():
+        body = {"model": server.model, "prompt": ["x"] * 2048, "max_tokens": 64, "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=300) as response:
+            next(response.iter_lines())
+
+    threads = [threading.Thread(target=cut_batch) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    answered = _completion(server, max_tokens=4)
+    for thread in threads:
+        thread.join(120)
+    assert answered.status_code == 200
+    assert wait_until(server.is_idle, 60)
+
+
+def test_a_batch_answers_every_prompt(server):
+    response = _completion(server, prompt=[f"p{i}" for i in range(40)], max_tokens=2, ignore_eos=True)
+    assert response.status_code == 200
+    choices = response.json()["choices"]
+    assert sorted(c["index"] for c in choices) == list(range(40))
+    assert all(c["finish_reason"] == "length" for c in choices)
+    assert json.loads(response.text)["usage"]["completion_tokens"] == 80
