@@ -110,3 +110,60 @@ def test_a_batch_answers_every_prompt(server):
     assert sorted(c["index"] for c in choices) == list(range(40))
     assert all(c["finish_reason"] == "length" for c in choices)
     assert json.loads(response.text)["usage"]["completion_tokens"] == 80
+
+
+# --- requests that would hold the api's event loop --------------------------------------------------
+
+class HealthProbe:
+    """/health asked over and over on a thread: how long the api's loop kept it waiting."""
+
+    def __init__(self, server):
+        self.base = server.base_url
+        self.latencies: list[float] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._probe)
+
+    def _probe(self):
+        with httpx.Client(timeout=60) as client:
+            while not self.done.is_set():
+                started = time.monotonic()
+                assert client.get(f"{self.base}/health").status_code == 200
+                self.latencies.append(time.monotonic() - started)
+                time.sleep(0.02)
+
+    def __enter__(self):
+        self.thread.start()
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join(60)
+
+
+def test_a_flood_of_stop_strings_is_refused_and_the_most_allowed_cost_the_loop_little(server):
+    flood = _completion(server, stop=[f"s{i}" for i in range(100_000)], n=2)
+    assert flood.status_code == 400 and flood.json()["error"]["param"] == "stop"
+    # The most a request may send: 256 strings of 256 characters, that never match, on every choice.
+    stops = [f"{i:03d}" + "\x07" * 253 for i in range(256)]
+    with HealthProbe(server) as probe:
+        body = {"model": server.model, "prompt": "import os", "max_tokens": 200, "n": MAX_NUM_SEQS, "stop": stops,
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        events = 0
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=300) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                events += line.startswith("data: {")
+    assert events >= MAX_NUM_SEQS * 200 // 4  # it streamed
+    # 100,000 stop strings with n=16 held /health for 9.1 s.
+    assert max(probe.latencies) < 0.5, max(probe.latencies)
+
+
+def test_a_response_of_megabytes_is_built_off_the_loop(server):
+    with HealthProbe(server) as probe:
+        response = _completion(server, prompt=[f"p{i}" for i in range(16)], n=MAX_NUM_SEQS, max_tokens=96,
+                               logprobs=20, ignore_eos=True, temperature=1.0)
+    assert response.status_code == 200 and len(response.content) > 5 << 20
+    # Built on the loop, this one held /health for 2.7 s on a loaded 2-core machine.
+    assert max(probe.latencies) < 0.5, max(probe.latencies)

@@ -35,6 +35,8 @@ from services.api.utility import utility_routes
 from shared.config import DEFAULT_MAX_PROMPTS
 from shared.sampling import MAX_LOGPROBS, InvalidParameter
 
+LARGE_RESPONSE_ENTRIES = 2048  # tokens and top logprobs: about a millisecond to encode
+
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("pagedserve.access")
 
@@ -232,6 +234,13 @@ class OpenAIServer:
         collected = await _unless_disconnected(request, _collect(chunks))
         if collected is _DISCONNECTED:
             return Response(status_code=499)
+        # Logprobs and many choices make bodies of megabytes: seconds of the loop's time, so off it.
+        sampling = generation.sampling
+        entries = sum(len(c.token_ids) for c in collected) * (1 + (sampling.logprobs or 0))
+        if sampling.prompt_logprobs is not None:
+            entries += num_prompt * (1 + sampling.prompt_logprobs)
+        if entries > LARGE_RESPONSE_ENTRIES:
+            return await asyncio.to_thread(lambda: JSONResponse(fmt.whole(collected, num_prompt)))
         return JSONResponse(fmt.whole(collected, num_prompt))
 
     async def _generate(

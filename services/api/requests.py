@@ -24,6 +24,8 @@ _UNSUPPORTED_IF_SET = {
     "modalities": ["text"],
 }
 # Fields read elsewhere, or accepted as OpenAI and vLLM accept them without effect on the output.
+MAX_STOP_STRINGS = 256  # OpenAI takes 4
+MAX_STOP_STRING_CHARS = 256
 _KNOWN = {
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream", "stream_options", "logprobs", "top_logprobs",
@@ -168,6 +170,10 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
         raise _type_error("stop", "a string or a list of strings")
     if any(not s for s in stop):
         raise ApiError("stop strings must not be empty", param="stop")
+    # Each new token is searched for every stop string, in the last longest-stop-string characters.
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+        raise ApiError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} characters "
+                       "each are accepted", param="stop")
     stream_options = fields.get("stream_options", dict, {}, what="an object")
     stop_token_ids = fields.get("stop_token_ids", list, [], what="a list of token ids")
     if not all(_is_int(t) for t in stop_token_ids):
