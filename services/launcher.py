@@ -198,7 +198,7 @@ def _exited(children: dict[str, subprocess.Popen]) -> dict[str, int]:
 
 def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
     keys = api_keys(args)
-    env = dict(os.environ)
+    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}  # only the api needs it
     api_env = {**env, API_KEY_ENV: ",".join(keys)} if keys else env
     # Whoever outlives the launcher (SIGKILLed, so its finally never runs) removes the socket directory.
     scheduler_env = {**env, RUNTIME_DIR_ENV: runtime_dir}

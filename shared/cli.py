@@ -70,6 +70,8 @@ def keep_api_key_off_the_command_line() -> None:
             break
     else:
         return
+    print(f"pagedserve: --api-key on a command line is readable by every user of this machine while the process "
+          f"starts; set {API_KEY_ENV} or use --api-key-file instead", file=sys.stderr)
     os.environ[API_KEY_ENV] = key
     os.execv(sys.executable, [sys.executable, *rest[1:]])
 

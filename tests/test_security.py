@@ -13,7 +13,7 @@ import pytest
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, Sequence
 from shared.sampling import SamplingParams
-from tests.conftest import serve
+from tests.conftest import children, serve
 from tests.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.slow  # starts processes: not in `make check`
@@ -44,6 +44,15 @@ def test_an_api_key_guards_every_route_but_health_and_metrics(llama_dir, tmp_pat
         # Given on the command line, the key left it (the launcher started again with it in its
         # environment), and no child was given it on theirs.
         assert "s3cret" not in " ".join(_command_lines(server.process.pid))
+        assert "PAGEDSERVE_API_KEY or use --api-key-file" in server.log()  # and said how to keep it off
+        # Only the api, which checks it, has it in its environment.
+        holders = {name for name, pid in children(server.process.pid).items() if b"s3cret" in _environment(pid)}
+        assert holders == {"api"}, holders
+
+
+def _environment(pid: int) -> bytes:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read()
 
 
 def _command_lines(pid: int) -> list[str]:
