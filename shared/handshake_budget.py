@@ -3,48 +3,79 @@
 libzmq reads a peer's frames before it has authenticated, up to the socket's frame size limit,
 for as long as the handshake interval allows: each keyless connection can make the process hold
 that much, and nothing in libzmq bounds how many there are. The socket's monitor names each
-accepted connection by file descriptor; past the budget (per peer address, and in all) a new
-one is shut down at once, before it can send much. Honest peers authenticate in milliseconds, and
-one cut by bad luck reconnects by itself."""
+accepted connection by file descriptor; past the budget of its source address (an IPv6 /64) a
+new one is shut down at once, before it can send much.
+
+There is no budget for all addresses together: a slot anyone could fill would be a door an
+attacker holds shut against honest peers. A peer that the kernel shows runs as this process's own
+user is not counted at all: it can read this service's keys, so a budget would not stop it, and
+an attacker sharing an honest peer's address (another user on the same machine) cannot lock that
+peer out."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
 import zmq
 
+from shared.peer_uid import peer_uid
 from shared.sockets import peer_log
 
 HANDSHAKE_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+PER_ADDRESS = 2
 
 
 class HandshakeBudget:
-    def __init__(self, role: str, per_address: int = 2, total: int = 8):
-        self.role, self.per_address, self.total = role, per_address, total
-        self.pending: dict[int, str] = {}  # file descriptor -> peer address
+    def __init__(self, role: str, per_address: int = PER_ADDRESS, own_uid: int | None = None):
+        self.role, self.per_address = role, per_address
+        self.own_uid = os.getuid() if own_uid is None else own_uid
+        self.pending: dict[int, str] = {}  # file descriptor -> the source it counts against
+        self.from_source: dict[str, int] = {}
 
     def on_event(self, event: int, descriptor: int) -> None:
         if event == zmq.EVENT_ACCEPTED:
             self._accepted(descriptor)
         else:  # authenticated, or gone
-            self.pending.pop(descriptor, None)
+            self._forget(descriptor)
 
     def _accepted(self, descriptor: int) -> None:
+        self._forget(descriptor)  # a descriptor number reused before its close was reported
         try:
             peer = socket.socket(fileno=os.dup(descriptor))
         except OSError:  # already closed by libzmq
             return
         try:
-            address = peer.getpeername()[0]
-            from_address = sum(1 for a in self.pending.values() if a == address)
-            if from_address >= self.per_address or len(self.pending) >= self.total:
-                peer_log.warning("cut a connection from %s to the %s socket: %d connections from it and %d in all "
-                                 "are still in their handshake", address, self.role, from_address, len(self.pending))
+            if peer_uid(peer) == self.own_uid:
+                return
+            source = source_of(peer.getpeername()[0])
+            held = self.from_source.get(source, 0)
+            if held >= self.per_address:
+                peer_log.warning("cut a connection from %s to the %s socket: %d connections from it are still "
+                                 "in their handshake", source, self.role, held)
                 peer.shutdown(socket.SHUT_RDWR)  # libzmq sees the end of the stream and drops it
             else:
-                self.pending[descriptor] = address
+                self.pending[descriptor] = source
+                self.from_source[source] = held + 1
         except OSError:
             pass
         finally:
             peer.close()  # the duplicate only; libzmq keeps its own descriptor
+
+    def _forget(self, descriptor: int) -> None:
+        source = self.pending.pop(descriptor, None)
+        if source is not None:
+            left = self.from_source.pop(source) - 1
+            if left:
+                self.from_source[source] = left
+
+
+def source_of(address: str) -> str:
+    """What a budget counts against: the address, or for IPv6 its /64, which one host usually owns."""
+    parsed = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(parsed, ipaddress.IPv6Address):
+        if parsed.ipv4_mapped is not None:
+            return str(parsed.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
+    return str(parsed)

@@ -226,6 +226,7 @@ def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tm
     config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=4)
     with scheduler_in_process(tmp_path, config, lambda seq_id, position: 100 + position % 800) as (server, endpoints,
                                                                                                   context):
+        assert wait_until(lambda: server.scheduler is not None, 10)  # the worker is ready: requests run
         stuck = context.socket(zmq.DEALER)
         stuck.setsockopt(zmq.IDENTITY, b"api-stuck")
         stuck.setsockopt(zmq.RCVHWM, 1)
@@ -246,6 +247,7 @@ def test_an_api_cut_off_for_not_reading_learns_how_each_of_its_requests_ended_on
     config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=4)
     with scheduler_in_process(tmp_path, config, lambda seq_id, position: 100 + position % 800) as (server, endpoints,
                                                                                                   context):
+        assert wait_until(lambda: server.scheduler is not None, 10)  # the worker is ready: requests run
         stuck = context.socket(zmq.DEALER)
         stuck.setsockopt(zmq.IDENTITY, b"api-stuck")
         stuck.setsockopt(zmq.RCVHWM, 1)

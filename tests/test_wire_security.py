@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -19,9 +20,9 @@ import pytest
 import zmq
 
 from shared import sockets, wire_security
-from shared.handshake_budget import HandshakeBudget
+from shared.handshake_budget import HandshakeBudget, source_of
 from shared.log_limits import RateLimit
-from shared.protocol import AddRequest, Hello, Ready, SampledTokens, SchedulerInfo, Shutdown, StepResult
+from shared.protocol import AddRequest, Hello, Ping, Pong, Ready, SampledTokens, SchedulerInfo, Shutdown, StepResult
 from shared.sampling import SamplingParams
 from shared.wire_security import load_keys, make_keys
 from tests.conftest import ROOT, free_port, memory_mib, wait_until
@@ -269,50 +270,181 @@ def test_keys_are_private_from_their_first_byte_even_in_an_open_directory(tmp_pa
     assert load_keys(directory / "api", "api").scheduler_public  # still a usable set
 
 
-def test_keyless_peers_are_few_at_a_time_and_dropped_within_the_handshake_interval(tmp_path, keys_dir):
-    """16 keyless peers from one address each begin a 60 MiB frame and push it as fast as they can:
-    two at a time are let in (HandshakeBudget), the rest are cut at once, and all are dropped within
-    the handshake interval (libzmq's default is 30 s), so what they make the scheduler hold is bounded."""
+GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\x00") + b"\x00" * 32  # ZMTP 3.0
+NOBODY = 65534
+
+
+def as_another_user(attack: Callable[[], object]) -> object:
+    """Run `attack` in a child process as the user nobody, as a co-located attacker would, and
+    return what it returned (JSON through a pipe)."""
+    "warm".encode("idna")  # the codec's module cannot be imported once this runs as nobody
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        result: object = None
+        try:
+            os.close(read_end)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            result = attack()
+        finally:
+            os.write(write_end, json.dumps(result).encode())
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        text = pipe.read()
+    os.waitpid(child, 0)
+    return json.loads(text or "null")
+
+
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="runs the attacker as another user")
+
+
+def scheduler_on_tcp(tmp_path, keys_dir: str) -> tuple[subprocess.Popen, int, int]:
     scheduler_port, worker_port = free_port(), free_port()
     scheduler = start("services.scheduler", "--scheduler-endpoint", f"tcp://127.0.0.1:{scheduler_port}",
                       "--worker-endpoint", f"tcp://127.0.0.1:{worker_port}", "--keys-dir", f"{keys_dir}/scheduler",
                       log=str(tmp_path / "scheduler.log"))
-    frame = 60 << 20
-    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\x00") + b"\x00" * 32
-    chunk = os.urandom(1 << 20)
-    closed_after: list[float] = []  # by the server, for the peers it let in
-    outcomes: list[str] = []
+    assert wait_until(lambda: _accepts(scheduler_port) and _accepts(worker_port), 30)
+    return scheduler, scheduler_port, worker_port
 
-    def push() -> None:
-        started = time.monotonic()
-        with socket.create_connection(("127.0.0.1", scheduler_port)) as raw:
-            raw.settimeout(5)
-            try:
-                raw.sendall(greeting + b"\x06" + frame.to_bytes(8, "big"))
-                for _ in range(frame >> 20):
-                    raw.sendall(chunk)
-                while raw.recv(4096):  # the server's greeting, then its close
-                    pass
-                closed_after.append(time.monotonic() - started)
-                outcomes.append("let in, then dropped")
-            except OSError:  # reset, or a full window that nobody reads any more
-                outcomes.append("cut")
 
-    try:
-        assert wait_until(lambda: _accepts(scheduler_port), 30)
-        before, descriptors = memory_mib(scheduler.pid, "VmHWM"), len(os.listdir(f"/proc/{scheduler.pid}/fd"))
+@needs_root
+@pytest.mark.parametrize("port, frame_mib", [("worker", 60), ("api", 15)])
+def test_keyless_peers_are_few_at_a_time_and_dropped_within_the_handshake_interval_and_their_memory_returns(
+        tmp_path, keys_dir, port, frame_mib):
+    """Twice, 16 keyless peers of another user, from one address, each begin a frame just under the
+    port's limit (64 MiB on the worker port, 16 on the api port) and push it as fast as they can:
+    two at a time are let in (HandshakeBudget), the rest are cut at once, all are dropped within the
+    handshake interval, and what they made the scheduler hold goes back once they are gone."""
+    scheduler, api_port, worker_port = scheduler_on_tcp(tmp_path, keys_dir)
+    target, frame = (worker_port if port == "worker" else api_port), frame_mib << 20
+
+    def attack() -> list[tuple[str, float]]:
+        chunk = os.urandom(1 << 20)
+        outcomes: list[tuple[str, float]] = []
+
+        def push() -> None:
+            started = time.monotonic()
+            with socket.create_connection(("127.0.0.1", target)) as raw:
+                raw.settimeout(5)
+                try:
+                    raw.sendall(GREETING + b"\x06" + frame.to_bytes(8, "big"))
+                    for _ in range(frame >> 20):
+                        raw.sendall(chunk)
+                    while raw.recv(4096):  # the server's greeting, then its close
+                        pass
+                    outcomes.append(("let in, then dropped", time.monotonic() - started))
+                except OSError:  # reset, or a full window that nobody reads any more
+                    outcomes.append(("cut", 0.0))
+
         peers = [threading.Thread(target=push) for _ in range(16)]
         for peer in peers:
             peer.start()
         for peer in peers:
             peer.join(60)
+        return outcomes
+
+    try:
+        before, descriptors = memory_mib(scheduler.pid, "VmHWM"), len(os.listdir(f"/proc/{scheduler.pid}/fd"))
+        resident = memory_mib(scheduler.pid, "VmRSS")
+        outcomes = as_another_user(attack) + as_another_user(attack)
         grown = memory_mib(scheduler.pid, "VmHWM") - before
-        print(f"16 keyless peers pushing 60 MiB frames: the scheduler's peak memory grew {grown:.0f} MiB; "
-              f"{outcomes.count('cut')} cut at once, the others dropped after {max(closed_after, default=0):.1f} s")
-        assert len(outcomes) == 16 and outcomes.count("cut") >= 14
-        assert max(closed_after, default=0) < sockets.HANDSHAKE_MS / 1000 + 2
+        returned = wait_until(lambda: memory_mib(scheduler.pid, "VmRSS") < resident + 16, 10)
+        cut = [kind for kind, _ in outcomes].count("cut")
+        let_in_for = max((seconds for kind, seconds in outcomes if kind != "cut"), default=0)
+        print(f"2 x 16 keyless peers pushing {frame_mib} MiB frames to the {port} port: the scheduler's peak "
+              f"memory grew {grown:.0f} MiB; {cut} cut at once, the others dropped after {let_in_for:.1f} s; "
+              f"resident memory {resident:.0f} MiB before, {memory_mib(scheduler.pid, 'VmRSS'):.0f} MiB after")
+        assert len(outcomes) == 32 and cut >= 20  # a slot frees as soon as its peer is dropped
+        assert let_in_for < sockets.HANDSHAKE_MS / 1000 + 2
         assert wait_until(lambda: len(os.listdir(f"/proc/{scheduler.pid}/fd")) <= descriptors, 5)  # none held
-        assert grown < 2 * 60 + 40  # two let in at a time from one address, not sixteen
+        assert grown < 2 * frame_mib + 40  # two let in at a time from one address, not sixteen
+        assert returned  # and given back
+        assert scheduler.poll() is None
+    finally:
+        scheduler.terminate()
+        scheduler.wait(10)
+
+
+@needs_root
+def test_keyless_peers_reconnecting_flat_out_from_the_honest_peers_address_and_four_others_keep_nobody_out(
+        tmp_path, keys_dir):
+    """Another user's peers hold every handshake slot they can get, from 127.0.0.1 (the honest
+    peers' own address) and four more, reconnecting the moment they are cut. A new api and a
+    restarted worker still connect within 2 s, each time, and the scheduler's memory stays put."""
+    scheduler, scheduler_port, worker_port = scheduler_on_tcp(tmp_path, keys_dir)
+    api_keys, worker_keys = load_keys(f"{keys_dir}/api", "api"), load_keys(f"{keys_dir}/worker", "worker")
+    flood_seconds = 12.0
+
+    def flood() -> int:
+        attempts = [0]
+        until = time.monotonic() + flood_seconds
+
+        def hold_the_door(source: str, port: int) -> None:
+            while time.monotonic() < until:
+                try:
+                    with socket.socket() as raw:
+                        raw.bind((source, 0))
+                        raw.settimeout(3)
+                        raw.connect(("127.0.0.1", port))
+                        raw.sendall(GREETING)
+                        attempts[0] += 1
+                        while raw.recv(4096):  # held until cut, or dropped at the handshake interval
+                            pass
+                except OSError:
+                    pass
+
+        sources = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
+        threads = [threading.Thread(target=hold_the_door, args=(source, port))
+                   for source in sources for port in (scheduler_port, worker_port) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(flood_seconds + 10)
+        return attempts[0]
+
+    def new_api_answered_in() -> float:
+        started = time.monotonic()
+        context, api = zmq_peer(scheduler_port, api_keys)
+        try:
+            sockets.send(api, Ping(time.time()))
+            answered = api.poll(10_000) and isinstance(sockets.receive(api)[1], Pong)
+            return time.monotonic() - started if answered else float("inf")
+        finally:
+            context.destroy(linger=0)
+
+    def restarted_worker_connected_in() -> float:
+        started = time.monotonic()
+        context = zmq.Context()
+        worker = sockets.new_socket(context, zmq.DEALER)
+        wire_security.connect_securely(worker, worker_keys)
+        events = worker.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        worker.connect(f"tcp://127.0.0.1:{worker_port}")
+        try:
+            return time.monotonic() - started if events.poll(10_000) else float("inf")
+        finally:
+            worker.disable_monitor()
+            events.close()
+            context.destroy(linger=0)
+
+    flooding = threading.Thread(target=lambda: results.append(as_another_user(flood)))
+    results: list[object] = []
+    try:
+        before = memory_mib(scheduler.pid, "VmRSS")
+        flooding.start()
+        time.sleep(2)  # the flood is on
+        waits = []
+        while flooding.is_alive() and len(waits) < 8:
+            waits += [new_api_answered_in(), restarted_worker_connected_in()]
+        flooding.join(flood_seconds + 20)
+        attempts = results[0]
+        grown = memory_mib(scheduler.pid, "VmRSS") - before
+        print(f"{attempts} keyless connections in {flood_seconds:.0f} s; honest peers got in after "
+              f"{', '.join(f'{w:.2f}' for w in waits)} s; scheduler RSS grew {grown:.0f} MiB")
+        assert isinstance(attempts, int) and attempts > 1000  # the attack ran
+        assert len(waits) == 8 and max(waits) < 2
+        assert grown < 64
         assert scheduler.poll() is None
     finally:
         scheduler.terminate()
@@ -320,7 +452,7 @@ def test_keyless_peers_are_few_at_a_time_and_dropped_within_the_handshake_interv
 
 
 def test_the_handshake_budget_cuts_connections_past_two_from_an_address_and_counts_only_unfinished_ones():
-    budget = HandshakeBudget("api", per_address=2, total=8)
+    budget = HandshakeBudget("api", per_address=2, own_uid=-1)  # every peer counted
     with socket.create_server(("127.0.0.1", 0)) as server:
         clients = [socket.create_connection(server.getsockname()) for _ in range(4)]
         accepted = [server.accept()[0] for _ in clients]
@@ -337,6 +469,41 @@ def test_the_handshake_budget_cuts_connections_past_two_from_an_address_and_coun
         assert fifth.fileno() in budget.pending
         for each in [*clients, *accepted, extra, fifth]:
             each.close()
+
+
+def test_the_handshake_budget_has_no_slot_for_all_addresses_that_many_addresses_could_fill():
+    budget = HandshakeBudget("worker", per_address=2, own_uid=-1)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        connections = []
+        for last in range(2, 23):  # 21 addresses, two handshakes each, then one more address
+            for _ in range(2 if last < 22 else 1):
+                client = socket.socket()
+                client.bind((f"127.0.0.{last}", 0))
+                client.connect(server.getsockname())
+                connections += [client, server.accept()[0]]
+                budget.on_event(zmq.EVENT_ACCEPTED, connections[-1].fileno())
+        assert len(budget.pending) == 41 and budget.from_source["127.0.0.22"] == 1
+        for each in connections:
+            each.close()
+
+
+def test_a_peer_running_as_this_services_user_is_not_counted_and_one_of_another_user_is():
+    budget = HandshakeBudget("api", per_address=1)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        own = [socket.create_connection(server.getsockname()) for _ in range(3)]
+        accepted = [server.accept()[0] for _ in own]
+        for connection in accepted:
+            budget.on_event(zmq.EVENT_ACCEPTED, connection.fileno())
+        assert budget.pending == {}  # it can read this service's keys: a budget would not stop it
+        for each in [*own, *accepted]:
+            each.close()
+    assert HandshakeBudget("api").own_uid == os.getuid()
+
+
+def test_a_source_is_an_address_or_an_ipv6_64():
+    assert source_of("10.0.0.7") == "10.0.0.7"
+    assert source_of("::ffff:10.0.0.7") == "10.0.0.7"
+    assert source_of("2001:db8:1:2:aaaa::1") == source_of("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"
 
 
 def _accepts(port: int) -> bool:

@@ -18,6 +18,7 @@ from shared.cli import (
     stop_on_signals,
 )
 from shared.config import SCHEDULER_METRICS_PORT, Endpoints, SchedulerConfig
+from shared.large_allocations import map_large_allocations
 from shared.metrics_http import MetricsPortError, serve_metrics
 from shared.options import from_namespace
 from shared.wire_security import WireSecurityError, keys_for
@@ -37,6 +38,7 @@ def main() -> None:
     launcher = os.getppid()
     signals = stop_on_signals()
     setup_logging("scheduler")
+    map_large_allocations()  # what keyless peers make it hold goes back when they are dropped
     endpoints = Endpoints(scheduler=args.scheduler_endpoint, workers=args.worker_endpoint)
     try:
         keys = keys_for(args, "scheduler", [endpoints.scheduler, endpoints.workers])
