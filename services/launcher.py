@@ -49,6 +49,7 @@ from shared.config import (
 from shared.options import add_options, from_namespace, to_flags
 
 PR_SET_PDEATHSIG = 1
+STOP_CODES = (0, -signal.SIGINT, -signal.SIGTERM)  # how a child ends when asked to stop
 
 SHIPPED_MODEL = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models", "tiny-python"
@@ -214,7 +215,7 @@ def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
         return subprocess.Popen(services[name], env=service_env, preexec_fn=lambda: _die_with(launcher))
 
     children = {name: start(name) for name in services}
-    restarts = EngineRestarts(args, children, start)
+    restarts = Restarts(args, children, start)
     stopping = False
     failed = False
 
@@ -240,8 +241,13 @@ def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
             failed = True
             stop(signal.SIGTERM, None)
             break
-        if dead and restarts.restart(dead):
-            continue
+        if dead and ready:  # after start-up, a death is a crash (or a kill) to recover from
+            if any(code in STOP_CODES for code in dead.values()):
+                time.sleep(0.5)  # Ctrl-C reaches the whole process group: the launcher's own stop comes too
+            if stopping:
+                break
+            if restarts.restart(dead):
+                continue
         if dead:
             if not any(dead.values()):  # a clean exit follows another's failure: let the cause show first
                 grace = time.monotonic() + 1.0
@@ -268,38 +274,40 @@ def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
     return 1 if failed else 0
 
 
-class EngineRestarts:
-    """With several engines, one whose scheduler or worker dies is started again (both of its
-    processes) while the others serve; one that dies more than `LIMIT` times a minute is not."""
+class Restarts:
+    """Once the service has been ready, a process that dies is started again while the rest serve:
+    the api alone, or its engine (scheduler and worker together, so the worker reports to a fresh
+    scheduler). Requests in flight on a dead engine end with an error from the api; a dead api's
+    clients see their connection close. A part that dies more than `LIMIT` times a minute is not
+    started again, and one that dies before the first ready (a bad flag or model) is not either."""
 
     LIMIT = 3
 
     def __init__(self, args: argparse.Namespace, children: dict[str, subprocess.Popen], start):
         self.children = children
         self.start = start
-        self.engines = {engine: engine_names(args, engine) for engine in range(args.data_parallel_size)}
-        self.times: dict[int, list[float]] = {engine: [] for engine in self.engines}
+        self.parts: dict[str, tuple[str, ...]] = {"the api": ("api",)}
+        for engine in range(args.data_parallel_size):
+            label = f"engine {engine}" if args.data_parallel_size > 1 else "the scheduler and the worker"
+            self.parts[label] = engine_names(args, engine)
+        self.times: dict[str, list[float]] = {label: [] for label in self.parts}
 
     def restart(self, dead: dict[str, int]) -> bool:
-        """Start the dead processes' engines again; False where that is not the thing to do."""
-        if len(self.engines) == 1 or "api" in dead:
-            return False
-        engines = [engine for engine, names in self.engines.items() if any(name in dead for name in names)]
+        """Start the dead processes' parts again; False where that is not the thing to do."""
+        parts = [label for label, names in self.parts.items() if any(name in dead for name in names)]
         now = time.monotonic()
-        for engine in engines:
-            self.times[engine] = [t for t in self.times[engine] if now - t < 60.0] + [now]
-            if len(self.times[engine]) > self.LIMIT:
-                print(f"pagedserve: engine {engine} died {self.LIMIT + 1} times in a minute", file=sys.stderr)
+        for label in parts:
+            self.times[label] = [t for t in self.times[label] if now - t < 60.0] + [now]
+            if len(self.times[label]) > self.LIMIT:
+                print(f"pagedserve: {label.removeprefix('the ')} died {self.LIMIT + 1} times in a minute",
+                      file=sys.stderr)
                 return False
-        for engine in engines:
-            names = self.engines[engine]
+        for label in parts:
+            names = self.parts[label]
             for name in names:
                 if name in dead:
-                    print(
-                        f"pagedserve: {name} exited with code {dead[name]}; restarting engine {engine}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    print(f"pagedserve: {name} exited with code {dead[name]}; restarting {label}", file=sys.stderr,
+                          flush=True)
                 elif self.children[name].poll() is None:
                     self.children[name].terminate()
             for name in names:
