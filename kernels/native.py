@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger("pagedserve.kernels")
@@ -284,15 +285,15 @@ def _prebuilt(name: str) -> ctypes.CDLL | None:
 def build_prebuilt(target: Path, compiler: str) -> list[Path]:
     """Every kernel in every variant the compiler can make, into `target` (for setup.py)."""
     target.mkdir(parents=True, exist_ok=True)
-    built = []
-    for source in sorted(SOURCES.glob("*.c")):
-        for variant, (flags, _) in VARIANTS.items():
-            for libraries in LIBRARIES:
-                path = target / f"{source.stem}-{variant}.so"
-                if _compile(compiler, source, flags, libraries, path):
-                    built.append(path)
-                    break
-    return built
+
+    def build(source: Path, variant: str, flags: list[str]) -> Path | None:
+        path = target / f"{source.stem}-{variant}.so"
+        return path if any(_compile(compiler, source, flags, libraries, path) for libraries in LIBRARIES) else None
+
+    jobs = [(source, variant, flags) for source in sorted(SOURCES.glob("*.c"))
+            for variant, (flags, _) in VARIANTS.items()]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # each compiler is a process of its own
+        return [path for path in pool.map(lambda job: build(*job), jobs) if path is not None]
 
 
 def cpu_flags() -> set[str]:

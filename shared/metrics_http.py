@@ -60,6 +60,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     """A thread per connection, as many as the caps allow; connections past their deadline are shut."""
 
     daemon_threads = True
+    request_queue_size = 128  # a pile of connections waits to be accepted and cut, not in SYN retries
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]):
         super().__init__(address, handler)

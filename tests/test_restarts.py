@@ -5,6 +5,7 @@ that says why."""
 import argparse
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -34,18 +35,22 @@ def test_a_crashed_worker_or_api_is_started_again_and_streams_in_flight_get_a_cl
         assert stream.first_token.wait(60)
         worker = engine_process(launcher, "services.worker", "workers.sock")
         os.kill(worker, signal.SIGSEGV)  # as a crash in native code would end it
+        crashed = time.monotonic()
         stream.thread.join(60)
         print(f"the stream in flight ended with: {stream.error}")
         assert stream.outcome == "error" and ("worker" in stream.error or "went away" in stream.error), stream.error
         assert wait_until(lambda: "worker exited with code -11; restarting the scheduler and the worker"
                           in server.log(), 10)
         assert wait_until(lambda: healthy(server.base_url) and answers(server), 120)
+        print(f"serving again {time.monotonic() - crashed:.1f} s after the worker crashed")
         assert engine_process(launcher, "services.worker", "workers.sock") != worker
 
         api = engine_process(launcher, "services.api", "--scheduler-endpoint")
         os.kill(api, signal.SIGSEGV)
+        crashed = time.monotonic()
         assert wait_until(lambda: "api exited with code -11; restarting the api" in server.log(), 10)
         assert wait_until(lambda: healthy(server.base_url) and answers(server), 120)
+        print(f"serving again {time.monotonic() - crashed:.1f} s after the api crashed")
         assert server.process.poll() is None
 
 
