@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_until
 
 GETTING_STARTED = os.path.join(ROOT, "docs", "getting-started.md")
 FLAGS_PAGE = os.path.join(ROOT, "docs", "serving", "flags.md")
@@ -42,6 +43,20 @@ def blocks(path: str) -> list[tuple[str, str, str | None]]:
     return found
 
 
+DEFAULT_PORTS = (8000, 8001, 8002)  # make up's: the api's, the scheduler's and the worker's metrics
+
+
+def listenable(port: int) -> bool:
+    """Whether a server could listen on the port now, as the launcher checks (SO_REUSEADDR)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def serves(command: str) -> str | None:
     """The api's base URL where `command` starts a server, else None."""
     if command.strip() == "make up":
@@ -50,10 +65,12 @@ def serves(command: str) -> str | None:
     return f"http://127.0.0.1:{port.group(1)}" if port else None
 
 
-def wait_ready(base_url: str, process: subprocess.Popen, timeout: float = 600) -> None:
+def wait_ready(base_url: str, process: subprocess.Popen, log_path: str, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert process.poll() is None, f"the server exited with {process.returncode}"
+        if process.poll() is not None:
+            with open(log_path) as log:
+                raise AssertionError(f"the server exited with {process.returncode}:\n{log.read()[-3000:]}")
         try:
             if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
                 return
@@ -81,10 +98,13 @@ def test_every_block_of_the_getting_started_page_runs_as_written_and_prints_what
             if any(command in body for command in RUNS_THE_TESTS):
                 continue
             if kind == "bash" and (base_url := serves(body)) is not None:
-                log = open(tmp_path / f"server-{len(servers)}.log", "w")  # noqa: SIM115 (the server keeps it)
+                if body.strip() == "make up":  # an earlier test's server may hold its ports for a moment more
+                    assert wait_until(lambda: all(listenable(port) for port in DEFAULT_PORTS), 30)
+                log_path = str(tmp_path / f"server-{len(servers)}.log")
+                log = open(log_path, "w")  # noqa: SIM115 (the server keeps it)
                 servers.append(subprocess.Popen(["bash", "-c", body], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True))
-                wait_ready(base_url, servers[-1])
+                wait_ready(base_url, servers[-1], log_path)
                 checked += 1
                 continue
             command = ["bash", "-c", body] if kind == "bash" else [os.path.join(ROOT, ".venv", "bin", "python"), "-c",
