@@ -80,7 +80,14 @@ def wait_ready(base_url: str, process: subprocess.Popen, log_path: str, timeout:
     raise AssertionError(f"{base_url} not ready in {timeout:g} s")
 
 
+def as_a_user_runs_it() -> dict[str, str]:
+    """This environment without what `make test ARGS=...` passes down to a nested make."""
+    return {name: value for name, value in os.environ.items() if name not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS")}
+
+
 def stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
     os.killpg(process.pid, signal.SIGINT)
     try:
         process.wait(30)
@@ -103,7 +110,7 @@ def test_every_block_of_the_getting_started_page_runs_as_written_and_prints_what
                 log_path = str(tmp_path / f"server-{len(servers)}.log")
                 log = open(log_path, "w")  # noqa: SIM115 (the server keeps it)
                 servers.append(subprocess.Popen(["bash", "-c", body], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True))
+                                                start_new_session=True, env=as_a_user_runs_it()))
                 wait_ready(base_url, servers[-1], log_path)
                 checked += 1
                 continue
@@ -111,7 +118,8 @@ def test_every_block_of_the_getting_started_page_runs_as_written_and_prints_what
                                                                    body]
             if kind == "python" and not os.path.exists(command[0]):
                 command[0] = sys.executable
-            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                                  env=as_a_user_runs_it())
             assert done.returncode == 0, f"{body}\n{done.stdout}\n{done.stderr[-3000:]}"
             if expected is not None:
                 assert done.stdout == expected, f"{body} printed {done.stdout!r}, the page says {expected!r}"
