@@ -82,7 +82,8 @@ def wait_ready(base_url: str, process: subprocess.Popen, log_path: str, timeout:
 
 def as_a_user_runs_it() -> dict[str, str]:
     """This environment without what `make test ARGS=...` passes down to a nested make."""
-    return {name: value for name, value in os.environ.items() if name not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS")}
+    passed_down = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS")
+    return {name: value for name, value in os.environ.items() if name not in passed_down}
 
 
 def stop(process: subprocess.Popen) -> None:
