@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         taken[port] = service
     for service, flag, port in wanted:
-        problem = _port_problem(args.host, port) if port else None
+        problem = port_problem(args.host, port) if port else None
         if problem:  # before any model loads, so a busy port costs no start-up time
             print(
                 f"pagedserve: cannot listen on {args.host}:{port} for {service}: {problem} "
@@ -365,7 +365,7 @@ def _startup_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _port_problem(host: str, port: int) -> str | None:
+def port_problem(host: str, port: int) -> str | None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds

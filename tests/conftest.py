@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -148,6 +149,22 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
+def wait_serving(base_url: str, process: subprocess.Popen, log: Callable[[], str], timeout: float) -> None:
+    """Until `base_url`'s /health answers 200; an error with the log's end if the server exits or is late."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log()[-3000:]}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base_url} not ready in {timeout:g} s:\n{log()[-3000:]}")
+        time.sleep(0.3)
+
+
 @contextlib.contextmanager
 def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] | None = None):
     """Run `pagedserve up` on a free port until the block exits; no model_dir: the default model."""
@@ -184,18 +201,7 @@ def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] 
         {"scheduler": int(ports[1]), "worker": int(ports[3])},
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"pagedserve exited early:\n{server.log()}")
-            try:
-                if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"pagedserve not ready:\n{server.log()}")
-            time.sleep(0.3)
+        wait_serving(base_url, process, server.log, 120)
         yield server
     finally:
         process.send_signal(signal.SIGINT)

@@ -6,15 +6,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
+from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.conftest import ROOT, wait_until
+from services.launcher import port_problem
+from tests.conftest import ROOT, wait_serving, wait_until
 
 GETTING_STARTED = os.path.join(ROOT, "docs", "getting-started.md")
 FLAGS_PAGE = os.path.join(ROOT, "docs", "serving", "flags.md")
@@ -46,38 +45,12 @@ def blocks(path: str) -> list[tuple[str, str, str | None]]:
 DEFAULT_PORTS = (8000, 8001, 8002)  # make up's: the api's, the scheduler's and the worker's metrics
 
 
-def listenable(port: int) -> bool:
-    """Whether a server could listen on the port now, as the launcher checks (SO_REUSEADDR)."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def serves(command: str) -> str | None:
     """The api's base URL where `command` starts a server, else None."""
     if command.strip() == "make up":
         return "http://127.0.0.1:8000"
     port = re.search(r"pagedserve (?:serve|up)\b.*--port (\d+)", command)
     return f"http://127.0.0.1:{port.group(1)}" if port else None
-
-
-def wait_ready(base_url: str, process: subprocess.Popen, log_path: str, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            with open(log_path) as log:
-                raise AssertionError(f"the server exited with {process.returncode}:\n{log.read()[-3000:]}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"{base_url} not ready in {timeout:g} s")
 
 
 def as_a_user_runs_it() -> dict[str, str]:
@@ -107,12 +80,12 @@ def test_every_block_of_the_getting_started_page_runs_as_written_and_prints_what
                 continue
             if kind == "bash" and (base_url := serves(body)) is not None:
                 if body.strip() == "make up":  # an earlier test's server may hold its ports for a moment more
-                    assert wait_until(lambda: all(listenable(port) for port in DEFAULT_PORTS), 30)
+                    assert wait_until(lambda: not any(port_problem("127.0.0.1", port) for port in DEFAULT_PORTS), 30)
                 log_path = str(tmp_path / f"server-{len(servers)}.log")
                 log = open(log_path, "w")  # noqa: SIM115 (the server keeps it)
                 servers.append(subprocess.Popen(["bash", "-c", body], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True, env=as_a_user_runs_it()))
-                wait_ready(base_url, servers[-1], log_path)
+                wait_serving(base_url, servers[-1], Path(log_path).read_text, 600)
                 checked += 1
                 continue
             command = ["bash", "-c", body] if kind == "bash" else [os.path.join(ROOT, ".venv", "bin", "python"), "-c",

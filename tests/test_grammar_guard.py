@@ -141,7 +141,8 @@ def test_compiled_grammars_the_worker_keeps_are_bounded_by_the_heap_they_hold():
         import json
         import llguidance
         import services.worker.grammar as grammar
-        from services.worker.grammar import GrammarEngine, heap_in_use
+        from services.worker.grammar import GrammarEngine
+        from shared.glibc_heap import heap_in_use
 
         grammar.TEMPLATE_BYTES = 32 << 20
         engine = GrammarEngine.load({MODEL!r}, 4096, [0])

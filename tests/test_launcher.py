@@ -273,7 +273,7 @@ def test_a_port_taken_after_the_launcher_looked_stops_it_at_once_naming_the_flag
 
     from services import launcher
 
-    monkeypatch.setattr(launcher, "_port_problem", lambda host, port: None)  # the check passes: the race
+    monkeypatch.setattr(launcher, "port_problem", lambda host, port: None)  # the check passes: the race
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     flag = f"--{service}-metrics-port"
     with socket.socket() as holder:

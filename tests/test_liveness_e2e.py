@@ -222,16 +222,23 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+def stuck_api(server, endpoints, context) -> zmq.Socket:
+    """An api that will stop reading: its queues are as small as they go. Connected once the worker
+    is ready, so that its requests run rather than being refused."""
+    assert wait_until(lambda: server.scheduler is not None, 10)
+    stuck = context.socket(zmq.DEALER)
+    stuck.setsockopt(zmq.IDENTITY, b"api-stuck")
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.RCVBUF, 4096)
+    stuck.connect(endpoints.scheduler)
+    return stuck
+
+
 def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tmp_path):
     config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=4)
     with scheduler_in_process(tmp_path, config, lambda seq_id, position: 100 + position % 800) as (server, endpoints,
                                                                                                   context):
-        assert wait_until(lambda: server.scheduler is not None, 10)  # the worker is ready: requests run
-        stuck = context.socket(zmq.DEALER)
-        stuck.setsockopt(zmq.IDENTITY, b"api-stuck")
-        stuck.setsockopt(zmq.RCVHWM, 1)
-        stuck.setsockopt(zmq.RCVBUF, 4096)
-        stuck.connect(endpoints.scheduler)
+        stuck = stuck_api(server, endpoints, context)
         good = ready_api(context, endpoints, "api-good")
         for i in range(4):
             sockets.send(stuck, AddRequest(f"stuck-{i}", [1, 2, 3], greedy(50_000), time.time()))
@@ -247,12 +254,7 @@ def test_an_api_cut_off_for_not_reading_learns_how_each_of_its_requests_ended_on
     config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=4)
     with scheduler_in_process(tmp_path, config, lambda seq_id, position: 100 + position % 800) as (server, endpoints,
                                                                                                   context):
-        assert wait_until(lambda: server.scheduler is not None, 10)  # the worker is ready: requests run
-        stuck = context.socket(zmq.DEALER)
-        stuck.setsockopt(zmq.IDENTITY, b"api-stuck")
-        stuck.setsockopt(zmq.RCVHWM, 1)
-        stuck.setsockopt(zmq.RCVBUF, 4096)
-        stuck.connect(endpoints.scheduler)
+        stuck = stuck_api(server, endpoints, context)
         ids = [f"stuck-{i}" for i in range(4)] + ["short"]
         for request_id in ids[:4]:
             sockets.send(stuck, AddRequest(request_id, [1, 2, 3], greedy(50_000), time.time()))

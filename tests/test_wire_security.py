@@ -181,11 +181,8 @@ def test_a_keyed_rogue_api_cannot_act_as_a_worker_or_stop_anything_and_a_second_
 def test_oversized_frames_and_frames_of_empty_containers_are_dropped_within_a_memory_bound(tmp_path, keys_dir):
     """The scheduler alone, a keyed fake worker making it ready; a keyed api sends the frames."""
     limit = 8 << 20
-    scheduler_port, worker_port = free_port(), free_port()
+    scheduler, scheduler_port, worker_port = scheduler_on_tcp(tmp_path, keys_dir, "--max-message-bytes", str(limit))
     log_path = str(tmp_path / "scheduler.log")
-    scheduler = start("services.scheduler", "--scheduler-endpoint", f"tcp://127.0.0.1:{scheduler_port}",
-                      "--worker-endpoint", f"tcp://127.0.0.1:{worker_port}", "--keys-dir", f"{keys_dir}/scheduler",
-                      "--max-message-bytes", str(limit), log=log_path)
     api_keys = load_keys(f"{keys_dir}/api", "api")
     contexts = []
     try:
@@ -300,11 +297,13 @@ def as_another_user(attack: Callable[[], object]) -> object:
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="runs the attacker as another user")
 
 
-def scheduler_on_tcp(tmp_path, keys_dir: str) -> tuple[subprocess.Popen, int, int]:
+def scheduler_on_tcp(tmp_path, keys_dir: str, *flags: str) -> tuple[subprocess.Popen, int, int]:
+    """The scheduler alone on two tcp ports with its keys, logging to tmp_path/scheduler.log, once
+    both ports accept: (process, api port, worker port)."""
     scheduler_port, worker_port = free_port(), free_port()
     scheduler = start("services.scheduler", "--scheduler-endpoint", f"tcp://127.0.0.1:{scheduler_port}",
                       "--worker-endpoint", f"tcp://127.0.0.1:{worker_port}", "--keys-dir", f"{keys_dir}/scheduler",
-                      log=str(tmp_path / "scheduler.log"))
+                      *flags, log=str(tmp_path / "scheduler.log"))
     assert wait_until(lambda: _accepts(scheduler_port) and _accepts(worker_port), 30)
     return scheduler, scheduler_port, worker_port
 

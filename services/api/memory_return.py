@@ -7,21 +7,10 @@ would stay that size after a single refused request. `malloc_trim` hands the fre
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
+
+from shared import glibc_heap
 
 LARGE_BODY_BYTES = 1 << 20
-
-
-def _libc_trim():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        return None
-
-
-_TRIM = _libc_trim()
 
 
 class ReturnMemoryAfterLargeBodies:
@@ -32,13 +21,13 @@ class ReturnMemoryAfterLargeBodies:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or _TRIM is None or not _declares_large_body(scope):
+        if scope["type"] != "http" or not _declares_large_body(scope):
             await self.app(scope, receive, send)
             return
         try:
             await self.app(scope, receive, send)
         finally:
-            await asyncio.to_thread(_TRIM, 0)
+            await asyncio.to_thread(glibc_heap.trim)
 
 
 def _declares_large_body(scope) -> bool:

@@ -18,7 +18,7 @@ from shared.cli import (
     stop_on_signals,
 )
 from shared.config import SCHEDULER_METRICS_PORT, Endpoints, SchedulerConfig
-from shared.large_allocations import map_large_allocations
+from shared.glibc_heap import map_large_allocations
 from shared.metrics_http import MetricsPortError, serve_metrics
 from shared.options import from_namespace
 from shared.wire_security import WireSecurityError, keys_for

@@ -16,7 +16,6 @@ once per worker however many requests use it; templates are kept up to `TEMPLATE
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from shared.glibc_heap import heap_in_use
 from shared.grammar_guard import CompileThreads, unbounded_reason
 
 log = logging.getLogger(__name__)
@@ -166,27 +166,3 @@ def _compiled(tokenizer, grammar: str) -> tuple[Any, int]:
     grown = heap_in_use() - before
     return matcher, (max(grown, len(grammar)) if before else len(grammar))
 
-
-class _MallocInfo(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def heap_in_use() -> int:
-    """Bytes the C heap has handed out (glibc's mallinfo2, over every arena), or 0 where unknown."""
-    if _MALLINFO2 is None:
-        return 0
-    info = _MALLINFO2()
-    return info.uordblks + info.hblkhd
-
-
-def _find_mallinfo2():
-    try:
-        function = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):  # not glibc, or glibc before 2.33
-        return None
-    function.restype = _MallocInfo
-    return function
-
-
-_MALLINFO2 = _find_mallinfo2()
