@@ -23,6 +23,21 @@ def _speculative_config(text: str) -> SpeculativeConfig | None:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _tenant_weights(text: str) -> dict[str, float]:
+    """argparse's type for --tenant-weights: NAME=WEIGHT pairs, comma-separated."""
+    weights: dict[str, float] = {}
+    for pair in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = pair.rpartition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = 0.0
+        if not sep or not name or not weight > 0 or weight == float("inf"):
+            raise argparse.ArgumentTypeError(f"{pair!r}: expected NAME=WEIGHT with a positive weight")
+        weights[name] = weight
+    return weights
+
+
 def _dtype(name: str) -> str:
     """vLLM's dtype names too: half and float."""
     return {"half": "float16", "float": "float32"}.get(name, name)
@@ -49,6 +64,18 @@ class SchedulerConfig:
         "paged", "KV memory a request holds from its start: blocks on demand (paged), or, as baselines that reserve "
         "contiguous memory would, room for the whole context (max), for the next power of two of max_tokens (pow2) "
         "or for exactly max_tokens (oracle)", choices=("paged", "max", "pow2", "oracle"))
+    scheduling_policy: str = option(
+        "fcfs", "the order requests are admitted in and preempted in: by arrival (fcfs), by the request's "
+        "`priority` field, lower first, then arrival (priority), or by the tokens each tenant has been served, "
+        "weighted by --tenant-weights (fair: virtual token counters; a tenant is an --api-key's, or the `user` "
+        "field with one key or none)", choices=("fcfs", "priority", "fair"))
+    max_queue_delay: float = option(
+        120.0, "seconds after its arrival from which a request ranks ahead of every later one whatever its "
+        "priority or tenant, so that none starves (priority and fair)")
+    tenant_weights: dict[str, float] | None = option(
+        None, "under fair, tenants' shares relative to the default 1: NAME=WEIGHT,... where NAME is a `user` "
+        "value, or an --api-key's tenant id (tenant- and the first 16 hex digits of the key's SHA-256)",
+        parse=_tenant_weights, render=lambda weights: ",".join(f"{name}={w!r}" for name, w in weights.items()))
     async_scheduling: bool = option(True, "plan each step while the workers compute the one before", negatable=True)
     step_timeout: float = option(180.0, "seconds a step may take before its worker counts as lost")
     log_stats_interval: float = option(10.0, "seconds between log lines of throughput, queues and KV use (0: none)")

@@ -22,8 +22,8 @@ from shared.sampling import SamplingParams
 
 # 2: a step verifies proposed tokens, a result lists the tokens each sequence keeps; 3: grammars;
 # 4: the worker makes every proposal, and may settle where an entry starts; 5: the scheduler says
-# whether the worker keeps a sequence's samples
-PROTOCOL_VERSION = 5
+# whether the worker keeps a sequence's samples; 6: a request's priority and tenant
+PROTOCOL_VERSION = 6
 
 
 # --- api <-> scheduler -------------------------------------------------------------------
@@ -76,6 +76,8 @@ class Unavailable:
 
 
 MAX_CACHE_SALT_CHARS = 1024
+MAX_TENANT_CHARS = 300  # "user:" and OpenAI's `user` field, whose length the api bounds lower
+PRIORITY_LIMIT = 2**31  # a request's priority is in [-PRIORITY_LIMIT, PRIORITY_LIMIT)
 
 
 @dataclass(slots=True)
@@ -85,6 +87,8 @@ class AddRequest:
     sampling: SamplingParams
     arrival_time: float
     cache_salt: str = ""  # the root of its prefix-cache keys: only requests with the same salt share blocks
+    priority: int = 0  # under --scheduling-policy priority: lower runs first
+    tenant: str = ""  # whose share it counts against under --scheduling-policy fair (services/scheduler/policy.py)
 
 
 @dataclass(slots=True)

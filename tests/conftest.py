@@ -149,6 +149,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
+def metric_total(metrics: dict[str, float], name: str) -> float:
+    """A metric summed over its labels."""
+    return sum(value for key, value in metrics.items() if key == name or key.startswith(name + "{"))
+
+
 def wait_serving(base_url: str, process: subprocess.Popen, log: Callable[[], str], timeout: float) -> None:
     """Until `base_url`'s /health answers 200; an error with the log's end if the server exits or is late."""
     deadline = time.monotonic() + timeout

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.reservation import Reservation
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from services.scheduler.speculation import Speculation
@@ -110,7 +112,8 @@ class StandInWorker:
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, context=256,
                    num_cpu_blocks=0, preemption="recompute", prefix_caching=False, chunked=False,
-                   reservation="paged", watermark=0.0, speculative: SpeculativeConfig | None = None):
+                   reservation="paged", watermark=0.0, speculative: SpeculativeConfig | None = None,
+                   policy: SchedulingPolicy | None = None, clock=time.monotonic):
     manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=watermark,
                            enable_prefix_caching=prefix_caching)
     if not chunked:  # a recomputed request must fit one step
@@ -118,16 +121,17 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_s
     budgets = Budgets(max_num_seqs, max_tokens_per_step, context, chunked_prefill=chunked)
     speculation = Speculation(speculative, context) if speculative is not None else None
     return Scheduler(manager, budgets, [EOS], PreemptionPolicy(preemption), vocab_size=1000,
-                     reservation=Reservation(reservation), speculation=speculation)
+                     reservation=Reservation(reservation), speculation=speculation, policy=policy, clock=clock)
 
 
 _ids = itertools.count()
 
 
-def request(prompt_len=5, max_tokens=4, arrival=None, **sampling) -> AddRequest:
+def request(prompt_len=5, max_tokens=4, arrival=None, priority=0, tenant="", **sampling) -> AddRequest:
     n = next(_ids)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
-    return AddRequest(f"req-{n}", list(range(1, prompt_len + 1)), params, float(arrival if arrival is not None else n))
+    return AddRequest(f"req-{n}", list(range(1, prompt_len + 1)), params, float(arrival if arrival is not None else n),
+                      priority=priority, tenant=tenant)
 
 
 def check_block_accounting(scheduler: Scheduler) -> None:

@@ -138,3 +138,21 @@ def test_dp_bench_compares_routing_policies_on_two_engines(tmp_path):
         assert 0 < run["prefix_cache_hit_rate"] < 1 and sum(run["requests_by_engine"]) == 16
     assert len(record["prefix_over_round_robin"]["hit_rate"]) == 1
     assert "prefix / round_robin, per repeat" in done.stdout
+
+
+def test_fairness_bench_reports_the_steady_tenants_ttft_under_each_policy(tmp_path):
+    out = tmp_path / "fairness.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "fairness_bench.py"), "--repeats", "1", "--flood", "8",
+         "--a-input", "64", "--a-output", "24", "--b-input", "16", "--b-output", "4", "--max-num-seqs", "4",
+         "--alone", "2", "--duration", "4", "--settle", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads(out.read_text())
+    for policy in ("fcfs", "fair"):
+        [run] = record["runs"][policy]
+        assert run["b_requests"] >= 1 and run["a_requests_started"] >= 8 and run["output_throughput"] > 0
+        assert run["b_ttft_median_ms"] > 0 and run["b_alone_ttft_median_ms"] > 0
+    assert record["summary"]["fair"]["throughput_over_fcfs"][0] > 0
+    assert "B TTFT / alone" in done.stdout

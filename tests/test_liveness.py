@@ -9,6 +9,10 @@ computes at least one token per step, and it computes at most k * (P + M) tokens
 P prompt tokens, M max_tokens), plus at most 3 steps to resume. So the run ends within
 sum over requests of (3 + k * (P + M)) steps with work pending.
 
+Under the priority and fair policies a request ranks by arrival once it is older than the queue
+delay, ahead of every younger one; within at most (last arrival + delay + 1) steps every request
+present is that old, the order is FCFS, and the bound above holds from then on.
+
 Planning one step ahead, a step may leave the head out (its pending sample decides what comes
 next, or it needs a preemption, which waits until no step is in flight), but the step after it
 is planned with that sample known and with the pipeline drained if need be: the head computes
@@ -17,10 +21,12 @@ at least one token every two steps, and the bound doubles.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.policy import make_policy
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from services.scheduler.speculation import Speculation
@@ -63,17 +69,23 @@ def requests(draw):
         sampling=dict(sampling, max_tokens=draw(st.integers(1, 40))),
         arrive_at=draw(st.integers(0, 30)),
         abort_at=draw(st.one_of(st.none(), st.integers(0, 80))),
+        priority=draw(st.integers(-3, 3)),
+        tenant=draw(st.sampled_from(["", "user:a", "user:b", "tenant-0123456789abcdef"])),
     )
 
 
-def _build(config, speculative: SpeculativeConfig | None = None) -> Scheduler:
+QUEUE_DELAY = 6  # steps, on the test's clock
+
+
+def _build(config, speculative: SpeculativeConfig | None = None, policy: str = "fcfs", clock=None) -> Scheduler:
     manager = BlockManager(config["num_blocks"], config["block_size"], config["num_cpu_blocks"],
                            config["watermark"], config["prefix_caching"])
     budgets = Budgets(config["max_num_seqs"], config["budget"], config["context"], config["chunked"])
-    policy = PreemptionPolicy(config["preemption"], block_bytes=1000, swap_bytes_per_second=1e6,
-                              prefill_tokens_per_second=1e3)
+    preemption = PreemptionPolicy(config["preemption"], block_bytes=1000, swap_bytes_per_second=1e6,
+                                  prefill_tokens_per_second=1e3)
     speculation = Speculation(speculative, config["context"]) if speculative is not None else None
-    return Scheduler(manager, budgets, [EOS], policy, vocab_size=1000, speculation=speculation)
+    return Scheduler(manager, budgets, [EOS], preemption, vocab_size=1000, speculation=speculation,
+                     policy=make_policy(policy, QUEUE_DELAY, {"a": 2.0}), **({"clock": clock} if clock else {}))
 
 
 def _token(seq_id: int, position: int) -> int:
@@ -89,21 +101,27 @@ def _check_fcfs_order(scheduler: Scheduler) -> None:
         assert latest_running < earliest_other
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs(), specs=st.lists(requests(), min_size=1, max_size=10))
-def test_every_admitted_request_finishes_within_the_bound(config, specs):
-    scheduler, worker = _build(config), StandInWorker(_token)
+def test_every_admitted_request_finishes_within_the_bound(policy, config, specs):
+    now = [0.0]
+    scheduler, worker = _build(config, policy=policy, clock=lambda: now[0]), StandInWorker(_token)
     pipeline = Pipeline(scheduler, worker, config["depth"])
     admitted: dict[str, dict] = {}
     finished: set[str] = set()
     bound, busy_steps, step_index = 0, 0, 0
     last_arrival = max(spec["arrive_at"] for spec in specs)
+    aging = 0 if policy == "fcfs" else last_arrival + QUEUE_DELAY + 2
     while step_index <= last_arrival or scheduler.has_work():
+        now[0] = float(step_index)
         for i, spec in enumerate(specs):
             if spec["arrive_at"] == step_index:
                 request_id = f"r{i}"
                 params = SamplingParams(temperature=0.0, **spec["sampling"])
-                rejected = scheduler.add(AddRequest(request_id, spec["prompt"], params, float(step_index)))
+                priority = spec["priority"] if policy == "priority" else 0
+                rejected = scheduler.add(AddRequest(request_id, spec["prompt"], params, float(step_index),
+                                                    priority=priority, tenant=spec["tenant"]))
                 if rejected is None:
                     admitted[request_id] = spec
                     max_new = min(params.max_tokens, config["context"] - len(spec["prompt"]))
@@ -123,9 +141,10 @@ def test_every_admitted_request_finishes_within_the_bound(config, specs):
                     assert output.error is None, output.error
                     finished.add(output.request_id)
             check_block_accounting(scheduler)
-            _check_fcfs_order(scheduler)
+            if policy == "fcfs":
+                _check_fcfs_order(scheduler)
             assert sum(len(r.seqs) for r in scheduler.running) <= config["max_num_seqs"]
-            assert busy_steps <= config["depth"] * bound, (
+            assert busy_steps <= aging + config["depth"] * bound, (
                 f"still running after {busy_steps} steps; the bound is {bound}")
         step_index += 1
     assert set(admitted) <= finished

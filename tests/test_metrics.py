@@ -68,7 +68,7 @@ def test_the_scheduler_and_the_worker_time_the_same_steps(burst_server):
     assert scheduler["pagedserve_tokens_per_step_sum"] == scheduler["pagedserve_tokens_scheduled_total"]
     for phase in ("forward", "sample"):
         assert worker[f'pagedserve_step_phase_seconds_count{{phase="{phase}",rank="0"}}'] == steps
-    assert scheduler["pagedserve_request_queue_time_seconds_count"] == 14
+    assert scheduler['pagedserve_request_queue_time_seconds_count{priority="default",tenant="none"}'] == 14
 
 
 def test_the_worker_says_how_it_computes_and_which_kernels_run(burst_server):

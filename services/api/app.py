@@ -257,7 +257,11 @@ class OpenAIServer:
         arrival = last_output = time.monotonic()
         # A tenant's salt comes first, so that no request can name a salt that reaches another's cache.
         salt = "\0".join(filter(None, (generation.tenant, generation.cache_salt)))
-        outputs = self.client.generate(request_id, prompt_ids, generation.sampling, time.time(), salt)
+        # Whose share it counts against: the key's tenant, which a client cannot claim; with one key or none the
+        # deployment is one trust domain, and OpenAI's `user` field names its end users.
+        tenant = generation.tenant or (f"user:{generation.user}" if generation.user else "")
+        outputs = self.client.generate(request_id, prompt_ids, generation.sampling, time.time(), salt,
+                                       generation.priority, tenant)
         outcome, first_reason = "abort", None  # the request's, and its first choice's finish reason
         first_token = None
         num_generated = 0

@@ -130,7 +130,7 @@ class EngineClient:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float,
-        cache_salt: str = "",
+        cache_salt: str = "", priority: int = 0, tenant: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; aborts it if the caller stops early."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -140,7 +140,8 @@ class EngineClient:
             if self.info is None:  # the scheduler went away after the caller checked
                 queue.put_nowait(RequestOutput(request_id, 0, [], True, "the scheduler is not ready"))
             else:
-                frame = encode(AddRequest(request_id, prompt_token_ids, sampling, arrival, cache_salt))
+                message = AddRequest(request_id, prompt_token_ids, sampling, arrival, cache_salt, priority, tenant)
+                frame = encode(message)
                 if len(frame) > MAX_FRAME_BYTES["AddRequest"]:  # the scheduler would drop it unread
                     queue.put_nowait(RequestOutput(
                         request_id, len(prompt_token_ids), [SequenceDelta(0, [], [], [], "rejected")], True,

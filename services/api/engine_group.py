@@ -48,7 +48,8 @@ class EngineGroup:
         return up[self.router.choose(loads, prompt_token_ids, block_size, cache_salt)]
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float,
-                 cache_salt: str = "") -> AsyncGenerator[RequestOutput, None]:
+                 cache_salt: str = "", priority: int = 0, tenant: str = "") -> AsyncGenerator[RequestOutput, None]:
         index = self.choose(prompt_token_ids, cache_salt)
         self.routed[index] += 1
-        return self.clients[index].generate(request_id, prompt_token_ids, sampling, arrival, cache_salt)
+        return self.clients[index].generate(request_id, prompt_token_ids, sampling, arrival, cache_salt, priority,
+                                            tenant)

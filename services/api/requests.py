@@ -9,7 +9,7 @@ from services.api.errors import ApiError
 from services.api.json_body import json_value
 from services.api.structured import GrammarSpec, parse_structured
 from services.api.tools import ToolUse, parse_tool_use
-from shared.protocol import MAX_CACHE_SALT_CHARS
+from shared.protocol import MAX_CACHE_SALT_CHARS, PRIORITY_LIMIT
 from shared.sampling import MAX_TOKENS_LIMIT, InvalidParameter, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ _UNSUPPORTED_IF_SET = {
 # Fields read elsewhere, or accepted as OpenAI and vLLM accept them without effect on the output.
 MAX_STOP_STRINGS = 256  # OpenAI takes 4
 MAX_STOP_STRING_CHARS = 256
+MAX_USER_CHARS = 256
 _KNOWN = {
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream", "stream_options", "logprobs", "top_logprobs",
@@ -59,6 +60,8 @@ class GenerationRequest:
     tools: ToolUse | None = None  # chat: the functions the model may call, and how
     cache_salt: str = ""  # vLLM's: only requests with the same salt (and tenant) share prefix-cache blocks
     tenant: str = ""  # set by the api from the request's key, when --api-key names several
+    user: str = ""  # OpenAI's end-user id: the tenant under --scheduling-policy fair when the key names none
+    priority: int = 0  # vLLM's: under --scheduling-policy priority, lower runs first
 
 
 class _Body:
@@ -211,6 +214,8 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
         return_token_ids=fields.get("return_token_ids", bool, False, what="a boolean"),
         structured=parse_structured(fields.body),
         cache_salt=_cache_salt(fields),
+        user=_user(fields),
+        priority=_priority(fields),
     )
 
 
@@ -221,6 +226,20 @@ def _cache_salt(fields: _Body) -> str:
     if len(salt) > MAX_CACHE_SALT_CHARS // 2:
         raise ApiError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS // 2} characters", param="cache_salt")
     return salt
+
+
+def _user(fields: _Body) -> str:
+    user = fields.get("user", str, "", what="a string")
+    if len(user) > MAX_USER_CHARS:
+        raise ApiError(f"user must be at most {MAX_USER_CHARS} characters", param="user")
+    return user
+
+
+def _priority(fields: _Body) -> int:
+    priority = fields.get("priority", int, 0, what="an integer")
+    if not -PRIORITY_LIMIT <= priority < PRIORITY_LIMIT:
+        raise ApiError(f"priority must be an integer in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT})", param="priority")
+    return priority
 
 
 def _logit_bias(fields: _Body) -> dict[int, float]:

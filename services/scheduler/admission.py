@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.reservation import Reservation
-from shared.protocol import MAX_CACHE_SALT_CHARS, AddRequest
+from shared.protocol import MAX_CACHE_SALT_CHARS, MAX_TENANT_CHARS, PRIORITY_LIMIT, AddRequest
 from shared.sampling import SamplingParams
 
 
@@ -40,8 +40,9 @@ class Budgets:
 
 class Admission:
     def __init__(self, budgets: Budgets, block_manager: BlockManager, reservation: Reservation,
-                 vocab_size: int | None):
+                 vocab_size: int | None, scheduling_policy: str = "fcfs"):
         self.budgets = budgets
+        self.scheduling_policy = scheduling_policy
         self.block_manager = block_manager
         self.reservation = reservation
         self.vocab_size = vocab_size
@@ -51,6 +52,13 @@ class Admission:
         message.sampling.validate(self.vocab_size, self.budgets.max_num_seqs)
         if len(message.cache_salt) > MAX_CACHE_SALT_CHARS:
             return f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters"
+        if len(message.tenant) > MAX_TENANT_CHARS:
+            return f"a tenant is at most {MAX_TENANT_CHARS} characters"
+        if not -PRIORITY_LIMIT <= message.priority < PRIORITY_LIMIT:
+            return f"priority must be in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT})"
+        if message.priority and self.scheduling_policy != "priority":
+            return (f"priority is used only with --scheduling-policy priority (this server's is "
+                    f"{self.scheduling_policy})")
         num_prompt = len(message.prompt_token_ids)
         if num_prompt == 0:
             return "the prompt is empty"

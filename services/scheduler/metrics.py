@@ -36,7 +36,9 @@ class SchedulerMetrics:
             registry=self.registry,
         )
         self.queue_time = Histogram(
-            "pagedserve_request_queue_time_seconds", "from a request's arrival at the scheduler to its first step",
+            "pagedserve_request_queue_time_seconds", "from a request's arrival at the scheduler to its first step, "
+            "by tenant (an api key's tenant id, user for tenants named by the `user` field, none) and priority class "
+            "(high: below 0, default: 0, low: above 0)", ["tenant", "priority"],
             buckets=QUEUE_BUCKETS, registry=self.registry,
         )
 
@@ -149,6 +151,13 @@ class StatsCollector:
         }
         for name, (help_text, count) in counters.items():
             yield CounterMetricFamily(f"pagedserve_{name}", help_text, value=count)
+        served = CounterMetricFamily("pagedserve_served_tokens", "prompt tokens computed and output tokens sampled, "
+                                     "by tenant and priority class (as pagedserve_request_queue_time_seconds)",
+                                     labels=["tenant", "priority", "kind"])
+        for (tenant, priority), (prompt, output) in stats.served.items():
+            served.add_metric([tenant, priority, "prompt"], prompt)
+            served.add_metric([tenant, priority, "output"], output)
+        yield served
         if stats.speculation is not None:
             yield from speculation_metrics(stats.speculation)
 

@@ -87,16 +87,19 @@ class Request:
     __slots__ = ("request_id", "cache_root", "prompt_token_ids", "sampling", "arrival_time", "order", "forked",
                  "status", "seqs", "finished_seqs", "beam", "beam_pending", "num_cached_prompt_tokens", "looked_up",
                  "received", "first_scheduled", "prompt_logprobs", "prompt_top_logprobs", "prompt_logprobs_sent",
-                 "left_for_companions")
+                 "left_for_companions", "priority", "tenant")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_time: float,
-                 order: int = 0, cache_salt: str = ""):
+                 order: int = 0, cache_salt: str = "", priority: int = 0, tenant: str = "",
+                 received: float | None = None):
         self.request_id = request_id
         self.cache_root = salted_root(cache_salt)  # the parent key of its first block in the prefix cache
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self.arrival_time = arrival_time
-        self.order = order  # arrival order at the scheduler: FCFS ranks by it
+        self.order = order  # arrival order at the scheduler: every policy ranks by it last
+        self.priority = priority
+        self.tenant = tenant
         self.forked = False
         self.status = RequestStatus.WAITING
         self.seqs: list[Sequence] = []  # live sequences
@@ -105,7 +108,7 @@ class Request:
         self.beam_pending: dict[int, SampledTokens] = {}  # seq_id -> what it sampled, until every beam has reported
         self.num_cached_prompt_tokens = 0
         self.looked_up = False  # in the prefix cache: counted once, however often it is recomputed
-        self.received = time.monotonic()  # at the scheduler, for its queue time
+        self.received = time.monotonic() if received is None else received  # at the scheduler: queue time, aging
         self.left_for_companions = False  # a step planned ahead left it out, to start with later arrivals
         self.first_scheduled: float | None = None
         # With sampling.prompt_logprobs: per prompt position from 1 on, filled as steps compute them.

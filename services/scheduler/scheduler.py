@@ -1,17 +1,20 @@
-"""The policy: first-come-first-served continuous batching with whole-request preemption.
+"""Continuous batching with whole-request preemption, in the order of a scheduling policy.
 
 Each call to `schedule` decides one iteration. Running requests come first (one token per
 sequence for a decode, a chunk for a prompt), then preempted and new requests resume in
-arrival order, swapped and waiting alike, while the token, sequence and block budgets allow.
-When a running request needs blocks that are not there, the latest-arrived running request is
+rank order, swapped and waiting alike, while the token, sequence and block budgets allow.
+When a running request needs blocks that are not there, the lowest-ranked running request is
 preempted, all its sequences together: swapped to the worker's CPU memory, or freed and
-recomputed later from its tokens.
+recomputed later from its tokens. The rank is the policy's (services/scheduler/policy.py):
+arrival order under FCFS, the default, which the rest of this says.
 
 Liveness: admission refuses a request whose samples could together outgrow the pool, so the
 earliest request, alone, always fits. Every running request arrived before every waiting or
 swapped one, so the earliest request is either running (scheduled first, never a victim) or
 resumes as soon as nothing runs; it gains at least one token per step. A swapped request that
-cannot come back even then is recomputed instead.
+cannot come back even then is recomputed instead. Under the other policies a request ranks by
+arrival once it is older than the policy's queue delay, and a waiting request that outranks a
+running one may preempt it to start: once every request present is that old, this is FCFS.
 
 Planning ahead: `schedule` may be called again before the result of the step in flight is in,
 so that the workers never wait for the scheduler. A sequence whose sample that step will bring
@@ -35,10 +38,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.scheduler.admission import Admission, Budgets, ConfigError
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.policy import Rank, SchedulingPolicy, TenantLabels, priority_class
 from services.scheduler.request import Request, RequestStatus, Sequence
 from services.scheduler.reservation import Reservation
 from services.scheduler.results import ResultProcessor, error_output
@@ -80,6 +85,8 @@ class Counters:
     blocks_swapped_in: int = 0
     blocks_copied: int = 0
     tokens_scheduled: int = 0
+    # (tenant label, priority class) -> [prompt tokens computed, output positions sampled]
+    served: dict[tuple[str, str], list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -134,6 +141,8 @@ class Scheduler:
         vocab_size: int | None = None,
         reservation: Reservation | None = None,
         speculation: Speculation | None = None,
+        policy: SchedulingPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         budgets.check()
         self.reservation = reservation or Reservation()
@@ -144,7 +153,9 @@ class Scheduler:
             raise ConfigError(f"--kv-reservation {self.reservation.policy} is a baseline: it does not speculate")
         self.block_manager = block_manager
         self.budgets = budgets
-        self.admission = Admission(budgets, block_manager, self.reservation, vocab_size or None)
+        self.policy = policy or SchedulingPolicy()
+        self.clock = clock
+        self.admission = Admission(budgets, block_manager, self.reservation, vocab_size or None, self.policy.name)
         self.preemption = preemption or PreemptionPolicy()
         self.speculation = speculation
         self.registry = SequenceRegistry(block_manager, StopRule(frozenset(eos_token_ids), budgets.max_model_len))
@@ -155,7 +166,9 @@ class Scheduler:
         self.counters = Counters()
         self.in_flight: dict[int, _InFlight] = {}
         self.needs_drain = False  # the last plan stopped short of a preemption
-        self.queue_times: list[float] = []  # of requests started since the server last took them
+        # (seconds, tenant label, priority class) of requests started since the server last took them
+        self.queue_times: list[tuple[float, str, str]] = []
+        self.tenant_labels = TenantLabels()
         self._next_order = 0
         self._speculating = False  # whether the step being planned speculates
 
@@ -182,10 +195,12 @@ class Scheduler:
         if problem is not None:
             return error_output(message.request_id, len(message.prompt_token_ids), problem, "rejected")
         request = Request(message.request_id, list(message.prompt_token_ids), message.sampling,
-                          message.arrival_time, self._next_order, message.cache_salt)
+                          message.arrival_time, self._next_order, message.cache_salt, message.priority,
+                          message.tenant, self.clock())
         self._next_order += 1
         self.registry.add(request)
-        self.waiting.append(request)
+        self.policy.arrived(request)
+        self._requeue(request)
         return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -211,13 +226,18 @@ class Scheduler:
         ahead = bool(self.in_flight)
         self.needs_drain = False
         self._speculating = self.speculation is not None and self.speculation.decide(self._num_decoding())
+        self._rank_queues()
+        self._make_room_for_head(plan, ahead)
+        held, head_rank = self._tokens_for_head()
 
         queue = list(self.running)
         next_index, end = 0, len(queue)  # victims are taken from the end
         while next_index < end:
             request = queue[next_index]
             next_index += 1
-            wants = self._within_free_blocks(self._wants(request, plan.tokens_left))
+            if held and self.policy.rank(request) > head_rank and _in_prompt(request):
+                continue  # the head it ranks below starts first, in a step no longer for this chunk
+            wants = self._within_free_blocks(self._wants(request, plan.tokens_left - held))
             if not wants:
                 continue
             if ahead and not self.block_manager.can_append(wants):
@@ -237,11 +257,64 @@ class Scheduler:
                 self._take(wants, plan)
 
         if not (preempted and self.running) and not self.needs_drain:  # the head resumes once nothing runs
-            self._resume(plan, starts_prompts=not ahead or self._deferred() or self._prompts_fill(plan.tokens_left))
+            self._resume(plan, starts_prompts=not ahead or bool(held) or self._deferred()
+                         or self._prompts_fill(plan.tokens_left))
 
         if not (plan.scheduled or plan.swap_out or plan.swap_in):
             return None
         return self._build_step(plan)
+
+    def _rank_queues(self) -> None:
+        self.policy.begin_step(self.clock())
+        if self.policy.reorders:
+            self.running.sort(key=self.policy.rank)
+            self.swapped.sort(key=self.policy.rank)
+            self._rank_waiting()
+
+    def _rank_waiting(self) -> None:
+        ranked = sorted(self.waiting, key=self.policy.rank)
+        self.waiting.clear()
+        self.waiting.extend(ranked)
+
+    def _make_room_for_head(self, plan: _Plan, ahead: bool) -> None:
+        """While the first request to resume outranks the lowest-ranked running one, does not fit, and
+        the policy says so, preempt that one. Not in a step planned ahead: the steps in flight drain
+        first."""
+        if not self.policy.reorders:
+            return
+        rank = self.policy.rank
+        while self.running and (head := self._next_to_resume()) is not None:
+            victim = self.running[-1]
+            if not rank(head) < rank(victim) or not self.policy.preempts(head, self.running) \
+                    or self._could_resume(head):
+                return
+            if ahead:
+                self.needs_drain = True
+                return
+            plan.swap_out += self._preempt(victim)
+
+    def _tokens_for_head(self) -> tuple[int, Rank]:
+        """Under a policy that reorders, a waiting request that outranks running ones and fits starts in
+        this step, even one planned ahead: the tokens of its prompt are held back from the running
+        requests, and those it outranks run no prompt chunk in it. Returns those tokens, and its rank."""
+        if not self.policy.reorders or not self.running:
+            return 0, ()
+        head = self._next_to_resume()
+        if head is None or head.status is not RequestStatus.WAITING:
+            return 0, ()
+        head_rank = self.policy.rank(head)
+        if not head_rank < self.policy.rank(self.running[-1]) or not self._could_resume(head):
+            return 0, ()
+        return min(head.seqs[0].num_tokens, self.budgets.max_num_batched_tokens), head_rank
+
+    def _could_resume(self, request: Request) -> bool:
+        """Whether a waiting or swapped request has the seats and blocks to start now (before the running
+        requests take this step's slots)."""
+        if self._num_running_seats() + request.num_seats > self.budgets.max_num_seqs:
+            return False
+        if request.status is RequestStatus.SWAPPED:
+            return self.block_manager.can_swap_in(request)
+        return self._plan_start(request, self.budgets.max_num_batched_tokens) is not None
 
     def _wants(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, positions) to compute for a request this step, within the token budget: a
@@ -297,10 +370,10 @@ class Scheduler:
         return sum(r.num_seats for r in self.running)
 
     def _next_to_resume(self) -> Request | None:
-        """The earliest arrival among the swapped and the waiting requests."""
+        """The first in rank among the swapped and the waiting requests."""
         swapped = self.swapped[0] if self.swapped else None
         waiting = self.waiting[0] if self.waiting else None
-        if swapped is None or (waiting is not None and waiting.order < swapped.order):
+        if swapped is None or (waiting is not None and self.policy.rank(waiting) < self.policy.rank(swapped)):
             return waiting
         return swapped
 
@@ -325,7 +398,7 @@ class Scheduler:
         return bool(self.waiting) and self.waiting[0].left_for_companions
 
     def _resume(self, plan: _Plan, starts_prompts: bool = True) -> None:
-        """Bring back swapped requests and start waiting ones (where `starts_prompts`), strictly in arrival
+        """Bring back swapped requests and start waiting ones (where `starts_prompts`), strictly in rank
         order."""
         while (request := self._next_to_resume()) is not None:
             if self._num_running_seats() + request.num_seats > self.budgets.max_num_seqs:
@@ -359,6 +432,10 @@ class Scheduler:
         for seq, n in start.followers:
             self._begin(seq, leader.block_table[:start.shared_blocks], from_cache=False)
             self._take([(seq, n)] if n else [], plan)
+        # The prompt's cost counts when it is admitted, so that the next admission of this step sees it.
+        self.policy.served(request, leader.num_tokens - leader.num_computed_tokens, 0)
+        if self.policy.reorders:
+            self._rank_waiting()
         return True
 
     def _recompute_instead(self, request: Request) -> None:
@@ -371,12 +448,14 @@ class Scheduler:
         self._requeue(request)
 
     def _requeue(self, request: Request) -> None:
-        """Back into the waiting queue at its arrival position."""
-        self.waiting.appendleft(request)
-        i = 0
-        while i + 1 < len(self.waiting) and self.waiting[i + 1].order < request.order:
-            self.waiting[i], self.waiting[i + 1] = self.waiting[i + 1], self.waiting[i]
-            i += 1
+        """Into the waiting queue at its rank's position (a new request's is mostly the end)."""
+        rank = self.policy.rank
+        key = rank(request)
+        self.waiting.append(request)
+        i = len(self.waiting) - 1
+        while i > 0 and rank(self.waiting[i - 1]) > key:
+            self.waiting[i], self.waiting[i - 1] = self.waiting[i - 1], self.waiting[i]
+            i -= 1
 
     def _plan_start(self, request: Request, budget: int) -> _StartPlan | None:
         """How a waiting request starts, or None if it does not fit now.
@@ -426,8 +505,9 @@ class Scheduler:
             return
         request = seq.request
         if request.first_scheduled is None:
-            request.first_scheduled = time.monotonic()
-            self.queue_times.append(request.first_scheduled - request.received)
+            request.first_scheduled = self.clock()
+            self.queue_times.append((request.first_scheduled - request.received, self.tenant_labels(request.tenant),
+                                     priority_class(request.priority)))
         if not request.looked_up and self.block_manager.gpu.enable_caching:
             request.looked_up = True
             self.counters.prompt_tokens_queried += request.num_prompt_tokens
@@ -439,7 +519,7 @@ class Scheduler:
     def _mark_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self.running.sort(key=lambda r: r.order)
+        self.running.sort(key=self.policy.rank)
 
     def _preempt(self, request: Request) -> list[tuple[int, int]]:
         # Alone and still short of blocks (its samples' copies of a shared block): swapping out
@@ -456,7 +536,7 @@ class Scheduler:
             self.counters.preemptions_swap += 1
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
-            self.swapped.sort(key=lambda r: r.order)
+            self.swapped.sort(key=self.policy.rank)
             return manager.swap_out(request)
         log.info("preempting %s by recompute", request.request_id)
         self.counters.preemptions_recompute += 1
@@ -483,13 +563,14 @@ class Scheduler:
             seq.num_computed_tokens = computed + num_tokens  # proposals included, until the result settles them
             if entry.num_draft_tokens:
                 drafts[seq.seq_id] = entry.num_draft_tokens
-            if seq.num_computed_tokens - entry.num_draft_tokens == coming:  # it samples
+            samples = seq.num_computed_tokens - entry.num_draft_tokens == coming
+            if samples:
                 seq.num_pending += 1
                 sampled.append(seq)
-            if computed < num_prompt:
-                prompt_tokens_computed += min(computed + num_tokens, num_prompt) - computed
-            else:
-                num_decoding += 1
+            prompt_part = max(0, min(computed + num_tokens, num_prompt) - computed)
+            prompt_tokens_computed += prompt_part
+            num_decoding += computed >= num_prompt
+            self._count_served(seq.request, prompt_part, int(samples))
         counters = self.counters
         counters.prompt_tokens_computed += prompt_tokens_computed
         counters.blocks_swapped_out += len(plan.swap_out)
@@ -508,6 +589,15 @@ class Scheduler:
 
     # --- sequences and requests ending ---------------------------------------------------
 
+    def _count_served(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
+        self.policy.served(request, 0, output_tokens)  # its prompt was counted when it started
+        label = (self.tenant_labels(request.tenant), priority_class(request.priority))
+        served = self.counters.served.get(label)
+        if served is None:
+            served = self.counters.served[label] = [0, 0]
+        served[0] += prompt_tokens
+        served[1] += output_tokens
+
     def finish_request(self, request: Request) -> None:
         self.registry.release(request, swapped=request.status is RequestStatus.SWAPPED)
         self._dequeue(request)
@@ -517,6 +607,8 @@ class Scheduler:
                  RequestStatus.SWAPPED: self.swapped}.get(request.status)
         if queue is not None:
             queue.remove(request)
+        if request.status is not RequestStatus.FINISHED:
+            self.policy.left(request)
         request.status = RequestStatus.FINISHED
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -570,6 +662,7 @@ class Scheduler:
             block_size=self.block_manager.block_size,
             prefix_cache_queries=counters.prompt_tokens_queried,
             speculation=self.speculation.snapshot() if self.speculation is not None else None,
+            served={label: (prompt, output) for label, (prompt, output) in counters.served.items()},
         )
 
     def _fragmented_blocks(self) -> int:
@@ -595,6 +688,10 @@ class Scheduler:
                     wanted[block] = max(wanted.get(block, 0), min(size, max(0, final - i * size)))
         holding = sum(held.values())
         return holding, sum(max(0, wanted[b] - held[b]) for b in held)
+
+
+def _in_prompt(request: Request) -> bool:
+    return any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in request.seqs)
 
 
 def _common_prefix(seqs: list[Sequence]) -> int:

@@ -33,6 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.cached_prefixes import CachedPrefixes
 from services.scheduler.metrics import SchedulerMetrics, Snapshots
+from services.scheduler.policy import make_policy
 from services.scheduler.reservation import Reservation
 from services.scheduler.results import error_output
 from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy, Scheduler
@@ -246,8 +247,8 @@ class SchedulerServer:
             if step is None:
                 return
             self.metrics.tokens_per_step.observe(sum(entry.num_tokens for entry in step.scheduled))
-            for waited in scheduler.queue_times:
-                self.metrics.queue_time.observe(waited)
+            for waited, tenant, priority in scheduler.queue_times:
+                self.metrics.queue_time.labels(tenant, priority).observe(waited)
             scheduler.queue_times.clear()
             for identity in self.workers.values():
                 if not sockets.try_send(self.worker_socket, step, to=identity):
@@ -355,7 +356,8 @@ class SchedulerServer:
                               "--speculative-config)")
         speculation = Speculation(speculative, max_model_len) if speculative is not None else None
         self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids, preemption, first.vocab_size,
-                                   Reservation(config.kv_reservation), speculation)
+                                   Reservation(config.kv_reservation), speculation,
+                                   make_policy(config.scheduling_policy, config.max_queue_delay, config.tenant_weights))
         self.cached_prefixes = CachedPrefixes(block_manager.gpu, config.block_size)
         self.info = SchedulerInfo(config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids,
                                   config.max_num_seqs)

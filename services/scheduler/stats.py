@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.scheduler.speculation import SpeculationStats
 
@@ -34,6 +34,8 @@ class Stats:
     block_size: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, once per request
     speculation: SpeculationStats | None = None  # with --speculative-config
+    # (tenant label, priority class) -> (prompt tokens computed, output tokens sampled)
+    served: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_used_gpu_blocks(self) -> int:

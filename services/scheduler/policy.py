@@ -1,0 +1,176 @@
+"""Scheduling policies: the order in which requests are admitted, resumed and preempted.
+
+A policy ranks requests, lower first. The scheduler keeps its queues in rank order: it plans the
+running requests from the front, takes victims of a memory shortage from the back, and admits or
+resumes from the front of the waiting and swapped requests. A request that outranks a running
+one but does not fit may preempt the lowest-ranked running requests below it, where the policy
+says so (`preempts`): under priority always, as vLLM's priority scheduling does.
+
+- fcfs: arrival order.
+- priority: the request's `priority`, lower first (vLLM's meaning), then arrival.
+- fair: virtual token counters (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24).
+  Each tenant's counter grows by the prompt and output tokens it is served, divided by its weight;
+  the tenant with the lowest counter goes first. A tenant that comes back after a while with no
+  request in the system is lifted to the lowest counter of the tenants present, if its own is
+  lower: an idle tenant banks no credit, and leaving sheds no debt. Once nobody is present the
+  counters start again from zero. A tenant preempts another's request to admit its own only while
+  it has nothing running: so a tenant that sends one request at a time need not wait for a seat
+  behind a flood, and two backlogged tenants, whose counters cross every few steps, never preempt
+  each other back and forth (each time recomputing).
+
+No request starves: one that arrived more than `max_queue_delay` seconds ago ranks ahead of every
+later arrival whatever its priority or tenant, and such requests rank among themselves by
+arrival. Once every request present is that old the order is FCFS, whose liveness argument
+(services/scheduler/scheduler.py) then applies.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from services.scheduler.request import Request
+
+Rank = tuple[float, ...]
+
+# OpenAI's per-token prices make output dearer than prompt; the paper weighs them 1 and 2 likewise.
+PROMPT_TOKEN_COST = 1.0
+OUTPUT_TOKEN_COST = 2.0
+MAX_TENANT_LABELS = 64
+MAX_IDLE_TENANTS = 4096  # counters kept of tenants with no request present; the lowest go first
+_KEY_TENANT = re.compile(r"tenant-[0-9a-f]{16}")
+
+
+class SchedulingPolicy:
+    """FCFS; the base of the others, which rank by something before arrival and age into FCFS."""
+
+    name: ClassVar[str] = "fcfs"
+    reorders: ClassVar[bool] = False  # whether ranks change between steps, so the queues need sorting
+
+    def __init__(self, max_queue_delay: float = float("inf")):
+        self.max_queue_delay = max_queue_delay
+        self.now = 0.0
+
+    def begin_step(self, now: float) -> None:
+        """Ranks hold still while one step is planned: they are taken at `now`."""
+        self.now = now
+
+    def rank(self, request: Request) -> Rank:
+        if not self.reorders or self.now - request.received > self.max_queue_delay:
+            return (0, request.order)
+        return (1, *self._rank(request), request.order)
+
+    def _rank(self, request: Request) -> Rank:
+        return ()
+
+    def preempts(self, head: Request, running: list[Request]) -> bool:
+        """Whether `head`, first to be admitted or resumed, which outranks the last of `running` (in
+        rank order) and does not fit, preempts that one."""
+        return False
+
+    def arrived(self, request: Request) -> None:
+        """A request entered the system."""
+
+    def left(self, request: Request) -> None:
+        """A request that `arrived` left the system, for any reason."""
+
+    def served(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
+        """A step computes `prompt_tokens` of its prompt and samples `output_tokens` for it."""
+
+
+class PriorityPolicy(SchedulingPolicy):
+    name = "priority"
+    reorders = True
+
+    def preempts(self, head: Request, running: list[Request]) -> bool:
+        return True
+
+    def _rank(self, request: Request) -> Rank:
+        return (request.priority,)
+
+
+class FairPolicy(SchedulingPolicy):
+    name = "fair"
+    reorders = True
+
+    def __init__(self, max_queue_delay: float = float("inf"), weights: dict[str, float] | None = None):
+        super().__init__(max_queue_delay)
+        self.weights = weights or {}
+        self.counters: dict[str, float] = {}  # of tenants present
+        self.present: dict[str, int] = {}  # tenant -> its requests in the system
+        self.idle: dict[str, float] = {}  # the counters of tenants that left, while anyone is present
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant.removeprefix("user:"), 1.0)
+
+    def _rank(self, request: Request) -> Rank:
+        tenant = request.tenant
+        # Equal counters: the tenant with fewer requests present first, so a returning tenant, which
+        # starts level with the least served, goes ahead of that tenant's backlog.
+        return (self.counters[tenant], self.present[tenant])
+
+    def preempts(self, head: Request, running: list[Request]) -> bool:
+        return all(request.tenant != head.tenant for request in running)
+
+    def arrived(self, request: Request) -> None:
+        tenant = request.tenant
+        if tenant not in self.present:
+            self.counters[tenant] = max(self.idle.pop(tenant, 0.0), min(self.counters.values(), default=0.0))
+            self.present[tenant] = 0
+        self.present[tenant] += 1
+
+    def left(self, request: Request) -> None:
+        tenant = request.tenant
+        self.present[tenant] -= 1
+        if self.present[tenant]:
+            return
+        del self.present[tenant]
+        self.idle[tenant] = self.counters.pop(tenant)
+        if not self.present:
+            self.idle.clear()
+        elif len(self.idle) > MAX_IDLE_TENANTS:
+            # A counter at or below the lowest present would be lifted to it anyway.
+            floor = min(self.counters.values())
+            self.idle = {t: c for t, c in self.idle.items() if c > floor}
+            while len(self.idle) > MAX_IDLE_TENANTS:
+                del self.idle[min(self.idle, key=self.idle.__getitem__)]
+
+    def served(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
+        cost = PROMPT_TOKEN_COST * prompt_tokens + OUTPUT_TOKEN_COST * output_tokens
+        self.counters[request.tenant] += cost / self.weight(request.tenant)
+
+
+def make_policy(name: str, max_queue_delay: float, weights: dict[str, float] | None = None) -> SchedulingPolicy:
+    if name == "fcfs":
+        return SchedulingPolicy()
+    if name == "priority":
+        return PriorityPolicy(max_queue_delay)
+    if name == "fair":
+        return FairPolicy(max_queue_delay, weights)
+    raise ValueError(f"unknown scheduling policy {name!r}")
+
+
+def priority_class(priority: int) -> str:
+    """A bounded label for metrics."""
+    return "high" if priority < 0 else "low" if priority > 0 else "default"
+
+
+class TenantLabels:
+    """Metric labels for tenants: an api key's tenant id by name (a configured key, so a bounded set;
+    at most MAX_TENANT_LABELS all the same), every `user` tenant as "user", none as "none"."""
+
+    def __init__(self) -> None:
+        self.named: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        if not tenant:
+            return "none"
+        if tenant.startswith("user:"):
+            return "user"
+        if tenant in self.named:
+            return tenant
+        if _KEY_TENANT.fullmatch(tenant) and len(self.named) < MAX_TENANT_LABELS:
+            self.named.add(tenant)
+            return tenant
+        return "other"
