@@ -7,7 +7,8 @@ queues):
 2. Contended, for `--duration` seconds: A's closed loop keeps `--flood` requests in flight (each
    finished one is replaced at once); B's closed loop sends its next request when the last one ends.
    B's TTFT median and p99, and the output throughput of both tenants together, counted from the
-   tokens streamed in the window after `--settle` seconds.
+   tokens streamed (B) or returned whole (A, which does not stream) in the window after `--settle`
+   seconds.
 Tenants are named by the `user` field (the server has no api keys). It prints each run, then each
 policy's medians with their spread, B's contended TTFT over its alone TTFT, and each policy's
 throughput over FCFS's.
@@ -37,10 +38,11 @@ POLICIES = ("fcfs", "fair")
 
 
 class Tenant:
-    """One tenant's closed loop: its requests' TTFTs and the times of every token it was streamed."""
+    """One tenant's closed loop: its requests' TTFTs and the times of every token it was streamed, or,
+    not streaming, of its whole responses (each time once per token)."""
 
-    def __init__(self, name: str, input_len: int, output_len: int, seed: int):
-        self.name, self.output_len = name, output_len
+    def __init__(self, name: str, input_len: int, output_len: int, seed: int, stream: bool = True):
+        self.name, self.output_len, self.stream = name, output_len, stream
         self.prompts = [job.prompt for job in fixed(64, input_len, output_len, seed=seed)]
         self.ttfts: list[float] = []
         self.token_times: list[float] = []
@@ -49,9 +51,15 @@ class Tenant:
     async def one(self, client: httpx.AsyncClient) -> None:
         prompt = self.prompts[self.sent % len(self.prompts)]
         self.sent += 1
-        payload = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": self.output_len, "stream": True,
+        payload = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": self.output_len, "stream": self.stream,
                    "ignore_eos": True, "temperature": 0, "user": self.name}
         started = time.perf_counter()
+        if not self.stream:
+            response = await client.post("/v1/completions", json=payload)
+            if response.status_code != 200:
+                raise RuntimeError(f"{self.name}: {response.status_code} {response.text[:300]!r}")
+            self.token_times += [time.perf_counter()] * response.json()["usage"]["completion_tokens"]
+            return
         first = None
         async with client.stream("POST", "/v1/completions", json=payload) as response:
             if response.status_code != 200:
@@ -82,7 +90,9 @@ async def measure(api_url: str, args) -> dict:
         alone.ttfts.clear()
         for _ in range(args.alone):
             await alone.one(client)
-        flood = Tenant("tenant-a", args.a_input, args.a_output, seed=args.seed)
+        # The flood does not stream: on a machine of few cores a client reading 64 streams, and an api
+        # writing them, would take the cores the server computes on, and B's alone figure has no such load.
+        flood = Tenant("tenant-a", args.a_input, args.a_output, seed=args.seed, stream=False)
         steady = Tenant("tenant-b", args.b_input, args.b_output, seed=args.seed + 1)
         started = time.perf_counter()
         until = started + args.duration
@@ -123,6 +133,8 @@ def main() -> None:
     parser.add_argument("--b-input", type=int, default=64)
     parser.add_argument("--b-output", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=32, help="the server's seats: A's flood queues for them")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the server's step budget: a step of A's prompts that B arrives during is that long")
     parser.add_argument("--alone", type=int, default=20, help="B's requests on the idle server")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of the contended phase")
     parser.add_argument("--settle", type=float, default=10.0, help="seconds of A alone before B starts")
@@ -133,7 +145,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {policy: [] for policy in policies}
     for repeat in range(args.repeats):
         for policy in policies:
-            flags = ["--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs)]
+            flags = ["--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs),
+                     "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
             with pagedserve(*flags, model=args.model) as (api_url, _):
                 result = asyncio.run(measure(api_url, args))
             runs[policy].append(result)

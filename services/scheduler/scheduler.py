@@ -258,7 +258,7 @@ class Scheduler:
 
         if not (preempted and self.running) and not self.needs_drain:  # the head resumes once nothing runs
             self._resume(plan, starts_prompts=not ahead or bool(held) or self._deferred()
-                         or self._prompts_fill(plan.tokens_left))
+                         or self._prompts_fill(plan.tokens_left), only_head=bool(held))
 
         if not (plan.scheduled or plan.swap_out or plan.swap_in):
             return None
@@ -296,7 +296,8 @@ class Scheduler:
     def _tokens_for_head(self) -> tuple[int, Rank]:
         """Under a policy that reorders, a waiting request that outranks running ones and fits starts in
         this step, even one planned ahead: the tokens of its prompt are held back from the running
-        requests, and those it outranks run no prompt chunk in it. Returns those tokens, and its rank."""
+        requests, and no prompt it outranks runs in this step, so that the step is short. Returns those
+        tokens, and its rank."""
         if not self.policy.reorders or not self.running:
             return 0, ()
         head = self._next_to_resume()
@@ -397,9 +398,10 @@ class Scheduler:
     def _deferred(self) -> bool:
         return bool(self.waiting) and self.waiting[0].left_for_companions
 
-    def _resume(self, plan: _Plan, starts_prompts: bool = True) -> None:
+    def _resume(self, plan: _Plan, starts_prompts: bool = True, only_head: bool = False) -> None:
         """Bring back swapped requests and start waiting ones (where `starts_prompts`), strictly in rank
-        order."""
+        order; with `only_head`, no prompt after the first: the step that starts an outranking request
+        stays short."""
         while (request := self._next_to_resume()) is not None:
             if self._num_running_seats() + request.num_seats > self.budgets.max_num_seqs:
                 break
@@ -416,7 +418,7 @@ class Scheduler:
                     break  # they will finish and free blocks
                 self._recompute_instead(request)  # it cannot come back even into an idle pool
                 continue
-            if not starts_prompts or plan.tokens_left <= 0 or not self._start(request, plan):
+            if not starts_prompts or plan.tokens_left <= 0 or not self._start(request, plan) or only_head:
                 break
 
     def _start(self, request: Request, plan: _Plan) -> bool:
