@@ -118,8 +118,8 @@ async def measure(api_url: str, args) -> dict:
     }
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
+def spread(values: list[float], digits: int = 2) -> str:
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
 def main() -> None:
@@ -173,7 +173,7 @@ def main() -> None:
         over_fcfs = spread(ratios["throughput_over_fcfs"]) if "throughput_over_fcfs" in ratios else "-"
         print(f"{policy:<8} {spread(ratios['b_ttft_median_over_alone']):<26} "
               f"{spread(ratios['b_ttft_p99_over_alone']):<26} "
-              f"{spread([r['output_throughput'] for r in rows]):<24}{over_fcfs:<20}")
+              f"{spread([r['output_throughput'] for r in rows], 1):<24}{over_fcfs:<20}")
     if args.out:
         write_json(args.out, {"machine": machine(), "commit": commit(), "args": vars(args) | {"out": str(args.out)},
                               "runs": runs, "summary": summary})
