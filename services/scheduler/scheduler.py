@@ -225,6 +225,9 @@ class Scheduler:
         preempted = False
         ahead = bool(self.in_flight)
         self.needs_drain = False
+        if ahead and self.policy.reorders and self._prompt_heavy():
+            self.needs_drain = True
+            return None
         self._speculating = self.speculation is not None and self.speculation.decide(self._num_decoding())
         self._rank_queues()
         self._make_room_for_head(plan, ahead)
@@ -263,6 +266,19 @@ class Scheduler:
         if not (plan.scheduled or plan.swap_out or plan.swap_in):
             return None
         return self._build_step(plan)
+
+    def _prompt_heavy(self) -> bool:
+        """Whether the next step would be mostly prompts. Under a policy that reorders such a step is not
+        planned ahead: one already queued behind the step computing would delay a request arriving now
+        that outranks it by a long step more, while planning it after costs the worker only the planning."""
+        budget = self.budgets.max_num_batched_tokens
+        tokens = 0
+        for request in (*self.running, *self.waiting):
+            for seq in request.seqs:
+                tokens += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+            if 2 * tokens >= budget:
+                return True
+        return False
 
     def _rank_queues(self) -> None:
         self.policy.begin_step(self.clock())
