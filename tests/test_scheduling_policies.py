@@ -274,3 +274,12 @@ def test_a_priority_sent_to_a_server_that_schedules_by_arrival_is_a_400(llama_se
         "model": llama_server.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
         "priority": 3})
     assert response.status_code == 400 and "--scheduling-policy priority" in response.json()["error"]["message"]
+
+
+def test_a_step_of_mostly_prompts_waits_for_the_one_computing_under_a_policy_that_reorders():
+    for policy, plans_ahead in ((SchedulingPolicy(), True), (PriorityPolicy(), False), (FairPolicy(), False)):
+        scheduler = make_scheduler(max_tokens_per_step=32, chunked=True, policy=policy)
+        scheduler.add(request(prompt_len=100, max_tokens=4))
+        assert scheduler.schedule() is not None  # the first chunk; 68 prompt tokens are left
+        ahead = scheduler.schedule()
+        assert (ahead is not None) is plans_ahead and scheduler.needs_drain is not plans_ahead

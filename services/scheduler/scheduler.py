@@ -272,13 +272,15 @@ class Scheduler:
         planned ahead: one already queued behind the step computing would delay a request arriving now
         that outranks it by a long step more, while planning it after costs the worker only the planning."""
         budget = self.budgets.max_num_batched_tokens
-        tokens = 0
-        for request in (*self.running, *self.waiting):
-            for seq in request.seqs:
-                tokens += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-            if 2 * tokens >= budget:
-                return True
-        return False
+        tokens = sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                     for request in self.running for seq in request.seqs)
+        seats = self.budgets.max_num_seqs - self._num_running_seats()
+        for request in self.waiting:  # those that could start: as many as there are seats
+            if 2 * tokens >= budget or request.num_seats > seats:
+                break
+            seats -= request.num_seats
+            tokens += sum(seq.num_tokens for seq in request.seqs)
+        return 2 * tokens >= budget
 
     def _rank_queues(self) -> None:
         self.policy.begin_step(self.clock())
