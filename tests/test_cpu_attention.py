@@ -155,6 +155,7 @@ def test_decode_attention_in_chunks_of_any_size_matches_the_reference(monkeypatc
         torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.slow  # runs the compiler twice from scratch: not in `make check`
 def test_the_kernel_is_built_into_a_directory_only_its_user_can_write(tmp_path, monkeypatch):
     from kernels import native
 
