@@ -47,6 +47,7 @@ class SchedulingPolicy:
 
     name: ClassVar[str] = "fcfs"
     reorders: ClassVar[bool] = False  # whether ranks change between steps, so the queues need sorting
+    ranks_by_service: ClassVar[bool] = False  # whether `served` changes ranks, so admissions re-sort the queue
 
     def __init__(self, max_queue_delay: float = float("inf")):
         self.max_queue_delay = max_queue_delay
@@ -93,6 +94,7 @@ class PriorityPolicy(SchedulingPolicy):
 class FairPolicy(SchedulingPolicy):
     name = "fair"
     reorders = True
+    ranks_by_service = True
 
     def __init__(self, max_queue_delay: float = float("inf"), weights: dict[str, float] | None = None):
         super().__init__(max_queue_delay)

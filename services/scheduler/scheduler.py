@@ -230,8 +230,7 @@ class Scheduler:
             return None
         self._speculating = self.speculation is not None and self.speculation.decide(self._num_decoding())
         self._rank_queues()
-        self._make_room_for_head(plan, ahead)
-        held, head_rank = self._tokens_for_head()
+        held, head_rank = self._make_room_for_head(plan, ahead)
 
         queue = list(self.running)
         next_index, end = 0, len(queue)  # victims are taken from the end
@@ -294,37 +293,31 @@ class Scheduler:
         self.waiting.clear()
         self.waiting.extend(ranked)
 
-    def _make_room_for_head(self, plan: _Plan, ahead: bool) -> None:
-        """While the first request to resume outranks the lowest-ranked running one, does not fit, and
-        the policy says so, preempt that one. Not in a step planned ahead: the steps in flight drain
-        first."""
+    def _make_room_for_head(self, plan: _Plan, ahead: bool) -> tuple[int, Rank]:
+        """Under a policy that reorders, for the first request to resume while it outranks the lowest-ranked
+        running one: while it does not fit and the policy says so, preempt that one (not in a step planned
+        ahead: the steps in flight drain first). A waiting one that fits starts in this step, even one
+        planned ahead: the tokens of its prompt are held back from the running requests, and no prompt it
+        outranks runs in this step, so that the step is short. Returns those tokens and its rank, or
+        (0, ()) when nothing is held."""
         if not self.policy.reorders:
-            return
+            return 0, ()
         rank = self.policy.rank
         while self.running and (head := self._next_to_resume()) is not None:
-            victim = self.running[-1]
-            if not rank(head) < rank(victim) or not self.policy.preempts(head, self.running) \
-                    or self._could_resume(head):
-                return
+            head_rank = rank(head)
+            if not head_rank < rank(self.running[-1]):
+                break
+            if self._could_resume(head):
+                if head.status is RequestStatus.WAITING:
+                    return min(head.seqs[0].num_tokens, self.budgets.max_num_batched_tokens), head_rank
+                break
+            if not self.policy.preempts(head, self.running):
+                break
             if ahead:
                 self.needs_drain = True
-                return
-            plan.swap_out += self._preempt(victim)
-
-    def _tokens_for_head(self) -> tuple[int, Rank]:
-        """Under a policy that reorders, a waiting request that outranks running ones and fits starts in
-        this step, even one planned ahead: the tokens of its prompt are held back from the running
-        requests, and no prompt it outranks runs in this step, so that the step is short. Returns those
-        tokens, and its rank."""
-        if not self.policy.reorders or not self.running:
-            return 0, ()
-        head = self._next_to_resume()
-        if head is None or head.status is not RequestStatus.WAITING:
-            return 0, ()
-        head_rank = self.policy.rank(head)
-        if not head_rank < self.policy.rank(self.running[-1]) or not self._could_resume(head):
-            return 0, ()
-        return min(head.seqs[0].num_tokens, self.budgets.max_num_batched_tokens), head_rank
+                break
+            plan.swap_out += self._preempt(self.running[-1])
+        return 0, ()
 
     def _could_resume(self, request: Request) -> bool:
         """Whether a waiting or swapped request has the seats and blocks to start now (before the running
@@ -454,7 +447,7 @@ class Scheduler:
             self._take([(seq, n)] if n else [], plan)
         # The prompt's cost counts when it is admitted, so that the next admission of this step sees it.
         self.policy.served(request, leader.num_tokens - leader.num_computed_tokens, 0)
-        if self.policy.reorders:
+        if self.policy.ranks_by_service:
             self._rank_waiting()
         return True
 
