@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import socket
-import statistics
 import sys
 import time
 import urllib.request
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks import serve_client  # noqa: E402
 from benchmarks.paper_harness import SERVED_NAME, free_ports, machine, pagedserve, write_json  # noqa: E402
+from benchmarks.peer_report import spread  # noqa: E402
 from benchmarks.provenance import commit  # noqa: E402
 from benchmarks.workloads import system_prompts, tenants  # noqa: E402
 
@@ -104,10 +104,6 @@ def run_policy(policy: str, args, jobs) -> dict:
     return result
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the shipped tiny-python)")
@@ -144,8 +140,9 @@ def main() -> None:
     print(f"{'policy':<12} {'hit rate':<22} {'output tok/s':<28} {'mean TTFT ms':<28}")
     for policy in policies:
         rows = runs[policy]
-        print(f"{policy:<12} {spread([r['prefix_cache_hit_rate'] for r in rows]):<22} "
-              f"{spread([r['output_throughput'] for r in rows]):<28} {spread([r['mean_ttft_ms'] for r in rows]):<28}")
+        print(f"{policy:<12} {spread([r['prefix_cache_hit_rate'] for r in rows], 3):<22} "
+              f"{spread([r['output_throughput'] for r in rows], 3):<28} "
+              f"{spread([r['mean_ttft_ms'] for r in rows], 3):<28}")
     ratios = {}
     if "prefix" in runs and "round_robin" in runs:
         pairs = list(zip(runs["prefix"], runs["round_robin"]))

@@ -31,6 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.paper_harness import SERVED_NAME, machine, pagedserve, write_json  # noqa: E402
+from benchmarks.peer_report import spread  # noqa: E402
 from benchmarks.provenance import commit  # noqa: E402
 from benchmarks.workloads import fixed  # noqa: E402
 
@@ -118,10 +119,6 @@ async def measure(api_url: str, args) -> dict:
     }
 
 
-def spread(values: list[float], digits: int = 2) -> str:
-    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the shipped tiny-python)")
@@ -170,9 +167,9 @@ def main() -> None:
             ratios["throughput_over_fcfs"] = [r["output_throughput"] / f["output_throughput"]
                                               for r, f in zip(rows, runs["fcfs"])]
         summary[policy] = ratios
-        over_fcfs = spread(ratios["throughput_over_fcfs"]) if "throughput_over_fcfs" in ratios else "-"
-        print(f"{policy:<8} {spread(ratios['b_ttft_median_over_alone']):<26} "
-              f"{spread(ratios['b_ttft_p99_over_alone']):<26} "
+        over_fcfs = spread(ratios["throughput_over_fcfs"], 2) if "throughput_over_fcfs" in ratios else "-"
+        print(f"{policy:<8} {spread(ratios['b_ttft_median_over_alone'], 2):<26} "
+              f"{spread(ratios['b_ttft_p99_over_alone'], 2):<26} "
               f"{spread([r['output_throughput'] for r in rows], 1):<24}{over_fcfs:<20}")
     if args.out:
         write_json(args.out, {"machine": machine(), "commit": commit(), "args": vars(args) | {"out": str(args.out)},
