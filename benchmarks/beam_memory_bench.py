@@ -19,7 +19,7 @@ import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from services.scheduler.block_manager import BlockManager  # noqa: E402
+from services.scheduler.kv_cache_manager import KVCacheManager  # noqa: E402
 from services.scheduler.scheduler import Budgets, Scheduler  # noqa: E402
 from shared.protocol import AddRequest, SampledTokens, StepResult  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
@@ -40,7 +40,7 @@ def _candidates(seq_id: int, position: int) -> tuple[list[int], list[float]]:
 def run(length: int) -> dict:
     context = length + 64
     blocks = WIDTH * (context // 16 + 2) + 64
-    scheduler = Scheduler(BlockManager(blocks, 16), Budgets(WIDTH, 4096, context), eos_token_ids=[0])
+    scheduler = Scheduler(KVCacheManager(blocks, 16), Budgets(WIDTH, 4096, context), eos_token_ids=[0])
     params = SamplingParams(n=1, best_of=WIDTH, use_beam_search=True, temperature=0.0, max_tokens=length,
                             ignore_eos=True, early_stopping="never", length_penalty=0.0)
     tracemalloc.start()

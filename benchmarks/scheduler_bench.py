@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import zmq  # noqa: E402
 
-from services.scheduler.block_manager import BlockManager  # noqa: E402
+from services.scheduler.kv_cache_manager import KVCacheManager  # noqa: E402
 from services.scheduler.scheduler import Budgets, Scheduler  # noqa: E402
 from shared import sockets  # noqa: E402
 from shared.protocol import AddRequest, SampledTokens, Shutdown, Step, StepResult, encode  # noqa: E402
@@ -36,7 +36,7 @@ ITERATIONS = int(os.environ.get("PAGEDSERVE_BENCH_ITERATIONS", "2000"))
 def decoding_scheduler() -> Scheduler:
     """A scheduler with NUM_SEQS sequences past their prompts, all decoding."""
     scheduler = Scheduler(
-        BlockManager(num_gpu_blocks=40_000, block_size=16, watermark=0.01),
+        KVCacheManager(num_gpu_blocks=40_000, block_size=16, watermark=0.01),
         Budgets(max_num_seqs=NUM_SEQS, max_num_batched_tokens=NUM_SEQS * PROMPT_LEN, max_model_len=8192),
         eos_token_ids=[0],
     )

@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from services.scheduler.block_manager import BlockManager  # noqa: E402
+from services.scheduler.kv_cache_manager import KVCacheManager  # noqa: E402
 from services.scheduler.scheduler import Budgets, Scheduler  # noqa: E402
 from shared.protocol import AddRequest, SampledTokens, StepResult  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
@@ -83,7 +83,7 @@ def end_with_eos(result: StepResult, scheduler: Scheduler, rng: random.Random, l
 
 def run(mode: str, width: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
-    manager = BlockManager(num_gpu_blocks=200_000, block_size=BLOCK_SIZE)
+    manager = KVCacheManager(num_gpu_blocks=200_000, block_size=BLOCK_SIZE)
     scheduler = Scheduler(manager, Budgets(256, 8192, 4096), eos_token_ids=[EOS])
     worker = StandInWorker(rng, scheduler)
     beam = mode == "beam"
@@ -113,8 +113,8 @@ def run(mode: str, width: int, seed: int = 0) -> dict:
         end_with_eos(result, scheduler, rng, lengths)
         scheduler.update(result)
         for request in scheduler.running:
-            logical += sum(len(seq.block_table) for seq in request.seqs)
-            physical += len({b for seq in request.seqs for b in seq.block_table})
+            logical += sum(len(seq.kv.block_table) for seq in request.seqs)
+            physical += len({b for seq in request.seqs for b in seq.kv.block_table})
     return {"mode": mode, "width": width, "saving_percent": 100.0 * (1 - physical / logical),
             "logical_block_steps": logical, "physical_block_steps": physical}
 

@@ -22,8 +22,9 @@ from shared.sampling import SamplingParams
 
 # 2: a step verifies proposed tokens, a result lists the tokens each sequence keeps; 3: grammars;
 # 4: the worker makes every proposal, and may settle where an entry starts; 5: the scheduler says
-# whether the worker keeps a sequence's samples; 6: a request's priority and tenant
-PROTOCOL_VERSION = 6
+# whether the worker keeps a sequence's samples; 6: a request's priority and tenant; 7: a step's block
+# moves are one list of transfers between tiers
+PROTOCOL_VERSION = 7
 
 
 # --- api <-> scheduler -------------------------------------------------------------------
@@ -194,9 +195,23 @@ class ScheduledSequence:
     worker_keeps_samples: bool = True
 
 
+DEVICE, HOST = 0, 1  # the tiers a KV block lives in: the device's pool, the worker's host memory
+
+
+@dataclass(slots=True)
+class BlockTransfer:
+    """Copy one KV block, every layer's keys and values, from one tier's block to another's (or within
+    the device: a copy-on-write)."""
+
+    src_tier: int
+    src_block: int
+    dst_tier: int
+    dst_block: int
+
+
 @dataclass(slots=True)
 class Step:
-    """Applied in field order: forks, drops, new sequences, swaps, copies, then the forward."""
+    """Applied in field order: forks, drops, new sequences, block transfers (in list order), then the forward."""
 
     step_id: int
     forks: list[Fork]
@@ -204,9 +219,7 @@ class Step:
     preempted_seq_ids: list[int]
     new_sequences: list[NewSequence]
     scheduled: list[ScheduledSequence]
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src gpu block, dst gpu block)
+    transfers: list[BlockTransfer] = field(default_factory=list)
 
 
 @dataclass(slots=True)

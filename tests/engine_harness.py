@@ -11,7 +11,7 @@ from collections import deque
 
 import torch
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from services.scheduler.speculation import Speculation
 from services.worker.decode_graphs import DecodeGraphs
@@ -58,7 +58,7 @@ class Engine:
                                       model.head_dim, dtype, kv_cache_dtype)
         policy = PreemptionPolicy(preemption, block_bytes, self.cache.measure_swap_bandwidth(),
                                   self.runner.measure_prefill_rate())
-        manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark=0.0,
+        manager = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark=0.0,
                                enable_prefix_caching=prefix_caching)
         context = min(config.max_position_embeddings, num_gpu_blocks * block_size)
         if not chunked_prefill:  # a recomputed request must fit one step

@@ -6,8 +6,9 @@ import itertools
 import time
 from collections import deque
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.policy import SchedulingPolicy
+from services.scheduler.request import RequestStatus
 from services.scheduler.reservation import Reservation
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from services.scheduler.speculation import Speculation
@@ -114,7 +115,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_s
                    num_cpu_blocks=0, preemption="recompute", prefix_caching=False, chunked=False,
                    reservation="paged", watermark=0.0, speculative: SpeculativeConfig | None = None,
                    policy: SchedulingPolicy | None = None, clock=time.monotonic):
-    manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=watermark,
+    manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks, watermark=watermark,
                            enable_prefix_caching=prefix_caching)
     if not chunked:  # a recomputed request must fit one step
         context = min(context, max_tokens_per_step)
@@ -135,20 +136,12 @@ def request(prompt_len=5, max_tokens=4, arrival=None, priority=0, tenant="", **s
 
 
 def check_block_accounting(scheduler: Scheduler) -> None:
-    """Every block is free, referenced, or cached-and-evictable, and reference counts match."""
-    manager = scheduler.block_manager
-    for pool, status in ((manager.gpu, "gpu"), (manager.cpu, "cpu")):
-        assert pool.num_free + pool.num_referenced + pool.num_evictable == pool.num_blocks
-        references: dict[int, int] = {}
-        for request in scheduler.requests.values():
-            on_cpu = request.status.value == "swapped"
-            if (status == "cpu") != on_cpu:
-                continue
-            for seq in request.seqs:
-                for block in seq.block_table:
-                    references[block] = references.get(block, 0) + 1
-        for block in range(pool.num_blocks):
-            assert pool.ref_count(block) == references.get(block, 0), (status, block)
+    """In every tier each block is free, referenced or cached, reference counts match the block tables,
+    and a request's blocks are in host memory exactly while it is swapped out."""
+    scheduler.kv_cache.audit(seq.kv for seq in scheduler.sequences.values())
+    for request in scheduler.requests.values():
+        for seq in request.seqs:
+            assert seq.kv.swapped == (request.status is RequestStatus.SWAPPED), (request, seq.kv.block_table)
 
 
 class Pipeline:
@@ -183,4 +176,5 @@ def run_to_completion(scheduler: Scheduler, worker: StandInWorker, max_steps=10_
             break
         for output in pipeline.advance():
             outputs.setdefault(output.request_id, []).append(output)
+        check_block_accounting(scheduler)
     return outputs

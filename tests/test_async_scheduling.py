@@ -35,7 +35,7 @@ def test_a_decode_is_planned_before_the_previous_result_is_in():
     scheduler.update(worker.run(ahead))
     assert worker.tokens[entry.seq_id] == [1, 2, 3, 4, 104, 105]
     seq = scheduler.sequences[entry.seq_id]
-    assert seq.output_token_ids == [104, 105] and seq.num_pending == 0 and seq.num_computed_tokens == 5
+    assert seq.output_token_ids == [104, 105] and seq.num_pending == 0 and seq.kv.num_computed == 5
 
 
 def test_samples_that_decide_what_comes_next_wait_for_their_result():
@@ -61,7 +61,7 @@ def test_a_stop_token_wastes_one_position_and_frees_everything():
     assert [t for o in outputs for d in o.sequences for t in d.token_ids] == [104, EOS]
     assert not scheduler.has_work()
     check_block_accounting(scheduler)
-    assert scheduler.block_manager.gpu.num_referenced == 0
+    assert scheduler.kv_cache.gpu.num_referenced == 0
 
 
 def test_nothing_is_preempted_while_a_step_is_in_flight():
@@ -74,7 +74,7 @@ def test_nothing_is_preempted_while_a_step_is_in_flight():
     while True:
         step = scheduler.schedule()  # always planned ahead: one step is in flight
         if step is not None:
-            assert step.preempted_seq_ids == [] and step.swap_out == []
+            assert step.preempted_seq_ids == [] and step.transfers == []
             in_flight.append(step)
         if scheduler.needs_drain:
             break
@@ -109,7 +109,7 @@ def test_planning_ahead_gives_the_tokens_of_planning_after_each_result(config, s
         admitted = [i for i, (prompt, sampling) in enumerate(specs) if scheduler.add(
             AddRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, **sampling), float(i))) is None]
         outputs = run_to_completion(scheduler, StandInWorker(_positional), depth=depth)
-        assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0
+        assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0
         tokens = {}
         for request_id, updates in outputs.items():
             assert updates[-1].finished and updates[-1].error is None

@@ -37,13 +37,13 @@ def test_beams_share_blocks_and_free_them_all_at_the_end(llama_dir):
     def measure(engine):
         for request in engine.scheduler.running:
             if len(request.seqs) > 1:
-                physical = {b for seq in request.seqs for b in seq.block_table}
-                shared.append(len(physical) < sum(len(seq.block_table) for seq in request.seqs))
+                physical = {b for seq in request.seqs for b in seq.kv.block_table}
+                shared.append(len(physical) < sum(len(seq.kv.block_table) for seq in request.seqs))
 
     engine.add(list(range(20, 45)), use_beam_search=True, best_of=4, n=4, max_tokens=10)
     engine.run(on_step=measure)
     assert shared and all(shared)
-    manager = engine.scheduler.block_manager
+    manager = engine.scheduler.kv_cache
     assert manager.num_free_blocks == manager.num_blocks
 
 

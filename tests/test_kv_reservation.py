@@ -19,14 +19,14 @@ def test_a_request_holds_its_reservation_from_its_first_step_and_never_grows(pol
     scheduler.add(request(prompt_len=5, max_tokens=9))
     scheduler.update(worker.run(scheduler.schedule()))
     seq = scheduler.running[0].seqs[0]
-    assert len(seq.block_table) == RESERVED_BLOCKS[policy]
+    assert len(seq.kv.block_table) == RESERVED_BLOCKS[policy]
     held = set()
     while scheduler.has_work():
         step = scheduler.schedule()
-        held.add(len(seq.block_table))
+        held.add(len(seq.kv.block_table))
         scheduler.update(worker.run(step))
     assert held == ({2, 3, 4} if policy == "paged" else {RESERVED_BLOCKS[policy]})
-    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
 
 
 @pytest.mark.parametrize("policy", ["max", "pow2", "oracle"])
@@ -41,7 +41,7 @@ def test_reservation_changes_memory_only_never_the_tokens(policy):
             scheduler.add(message)
         outputs[name] = tokens_of(run_to_completion(scheduler, StandInWorker()))
         check_block_accounting(scheduler)
-        assert scheduler.block_manager.num_free_blocks == 40
+        assert scheduler.kv_cache.num_free_blocks == 40
     assert outputs[policy] == outputs["paged"]
 
 
@@ -81,7 +81,7 @@ def test_a_reservation_is_one_run_of_consecutive_blocks(policy):
         scheduler.add(request(prompt_len=3 + i, max_tokens=5 + 2 * i))
     scheduler.update(worker.run(scheduler.schedule()))
     for running in scheduler.running:
-        table = running.seqs[0].block_table
+        table = running.seqs[0].kv.block_table
         assert table == list(range(table[0], table[0] + len(table)))
 
 
@@ -103,7 +103,7 @@ def test_free_blocks_in_runs_too_short_for_the_next_reservation_are_external_fra
         scheduler.update(worker.run(scheduler.schedule()))
     scheduler.update(worker.run(scheduler.schedule()))
     assert [r.request_id for r in scheduler.running] == ["b", "d"]
-    assert scheduler.running[1].seqs[0].block_table == [8, 9, 10]
+    assert scheduler.running[1].seqs[0].kv.block_table == [8, 9, 10]
     assert scheduler.stats().kv_slots_fragmented == 0
     run_to_completion(scheduler, worker)
     check_block_accounting(scheduler)
@@ -123,4 +123,4 @@ def test_reservations_fill_the_pool_to_the_last_block_as_they_never_grow_into_th
     for _ in range(3):
         scheduler.add(request(prompt_len=5, max_tokens=9))
     assert len(scheduler.schedule().scheduled) == 2  # 16 blocks each: the whole pool
-    assert scheduler.block_manager.num_free_blocks == 0
+    assert scheduler.kv_cache.num_free_blocks == 0

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.policy import make_policy
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
@@ -78,7 +78,7 @@ QUEUE_DELAY = 6  # steps, on the test's clock
 
 
 def _build(config, speculative: SpeculativeConfig | None = None, policy: str = "fcfs", clock=None) -> Scheduler:
-    manager = BlockManager(config["num_blocks"], config["block_size"], config["num_cpu_blocks"],
+    manager = KVCacheManager(config["num_blocks"], config["block_size"], config["num_cpu_blocks"],
                            config["watermark"], config["prefix_caching"])
     budgets = Budgets(config["max_num_seqs"], config["budget"], config["context"], config["chunked"])
     preemption = PreemptionPolicy(config["preemption"], block_bytes=1000, swap_bytes_per_second=1e6,
@@ -148,6 +148,6 @@ def test_every_admitted_request_finishes_within_the_bound(policy, config, specs)
                 f"still running after {busy_steps} steps; the bound is {bound}")
         step_index += 1
     assert set(admitted) <= finished
-    manager = scheduler.block_manager
+    manager = scheduler.kv_cache
     assert manager.gpu.num_referenced == 0 and manager.cpu.num_referenced == 0
     assert all(r.status is RequestStatus.FINISHED for r in scheduler.requests.values())

@@ -247,7 +247,7 @@ def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tm
         tokens, errors, finished = stream_of(good)
         assert finished and not any(errors) and tokens == [100 + p for p in range(3, 303)]
         assert wait_until(lambda: not any(r.startswith("stuck") for r in server.scheduler.requests), 30)
-        assert server.scheduler.block_manager.gpu.num_referenced == 0
+        assert server.scheduler.kv_cache.gpu.num_referenced == 0
 
 
 def test_an_api_cut_off_for_not_reading_learns_how_each_of_its_requests_ended_once_it_reads_again(tmp_path):

@@ -98,8 +98,8 @@ def test_parallel_samples_share_the_prompt_blocks(llama_dir):
 
     def measure(engine):
         for request in engine.scheduler.running:
-            physical = {b for seq in request.seqs for b in seq.block_table}
-            logical = sum(len(seq.block_table) for seq in request.seqs)
+            physical = {b for seq in request.seqs for b in seq.kv.block_table}
+            logical = sum(len(seq.kv.block_table) for seq in request.seqs)
             held.append((len(request.seqs), len(physical), logical))
 
     request_id = engine.add(prompt, n=4, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
@@ -128,7 +128,7 @@ def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llama
     candidates = sorted(finished["seqs"], key=lambda s: s.cumulative_logprob, reverse=True)
     assert len(candidates) == 5
     assert [tokens[0], tokens[1]] == [c.output_token_ids for c in candidates[:2]]
-    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
 
 
 def test_cached_prompt_tokens_are_counted_once_per_request_even_when_it_is_recomputed(llama_dir):

@@ -8,8 +8,8 @@ import torch
 
 from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
-from services.worker.model_runner import ModelRunner
-from shared.protocol import NewSequence, ScheduledSequence, Step
+from services.worker.model_runner import ModelRunner, StepError
+from shared.protocol import DEVICE, HOST, BlockTransfer, NewSequence, ScheduledSequence, Step
 from shared.sampling import SamplingParams
 from tests.tiny_models import hf_greedy
 
@@ -67,18 +67,36 @@ def test_greedy_with_the_triton_kernels_equals_hf_generate(model_dirs, family, m
     assert got == [hf_greedy(model_dir, p, 6) for p in PROMPTS]
 
 
-def test_copy_on_write_and_swaps_move_whole_blocks_in_every_layer():
+def test_a_steps_block_transfers_move_whole_blocks_in_every_layer_in_list_order():
     cache = KVCache(3, 8, 4, 2, 16, torch.float32, torch.device("cpu"), num_cpu_blocks=4)
     cache.cache.copy_(torch.randn(cache.cache.shape))
     original = cache.cache.clone()
-    cache.copy_blocks([(1, 5)])
-    assert torch.equal(cache.cache[:, :, 5], original[:, :, 1])
-    cache.swap_out([(2, 0), (3, 3)])
+    cache.transfer([BlockTransfer(DEVICE, 1, DEVICE, 5),  # copy-on-write
+                    BlockTransfer(DEVICE, 2, HOST, 0), BlockTransfer(DEVICE, 3, HOST, 3),  # a swap-out...
+                    BlockTransfer(DEVICE, 4, DEVICE, 2)])  # ...before its device block is written again
     cache.finish_swaps()
-    cache.cache[:, :, 2:4] = 0
-    cache.swap_in([(0, 6), (3, 7)])
+    assert torch.equal(cache.cache[:, :, 5], original[:, :, 1])
+    assert torch.equal(cache.cache[:, :, 2], original[:, :, 4])
+    cache.cache[:, :, 3] = 0
+    cache.transfer([BlockTransfer(HOST, 0, DEVICE, 6), BlockTransfer(HOST, 3, DEVICE, 7)])
     assert torch.equal(cache.cache[:, :, 6], original[:, :, 2])
     assert torch.equal(cache.cache[:, :, 7], original[:, :, 3])
+
+
+@pytest.mark.parametrize("transfer", [BlockTransfer(HOST, 0, HOST, 1), BlockTransfer(DEVICE, 8, HOST, 0),
+                                      BlockTransfer(DEVICE, 0, HOST, 4), BlockTransfer(2, 0, DEVICE, 0),
+                                      BlockTransfer(DEVICE, -1, DEVICE, 0)],
+                         ids=["host-to-host", "device-block-past-the-pool", "host-block-past-the-pool",
+                              "unknown-tier", "negative-block"])
+def test_a_transfer_the_worker_cannot_carry_out_fails_the_step_before_any_block_moves(transfer):
+    cache = KVCache(1, 8, 4, 2, 16, torch.float32, torch.device("cpu"), num_cpu_blocks=4)
+    cache.cache.copy_(torch.randn(cache.cache.shape))
+    before = cache.cache.clone()
+    runner = ModelRunner(torch.nn.Module(), cache, torch.device("cpu"), seed=0, vocab_size=16)
+    copy_first = BlockTransfer(DEVICE, 1, DEVICE, 2)
+    with pytest.raises(StepError, match="transfer"):
+        runner.execute(Step(0, [], [], [], [], [], [copy_first, transfer]))
+    assert torch.equal(cache.cache, before)
 
 
 def test_the_worker_refuses_a_bad_sequence_alone_and_serves_the_rest(llama_dir):

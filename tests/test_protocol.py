@@ -8,10 +8,13 @@ from services.scheduler.server import API_MESSAGE_CONTAINERS
 from shared import protocol
 from shared.frame_limits import DECODED_BYTES_PER_FRAME_BYTE, MAX_FRAME_BYTES
 from shared.protocol import (
+    DEVICE,
+    HOST,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Abort,
     AddRequest,
+    BlockTransfer,
     Fork,
     NewSequence,
     ProtocolError,
@@ -35,9 +38,8 @@ def test_every_field_survives_a_round_trip():
         preempted_seq_ids=[2],
         new_sequences=[NewSequence(3, [1, 2, 3], 3, SamplingParams(temperature=0.5, seed=11, stop_token_ids=[9]), 0)],
         scheduled=[ScheduledSequence(3, 0, 3, [], 0, [4, 5])],
-        swap_out=[(1, 2)],
-        swap_in=[(3, 4)],
-        copies=[(4, 6)],
+        transfers=[BlockTransfer(DEVICE, 1, HOST, 2), BlockTransfer(HOST, 3, DEVICE, 4),
+                   BlockTransfer(DEVICE, 4, DEVICE, 6)],
     )
     assert decode(encode(step)) == step
     outputs = RequestOutputs(

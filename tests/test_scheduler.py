@@ -12,7 +12,7 @@ def test_blocks_are_allocated_one_at_a_time_as_a_sequence_grows():
     for _ in range(6):
         scheduler.update(worker.run(step))
         step = scheduler.schedule()
-        held.append(len(scheduler.running[0].seqs[0].block_table))
+        held.append(len(scheduler.running[0].seqs[0].kv.block_table))
     # tokens computed after each decode: 6, 7, 8, 9, 10, 11 -> blocks 2, 2, 2, 3, 3, 3
     assert held == [2, 2, 2, 3, 3, 3]
 
@@ -55,7 +55,7 @@ def test_finished_requests_leave_at_once_and_free_their_blocks():
     finished = {o.request_id for o in outputs if o.finished}
     assert finished == {short.request_id}
     assert [r.request_id for r in scheduler.running] == [long.request_id]
-    assert scheduler.block_manager.num_free_blocks == 64 - 2
+    assert scheduler.kv_cache.num_free_blocks == 64 - 2
     next_step = scheduler.schedule()
     assert next_step.finished_seq_ids == [0]  # the worker is told to drop its copy
 
@@ -85,7 +85,7 @@ def test_latest_arrival_is_preempted_by_recompute_when_blocks_run_out():
     for req in (early, late):
         tokens = [t for o in outputs[req.request_id] for t in o.sequences[0].token_ids]
         assert tokens == [100 + 8 + i for i in range(12)]
-    assert scheduler.block_manager.num_free_blocks == 6
+    assert scheduler.kv_cache.num_free_blocks == 6
 
 
 def test_stop_rules_on_token_ids():
@@ -116,7 +116,7 @@ def test_abort_frees_blocks_and_tells_the_worker():
     scheduler.update(worker.run(scheduler.schedule()))
     seq = scheduler.running[0].seqs[0]
     assert scheduler.abort(r.request_id).finished
-    assert seq.finished and scheduler.block_manager.num_free_blocks == 64
+    assert seq.finished and scheduler.kv_cache.num_free_blocks == 64
     scheduler.add(request())
     assert scheduler.schedule().finished_seq_ids == [seq.seq_id]
 

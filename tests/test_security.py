@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, Sequence
 from shared.sampling import SamplingParams
 from tests.conftest import children, serve
@@ -69,15 +69,16 @@ def _sequence(tokens: list[int]) -> Sequence:
 
 
 def test_prefix_cache_keys_are_a_sha256_chain_over_the_whole_prefix():
-    manager = BlockManager(16, 4, enable_prefix_caching=True)
+    manager = KVCacheManager(16, 4, enable_prefix_caching=True)
     first = _sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
     manager.start(first, [])
     manager.append_slots(first, 9)
-    first.num_computed_tokens = 9
+    manager.mark_computed(first, 9)
     manager.cache_full_blocks(first)
     root = hashlib.sha256(array("q", [1, 2, 3, 4]).tobytes()).digest()
-    assert first.block_hashes == [root, hashlib.sha256(root + array("q", [5, 6, 7, 8]).tobytes()).digest()]
-    assert manager.match_prefix(_sequence([1, 2, 3, 4, 5, 6, 7, 8, 0])) == first.block_table[:2]
+    assert manager.gpu.holds(root)
+    assert manager.gpu.holds(hashlib.sha256(root + array("q", [5, 6, 7, 8]).tobytes()).digest())
+    assert manager.match_prefix(_sequence([1, 2, 3, 4, 5, 6, 7, 8, 0])) == first.kv.block_table[:2]
     # The same second block after another first block is another key: no hit.
     assert manager.match_prefix(_sequence([0, 2, 3, 4, 5, 6, 7, 8, 0])) == []
 
@@ -105,7 +106,7 @@ def test_tenants_and_cache_salts_find_only_their_own_prefixes_in_the_cache(llama
 
 def test_a_salt_roots_the_prefix_chain():
     salted = Sequence(0, Request("r", list(range(9)), SamplingParams(), 0.0, cache_salt="x"), 0)
-    manager = BlockManager(16, 4, enable_prefix_caching=True)
+    manager = KVCacheManager(16, 4, enable_prefix_caching=True)
     plain = _sequence(list(range(9)))
     assert manager._chain(plain, 2) != manager._chain(salted, 2)
     assert manager._chain(salted, 2)[0] == hashlib.sha256(

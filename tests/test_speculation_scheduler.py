@@ -59,7 +59,7 @@ def test_a_decode_step_asks_the_worker_for_proposals_and_holds_the_slots_for_the
     assert entry.num_draft_tokens == 4 and entry.num_tokens == 1 + 4 and not entry.start_at_end
     seq = scheduler.sequences[entry.seq_id]
     assert entry.start == seq.num_tokens - 1  # after the last token, whose keys come first
-    assert len(seq.block_table) * 4 >= entry.start + entry.num_tokens  # a slot for every proposal
+    assert len(seq.kv.block_table) * 4 >= entry.start + entry.num_tokens  # a slot for every proposal
     assert not scheduler.needs_drain  # the worker makes the proposals: the next step is planned at once
 
 
@@ -76,7 +76,7 @@ def test_a_step_planned_behind_a_speculating_one_starts_where_the_worker_says():
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # some proposals were rejected
     want = [999 if p == 12 else 100 + p % 3 for p in range(6, 36)]
     assert tokens_of(outputs, req.request_id) == want
-    assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0
+    assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0
 
 
 def test_rejected_proposals_give_back_their_positions_and_blocks():
@@ -88,8 +88,8 @@ def test_rejected_proposals_give_back_their_positions_and_blocks():
         scheduler.update(worker.run(scheduler.schedule()))
         check_block_accounting(scheduler)
     seq = next(iter(scheduler.sequences.values()))
-    assert seq.num_speculative == 0 and seq.num_computed_tokens == seq.num_tokens - 1
-    assert len(seq.block_table) == -(-seq.num_computed_tokens // 4)  # none held for rejected positions
+    assert seq.num_speculative == 0 and seq.kv.num_computed == seq.num_tokens - 1
+    assert len(seq.kv.block_table) == -(-seq.kv.num_computed // 4)  # none held for rejected positions
     stats = scheduler.speculation.stats
     assert stats.num_drafts == 1 and stats.num_draft_tokens == 4 and stats.num_accepted_tokens == 1
 
@@ -105,7 +105,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there():
     assert tokens[-1] == 7 and len(tokens) == stop_at - 6 + 1  # nothing after the stop token
     assert outputs[req.request_id][-1].sequences[0].finish_reason == "stop"
     assert any(proposals > 1 for _, proposals in worker.verified)
-    assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0
+    assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0
 
 
 def test_proposals_never_run_past_max_tokens_or_the_context():
@@ -188,14 +188,14 @@ def test_speculation_gives_the_tokens_of_plain_decoding_and_keeps_the_invariants
             request = AddRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, **sampling), float(i))
             if scheduler.add(request) is None:
                 prompts[f"r{i}"] = prompt
-        worker = StandInWorker(drifting, block_size=scheduler.block_manager.block_size)
+        worker = StandInWorker(drifting, block_size=scheduler.kv_cache.block_size)
         outputs = run_to_completion(scheduler, worker, depth=depth)
-        assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0
+        assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0
         check_block_accounting(scheduler)
         beams = any(sampling.get("use_beam_search") for _, sampling in specs)  # pruned beams hash blocks too
-        if scheduler.block_manager.gpu.enable_caching and not beams:  # no rejected token was ever hashed
-            cached = set(scheduler.block_manager.gpu._by_hash)
-            assert cached <= _cache_keys_of_true_tokens(outputs, prompts, scheduler.block_manager.block_size)
+        if scheduler.kv_cache.gpu.enable_caching and not beams:  # no rejected token was ever hashed
+            cached = set(scheduler.kv_cache.gpu._by_hash)
+            assert cached <= _cache_keys_of_true_tokens(outputs, prompts, scheduler.kv_cache.block_size)
         results.append(
             {
                 (r, d.index): [t for o in outputs[r] for dd in o.sequences if dd.index == d.index for t in dd.token_ids]
@@ -212,7 +212,7 @@ def test_checking_blocks_after_every_step_of_a_speculating_batch_under_preemptio
         scheduler = make_scheduler(
             num_blocks=14, block_size=4, num_cpu_blocks=32, preemption=preemption, speculative=NGRAM
         )
-        worker = StandInWorker(drifting, block_size=scheduler.block_manager.block_size)
+        worker = StandInWorker(drifting, block_size=scheduler.kv_cache.block_size)
         for i in range(4):
             scheduler.add(request(prompt_len=6 + i, max_tokens=24))
         steps = 0
@@ -226,7 +226,7 @@ def test_checking_blocks_after_every_step_of_a_speculating_batch_under_preemptio
         preempted = getattr(scheduler.counters, f"preemptions_{preemption}")
         assert preempted > 0, "the pool was meant to be too small for all four"
         assert any(n for _, n in worker.verified) and scheduler.speculation.stats.num_accepted_tokens > 0
-        assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0
+        assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0
 
 
 def test_no_proposals_while_more_sequences_decode_than_disable_by_batch_size():
@@ -284,4 +284,4 @@ def test_no_proposals_for_the_step_that_forks_a_prompt_into_n_samples():
     assert (last_prompt_token.start, last_prompt_token.num_tokens) == (8, 1)
     assert last_prompt_token.num_draft_tokens == 0
     assert {i: len(tokens_of(outputs, "forks", i)) for i in (0, 1)} == {0: 6, 1: 6}
-    assert not scheduler.has_work() and scheduler.block_manager.gpu.num_referenced == 0
+    assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.reservation import Reservation
 from shared.protocol import MAX_CACHE_SALT_CHARS, MAX_TENANT_CHARS, PRIORITY_LIMIT, AddRequest
 from shared.sampling import SamplingParams
@@ -39,11 +39,11 @@ class Budgets:
 
 
 class Admission:
-    def __init__(self, budgets: Budgets, block_manager: BlockManager, reservation: Reservation,
+    def __init__(self, budgets: Budgets, kv_cache: KVCacheManager, reservation: Reservation,
                  vocab_size: int | None, scheduling_policy: str = "fcfs"):
         self.budgets = budgets
         self.scheduling_policy = scheduling_policy
-        self.block_manager = block_manager
+        self.kv_cache = kv_cache
         self.reservation = reservation
         self.vocab_size = vocab_size
 
@@ -80,7 +80,7 @@ class Admission:
         if message.sampling.num_samples > 1 and not self.reservation.paged:
             return f"this server reserves KV memory per request ({self.reservation.policy}): one sample only"
         worst = self.worst_case_blocks(num_prompt, message.sampling)
-        usable = self.block_manager.num_blocks - self.block_manager.watermark_blocks
+        usable = self.kv_cache.num_blocks - self.kv_cache.watermark_blocks
         if worst > usable:
             return (
                 f"this request could need {worst} KV blocks with all its {message.sampling.num_samples} "
@@ -93,7 +93,7 @@ class Admission:
         recompute shares them again when the first sample's prompt fits one step), and each
         may own every later block up to max_tokens. Proposals never count: they take blocks
         only where blocks are free."""
-        size = self.block_manager.block_size
+        size = self.kv_cache.block_size
         if not self.reservation.paged:
             return self.reserved_blocks(num_prompt, sampling)
         max_new = min(sampling.max_tokens, self.budgets.max_model_len - num_prompt)
@@ -103,4 +103,4 @@ class Admission:
     def reserved_blocks(self, num_prompt: int, sampling: SamplingParams) -> int:
         """Blocks a request holds from its start under a reservation baseline; 0 under paging."""
         tokens = self.reservation.tokens(num_prompt, sampling.max_tokens, self.budgets.max_model_len)
-        return -(-tokens // self.block_manager.block_size)
+        return -(-tokens // self.kv_cache.block_size)

@@ -11,6 +11,7 @@ import enum
 import time
 
 from services.scheduler.beam_search import BeamSearch
+from services.scheduler.kv_cache_manager import SequenceKV
 from shared.prefix_keys import salted_root
 from shared.protocol import SampledTokens
 from shared.sampling import SamplingParams
@@ -24,10 +25,11 @@ class RequestStatus(enum.Enum):
 
 
 class Sequence:
+    """Tokens and sampling state. Its KV state is the handle `kv`, which the KV cache manager owns."""
+
     __slots__ = ("seq_id", "request", "num_prompt_tokens", "index", "output_token_ids", "output_logprobs",
-                 "output_top_logprobs", "cumulative_logprob", "num_computed_tokens", "num_pending", "block_table",
-                 "block_hashes", "num_tokens_known_to_worker", "first_unsynced_block", "finish_reason", "num_drafts",
-                 "num_speculative")
+                 "output_top_logprobs", "cumulative_logprob", "num_pending", "kv", "num_tokens_known_to_worker",
+                 "finish_reason", "num_drafts", "num_speculative")
 
     def __init__(self, seq_id: int, request: Request, index: int, output_token_ids: list[int] | None = None):
         self.seq_id = seq_id
@@ -38,12 +40,10 @@ class Sequence:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
-        self.num_computed_tokens = 0  # may run one token past num_tokens: see num_pending
         self.num_pending = 0  # samples that steps in flight will bring: their positions may be scheduled
-        self.block_table: list[int] = []  # GPU block ids, or CPU ones while swapped
-        self.block_hashes: list[bytes] = []  # prefix-cache keys of the full blocks so far
+        # Its computed positions may run one token past num_tokens: see num_pending.
+        self.kv = SequenceKV()
         self.num_tokens_known_to_worker = 0  # 0: the worker holds no copy of this sequence
-        self.first_unsynced_block = 0  # block table entries from here on are new to the worker
         self.finish_reason: str | None = None
         # Speculation: the proposals the worker is to make in the step being planned, and how many
         # positions of the steps in flight are proposals. Those count in num_computed_tokens, as if
@@ -74,13 +74,10 @@ class Sequence:
         return self.output_token_ids[position - self.num_prompt_tokens]
 
     def forget_worker_copy(self) -> None:
-        """After a recompute preemption: compute everything again from the tokens."""
-        self.num_computed_tokens = 0
+        """After a recompute preemption (the KV cache manager has reset its KV state): nothing is in flight."""
         self.num_pending = 0
         self.num_speculative = 0
         self.num_tokens_known_to_worker = 0
-        self.first_unsynced_block = 0
-        self.block_hashes.clear()
 
 
 class Request:

@@ -2,7 +2,7 @@
 filled, append the tokens it gave (stopping where a stop rule says), fork new samples, advance
 beam searches, and report each request's progress.
 
-It works through the sequence registry and the block manager it is given; the requests it ends
+It works through the sequence registry and the KV cache manager it is given; the requests it ends
 are returned for the policy to take off its queues.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.scheduler.beam_search import BeamInput, BeamSearch, Candidate
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus, Sequence
 from services.scheduler.sequences import SequenceRegistry
 from shared.protocol import PromptLogprobs, RequestOutput, SampledTokens, SequenceDelta, StepResult
@@ -31,9 +31,9 @@ class Applied:
 
 
 class ResultProcessor:
-    def __init__(self, registry: SequenceRegistry, block_manager: BlockManager):
+    def __init__(self, registry: SequenceRegistry, kv_cache: KVCacheManager):
         self.registry = registry
-        self.block_manager = block_manager
+        self.kv_cache = kv_cache
 
     def apply(self, result: StepResult, scheduled: list[Sequence], drafts: dict[int, int]) -> Applied:
         """`drafts`: seq_id -> the proposals the step asked the worker for, counted as computed."""
@@ -52,10 +52,10 @@ class ResultProcessor:
                 if sampled.num_proposed:
                     applied.verified.append((sampled.num_proposed, accepted))
                 self.registry.settle_proposals(seq, asked, accepted)
-        if self.block_manager.gpu.enable_caching:
+        if self.kv_cache.caching:
             for seq in scheduled:
                 if not seq.finished and seq.request.status is RequestStatus.RUNNING:
-                    self.block_manager.cache_full_blocks(seq)
+                    self.kv_cache.cache_full_blocks(seq)
         for computed in result.prompt_logprobs:
             self._record_prompt_logprobs(computed)
         for items in by_request.values():
@@ -80,7 +80,7 @@ class ResultProcessor:
                                                 f"the worker refused this request: {reason}", "error"))
 
     def _end(self, request: Request, applied: Applied) -> None:
-        self.registry.release(request, swapped=request.status is RequestStatus.SWAPPED)
+        self.registry.release(request)
         applied.ended.append(request)
 
     # --- sampling (n, best_of) -----------------------------------------------------------

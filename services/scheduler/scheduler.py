@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.scheduler.admission import Admission, Budgets, ConfigError
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.policy import Rank, SchedulingPolicy, TenantLabels, priority_class
 from services.scheduler.request import Request, RequestStatus, Sequence
 from services.scheduler.reservation import Reservation
@@ -51,7 +51,17 @@ from services.scheduler.sequences import SequenceRegistry
 from services.scheduler.speculation import Speculation
 from services.scheduler.stats import Stats
 from services.scheduler.stopping import StopRule
-from shared.protocol import AddRequest, NewSequence, RequestOutput, ScheduledSequence, SequenceDelta, Step, StepResult
+from shared.protocol import (
+    DEVICE,
+    AddRequest,
+    BlockTransfer,
+    NewSequence,
+    RequestOutput,
+    ScheduledSequence,
+    SequenceDelta,
+    Step,
+    StepResult,
+)
 from shared.sampling import InvalidParameter
 
 __all__ = ["Budgets", "ConfigError", "PreemptionPolicy", "Scheduler"]
@@ -91,13 +101,11 @@ class Counters:
 
 @dataclass(slots=True)
 class _Plan:
-    """The step being planned: what it runs, the block moves it needs, and the tokens it has left."""
+    """The step being planned: what it runs, the block transfers it needs, and the tokens it has left."""
 
     tokens_left: int
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, positions to compute)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    transfers: list[BlockTransfer] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -134,7 +142,7 @@ class PreemptionPolicy:
 class Scheduler:
     def __init__(
         self,
-        block_manager: BlockManager,
+        kv_cache: KVCacheManager,
         budgets: Budgets,
         eos_token_ids: list[int],
         preemption: PreemptionPolicy | None = None,
@@ -146,20 +154,20 @@ class Scheduler:
     ):
         budgets.check()
         self.reservation = reservation or Reservation()
-        if not self.reservation.paged and block_manager.gpu.enable_caching:
+        if not self.reservation.paged and kv_cache.caching:
             raise ConfigError(f"--kv-reservation {self.reservation.policy} is a baseline without sharing: "
                               "it cannot run with prefix caching")
         if not self.reservation.paged and speculation is not None:
             raise ConfigError(f"--kv-reservation {self.reservation.policy} is a baseline: it does not speculate")
-        self.block_manager = block_manager
+        self.kv_cache = kv_cache
         self.budgets = budgets
         self.policy = policy or SchedulingPolicy()
         self.clock = clock
-        self.admission = Admission(budgets, block_manager, self.reservation, vocab_size or None, self.policy.name)
+        self.admission = Admission(budgets, kv_cache, self.reservation, vocab_size or None, self.policy.name)
         self.preemption = preemption or PreemptionPolicy()
         self.speculation = speculation
-        self.registry = SequenceRegistry(block_manager, StopRule(frozenset(eos_token_ids), budgets.max_model_len))
-        self.results = ResultProcessor(self.registry, block_manager)
+        self.registry = SequenceRegistry(kv_cache, StopRule(frozenset(eos_token_ids), budgets.max_model_len))
+        self.results = ResultProcessor(self.registry, kv_cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order
         self.swapped: list[Request] = []  # in arrival order
@@ -242,16 +250,16 @@ class Scheduler:
             wants = self._within_free_blocks(self._wants(request, plan.tokens_left - held))
             if not wants:
                 continue
-            if ahead and not self.block_manager.can_append(wants):
+            if ahead and not self.kv_cache.can_append(wants):
                 self.needs_drain = True
                 break
-            while not self.block_manager.can_append(wants):
+            while not self.kv_cache.can_append(wants):
                 if end > next_index:
                     end -= 1
                     victim = queue[end]
                 else:
                     victim = request
-                plan.swap_out += self._preempt(victim)
+                plan.transfers += self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
@@ -262,7 +270,7 @@ class Scheduler:
             self._resume(plan, starts_prompts=not ahead or bool(held) or self._deferred()
                          or self._prompts_fill(plan.tokens_left), only_head=bool(held))
 
-        if not (plan.scheduled or plan.swap_out or plan.swap_in):
+        if not (plan.scheduled or plan.transfers):
             return None
         return self._build_step(plan)
 
@@ -271,7 +279,7 @@ class Scheduler:
         planned ahead: one already queued behind the step computing would delay a request arriving now
         that outranks it by a long step more, while planning it after costs the worker only the planning."""
         budget = self.budgets.max_num_batched_tokens
-        tokens = sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+        tokens = sum(max(0, seq.num_prompt_tokens - seq.kv.num_computed)
                      for request in self.running for seq in request.seqs)
         seats = self.budgets.max_num_seqs - self._num_running_seats()
         for request in self.waiting:  # those that could start: as many as there are seats
@@ -316,7 +324,7 @@ class Scheduler:
             if ahead:
                 self.needs_drain = True
                 break
-            plan.swap_out += self._preempt(self.running[-1])
+            plan.transfers += self._preempt(self.running[-1])
         return 0, ()
 
     def _could_resume(self, request: Request) -> bool:
@@ -325,7 +333,7 @@ class Scheduler:
         if self._num_running_seats() + request.num_seats > self.budgets.max_num_seqs:
             return False
         if request.status is RequestStatus.SWAPPED:
-            return self.block_manager.can_swap_in(request)
+            return self.kv_cache.can_swap_in(request)
         return self._plan_start(request, self.budgets.max_num_batched_tokens) is not None
 
     def _wants(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
@@ -336,7 +344,7 @@ class Scheduler:
             seq.num_drafts = 0
             if seq.num_pending and not self._runs_ahead(seq):
                 continue
-            n = seq.num_tokens + seq.num_coming - seq.num_computed_tokens
+            n = seq.num_tokens + seq.num_coming - seq.kv.num_computed
             if n > budget:
                 n = budget if self.budgets.chunked_prefill else 0
             if n == 1 and self._speculating and self.speculation is not None:
@@ -350,7 +358,7 @@ class Scheduler:
     def _within_free_blocks(self, wants: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """The request's wants, without its proposals where their blocks are not free: speculation
         never makes anyone wait or be preempted."""
-        if not wants or self.block_manager.can_append(wants):
+        if not wants or self.kv_cache.can_append(wants):
             return wants
         fitted = []
         for seq, n in wants:
@@ -361,7 +369,7 @@ class Scheduler:
     def _num_decoding(self) -> int:
         """Running sequences past their prompt: those a step that speculates gives proposals."""
         return sum(1 for request in self.running for seq in request.seqs
-                   if seq.num_computed_tokens >= seq.num_prompt_tokens)
+                   if seq.kv.num_computed >= seq.num_prompt_tokens)
 
     def _runs_ahead(self, seq: Sequence) -> bool:
         """Whether a sequence's next position may be scheduled before its pending sample is known:
@@ -374,7 +382,7 @@ class Scheduler:
 
     def _take(self, wants: list[tuple[Sequence, int]], plan: _Plan) -> None:
         for seq, n in wants:
-            plan.copies += self.block_manager.append_slots(seq, n)
+            plan.transfers += self.kv_cache.append_slots(seq, n)
             plan.scheduled.append((seq, n))
             plan.tokens_left -= n
 
@@ -417,12 +425,12 @@ class Scheduler:
             if self._num_running_seats() + request.num_seats > self.budgets.max_num_seqs:
                 break
             if request.status is RequestStatus.SWAPPED:
-                if self.block_manager.can_swap_in(request):
+                if self.kv_cache.can_swap_in(request):
                     self.swapped.pop(0)
-                    plan.swap_in += self.block_manager.swap_in(request)
+                    plan.transfers += self.kv_cache.swap_in(request)
                     self._mark_running(request)
                     wants = self._within_free_blocks(self._wants(request, plan.tokens_left))
-                    if wants and self.block_manager.can_append(wants):
+                    if wants and self.kv_cache.can_append(wants):
                         self._take(wants, plan)
                     continue
                 if self.running:
@@ -440,13 +448,13 @@ class Scheduler:
         self._mark_running(request)
         leader = start.leader
         self._begin(leader, start.hits, from_cache=True)
-        self.block_manager.reserve(leader, self._reserved_blocks(request))
+        self.kv_cache.reserve(leader, self._reserved_blocks(request))
         self._take([(leader, start.num_tokens)] if start.num_tokens else [], plan)
         for seq, n in start.followers:
-            self._begin(seq, leader.block_table[:start.shared_blocks], from_cache=False)
+            self._begin(seq, list(leader.kv.block_table[:start.shared_blocks]), from_cache=False)
             self._take([(seq, n)] if n else [], plan)
         # The prompt's cost counts when it is admitted, so that the next admission of this step sees it.
-        self.policy.served(request, leader.num_tokens - leader.num_computed_tokens, 0)
+        self.policy.served(request, leader.num_tokens - leader.kv.num_computed, 0)
         if self.policy.ranks_by_service:
             self._rank_waiting()
         return True
@@ -455,8 +463,7 @@ class Scheduler:
         log.info("%s cannot swap back in; recomputing it instead", request.request_id)
         self.swapped.remove(request)
         for seq in request.seqs:
-            self.block_manager.free(seq, self.block_manager.cpu)
-            self.registry.forget_worker_copy(seq)
+            self.registry.preempt_by_recompute(seq)
         request.status = RequestStatus.WAITING
         self._requeue(request)
 
@@ -478,11 +485,11 @@ class Scheduler:
         they have in common with the first, as far as the first computes it in this very step:
         the worker writes a step's keys and values before any attention reads them.
         """
-        size = self.block_manager.block_size
+        size = self.kv_cache.block_size
         leader, *others = request.seqs
         # Prompt log-probabilities come from computing the prompt: no cached blocks until they are out.
         wants_prompt = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
-        hits = [] if wants_prompt else self.block_manager.match_prefix(leader)
+        hits = [] if wants_prompt else self.kv_cache.match_prefix(leader)
         n = self._fit(leader.num_tokens - len(hits) * size, budget)
         budget -= n
         needed = -(-(len(hits) * size + n) // size) - len(hits)
@@ -496,13 +503,13 @@ class Scheduler:
         if n == 0 and not any(n_seq for _, n_seq in followers):
             return None
         reserved = self._reserved_blocks(request)
-        if reserved and not self.block_manager.can_reserve(reserved):
+        if reserved and not self.kv_cache.can_reserve(reserved):
             return None
         needed = max(needed, reserved)
-        revived = sum(1 for block in hits if self.block_manager.gpu.is_evictable(block))
-        left = self.block_manager.num_free_blocks - revived - needed
+        revived = sum(1 for block in hits if self.kv_cache.is_cached_unused(block))
+        left = self.kv_cache.num_free_blocks - revived - needed
         # The watermark keeps room for running sequences to grow into; a reservation never grows.
-        if left < (self.block_manager.watermark_blocks if self.reservation.paged else 0):
+        if left < (self.kv_cache.watermark_blocks if self.reservation.paged else 0):
             return None
         return _StartPlan(leader, hits, n, shared_blocks, followers)
 
@@ -513,7 +520,7 @@ class Scheduler:
         return budget if self.budgets.chunked_prefill else 0
 
     def _begin(self, seq: Sequence, computed_blocks: list[int], from_cache: bool) -> None:
-        self.block_manager.start(seq, computed_blocks)
+        self.kv_cache.start(seq, computed_blocks)
         if not from_cache:
             return
         request = seq.request
@@ -521,10 +528,10 @@ class Scheduler:
             request.first_scheduled = self.clock()
             self.queue_times.append((request.first_scheduled - request.received, self.tenant_labels(request.tenant),
                                      priority_class(request.priority)))
-        if not request.looked_up and self.block_manager.gpu.enable_caching:
+        if not request.looked_up and self.kv_cache.caching:
             request.looked_up = True
             self.counters.prompt_tokens_queried += request.num_prompt_tokens
-        cached = min(seq.num_computed_tokens, request.num_prompt_tokens)
+        cached = min(seq.kv.num_computed, request.num_prompt_tokens)
         # Counted once per request: a recomputed request that hits its own blocks again is no new hit.
         self.counters.prompt_tokens_cached += max(0, cached - request.num_cached_prompt_tokens)
         request.num_cached_prompt_tokens = max(request.num_cached_prompt_tokens, cached)
@@ -534,14 +541,14 @@ class Scheduler:
         self.running.append(request)
         self.running.sort(key=self.policy.rank)
 
-    def _preempt(self, request: Request) -> list[tuple[int, int]]:
+    def _preempt(self, request: Request) -> list[BlockTransfer]:
         # Alone and still short of blocks (its samples' copies of a shared block): swapping out
         # and back in would give the same state, while a recompute starts its samples unshared.
         alone = self.running == [request]
         self.running.remove(request)
-        manager = self.block_manager
-        num_blocks = len({b for seq in request.seqs for b in seq.block_table})
-        num_tokens = sum(seq.num_computed_tokens for seq in request.seqs)
+        manager = self.kv_cache
+        num_blocks = manager.num_blocks_held(request)
+        num_tokens = sum(seq.kv.num_computed for seq in request.seqs)
         for seq in request.seqs:
             seq.num_drafts = 0
         if not alone and self.preemption.prefers_swap(num_blocks, num_tokens) and manager.can_swap_out(request):
@@ -554,8 +561,7 @@ class Scheduler:
         log.info("preempting %s by recompute", request.request_id)
         self.counters.preemptions_recompute += 1
         for seq in request.seqs:
-            manager.free(seq)
-            self.registry.forget_worker_copy(seq)
+            self.registry.preempt_by_recompute(seq)
         request.status = RequestStatus.WAITING
         self._requeue(request)
         return []
@@ -567,16 +573,16 @@ class Scheduler:
         drafts: dict[int, int] = {}
         prompt_tokens_computed = num_decoding = 0
         for seq, num_tokens in plan.scheduled:
-            computed, num_prompt = seq.num_computed_tokens, seq.num_prompt_tokens
+            computed, num_prompt = seq.kv.num_computed, seq.num_prompt_tokens
             coming = seq.num_tokens + seq.num_coming  # if every proposal in flight is kept
             new, entry = self.registry.step_entry(seq, num_tokens)
             if new is not None:
                 new_sequences.append(new)
             entries.append(entry)
-            seq.num_computed_tokens = computed + num_tokens  # proposals included, until the result settles them
+            self.kv_cache.mark_computed(seq, num_tokens)  # proposals included, until the result settles them
             if entry.num_draft_tokens:
                 drafts[seq.seq_id] = entry.num_draft_tokens
-            samples = seq.num_computed_tokens - entry.num_draft_tokens == coming
+            samples = computed + num_tokens - entry.num_draft_tokens == coming
             if samples:
                 seq.num_pending += 1
                 sampled.append(seq)
@@ -586,13 +592,16 @@ class Scheduler:
             self._count_served(seq.request, prompt_part, int(samples))
         counters = self.counters
         counters.prompt_tokens_computed += prompt_tokens_computed
-        counters.blocks_swapped_out += len(plan.swap_out)
-        counters.blocks_swapped_in += len(plan.swap_in)
-        counters.blocks_copied += len(plan.copies)
+        for transfer in plan.transfers:
+            if transfer.src_tier == transfer.dst_tier:
+                counters.blocks_copied += 1
+            elif transfer.src_tier == DEVICE:
+                counters.blocks_swapped_out += 1
+            else:
+                counters.blocks_swapped_in += 1
         counters.tokens_scheduled += sum(n for _, n in plan.scheduled)
         forks, dropped, preempted = self.registry.take_worker_notices()
-        step = Step(counters.steps, forks, dropped, preempted, new_sequences, entries, plan.swap_out, plan.swap_in,
-                    plan.copies)
+        step = Step(counters.steps, forks, dropped, preempted, new_sequences, entries, plan.transfers)
         self.in_flight[step.step_id] = _InFlight([seq for seq, _ in plan.scheduled], sampled, num_decoding,
                                                  self._speculating, prompt_tokens_computed > 0, drafts)
         counters.steps += 1
@@ -612,7 +621,7 @@ class Scheduler:
         served[1] += output_tokens
 
     def finish_request(self, request: Request) -> None:
-        self.registry.release(request, swapped=request.status is RequestStatus.SWAPPED)
+        self.registry.release(request)
         self._dequeue(request)
 
     def _dequeue(self, request: Request) -> None:
@@ -653,11 +662,11 @@ class Scheduler:
 
     def load(self) -> tuple[int, int, float]:
         """Requests running (or swapped out), requests waiting, and the share of device blocks in use."""
-        gpu = self.block_manager.gpu
+        gpu = self.kv_cache.gpu
         return len(self.running) + len(self.swapped), len(self.waiting), gpu.num_referenced / max(gpu.num_blocks, 1)
 
     def stats(self) -> Stats:
-        gpu, cpu = self.block_manager.gpu, self.block_manager.cpu
+        gpu, cpu = self.kv_cache.gpu, self.kv_cache.cpu
         holding, reserved = self._slot_use()
         counters = self.counters
         return Stats(
@@ -671,8 +680,8 @@ class Scheduler:
             blocks_swapped_out=counters.blocks_swapped_out, blocks_swapped_in=counters.blocks_swapped_in,
             blocks_copied=counters.blocks_copied, tokens_scheduled=counters.tokens_scheduled,
             kv_slots_holding_tokens=holding, kv_slots_reserved=reserved,
-            kv_slots_fragmented=self._fragmented_blocks() * self.block_manager.block_size,
-            block_size=self.block_manager.block_size,
+            kv_slots_fragmented=self._fragmented_blocks() * self.kv_cache.block_size,
+            block_size=self.kv_cache.block_size,
             prefix_cache_queries=counters.prompt_tokens_queried,
             speculation=self.speculation.snapshot() if self.speculation is not None else None,
             served={label: (prompt, output) for label, (prompt, output) in counters.served.items()},
@@ -684,7 +693,7 @@ class Scheduler:
         if self.reservation.paged or not self.waiting:
             return 0
         head = self.waiting[0]
-        return self.block_manager.fragmented_blocks(self._reserved_blocks(head))
+        return self.kv_cache.fragmented_blocks(self._reserved_blocks(head))
 
     def _slot_use(self) -> tuple[int, int]:
         """Slots of the device's referenced blocks that hold token states (over all referenced slots:
@@ -692,19 +701,19 @@ class Scheduler:
         max_tokens; a block shared by several sequences counted once."""
         held: dict[int, int] = {}
         wanted: dict[int, int] = {}
-        size, context = self.block_manager.block_size, self.budgets.max_model_len
+        size, context = self.kv_cache.block_size, self.budgets.max_model_len
         for request in self.running:
             final = min(request.num_prompt_tokens + request.sampling.max_tokens, context)
             for seq in request.seqs:
-                for i, block in enumerate(seq.block_table):
-                    held[block] = max(held.get(block, 0), min(size, max(0, seq.num_computed_tokens - i * size)))
+                for i, block in enumerate(seq.kv.block_table):
+                    held[block] = max(held.get(block, 0), min(size, max(0, seq.kv.num_computed - i * size)))
                     wanted[block] = max(wanted.get(block, 0), min(size, max(0, final - i * size)))
         holding = sum(held.values())
         return holding, sum(max(0, wanted[b] - held[b]) for b in held)
 
 
 def _in_prompt(request: Request) -> bool:
-    return any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in request.seqs)
+    return any(seq.kv.num_computed < seq.num_prompt_tokens for seq in request.seqs)
 
 
 def _common_prefix(seqs: list[Sequence]) -> int:

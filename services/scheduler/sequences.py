@@ -7,15 +7,15 @@ which sequences they lack, which tokens their copies miss, and which copies to f
 
 from __future__ import annotations
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, Sequence
 from services.scheduler.stopping import StopRule
 from shared.protocol import Fork, NewSequence, ScheduledSequence
 
 
 class SequenceRegistry:
-    def __init__(self, block_manager: BlockManager, stop: StopRule):
-        self.block_manager = block_manager
+    def __init__(self, kv_cache: KVCacheManager, stop: StopRule):
+        self.kv_cache = kv_cache
         self.stop = stop
         self.requests: dict[str, Request] = {}
         self.sequences: dict[int, Sequence] = {}
@@ -44,16 +44,15 @@ class SequenceRegistry:
         child.output_logprobs = list(parent.output_logprobs)
         child.output_top_logprobs = list(parent.output_top_logprobs)
         child.cumulative_logprob = parent.cumulative_logprob
-        self.block_manager.fork(parent, child)
+        self.kv_cache.fork(parent, child)
         child.num_tokens_known_to_worker = parent.num_tokens_known_to_worker
-        child.first_unsynced_block = parent.first_unsynced_block
         if parent.num_tokens_known_to_worker:
             self._forks.append(Fork(child.seq_id, parent.seq_id, index))
         return child
 
-    def finish_sequence(self, seq: Sequence, reason: str, swapped: bool = False) -> None:
-        """End a sequence and free its blocks (in the swap space when its request is swapped out)."""
-        self.block_manager.free(seq, self.block_manager.cpu if swapped else None)
+    def finish_sequence(self, seq: Sequence, reason: str) -> None:
+        """End a sequence and free its blocks."""
+        self.kv_cache.free(seq)
         if seq.num_tokens_known_to_worker:
             self._dropped.append(seq.seq_id)
         seq.finish_reason = reason
@@ -62,14 +61,15 @@ class SequenceRegistry:
             seq.request.finished_seqs.append(seq)
         del self.sequences[seq.seq_id]
 
-    def release(self, request: Request, swapped: bool = False) -> None:
+    def release(self, request: Request) -> None:
         """End every live sequence of the request and forget it; leaving its queue is the policy's part."""
         for seq in list(request.seqs):
-            self.finish_sequence(seq, seq.finish_reason or "abort", swapped)
+            self.finish_sequence(seq, seq.finish_reason or "abort")
         self.requests.pop(request.request_id, None)
 
-    def forget_worker_copy(self, seq: Sequence) -> None:
-        """Preempted by recompute: the workers drop their copy, and everything is computed again."""
+    def preempt_by_recompute(self, seq: Sequence) -> None:
+        """Its blocks go and the workers drop their copy: everything is computed again."""
+        self.kv_cache.reset(seq)
         if seq.num_tokens_known_to_worker:
             self._preempted.append(seq.seq_id)
         seq.forget_worker_copy()
@@ -103,14 +103,8 @@ class SequenceRegistry:
         that is still in flight keeps what it needs: the worker starts it where this one ended."""
         rejected = num_proposed - num_accepted
         seq.num_speculative -= num_proposed
-        if rejected <= 0:
-            return
-        seq.num_computed_tokens -= rejected
-        manager = self.block_manager
-        keep = -(-seq.num_computed_tokens // manager.block_size)
-        while len(seq.block_table) > keep:
-            manager.gpu.release(seq.block_table.pop())
-        seq.first_unsynced_block = min(seq.first_unsynced_block, len(seq.block_table))
+        if rejected > 0:
+            self.kv_cache.take_back(seq, rejected)
 
     # --- what the workers must be told ---------------------------------------------------
 
@@ -123,16 +117,14 @@ class SequenceRegistry:
         if known == 0:
             new = NewSequence(seq.seq_id, seq.token_ids(), num_prompt, seq.request.sampling, seq.index)
             appended: list[int] = []
-            seq.first_unsynced_block = 0
         else:
             appended = seq.output_token_ids[known - num_prompt:]
         seq.num_tokens_known_to_worker = num_prompt + len(seq.output_token_ids)
-        start, table = seq.first_unsynced_block, seq.block_table
+        table_start, blocks = self.kv_cache.unsynced_blocks(seq, worker_has_table=known > 0)
         # Where the proposals of a step in flight are not settled yet, neither is this entry's start.
         keeps = seq.request.sampling.worker_keeps_samples(len(seq.output_token_ids))
-        entry = ScheduledSequence(seq.seq_id, seq.num_computed_tokens, num_tokens, appended, start, table[start:],
+        entry = ScheduledSequence(seq.seq_id, seq.kv.num_computed, num_tokens, appended, table_start, blocks,
                                   seq.num_drafts, start_at_end=seq.num_speculative > 0, worker_keeps_samples=keeps)
-        seq.first_unsynced_block = len(table)
         seq.num_speculative += seq.num_drafts
         seq.num_drafts = 0
         return new, entry

@@ -30,8 +30,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from services.scheduler.block_manager import BlockManager
 from services.scheduler.cached_prefixes import CachedPrefixes
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.metrics import SchedulerMetrics, Snapshots
 from services.scheduler.policy import make_policy
 from services.scheduler.reservation import Reservation
@@ -337,10 +337,10 @@ class SchedulerServer:
         config = self.config
         num_blocks = config.num_gpu_blocks_override or min(r.num_gpu_blocks for r in self.ready)
         num_cpu_blocks = min(r.num_cpu_blocks for r in self.ready)
-        block_manager = BlockManager(
+        kv_cache = KVCacheManager(
             num_blocks, config.block_size, num_cpu_blocks, config.watermark, config.enable_prefix_caching
         )
-        usable_tokens = (num_blocks - block_manager.watermark_blocks) * config.block_size
+        usable_tokens = (num_blocks - kv_cache.watermark_blocks) * config.block_size
         max_model_len = min(config.max_model_len or first.max_model_len, usable_tokens)
         default_batched = 2048 if config.enable_chunked_prefill else max(max_model_len, 2048)
         max_batched = config.max_num_batched_tokens or default_batched
@@ -355,10 +355,10 @@ class SchedulerServer:
                               "but a worker rank makes none or others (start the workers with the same "
                               "--speculative-config)")
         speculation = Speculation(speculative, max_model_len) if speculative is not None else None
-        self.scheduler = Scheduler(block_manager, budgets, first.eos_token_ids, preemption, first.vocab_size,
+        self.scheduler = Scheduler(kv_cache, budgets, first.eos_token_ids, preemption, first.vocab_size,
                                    Reservation(config.kv_reservation), speculation,
                                    make_policy(config.scheduling_policy, config.max_queue_delay, config.tenant_weights))
-        self.cached_prefixes = CachedPrefixes(block_manager.gpu, config.block_size)
+        self.cached_prefixes = CachedPrefixes(kv_cache.gpu, config.block_size)
         self.info = SchedulerInfo(config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids,
                                   config.max_num_seqs)
         log.info("scheduling with %d device KV blocks, context %d tokens", num_blocks, max_model_len)

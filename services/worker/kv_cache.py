@@ -14,6 +14,7 @@ import torch
 from kernels import dispatch
 from kernels.kv_quant import cache_layout
 from services.worker.step_inputs import StepInputs
+from shared.protocol import DEVICE, HOST, BlockTransfer
 
 GIB = 1 << 30
 
@@ -59,6 +60,21 @@ class KVCache:
         self._side_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._pending_out: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
         self.staging = StepInputs(self.device)  # the step's copy-on-write pairs
+
+    def transfer(self, transfers: list[BlockTransfer]) -> None:
+        """Carry out a step's block transfers in their order, each run of one kind in one call."""
+        moves = {(DEVICE, HOST): self.swap_out, (HOST, DEVICE): self.swap_in, (DEVICE, DEVICE): self.copy_blocks}
+        run: list[tuple[int, int]] = []
+        kind = (DEVICE, DEVICE)
+        for transfer in transfers:
+            this = (transfer.src_tier, transfer.dst_tier)
+            if this != kind and run:
+                moves[kind](run)
+                run = []
+            kind = this
+            run.append((transfer.src_block, transfer.dst_block))
+        if run:
+            moves[kind](run)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst becomes a copy of block src, in every layer, in one launch."""

@@ -32,7 +32,16 @@ from services.worker.kv_cache import KVCache
 from services.worker.ngram import NgramIndex, NgramProposer
 from services.worker.sampler import Sample, Sampler, SampleRow
 from services.worker.step_inputs import StepInputs
-from shared.protocol import NewSequence, PromptLogprobs, SampledTokens, ScheduledSequence, Step, StepResult
+from shared.protocol import (
+    DEVICE,
+    HOST,
+    NewSequence,
+    PromptLogprobs,
+    SampledTokens,
+    ScheduledSequence,
+    Step,
+    StepResult,
+)
 from shared.sampling import SamplingParams
 
 
@@ -113,12 +122,10 @@ class ModelRunner:
                                                           new.index, self.tables.claim(), grammar=grammar)
             else:
                 failures[new.seq_id] = problem
-        self._check_block_pairs(step)
+        self._check_transfers(step)
         for cache in self.caches:
             cache.finish_swaps()
-            cache.swap_out(step.swap_out)
-            cache.swap_in(step.swap_in)
-            cache.copy_blocks(step.copies)
+            cache.transfer(step.transfers)
         scheduled = [resolved for entry in step.scheduled if (resolved := self._accepts(entry, failures)) is not None]
         if not scheduled:
             return StepResult(step.step_id, [], 0.0, 0.0, failures=failures)
@@ -278,14 +285,13 @@ class ModelRunner:
         if mirror is not None:
             self.tables.release(mirror.row)
 
-    def _check_block_pairs(self, step: Step) -> None:
-        gpu, cpu = self.cache.num_blocks, self.cache.num_cpu_blocks
-        for name, pairs, (first, second) in (("swap_out", step.swap_out, (gpu, cpu)),
-                                             ("swap_in", step.swap_in, (cpu, gpu)),
-                                             ("copies", step.copies, (gpu, gpu))):
-            for a, b in pairs:
-                if not (0 <= a < first and 0 <= b < second):
-                    raise StepError(f"step {step.step_id}: {name} pair ({a}, {b}) is out of range")
+    def _check_transfers(self, step: Step) -> None:
+        blocks = {DEVICE: self.cache.num_blocks, HOST: self.cache.num_cpu_blocks}
+        for t in step.transfers:
+            if (t.src_tier, t.dst_tier) == (HOST, HOST):
+                raise StepError(f"step {step.step_id}: a transfer from host memory to host memory")
+            if not (0 <= t.src_block < blocks.get(t.src_tier, 0) and 0 <= t.dst_block < blocks.get(t.dst_tier, 0)):
+                raise StepError(f"step {step.step_id}: transfer {t} is out of range")
 
     @torch.inference_mode()
     def measure_prefill_rate(self, num_tokens: int = 256) -> float:

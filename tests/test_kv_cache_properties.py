@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus, Sequence
 from shared.sampling import SamplingParams
 
@@ -16,10 +16,10 @@ CPU_BLOCKS = 12
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=20)  # few symbols: many prefix hits
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
+class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.manager = BlockManager(GPU_BLOCKS, BLOCK_SIZE, CPU_BLOCKS, watermark=0.0, enable_prefix_caching=True)
+        self.manager = KVCacheManager(GPU_BLOCKS, BLOCK_SIZE, CPU_BLOCKS, watermark=0.0, enable_prefix_caching=True)
         self.requests: list[Request] = []
         self.freed = []
         self.ids = itertools.count()
@@ -29,7 +29,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _compute(self, seq, num_tokens):
         self.manager.append_slots(seq, num_tokens)
-        seq.num_computed_tokens += num_tokens
+        self.manager.mark_computed(seq, num_tokens)
         self.manager.cache_full_blocks(seq)
 
     @precondition(lambda self: self.freed)
@@ -64,14 +64,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self._running_seqs()))
         if not self.manager.can_append([(seq, len(new))]):
             return
-        index = len(seq.block_table) - 1
-        shared = seq.num_computed_tokens % BLOCK_SIZE and self.manager.gpu.ref_count(seq.block_table[index]) > 1
-        before = seq.block_table[index]
+        index = len(seq.kv.block_table) - 1
+        shared = seq.kv.num_computed % BLOCK_SIZE and self.manager.gpu.ref_count(seq.kv.block_table[index]) > 1
+        before = seq.kv.block_table[index]
         seq.output_token_ids.extend(new)
         self._compute(seq, len(new))
         if shared:  # the write went to a private copy; the other holders keep the original
-            assert seq.block_table[index] != before
-            assert self.manager.gpu.ref_count(seq.block_table[index]) == 1
+            assert seq.kv.block_table[index] != before
+            assert self.manager.gpu.ref_count(seq.kv.block_table[index]) == 1
             assert self.manager.gpu.ref_count(before) >= 1
 
     @precondition(lambda self: self._running_seqs())
@@ -98,7 +98,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         request = data.draw(st.sampled_from([r for r in self.requests if r.status is RequestStatus.RUNNING]))
         if self.manager.can_swap_out(request):
             pairs = self.manager.swap_out(request)
-            assert len(pairs) == len({b for s in request.seqs for b in s.block_table})
+            assert len(pairs) == len({b for s in request.seqs for b in s.kv.block_table})
             request.status = RequestStatus.SWAPPED
 
     @precondition(lambda self: any(r.status is RequestStatus.SWAPPED for r in self.requests))
@@ -110,9 +110,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             request.status = RequestStatus.RUNNING
 
     @invariant()
-    def every_block_is_free_referenced_or_cached(self):
-        for pool in (self.manager.gpu, self.manager.cpu):
-            assert pool.num_free + pool.num_referenced + pool.num_evictable == pool.num_blocks
+    def every_block_is_free_referenced_or_cached_in_every_tier(self):
+        self.manager.audit(seq.kv for request in self.requests for seq in request.seqs)
 
     @invariant()
     def reference_counts_match_the_block_tables(self):
@@ -121,7 +120,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for request in self.requests:
                 if request.status is status:
                     for seq in request.seqs:
-                        for block in seq.block_table:
+                        for block in seq.kv.block_table:
                             counts[block] = counts.get(block, 0) + 1
             for block in range(pool.num_blocks):
                 assert pool.ref_count(block) == counts.get(block, 0)
@@ -130,8 +129,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def freed_sequences_hold_nothing(self):
-        assert all(seq.block_table == [] for seq in self.freed)
+        assert all(seq.kv.block_table == [] for seq in self.freed)
 
 
-TestBlockManager = BlockManagerMachine.TestCase
-TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestKVCacheManager = KVCacheMachine.TestCase
+TestKVCacheManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
