@@ -115,6 +115,10 @@ class WorkerConfig:
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory for weights, activations and KV cache")
     kv_cache_memory: float = option(1.0, "GiB of KV cache on CPU")
     swap_space: float = option(4.0, "GiB of CPU swap space for KV blocks")
+    kv_offloading_size: float = option(
+        0.0, "GiB of host memory that keeps the prefix-cache blocks the device evicts, keyed as on the device, so "
+        "that a later prompt that matches them loads them back instead of computing them again (with "
+        "--enable-prefix-caching; 0: none)")
     seed: int = option(0, "seed of the sampler for requests without one")
     tensor_parallel_size: int = option(
         1, "worker ranks that split the model's attention heads and MLP among them, one process each (on GPUs: one "

@@ -147,6 +147,7 @@ class Ready:
     vocab_size: int = 0
     device: str = "cpu"  # the device type its KV cache lives on: cpu or cuda
     drafts: str = ""  # how it proposes tokens to verify: its --speculative-config's method, or "" for none
+    num_host_cache_blocks: int = 0  # host memory for offloaded prefix blocks, after the swap space's
 
 
 @dataclass(slots=True)

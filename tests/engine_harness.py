@@ -34,12 +34,12 @@ class Engine:
                  preemption="recompute", prefix_caching=False, chunked_prefill=False,
                  max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None,
                  kv_cache_dtype: str = "auto", threads=None, depth: int = 1, decode_graphs: dict | None = None,
-                 device: str = "cpu", dtype: str = "float32"):
+                 device: str = "cpu", dtype: str = "float32", num_host_cache_blocks: int = 0):
         device = torch.device(device)
         model, config = load_model(model_dir, dtype, device)
         dtype = model.lm_head.weight.dtype  # what `auto` chose: the KV cache's too
         self.cache = KVCache(config.num_hidden_layers, num_gpu_blocks, block_size, model.num_kv_heads,
-                             model.head_dim, dtype, device, num_cpu_blocks, kv_cache_dtype)
+                             model.head_dim, dtype, device, num_cpu_blocks + num_host_cache_blocks, kv_cache_dtype)
         drafter, ngram = None, None
         if speculative is not None and speculative.method == "ngram":
             ngram = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
@@ -47,7 +47,7 @@ class Engine:
             draft, draft_config = load_model(speculative.model, str(dtype).removeprefix("torch."), device)
             drafter = Drafter(draft, KVCache(draft_config.num_hidden_layers, num_gpu_blocks, block_size,
                                              draft.num_kv_heads, draft.head_dim, dtype, device,
-                                             num_cpu_blocks), device)
+                                             num_cpu_blocks + num_host_cache_blocks), device)
         eos_ids = eos_token_ids(model_dir, config)
         grammars = GrammarEngine.load(model_dir, model.lm_head.weight.shape[0], eos_ids)
         # decode_graphs: the CUDA graphs' static buffers and padding (on a CPU, run eagerly)
@@ -59,7 +59,7 @@ class Engine:
         policy = PreemptionPolicy(preemption, block_bytes, self.cache.measure_swap_bandwidth(),
                                   self.runner.measure_prefill_rate())
         manager = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark=0.0,
-                               enable_prefix_caching=prefix_caching)
+                                 enable_prefix_caching=prefix_caching, num_host_cache_blocks=num_host_cache_blocks)
         context = min(config.max_position_embeddings, num_gpu_blocks * block_size)
         if not chunked_prefill:  # a recomputed request must fit one step
             context = min(context, max_num_batched_tokens)
@@ -71,10 +71,11 @@ class Engine:
         self.depth = depth  # steps planned ahead of the one computing, as the scheduler server does with 2
         self.top_logprobs: dict[str, dict[int, list[dict[int, float]]]] = {}
 
-    def add(self, prompt: list[int], **sampling) -> str:
+    def add(self, prompt: list[int], cache_salt: str = "", **sampling) -> str:
         request_id = f"req-{next(_ids)}"
         params = SamplingParams(**{"temperature": 0.0, **sampling})
-        error = self.scheduler.add(AddRequest(request_id, list(prompt), params, float(next(_ids))))
+        error = self.scheduler.add(AddRequest(request_id, list(prompt), params, float(next(_ids)),
+                                              cache_salt=cache_salt))
         assert error is None, error.error
         return request_id
 

@@ -13,7 +13,7 @@ BLOCK = 4
 def served(prompts: list[list[int]], num_blocks: int = 64, prefix_caching: bool = True, salt: str = ""):
     """Run each prompt to completion, one after another, noting each as the server does."""
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=BLOCK, prefix_caching=prefix_caching)
-    prefixes = CachedPrefixes(scheduler.kv_cache.gpu, BLOCK)
+    prefixes = CachedPrefixes(scheduler.kv_cache, BLOCK)
     for index, prompt in enumerate(prompts):
         message = AddRequest(f"r{index}", prompt, SamplingParams(max_tokens=2, temperature=0.0), float(index), salt)
         assert scheduler.add(message) is None

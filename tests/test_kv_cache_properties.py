@@ -1,4 +1,5 @@
-"""Random interleavings of block operations never lose, leak or double-count a block."""
+"""Random interleavings of block operations never lose, leak or double-count a block, in any tier, and
+a block loaded back from the host cache holds what was written back there."""
 
 import itertools
 
@@ -8,18 +9,23 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus, Sequence
+from shared.protocol import DEVICE
 from shared.sampling import SamplingParams
 
 BLOCK_SIZE = 4
 GPU_BLOCKS = 24
 CPU_BLOCKS = 12
+HOST_CACHE_BLOCKS = 8
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=20)  # few symbols: many prefix hits
 
 
 class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.manager = KVCacheManager(GPU_BLOCKS, BLOCK_SIZE, CPU_BLOCKS, watermark=0.0, enable_prefix_caching=True)
+        self.manager = KVCacheManager(GPU_BLOCKS, BLOCK_SIZE, CPU_BLOCKS, watermark=0.0, enable_prefix_caching=True,
+                                      num_host_cache_blocks=HOST_CACHE_BLOCKS)
+        # What each block holds, as the workers would have it after the transfers: (tier, block) -> tokens
+        self.contents: dict[tuple[int, int], tuple[int, ...]] = {}
         self.requests: list[Request] = []
         self.freed = []
         self.ids = itertools.count()
@@ -29,8 +35,17 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _compute(self, seq, num_tokens):
         self.manager.append_slots(seq, num_tokens)
+        self._carry_out_transfers()
         self.manager.mark_computed(seq, num_tokens)
+        size, tokens = BLOCK_SIZE, seq.token_ids()
+        for index, block in enumerate(seq.kv.block_table):
+            self.contents[(DEVICE, block)] = tuple(tokens[index * size : (index + 1) * size])
         self.manager.cache_full_blocks(seq)
+
+    def _carry_out_transfers(self):
+        """As a worker would, in order; a block read back must hold what was written to it."""
+        for t in self.manager.take_transfers():
+            self.contents[(t.dst_tier, t.dst_block)] = self.contents[(t.src_tier, t.src_block)]
 
     @precondition(lambda self: self.freed)
     @rule(data=st.data(), extra=tokens)
@@ -47,13 +62,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         seq = Sequence(next(self.ids), request, 0)
         request.seqs.append(seq)
         hits = self.manager.match_prefix(seq)
-        remaining = seq.num_tokens - len(hits) * BLOCK_SIZE
-        needed = -(-seq.num_tokens // BLOCK_SIZE) - len(hits)
-        revived = sum(1 for b in hits if self.manager.gpu.is_evictable(b))
-        if needed + revived > self.manager.gpu.num_available:
+        remaining = seq.num_tokens - hits.num_blocks * BLOCK_SIZE
+        needed = -(-seq.num_tokens // BLOCK_SIZE) - hits.num_blocks + hits.num_loads
+        if needed + self.manager.revives(hits) > self.manager.gpu.num_available:
             return
         self.manager.start(seq, hits)
-        assert seq.token_ids()[: len(hits) * BLOCK_SIZE] == prompt[: len(hits) * BLOCK_SIZE]
+        self._carry_out_transfers()
+        hit_tokens = hits.num_blocks * BLOCK_SIZE
+        assert seq.token_ids()[:hit_tokens] == prompt[:hit_tokens]
+        for index, block in enumerate(seq.kv.block_table[: hits.num_blocks]):  # loaded or shared: the right tokens
+            assert self.contents[(DEVICE, block)] == tuple(prompt[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
         self._compute(seq, remaining)
         request.status = RequestStatus.RUNNING
         self.requests.append(request)
@@ -97,8 +115,11 @@ class KVCacheMachine(RuleBasedStateMachine):
     def swap_out(self, data):
         request = data.draw(st.sampled_from([r for r in self.requests if r.status is RequestStatus.RUNNING]))
         if self.manager.can_swap_out(request):
-            pairs = self.manager.swap_out(request)
-            assert len(pairs) == len({b for s in request.seqs for b in s.kv.block_table})
+            held = {b for s in request.seqs for b in s.kv.block_table}
+            self.manager.swap_out(request)
+            moved = self.manager.take_transfers()
+            assert sorted(t.src_block for t in moved) == sorted(held)
+            self.contents.update({(t.dst_tier, t.dst_block): self.contents[(t.src_tier, t.src_block)] for t in moved})
             request.status = RequestStatus.SWAPPED
 
     @precondition(lambda self: any(r.status is RequestStatus.SWAPPED for r in self.requests))
@@ -107,6 +128,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         request = data.draw(st.sampled_from([r for r in self.requests if r.status is RequestStatus.SWAPPED]))
         if self.manager.can_swap_in(request):
             self.manager.swap_in(request)
+            self._carry_out_transfers()
             request.status = RequestStatus.RUNNING
 
     @invariant()

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.kv_cache_manager import KVCacheManager, PrefixMatch
 from services.scheduler.request import Request, Sequence
 from shared.sampling import SamplingParams
 from tests.conftest import children, serve
@@ -71,16 +71,17 @@ def _sequence(tokens: list[int]) -> Sequence:
 def test_prefix_cache_keys_are_a_sha256_chain_over_the_whole_prefix():
     manager = KVCacheManager(16, 4, enable_prefix_caching=True)
     first = _sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
-    manager.start(first, [])
+    manager.start(first, PrefixMatch())
     manager.append_slots(first, 9)
     manager.mark_computed(first, 9)
     manager.cache_full_blocks(first)
     root = hashlib.sha256(array("q", [1, 2, 3, 4]).tobytes()).digest()
     assert manager.gpu.holds(root)
     assert manager.gpu.holds(hashlib.sha256(root + array("q", [5, 6, 7, 8]).tobytes()).digest())
-    assert manager.match_prefix(_sequence([1, 2, 3, 4, 5, 6, 7, 8, 0])) == first.kv.block_table[:2]
+    hits = manager.match_prefix(_sequence([1, 2, 3, 4, 5, 6, 7, 8, 0]))
+    assert hits == PrefixMatch.on_device(first.kv.block_table[:2])
     # The same second block after another first block is another key: no hit.
-    assert manager.match_prefix(_sequence([0, 2, 3, 4, 5, 6, 7, 8, 0])) == []
+    assert manager.match_prefix(_sequence([0, 2, 3, 4, 5, 6, 7, 8, 0])) == PrefixMatch()
 
 
 def test_tenants_and_cache_salts_find_only_their_own_prefixes_in_the_cache(llama_dir, tmp_path):

@@ -8,6 +8,7 @@ a hit, or evicted least-recently-freed first when a free block is needed).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class OutOfBlocks(RuntimeError):
@@ -23,6 +24,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[bytes, int] = {}
         self._key_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (key, tokens)
+        # Told of each cached block an allocation evicts, before the block is handed out: (block, key, tokens).
+        self.on_evict: Callable[[int, bytes, tuple[int, ...]], None] | None = None
 
     # --- counts --------------------------------------------------------------------------
 
@@ -53,7 +56,10 @@ class BlockPool:
             block = self._free.pop()
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
+            key, tokens = self._key_of[block]
             self._forget(block)
+            if self.on_evict is not None:
+                self.on_evict(block, key, tokens)
         else:
             raise OutOfBlocks("no free block")
         self._ref_counts[block] = 1

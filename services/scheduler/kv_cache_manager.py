@@ -4,19 +4,27 @@ much of its block table the workers have been told.
 
 Everything else holds a sequence's `SequenceKV` as an opaque handle: it may read it, and changes
 it only through this manager's methods (allocate slots, mark computed, take back rejected
-proposals, match a prefix, fork, swap, free). Each change of where a block's contents live comes
-back as `BlockTransfer`s, which the scheduler sends to the workers with the step.
+proposals, match a prefix, fork, swap, free). Each change of where a block's contents live is
+queued as a `BlockTransfer`, in the order the changes were made; the scheduler takes the queue
+with the step it builds, and the workers carry the transfers out in that order before its forward
+pass, so a block is read before it is written again.
 
 Blocks are added one at a time as a sequence grows. Forked sequences share every block; the
 first write into a shared, partly filled block copies it (copy-on-write). With prefix caching,
 each full block is keyed by a hash chained from its parent's (the first from its request's
 `cache_salt`), and a new sequence starts from every cached block its prompt matches.
+
+Tiers: the device pool, and the worker's host memory. Host memory holds the swap pool (whole
+preempted requests) and, with `--kv-offloading-size`, a host cache: a cached block the device
+evicts is written back to it with its key, and a later prompt that matches it loads it back to the
+device instead of computing it again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Sequence as Blocks
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.scheduler.block_pool import BlockPool
@@ -52,6 +60,37 @@ class SequenceKV:
         return self._tier == HOST
 
 
+@dataclass(slots=True)
+class PrefixMatch:
+    """The cached blocks a prompt starts with, in order: (tier, block), a host block to be loaded."""
+
+    blocks: list[tuple[int, int]] = field(default_factory=list)
+
+    @classmethod
+    def on_device(cls, blocks: Iterable[int]) -> PrefixMatch:
+        return cls([(DEVICE, block) for block in blocks])
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_loads(self) -> int:
+        """Blocks that come from host memory: each takes a device block."""
+        return sum(1 for tier, _ in self.blocks if tier == HOST)
+
+
+@dataclass(slots=True)
+class TransferCounts:
+    """Blocks moved since the start, by why."""
+
+    swapped_out: int = 0
+    swapped_in: int = 0
+    copied: int = 0  # copy-on-write
+    offloaded: int = 0  # device -> host cache, as the device evicted them
+    loaded: int = 0  # host cache -> device, for a prefix hit
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -60,11 +99,19 @@ class KVCacheManager:
         num_cpu_blocks: int = 0,
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
+        num_host_cache_blocks: int = 0,
     ):
         self.block_size = block_size
         self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
-        self.cpu = BlockPool(num_cpu_blocks)
+        self.cpu = BlockPool(num_cpu_blocks)  # the swap pool: host ids [0, num_cpu_blocks)
+        # The host cache: host ids from num_cpu_blocks on. Its blocks are never referenced, only cached.
+        self.host = BlockPool(num_host_cache_blocks if enable_prefix_caching else 0, enable_caching=True)
+        self._host_offset = num_cpu_blocks
         self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.moved = TransferCounts()
+        self._transfers: list[BlockTransfer] = []
+        if self.host.num_blocks:
+            self.gpu.on_evict = self._offload
 
     @property
     def num_blocks(self) -> int:
@@ -80,6 +127,17 @@ class KVCacheManager:
 
     def _pool(self, kv: SequenceKV) -> BlockPool:
         return self.cpu if kv._tier == HOST else self.gpu
+
+    # --- the transfers for the next step ---------------------------------------------------
+
+    @property
+    def has_transfers(self) -> bool:
+        return bool(self._transfers)
+
+    def take_transfers(self) -> list[BlockTransfer]:
+        """The transfers queued since the last call, in order, for the step being built."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
 
     # --- growing a running sequence ------------------------------------------------------
 
@@ -97,10 +155,9 @@ class KVCacheManager:
             return self.blocks_needed(*seqs[0]) <= self.gpu.num_available
         return sum(self.blocks_needed(seq, n) for seq, n in seqs) <= self.gpu.num_available
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[BlockTransfer]:
-        """Make room for `num_new_tokens`; returns the copy-on-write, if the next write hits a shared block."""
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make room for `num_new_tokens`, copying the last block first if the next write hits a shared one."""
         kv = seq.kv
-        copies = []
         if num_new_tokens and self._write_hits_shared_block(kv):
             index = len(kv._blocks) - 1
             shared = kv._blocks[index]
@@ -108,11 +165,11 @@ class KVCacheManager:
             self.gpu.release(shared)
             kv._blocks[index] = fresh
             kv._synced = min(kv._synced, index)
-            copies.append(BlockTransfer(DEVICE, shared, DEVICE, fresh))
+            self._transfers.append(BlockTransfer(DEVICE, shared, DEVICE, fresh))
+            self.moved.copied += 1
         total = kv._computed + num_new_tokens
         while len(kv._blocks) * self.block_size < total:
             kv._blocks.append(self.gpu.allocate())
-        return copies
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
         """A step computes `num_tokens` more positions of the sequence (into slots already appended)."""
@@ -147,36 +204,55 @@ class KVCacheManager:
 
     # --- starting a sequence -------------------------------------------------------------
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the start of the sequence's tokens (never all of them: the last
-        token must be computed to give the next token's logits)."""
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Cached blocks, on the device or in the host cache, holding the start of the sequence's tokens
+        (never all of them: the last token must be computed to give the next token's logits)."""
+        match = PrefixMatch()
         if not self.gpu.enable_caching:
-            return []
+            return match
         tokens = seq.token_ids()
-        hits: list[int] = []
         parent = seq.request.cache_root
         for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start : start + self.block_size])
             parent = chain_key(parent, chunk)
             block = self.gpu.lookup(parent, chunk)
-            if block is None:
+            if block is not None:
+                match.blocks.append((DEVICE, block))
+                continue
+            slot = self.host.lookup(parent, chunk) if self.host.num_blocks else None
+            if slot is None:
                 break
-            hits.append(block)
-        return hits
+            match.blocks.append((HOST, slot))
+        return match
 
-    def is_cached_unused(self, block: int) -> bool:
-        """Whether a prefix-cache hit revives a block nobody references (so it leaves the available ones)."""
-        return self.gpu.is_evictable(block)
+    def revives(self, match: PrefixMatch) -> int:
+        """Device blocks of the match that nobody references: starting on them takes them from the available ones."""
+        return sum(1 for tier, block in match.blocks if tier == DEVICE and self.gpu.is_evictable(block))
 
-    def start(self, seq: Sequence, blocks: list[int]) -> None:
-        """Start a sequence on blocks others hold (prefix-cache hits, or a leader's blocks it shares);
-        the tokens they hold count as computed."""
+    def start(self, seq: Sequence, match: PrefixMatch) -> None:
+        """Start a sequence on cached blocks (prefix-cache hits, or the blocks of a leader it shares);
+        the tokens they hold count as computed. A block in the host cache is loaded into a new device
+        block, which the device's prefix cache then holds too."""
         kv = seq.kv
-        for block in blocks:
-            self.gpu.share(block)
-        kv._blocks = list(blocks)
-        kv._computed = len(blocks) * self.block_size
-        kv._hashes = self._chain(seq, len(blocks))
+        pinned = [block for tier, block in match.blocks if tier == HOST]
+        for tier, block in match.blocks:  # held first, so that no allocation below evicts one of them
+            (self.host if tier == HOST else self.gpu).share(block)
+        kv._hashes = self._chain(seq, match.num_blocks)
+        table = []
+        for index, (tier, block) in enumerate(match.blocks):
+            if tier == HOST:
+                loaded = self.gpu.allocate()
+                self._transfers.append(BlockTransfer(HOST, self._host_offset + block, DEVICE, loaded))
+                self.moved.loaded += 1
+                size = self.block_size
+                self.gpu.cache(loaded, kv._hashes[index], tuple(seq.token_at(p) for p in
+                                                                range(index * size, (index + 1) * size)))
+                block = loaded
+            table.append(block)
+        for slot in pinned:
+            self.host.release(slot)
+        kv._blocks = table
+        kv._computed = len(table) * self.block_size
         kv._synced = 0
         kv._tier = DEVICE
 
@@ -200,6 +276,21 @@ class KVCacheManager:
             parent = chain_key(parent, tokens[index * self.block_size : (index + 1) * self.block_size])
             hashes.append(parent)
         return hashes
+
+    def _offload(self, block: int, key: bytes, tokens: tuple[int, ...]) -> None:
+        """The device evicts a cached block: write it back to the host cache (unless that holds it already),
+        in place of the host cache's least recently offloaded block when it is full."""
+        if self.host.holds(key) or not self.host.num_available:
+            return
+        slot = self.host.allocate()
+        self.host.cache(slot, key, tokens)
+        self.host.release(slot)
+        self._transfers.append(BlockTransfer(DEVICE, block, HOST, self._host_offset + slot))
+        self.moved.offloaded += 1
+
+    def holds(self, key: bytes) -> bool:
+        """Whether a block of this prefix-cache key is cached in any tier."""
+        return self.gpu.holds(key) or self.host.holds(key)
 
     # --- forking and freeing -------------------------------------------------------------
 
@@ -254,19 +345,19 @@ class KVCacheManager:
     def can_swap_out(self, request: Request) -> bool:
         return len(self._unique_blocks(request)) <= self.cpu.num_available
 
-    def swap_out(self, request: Request) -> list[BlockTransfer]:
-        """Move the request's blocks to host memory."""
-        return self._move(request, DEVICE, HOST)
+    def swap_out(self, request: Request) -> None:
+        """Move the request's blocks to the swap pool in host memory."""
+        self.moved.swapped_out += self._move(request, DEVICE, HOST)
 
     def can_swap_in(self, request: Request) -> bool:
         needed = len(self._unique_blocks(request)) + len(request.seqs)  # and room to grow
         return self.gpu.num_available - needed >= self.watermark_blocks
 
-    def swap_in(self, request: Request) -> list[BlockTransfer]:
+    def swap_in(self, request: Request) -> None:
         """Move the request's blocks back to the device."""
-        return self._move(request, HOST, DEVICE)
+        self.moved.swapped_in += self._move(request, HOST, DEVICE)
 
-    def _move(self, request: Request, source_tier: int, target_tier: int) -> list[BlockTransfer]:
+    def _move(self, request: Request, source_tier: int, target_tier: int) -> int:
         source = self.cpu if source_tier == HOST else self.gpu
         target = self.cpu if target_tier == HOST else self.gpu
         mapping: dict[int, int] = {}
@@ -274,31 +365,33 @@ class KVCacheManager:
             kv = seq.kv
             moved = []
             for block in kv._blocks:
-                if block in mapping:
-                    target.share(mapping[block])
-                else:
+                if block not in mapping:
                     mapping[block] = target.allocate()
+                    self._transfers.append(BlockTransfer(source_tier, block, target_tier, mapping[block]))
+                else:
+                    target.share(mapping[block])
                 moved.append(mapping[block])
                 source.release(block)
             kv._blocks = moved
             kv._synced = 0
             kv._tier = target_tier
-        return [BlockTransfer(source_tier, src, target_tier, dst) for src, dst in mapping.items()]
+        return len(mapping)
 
     # --- checking ------------------------------------------------------------------------
 
     def audit(self, handles: Iterable[SequenceKV]) -> None:
         """Raise AssertionError unless, in every tier, each block is exactly one of free, referenced or
-        cached, and each block's reference count is the number of block tables that hold it."""
+        cached, and each block's reference count is the number of block tables that hold it (none for
+        the host cache, whose blocks only wait to be loaded)."""
         counts: dict[int, dict[int, int]] = {DEVICE: {}, HOST: {}}
         for kv in handles:
             held = counts[kv._tier]
             for block in kv._blocks:
                 held[block] = held.get(block, 0) + 1
-        for tier, pool in ((DEVICE, self.gpu), (HOST, self.cpu)):
+        for name, pool, held in (("device", self.gpu, counts[DEVICE]), ("swap", self.cpu, counts[HOST]),
+                                 ("host cache", self.host, {})):
             pool.audit()
-            held = counts[tier]
             for block in range(pool.num_blocks):
                 if pool.ref_count(block) != held.get(block, 0):
-                    raise AssertionError(f"tier {tier}: block {block} is referenced {pool.ref_count(block)} "
+                    raise AssertionError(f"{name}: block {block} is referenced {pool.ref_count(block)} "
                                          f"times, held by {held.get(block, 0)} block tables")

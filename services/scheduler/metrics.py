@@ -95,10 +95,13 @@ class StatsCollector:
             "device": (device, used, stats.num_cached_gpu_blocks, stats.num_free_gpu_blocks,
                        stats.num_gpu_blocks),
             "swap": ("cpu", swap_used, 0, stats.num_free_cpu_blocks, stats.num_cpu_blocks),
+            "host_cache": ("cpu", 0, stats.num_cached_host_blocks,
+                           stats.num_host_cache_blocks - stats.num_cached_host_blocks, stats.num_host_cache_blocks),
         }
-        blocks = GaugeMetricFamily("pagedserve_kv_blocks", "KV blocks by pool (the device's cache, or the swap "
-                                   "space in CPU memory) and state: used by sequences, cached for prefix reuse "
-                                   "(evictable), free", labels=["pool", "device", "state"])
+        blocks = GaugeMetricFamily("pagedserve_kv_blocks", "KV blocks by pool (the device's cache; in CPU memory, "
+                                   "the swap space and the host cache of --kv-offloading-size) and state: used by "
+                                   "sequences, cached for prefix reuse (evictable), free",
+                                   labels=["pool", "device", "state"])
         capacity = GaugeMetricFamily("pagedserve_kv_blocks_capacity", "KV blocks in the pool",
                                      labels=["pool", "device"])
         usage = GaugeMetricFamily("pagedserve_kv_usage_ratio", "share of the pool's KV blocks used by sequences",
@@ -135,6 +138,13 @@ class StatsCollector:
                               {"swap": stats.num_preemptions_swap, "recompute": stats.num_preemptions_recompute})
         yield labeled_counter("pagedserve_blocks_swapped", "KV blocks moved between the device and swap space",
                               "direction", {"out": stats.blocks_swapped_out, "in": stats.blocks_swapped_in})
+        yield labeled_counter("pagedserve_blocks_offloaded", "KV blocks written back from the device to the host "
+                              "cache as the device evicted them, and loaded back for prefix hits", "direction",
+                              {"out": stats.blocks_offloaded, "in": stats.blocks_loaded})
+        yield labeled_counter("pagedserve_prefix_cache_tier_hits", "prompt tokens requests started on from cached "
+                              "blocks, by the tier that held them (counted at every start, a recomputed one again)",
+                              "tier", {"device": stats.prefix_hits_device_tokens,
+                                       "host": stats.prefix_hits_host_tokens})
         counters: dict[str, tuple[str, float]] = {
             "blocks_copied": ("KV blocks copied on write (a shared block written)", stats.blocks_copied),
             "tokens_scheduled": ("prompt and decode tokens run through the model", stats.tokens_scheduled),

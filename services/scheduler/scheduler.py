@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.scheduler.admission import Admission, Budgets, ConfigError
-from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.kv_cache_manager import KVCacheManager, PrefixMatch
 from services.scheduler.policy import Rank, SchedulingPolicy, TenantLabels, priority_class
 from services.scheduler.request import Request, RequestStatus, Sequence
 from services.scheduler.reservation import Reservation
@@ -52,9 +52,7 @@ from services.scheduler.speculation import Speculation
 from services.scheduler.stats import Stats
 from services.scheduler.stopping import StopRule
 from shared.protocol import (
-    DEVICE,
     AddRequest,
-    BlockTransfer,
     NewSequence,
     RequestOutput,
     ScheduledSequence,
@@ -91,9 +89,9 @@ class Counters:
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0  # counted once per request
     prompt_tokens_queried: int = 0  # looked up in the prefix cache, once per request
-    blocks_swapped_out: int = 0
-    blocks_swapped_in: int = 0
-    blocks_copied: int = 0
+    # prompt tokens a request started on from cached blocks, by tier (counted at every start)
+    hits_device_tokens: int = 0
+    hits_host_tokens: int = 0
     tokens_scheduled: int = 0
     # (tenant label, priority class) -> [prompt tokens computed, output positions sampled]
     served: dict[tuple[str, str], list[int]] = field(default_factory=dict)
@@ -101,11 +99,11 @@ class Counters:
 
 @dataclass(slots=True)
 class _Plan:
-    """The step being planned: what it runs, the block transfers it needs, and the tokens it has left."""
+    """The step being planned: what it runs and the tokens it has left (its block transfers are queued
+    in the KV cache manager)."""
 
     tokens_left: int
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, positions to compute)
-    transfers: list[BlockTransfer] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -114,7 +112,7 @@ class _StartPlan:
     (a request recomputed after forking) sharing the full blocks they have in common with it."""
 
     leader: Sequence
-    hits: list[int]  # the leader's blocks found in the prefix cache
+    hits: PrefixMatch  # the leader's blocks found in the prefix cache
     num_tokens: int  # the leader's positions to compute now
     shared_blocks: int
     followers: list[tuple[Sequence, int]]
@@ -259,7 +257,7 @@ class Scheduler:
                     victim = queue[end]
                 else:
                     victim = request
-                plan.transfers += self._preempt(victim)
+                self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
@@ -270,7 +268,7 @@ class Scheduler:
             self._resume(plan, starts_prompts=not ahead or bool(held) or self._deferred()
                          or self._prompts_fill(plan.tokens_left), only_head=bool(held))
 
-        if not (plan.scheduled or plan.transfers):
+        if not (plan.scheduled or self.kv_cache.has_transfers):
             return None
         return self._build_step(plan)
 
@@ -324,7 +322,7 @@ class Scheduler:
             if ahead:
                 self.needs_drain = True
                 break
-            plan.transfers += self._preempt(self.running[-1])
+            self._preempt(self.running[-1])
         return 0, ()
 
     def _could_resume(self, request: Request) -> bool:
@@ -382,7 +380,7 @@ class Scheduler:
 
     def _take(self, wants: list[tuple[Sequence, int]], plan: _Plan) -> None:
         for seq, n in wants:
-            plan.transfers += self.kv_cache.append_slots(seq, n)
+            self.kv_cache.append_slots(seq, n)
             plan.scheduled.append((seq, n))
             plan.tokens_left -= n
 
@@ -427,7 +425,7 @@ class Scheduler:
             if request.status is RequestStatus.SWAPPED:
                 if self.kv_cache.can_swap_in(request):
                     self.swapped.pop(0)
-                    plan.transfers += self.kv_cache.swap_in(request)
+                    self.kv_cache.swap_in(request)
                     self._mark_running(request)
                     wants = self._within_free_blocks(self._wants(request, plan.tokens_left))
                     if wants and self.kv_cache.can_append(wants):
@@ -451,7 +449,7 @@ class Scheduler:
         self.kv_cache.reserve(leader, self._reserved_blocks(request))
         self._take([(leader, start.num_tokens)] if start.num_tokens else [], plan)
         for seq, n in start.followers:
-            self._begin(seq, list(leader.kv.block_table[:start.shared_blocks]), from_cache=False)
+            self._begin(seq, PrefixMatch.on_device(leader.kv.block_table[:start.shared_blocks]), from_cache=False)
             self._take([(seq, n)] if n else [], plan)
         # The prompt's cost counts when it is admitted, so that the next admission of this step sees it.
         self.policy.served(request, leader.num_tokens - leader.kv.num_computed, 0)
@@ -489,11 +487,12 @@ class Scheduler:
         leader, *others = request.seqs
         # Prompt log-probabilities come from computing the prompt: no cached blocks until they are out.
         wants_prompt = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
-        hits = [] if wants_prompt else self.kv_cache.match_prefix(leader)
-        n = self._fit(leader.num_tokens - len(hits) * size, budget)
+        hits = PrefixMatch() if wants_prompt else self.kv_cache.match_prefix(leader)
+        num_hit = hits.num_blocks
+        n = self._fit(leader.num_tokens - num_hit * size, budget)
         budget -= n
-        needed = -(-(len(hits) * size + n) // size) - len(hits)
-        shared_blocks = min(_common_prefix(request.seqs) - 1, len(hits) * size + n) // size if others else 0
+        needed = -(-(num_hit * size + n) // size) - num_hit + hits.num_loads  # a block loaded from host takes one
+        shared_blocks = min(_common_prefix(request.seqs) - 1, num_hit * size + n) // size if others else 0
         followers: list[tuple[Sequence, int]] = []
         for seq in others:
             n_seq = self._fit(seq.num_tokens - shared_blocks * size, budget)
@@ -506,7 +505,7 @@ class Scheduler:
         if reserved and not self.kv_cache.can_reserve(reserved):
             return None
         needed = max(needed, reserved)
-        revived = sum(1 for block in hits if self.kv_cache.is_cached_unused(block))
+        revived = self.kv_cache.revives(hits)
         left = self.kv_cache.num_free_blocks - revived - needed
         # The watermark keeps room for running sequences to grow into; a reservation never grows.
         if left < (self.kv_cache.watermark_blocks if self.reservation.paged else 0):
@@ -519,10 +518,13 @@ class Scheduler:
             return num_tokens
         return budget if self.budgets.chunked_prefill else 0
 
-    def _begin(self, seq: Sequence, computed_blocks: list[int], from_cache: bool) -> None:
-        self.kv_cache.start(seq, computed_blocks)
+    def _begin(self, seq: Sequence, computed: PrefixMatch, from_cache: bool) -> None:
+        self.kv_cache.start(seq, computed)
         if not from_cache:
             return
+        loads = computed.num_loads
+        self.counters.hits_device_tokens += (computed.num_blocks - loads) * self.kv_cache.block_size
+        self.counters.hits_host_tokens += loads * self.kv_cache.block_size
         request = seq.request
         if request.first_scheduled is None:
             request.first_scheduled = self.clock()
@@ -541,7 +543,7 @@ class Scheduler:
         self.running.append(request)
         self.running.sort(key=self.policy.rank)
 
-    def _preempt(self, request: Request) -> list[BlockTransfer]:
+    def _preempt(self, request: Request) -> None:
         # Alone and still short of blocks (its samples' copies of a shared block): swapping out
         # and back in would give the same state, while a recompute starts its samples unshared.
         alone = self.running == [request]
@@ -557,14 +559,14 @@ class Scheduler:
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             self.swapped.sort(key=self.policy.rank)
-            return manager.swap_out(request)
+            manager.swap_out(request)
+            return
         log.info("preempting %s by recompute", request.request_id)
         self.counters.preemptions_recompute += 1
         for seq in request.seqs:
             self.registry.preempt_by_recompute(seq)
         request.status = RequestStatus.WAITING
         self._requeue(request)
-        return []
 
     def _build_step(self, plan: _Plan) -> Step:
         new_sequences: list[NewSequence] = []
@@ -592,16 +594,10 @@ class Scheduler:
             self._count_served(seq.request, prompt_part, int(samples))
         counters = self.counters
         counters.prompt_tokens_computed += prompt_tokens_computed
-        for transfer in plan.transfers:
-            if transfer.src_tier == transfer.dst_tier:
-                counters.blocks_copied += 1
-            elif transfer.src_tier == DEVICE:
-                counters.blocks_swapped_out += 1
-            else:
-                counters.blocks_swapped_in += 1
         counters.tokens_scheduled += sum(n for _, n in plan.scheduled)
         forks, dropped, preempted = self.registry.take_worker_notices()
-        step = Step(counters.steps, forks, dropped, preempted, new_sequences, entries, plan.transfers)
+        step = Step(counters.steps, forks, dropped, preempted, new_sequences, entries,
+                    self.kv_cache.take_transfers())
         self.in_flight[step.step_id] = _InFlight([seq for seq, _ in plan.scheduled], sampled, num_decoding,
                                                  self._speculating, prompt_tokens_computed > 0, drafts)
         counters.steps += 1
@@ -666,7 +662,7 @@ class Scheduler:
         return len(self.running) + len(self.swapped), len(self.waiting), gpu.num_referenced / max(gpu.num_blocks, 1)
 
     def stats(self) -> Stats:
-        gpu, cpu = self.kv_cache.gpu, self.kv_cache.cpu
+        gpu, cpu, host, moved = self.kv_cache.gpu, self.kv_cache.cpu, self.kv_cache.host, self.kv_cache.moved
         holding, reserved = self._slot_use()
         counters = self.counters
         return Stats(
@@ -677,8 +673,11 @@ class Scheduler:
             num_preemptions_recompute=counters.preemptions_recompute, num_steps=counters.steps,
             num_prompt_tokens_computed=counters.prompt_tokens_computed,
             num_prompt_tokens_cached=counters.prompt_tokens_cached,
-            blocks_swapped_out=counters.blocks_swapped_out, blocks_swapped_in=counters.blocks_swapped_in,
-            blocks_copied=counters.blocks_copied, tokens_scheduled=counters.tokens_scheduled,
+            blocks_swapped_out=moved.swapped_out, blocks_swapped_in=moved.swapped_in, blocks_copied=moved.copied,
+            blocks_offloaded=moved.offloaded, blocks_loaded=moved.loaded,
+            num_host_cache_blocks=host.num_blocks, num_cached_host_blocks=host.num_evictable,
+            prefix_hits_device_tokens=counters.hits_device_tokens, prefix_hits_host_tokens=counters.hits_host_tokens,
+            tokens_scheduled=counters.tokens_scheduled,
             kv_slots_holding_tokens=holding, kv_slots_reserved=reserved,
             kv_slots_fragmented=self._fragmented_blocks() * self.kv_cache.block_size,
             block_size=self.kv_cache.block_size,

@@ -337,9 +337,12 @@ class SchedulerServer:
         config = self.config
         num_blocks = config.num_gpu_blocks_override or min(r.num_gpu_blocks for r in self.ready)
         num_cpu_blocks = min(r.num_cpu_blocks for r in self.ready)
-        kv_cache = KVCacheManager(
-            num_blocks, config.block_size, num_cpu_blocks, config.watermark, config.enable_prefix_caching
-        )
+        num_host_cache_blocks = min(r.num_host_cache_blocks for r in self.ready)
+        if num_host_cache_blocks and not config.enable_prefix_caching:
+            log.warning("the workers keep a host cache (--kv-offloading-size), which holds prefix-cache blocks: "
+                        "without --enable-prefix-caching it stays empty")
+        kv_cache = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark,
+                                  config.enable_prefix_caching, num_host_cache_blocks)
         usable_tokens = (num_blocks - kv_cache.watermark_blocks) * config.block_size
         max_model_len = min(config.max_model_len or first.max_model_len, usable_tokens)
         default_batched = 2048 if config.enable_chunked_prefill else max(max_model_len, 2048)
@@ -358,7 +361,7 @@ class SchedulerServer:
         self.scheduler = Scheduler(kv_cache, budgets, first.eos_token_ids, preemption, first.vocab_size,
                                    Reservation(config.kv_reservation), speculation,
                                    make_policy(config.scheduling_policy, config.max_queue_delay, config.tenant_weights))
-        self.cached_prefixes = CachedPrefixes(kv_cache.gpu, config.block_size)
+        self.cached_prefixes = CachedPrefixes(kv_cache, config.block_size)
         self.info = SchedulerInfo(config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids,
                                   config.max_num_seqs)
         log.info("scheduling with %d device KV blocks, context %d tokens", num_blocks, max_model_len)

@@ -27,6 +27,12 @@ class Stats:
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     blocks_copied: int = 0  # copy-on-write copies
+    blocks_offloaded: int = 0  # device -> host cache, as the device evicted cached blocks
+    blocks_loaded: int = 0  # host cache -> device, for prefix hits
+    num_host_cache_blocks: int = 0  # with --kv-offloading-size
+    num_cached_host_blocks: int = 0
+    prefix_hits_device_tokens: int = 0  # prompt tokens started on from cached blocks, per start, by tier
+    prefix_hits_host_tokens: int = 0
     tokens_scheduled: int = 0  # over all steps: prompt and decode tokens run through the model
     kv_slots_holding_tokens: int = 0  # in the device blocks referenced now, a shared block once
     kv_slots_reserved: int = 0  # in those blocks, empty but to be filled if each request runs to max_tokens

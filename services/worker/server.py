@@ -131,6 +131,7 @@ class WorkerServer:
         if num_blocks < 1:
             raise RuntimeError("no memory left for a single KV block; lower the model or raise the limit")
         num_cpu_blocks = int(worker.swap_space * GIB // block_bytes)
+        num_host_cache_blocks = int(worker.kv_offloading_size * GIB // block_bytes)
         cache, *draft_cache = [
             KVCache(
                 c.num_hidden_layers,
@@ -140,19 +141,20 @@ class WorkerServer:
                 m.head_dim,
                 dtype,
                 device,
-                num_cpu_blocks,
+                num_cpu_blocks + num_host_cache_blocks,  # host ids: the swap space's, then the host cache's
                 kv_dtype,
             )
             for m, c in models
         ]
         log.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB%s%s); swap space: %d blocks",
+            "KV cache: %d blocks of %d tokens (%.1f MiB%s%s); swap space: %d blocks; host cache: %d blocks",
             num_blocks,
             scheduler.block_size,
             num_blocks * block_bytes / 2**20,
             f", {kv_dtype}" if kv_dtype != "auto" else "",
             f", of which the draft model's {num_blocks * layer_bytes[1] / 2**20:.1f}" if draft_cache else "",
             num_cpu_blocks,
+            num_host_cache_blocks,
         )
         drafter = Drafter(models[1][0], draft_cache[0], device) if draft_cache else None
         ngram = (
@@ -202,6 +204,7 @@ class WorkerServer:
             self.runner.vocab_size,
             device.type,
             speculative.method if speculative is not None else "",
+            num_host_cache_blocks,
         )
         self.metrics = metrics or WorkerMetrics(rank)
         self.metrics.describe_compute(numerics(model, device))

@@ -1,0 +1,209 @@
+"""Multi-turn conversations against a device KV pool that holds about a quarter of their histories:
+pagedserve with its host cache (`--kv-offloading-size`), without it, and vLLM's CPU build with prefix
+caching at the same device budget (as it starts and with its worker on all cores).
+
+Each user opens with a document and a question, then, after a think time, sends its whole history
+again with an answer and a new question, turn after turn, so its prompt grows to 1-3k tokens. All
+users run at once. Every system gets the same prompts (token ids, seeded) and the same number of
+device blocks (`--num-gpu-blocks-override` on both). Output throughput is the tokens of every turn
+over the wall time; TTFT is per turn, from the first turn on. Repetitions alternate the systems,
+which stay up throughout, so a slow minute of the machine falls on all of them.
+
+    python benchmarks/multiturn_bench.py --repeats 3 --vllm-venv /work/vllm-venv \\
+        --out benchmarks/results/multiturn_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks import peer_bench  # noqa: E402
+from benchmarks.peer_report import spread  # noqa: E402
+from benchmarks.provenance import commit, cpu_model  # noqa: E402
+from benchmarks.serve_client import _event_stream_lines  # noqa: E402
+
+VOCAB = (4, 4000)  # token ids drawn from here: none of the tokenizer's special ids
+
+
+def conversation(user: int, seed: int, turns: int, document: int, question: int, answer: int) -> list[list[int]]:
+    """One user's prompts, turn by turn: each is the last one, an answer to it, and a new question."""
+    rng = random.Random(seed * 1000 + user)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(*VOCAB) for _ in range(n)]
+
+    prompts = [tokens(document) + tokens(question)]
+    for _ in range(turns - 1):
+        prompts.append(prompts[-1] + tokens(answer) + tokens(question))
+    return prompts
+
+
+async def one_turn(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    ttft, tokens = None, 0
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code} {(await response.aread())[:300]!r}")
+        async for line in _event_stream_lines(response):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                ttft = time.perf_counter() - started
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"ttft": ttft if ttft is not None else time.perf_counter() - started, "tokens": tokens,
+            "prompt": len(prompt)}
+
+
+async def run_users(base_url: str, args, seed: int) -> dict:
+    url = f"{base_url}/v1/completions"
+    limits = httpx.Limits(max_connections=args.users + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def user(index: int) -> list[dict]:
+            think = random.Random(seed * 7919 + index)
+            turns = []
+            prompts = conversation(index, seed, args.turns, args.document, args.question, args.answer)
+            await asyncio.sleep(think.uniform(0, args.think))  # users do not all start in the same instant
+            for turn, prompt in enumerate(prompts):
+                turns.append({"turn": turn, **await one_turn(client, url, peer_bench.SERVED_NAME, prompt,
+                                                            args.max_tokens)})
+                await asyncio.sleep(think.expovariate(1 / args.think))
+            return turns
+
+        started = time.perf_counter()
+        done = await asyncio.gather(*(user(i) for i in range(args.users)))
+        wall = time.perf_counter() - started
+    turns = [t for user_turns in done for t in user_turns]
+    later = [t["ttft"] for t in turns if t["turn"] > 0]
+    return {
+        "median_ttft_ms": 1000 * statistics.median(t["ttft"] for t in turns),
+        "median_ttft_later_turns_ms": 1000 * statistics.median(later),
+        "output_throughput": sum(t["tokens"] for t in turns) / wall,
+        "wall_s": wall,
+        "turns": len(turns),
+        "longest_prompt": max(t["prompt"] for t in turns),
+    }
+
+
+def scheduler_counters(port: int) -> dict[str, float]:
+    """pagedserve's host-cache counters, from its scheduler's /metrics (one port above the api's)."""
+    wanted = ("pagedserve_blocks_offloaded_total", "pagedserve_prefix_cache_tier_hits_total",
+              "pagedserve_prompt_tokens_computed_total", "pagedserve_preemptions_total")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in text.splitlines()
+                                                    if line.startswith(wanted))}
+
+
+SYSTEMS = ("pagedserve+host", "pagedserve", "vllm", "vllm-all-cores")
+
+
+def command(args, name: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """The system's server on `port`, with prefix caching and the same number of device blocks."""
+    shared = ["--num-gpu-blocks-override", str(args.device_blocks), "--enable-prefix-caching"]
+    if name.startswith("pagedserve"):
+        built, env = peer_bench.pagedserve_command(args, port)
+        offload = args.offload_gib if name == "pagedserve+host" else 0.0
+        return built + shared + ["--kv-offloading-size", f"{offload:g}"], env
+    build = peer_bench.vllm_all_cores_command if name == "vllm-all-cores" else peer_bench.vllm_command
+    built, env = build(args, port)
+    return built + shared, env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    peer_bench.add_system_args(parser)
+    parser.set_defaults(model=str(ROOT / "ops" / "configs" / "tiny-python-4k"), load_format="dummy", block_size=16,
+                        max_num_seqs=8, max_num_batched_tokens=2048, repeats=3)
+    parser.add_argument("--users", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--document", type=int, default=700, help="tokens of each user's opening document")
+    parser.add_argument("--question", type=int, default=120, help="tokens of each question")
+    parser.add_argument("--answer", type=int, default=100, help="tokens of each answer sent back in the history")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--think", type=float, default=1.0, help="mean seconds between a user's turns")
+    parser.add_argument("--device-blocks", type=int, default=0,
+                        help="device KV blocks on every system (0: a quarter of the users' final histories)")
+    parser.add_argument("--offload-gib", type=float, default=1.0, help="pagedserve's --kv-offloading-size")
+    parser.add_argument("--port", type=int, default=8400)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    peer_bench.settle_system_args(parser, args)
+    final = args.document + args.question + (args.turns - 1) * (args.answer + args.question) + args.max_tokens
+    working_set = args.users * -(-final // args.block_size)
+    args.device_blocks = args.device_blocks or working_set // 4
+    print(f"working set {working_set} blocks of {args.block_size} tokens; device pool {args.device_blocks}",
+          flush=True)
+
+    systems = [name for name in SYSTEMS if args.vllm_venv or name.startswith("pagedserve")]
+    ports = {name: args.port + 20 * i for i, name in enumerate(systems)}
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    servers = []
+    with tempfile.TemporaryDirectory(prefix="multiturn-") as scratch:
+        try:
+            for name in systems:
+                server = peer_bench.Server(name, *command(args, name, ports[name]), ports[name], Path(scratch))
+                servers.append(server)
+                server.wait_ready()
+            for repeat in range(args.repeats):
+                for name in systems:
+                    before = scheduler_counters(ports[name]) if name.startswith("pagedserve") else {}
+                    result = asyncio.run(run_users(f"http://127.0.0.1:{ports[name]}", args, seed=repeat))
+                    if before:
+                        after = scheduler_counters(ports[name])
+                        result["counters"] = {key: after[key] - before.get(key, 0.0) for key in after}
+                    runs[name].append(result)
+                    print(f"repetition {repeat + 1} {name}: median TTFT {result['median_ttft_ms']:.0f} ms "
+                          f"(later turns {result['median_ttft_later_turns_ms']:.0f}), "
+                          f"{result['output_throughput']:.1f} tok/s, longest prompt {result['longest_prompt']}",
+                          flush=True)
+        finally:
+            for server in servers:
+                server.stop()
+
+    record = {"cpu": cpu_model(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "working_set_blocks": working_set, "runs": runs}
+    print_summary(record)
+    if args.out:
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def print_summary(record: dict) -> None:
+    runs = record["runs"]
+    print(f"\n{record['cpu']}, {record['date']}, {record['commit']}; median (range) over repetitions")
+    for name, results in runs.items():
+        print(f"{name:>16}: TTFT {spread([r['median_ttft_ms'] for r in results], 0)} ms, "
+              f"later turns {spread([r['median_ttft_later_turns_ms'] for r in results], 0)} ms, "
+              f"{spread([r['output_throughput'] for r in results])} tok/s")
+    host, plain = runs["pagedserve+host"], runs["pagedserve"]
+    print("host cache / none: TTFT " + spread([a["median_ttft_ms"] / b["median_ttft_ms"] for a, b in zip(host, plain)],
+                                              2)
+          + ", throughput " + spread([a["output_throughput"] / b["output_throughput"] for a, b in zip(host, plain)], 2))
+    peers = [name for name in ("vllm", "vllm-all-cores") if name in runs]
+    if peers:
+        best = [min((runs[p][i] for p in peers), key=lambda r: r["median_ttft_ms"]) for i in range(len(host))]
+        print("host cache / vLLM at its best: TTFT "
+              + spread([a["median_ttft_ms"] / b["median_ttft_ms"] for a, b in zip(host, best)], 2)
+              + ", throughput " + spread([a["output_throughput"] / b["output_throughput"] for a, b in zip(host, best)],
+                                         2))
+
+
+if __name__ == "__main__":
+    main()
