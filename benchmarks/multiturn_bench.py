@@ -129,7 +129,7 @@ def command(args, name: str, port: int) -> tuple[list[str], dict[str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     peer_bench.add_system_args(parser)
-    parser.set_defaults(model=str(ROOT / "ops" / "configs" / "tiny-python-4k"), load_format="dummy", block_size=16,
+    parser.set_defaults(model=str(ROOT / "ops" / "configs" / "tiny-python-4k"), load_format="dummy", block_size=32,
                         max_num_seqs=8, max_num_batched_tokens=2048, repeats=3)
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)

@@ -1,8 +1,8 @@
 """The shipped dashboard's queries on a real Prometheus scraping pagedserve under load.
 
-Two servers, one preempting by swap and one by recompute (and speculating), both with prefix
-caching and a KV cache small enough that the load preempts; Prometheus scrapes all six services (each server's
-api, scheduler and worker) every second. Every PromQL
+Two servers, one preempting by swap (with a host cache) and one by recompute (and speculating), both
+with prefix caching and a KV cache small enough that the load preempts; Prometheus scrapes all six
+services (each server's api, scheduler and worker) every second. Every PromQL
 expression of the dashboard must parse and return data, and the latency histograms must count
 exactly the requests sent. Needs Debian's `prometheus` (.ci/run installs it).
 """
@@ -84,7 +84,8 @@ def load(server, count: int) -> None:
 
 def test_every_dashboard_query_returns_data_and_histograms_count_every_request(llama_dir, tmp_path):
     count = 12
-    with (serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "swap") as swapping,
+    with (serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "swap", "--kv-offloading-size",
+                "0.001") as swapping,
           serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "recompute", "--speculative-config",
                 SPECULATING) as recomputing):
         targets = [url.removeprefix("http://").removesuffix("/metrics")
