@@ -56,6 +56,11 @@ class SchedulerConfig:
         None, "KV blocks on the device, instead of what memory allows (for tests and benchmarks)", parse=int)
     watermark: float = 0.01  # fraction of GPU blocks kept free when admitting new prompts
     enable_prefix_caching: bool = option(False, "reuse cached prompt blocks")
+    kv_cache_dir: str | None = option(
+        None, "a folder where prefix-cache blocks are kept as files, found again after a restart (with "
+        "--enable-prefix-caching; reads are staged in the host cache of --kv-offloading-size, at least 256 blocks)")
+    kv_cache_dir_size: float = option(10.0, "GiB the files under --kv-cache-dir may take; the least recently used "
+                                      "go first")
     enable_chunked_prefill: bool = option(True, "split long prompts over steps, mixed with decodes", negatable=True)
     preemption_mode: str = option(
         "auto", "what happens to a preempted request: swapped to CPU memory, dropped and recomputed, or whichever "

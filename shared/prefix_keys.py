@@ -13,6 +13,7 @@ from collections.abc import Sequence
 ROOT = b""  # the parent key of a first block, for requests without a salt
 ROUTING_BLOCKS = 8  # the blocks of a prompt that key its routing: 128 tokens at the default block size
 ROUTING_KEY_BYTES = 8  # as engines report the routing keys their caches hold
+KEY_BYTES = 32  # a block's key: a SHA-256 digest
 
 
 def salted_root(cache_salt: str) -> bytes:

@@ -23,8 +23,8 @@ from shared.sampling import SamplingParams
 # 2: a step verifies proposed tokens, a result lists the tokens each sequence keeps; 3: grammars;
 # 4: the worker makes every proposal, and may settle where an entry starts; 5: the scheduler says
 # whether the worker keeps a sequence's samples; 6: a request's priority and tenant; 7: a step's block
-# moves are one list of transfers between tiers
-PROTOCOL_VERSION = 7
+# moves are one list of transfers between tiers; 8: a disk tier
+PROTOCOL_VERSION = 8
 
 
 # --- api <-> scheduler -------------------------------------------------------------------
@@ -148,6 +148,7 @@ class Ready:
     device: str = "cpu"  # the device type its KV cache lives on: cpu or cuda
     drafts: str = ""  # how it proposes tokens to verify: its --speculative-config's method, or "" for none
     num_host_cache_blocks: int = 0  # host memory for offloaded prefix blocks, after the swap space's
+    disk_fingerprint: str = ""  # with --kv-cache-dir: the folder its files are under (model, dtype, layout)
 
 
 @dataclass(slots=True)
@@ -196,18 +197,20 @@ class ScheduledSequence:
     worker_keeps_samples: bool = True
 
 
-DEVICE, HOST = 0, 1  # the tiers a KV block lives in: the device's pool, the worker's host memory
+DEVICE, HOST, DISK = 0, 1, 2  # the tiers a KV block lives in: the device's pool, host memory, files
 
 
 @dataclass(slots=True)
 class BlockTransfer:
     """Copy one KV block, every layer's keys and values, from one tier's block to another's (or within
-    the device: a copy-on-write)."""
+    the device: a copy-on-write). On disk a block is a file named by its prefix-cache key (its block
+    number is unused): written from the device, read into host memory."""
 
     src_tier: int
     src_block: int
     dst_tier: int
     dst_block: int
+    key: bytes = b""
 
 
 @dataclass(slots=True)
@@ -258,6 +261,9 @@ class StepResult:
     failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why the worker refused it
     idle_ms: float = 0.0  # the worker's wait between sending its previous result and getting this step
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # Keys of the step's reads from disk that failed (a missing, torn or foreign file): those blocks
+    # must be computed again. With tensor parallelism rank 0 checks every rank's file.
+    failed_reads: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)

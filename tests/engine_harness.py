@@ -11,10 +11,12 @@ from collections import deque
 
 import torch
 
+from services.scheduler.disk_index import DiskIndex
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from services.scheduler.speculation import Speculation
 from services.worker.decode_graphs import DecodeGraphs
+from services.worker.disk_tier import DiskTier, fingerprint
 from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import KVCache, bytes_per_block
@@ -34,7 +36,8 @@ class Engine:
                  preemption="recompute", prefix_caching=False, chunked_prefill=False,
                  max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None,
                  kv_cache_dtype: str = "auto", threads=None, depth: int = 1, decode_graphs: dict | None = None,
-                 device: str = "cpu", dtype: str = "float32", num_host_cache_blocks: int = 0):
+                 device: str = "cpu", dtype: str = "float32", num_host_cache_blocks: int = 0,
+                 kv_cache_dir: str | None = None, disk_blocks: int = 1024):
         device = torch.device(device)
         model, config = load_model(model_dir, dtype, device)
         dtype = model.lm_head.weight.dtype  # what `auto` chose: the KV cache's too
@@ -58,8 +61,14 @@ class Engine:
                                       model.head_dim, dtype, kv_cache_dtype)
         policy = PreemptionPolicy(preemption, block_bytes, self.cache.measure_swap_bandwidth(),
                                   self.runner.measure_prefill_rate())
+        disk = None
+        if kv_cache_dir is not None:  # files under a fingerprint of this model's layout, as a worker names them
+            print_ = fingerprint({"model": model_dir, "dtype": str(dtype), "block_size": block_size})
+            self.cache.disk = DiskTier(kv_cache_dir, print_, 0, 1)
+            disk = DiskIndex(kv_cache_dir, print_, 1, disk_blocks)
         manager = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark=0.0,
-                                 enable_prefix_caching=prefix_caching, num_host_cache_blocks=num_host_cache_blocks)
+                                 enable_prefix_caching=prefix_caching, num_host_cache_blocks=num_host_cache_blocks,
+                                 disk=disk)
         context = min(config.max_position_embeddings, num_gpu_blocks * block_size)
         if not chunked_prefill:  # a recomputed request must fit one step
             context = min(context, max_num_batched_tokens)

@@ -156,3 +156,20 @@ def test_fairness_bench_reports_the_steady_tenants_ttft_under_each_policy(tmp_pa
         assert run["b_ttft_median_ms"] > 0 and run["b_alone_ttft_median_ms"] > 0
     assert record["summary"]["fair"]["throughput_over_fcfs"][0] > 0
     assert "B TTFT / alone" in done.stdout
+
+
+def test_multiturn_bench_loads_histories_back_from_the_host_cache(tmp_path):
+    out = tmp_path / "multiturn.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "multiturn_bench.py"), "--repeats", "1", "--users", "3",
+         "--turns", "3", "--document", "96", "--question", "32", "--answer", "32", "--max-tokens", "4",
+         "--think", "0.1", "--offload-gib", "0.05", "--device-blocks", "12", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads(out.read_text())
+    [tiered], [plain] = record["runs"]["pagedserve+host"], record["runs"]["pagedserve"]
+    assert tiered["turns"] == plain["turns"] == 9 and tiered["output_throughput"] > 0
+    assert tiered["counters"]['pagedserve_blocks_offloaded_total{direction="in"}'] > 0
+    assert plain["counters"]['pagedserve_blocks_offloaded_total{direction="in"}'] == 0
+    assert "host cache / none" in done.stdout

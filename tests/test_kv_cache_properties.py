@@ -7,23 +7,27 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from services.scheduler.disk_index import DiskIndex
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus, Sequence
-from shared.protocol import DEVICE
+from shared.protocol import DEVICE, DISK
 from shared.sampling import SamplingParams
 
 BLOCK_SIZE = 4
 GPU_BLOCKS = 24
 CPU_BLOCKS = 12
 HOST_CACHE_BLOCKS = 8
+DISK_BLOCKS = 16
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=20)  # few symbols: many prefix hits
 
 
 class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
+        # A disk index over a folder that stays empty: these tests stand in for the worker that writes the files.
+        disk = DiskIndex("/nonexistent/kv-cache-dir", "print", 1, DISK_BLOCKS)
         self.manager = KVCacheManager(GPU_BLOCKS, BLOCK_SIZE, CPU_BLOCKS, watermark=0.0, enable_prefix_caching=True,
-                                      num_host_cache_blocks=HOST_CACHE_BLOCKS)
+                                      num_host_cache_blocks=HOST_CACHE_BLOCKS, disk=disk)
         # What each block holds, as the workers would have it after the transfers: (tier, block) -> tokens
         self.contents: dict[tuple[int, int], tuple[int, ...]] = {}
         self.requests: list[Request] = []
@@ -43,9 +47,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.manager.cache_full_blocks(seq)
 
     def _carry_out_transfers(self):
-        """As a worker would, in order; a block read back must hold what was written to it."""
+        """As a worker would, in order, and the step's result; a block read back must hold what was written
+        to it (a block on disk is named by its key)."""
+        reads = []
         for t in self.manager.take_transfers():
-            self.contents[(t.dst_tier, t.dst_block)] = self.contents[(t.src_tier, t.src_block)]
+            source = (DISK, t.key) if t.src_tier == DISK else (t.src_tier, t.src_block)
+            target = (DISK, t.key) if t.dst_tier == DISK else (t.dst_tier, t.dst_block)
+            self.contents[target] = self.contents[source]
+            if t.src_tier == DISK:
+                reads.append(t.key)
+        self.manager.finish_reads(reads, set())
 
     @precondition(lambda self: self.freed)
     @rule(data=st.data(), extra=tokens)
@@ -62,6 +73,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         seq = Sequence(next(self.ids), request, 0)
         request.seqs.append(seq)
         hits = self.manager.match_prefix(seq)
+        if hits.reads and self.manager.read_from_disk(hits):  # read into the host cache by a step, then matched
+            self._carry_out_transfers()
+            hits = self.manager.match_prefix(seq, disk=False)
         remaining = seq.num_tokens - hits.num_blocks * BLOCK_SIZE
         needed = -(-seq.num_tokens // BLOCK_SIZE) - hits.num_blocks + hits.num_loads
         if needed + self.manager.revives(hits) > self.manager.gpu.num_available:
@@ -115,6 +129,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def swap_out(self, data):
         request = data.draw(st.sampled_from([r for r in self.requests if r.status is RequestStatus.RUNNING]))
         if self.manager.can_swap_out(request):
+            self._carry_out_transfers()  # those queued before (files to write)
             held = {b for s in request.seqs for b in s.kv.block_table}
             self.manager.swap_out(request)
             moved = self.manager.take_transfers()

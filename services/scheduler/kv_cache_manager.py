@@ -14,10 +14,13 @@ first write into a shared, partly filled block copies it (copy-on-write). With p
 each full block is keyed by a hash chained from its parent's (the first from its request's
 `cache_salt`), and a new sequence starts from every cached block its prompt matches.
 
-Tiers: the device pool, and the worker's host memory. Host memory holds the swap pool (whole
+Tiers: the device pool, the worker's host memory, and files. Host memory holds the swap pool (whole
 preempted requests) and, with `--kv-offloading-size`, a host cache: a cached block the device
 evicts is written back to it with its key, and a later prompt that matches it loads it back to the
-device instead of computing it again.
+device instead of computing it again. With `--kv-cache-dir` each full block is also written to a
+file as soon as it is cached on the device (so a restart finds it); a prompt that matches files
+first has them read into the host cache, and starts once a step has done so, on the blocks whose
+files the workers found whole.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.scheduler.block_pool import BlockPool
+from services.scheduler.disk_index import DiskIndex
 from shared.prefix_keys import chain_key
-from shared.protocol import DEVICE, HOST, BlockTransfer
+from shared.protocol import DEVICE, DISK, HOST, BlockTransfer
 
 if TYPE_CHECKING:
     from services.scheduler.request import Request, Sequence
@@ -62,9 +66,13 @@ class SequenceKV:
 
 @dataclass(slots=True)
 class PrefixMatch:
-    """The cached blocks a prompt starts with, in order: (tier, block), a host block to be loaded."""
+    """The cached blocks a prompt starts with, in order: (tier, block), a host block to be loaded; then
+    the blocks after them that are only on disk, as (key, tokens), to read before it starts, and
+    whether some of its blocks are being read already."""
 
     blocks: list[tuple[int, int]] = field(default_factory=list)
+    reads: list[tuple[bytes, tuple[int, ...]]] = field(default_factory=list)
+    waiting: bool = False
 
     @classmethod
     def on_device(cls, blocks: Iterable[int]) -> PrefixMatch:
@@ -89,6 +97,9 @@ class TransferCounts:
     copied: int = 0  # copy-on-write
     offloaded: int = 0  # device -> host cache, as the device evicted them
     loaded: int = 0  # host cache -> device, for a prefix hit
+    written: int = 0  # device -> disk, as they were cached
+    read: int = 0  # disk -> host cache, found whole
+    refused: int = 0  # disk reads that found no whole file for their key
 
 
 class KVCacheManager:
@@ -100,6 +111,7 @@ class KVCacheManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
         num_host_cache_blocks: int = 0,
+        disk: DiskIndex | None = None,
     ):
         self.block_size = block_size
         self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
@@ -110,6 +122,8 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.moved = TransferCounts()
         self._transfers: list[BlockTransfer] = []
+        self.disk = disk if enable_prefix_caching and self.host.num_blocks else None
+        self._reading: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # key -> (host block, tokens) being read
         if self.host.num_blocks:
             self.gpu.on_evict = self._offload
 
@@ -204,9 +218,10 @@ class KVCacheManager:
 
     # --- starting a sequence -------------------------------------------------------------
 
-    def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Cached blocks, on the device or in the host cache, holding the start of the sequence's tokens
-        (never all of them: the last token must be computed to give the next token's logits)."""
+    def match_prefix(self, seq: Sequence, disk: bool = True) -> PrefixMatch:
+        """Cached blocks, on the device or in the host cache (and with `disk`, then on disk), holding the
+        start of the sequence's tokens (never all of them: the last token must be computed to give the
+        next token's logits)."""
         match = PrefixMatch()
         if not self.gpu.enable_caching:
             return match
@@ -220,10 +235,63 @@ class KVCacheManager:
                 match.blocks.append((DEVICE, block))
                 continue
             slot = self.host.lookup(parent, chunk) if self.host.num_blocks else None
-            if slot is None:
+            if slot is not None:
+                match.blocks.append((HOST, slot))
+                continue
+            if not disk or not self._on_disk(match, parent, chunk):
                 break
-            match.blocks.append((HOST, slot))
         return match
+
+    def _on_disk(self, match: PrefixMatch, key: bytes, chunk: tuple[int, ...]) -> bool:
+        """Whether the match goes on with a block only on disk (to be read first)."""
+        if self.disk is None or match.waiting:
+            return False
+        if key in self._reading:
+            match.waiting = True
+            return False
+        if not self.disk.holds(key):
+            return False
+        match.reads.append((key, chunk))
+        return True
+
+    def read_from_disk(self, match: PrefixMatch) -> bool:
+        """Queue reads of the match's blocks on disk into the host cache, as far as it has room. True if some
+        are read (the request waits for the step that reads them); False if none can be, so that the
+        request computes them instead."""
+        held = [block for tier, block in match.blocks if tier == HOST]
+        for block in held:  # its hits in the host cache are not what the reads make room by
+            self.host.share(block)
+        for key, tokens in match.reads:
+            if key in self._reading:
+                continue
+            if not self.host.num_available:
+                break
+            slot = self.host.allocate()  # held until the read is done
+            self._reading[key] = (slot, tokens)
+            self._transfers.append(BlockTransfer(DISK, 0, HOST, self._host_offset + slot, key))
+            assert self.disk is not None
+            self.disk.touch(key)
+        for block in held:
+            self.host.release(block)
+        return any(key in self._reading for key, _ in match.reads)
+
+    def finish_reads(self, keys: list[bytes], failed: set[bytes]) -> None:
+        """A step read these files: the whole ones are in the host cache from now on, the others are
+        forgotten (their blocks will be computed)."""
+        for key in keys:
+            slot, tokens = self._reading.pop(key)
+            if key in failed:
+                self.moved.refused += 1
+                assert self.disk is not None
+                self.disk.drop(key)
+            else:
+                self.moved.read += 1
+                self.host.cache(slot, key, tokens)
+            self.host.release(slot)
+
+    def abandon_reads(self) -> None:
+        """The steps that were to read files failed: their host blocks go back."""
+        self.finish_reads(list(self._reading), set())
 
     def revives(self, match: PrefixMatch) -> int:
         """Device blocks of the match that nobody references: starting on them takes them from the available ones."""
@@ -269,6 +337,10 @@ class KVCacheManager:
             block_hash = chain_key(parent, chunk)
             kv._hashes.append(block_hash)
             self.gpu.cache(kv._blocks[index], block_hash, chunk)
+            if self.disk is not None and not self.disk.holds(block_hash) and block_hash not in self._reading:
+                self._transfers.append(BlockTransfer(DEVICE, kv._blocks[index], DISK, 0, block_hash))
+                self.disk.add(block_hash)
+                self.moved.written += 1
 
     def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         hashes, parent, tokens = [], seq.request.cache_root, seq.token_ids()
@@ -381,15 +453,16 @@ class KVCacheManager:
 
     def audit(self, handles: Iterable[SequenceKV]) -> None:
         """Raise AssertionError unless, in every tier, each block is exactly one of free, referenced or
-        cached, and each block's reference count is the number of block tables that hold it (none for
-        the host cache, whose blocks only wait to be loaded)."""
+        cached, and each block's reference count is the number of block tables that hold it (in the host
+        cache, whose blocks only wait to be loaded, one for a block a file is being read into)."""
         counts: dict[int, dict[int, int]] = {DEVICE: {}, HOST: {}}
         for kv in handles:
             held = counts[kv._tier]
             for block in kv._blocks:
                 held[block] = held.get(block, 0) + 1
+        reading = {slot: 1 for slot, _ in self._reading.values()}
         for name, pool, held in (("device", self.gpu, counts[DEVICE]), ("swap", self.cpu, counts[HOST]),
-                                 ("host cache", self.host, {})):
+                                 ("host cache", self.host, reading)):
             pool.audit()
             for block in range(pool.num_blocks):
                 if pool.ref_count(block) != held.get(block, 0):

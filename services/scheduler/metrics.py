@@ -97,10 +97,13 @@ class StatsCollector:
             "swap": ("cpu", swap_used, 0, stats.num_free_cpu_blocks, stats.num_cpu_blocks),
             "host_cache": ("cpu", 0, stats.num_cached_host_blocks,
                            stats.num_host_cache_blocks - stats.num_cached_host_blocks, stats.num_host_cache_blocks),
+            "disk": ("disk", 0, stats.num_disk_blocks, stats.disk_capacity_blocks - stats.num_disk_blocks,
+                     stats.disk_capacity_blocks),
         }
         blocks = GaugeMetricFamily("pagedserve_kv_blocks", "KV blocks by pool (the device's cache; in CPU memory, "
-                                   "the swap space and the host cache of --kv-offloading-size) and state: used by "
-                                   "sequences, cached for prefix reuse (evictable), free",
+                                   "the swap space and the host cache of --kv-offloading-size; files under "
+                                   "--kv-cache-dir) and state: used by sequences, cached for prefix reuse "
+                                   "(evictable), free",
                                    labels=["pool", "device", "state"])
         capacity = GaugeMetricFamily("pagedserve_kv_blocks_capacity", "KV blocks in the pool",
                                      labels=["pool", "device"])
@@ -141,6 +144,10 @@ class StatsCollector:
         yield labeled_counter("pagedserve_blocks_offloaded", "KV blocks written back from the device to the host "
                               "cache as the device evicted them, and loaded back for prefix hits", "direction",
                               {"out": stats.blocks_offloaded, "in": stats.blocks_loaded})
+        yield labeled_counter("pagedserve_blocks_on_disk", "KV blocks written to files under --kv-cache-dir, read "
+                              "back into the host cache, and refused when read (no whole file: computed again)",
+                              "direction", {"written": stats.blocks_written_to_disk,
+                                            "read": stats.blocks_read_from_disk, "refused": stats.disk_reads_refused})
         yield labeled_counter("pagedserve_prefix_cache_tier_hits", "prompt tokens requests started on from cached "
                               "blocks, by the tier that held them (counted at every start, a recomputed one again)",
                               "tier", {"device": stats.prefix_hits_device_tokens,

@@ -52,6 +52,7 @@ from services.scheduler.speculation import Speculation
 from services.scheduler.stats import Stats
 from services.scheduler.stopping import StopRule
 from shared.protocol import (
+    DISK,
     AddRequest,
     NewSequence,
     RequestOutput,
@@ -77,6 +78,7 @@ class _InFlight:
     speculated: bool
     has_prompt_tokens: bool
     drafts: dict[int, int]  # seq_id -> proposals asked of the worker, counted as computed until settled
+    reads: list[bytes]  # keys of the blocks it reads from disk
 
 
 @dataclass(slots=True)
@@ -442,6 +444,15 @@ class Scheduler:
         start = self._plan_start(request, plan.tokens_left)
         if start is None:
             return False
+        if start.hits.waiting:
+            return False  # blocks of its prompt are being read from disk, by the step in flight that reads them
+        if start.hits.reads:  # blocks on disk: read once, then start on them (those still there)
+            if not request.waited_for_disk and self.kv_cache.read_from_disk(start.hits):
+                request.waited_for_disk = True
+                return False
+            start = self._plan_start(request, plan.tokens_left, disk=False)
+            if start is None:
+                return False
         self.waiting.popleft()
         self._mark_running(request)
         leader = start.leader
@@ -475,7 +486,7 @@ class Scheduler:
             self.waiting[i], self.waiting[i - 1] = self.waiting[i - 1], self.waiting[i]
             i -= 1
 
-    def _plan_start(self, request: Request, budget: int) -> _StartPlan | None:
+    def _plan_start(self, request: Request, budget: int, disk: bool = True) -> _StartPlan | None:
         """How a waiting request starts, or None if it does not fit now.
 
         The first sequence starts from its prefix-cache hits. The others (only a request that
@@ -487,7 +498,7 @@ class Scheduler:
         leader, *others = request.seqs
         # Prompt log-probabilities come from computing the prompt: no cached blocks until they are out.
         wants_prompt = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
-        hits = PrefixMatch() if wants_prompt else self.kv_cache.match_prefix(leader)
+        hits = PrefixMatch() if wants_prompt else self.kv_cache.match_prefix(leader, disk)
         num_hit = hits.num_blocks
         n = self._fit(leader.num_tokens - num_hit * size, budget)
         budget -= n
@@ -596,10 +607,11 @@ class Scheduler:
         counters.prompt_tokens_computed += prompt_tokens_computed
         counters.tokens_scheduled += sum(n for _, n in plan.scheduled)
         forks, dropped, preempted = self.registry.take_worker_notices()
-        step = Step(counters.steps, forks, dropped, preempted, new_sequences, entries,
-                    self.kv_cache.take_transfers())
+        transfers = self.kv_cache.take_transfers()
+        step = Step(counters.steps, forks, dropped, preempted, new_sequences, entries, transfers)
+        reads = [t.key for t in transfers if t.src_tier == DISK]
         self.in_flight[step.step_id] = _InFlight([seq for seq, _ in plan.scheduled], sampled, num_decoding,
-                                                 self._speculating, prompt_tokens_computed > 0, drafts)
+                                                 self._speculating, prompt_tokens_computed > 0, drafts, reads)
         counters.steps += 1
         if self.speculation is not None:
             self.speculation.built(self._speculating)
@@ -633,6 +645,7 @@ class Scheduler:
         """End every request: the worker could not run a step."""
         outputs: list[RequestOutput] = []
         self.in_flight.clear()
+        self.kv_cache.abandon_reads()
         for request in list(self.requests.values()):
             self.finish_request(request)
             outputs.append(error_output(request.request_id, request.num_prompt_tokens, error, "error"))
@@ -644,6 +657,8 @@ class Scheduler:
         step = self.in_flight.pop(result.step_id, None)
         if step is None:
             return []
+        if step.reads:
+            self.kv_cache.finish_reads(step.reads, set(result.failed_reads))
         for seq in step.sampled:
             seq.num_pending = max(0, seq.num_pending - 1)  # 0 already if preempted meanwhile
         applied = self.results.apply(result, step.scheduled, step.drafts)
@@ -663,6 +678,7 @@ class Scheduler:
 
     def stats(self) -> Stats:
         gpu, cpu, host, moved = self.kv_cache.gpu, self.kv_cache.cpu, self.kv_cache.host, self.kv_cache.moved
+        disk = self.kv_cache.disk
         holding, reserved = self._slot_use()
         counters = self.counters
         return Stats(
@@ -674,7 +690,10 @@ class Scheduler:
             num_prompt_tokens_computed=counters.prompt_tokens_computed,
             num_prompt_tokens_cached=counters.prompt_tokens_cached,
             blocks_swapped_out=moved.swapped_out, blocks_swapped_in=moved.swapped_in, blocks_copied=moved.copied,
-            blocks_offloaded=moved.offloaded, blocks_loaded=moved.loaded,
+            blocks_offloaded=moved.offloaded, blocks_loaded=moved.loaded, blocks_written_to_disk=moved.written,
+            blocks_read_from_disk=moved.read, disk_reads_refused=moved.refused,
+            num_disk_blocks=len(disk) if disk is not None else 0,
+            disk_capacity_blocks=disk.capacity if disk is not None else 0,
             num_host_cache_blocks=host.num_blocks, num_cached_host_blocks=host.num_evictable,
             prefix_hits_device_tokens=counters.hits_device_tokens, prefix_hits_host_tokens=counters.hits_host_tokens,
             tokens_scheduled=counters.tokens_scheduled,

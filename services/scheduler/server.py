@@ -31,6 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from services.scheduler.cached_prefixes import CachedPrefixes
+from services.scheduler.disk_index import DiskIndex
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.metrics import SchedulerMetrics, Snapshots
 from services.scheduler.policy import make_policy
@@ -234,7 +235,9 @@ class SchedulerServer:
     def _send_steps(self, back_to_back: bool = False) -> None:
         """Plan and send steps until `depth` are in flight or there is nothing to plan."""
         while (scheduler := self.scheduler) is not None and len(self.in_flight) < self.depth:
-            if not scheduler.has_work() or (self.in_flight and scheduler.needs_drain):
+            if not (scheduler.has_work() or scheduler.kv_cache.has_transfers) or (
+                    self.in_flight and scheduler.needs_drain):
+                # Transfers alone: files to write for blocks cached as the last requests ended.
                 return  # with needs_drain, a preemption is due: planned once the steps in flight are done
             try:
                 started = time.perf_counter()
@@ -341,8 +344,16 @@ class SchedulerServer:
         if num_host_cache_blocks and not config.enable_prefix_caching:
             log.warning("the workers keep a host cache (--kv-offloading-size), which holds prefix-cache blocks: "
                         "without --enable-prefix-caching it stays empty")
+        disk = None
+        if config.kv_cache_dir and first.disk_fingerprint:
+            if not config.enable_prefix_caching:
+                log.warning("--kv-cache-dir keeps prefix-cache blocks: without --enable-prefix-caching it stays unused")
+            disk = DiskIndex(config.kv_cache_dir, first.disk_fingerprint, self.world_size,
+                             int(config.kv_cache_dir_size * 2**30 // max(first.block_bytes, 1)))
+            log.info("KV blocks on disk: %d found under %s, room for %d", len(disk), config.kv_cache_dir,
+                     disk.capacity)
         kv_cache = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark,
-                                  config.enable_prefix_caching, num_host_cache_blocks)
+                                  config.enable_prefix_caching, num_host_cache_blocks, disk)
         usable_tokens = (num_blocks - kv_cache.watermark_blocks) * config.block_size
         max_model_len = min(config.max_model_len or first.max_model_len, usable_tokens)
         default_batched = 2048 if config.enable_chunked_prefill else max(max_model_len, 2048)

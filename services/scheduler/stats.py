@@ -29,6 +29,11 @@ class Stats:
     blocks_copied: int = 0  # copy-on-write copies
     blocks_offloaded: int = 0  # device -> host cache, as the device evicted cached blocks
     blocks_loaded: int = 0  # host cache -> device, for prefix hits
+    blocks_written_to_disk: int = 0  # with --kv-cache-dir
+    blocks_read_from_disk: int = 0
+    disk_reads_refused: int = 0  # no whole file for the key: computed again
+    num_disk_blocks: int = 0
+    disk_capacity_blocks: int = 0
     num_host_cache_blocks: int = 0  # with --kv-offloading-size
     num_cached_host_blocks: int = 0
     prefix_hits_device_tokens: int = 0  # prompt tokens started on from cached blocks, per start, by tier

@@ -13,8 +13,9 @@ import torch
 
 from kernels import dispatch
 from kernels.kv_quant import cache_layout
+from services.worker.disk_tier import DiskTier
 from services.worker.step_inputs import StepInputs
-from shared.protocol import DEVICE, HOST, BlockTransfer
+from shared.protocol import DEVICE, DISK, HOST, BlockTransfer
 
 GIB = 1 << 30
 
@@ -60,10 +61,13 @@ class KVCache:
         self._side_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._pending_out: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
         self.staging = StepInputs(self.device)  # the step's copy-on-write pairs
+        self.disk: DiskTier | None = None  # with --kv-cache-dir
 
-    def transfer(self, transfers: list[BlockTransfer]) -> None:
-        """Carry out a step's block transfers in their order, each run of one kind in one call."""
+    def transfer(self, transfers: list[BlockTransfer]) -> list[bytes]:
+        """Carry out a step's block transfers in their order, each run of one kind in one call; returns the
+        keys of the reads from disk that failed."""
         moves = {(DEVICE, HOST): self.swap_out, (HOST, DEVICE): self.swap_in, (DEVICE, DEVICE): self.copy_blocks}
+        failed: list[bytes] = []
         run: list[tuple[int, int]] = []
         kind = (DEVICE, DEVICE)
         for transfer in transfers:
@@ -72,9 +76,27 @@ class KVCache:
                 moves[kind](run)
                 run = []
             kind = this
+            if DISK in this:
+                if not self._disk_transfer(transfer):
+                    failed.append(transfer.key)
+                continue
             run.append((transfer.src_block, transfer.dst_block))
         if run:
             moves[kind](run)
+        return failed
+
+    def _disk_transfer(self, transfer: BlockTransfer) -> bool:
+        if self.disk is None:
+            return False
+        if transfer.dst_tier == DISK:  # written from the device, in the background
+            self.disk.write(transfer.key, self.cache[:, :, transfer.src_block].to("cpu", copy=True))
+            return True
+        self.finish_swaps()  # a write-back to this host block may still be on its way
+        staged = torch.empty_like(self.swap_space[:, :, transfer.dst_block])
+        if not self.disk.read(transfer.key, staged):
+            return False
+        self.swap_space[:, :, transfer.dst_block] = staged
+        return True
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst becomes a copy of block src, in every layer, in one launch."""

@@ -32,8 +32,10 @@ from services.worker.kv_cache import KVCache
 from services.worker.ngram import NgramIndex, NgramProposer
 from services.worker.sampler import Sample, Sampler, SampleRow
 from services.worker.step_inputs import StepInputs
+from shared.prefix_keys import KEY_BYTES
 from shared.protocol import (
     DEVICE,
+    DISK,
     HOST,
     NewSequence,
     PromptLogprobs,
@@ -67,6 +69,10 @@ class SequenceMirror:
 
 class StepError(RuntimeError):
     pass
+
+
+# (from tier, to tier) of the transfers a worker carries out; a block on disk is one of 0 (its file's key names it)
+_TRANSFERS = {(DEVICE, DEVICE), (DEVICE, HOST), (HOST, DEVICE), (DEVICE, DISK), (DISK, HOST)}
 
 
 class ModelRunner:
@@ -123,12 +129,13 @@ class ModelRunner:
             else:
                 failures[new.seq_id] = problem
         self._check_transfers(step)
+        failed_reads: list[bytes] = []
         for cache in self.caches:
             cache.finish_swaps()
-            cache.transfer(step.transfers)
+            failed_reads += cache.transfer(step.transfers)
         scheduled = [resolved for entry in step.scheduled if (resolved := self._accepts(entry, failures)) is not None]
         if not scheduled:
-            return StepResult(step.step_id, [], 0.0, 0.0, failures=failures)
+            return StepResult(step.step_id, [], 0.0, 0.0, failures=failures, failed_reads=failed_reads)
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -205,7 +212,7 @@ class ModelRunner:
         done = time.perf_counter()
         return StepResult(
             step.step_id, sampled, (sampled_at - started) * 1e3, (done - sampled_at) * 1e3, failures=failures,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, failed_reads=failed_reads,
         )
 
     def _prompt_logprobs(self, entry, first_row: int, hidden: torch.Tensor) -> PromptLogprobs:
@@ -286,12 +293,14 @@ class ModelRunner:
             self.tables.release(mirror.row)
 
     def _check_transfers(self, step: Step) -> None:
-        blocks = {DEVICE: self.cache.num_blocks, HOST: self.cache.num_cpu_blocks}
+        blocks = {DEVICE: self.cache.num_blocks, HOST: self.cache.num_cpu_blocks, DISK: 1}
         for t in step.transfers:
-            if (t.src_tier, t.dst_tier) == (HOST, HOST):
-                raise StepError(f"step {step.step_id}: a transfer from host memory to host memory")
-            if not (0 <= t.src_block < blocks.get(t.src_tier, 0) and 0 <= t.dst_block < blocks.get(t.dst_tier, 0)):
+            if (t.src_tier, t.dst_tier) not in _TRANSFERS:
+                raise StepError(f"step {step.step_id}: no transfer goes from tier {t.src_tier} to tier {t.dst_tier}")
+            if not (0 <= t.src_block < blocks[t.src_tier] and 0 <= t.dst_block < blocks[t.dst_tier]):
                 raise StepError(f"step {step.step_id}: transfer {t} is out of range")
+            if DISK in (t.src_tier, t.dst_tier) and len(t.key) != KEY_BYTES:
+                raise StepError(f"step {step.step_id}: a transfer to or from disk without a prefix-cache key")
 
     @torch.inference_mode()
     def measure_prefill_rate(self, num_tokens: int = 256) -> float:

@@ -17,6 +17,7 @@ import zmq
 
 from services.worker.cpu_threads import ComputeThreads
 from services.worker.decode_graphs import DecodeGraphs
+from services.worker.disk_tier import DISK_STAGING_BLOCKS, DiskTier, fingerprint, weight_files
 from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
@@ -132,6 +133,8 @@ class WorkerServer:
             raise RuntimeError("no memory left for a single KV block; lower the model or raise the limit")
         num_cpu_blocks = int(worker.swap_space * GIB // block_bytes)
         num_host_cache_blocks = int(worker.kv_offloading_size * GIB // block_bytes)
+        if scheduler.kv_cache_dir:  # blocks read from disk are staged in the host cache
+            num_host_cache_blocks = max(num_host_cache_blocks, DISK_STAGING_BLOCKS)
         cache, *draft_cache = [
             KVCache(
                 c.num_hidden_layers,
@@ -206,6 +209,18 @@ class WorkerServer:
             speculative.method if speculative is not None else "",
             num_host_cache_blocks,
         )
+        if scheduler.kv_cache_dir:
+            if draft_cache:
+                raise ModelLoadError("--kv-cache-dir keeps the target model's blocks only: it does not work with a "
+                                     "draft model yet (n-gram speculation works)")
+            print_ = fingerprint({"model": os.path.realpath(model_dir), "files": weight_files(model_dir),
+                                  "load_format": worker.load_format,
+                                  "seed": worker.seed if worker.load_format == "dummy" else None,
+                                  "dtype": str(dtype), "kv_cache_dtype": kv_dtype, "block_size": scheduler.block_size,
+                                  "world_size": world_size, "block_bytes": block_bytes})
+            cache.disk = DiskTier(scheduler.kv_cache_dir, print_, rank, world_size)
+            self.ready.disk_fingerprint = print_
+            log.info("KV blocks on disk: %s", cache.disk.folder)
         self.metrics = metrics or WorkerMetrics(rank)
         self.metrics.describe_compute(numerics(model, device))
         self.context = zmq.Context()
@@ -252,6 +267,8 @@ class WorkerServer:
                     log.error("no handler for %s", type(message).__name__)
         self.socket.disable_monitor()
         self.context.destroy(linger=0)
+        if self.runner.cache.disk is not None:
+            self.runner.cache.disk.close()  # the writes in flight land, for the next start to find
 
     def on_step(self, step: Step) -> None:
         idle_ms = (time.perf_counter() - self.last_sent) * 1e3
