@@ -114,9 +114,9 @@ class StandInWorker:
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, context=256,
                    num_cpu_blocks=0, preemption="recompute", prefix_caching=False, chunked=False,
                    reservation="paged", watermark=0.0, speculative: SpeculativeConfig | None = None,
-                   policy: SchedulingPolicy | None = None, clock=time.monotonic):
+                   policy: SchedulingPolicy | None = None, clock=time.monotonic, num_host_cache_blocks=0):
     manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks, watermark=watermark,
-                           enable_prefix_caching=prefix_caching)
+                             enable_prefix_caching=prefix_caching, num_host_cache_blocks=num_host_cache_blocks)
     if not chunked:  # a recomputed request must fit one step
         context = min(context, max_tokens_per_step)
     budgets = Budgets(max_num_seqs, max_tokens_per_step, context, chunked_prefill=chunked)

@@ -10,9 +10,11 @@ from tests.scheduler_harness import StandInWorker, make_scheduler, run_to_comple
 BLOCK = 4
 
 
-def served(prompts: list[list[int]], num_blocks: int = 64, prefix_caching: bool = True, salt: str = ""):
+def served(prompts: list[list[int]], num_blocks: int = 64, prefix_caching: bool = True, salt: str = "",
+           host_blocks: int = 0):
     """Run each prompt to completion, one after another, noting each as the server does."""
-    scheduler = make_scheduler(num_blocks=num_blocks, block_size=BLOCK, prefix_caching=prefix_caching)
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=BLOCK, prefix_caching=prefix_caching,
+                               num_host_cache_blocks=host_blocks)
     prefixes = CachedPrefixes(scheduler.kv_cache, BLOCK)
     for index, prompt in enumerate(prompts):
         message = AddRequest(f"r{index}", prompt, SamplingParams(max_tokens=2, temperature=0.0), float(index), salt)
@@ -40,6 +42,12 @@ def test_an_evicted_prefix_is_no_longer_reported():
     first, second = list(range(1, 40)), list(range(100, 139))
     prefixes = served([first, second], num_blocks=12)  # room for one prompt's blocks: the second evicts the first
     assert prefixes.report() == [key(second)]
+
+
+def test_a_prefix_the_device_evicted_into_the_host_cache_is_still_reported():
+    first, second = list(range(1, 40)), list(range(100, 139))
+    prefixes = served([first, second], num_blocks=12, host_blocks=16)
+    assert prefixes.report() == [key(second), key(first)]
 
 
 def test_nothing_is_reported_without_prefix_caching_or_for_a_prompt_under_a_block():

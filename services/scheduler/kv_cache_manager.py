@@ -362,7 +362,7 @@ class KVCacheManager:
 
     def holds(self, key: bytes) -> bool:
         """Whether a block of this prefix-cache key is cached in any tier."""
-        return self.gpu.holds(key) or self.host.holds(key)
+        return self.gpu.holds(key) or self.host.holds(key) or (self.disk is not None and self.disk.holds(key))
 
     # --- forking and freeing -------------------------------------------------------------
 
