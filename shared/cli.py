@@ -6,11 +6,13 @@ Flag names follow vLLM's where vLLM has the same knob.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 
 from shared.config import ApiConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from shared.options import add_options
@@ -137,7 +139,8 @@ def stop_on_signals() -> socket.socket:
         _stop_requested = True
         for each in (signal.SIGINT, signal.SIGTERM):
             signal.signal(each, signal.SIG_IGN)
-        raise KeyboardInterrupt
+        if not _deferring:  # else the work under way ends first, and `drain_wakeups` stops the service after it
+            raise KeyboardInterrupt
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, interrupt)
@@ -159,6 +162,19 @@ def _quiet_about_lost_interrupts(unraisable: sys.UnraisableHookArgs) -> None:
 
 _signal_sockets: tuple[socket.socket, socket.socket] | None = None  # kept open for the process's life
 _stop_requested = False
+_deferring = False
+
+
+@contextlib.contextmanager
+def stops_deferred() -> Iterator[None]:
+    """A stop asked for inside the block takes effect after it (a worker's step: its block files then
+    reach the disk); the poll that follows wakes on the signal's byte and `drain_wakeups` stops."""
+    global _deferring
+    _deferring = True
+    try:
+        yield
+    finally:
+        _deferring = False
 
 
 def drain_wakeups() -> None:

@@ -58,9 +58,14 @@ class DiskTier:
 
     def write(self, key: bytes, block: torch.Tensor) -> None:
         """Persist one block (all layers' keys and values of it, on the CPU) under its key, in the background."""
-        payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+        self.write_many([key], block.unsqueeze(2))
+
+    def write_many(self, keys: list[bytes], blocks: torch.Tensor) -> None:
+        """Persist `blocks` (on the CPU, blocks along dimension 2 as the cache holds them) under `keys`."""
         self._writes = {k: w for k, w in self._writes.items() if not w.done()}
-        self._writes[key] = self._writer.submit(self._write, key, payload)
+        for index, key in enumerate(keys):
+            payload = blocks[:, :, index].contiguous().view(torch.uint8).numpy().tobytes()
+            self._writes[key] = self._writer.submit(self._write, key, payload)
 
     def _write(self, key: bytes, payload: bytes) -> None:
         header = json.dumps({"key": key.hex(), "fingerprint": self.fingerprint, "bytes": len(payload)}).encode()

@@ -64,33 +64,35 @@ class KVCache:
         self.disk: DiskTier | None = None  # with --kv-cache-dir
 
     def transfer(self, transfers: list[BlockTransfer]) -> list[bytes]:
-        """Carry out a step's block transfers in their order, each run of one kind in one call; returns the
+        """Carry out a step's block transfers in their order, each run of one kind at once; returns the
         keys of the reads from disk that failed."""
-        moves = {(DEVICE, HOST): self.swap_out, (HOST, DEVICE): self.swap_in, (DEVICE, DEVICE): self.copy_blocks}
         failed: list[bytes] = []
-        run: list[tuple[int, int]] = []
-        kind = (DEVICE, DEVICE)
+        run: list[BlockTransfer] = []
         for transfer in transfers:
-            this = (transfer.src_tier, transfer.dst_tier)
-            if this != kind and run:
-                moves[kind](run)
+            if run and (transfer.src_tier, transfer.dst_tier) != (run[0].src_tier, run[0].dst_tier):
+                failed += self._run(run)
                 run = []
-            kind = this
-            if DISK in this:
-                if not self._disk_transfer(transfer):
-                    failed.append(transfer.key)
-                continue
-            run.append((transfer.src_block, transfer.dst_block))
+            run.append(transfer)
         if run:
-            moves[kind](run)
+            failed += self._run(run)
         return failed
 
-    def _disk_transfer(self, transfer: BlockTransfer) -> bool:
+    def _run(self, run: list[BlockTransfer]) -> list[bytes]:
+        kind = (run[0].src_tier, run[0].dst_tier)
+        if kind == (DISK, HOST):
+            return [t.key for t in run if not self._read_from_disk(t)]
+        pairs = [(t.src_block, t.dst_block) for t in run]
+        if kind == (DEVICE, DISK):  # gathered at once, written in the background
+            if self.disk is not None:
+                src, _ = _columns(pairs)
+                self.disk.write_many([t.key for t in run], self.cache[:, :, src.to(self.device)].to("cpu"))
+            return []
+        {(DEVICE, HOST): self.swap_out, (HOST, DEVICE): self.swap_in, (DEVICE, DEVICE): self.copy_blocks}[kind](pairs)
+        return []
+
+    def _read_from_disk(self, transfer: BlockTransfer) -> bool:
         if self.disk is None:
             return False
-        if transfer.dst_tier == DISK:  # written from the device, in the background
-            self.disk.write(transfer.key, self.cache[:, :, transfer.src_block].to("cpu", copy=True))
-            return True
         self.finish_swaps()  # a write-back to this host block may still be on its way
         staged = torch.empty_like(self.swap_space[:, :, transfer.dst_block])
         if not self.disk.read(transfer.key, staged):

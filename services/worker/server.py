@@ -27,7 +27,7 @@ from services.worker.model_runner import ModelRunner
 from services.worker.ngram import NgramProposer
 from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
-from shared.cli import drain_wakeups
+from shared.cli import drain_wakeups, stops_deferred
 from shared.config import ModelConfig, SchedulerConfig, WorkerConfig
 from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
 from shared.sockets import MAX_MESSAGE_BYTES
@@ -238,7 +238,15 @@ class WorkerServer:
 
     def run(self, signals: socket.socket | None = None) -> None:
         """Serve steps until stopped; `signals`: the socket a signal taken by another thread wakes
-        (`shared.cli.stop_on_signals`)."""
+        (`shared.cli.stop_on_signals`). However it stops, the block files being written land first,
+        for the next start to find."""
+        try:
+            self._serve(signals)
+        finally:
+            if self.runner.cache.disk is not None:
+                self.runner.cache.disk.close()
+
+    def _serve(self, signals: socket.socket | None) -> None:
         # Each (re)connection to a scheduler is answered with Ready: a restarted scheduler
         # learns this rank again, and knows none of the sequences the old one had.
         events = self.connection_events
@@ -250,7 +258,8 @@ class WorkerServer:
             poller.register(signals, zmq.POLLIN)
             wakeup = signals.fileno()  # what the poller hands back for a plain socket
         while self.running:
-            for sock, _ in poller.poll():
+            # A step already sent is carried out before a stop takes effect (its block files land).
+            for sock, _ in sorted(poller.poll(), key=lambda ready: ready[0] == wakeup):
                 if sock == wakeup:
                     drain_wakeups()
                     continue
@@ -267,13 +276,12 @@ class WorkerServer:
                     log.error("no handler for %s", type(message).__name__)
         self.socket.disable_monitor()
         self.context.destroy(linger=0)
-        if self.runner.cache.disk is not None:
-            self.runner.cache.disk.close()  # the writes in flight land, for the next start to find
 
     def on_step(self, step: Step) -> None:
         idle_ms = (time.perf_counter() - self.last_sent) * 1e3
         try:
-            result = self.runner.execute(step)
+            with stops_deferred():  # a stop waits for the step: its transfers, block files included, complete
+                result = self.runner.execute(step)
         except Exception as exc:  # report it; the scheduler ends the affected requests
             log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
             self.runner.reset()
