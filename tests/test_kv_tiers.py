@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 
+from shared.config import SpeculativeConfig
 from tests.conftest import serve
 from tests.engine_harness import Engine
 from tests.tiny_models import hf_greedy
@@ -116,3 +117,57 @@ def test_a_server_with_kv_offloading_loads_evicted_prefixes_back_and_counts_them
         assert metrics['pagedserve_prefix_cache_tier_hits_total{tier="host"}'] > 0
         assert "host cache:" in server.log()
     assert got == [hf_greedy(llama_dir, p, MAX_TOKENS) for p in FIRST + OTHERS + FIRST]
+
+
+@pytest.mark.parametrize("options", [{"kv_cache_dtype": "int8"}, {"dtype": "bfloat16"}, {"beams": True},
+                                     {"samples": True}, {"speculative": SpeculativeConfig("ngram", 4, 1, 3),
+                                                         "depth": 2}],
+                         ids=["int8-cache", "bf16", "beam-search", "n-2", "ngram-speculation-planned-ahead"])
+def test_the_host_cache_changes_no_token_with_quantized_or_half_caches_beams_samples_or_speculation(llama_dir,
+                                                                                                     options):
+    """Loaded blocks are byte copies: whatever the cache holds, the host cache gives the tokens computing gives."""
+    options = dict(options)
+    sampling = {}
+    if options.pop("beams", False):
+        sampling = {"use_beam_search": True, "best_of": 2, "n": 2}
+    if options.pop("samples", False):
+        sampling = {"n": 2, "temperature": 1.0, "seed": 5}
+
+    def rounds_of(engine: Engine) -> list[dict[int, list[int]]]:
+        outputs = []
+        for prompt in FIRST + OTHERS + FIRST:
+            request_id = engine.add(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, **sampling)
+            outputs.append(engine.run()[request_id])
+        return outputs
+
+    tiered = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True,
+                    num_host_cache_blocks=64, **options)
+    plain = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True, **options)
+    assert rounds_of(tiered) == rounds_of(plain)
+    assert tiered.stats().blocks_loaded > 0 and plain.stats().blocks_loaded == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_share_the_host_cache_and_the_disk_and_restart_warm(llama_dir, tmp_path):
+    flags = ["--tensor-parallel-size", "2", "--block-size", str(BLOCK), "--num-gpu-blocks-override",
+             str(DEVICE_BLOCKS), "--enable-prefix-caching", "--kv-offloading-size", "0.002", "--kv-cache-dir",
+             str(tmp_path / "kv")]
+
+    def complete(server, prompt):
+        body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "return_token_ids": True}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        response.raise_for_status()
+        return response.json()
+
+    with serve(llama_dir, str(tmp_path), *flags) as server:
+        got = [complete(server, p)["choices"][0]["token_ids"] for p in FIRST + OTHERS + FIRST]
+        metrics = server.metrics("scheduler")
+        assert metrics['pagedserve_blocks_offloaded_total{direction="in"}'] > 0
+    assert got == [hf_greedy(llama_dir, p, MAX_TOKENS) for p in FIRST + OTHERS + FIRST]
+    assert {path.name for path in (tmp_path / "kv").glob("*/*")} == {"rank0", "rank1"}
+    with serve(llama_dir, str(tmp_path), *flags) as server:
+        warm = complete(server, FIRST[0])
+        assert server.metrics("scheduler")['pagedserve_blocks_on_disk_total{direction="read"}'] > 0
+    assert warm["choices"][0]["token_ids"] == hf_greedy(llama_dir, FIRST[0], MAX_TOKENS)
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK  # all but the last block
