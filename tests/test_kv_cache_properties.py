@@ -73,8 +73,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         seq = Sequence(next(self.ids), request, 0)
         request.seqs.append(seq)
         hits = self.manager.match_prefix(seq)
-        if hits.reads and self.manager.read_from_disk(hits):  # read into the host cache by a step, then matched
-            self._carry_out_transfers()
+        if hits.reads:  # read into the host cache by a step (as far as it has room), then matched without disk
+            if self.manager.read_from_disk(hits):
+                self._carry_out_transfers()
             hits = self.manager.match_prefix(seq, disk=False)
         remaining = seq.num_tokens - hits.num_blocks * BLOCK_SIZE
         needed = -(-seq.num_tokens // BLOCK_SIZE) - hits.num_blocks + hits.num_loads

@@ -230,14 +230,15 @@ class KVCacheManager:
         for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start : start + self.block_size])
             parent = chain_key(parent, chunk)
-            block = self.gpu.lookup(parent, chunk)
-            if block is not None:
-                match.blocks.append((DEVICE, block))
-                continue
-            slot = self.host.lookup(parent, chunk) if self.host.num_blocks else None
-            if slot is not None:
-                match.blocks.append((HOST, slot))
-                continue
+            if not match.reads:  # after a block to read from disk, only more of those: no gap in the table
+                block = self.gpu.lookup(parent, chunk)
+                if block is not None:
+                    match.blocks.append((DEVICE, block))
+                    continue
+                slot = self.host.lookup(parent, chunk) if self.host.num_blocks else None
+                if slot is not None:
+                    match.blocks.append((HOST, slot))
+                    continue
             if not disk or not self._on_disk(match, parent, chunk):
                 break
         return match
