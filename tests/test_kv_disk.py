@@ -94,7 +94,7 @@ def test_a_block_file_reads_back_only_whole_and_for_its_own_key_and_fingerprint(
     tier = DiskTier(str(tmp_path), "print", 0, 1)
     block = torch.randn(2, 2, 4, 2, 8)
     key, other_key = bytes(range(32)), bytes(range(1, 33))
-    tier.write(key, block)
+    tier.write_many([key], block.unsqueeze(2))
     tier.flush()
     into = torch.empty_like(block)
     assert tier.read(key, into) and torch.equal(into, block)

@@ -26,42 +26,17 @@ files the workers found whole.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from collections.abc import Sequence as Blocks
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.disk_index import DiskIndex
+from services.scheduler.sequence_kv import SequenceKV
 from shared.prefix_keys import chain_key
 from shared.protocol import DEVICE, DISK, HOST, BlockTransfer
 
 if TYPE_CHECKING:
     from services.scheduler.request import Request, Sequence
-
-
-class SequenceKV:
-    """A sequence's KV state. Read it anywhere; only `KVCacheManager` writes it."""
-
-    __slots__ = ("_blocks", "_computed", "_hashes", "_synced", "_tier")
-
-    def __init__(self) -> None:
-        self._blocks: list[int] = []  # block ids in the pool of `_tier`
-        self._computed = 0  # positions computed, or scheduled in a step in flight (its proposals included)
-        self._hashes: list[bytes] = []  # prefix-cache keys of the full blocks so far
-        self._synced = 0  # block table entries before this index are known to the workers
-        self._tier = DEVICE
-
-    @property
-    def num_computed(self) -> int:
-        return self._computed
-
-    @property
-    def block_table(self) -> Blocks[int]:
-        return self._blocks
-
-    @property
-    def swapped(self) -> bool:
-        return self._tier == HOST
 
 
 @dataclass(slots=True)
@@ -139,8 +114,9 @@ class KVCacheManager:
     def caching(self) -> bool:
         return self.gpu.enable_caching
 
-    def _pool(self, kv: SequenceKV) -> BlockPool:
-        return self.cpu if kv._tier == HOST else self.gpu
+    def _pool(self, tier: int) -> BlockPool:
+        """The pool a sequence's blocks are in: the device's, or the swap pool in host memory."""
+        return self.cpu if tier == HOST else self.gpu
 
     # --- the transfers for the next step ---------------------------------------------------
 
@@ -370,7 +346,7 @@ class KVCacheManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all of the parent's blocks, and the workers know its table as far as the parent's."""
         source, kv = parent.kv, child.kv
-        pool = self._pool(source)
+        pool = self._pool(source._tier)
         for block in source._blocks:
             pool.share(block)
         kv._blocks = list(source._blocks)
@@ -382,7 +358,7 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, in whichever tier they are."""
         kv = seq.kv
-        pool = self._pool(kv)
+        pool = self._pool(kv._tier)
         for block in reversed(kv._blocks):
             pool.release(block)
         kv._blocks = []
@@ -431,8 +407,7 @@ class KVCacheManager:
         self.moved.swapped_in += self._move(request, HOST, DEVICE)
 
     def _move(self, request: Request, source_tier: int, target_tier: int) -> int:
-        source = self.cpu if source_tier == HOST else self.gpu
-        target = self.cpu if target_tier == HOST else self.gpu
+        source, target = self._pool(source_tier), self._pool(target_tier)
         mapping: dict[int, int] = {}
         for seq in request.seqs:
             kv = seq.kv

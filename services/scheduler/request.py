@@ -11,7 +11,7 @@ import enum
 import time
 
 from services.scheduler.beam_search import BeamSearch
-from services.scheduler.kv_cache_manager import SequenceKV
+from services.scheduler.sequence_kv import SequenceKV
 from shared.prefix_keys import salted_root
 from shared.protocol import SampledTokens
 from shared.sampling import SamplingParams

@@ -56,10 +56,6 @@ class DiskTier:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk")
         self._writes: dict[bytes, Future[None]] = {}  # by key, until done
 
-    def write(self, key: bytes, block: torch.Tensor) -> None:
-        """Persist one block (all layers' keys and values of it, on the CPU) under its key, in the background."""
-        self.write_many([key], block.unsqueeze(2))
-
     def write_many(self, keys: list[bytes], blocks: torch.Tensor) -> None:
         """Persist `blocks` (on the CPU, blocks along dimension 2 as the cache holds them) under `keys`."""
         self._writes = {k: w for k, w in self._writes.items() if not w.done()}
