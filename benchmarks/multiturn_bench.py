@@ -1,6 +1,7 @@
 """Multi-turn conversations against a device KV pool that holds about a quarter of their histories:
-pagedserve with its host cache (`--kv-offloading-size`), without it, and vLLM's CPU build with prefix
-caching at the same device budget (as it starts and with its worker on all cores).
+pagedserve with its host cache (`--kv-offloading-size`, written back as the device evicts blocks, and
+written through as they are cached), without it, and vLLM's CPU build with prefix caching at the same
+device budget (as it starts and with its worker on all cores).
 
 Each user opens with a document and a question, then, after a think time, sends its whole history
 again with an answer and a new question, turn after turn, so its prompt grows to 1-3k tokens. All
@@ -102,16 +103,21 @@ async def run_users(base_url: str, args, seed: int) -> dict:
 
 
 def scheduler_counters(port: int) -> dict[str, float]:
-    """pagedserve's host-cache counters, from its scheduler's /metrics (one port above the api's)."""
+    """pagedserve's host-cache counters from its scheduler's /metrics (one port above the api's), and the time its
+    worker spent on block transfers and whole forward passes (two above)."""
     wanted = ("pagedserve_blocks_offloaded_total", "pagedserve_prefix_cache_tier_hits_total",
-              "pagedserve_prompt_tokens_computed_total", "pagedserve_preemptions_total")
-    with urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in text.splitlines()
-                                                    if line.startswith(wanted))}
+              "pagedserve_prompt_tokens_computed_total", "pagedserve_preemptions_total",
+              'pagedserve_step_phase_seconds_sum{phase="transfer"', 'pagedserve_step_phase_seconds_sum{phase="forward"')
+    counters = {}
+    for offset in (1, 2):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port + offset}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        counters.update({name: float(value) for name, value in (line.rsplit(" ", 1) for line in text.splitlines()
+                                                                 if line.startswith(wanted))})
+    return counters
 
 
-SYSTEMS = ("pagedserve+host", "pagedserve", "vllm", "vllm-all-cores")
+SYSTEMS = ("pagedserve+host", "pagedserve+host-write-through", "pagedserve", "vllm", "vllm-all-cores")
 
 
 def command(args, name: str, port: int) -> tuple[list[str], dict[str, str]]:
@@ -119,8 +125,10 @@ def command(args, name: str, port: int) -> tuple[list[str], dict[str, str]]:
     shared = ["--num-gpu-blocks-override", str(args.device_blocks), "--enable-prefix-caching"]
     if name.startswith("pagedserve"):
         built, env = peer_bench.pagedserve_command(args, port)
-        offload = args.offload_gib if name == "pagedserve+host" else 0.0
-        return built + shared + ["--kv-offloading-size", f"{offload:g}"], env
+        offload = args.offload_gib if name.startswith("pagedserve+host") else 0.0
+        policy = "write-through" if name.endswith("write-through") else "write-back"
+        return built + shared + ["--kv-offloading-size", f"{offload:g}", "--kv-offloading-policy", policy,
+                                 "--worker-metrics-port", str(port + 2)], env
     build = peer_bench.vllm_all_cores_command if name == "vllm-all-cores" else peer_bench.vllm_command
     built, env = build(args, port)
     return built + shared, env
@@ -141,6 +149,8 @@ def main() -> None:
     parser.add_argument("--device-blocks", type=int, default=0,
                         help="device KV blocks on every system (0: a quarter of the users' final histories)")
     parser.add_argument("--offload-gib", type=float, default=1.0, help="pagedserve's --kv-offloading-size")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="which of them to run, comma-separated (vLLM's need --vllm-venv)")
     parser.add_argument("--port", type=int, default=8400)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -151,7 +161,10 @@ def main() -> None:
     print(f"working set {working_set} blocks of {args.block_size} tokens; device pool {args.device_blocks}",
           flush=True)
 
-    systems = [name for name in SYSTEMS if args.vllm_venv or name.startswith("pagedserve")]
+    chosen = args.systems.split(",")
+    if unknown := set(chosen) - set(SYSTEMS):
+        parser.error(f"--systems: unknown {sorted(unknown)}; choose among {', '.join(SYSTEMS)}")
+    systems = [name for name in SYSTEMS if name in chosen and (args.vllm_venv or name.startswith("pagedserve"))]
     ports = {name: args.port + 20 * i for i, name in enumerate(systems)}
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     servers = []
@@ -192,10 +205,27 @@ def print_summary(record: dict) -> None:
         print(f"{name:>16}: TTFT {spread([r['median_ttft_ms'] for r in results], 0)} ms, "
               f"later turns {spread([r['median_ttft_later_turns_ms'] for r in results], 0)} ms, "
               f"{spread([r['output_throughput'] for r in results])} tok/s")
-    host, plain = runs["pagedserve+host"], runs["pagedserve"]
-    print("host cache / none: TTFT " + spread([a["median_ttft_ms"] / b["median_ttft_ms"] for a, b in zip(host, plain)],
-                                              2)
-          + ", throughput " + spread([a["output_throughput"] / b["output_throughput"] for a, b in zip(host, plain)], 2))
+    for name, results in runs.items():
+        counters = [r["counters"] for r in results if r.get("counters")]
+        if counters:
+            share = [c.get('pagedserve_step_phase_seconds_sum{phase="transfer",rank="0"}', 0.0)
+                     / max(c.get('pagedserve_step_phase_seconds_sum{phase="forward",rank="0"}', 0.0), 1e-9)
+                     for c in counters]
+            print(f"{name:>16}: block transfers {spread([100 * x for x in share], 2)}% of the worker's step time")
+
+    def ratios(a_name: str, b_name: str) -> None:
+        if a_name in runs and b_name in runs:
+            a_runs, b_runs = runs[a_name], runs[b_name]
+            print(f"{a_name} / {b_name}: TTFT "
+                  + spread([a["median_ttft_ms"] / b["median_ttft_ms"] for a, b in zip(a_runs, b_runs)], 2)
+                  + ", throughput "
+                  + spread([a["output_throughput"] / b["output_throughput"] for a, b in zip(a_runs, b_runs)], 2))
+
+    ratios("pagedserve+host", "pagedserve")
+    ratios("pagedserve+host-write-through", "pagedserve+host")
+    if "pagedserve+host" not in runs:
+        return
+    host = runs["pagedserve+host"]
     peers = [name for name in ("vllm", "vllm-all-cores") if name in runs]
     if peers:
         best = [min((runs[p][i] for p in peers), key=lambda r: r["median_ttft_ms"]) for i in range(len(host))]

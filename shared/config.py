@@ -61,6 +61,10 @@ class SchedulerConfig:
         "--enable-prefix-caching; reads are staged in the host cache of --kv-offloading-size, at least 256 blocks)")
     kv_cache_dir_size: float = option(10.0, "GiB the files under --kv-cache-dir may take; the least recently used "
                                       "go first")
+    kv_offloading_policy: str = option(
+        "write-back", "when a prefix-cache block is copied to the host cache of --kv-offloading-size: as the device "
+        "evicts it (write-back), or as soon as it is cached on the device (write-through)",
+        choices=("write-back", "write-through"))
     enable_chunked_prefill: bool = option(True, "split long prompts over steps, mixed with decodes", negatable=True)
     preemption_mode: str = option(
         "auto", "what happens to a preempted request: swapped to CPU memory, dropped and recomputed, or whichever "

@@ -24,7 +24,7 @@ from shared.sampling import SamplingParams
 # 4: the worker makes every proposal, and may settle where an entry starts; 5: the scheduler says
 # whether the worker keeps a sequence's samples; 6: a request's priority and tenant; 7: a step's block
 # moves are one list of transfers between tiers; 8: a disk tier
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 # --- api <-> scheduler -------------------------------------------------------------------
@@ -264,6 +264,7 @@ class StepResult:
     # Keys of the step's reads from disk that failed (a missing, torn or foreign file): those blocks
     # must be computed again. With tensor parallelism rank 0 checks every rank's file.
     failed_reads: list[bytes] = field(default_factory=list)
+    transfer_ms: float = 0.0  # of forward_ms (or alone, in a step that computes nothing): the block transfers
 
 
 @dataclass(slots=True)

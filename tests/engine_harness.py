@@ -37,7 +37,7 @@ class Engine:
                  max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None,
                  kv_cache_dtype: str = "auto", threads=None, depth: int = 1, decode_graphs: dict | None = None,
                  device: str = "cpu", dtype: str = "float32", num_host_cache_blocks: int = 0,
-                 kv_cache_dir: str | None = None, disk_blocks: int = 1024):
+                 kv_cache_dir: str | None = None, disk_blocks: int = 1024, write_through: bool = False):
         device = torch.device(device)
         model, config = load_model(model_dir, dtype, device)
         dtype = model.lm_head.weight.dtype  # what `auto` chose: the KV cache's too
@@ -68,7 +68,7 @@ class Engine:
             disk = DiskIndex(kv_cache_dir, print_, 1, disk_blocks)
         manager = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark=0.0,
                                  enable_prefix_caching=prefix_caching, num_host_cache_blocks=num_host_cache_blocks,
-                                 disk=disk)
+                                 disk=disk, write_through=write_through)
         context = min(config.max_position_embeddings, num_gpu_blocks * block_size)
         if not chunked_prefill:  # a recomputed request must fit one step
             context = min(context, max_num_batched_tokens)

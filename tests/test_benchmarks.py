@@ -168,8 +168,12 @@ def test_multiturn_bench_loads_histories_back_from_the_host_cache(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads(out.read_text())
-    [tiered], [plain] = record["runs"]["pagedserve+host"], record["runs"]["pagedserve"]
-    assert tiered["turns"] == plain["turns"] == 9 and tiered["output_throughput"] > 0
-    assert tiered["counters"]['pagedserve_blocks_offloaded_total{direction="in"}'] > 0
+    runs = record["runs"]
+    [tiered], [through], [plain] = runs["pagedserve+host"], runs["pagedserve+host-write-through"], runs["pagedserve"]
+    assert tiered["turns"] == through["turns"] == plain["turns"] == 9 and tiered["output_throughput"] > 0
+    for loaded in (tiered, through):
+        assert loaded["counters"]['pagedserve_blocks_offloaded_total{direction="in"}'] > 0
+        assert loaded["counters"]['pagedserve_step_phase_seconds_sum{phase="transfer",rank="0"}'] > 0
     assert plain["counters"]['pagedserve_blocks_offloaded_total{direction="in"}'] == 0
-    assert "host cache / none" in done.stdout
+    assert "pagedserve+host / pagedserve: TTFT" in done.stdout
+    assert "pagedserve+host-write-through / pagedserve+host: TTFT" in done.stdout

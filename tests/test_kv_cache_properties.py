@@ -22,12 +22,15 @@ tokens = st.lists(st.integers(0, 3), min_size=1, max_size=20)  # few symbols: ma
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    write_through = False
+
     def __init__(self):
         super().__init__()
         # A disk index over a folder that stays empty: these tests stand in for the worker that writes the files.
         disk = DiskIndex("/nonexistent/kv-cache-dir", "print", 1, DISK_BLOCKS)
         self.manager = KVCacheManager(GPU_BLOCKS, BLOCK_SIZE, CPU_BLOCKS, watermark=0.0, enable_prefix_caching=True,
-                                      num_host_cache_blocks=HOST_CACHE_BLOCKS, disk=disk)
+                                      num_host_cache_blocks=HOST_CACHE_BLOCKS, disk=disk,
+                                      write_through=self.write_through)
         # What each block holds, as the workers would have it after the transfers: (tier, block) -> tokens
         self.contents: dict[tuple[int, int], tuple[int, ...]] = {}
         self.requests: list[Request] = []
@@ -170,5 +173,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert all(seq.kv.block_table == [] for seq in self.freed)
 
 
+class WriteThroughMachine(KVCacheMachine):
+    """The same, with each block copied to the host cache as soon as it is cached on the device."""
+
+    write_through = True
+
+
 TestKVCacheManager = KVCacheMachine.TestCase
 TestKVCacheManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestKVCacheManagerWriteThrough = WriteThroughMachine.TestCase
+TestKVCacheManagerWriteThrough.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

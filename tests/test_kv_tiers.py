@@ -31,11 +31,12 @@ def rounds(engine: Engine, salt_again: str = "") -> list[list[int]]:
     return [o[0] for o in outputs] + [tokens[i][0] for i in again]
 
 
+@pytest.mark.parametrize("write_through", [False, True], ids=["write-back", "write-through"])
 @pytest.mark.parametrize("depth", [1, 2], ids=["planned-after", "planned-ahead"])
-def test_greedy_output_equals_hf_with_the_host_cache_under_forced_eviction(llama_dir, depth):
+def test_greedy_output_equals_hf_with_the_host_cache_under_forced_eviction(llama_dir, depth, write_through):
     expected = [hf_greedy(llama_dir, p, MAX_TOKENS) for p in FIRST + OTHERS + FIRST]
     tiered = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True,
-                    num_host_cache_blocks=64, depth=depth)
+                    num_host_cache_blocks=64, depth=depth, write_through=write_through)
     plain = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True, depth=depth)
     assert rounds(tiered) == expected
     assert rounds(plain) == expected
@@ -47,9 +48,10 @@ def test_greedy_output_equals_hf_with_the_host_cache_under_forced_eviction(llama
     assert with_tier.num_prompt_tokens_computed < without.num_prompt_tokens_computed
 
 
-def test_a_block_loaded_from_the_host_cache_holds_exactly_what_was_computed(llama_dir):
+@pytest.mark.parametrize("write_through", [False, True], ids=["write-back", "write-through"])
+def test_a_block_loaded_from_the_host_cache_holds_exactly_what_was_computed(llama_dir, write_through):
     engine = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True,
-                    num_host_cache_blocks=64)
+                    num_host_cache_blocks=64, write_through=write_through)
     device = engine.scheduler.kv_cache.gpu
     computed: dict[bytes, torch.Tensor] = {}
 

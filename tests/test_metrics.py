@@ -66,7 +66,7 @@ def test_the_scheduler_and_the_worker_time_the_same_steps(burst_server):
     assert scheduler['pagedserve_step_phase_seconds_count{phase="schedule"}'] >= steps  # also plans that ran nothing
     assert scheduler["pagedserve_tokens_per_step_count"] == steps
     assert scheduler["pagedserve_tokens_per_step_sum"] == scheduler["pagedserve_tokens_scheduled_total"]
-    for phase in ("forward", "sample"):
+    for phase in ("forward", "transfer", "sample"):
         assert worker[f'pagedserve_step_phase_seconds_count{{phase="{phase}",rank="0"}}'] == steps
     assert scheduler['pagedserve_request_queue_time_seconds_count{priority="default",tenant="none"}'] == 14
 

@@ -16,7 +16,8 @@ each full block is keyed by a hash chained from its parent's (the first from its
 
 Tiers: the device pool, the worker's host memory, and files. Host memory holds the swap pool (whole
 preempted requests) and, with `--kv-offloading-size`, a host cache: a cached block the device
-evicts is written back to it with its key, and a later prompt that matches it loads it back to the
+evicts is written back to it with its key (or, write-through, each block is copied there as soon as it is
+cached on the device), and a later prompt that matches it loads it back to the
 device instead of computing it again. With `--kv-cache-dir` each full block is also written to a
 file as soon as it is cached on the device (so a restart finds it); a prompt that matches files
 first has them read into the host cache, and starts once a step has done so, on the blocks whose
@@ -87,6 +88,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         num_host_cache_blocks: int = 0,
         disk: DiskIndex | None = None,
+        write_through: bool = False,
     ):
         self.block_size = block_size
         self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
@@ -99,7 +101,8 @@ class KVCacheManager:
         self._transfers: list[BlockTransfer] = []
         self.disk = disk if enable_prefix_caching and self.host.num_blocks else None
         self._reading: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # key -> (host block, tokens) being read
-        if self.host.num_blocks:
+        self.write_through = write_through and bool(self.host.num_blocks)
+        if self.host.num_blocks and not self.write_through:
             self.gpu.on_evict = self._offload
 
     @property
@@ -314,6 +317,8 @@ class KVCacheManager:
             block_hash = chain_key(parent, chunk)
             kv._hashes.append(block_hash)
             self.gpu.cache(kv._blocks[index], block_hash, chunk)
+            if self.write_through:
+                self._offload(kv._blocks[index], block_hash, chunk)
             if self.disk is not None and not self.disk.holds(block_hash) and block_hash not in self._reading:
                 self._transfers.append(BlockTransfer(DEVICE, kv._blocks[index], DISK, 0, block_hash))
                 self.disk.add(block_hash)
@@ -327,8 +332,9 @@ class KVCacheManager:
         return hashes
 
     def _offload(self, block: int, key: bytes, tokens: tuple[int, ...]) -> None:
-        """The device evicts a cached block: write it back to the host cache (unless that holds it already),
-        in place of the host cache's least recently offloaded block when it is full."""
+        """Copy a cached device block to the host cache (unless that holds it already), in place of the host
+        cache's least recently offloaded block when it is full: as the device evicts it, or write-through as
+        soon as it is cached."""
         if self.host.holds(key) or not self.host.num_available:
             return
         slot = self.host.allocate()

@@ -353,7 +353,8 @@ class SchedulerServer:
             log.info("KV blocks on disk: %d found under %s, room for %d", len(disk), config.kv_cache_dir,
                      disk.capacity)
         kv_cache = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark,
-                                  config.enable_prefix_caching, num_host_cache_blocks, disk)
+                                  config.enable_prefix_caching, num_host_cache_blocks, disk,
+                                  write_through=config.kv_offloading_policy == "write-through")
         usable_tokens = (num_blocks - kv_cache.watermark_blocks) * config.block_size
         max_model_len = min(config.max_model_len or first.max_model_len, usable_tokens)
         default_batched = 2048 if config.enable_chunked_prefill else max(max_model_len, 2048)

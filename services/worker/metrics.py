@@ -13,12 +13,13 @@ class WorkerMetrics:
     def __init__(self, rank: int):
         self.registry = CollectorRegistry()
         phases = Histogram(
-            "pagedserve_step_phase_seconds", "time of one phase of a step: schedule on the scheduler, forward "
-            "(with the step's block copies and swaps) and sample here", ["phase", "rank"],
+            "pagedserve_step_phase_seconds", "time of one phase of a step: schedule on the scheduler; forward "
+            "(with the step's block transfers), transfer (those alone) and sample here", ["phase", "rank"],
             buckets=PHASE_BUCKETS, registry=self.registry,
         )
         self.forward = phases.labels("forward", str(rank))
         self.sample = phases.labels("sample", str(rank))
+        self.transfer = phases.labels("transfer", str(rank))
         self.compute = Info("pagedserve_worker_compute", "how this rank computes: device, the weights' and the "
                             "activations' dtypes, and which build of the kernels runs", ["rank"],
                             registry=self.registry).labels(str(rank))
@@ -32,3 +33,4 @@ class WorkerMetrics:
         if result.error is None:
             self.forward.observe(result.forward_ms / 1e3)
             self.sample.observe(result.sample_ms / 1e3)
+            self.transfer.observe(result.transfer_ms / 1e3)

@@ -130,12 +130,15 @@ class ModelRunner:
                 failures[new.seq_id] = problem
         self._check_transfers(step)
         failed_reads: list[bytes] = []
+        transfers_started = time.perf_counter()
         for cache in self.caches:
             cache.finish_swaps()
             failed_reads += cache.transfer(step.transfers)
+        transfer_ms = (time.perf_counter() - transfers_started) * 1e3
         scheduled = [resolved for entry in step.scheduled if (resolved := self._accepts(entry, failures)) is not None]
         if not scheduled:
-            return StepResult(step.step_id, [], 0.0, 0.0, failures=failures, failed_reads=failed_reads)
+            return StepResult(step.step_id, [], 0.0, 0.0, failures=failures, failed_reads=failed_reads,
+                              transfer_ms=transfer_ms)
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -212,7 +215,7 @@ class ModelRunner:
         done = time.perf_counter()
         return StepResult(
             step.step_id, sampled, (sampled_at - started) * 1e3, (done - sampled_at) * 1e3, failures=failures,
-            prompt_logprobs=prompt_logprobs, failed_reads=failed_reads,
+            prompt_logprobs=prompt_logprobs, failed_reads=failed_reads, transfer_ms=transfer_ms,
         )
 
     def _prompt_logprobs(self, entry, first_row: int, hidden: torch.Tensor) -> PromptLogprobs:
