@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ class PagedBatch:
     query_start_list: list[int]  # the same two on the host, for the reference and for sizing
     context_lens_list: list[int]
     derived: dict = field(default_factory=dict)  # tensors the kernels compute once per step, not per layer
+    adapters: Any = None  # the step's LoRA adapters and their rows (services/worker/lora.py), or None
 
     @property
     def num_seqs(self) -> int:

@@ -31,6 +31,7 @@ from shared.cli import (
     RUNTIME_DIR_ENV,
     HelpFormatter,
     add_api_args,
+    add_lora_args,
     add_model_args,
     add_scheduler_args,
     add_worker_args,
@@ -42,6 +43,7 @@ from shared.config import (
     ApiConfig,
     Endpoints,
     LauncherConfig,
+    LoraConfig,
     ModelConfig,
     SchedulerConfig,
     WorkerConfig,
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_api_args(command)
         add_scheduler_args(command)
         add_worker_args(command)
+        add_lora_args(command)
     keys = commands.add_parser(
         "keys", formatter_class=HelpFormatter, help="make CURVE key pairs for the scheduler, the api and the workers"
     )
@@ -126,6 +129,7 @@ def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
     python = [sys.executable, "-m"]
     model = to_flags(from_namespace(ModelConfig, args))
     scheduler_flags = to_flags(from_namespace(SchedulerConfig, args))
+    lora_flags = to_flags(from_namespace(LoraConfig, args))
     engines = [Endpoints.local(directory, engine) for engine in range(args.data_parallel_size)]
     services = {}
     for engine, endpoints in enumerate(engines):
@@ -134,17 +138,17 @@ def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
         services[scheduler] = [
             *python, "services.scheduler", "--scheduler-endpoint", endpoints.scheduler,
             "--worker-endpoint", endpoints.workers, "--world-size", str(args.tensor_parallel_size),
-            *scheduler_flags, "--metrics-host", args.host, "--metrics-port", str(scheduler_port),
+            *scheduler_flags, *lora_flags, "--metrics-host", args.host, "--metrics-port", str(scheduler_port),
         ]
         services[worker] = [
             *python, "services.worker", "--worker-endpoint", endpoints.workers, *model,
-            *to_flags(from_namespace(WorkerConfig, args)), *scheduler_flags,
+            *to_flags(from_namespace(WorkerConfig, args)), *scheduler_flags, *lora_flags,
             "--metrics-host", args.host, "--metrics-port", str(worker_port),
         ]
     # The key goes to the api in its environment, never on a command line.
     api = from_namespace(ApiConfig, args, api_key=None, api_key_file=None)
     services["api"] = [*python, "services.api", "--scheduler-endpoint", ",".join(e.scheduler for e in engines),
-                       *model, *to_flags(api)]
+                       *model, *to_flags(api), *lora_flags]
     return services
 
 

@@ -14,7 +14,7 @@ import socket
 import sys
 from collections.abc import Iterator
 
-from shared.config import ApiConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from shared.config import ApiConfig, LoraConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from shared.options import add_options
 from shared.sockets import MAX_MESSAGE_BYTES
 from shared.wire_security import add_wire_security_args
@@ -39,6 +39,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     add_options(parser, SchedulerConfig, "scheduler")
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, LoraConfig, "LoRA adapters")
 
 
 def add_model_args(parser: argparse.ArgumentParser, model: str | None = None, positional: bool = False) -> None:

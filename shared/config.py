@@ -142,6 +142,24 @@ class WorkerConfig:
         "one fewer otherwise; chosen each second)")
 
 
+@dataclass(slots=True)
+class LoraConfig:
+    """LoRA adapters served on the base model: the api checks and names them, the scheduler pages them into the
+    device pool, the workers load and apply them."""
+
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT format) on the base model: a request's `model` "
+                               "names one")
+    lora_modules: list[str] | None = option(
+        None, "adapters served from the start: NAME=PATH, or JSON {\"name\": ..., \"path\": ..., "
+        "\"base_model_name\": ...}, several after one flag", nargs="*")
+    max_loras: int = option(1, "adapters on the device at once (each in pages of the KV pool)")
+    max_lora_rank: int = option(16, "the largest rank of an adapter served")
+    max_cpu_loras: int | None = option(
+        None, "adapters a worker keeps read in host memory (None: --max-loras)", parse=int)
+    allow_runtime_lora_updating: bool = option(
+        False, "POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters while serving")
+
+
 DEFAULT_MAX_PROMPTS = 2048  # OpenAI's and vLLM's scale for a batch of prompts
 
 

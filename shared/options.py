@@ -21,6 +21,7 @@ class Option:
     parse: Callable[[str], Any] | None = None  # argparse's type; None: the default's type
     negatable: bool = False  # a boolean with --no-<flag> too
     render: Callable[[Any], str] = str  # the value back as a flag's text, for the launcher's children
+    nargs: str | None = None  # "*": a list of values after one flag, as vLLM's --lora-modules
 
 
 def option(default: Any, help: str, **details: Any) -> Any:
@@ -53,7 +54,7 @@ def add_options(parser: argparse.ArgumentParser, config_class: type, title: str,
             group.add_argument(*names, dest=name, action=action, default=default, help=spec.help)
             continue
         kind = spec.parse or (type(default) if default is not None else str)
-        group.add_argument(*names, dest=name, type=kind, default=default, help=spec.help,
+        group.add_argument(*names, dest=name, type=kind, default=default, help=spec.help, nargs=spec.nargs,
                            choices=list(spec.choices) if spec.choices else None,
                            metavar=names[0][2:].replace("-", "_").upper() if not spec.choices else None)
 
@@ -78,6 +79,9 @@ def to_flags(config: object) -> list[str]:
                 flags.append(flag_of(name, spec) if value else f"--no-{flag_of(name, spec)[2:]}")
             elif value:
                 flags.append(flag_of(name, spec))
+            continue
+        if spec.nargs:
+            flags += [flag_of(name, spec), *map(spec.render, value)] if value else []
             continue
         flags += [flag_of(name, spec), spec.render(value)]
     return flags

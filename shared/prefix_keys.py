@@ -16,9 +16,11 @@ ROUTING_KEY_BYTES = 8  # as engines report the routing keys their caches hold
 KEY_BYTES = 32  # a block's key: a SHA-256 digest
 
 
-def salted_root(cache_salt: str) -> bytes:
-    """The chain's root for a salt: requests of different salts share no block."""
-    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest() if cache_salt else ROOT
+def salted_root(cache_salt: str, adapter: str = "") -> bytes:
+    """The chain's root for a salt and a LoRA adapter: requests of different salts, or under different
+    adapters (or one and the base model), share no block."""
+    root = hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest() if cache_salt else ROOT
+    return hashlib.sha256(b"lora\0" + adapter.encode() + b"\0" + root).digest() if adapter else root
 
 
 def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -30,17 +32,18 @@ def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
-def prefix_key(token_ids: Sequence[int], block_size: int, max_blocks: int, cache_salt: str = "") -> bytes:
+def prefix_key(token_ids: Sequence[int], block_size: int, max_blocks: int, cache_salt: str = "",
+               adapter: str = "") -> bytes:
     """The key of the prompt's first `max_blocks` full blocks (fewer if it has fewer)."""
-    key = salted_root(cache_salt)
+    key = salted_root(cache_salt, adapter)
     for index in range(min(max_blocks, len(token_ids) // block_size)):
         key = chain_key(key, token_ids[index * block_size:(index + 1) * block_size])
     return key
 
 
-def routing_key(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> bytes | None:
+def routing_key(token_ids: Sequence[int], block_size: int, cache_salt: str = "", adapter: str = "") -> bytes | None:
     """The prefix-cache key of the prompt's first `ROUTING_BLOCKS` full blocks (fewer if it has
     fewer); None for a prompt shorter than a block, which shares nothing."""
     if len(token_ids) < block_size:
         return None
-    return prefix_key(token_ids, block_size, ROUTING_BLOCKS, cache_salt)
+    return prefix_key(token_ids, block_size, ROUTING_BLOCKS, cache_salt, adapter)

@@ -82,6 +82,17 @@ PRIORITY_LIMIT = 2**31  # a request's priority is in [-PRIORITY_LIMIT, PRIORITY_
 
 
 @dataclass(slots=True)
+class LoraRef:
+    """The LoRA adapter a request runs under, as the api checked it (shared/lora.py): its name (its identity:
+    the prefix cache is salted by it), its directory, and what sizes its pages."""
+
+    name: str
+    path: str
+    rank: int
+    targets: list[str]  # projections it changes, in shared.lora.PROJECTIONS order
+
+
+@dataclass(slots=True)
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -90,6 +101,7 @@ class AddRequest:
     cache_salt: str = ""  # the root of its prefix-cache keys: only requests with the same salt share blocks
     priority: int = 0  # under --scheduling-policy priority: lower runs first
     tenant: str = ""  # whose share it counts against under --scheduling-policy fair (services/scheduler/policy.py)
+    lora: LoraRef | None = None  # None: the base model
 
 
 @dataclass(slots=True)
@@ -149,6 +161,10 @@ class Ready:
     drafts: str = ""  # how it proposes tokens to verify: its --speculative-config's method, or "" for none
     num_host_cache_blocks: int = 0  # host memory for offloaded prefix blocks, after the swap space's
     disk_fingerprint: str = ""  # with --kv-cache-dir: the folder its files are under (model, dtype, layout)
+    # With --enable-lora: values of the model's dtype one KV block holds per layer (an adapter's page), and this
+    # rank's (in, out) of each projection an adapter may change; 0 and {} where this model serves no adapters.
+    lora_page_elements: int = 0
+    lora_dims: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -160,6 +176,16 @@ class NewSequence:
     num_prompt_tokens: int
     sampling: SamplingParams
     index: int  # which sample of its request (seeds its draws)
+    lora: str = ""  # the adapter it runs under (loaded by a LoraLoad of this step or an earlier one); "": none
+
+
+@dataclass(slots=True)
+class LoraLoad:
+    """Read an adapter from its directory into these device blocks (its pages), in their order."""
+
+    name: str
+    path: str
+    pages: list[int]
 
 
 @dataclass(slots=True)
@@ -215,7 +241,8 @@ class BlockTransfer:
 
 @dataclass(slots=True)
 class Step:
-    """Applied in field order: forks, drops, new sequences, block transfers (in list order), then the forward."""
+    """Applied in field order: forks, drops, new sequences, block transfers (in list order), adapter loads,
+    then the forward."""
 
     step_id: int
     forks: list[Fork]
@@ -224,6 +251,7 @@ class Step:
     new_sequences: list[NewSequence]
     scheduled: list[ScheduledSequence]
     transfers: list[BlockTransfer] = field(default_factory=list)
+    lora_loads: list[LoraLoad] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -21,10 +21,11 @@ from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import KVCache, bytes_per_block
 from services.worker.loader import eos_token_ids, load_model
+from services.worker.lora import LoraAdapters
 from services.worker.model_runner import ModelRunner
 from services.worker.ngram import NgramProposer
 from shared.config import SpeculativeConfig
-from shared.protocol import AddRequest
+from shared.protocol import AddRequest, LoraRef
 from shared.sampling import SamplingParams
 from tests.scheduler_harness import check_block_accounting
 
@@ -37,7 +38,8 @@ class Engine:
                  max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None,
                  kv_cache_dtype: str = "auto", threads=None, depth: int = 1, decode_graphs: dict | None = None,
                  device: str = "cpu", dtype: str = "float32", num_host_cache_blocks: int = 0,
-                 kv_cache_dir: str | None = None, disk_blocks: int = 1024, write_through: bool = False):
+                 kv_cache_dir: str | None = None, disk_blocks: int = 1024, write_through: bool = False,
+                 max_loras: int = 0, max_lora_rank: int = 16):
         device = torch.device(device)
         model, config = load_model(model_dir, dtype, device)
         dtype = model.lm_head.weight.dtype  # what `auto` chose: the KV cache's too
@@ -74,17 +76,21 @@ class Engine:
             context = min(context, max_num_batched_tokens)
         budgets = Budgets(max_num_seqs, max_num_batched_tokens, context, chunked_prefill)
         speculation = Speculation(speculative, context) if speculative is not None else None
+        if max_loras:  # adapters paged into the KV pool, as a worker and a scheduler started with --enable-lora
+            self.runner.adapters = LoraAdapters(self.cache, config, dtype, max_lora_rank, max_loras)
+            manager.enable_adapters(max_loras, self.runner.adapters.page_elements,
+                                    {name: list(dims) for name, dims in self.runner.adapters.dims.items()})
         self.scheduler = Scheduler(manager, budgets, eos_ids, policy, speculation=speculation)
         self.max_running_seqs = 0
         self.steps = []
         self.depth = depth  # steps planned ahead of the one computing, as the scheduler server does with 2
         self.top_logprobs: dict[str, dict[int, list[dict[int, float]]]] = {}
 
-    def add(self, prompt: list[int], cache_salt: str = "", **sampling) -> str:
+    def add(self, prompt: list[int], cache_salt: str = "", lora: LoraRef | None = None, **sampling) -> str:
         request_id = f"req-{next(_ids)}"
         params = SamplingParams(**{"temperature": 0.0, **sampling})
         error = self.scheduler.add(AddRequest(request_id, list(prompt), params, float(next(_ids)),
-                                              cache_salt=cache_salt))
+                                              cache_salt=cache_salt, lora=lora))
         assert error is None, error.error
         return request_id
 

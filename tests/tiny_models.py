@@ -188,3 +188,39 @@ def check_logprobs_close(
             same += 1
         agreed.append(same)
     return agreed
+
+
+def make_lora_adapter(base_dir: str, out_dir: str, rank: int = 4, targets: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), seed: int = 0,
+        alpha: float = 8.0, use_rslora: bool = False, layers: list[int] | None = None) -> str:
+    """A random LoRA adapter of the base model, saved by peft in its own format (B is random too, so that
+    the adapter changes the model's tokens)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                        use_rslora=use_rslora, layers_to_transform=layers, task_type="CAUSAL_LM")
+    model = get_peft_model(base, config)
+    with torch.no_grad():  # peft's random B is small: larger, so that every adapter's greedy tokens differ
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(8.0)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+_HF_LORA_MODELS: dict[tuple[str, str], object] = {}
+
+
+def hf_lora_greedy(base_dir: str, adapter_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle with an adapter: HF transformers' greedy generate on the base model with peft applying it."""
+    from peft import PeftModel
+
+    key = (base_dir, adapter_dir)
+    if key not in _HF_LORA_MODELS:
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        _HF_LORA_MODELS[key] = PeftModel.from_pretrained(base, adapter_dir).eval()
+    model = _HF_LORA_MODELS[key]
+    out = _greedy(model, prompt_ids, max_new_tokens)
+    return _through_eos(out[0, len(prompt_ids):].tolist(), model.generation_config.eos_token_id)

@@ -19,6 +19,7 @@ from shared.cli import (
     EXIT_PORT_TAKEN,
     HelpFormatter,
     add_api_args,
+    add_lora_args,
     add_model_args,
     add_wire_args,
     api_keys,
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the scheduler listens, e.g. tcp://scheduler:5555; several engines' schedulers "
                              "comma-separated (data parallelism: each request goes to one, chosen by --routing)")
     add_api_args(parser)
+    add_lora_args(parser)
     add_wire_args(parser)
     return parser
 

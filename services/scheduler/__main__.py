@@ -12,12 +12,13 @@ from shared.cli import (
     RUNTIME_DIR_ENV,
     HelpFormatter,
     add_endpoint_args,
+    add_lora_args,
     add_metrics_args,
     add_scheduler_args,
     setup_logging,
     stop_on_signals,
 )
-from shared.config import SCHEDULER_METRICS_PORT, Endpoints, SchedulerConfig
+from shared.config import SCHEDULER_METRICS_PORT, Endpoints, LoraConfig, SchedulerConfig
 from shared.glibc_heap import map_large_allocations
 from shared.metrics_http import MetricsPortError, serve_metrics
 from shared.options import from_namespace
@@ -27,6 +28,7 @@ from shared.wire_security import WireSecurityError, keys_for
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.scheduler", formatter_class=HelpFormatter)
     add_scheduler_args(parser)
+    add_lora_args(parser)
     add_endpoint_args(parser)
     parser.add_argument("--world-size", type=int, default=1, help="worker ranks to wait for")
     add_metrics_args(parser, SCHEDULER_METRICS_PORT)
@@ -45,7 +47,7 @@ def main() -> None:
     except WireSecurityError as exc:
         sys.exit(f"scheduler: {exc}")
     server = SchedulerServer(from_namespace(SchedulerConfig, args), endpoints, args.world_size, keys,
-                             args.max_message_bytes)
+                             args.max_message_bytes, from_namespace(LoraConfig, args))
     try:
         serve_metrics(server.metrics.registry, args.metrics_host, args.metrics_port, "scheduler")
     except MetricsPortError as exc:

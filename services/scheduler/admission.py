@@ -77,9 +77,17 @@ class Admission:
             )
         if message.sampling.num_samples > self.budgets.max_num_seqs:
             return f"best_of/n exceeds max_num_seqs ({self.budgets.max_num_seqs})"
+        adapters = self.kv_cache.adapters
+        pages = 0
+        if message.lora is not None:
+            if adapters is None:
+                return "this server serves no LoRA adapters (start it with --enable-lora)"
+            if not message.lora.name or any(p not in adapters.dims for p in message.lora.targets):
+                return f"adapter {message.lora.name!r} changes projections this model has not"
+            pages = adapters.pages_for(message.lora)
         if message.sampling.num_samples > 1 and not self.reservation.paged:
             return f"this server reserves KV memory per request ({self.reservation.policy}): one sample only"
-        worst = self.worst_case_blocks(num_prompt, message.sampling)
+        worst = self.worst_case_blocks(num_prompt, message.sampling) + pages  # its adapter's pages too
         usable = self.kv_cache.num_blocks - self.kv_cache.watermark_blocks
         if worst > usable:
             return (

@@ -123,6 +123,21 @@ class BlockPool:
         self._by_hash[block_hash] = block
         self._key_of[block] = (block_hash, tokens)
 
+    def keep(self, block: int, key: bytes) -> None:
+        """Make a referenced block findable by `key` whether or not prefix caching is on (an adapter's page):
+        released, it waits among the cached blocks."""
+        self._by_hash[key] = block
+        self._key_of[block] = (key, ())
+
+    def uncache(self, block: int) -> None:
+        """Forget a block's key; unreferenced, it is free again."""
+        if block not in self._key_of:
+            return
+        self._forget(block)
+        if block in self._evictable:
+            del self._evictable[block]
+            self._free.append(block)
+
     def lookup(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:
         """The cached block holding exactly `tokens` after the same prefix, if any."""
         block = self._by_hash.get(block_hash)

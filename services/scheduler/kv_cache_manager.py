@@ -30,11 +30,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services.scheduler.adapter_pages import AdapterPages
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.disk_index import DiskIndex
 from services.scheduler.sequence_kv import SequenceKV
 from shared.prefix_keys import chain_key
-from shared.protocol import DEVICE, DISK, HOST, BlockTransfer
+from shared.protocol import DEVICE, DISK, HOST, BlockTransfer, LoraLoad
 
 if TYPE_CHECKING:
     from services.scheduler.request import Request, Sequence
@@ -102,8 +103,17 @@ class KVCacheManager:
         self.disk = disk if enable_prefix_caching and self.host.num_blocks else None
         self._reading: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # key -> (host block, tokens) being read
         self.write_through = write_through and bool(self.host.num_blocks)
+        self.adapters: AdapterPages | None = None  # with LoRA adapters: their pages in the device pool
+        self.gpu.on_evict = self._evicted
+
+    def enable_adapters(self, max_loras: int, page_elements: int, dims: dict[str, list[int]]) -> None:
+        self.adapters = AdapterPages(self.gpu, max_loras, page_elements, dims)
+
+    def _evicted(self, block: int, key: bytes, tokens: tuple[int, ...]) -> None:
+        if self.adapters is not None and self.adapters.evicted(key):
+            return
         if self.host.num_blocks and not self.write_through:
-            self.gpu.on_evict = self._offload
+            self._offload(block, key, tokens)
 
     @property
     def num_blocks(self) -> int:
@@ -131,6 +141,10 @@ class KVCacheManager:
         """The transfers queued since the last call, in order, for the step being built."""
         transfers, self._transfers = self._transfers, []
         return transfers
+
+    def take_lora_loads(self) -> list[LoraLoad]:
+        """Adapters to write into their pages, after the step's transfers."""
+        return self.adapters.take_loads() if self.adapters is not None else []
 
     # --- growing a running sequence ------------------------------------------------------
 
@@ -435,13 +449,17 @@ class KVCacheManager:
 
     def audit(self, handles: Iterable[SequenceKV]) -> None:
         """Raise AssertionError unless, in every tier, each block is exactly one of free, referenced or
-        cached, and each block's reference count is the number of block tables that hold it (in the host
-        cache, whose blocks only wait to be loaded, one for a block a file is being read into)."""
+        cached, and each block's reference count is the number of block tables that hold it (and one for each
+        page of an adapter a request holds; in the host cache, whose blocks only wait to be loaded, one for a
+        block a file is being read into)."""
         counts: dict[int, dict[int, int]] = {DEVICE: {}, HOST: {}}
         for kv in handles:
             held = counts[kv._tier]
             for block in kv._blocks:
                 held[block] = held.get(block, 0) + 1
+        if self.adapters is not None:
+            for page, count in self.adapters.held_pages().items():
+                counts[DEVICE][page] = counts[DEVICE].get(page, 0) + count
         reading = {slot: 1 for slot, _ in self._reading.values()}
         for name, pool, held in (("device", self.gpu, counts[DEVICE]), ("swap", self.cpu, counts[HOST]),
                                  ("host cache", self.host, reading)):

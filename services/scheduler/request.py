@@ -13,7 +13,7 @@ import time
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.sequence_kv import SequenceKV
 from shared.prefix_keys import salted_root
-from shared.protocol import SampledTokens
+from shared.protocol import LoraRef, SampledTokens
 from shared.sampling import SamplingParams
 
 
@@ -84,13 +84,15 @@ class Request:
     __slots__ = ("request_id", "cache_root", "prompt_token_ids", "sampling", "arrival_time", "order", "forked",
                  "status", "seqs", "finished_seqs", "beam", "beam_pending", "num_cached_prompt_tokens", "looked_up",
                  "received", "first_scheduled", "prompt_logprobs", "prompt_top_logprobs", "prompt_logprobs_sent",
-                 "left_for_companions", "priority", "tenant", "waited_for_disk")
+                 "left_for_companions", "priority", "tenant", "waited_for_disk", "lora")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_time: float,
                  order: int = 0, cache_salt: str = "", priority: int = 0, tenant: str = "",
-                 received: float | None = None):
+                 received: float | None = None, lora: LoraRef | None = None):
         self.request_id = request_id
-        self.cache_root = salted_root(cache_salt)  # the parent key of its first block in the prefix cache
+        self.lora = lora  # the adapter it runs under; None: the base model
+        # The parent key of its first block in the prefix cache: no block is shared across salts or adapters.
+        self.cache_root = salted_root(cache_salt, lora.name if lora is not None else "")
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self.arrival_time = arrival_time

@@ -204,7 +204,7 @@ class Scheduler:
             return error_output(message.request_id, len(message.prompt_token_ids), problem, "rejected")
         request = Request(message.request_id, list(message.prompt_token_ids), message.sampling,
                           message.arrival_time, self._next_order, message.cache_salt, message.priority,
-                          message.tenant, self.clock())
+                          message.tenant, self.clock(), message.lora)
         self._next_order += 1
         self.registry.add(request)
         self.policy.arrived(request)
@@ -457,6 +457,9 @@ class Scheduler:
         self._mark_running(request)
         leader = start.leader
         self._begin(leader, start.hits, from_cache=True)
+        if request.lora is not None:  # after its hits are held, so that loading the adapter evicts none of them
+            assert self.kv_cache.adapters is not None  # admission refuses adapters otherwise
+            self.kv_cache.adapters.acquire(request.request_id, request.lora)
         self.kv_cache.reserve(leader, self._reserved_blocks(request))
         self._take([(leader, start.num_tokens)] if start.num_tokens else [], plan)
         for seq, n in start.followers:
@@ -471,6 +474,7 @@ class Scheduler:
     def _recompute_instead(self, request: Request) -> None:
         log.info("%s cannot swap back in; recomputing it instead", request.request_id)
         self.swapped.remove(request)
+        self._release_adapter(request)
         for seq in request.seqs:
             self.registry.preempt_by_recompute(seq)
         request.status = RequestStatus.WAITING
@@ -512,6 +516,11 @@ class Scheduler:
             followers.append((seq, n_seq))
         if n == 0 and not any(n_seq for _, n_seq in followers):
             return None
+        adapters = self.kv_cache.adapters
+        if adapters is not None:
+            if not adapters.can_start(request.lora):
+                return None  # every adapter slot is held by running requests: wait for one to end
+            needed += adapters.blocks_to_start(request.lora)
         reserved = self._reserved_blocks(request)
         if reserved and not self.kv_cache.can_reserve(reserved):
             return None
@@ -574,6 +583,7 @@ class Scheduler:
             return
         log.info("preempting %s by recompute", request.request_id)
         self.counters.preemptions_recompute += 1
+        self._release_adapter(request)
         for seq in request.seqs:
             self.registry.preempt_by_recompute(seq)
         request.status = RequestStatus.WAITING
@@ -608,7 +618,8 @@ class Scheduler:
         counters.tokens_scheduled += sum(n for _, n in plan.scheduled)
         forks, dropped, preempted = self.registry.take_worker_notices()
         transfers = self.kv_cache.take_transfers()
-        step = Step(counters.steps, forks, dropped, preempted, new_sequences, entries, transfers)
+        step = Step(counters.steps, forks, dropped, preempted, new_sequences, entries, transfers,
+                    self.kv_cache.take_lora_loads())
         reads = [t.key for t in transfers if t.src_tier == DISK]
         self.in_flight[step.step_id] = _InFlight([seq for seq, _ in plan.scheduled], sampled, num_decoding,
                                                  self._speculating, prompt_tokens_computed > 0, drafts, reads)
@@ -632,7 +643,12 @@ class Scheduler:
         self.registry.release(request)
         self._dequeue(request)
 
+    def _release_adapter(self, request: Request) -> None:
+        if self.kv_cache.adapters is not None:
+            self.kv_cache.adapters.release(request.request_id, request.lora)
+
     def _dequeue(self, request: Request) -> None:
+        self._release_adapter(request)
         queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
                  RequestStatus.SWAPPED: self.swapped}.get(request.status)
         if queue is not None:

@@ -115,7 +115,9 @@ class SequenceRegistry:
         known, num_prompt = seq.num_tokens_known_to_worker, seq.num_prompt_tokens
         new = None
         if known == 0:
-            new = NewSequence(seq.seq_id, seq.token_ids(), num_prompt, seq.request.sampling, seq.index)
+            lora = seq.request.lora
+            new = NewSequence(seq.seq_id, seq.token_ids(), num_prompt, seq.request.sampling, seq.index,
+                              lora.name if lora is not None else "")
             appended: list[int] = []
         else:
             appended = seq.output_token_ids[known - num_prompt:]

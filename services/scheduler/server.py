@@ -43,7 +43,7 @@ from services.scheduler.stats import Stats
 from services.scheduler.stats_log import StatsLog
 from shared import sockets
 from shared.cli import drain_wakeups
-from shared.config import Endpoints, SchedulerConfig
+from shared.config import Endpoints, LoraConfig, SchedulerConfig
 from shared.frame_limits import MAX_FRAME_BYTES
 from shared.handshake_budget import HANDSHAKE_EVENTS, HandshakeBudget
 from shared.protocol import (
@@ -73,8 +73,10 @@ SMALL_WORKER_FRAME = 4096  # a Ready (under 200 bytes); a result from a worker t
 
 class SchedulerServer:
     def __init__(self, config: SchedulerConfig, endpoints: Endpoints, world_size: int = 1,
-                 keys: WireKeys | None = None, max_message_bytes: int = sockets.MAX_MESSAGE_BYTES):
+                 keys: WireKeys | None = None, max_message_bytes: int = sockets.MAX_MESSAGE_BYTES,
+                 lora: LoraConfig | None = None):
         self.config = config
+        self.lora = lora or LoraConfig()
         self.world_size = world_size
         self.context = zmq.Context()
         self.authenticator = start_authenticator(self.context, keys)  # before any peer can connect
@@ -355,6 +357,10 @@ class SchedulerServer:
         kv_cache = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark,
                                   config.enable_prefix_caching, num_host_cache_blocks, disk,
                                   write_through=config.kv_offloading_policy == "write-through")
+        if self.lora.enable_lora:
+            if not first.lora_page_elements:
+                raise ConfigError("--enable-lora: the workers serve no adapters (start them with --enable-lora)")
+            kv_cache.enable_adapters(self.lora.max_loras, first.lora_page_elements, first.lora_dims)
         usable_tokens = (num_blocks - kv_cache.watermark_blocks) * config.block_size
         max_model_len = min(config.max_model_len or first.max_model_len, usable_tokens)
         default_batched = 2048 if config.enable_chunked_prefill else max(max_model_len, 2048)

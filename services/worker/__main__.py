@@ -9,6 +9,7 @@ import sys
 from shared.cli import (
     EXIT_PORT_TAKEN,
     HelpFormatter,
+    add_lora_args,
     add_metrics_args,
     add_model_args,
     add_scheduler_args,
@@ -18,7 +19,7 @@ from shared.cli import (
     setup_logging,
     stop_on_signals,
 )
-from shared.config import WORKER_METRICS_PORT, ModelConfig, SchedulerConfig, WorkerConfig
+from shared.config import WORKER_METRICS_PORT, LoraConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from shared.metrics_http import MetricsPortError, serve_metrics
 from shared.options import from_namespace
 from shared.wire_security import WireSecurityError, keys_for
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the ranks of a group started by hand meet (torch.distributed's init_method)")
     add_worker_args(parser)
     add_scheduler_args(parser)
+    add_lora_args(parser)
     add_wire_args(parser)
     add_metrics_args(parser, WORKER_METRICS_PORT, "; rank r serves on this port + r")
     return parser
@@ -73,7 +75,7 @@ def main() -> None:
         sys.exit(EXIT_PORT_TAKEN)
     setup = WorkerSetup(from_namespace(ModelConfig, args), from_namespace(WorkerConfig, args),
                         from_namespace(SchedulerConfig, args), args.worker_endpoint, args.dist_init_method,
-                        args.max_message_bytes)
+                        args.max_message_bytes, from_namespace(LoraConfig, args))
     try:
         server = WorkerServer(setup, args.rank, args.world_size, keys, metrics)
     except ModelLoadError as exc:

@@ -29,6 +29,7 @@ from services.worker.decode_graphs import DecodeGraphs
 from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine, GrammarState
 from services.worker.kv_cache import KVCache
+from services.worker.lora import LoraAdapters
 from services.worker.ngram import NgramIndex, NgramProposer
 from services.worker.sampler import Sample, Sampler, SampleRow
 from services.worker.step_inputs import StepInputs
@@ -60,15 +61,26 @@ class SequenceMirror:
     num_drafted_positions: int = -1  # positions the draft model has computed; -1: as many as the target
     grammar: GrammarState | None = None  # with SamplingParams.grammar: where its output stands in it
     lookup: NgramIndex | None = None  # the n-gram proposer's index of its tokens, built on first use
+    lora: str = ""  # the adapter it runs under; "": the base model
 
     def copy(self, index: int, row: int) -> SequenceMirror:
         return SequenceMirror(list(self.token_ids), self.num_prompt_tokens, self.sampling, index, row,
                               self.num_blocks, self.num_drafted_positions,
-                              self.grammar.copy() if self.grammar is not None else None)
+                              self.grammar.copy() if self.grammar is not None else None, lora=self.lora)
 
 
 class StepError(RuntimeError):
     pass
+
+
+def _rows_by_adapter(scheduled, starts: list[int], mirrors: dict[int, SequenceMirror]) -> list[tuple[str, list[int]]]:
+    """The step's token rows of each adapter its sequences run under."""
+    rows: dict[str, list[int]] = {}
+    for i, entry in enumerate(scheduled):
+        name = mirrors[entry.seq_id].lora
+        if name:
+            rows.setdefault(name, []).extend(range(starts[i], starts[i + 1]))
+    return list(rows.items())
 
 
 # (from tier, to tier) of the transfers a worker carries out; a block on disk is one of 0 (its file's key names it)
@@ -80,8 +92,9 @@ class ModelRunner:
                  eos_token_ids: Sequence[int] = (), drafter: Drafter | None = None,
                  threads: ComputeThreads | None = None,
                  grammars: GrammarEngine | None = None, ngram: NgramProposer | None = None,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, adapters: LoraAdapters | None = None):
         self.model = model
+        self.adapters = adapters  # with --enable-lora: the adapters loaded into pages of the KV cache
         self.cache = cache
         self.device = device
         self.sampler = Sampler(seed, frozenset(eos_token_ids))
@@ -113,7 +126,7 @@ class ModelRunner:
         for seq_id in step.finished_seq_ids + step.preempted_seq_ids:
             self._drop(seq_id)
         for new in step.new_sequences:
-            problem = self._refusal(new)
+            problem = self._refusal(new, step)
             grammar: GrammarState | None = None
             if problem is None and new.sampling.grammar:
                 matcher = self.grammars.start(new.sampling.grammar) if self.grammars else (
@@ -125,7 +138,8 @@ class ModelRunner:
             if problem is None:
                 self._drop(new.seq_id)
                 self.mirrors[new.seq_id] = SequenceMirror(list(new.token_ids), new.num_prompt_tokens, new.sampling,
-                                                          new.index, self.tables.claim(), grammar=grammar)
+                                                          new.index, self.tables.claim(), grammar=grammar,
+                                                          lora=new.lora)
             else:
                 failures[new.seq_id] = problem
         self._check_transfers(step)
@@ -134,6 +148,9 @@ class ModelRunner:
         for cache in self.caches:
             cache.finish_swaps()
             failed_reads += cache.transfer(step.transfers)
+        for load in step.lora_loads:  # into blocks the transfers above may have written back first
+            assert self.adapters is not None  # _check_transfers refused loads without adapters
+            self.adapters.load(load)
         transfer_ms = (time.perf_counter() - transfers_started) * 1e3
         scheduled = [resolved for entry in step.scheduled if (resolved := self._accepts(entry, failures)) is not None]
         if not scheduled:
@@ -178,7 +195,10 @@ class ModelRunner:
                       for row in range(starts[i + 1] - 1 - scheduled[i].num_draft_tokens, starts[i + 1])]
         inputs = self.tables.step(self.inputs, input_ids, positions, rows, starts, context_lens, logit_rows,
                                   self.cache.block_size)
-        if self.graphs is not None and self.graphs.covers(len(input_ids), context_lens):
+        if self.adapters is not None:
+            inputs.batch.adapters = self.adapters.batch(_rows_by_adapter(scheduled, starts, self.mirrors))
+        if self.graphs is not None and inputs.batch.adapters is None and self.graphs.covers(len(input_ids),
+                                                                                              context_lens):
             hidden = self.graphs.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
@@ -232,11 +252,14 @@ class ModelRunner:
 
     # --- checks: a bad sequence is refused alone; a bad block operation fails the step ----
 
-    def _refusal(self, new: NewSequence) -> str | None:
+    def _refusal(self, new: NewSequence, step: Step) -> str | None:
         if not all(0 <= t < self.vocab_size for t in new.token_ids):
             return "a token id outside the vocabulary"
         if not 0 < new.num_prompt_tokens <= len(new.token_ids):
             return "a prompt length that does not match its tokens"
+        if new.lora and (self.adapters is None or (new.lora not in self.adapters.loaded
+                                                   and all(load.name != new.lora for load in step.lora_loads))):
+            return f"adapter {new.lora!r} is not loaded"
         return None  # its sampling parameters: the scheduler checked them (docs/design/checks.md)
 
     def _accepts(self, entry: ScheduledSequence, failures: dict[int, str]) -> ScheduledSequence | None:
@@ -304,6 +327,11 @@ class ModelRunner:
                 raise StepError(f"step {step.step_id}: transfer {t} is out of range")
             if DISK in (t.src_tier, t.dst_tier) and len(t.key) != KEY_BYTES:
                 raise StepError(f"step {step.step_id}: a transfer to or from disk without a prefix-cache key")
+        for load in step.lora_loads:
+            if self.adapters is None:
+                raise StepError(f"step {step.step_id}: an adapter to load, on a worker without --enable-lora")
+            if not all(0 <= page < self.cache.num_blocks for page in load.pages):
+                raise StepError(f"step {step.step_id}: adapter {load.name!r} has pages out of range")
 
     @torch.inference_mode()
     def measure_prefill_rate(self, num_tokens: int = 256) -> float:

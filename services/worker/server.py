@@ -8,7 +8,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,13 +22,15 @@ from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
 from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model, numerics
+from services.worker.lora import LoraAdapters
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 from services.worker.ngram import NgramProposer
 from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
 from shared.cli import drain_wakeups, stops_deferred
-from shared.config import ModelConfig, SchedulerConfig, WorkerConfig
+from shared.config import LoraConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from shared.lora import LoraError
 from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
 from shared.sockets import MAX_MESSAGE_BYTES
 from shared.wire_security import WireKeys, connect_securely
@@ -100,6 +102,7 @@ class WorkerSetup:
     endpoint: str  # the scheduler's worker endpoint
     dist_init_method: str = "tcp://127.0.0.1:29500"
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 class WorkerServer:
@@ -209,6 +212,8 @@ class WorkerServer:
             speculative.method if speculative is not None else "",
             num_host_cache_blocks,
         )
+        if setup.lora.enable_lora:
+            self._enable_adapters(setup.lora, cache, config, dtype)
         if scheduler.kv_cache_dir:
             if draft_cache:
                 raise ModelLoadError("--kv-cache-dir keeps the target model's blocks only: it does not work with a "
@@ -235,6 +240,19 @@ class WorkerServer:
         self.last_sent = time.perf_counter()
         self.handlers: dict[type, Callable[[Any], None]] = {Step: self.on_step, Reset: self.on_reset,
                                                              Shutdown: self.on_shutdown}
+
+    def _enable_adapters(self, lora: LoraConfig, cache: KVCache, config, dtype: torch.dtype) -> None:
+        if self.world_size > 1:
+            raise ModelLoadError("LoRA adapters are not served at --tensor-parallel-size above 1 yet")
+        try:
+            adapters = LoraAdapters(cache, config, dtype, lora.max_lora_rank, lora.max_cpu_loras or lora.max_loras)
+        except LoraError as exc:
+            raise ModelLoadError(f"--enable-lora: {exc}") from None
+        self.runner.adapters = adapters
+        self.ready.lora_page_elements = adapters.page_elements
+        self.ready.lora_dims = {name: list(dims) for name, dims in adapters.dims.items()}
+        log.info("LoRA adapters: %d values of %s per page and layer, up to rank %d", adapters.page_elements,
+                 dtype, lora.max_lora_rank)
 
     def run(self, signals: socket.socket | None = None) -> None:
         """Serve steps until stopped; `signals`: the socket a signal taken by another thread wakes

@@ -18,6 +18,8 @@ from services.worker.models.base import Embedding, PagedCausalLM, fused
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
 
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")  # the fused projections, in their order
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -59,8 +61,10 @@ class RotaryEmbedding:
 class Attention(nn.Module):
     """This rank's heads: all of them on one rank."""
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False, tp: TensorParallel = SINGLE):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False, tp: TensorParallel = SINGLE,
+                 index: int = 0):
         super().__init__()
+        self.index = index  # of its layer: where a LoRA adapter keeps this layer's matrices
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
@@ -93,14 +97,21 @@ class Attention(nn.Module):
         batch: PagedBatch,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.widths, dim=-1)  # views of one row per token
+        qkv = self.qkv_proj(hidden)
+        if batch.adapters is not None:
+            batch.adapters.add(self.index, QKV, hidden, qkv)
+        q, k, v = qkv.split(self.widths, dim=-1)  # views of one row per token
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         out = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window, rope=cos_sin)
-        return row_parallel_linear(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), self.tp)
+        out = out.reshape(tokens, self.num_heads * self.head_dim)
+        projected = row_parallel_linear(self.o_proj, out, self.tp)
+        if batch.adapters is not None:
+            batch.adapters.add(self.index, ("o_proj",), out, projected)
+        return projected
 
     def shards(self, prefix: str) -> dict[str, Shard]:
         hd = self.head_dim
@@ -120,8 +131,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, tp: TensorParallel = SINGLE):
+    def __init__(self, config, tp: TensorParallel = SINGLE, index: int = 0):
         super().__init__()
+        self.index = index
         bias = getattr(config, "mlp_bias", False)
         self.first, width = tp.split(config.intermediate_size, "the MLP's intermediate size")
         self.width = width
@@ -136,12 +148,19 @@ class MLP(nn.Module):
         self.gate_up_proj = fused(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapters=None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if adapters is not None:
+            adapters.add(self.index, GATE_UP, x, gate_up)
         if self.silu:  # one pass, no extra activations-sized tensors per layer
-            return row_parallel_linear(self.down_proj, silu_and_mul(gate_up, self.width), self.tp)
-        gate, up = gate_up.split(self.width, dim=-1)
-        return row_parallel_linear(self.down_proj, self.act(gate) * up, self.tp)
+            inner = silu_and_mul(gate_up, self.width)
+        else:
+            gate, up = gate_up.split(self.width, dim=-1)
+            inner = self.act(gate) * up
+        out = row_parallel_linear(self.down_proj, inner, self.tp)
+        if adapters is not None:
+            adapters.add(self.index, ("down_proj",), inner, out)
+        return out
 
     def shards(self, prefix: str) -> dict[str, Shard]:
         inner = Shard(0, self.first, self.width)
@@ -152,10 +171,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm, tp)
-        self.mlp = MLP(config, tp)
+        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm, tp, index)
+        self.mlp = MLP(config, tp, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -168,7 +187,7 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos_sin, kv_cache, batch)
         hidden = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, batch.adapters), residual
 
 
 class DecoderModel(nn.Module):
@@ -176,7 +195,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, o_bias, qk_norm, tp) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, o_bias, qk_norm, tp, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

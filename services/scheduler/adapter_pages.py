@@ -1,0 +1,118 @@
+"""LoRA adapters in pages of the device KV pool (S-LoRA's unified paging), on the scheduler's side.
+
+An adapter on the device holds as many blocks of the device pool as its matrices take (its
+pages), and the workers write it into them (`LoraLoad`). While a request that runs under it
+is running or swapped out, its pages are referenced; once none is, they stay in the pool as cached
+blocks, so they count as available and are evicted, least recently used first, with the cached
+prefix blocks when an allocation needs room. A request that needs an adapter no longer in the
+pool has it loaded again. At most `max_loras` adapters are in the pool at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from services.scheduler.block_pool import BlockPool
+from shared.protocol import LoraLoad, LoraRef
+
+PAGE_KEY = b"lora-page\0"  # the start of an adapter page's key in the pool; no prefix-cache key starts so
+
+
+@dataclass(slots=True)
+class _OnDevice:
+    pages: list[int]
+    users: set[str]  # ids of the requests that hold it
+
+
+class AdapterPages:
+    def __init__(self, pool: BlockPool, max_loras: int, page_elements: int, dims: dict[str, list[int]]):
+        self.pool = pool
+        self.max_loras = max_loras
+        self.page_elements = page_elements
+        self.dims = dims
+        self.on_device: OrderedDict[str, _OnDevice] = OrderedDict()  # the least recently used first
+        self._loads: list[LoraLoad] = []
+        self.loads = 0  # adapters loaded, since the start
+        self.evictions = 0
+
+    def pages_for(self, lora: LoraRef) -> int:
+        elements = sum(lora.rank * (self.dims[p][0] + self.dims[p][1]) for p in lora.targets)
+        return math.ceil(elements / self.page_elements)
+
+    def blocks_to_start(self, lora: LoraRef | None) -> int:
+        """Available blocks a request of this adapter takes when it starts: its pages, unless a running
+        request already holds them."""
+        if lora is None:
+            return 0
+        held = self.on_device.get(lora.name)
+        return 0 if held is not None and held.users else self.pages_for(lora)
+
+    def can_start(self, lora: LoraRef | None) -> bool:
+        """Whether the adapter is on the device, or may be loaded without evicting one a request holds."""
+        if lora is None or lora.name in self.on_device or len(self.on_device) < self.max_loras:
+            return True
+        return any(not held.users for held in self.on_device.values())
+
+    def acquire(self, request_id: str, lora: LoraRef) -> None:
+        """The request starts under the adapter: its pages are referenced, loaded first if need be."""
+        held = self.on_device.get(lora.name)
+        if held is not None and not held.users:
+            if all(self.pool.lookup(self._key(lora.name, i), ()) == page for i, page in enumerate(held.pages)):
+                for page in held.pages:
+                    self.pool.share(page)
+            else:
+                self._drop(lora.name)
+                held = None
+        if held is None:
+            while len(self.on_device) >= self.max_loras:
+                idle = next(name for name, other in self.on_device.items() if not other.users)
+                self._drop(idle)
+            held = self.on_device[lora.name] = _OnDevice([], set())
+            held.pages = [self.pool.allocate() for _ in range(self.pages_for(lora))]
+            self._loads.append(LoraLoad(lora.name, lora.path, list(held.pages)))
+            self.loads += 1
+        held.users.add(request_id)
+        self.on_device.move_to_end(lora.name)
+
+    def release(self, request_id: str, lora: LoraRef | None) -> None:
+        """The request no longer runs under the adapter (finished, or preempted by recompute); the last one
+        to go leaves its pages cached in the pool."""
+        held = self.on_device.get(lora.name) if lora is not None else None
+        if held is None or request_id not in held.users:
+            return
+        held.users.discard(request_id)
+        if not held.users:
+            assert lora is not None
+            for i, page in enumerate(held.pages):
+                self.pool.keep(page, self._key(lora.name, i))
+                self.pool.release(page)
+
+    def evicted(self, key: bytes) -> bool:
+        """The pool evicted a cached block with this key: if an adapter page, the adapter leaves the device.
+        Returns whether it was one."""
+        if not key.startswith(PAGE_KEY):
+            return False
+        name = key[len(PAGE_KEY):].rsplit(b"\0", 1)[0].decode()
+        if name in self.on_device:
+            self._drop(name)
+        return True
+
+    def _drop(self, name: str) -> None:
+        held = self.on_device.pop(name)
+        for page in held.pages:
+            self.pool.uncache(page)
+        self.evictions += 1
+
+    def held_pages(self) -> dict[int, int]:
+        """Block -> references held by adapters (one per referenced page)."""
+        return {page: 1 for held in self.on_device.values() if held.users for page in held.pages}
+
+    def take_loads(self) -> list[LoraLoad]:
+        loads, self._loads = self._loads, []
+        return loads
+
+    @staticmethod
+    def _key(name: str, index: int) -> bytes:
+        return PAGE_KEY + name.encode() + b"\0" + str(index).encode()

@@ -1,0 +1,189 @@
+"""LoRA adapters in PEFT's format, read and checked without torch: what the api checks before it
+serves an adapter, and what the scheduler needs to page one in.
+
+An adapter directory holds `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`) and
+`adapter_model.safetensors`, whose tensors `...layers.<i>.<module>.<proj>.lora_A.weight` (`[r, in]`)
+and `lora_B.weight` (`[out, r]`) add `scaling * B @ A @ x` to the base projection's output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+# Projections an adapter may target, in the order the worker lays them out, with the base module they sit in.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+MAX_ADAPTER_NAME_CHARS = 128
+_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+_HEADER_LIMIT = 64 << 20
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served on this base model, with the reason."""
+
+
+@dataclass(slots=True, frozen=True)
+class BaseShape:
+    """The base model's projection shapes, from its config.json."""
+
+    num_layers: int
+    dims: dict[str, tuple[int, int]]  # projection -> (in, out)
+
+    @staticmethod
+    def from_config(config: dict[str, Any]) -> BaseShape:
+        model_type = config.get("model_type", "")
+        if model_type not in LLAMA_FAMILY:
+            raise LoraError(f"LoRA adapters are served on {', '.join(LLAMA_FAMILY)} models; this one is "
+                            f"{model_type or 'of no model_type'}")
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
+        inner = config["intermediate_size"]
+        q, kv = heads * head_dim, kv_heads * head_dim
+        return BaseShape(config["num_hidden_layers"], {
+            "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inner), "up_proj": (hidden, inner), "down_proj": (inner, hidden)})
+
+    @staticmethod
+    def of_model_dir(model_dir: str) -> BaseShape:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return BaseShape.from_config(json.load(f))
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterSpec:
+    """A checked adapter: where it is, its rank and scaling, and which projections of which layers it changes."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    targets: tuple[str, ...]  # in PROJECTIONS order
+    layers: tuple[int, ...] = field(default=())
+
+    def elements_per_layer(self, dims: dict[str, tuple[int, int]]) -> int:
+        """Values of one layer's A and B matrices, for projections of the given (in, out) shapes."""
+        return sum(self.rank * (dims[p][0] + dims[p][1]) for p in self.targets)
+
+
+def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
+    """The tensors' names, dtypes and shapes of a safetensors file, from its JSON header alone."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) != 8:
+                raise LoraError(f"{path}: not a safetensors file (too short)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > _HEADER_LIMIT:
+                raise LoraError(f"{path}: not a safetensors file (header of {length} bytes)")
+            header = json.loads(f.read(length))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LoraError(f"{path}: not a readable safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise LoraError(f"{path}: not a safetensors file")
+    header.pop("__metadata__", None)
+    return header
+
+
+def lora_tensor(name: str) -> tuple[int, str, str]:
+    """(layer, projection, "A" or "B") of a PEFT tensor name; raises LoraError for any other name."""
+    match = _TENSOR.search(name)
+    if match is None:
+        raise LoraError(f"tensor {name} is not a LoRA A or B matrix of a decoder layer")
+    return int(match[1]), match[2], match[3]
+
+
+def check_adapter(name: str, path: str, base: BaseShape, max_rank: int) -> AdapterSpec:
+    """The adapter at `path`, checked against the base model and the largest rank served; raises LoraError."""
+    if not name or len(name) > MAX_ADAPTER_NAME_CHARS or any(c.isspace() for c in name):
+        raise LoraError(f"an adapter's name is 1 to {MAX_ADAPTER_NAME_CHARS} characters without spaces: {name!r}")
+    if not os.path.isdir(path):
+        raise LoraError(f"adapter {name!r}: {path} is not a directory")
+    config_path = os.path.join(path, "adapter_config.json")
+    weights_path = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(config_path):
+        raise LoraError(f"adapter {name!r}: {path} has no adapter_config.json")
+    if not os.path.isfile(weights_path):
+        pickled = os.path.isfile(os.path.join(path, "adapter_model.bin"))
+        raise LoraError(f"adapter {name!r}: {path} has no adapter_model.safetensors"
+                        + (" (adapter_model.bin is a pickle, which is never loaded)" if pickled else ""))
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LoraError(f"adapter {name!r}: adapter_config.json is not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"adapter {name!r}: adapter_config.json is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"adapter {name!r}: peft_type {config.get('peft_type')!r}; only LORA adapters are served")
+    for unsupported in ("use_dora", "fan_in_fan_out"):
+        if config.get(unsupported):
+            raise LoraError(f"adapter {name!r}: {unsupported} is not served")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise LoraError(f"adapter {name!r}: per-module ranks (rank_pattern, alpha_pattern) are not served")
+    if config.get("bias", "none") != "none" or config.get("modules_to_save"):
+        raise LoraError(f"adapter {name!r}: trained biases or modules_to_save are not served")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if type(rank) is not int or rank < 1 or not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise LoraError(f"adapter {name!r}: adapter_config.json needs a positive integer r and a numeric lora_alpha")
+    if rank > max_rank:
+        raise LoraError(f"adapter {name!r}: rank {rank} is over this server's --max-lora-rank {max_rank}")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+    found: dict[tuple[int, str], dict[str, list[int]]] = {}
+    for tensor, info in read_safetensors_header(weights_path).items():
+        try:
+            layer, projection, which = lora_tensor(tensor)
+        except LoraError as exc:
+            raise LoraError(f"adapter {name!r}: {exc}") from None
+        if projection not in PROJECTIONS:
+            raise LoraError(f"adapter {name!r}: target module {projection} is not one of {', '.join(PROJECTIONS)}")
+        if not 0 <= layer < base.num_layers:
+            raise LoraError(f"adapter {name!r}: layer {layer} is beyond the base model's {base.num_layers}")
+        if info.get("dtype") not in ("F32", "F16", "BF16"):
+            raise LoraError(f"adapter {name!r}: {tensor} is {info.get('dtype')}; F32, F16 or BF16 are served")
+        found.setdefault((layer, projection), {})[which] = list(info.get("shape", []))
+    if not found:
+        raise LoraError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
+    targets = {projection for _, projection in found}
+    layers = sorted({layer for layer, _ in found})
+    for (layer, projection), pair in found.items():
+        size_in, size_out = base.dims[projection]
+        expected = {"A": [rank, size_in], "B": [size_out, rank]}
+        for which in "AB":
+            if pair.get(which) != expected[which]:
+                raise LoraError(f"adapter {name!r}: layer {layer} {projection} lora_{which} has shape "
+                                f"{pair.get(which)}, this base model needs {expected[which]}")
+    return AdapterSpec(name, os.path.realpath(path), rank, float(scaling),
+                       tuple(p for p in PROJECTIONS if p in targets), tuple(layers))
+
+
+def parse_lora_modules(values: list[str]) -> dict[str, tuple[str, str | None]]:
+    """`--lora-modules` as vLLM takes it: `name=path`, or JSON `{"name": ..., "path": ..., "base_model_name": ...}`;
+    returns name -> (path, base model name or None)."""
+    modules: dict[str, tuple[str, str | None]] = {}
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                entry = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise LoraError(f"--lora-modules: {value!r} is not JSON ({exc})") from None
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(
+                    entry.get("path"), str):
+                raise LoraError(f"--lora-modules: {value!r} needs string fields name and path")
+            name, path, parent = entry["name"], entry["path"], entry.get("base_model_name")
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise LoraError(f"--lora-modules: expected NAME=PATH or JSON, got {value!r}")
+            parent = None
+        if name in modules:
+            raise LoraError(f"--lora-modules: adapter {name!r} is named twice")
+        modules[name] = (path, parent)
+    return modules
