@@ -62,8 +62,8 @@ class SchedulerConfig:
     kv_cache_dir_size: float = option(10.0, "GiB the files under --kv-cache-dir may take; the least recently used "
                                       "go first")
     kv_offloading_policy: str = option(
-        "write-back", "when a prefix-cache block is copied to the host cache of --kv-offloading-size: as the device "
-        "evicts it (write-back), or as soon as it is cached on the device (write-through)",
+        "write-through", "when a prefix-cache block is copied to the host cache of --kv-offloading-size: as soon as "
+        "it is cached on the device (write-through), or as the device evicts it (write-back)",
         choices=("write-back", "write-through"))
     enable_chunked_prefill: bool = option(True, "split long prompts over steps, mixed with decodes", negatable=True)
     preemption_mode: str = option(
@@ -157,7 +157,10 @@ class LoraConfig:
     max_cpu_loras: int | None = option(
         None, "adapters a worker keeps read in host memory (None: --max-loras)", parse=int)
     allow_runtime_lora_updating: bool = option(
-        False, "POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters while serving")
+        False, "POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters while serving (from "
+        "folders under --lora-roots only)")
+    lora_roots: list[str] | None = option(
+        None, "folders an adapter loaded at run time must be in (none: no path is allowed)", nargs="*")
 
 
 DEFAULT_MAX_PROMPTS = 2048  # OpenAI's and vLLM's scale for a batch of prompts

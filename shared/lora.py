@@ -13,6 +13,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,10 +67,6 @@ class AdapterSpec:
     scaling: float
     targets: tuple[str, ...]  # in PROJECTIONS order
     layers: tuple[int, ...] = field(default=())
-
-    def elements_per_layer(self, dims: dict[str, tuple[int, int]]) -> int:
-        """Values of one layer's A and B matrices, for projections of the given (in, out) shapes."""
-        return sum(self.rank * (dims[p][0] + dims[p][1]) for p in self.targets)
 
 
 def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
@@ -187,3 +184,37 @@ def parse_lora_modules(values: list[str]) -> dict[str, tuple[str, str | None]]:
             raise LoraError(f"--lora-modules: adapter {name!r} is named twice")
         modules[name] = (path, parent)
     return modules
+
+
+@dataclass(slots=True, frozen=True)
+class Part:
+    """Where one matrix of an adapter sits in each layer's part of its pages: in which half of the blocks
+    (0: where keys go, 1: values), at which value from that half's start, and its shape."""
+
+    region: int
+    offset: int
+    rows: int
+    cols: int
+
+
+def page_layout(rank: int, targets: Sequence[str], dims: Mapping[str, Sequence[int]],
+                half_elements: int) -> tuple[int, dict[tuple[str, str], Part]]:
+    """How many blocks (pages) an adapter takes, and where each of its matrices goes: the A matrices (`[r, in]`)
+    in `targets` order, then the B matrices (`[out, r]`), one after the other in each layer's halves of its
+    pages, taken as two regions (all pages' first halves, then all second halves; contiguous when the pages
+    are consecutive blocks). No matrix straddles the two."""
+    sizes = [((p, "A"), rank, dims[p][0]) for p in targets] + [((p, "B"), dims[p][1], rank) for p in targets]
+    total = sum(rows * cols for _, rows, cols in sizes)
+    pages = max(1, -(-total // (2 * half_elements)))
+    while True:
+        capacity = pages * half_elements
+        parts: dict[tuple[str, str], Part] = {}
+        region = offset = 0
+        for key, rows, cols in sizes:
+            if offset + rows * cols > capacity and region == 0:
+                region, offset = 1, 0
+            parts[key] = Part(region, offset, rows, cols)
+            offset += rows * cols
+        if offset <= capacity:
+            return pages, parts
+        pages += 1

@@ -161,9 +161,10 @@ class Ready:
     drafts: str = ""  # how it proposes tokens to verify: its --speculative-config's method, or "" for none
     num_host_cache_blocks: int = 0  # host memory for offloaded prefix blocks, after the swap space's
     disk_fingerprint: str = ""  # with --kv-cache-dir: the folder its files are under (model, dtype, layout)
-    # With --enable-lora: values of the model's dtype one KV block holds per layer (an adapter's page), and this
-    # rank's (in, out) of each projection an adapter may change; 0 and {} where this model serves no adapters.
-    lora_page_elements: int = 0
+    # With --enable-lora: values of the model's dtype one layer's keys (or values) in one KV block take, the
+    # room a page of an adapter has per layer and half; and this rank's (in, out) of each projection an adapter
+    # may change. 0 and {} where this model serves no adapters.
+    lora_half_elements: int = 0
     lora_dims: dict[str, list[int]] = field(default_factory=dict)
 
 

@@ -78,7 +78,7 @@ class Engine:
         speculation = Speculation(speculative, context) if speculative is not None else None
         if max_loras:  # adapters paged into the KV pool, as a worker and a scheduler started with --enable-lora
             self.runner.adapters = LoraAdapters(self.cache, config, dtype, max_lora_rank, max_loras)
-            manager.enable_adapters(max_loras, self.runner.adapters.page_elements,
+            manager.enable_adapters(max_loras, self.runner.adapters.half_elements,
                                     {name: list(dims) for name, dims in self.runner.adapters.dims.items()})
         self.scheduler = Scheduler(manager, budgets, eos_ids, policy, speculation=speculation)
         self.max_running_seqs = 0

@@ -177,3 +177,19 @@ def test_multiturn_bench_loads_histories_back_from_the_host_cache(tmp_path):
     assert plain["counters"]['pagedserve_blocks_offloaded_total{direction="in"}'] == 0
     assert "pagedserve+host / pagedserve: TTFT" in done.stdout
     assert "pagedserve+host-write-through / pagedserve+host: TTFT" in done.stdout
+
+
+def test_lora_bench_spreads_requests_over_adapters_and_compares_with_the_base_model(tmp_path):
+    out = tmp_path / "lora.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "lora_bench.py"), "--model",
+         os.path.join(ROOT, "ops", "configs", "tiny-python-4k"), "--repeats", "1", "--adapter-counts", "2,3",
+         "--requests", "6", "--concurrency", "3", "--input-len", "16", "--output-len", "4",
+         "--systems", "pagedserve-base,pagedserve", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"pagedserve-base", "pagedserve/2", "pagedserve/3"}
+    assert all(run["requests"] == 6 and run["output_throughput"] > 0 for results in runs.values() for run in results)
+    assert "3 adapters / the base model alone (pagedserve): throughput" in done.stdout

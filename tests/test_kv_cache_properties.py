@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from services.scheduler.disk_index import DiskIndex
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus, Sequence
-from shared.protocol import DEVICE, DISK
+from shared.protocol import DEVICE, DISK, LoraRef
 from shared.sampling import SamplingParams
 
 BLOCK_SIZE = 4
@@ -31,6 +31,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.manager = KVCacheManager(GPU_BLOCKS, BLOCK_SIZE, CPU_BLOCKS, watermark=0.0, enable_prefix_caching=True,
                                       num_host_cache_blocks=HOST_CACHE_BLOCKS, disk=disk,
                                       write_through=self.write_through)
+        # Adapters paged into the same device pool: a few pages each.
+        self.manager.enable_adapters(2, 16, {"q_proj": [8, 8], "down_proj": [8, 8]})
+        self.adapter_users: dict[str, LoraRef] = {}  # request id -> the adapter it holds
         # What each block holds, as the workers would have it after the transfers: (tier, block) -> tokens
         self.contents: dict[tuple[int, int], tuple[int, ...]] = {}
         self.requests: list[Request] = []
@@ -150,6 +153,39 @@ class KVCacheMachine(RuleBasedStateMachine):
             self._carry_out_transfers()
             request.status = RequestStatus.RUNNING
 
+    @rule(which=st.integers(0, 2), rank=st.sampled_from([2, 4, 8]))
+    def start_a_request_under_an_adapter(self, which, rank):
+        adapters, lora = self.manager.adapters, LoraRef(f"adapter-{which}-{rank}", "/nowhere", rank,
+                                                        ["q_proj", "down_proj"])
+        if not adapters.can_start(lora) or adapters.blocks_to_start(lora) > self.manager.gpu.num_available:
+            return
+        request_id = f"a{next(self.ids)}"
+        adapters.acquire(request_id, lora)
+        self._carry_out_transfers()
+        self.adapter_users[request_id] = lora
+        loads = adapters.take_loads()
+        assert all(load.name == lora.name and len(load.pages) == adapters.pages_for(lora) for load in loads)
+
+    @precondition(lambda self: self.adapter_users)
+    @rule(data=st.data())
+    def end_a_request_under_an_adapter(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.adapter_users)))
+        self.manager.adapters.release(request_id, self.adapter_users.pop(request_id))
+
+    @invariant()
+    def adapter_pages_are_no_sequences_blocks_and_held_while_used(self):
+        adapters = self.manager.adapters
+        tables = {b for r in self.requests if r.status is RequestStatus.RUNNING for s in r.seqs
+                  for b in s.kv.block_table}
+        for held in adapters.on_device.values():
+            assert len(held.pages) == len(set(held.pages))
+            if held.users:
+                assert not set(held.pages) & tables
+                assert all(self.manager.gpu.ref_count(page) == 1 for page in held.pages)
+        assert len(adapters.on_device) <= adapters.max_loras
+        for lora in self.adapter_users.values():
+            assert self.adapter_users and lora.name in adapters.on_device
+
     @invariant()
     def every_block_is_free_referenced_or_cached_in_every_tier(self):
         self.manager.audit(seq.kv for request in self.requests for seq in request.seqs)
@@ -157,7 +193,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def reference_counts_match_the_block_tables(self):
         for pool, status in ((self.manager.gpu, RequestStatus.RUNNING), (self.manager.cpu, RequestStatus.SWAPPED)):
-            counts = {}
+            counts = dict(self.manager.adapters.held_pages()) if pool is self.manager.gpu else {}
             for request in self.requests:
                 if request.status is status:
                     for seq in request.seqs:

@@ -4,12 +4,20 @@ paged in and out of the KV pool."""
 
 from __future__ import annotations
 
-import pytest
+import json
+import os
 
-from shared.lora import BaseShape, check_adapter
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.config import SpeculativeConfig
+from shared.lora import BaseShape, LoraError, check_adapter
 from shared.protocol import LoraRef
+from tests.conftest import serve
 from tests.engine_harness import Engine
-from tests.tiny_models import hf_greedy, hf_lora_greedy, make_lora_adapter
+from tests.tiny_models import hf_greedy, hf_lora_generate, hf_lora_greedy, make_lora_adapter
 
 PROMPTS = [[5, 9, 13, 17, 21, 25, 29, 33, 37, 41], [8, 6, 4, 2, 7, 5, 3, 1, 9, 11, 13], [100, 3, 100, 3, 100]]
 MAX_TOKENS = 6
@@ -109,3 +117,113 @@ def test_preempted_adapter_requests_keep_their_tokens(llama_dir, adapters):
         assert engine.generate(PROMPTS, lora=lora, max_tokens=24) == expected
         stats = engine.stats()
         assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0, mode
+
+
+def test_beams_samples_and_ngram_speculation_run_under_the_adapter(llama_dir, adapters):
+    path = adapters["all-rank8"]
+    lora = ref(llama_dir, "all-rank8", path)
+    prompt = PROMPTS[0]
+    beams = Engine(llama_dir, block_size=4, max_loras=1)
+    request = beams.add(prompt, lora=lora, max_tokens=MAX_TOKENS, n=2, best_of=2, use_beam_search=True)
+    got = beams.run()[request]
+    expected = hf_lora_generate(llama_dir, path, prompt, MAX_TOKENS, num_beams=2, num_return_sequences=2)
+    assert sorted(got.values()) == sorted(expected)
+    samples = Engine(llama_dir, block_size=4, max_loras=1)
+    request = samples.add(prompt, lora=lora, max_tokens=MAX_TOKENS, n=2)  # greedy: both samples are the greedy one
+    assert list(samples.run()[request].values()) == [hf_lora_greedy(llama_dir, path, prompt, MAX_TOKENS)] * 2
+    speculating = Engine(llama_dir, block_size=4, max_loras=1, speculative=SpeculativeConfig("ngram", 3, 1, 3))
+    repetitive = [100, 3, 100, 3, 100, 3, 100, 3]
+    assert speculating.generate([repetitive], lora=lora, max_tokens=12) == [
+        hf_lora_greedy(llama_dir, path, repetitive, 12)]
+
+
+def broken_adapter(tmp_path, llama_dir, kind: str) -> str:
+    """An adapter directory with one thing wrong."""
+    path = make_lora_adapter(llama_dir, str(tmp_path / kind), rank=4, seed=5)
+    config_path = os.path.join(path, "adapter_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    if kind == "missing-weights":
+        os.remove(os.path.join(path, "adapter_model.safetensors"))
+    elif kind == "rank-over-maximum":
+        make_lora_adapter(llama_dir, path, rank=32, seed=5)
+    elif kind == "unknown-target":
+        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+        renamed = {name.replace("q_proj", "qkv_proj"): value for name, value in tensors.items()}
+        save_file(renamed, os.path.join(path, "adapter_model.safetensors"))
+    elif kind == "shapes-of-another-model":
+        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+        save_file({name: torch.cat([value, value], dim=-1) if "lora_A" in name else value
+                   for name, value in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
+    elif kind == "not-lora":
+        config["peft_type"] = "PREFIX_TUNING"
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+    return path
+
+
+BAD_ADAPTERS = {"missing-weights": "no adapter_model.safetensors", "rank-over-maximum": "over this server's",
+                "unknown-target": "target module qkv_proj", "shapes-of-another-model": "this base model needs",
+                "not-lora": "only LORA adapters"}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_ADAPTERS))
+def test_each_bad_adapter_is_refused_with_its_reason(llama_dir, tmp_path, kind):
+    with pytest.raises(LoraError, match=BAD_ADAPTERS[kind]):
+        check_adapter("bad", broken_adapter(tmp_path, llama_dir, kind), BaseShape.of_model_dir(llama_dir), 16)
+
+
+@pytest.mark.slow
+def test_a_server_serves_adapters_by_name_and_loads_and_unloads_them_at_run_time(llama_dir, adapters, tmp_path):
+    key = "secret-key"
+    roots = tmp_path / "allowed"
+    roots.mkdir()
+    later = make_lora_adapter(llama_dir, str(roots / "later"), rank=4, seed=7, targets=("k_proj", "up_proj"))
+    flags = ["--block-size", "4", "--enable-lora", "--max-loras", "2", "--lora-modules",
+             f"tuned={adapters['all-rank8']}", json.dumps({"name": "attn", "path": adapters["attention-rank4"]}),
+             "--allow-runtime-lora-updating", "--lora-roots", str(roots), "--api-key", key]
+    headers = {"Authorization": f"Bearer {key}"}
+    with serve(llama_dir, str(tmp_path), *flags) as server:
+        def post(route, body, auth=True):
+            return httpx.post(f"{server.base_url}{route}", json=body, headers=headers if auth else {}, timeout=60)
+
+        def complete(model, prompt):
+            response = post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                "temperature": 0, "return_token_ids": True})
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["token_ids"]
+
+        models = httpx.get(f"{server.base_url}/v1/models", headers=headers, timeout=10).json()["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [(server.model, None), ("tuned", server.model),
+                                                                ("attn", server.model)]
+        assert complete("tuned", PROMPTS[0]) == hf_lora_greedy(llama_dir, adapters["all-rank8"], PROMPTS[0],
+                                                                MAX_TOKENS)
+        assert complete("attn", PROMPTS[1]) == hf_lora_greedy(llama_dir, adapters["attention-rank4"], PROMPTS[1],
+                                                               MAX_TOKENS)
+        assert complete(server.model, PROMPTS[0]) == hf_greedy(llama_dir, PROMPTS[0], MAX_TOKENS)
+        unknown = post("/v1/completions", {"model": "nobody", "prompt": "hi", "max_tokens": 2})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+        assert post("/v1/load_lora_adapter", {"lora_name": "later", "lora_path": later}, auth=False).status_code == 401
+        outside = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["all-rank8"]})
+        assert outside.status_code == 400 and "outside the folders" in outside.json()["error"]["message"]
+        loaded = post("/v1/load_lora_adapter", {"lora_name": "later", "lora_path": later})
+        assert loaded.status_code == 200, loaded.text
+        assert complete("later", PROMPTS[2]) == hf_lora_greedy(llama_dir, later, PROMPTS[2], MAX_TOKENS)
+        again = post("/v1/load_lora_adapter", {"lora_name": "later", "lora_path": later})
+        assert again.status_code == 400 and "already served" in again.json()["error"]["message"]
+        for kind, reason in BAD_ADAPTERS.items():
+            path = broken_adapter(roots, llama_dir, kind)
+            bad = post("/v1/load_lora_adapter", {"lora_name": kind, "lora_path": path})
+            assert bad.status_code == 400 and reason in bad.json()["error"]["message"], bad.text
+        assert post("/v1/unload_lora_adapter", {"lora_name": "later"}).status_code == 200
+        assert post("/v1/completions", {"model": "later", "prompt": "hi", "max_tokens": 2}).status_code == 404
+        assert post("/v1/unload_lora_adapter", {"lora_name": "later"}).status_code == 404
+        assert complete("tuned", PROMPTS[0]) == hf_lora_greedy(llama_dir, adapters["all-rank8"], PROMPTS[0],
+                                                                MAX_TOKENS)
+        metrics = server.metrics("scheduler")
+        assert metrics['pagedserve_lora_requests_total{adapter="tuned"}'] == 2
+        assert metrics['pagedserve_lora_requests_total{adapter="base"}'] == 1
+        assert metrics['pagedserve_lora_adapter_loads_total{event="load"}'] >= 4  # tuned twice: three with room for 2
+        assert metrics['pagedserve_lora_adapter_loads_total{event="eviction"}'] >= 2
+        assert metrics["pagedserve_lora_adapters"] <= 2 and metrics["pagedserve_lora_pages"] > 0

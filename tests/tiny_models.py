@@ -215,6 +215,13 @@ _HF_LORA_MODELS: dict[tuple[str, str], object] = {}
 
 def hf_lora_greedy(base_dir: str, adapter_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """The oracle with an adapter: HF transformers' greedy generate on the base model with peft applying it."""
+    return hf_lora_generate(base_dir, adapter_dir, prompt_ids, max_new_tokens)[0]
+
+
+def hf_lora_generate(base_dir: str, adapter_dir: str, prompt_ids: list[int], max_new_tokens: int,
+                     **options) -> list[list[int]]:
+    """As `_hf_generate`, with peft applying the adapter (beam search with `num_beams` and
+    `num_return_sequences`)."""
     from peft import PeftModel
 
     key = (base_dir, adapter_dir)
@@ -222,5 +229,5 @@ def hf_lora_greedy(base_dir: str, adapter_dir: str, prompt_ids: list[int], max_n
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         _HF_LORA_MODELS[key] = PeftModel.from_pretrained(base, adapter_dir).eval()
     model = _HF_LORA_MODELS[key]
-    out = _greedy(model, prompt_ids, max_new_tokens)
-    return _through_eos(out[0, len(prompt_ids):].tolist(), model.generation_config.eos_token_id)
+    out = _greedy(model, prompt_ids, max_new_tokens, **options)
+    return [_through_eos(row, model.generation_config.eos_token_id) for row in out[:, len(prompt_ids):].tolist()]

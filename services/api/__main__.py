@@ -10,6 +10,7 @@ import sys
 
 import uvicorn
 
+from services.api.adapters import Adapters
 from services.api.app import build_app
 from services.api.engine_client import EngineClient
 from services.api.engine_group import EngineGroup
@@ -27,6 +28,9 @@ from shared.cli import (
     keep_api_key_off_the_command_line,
     setup_logging,
 )
+from shared.config import LoraConfig
+from shared.lora import LoraError
+from shared.options import from_namespace
 from shared.sampling import MAX_LOGPROBS
 from shared.wire_security import WireSecurityError, keys_for
 
@@ -79,13 +83,20 @@ def main() -> None:
         log.error("cannot load the tokenizer and config of %s: %s", args.model, exc)
         sys.exit(2)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    lora = from_namespace(LoraConfig, args)
+    try:
+        adapters = Adapters(name, args.model, lora)
+    except (LoraError, OSError, KeyError) as exc:
+        log.error("LoRA adapters: %s", exc)
+        sys.exit(2)
     client = EngineGroup([EngineClient(endpoint, keys, args.max_message_bytes, args.scheduler_timeout)
                           for endpoint in args.scheduler_endpoint], Router(args.routing))
     app = build_app(client, tokenizer, name, vocab_size,
                     args.max_request_body_bytes, api_keys(args),
                     args.tool_call_parser if args.enable_auto_tool_choice else None, args.max_logprobs,
                     args.report_cached_tokens, args.request_body_timeout,
-                    max_prompts=args.max_prompts_per_request)
+                    max_prompts=args.max_prompts_per_request, adapters=adapters,
+                    runtime_lora_updating=lora.enable_lora and lora.allow_runtime_lora_updating)
     # uvicorn annotates the grace as int seconds; it takes a float
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=0.5,  # type: ignore[arg-type]

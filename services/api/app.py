@@ -15,9 +15,10 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.api.adapters import Adapters
 from services.api.auth import RequireApiKey
 from services.api.detokenizer import IncrementalDetokenizer
 from services.api.engine_client import EngineClient
@@ -32,7 +33,8 @@ from services.api.routing import Router
 from services.api.structured import GrammarCompiler
 from services.api.tools import TOOL_CALL_PARSERS
 from services.api.utility import utility_routes
-from shared.config import DEFAULT_MAX_PROMPTS
+from shared.config import DEFAULT_MAX_PROMPTS, LoraConfig
+from shared.lora import LoraError
 from shared.sampling import MAX_LOGPROBS, InvalidParameter
 
 LARGE_RESPONSE_ENTRIES = 2048  # tokens and top logprobs: about a millisecond to encode
@@ -45,8 +47,10 @@ class OpenAIServer:
     def __init__(self, client: EngineGroup, tokenizer, model_name: str, vocab_size: int,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
                  max_logprobs: int = MAX_LOGPROBS, report_cached_tokens: bool = True,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT, max_prompts: int = DEFAULT_MAX_PROMPTS):
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, max_prompts: int = DEFAULT_MAX_PROMPTS,
+                 adapters: Adapters | None = None):
         self.client = client
+        self.adapters = adapters or Adapters(model_name, "", LoraConfig())
         self.max_prompts = max_prompts
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -129,7 +133,28 @@ class OpenAIServer:
                                    len(prompt_ids), fmt)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self.model_card()]})
+        info = self.client.info
+        cards = self.adapters.cards(info.max_model_len if info else None)
+        return JSONResponse({"object": "list", "data": [self.model_card(), *cards]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body = await self.bodies.read(request)
+        name, path = _adapter_fields(body, "lora_name", "lora_path")
+        try:
+            self.adapters.add_at_run_time(name, path)
+        except LoraError as exc:
+            raise ApiError(str(exc), param="lora_path") from None
+        log.info("LoRA adapter %r added from %s", name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = await self.bodies.read(request)
+        [name] = _adapter_fields(body, "lora_name")
+        if not self.adapters.remove(name):
+            raise ApiError(f"the LoRA adapter '{name}' cannot be found", status=404, param="lora_name",
+                           code="model_not_found")
+        log.info("LoRA adapter %r removed", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     def model_card(self) -> dict:
         info = self.client.info
@@ -173,17 +198,11 @@ class OpenAIServer:
 
     # --- generation ----------------------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(
-                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                status=404, param="model", code="model_not_found",
-            )
 
     def _admit(self, request: Request, generation: GenerationRequest) -> None:
         """What both generation routes check first; and whose request it is (its key's tenant)."""
         generation.tenant = request.scope.get("state", {}).get("tenant", "")
-        self._check_model(generation.model)
+        generation.lora = self.adapters.resolve(generation.model)
         self._check_logprobs(generation)
 
     def _check_logprobs(self, generation: GenerationRequest) -> None:
@@ -261,7 +280,7 @@ class OpenAIServer:
         # deployment is one trust domain, and OpenAI's `user` field names its end users.
         tenant = generation.tenant or (f"user:{generation.user}" if generation.user else "")
         outputs = self.client.generate(request_id, prompt_ids, generation.sampling, time.time(), salt,
-                                       generation.priority, tenant)
+                                       generation.priority, tenant, generation.lora)
         outcome, first_reason = "abort", None  # the request's, and its first choice's finish reason
         first_token = None
         num_generated = 0
@@ -310,6 +329,18 @@ class OpenAIServer:
             access_log.info("%s %s: %s; prompt %d tokens, generated %d; first token %s, total %.3f s", request_id,
                             endpoint, outcome, len(prompt_ids), num_generated,
                             "-" if first_token is None else f"{first_token:.3f} s", time.monotonic() - arrival)
+
+
+def _adapter_fields(body: object, *names: str) -> list[str]:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    values = []
+    for name in names:
+        value = body.get(name)
+        if not isinstance(value, str) or not value:
+            raise ApiError(f"{name} must be a non-empty string", param=name)
+        values.append(value)
+    return values
 
 
 def _engine_error(output, ready: bool) -> ApiError:
@@ -394,11 +425,12 @@ def build_app(client: EngineGroup | EngineClient, tokenizer, model_name: str, vo
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_keys: Sequence[str] = (),
               tool_call_parser: str | None = None, max_logprobs: int = MAX_LOGPROBS,
               report_cached_tokens: bool = True, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-              max_prompts: int = DEFAULT_MAX_PROMPTS) -> Starlette:
+              max_prompts: int = DEFAULT_MAX_PROMPTS, adapters: Adapters | None = None,
+              runtime_lora_updating: bool = False) -> Starlette:
     if isinstance(client, EngineClient):
         client = EngineGroup([client], Router("round_robin"))
     server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes, tool_call_parser, max_logprobs,
-                          report_cached_tokens, body_timeout, max_prompts)
+                          report_cached_tokens, body_timeout, max_prompts, adapters)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -427,6 +459,9 @@ def build_app(client: EngineGroup | EngineClient, tokenizer, model_name: str, vo
         Route("/metrics", server.prometheus, methods=["GET"]),
         *utility_routes(server),
     ]
+    if runtime_lora_updating:  # behind the api key, as every route but /health and /metrics
+        routes += [Route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"])]
     handlers: dict[Any, Any] = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected}
     middleware = [Middleware(ReturnMemoryAfterLargeBodies)]
     if api_keys:

@@ -21,6 +21,7 @@ from shared.protocol import (
     Abort,
     AddRequest,
     Hello,
+    LoraRef,
     Ping,
     Pong,
     RequestOutput,
@@ -130,7 +131,7 @@ class EngineClient:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float,
-        cache_salt: str = "", priority: int = 0, tenant: str = "",
+        cache_salt: str = "", priority: int = 0, tenant: str = "", lora: LoraRef | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; aborts it if the caller stops early."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -140,7 +141,8 @@ class EngineClient:
             if self.info is None:  # the scheduler went away after the caller checked
                 queue.put_nowait(RequestOutput(request_id, 0, [], True, "the scheduler is not ready"))
             else:
-                message = AddRequest(request_id, prompt_token_ids, sampling, arrival, cache_salt, priority, tenant)
+                message = AddRequest(request_id, prompt_token_ids, sampling, arrival, cache_salt, priority, tenant,
+                                     lora)
                 frame = encode(message)
                 if len(frame) > MAX_FRAME_BYTES["AddRequest"]:  # the scheduler would drop it unread
                     queue.put_nowait(RequestOutput(

@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 
 from services.api.engine_client import EngineClient
 from services.api.routing import EngineLoad, Router
-from shared.protocol import RequestOutput, SchedulerInfo
+from shared.protocol import LoraRef, RequestOutput, SchedulerInfo
 from shared.sampling import SamplingParams
 
 
@@ -35,7 +35,7 @@ class EngineGroup:
         for client in self.clients:
             await client.close()
 
-    def choose(self, prompt_token_ids: list[int], cache_salt: str = "") -> int:
+    def choose(self, prompt_token_ids: list[int], cache_salt: str = "", adapter: str = "") -> int:
         """The engine for a request: among those up, the router's pick; the first if none is up
         (which answers that it is not ready)."""
         up = self.engines_up
@@ -45,11 +45,12 @@ class EngineGroup:
                             c.cached_prefixes) for c in (self.clients[i] for i in up)]
         info = self.clients[up[0]].info
         block_size = info.block_size if info is not None else 1
-        return up[self.router.choose(loads, prompt_token_ids, block_size, cache_salt)]
+        return up[self.router.choose(loads, prompt_token_ids, block_size, cache_salt, adapter)]
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float,
-                 cache_salt: str = "", priority: int = 0, tenant: str = "") -> AsyncGenerator[RequestOutput, None]:
-        index = self.choose(prompt_token_ids, cache_salt)
+                 cache_salt: str = "", priority: int = 0, tenant: str = "", lora: LoraRef | None = None
+                 ) -> AsyncGenerator[RequestOutput, None]:
+        index = self.choose(prompt_token_ids, cache_salt, lora.name if lora is not None else "")
         self.routed[index] += 1
         return self.clients[index].generate(request_id, prompt_token_ids, sampling, arrival, cache_salt, priority,
-                                            tenant)
+                                            tenant, lora)

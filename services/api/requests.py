@@ -9,7 +9,7 @@ from services.api.errors import ApiError
 from services.api.json_body import json_value
 from services.api.structured import GrammarSpec, parse_structured
 from services.api.tools import ToolUse, parse_tool_use
-from shared.protocol import MAX_CACHE_SALT_CHARS, PRIORITY_LIMIT
+from shared.protocol import MAX_CACHE_SALT_CHARS, PRIORITY_LIMIT, LoraRef
 from shared.sampling import MAX_TOKENS_LIMIT, InvalidParameter, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class GenerationRequest:
     tenant: str = ""  # set by the api from the request's key, when --api-key names several
     user: str = ""  # OpenAI's end-user id: the tenant under --scheduling-policy fair when the key names none
     priority: int = 0  # vLLM's: under --scheduling-policy priority, lower runs first
+    lora: LoraRef | None = None  # the adapter `model` names, resolved by the api; None: the base model
 
 
 class _Body:

@@ -62,13 +62,13 @@ class Router:
         self._sent: dict[bytes, tuple[str, float]] = {}  # routing key -> (engine, until when) of late choices
 
     def choose(self, engines: Sequence[EngineLoad], token_ids: Sequence[int], block_size: int,
-               cache_salt: str = "") -> int:
+               cache_salt: str = "", adapter: str = "") -> int:
         """The index in `engines` (those up, never empty) of the one to serve this prompt."""
         if len(engines) == 1:
             return 0
         if self.policy == "round_robin":
             return next(self._turn) % len(engines)
-        key = routing_key(token_ids, block_size, cache_salt)
+        key = routing_key(token_ids, block_size, cache_salt, adapter)
         order = sorted(range(len(engines)), key=lambda i: _score(key or b"", engines[i].name), reverse=True)
         if self.policy == "least_load" or key is None:  # no full block: nothing to share
             return _least_loaded(engines, order)

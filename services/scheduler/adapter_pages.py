@@ -10,11 +10,11 @@ pool has it loaded again. At most `max_loras` adapters are in the pool at once.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.scheduler.block_pool import BlockPool
+from shared.lora import page_layout
 from shared.protocol import LoraLoad, LoraRef
 
 PAGE_KEY = b"lora-page\0"  # the start of an adapter page's key in the pool; no prefix-cache key starts so
@@ -27,19 +27,31 @@ class _OnDevice:
 
 
 class AdapterPages:
-    def __init__(self, pool: BlockPool, max_loras: int, page_elements: int, dims: dict[str, list[int]]):
+    def __init__(self, pool: BlockPool, max_loras: int, half_elements: int, dims: dict[str, list[int]],
+                 label_limit: int = 0):
         self.pool = pool
+        self.label_limit = max(label_limit, max_loras)  # adapter names counted requests by; then "other"
+        self.requests: dict[str, int] = {}  # adapter name (or "other") -> requests admitted
         self.max_loras = max_loras
-        self.page_elements = page_elements
+        self.half_elements = half_elements  # values of an adapter a block holds in each layer, per half
         self.dims = dims
         self.on_device: OrderedDict[str, _OnDevice] = OrderedDict()  # the least recently used first
         self._loads: list[LoraLoad] = []
         self.loads = 0  # adapters loaded, since the start
         self.evictions = 0
 
+    def count_request(self, lora: LoraRef | None) -> None:
+        name = lora.name if lora is not None else ""
+        if name not in self.requests and len(self.requests) >= self.label_limit + 2:  # with "" and "other"
+            name = "other"
+        self.requests[name] = self.requests.get(name, 0) + 1
+
+    @property
+    def num_pages(self) -> int:
+        return sum(len(held.pages) for held in self.on_device.values())
+
     def pages_for(self, lora: LoraRef) -> int:
-        elements = sum(lora.rank * (self.dims[p][0] + self.dims[p][1]) for p in lora.targets)
-        return math.ceil(elements / self.page_elements)
+        return page_layout(lora.rank, lora.targets, self.dims, self.half_elements)[0]
 
     def blocks_to_start(self, lora: LoraRef | None) -> int:
         """Available blocks a request of this adapter takes when it starts: its pages, unless a running
@@ -70,11 +82,18 @@ class AdapterPages:
                 idle = next(name for name, other in self.on_device.items() if not other.users)
                 self._drop(idle)
             held = self.on_device[lora.name] = _OnDevice([], set())
-            held.pages = [self.pool.allocate() for _ in range(self.pages_for(lora))]
+            held.pages = self._allocate(self.pages_for(lora))
             self._loads.append(LoraLoad(lora.name, lora.path, list(held.pages)))
             self.loads += 1
         held.users.add(request_id)
         self.on_device.move_to_end(lora.name)
+
+    def _allocate(self, count: int) -> list[int]:
+        """Consecutive blocks where the pool has such a run (the workers then read the adapter in place),
+        else any."""
+        if any(length >= count for _, length in self.pool.free_runs()):
+            return self.pool.allocate_run(count)
+        return [self.pool.allocate() for _ in range(count)]
 
     def release(self, request_id: str, lora: LoraRef | None) -> None:
         """The request no longer runs under the adapter (finished, or preempted by recompute); the last one

@@ -107,11 +107,16 @@ class BlockPool:
             raise OutOfBlocks(f"no run of {count} free blocks")
         run = range(start, start + count)
         self._free = [block for block in self._free if not start <= block < start + count]
+        evicted = []
         for block in run:
             if block in self._evictable:
                 del self._evictable[block]
+                evicted.append((block, *self._key_of[block]))
                 self._forget(block)
             self._ref_counts[block] = 1
+        if self.on_evict is not None:  # once the whole run is taken: a callback may free other cached blocks
+            for block, key, tokens in evicted:
+                self.on_evict(block, key, tokens)
         return list(run)
 
     # --- prefix cache --------------------------------------------------------------------

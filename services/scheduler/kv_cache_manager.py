@@ -15,9 +15,9 @@ each full block is keyed by a hash chained from its parent's (the first from its
 `cache_salt`), and a new sequence starts from every cached block its prompt matches.
 
 Tiers: the device pool, the worker's host memory, and files. Host memory holds the swap pool (whole
-preempted requests) and, with `--kv-offloading-size`, a host cache: a cached block the device
-evicts is written back to it with its key (or, write-through, each block is copied there as soon as it is
-cached on the device), and a later prompt that matches it loads it back to the
+preempted requests) and, with `--kv-offloading-size`, a host cache: each block is copied there with its
+key as soon as it is cached on the device (write-through), or, write-back, as the device evicts it; a
+later prompt that matches it loads it back to the
 device instead of computing it again. With `--kv-cache-dir` each full block is also written to a
 file as soon as it is cached on the device (so a restart finds it); a prompt that matches files
 first has them read into the host cache, and starts once a step has done so, on the blocks whose
@@ -106,8 +106,9 @@ class KVCacheManager:
         self.adapters: AdapterPages | None = None  # with LoRA adapters: their pages in the device pool
         self.gpu.on_evict = self._evicted
 
-    def enable_adapters(self, max_loras: int, page_elements: int, dims: dict[str, list[int]]) -> None:
-        self.adapters = AdapterPages(self.gpu, max_loras, page_elements, dims)
+    def enable_adapters(self, max_loras: int, half_elements: int, dims: dict[str, list[int]],
+                        label_limit: int = 0) -> None:
+        self.adapters = AdapterPages(self.gpu, max_loras, half_elements, dims, label_limit)
 
     def _evicted(self, block: int, key: bytes, tokens: tuple[int, ...]) -> None:
         if self.adapters is not None and self.adapters.evicted(key):

@@ -168,6 +168,18 @@ class StatsCollector:
         }
         for name, (help_text, count) in counters.items():
             yield CounterMetricFamily(f"pagedserve_{name}", help_text, value=count)
+        if stats.lora is not None:
+            lora = stats.lora
+            yield GaugeMetricFamily("pagedserve_lora_adapters", "LoRA adapters with pages in the device pool",
+                                    value=lora.on_device)
+            yield GaugeMetricFamily("pagedserve_lora_pages", "device blocks LoRA adapters' pages take",
+                                    value=lora.pages)
+            yield labeled_counter("pagedserve_lora_adapter_loads", "LoRA adapters loaded into pages of the device "
+                                  "pool, and evicted from it", "event", {"load": lora.loads,
+                                                                          "eviction": lora.evictions})
+            yield labeled_counter("pagedserve_lora_requests", "requests admitted, by the adapter they run under "
+                                  "(base: none; other: past --max-cpu-loras names)", "adapter",
+                                  {name or "base": count for name, count in lora.requests.items()})
         served = CounterMetricFamily("pagedserve_served_tokens", "prompt tokens computed and output tokens sampled, "
                                      "by tenant and priority class (as pagedserve_request_queue_time_seconds)",
                                      labels=["tenant", "priority", "kind"])

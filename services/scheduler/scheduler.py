@@ -49,7 +49,7 @@ from services.scheduler.reservation import Reservation
 from services.scheduler.results import ResultProcessor, error_output
 from services.scheduler.sequences import SequenceRegistry
 from services.scheduler.speculation import Speculation
-from services.scheduler.stats import Stats
+from services.scheduler.stats import LoraStats, Stats
 from services.scheduler.stopping import StopRule
 from shared.protocol import (
     DISK,
@@ -206,6 +206,8 @@ class Scheduler:
                           message.arrival_time, self._next_order, message.cache_salt, message.priority,
                           message.tenant, self.clock(), message.lora)
         self._next_order += 1
+        if self.kv_cache.adapters is not None:
+            self.kv_cache.adapters.count_request(request.lora)
         self.registry.add(request)
         self.policy.arrived(request)
         self._requeue(request)
@@ -687,6 +689,13 @@ class Scheduler:
                                          result.forward_ms + result.sample_ms + worker_wait_ms)
         return applied.outputs
 
+    def _lora_stats(self) -> LoraStats | None:
+        adapters = self.kv_cache.adapters
+        if adapters is None:
+            return None
+        return LoraStats(len(adapters.on_device), adapters.num_pages, adapters.loads, adapters.evictions,
+                         dict(adapters.requests))
+
     def load(self) -> tuple[int, int, float]:
         """Requests running (or swapped out), requests waiting, and the share of device blocks in use."""
         gpu = self.kv_cache.gpu
@@ -718,6 +727,7 @@ class Scheduler:
             block_size=self.kv_cache.block_size,
             prefix_cache_queries=counters.prompt_tokens_queried,
             speculation=self.speculation.snapshot() if self.speculation is not None else None,
+            lora=self._lora_stats(),
             served={label: (prompt, output) for label, (prompt, output) in counters.served.items()},
         )
 

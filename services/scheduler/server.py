@@ -358,9 +358,10 @@ class SchedulerServer:
                                   config.enable_prefix_caching, num_host_cache_blocks, disk,
                                   write_through=config.kv_offloading_policy == "write-through")
         if self.lora.enable_lora:
-            if not first.lora_page_elements:
+            if not first.lora_half_elements:
                 raise ConfigError("--enable-lora: the workers serve no adapters (start them with --enable-lora)")
-            kv_cache.enable_adapters(self.lora.max_loras, first.lora_page_elements, first.lora_dims)
+            kv_cache.enable_adapters(self.lora.max_loras, first.lora_half_elements, first.lora_dims,
+                                     self.lora.max_cpu_loras or self.lora.max_loras)
         usable_tokens = (num_blocks - kv_cache.watermark_blocks) * config.block_size
         max_model_len = min(config.max_model_len or first.max_model_len, usable_tokens)
         default_batched = 2048 if config.enable_chunked_prefill else max(max_model_len, 2048)

@@ -8,6 +8,17 @@ from services.scheduler.speculation import SpeculationStats
 
 
 @dataclass(slots=True)
+class LoraStats:
+    """LoRA adapters in the device pool."""
+
+    on_device: int  # adapters with pages in the pool
+    pages: int  # blocks those pages take
+    loads: int  # adapters loaded into pages, since the start
+    evictions: int  # adapters whose pages went back to the pool
+    requests: dict[str, int]  # adapter name ("" the base model, "other" past the label limit) -> requests admitted
+
+
+@dataclass(slots=True)
 class Stats:
     num_gpu_blocks: int
     num_free_gpu_blocks: int  # free, not counting cached-and-evictable ones
@@ -45,6 +56,7 @@ class Stats:
     block_size: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, once per request
     speculation: SpeculationStats | None = None  # with --speculative-config
+    lora: LoraStats | None = None  # with --enable-lora
     # (tenant label, priority class) -> (prompt tokens computed, output tokens sampled)
     served: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
 

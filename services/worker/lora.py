@@ -2,79 +2,62 @@
 
 The scheduler gives an adapter some device blocks of the KV pool (its pages) and sends a
 `LoraLoad`; the worker reads the PEFT files (keeping the last `--max-cpu-loras` in host memory)
-and writes them into those blocks. Within each layer's slice of its pages an adapter is laid out
-projection by projection, in `shared.lora.PROJECTIONS` order: A (`[r, in]`), then B scaled by the
-adapter's scaling (`[out, r]`). A step gathers the pages of the adapters its sequences run under
-into one contiguous buffer each, and every projection adds `B @ (A @ x)` to the rows of each
-adapter's sequences: one shrink and one expand per adapter and projection group (q/k/v, o,
-gate/up, down).
+and writes them into those blocks. In each layer's part of its pages an adapter's A matrices
+(`[r, in]`) and then its B matrices (`[out, r]`, scaled by the adapter's scaling) follow one another
+as `shared.lora.page_layout` places them. A step reads them in place where the pages are
+consecutive blocks (as the scheduler gives them when it can), else from a copy it gathers once,
+and every projection group (q/k/v, o, gate/up, down) adds `B @ (A @ x)` to the rows of each
+adapter's sequences: one shrink and one expand per adapter.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file
 
 from services.worker.kv_cache import KVCache
-from shared.lora import AdapterSpec, BaseShape, check_adapter, lora_tensor
+from shared.lora import AdapterSpec, BaseShape, Part, check_adapter, lora_tensor, page_layout
 from shared.protocol import LoraLoad
 
 
-@dataclass(slots=True, frozen=True)
-class _Part:
-    offset: int  # in values of the model's dtype, within one layer's buffer
-    rows: int
-    cols: int
-
-
 class AdapterLayout:
-    """Where each targeted projection's A and B sit in one layer's buffer."""
+    """Where each targeted projection's A and B sit in a layer's part of the adapter's pages."""
 
-    def __init__(self, spec: AdapterSpec, dims: dict[str, tuple[int, int]]):
+    def __init__(self, spec: AdapterSpec, dims: dict[str, tuple[int, int]], half_elements: int):
         self.rank = spec.rank
         self.targets = spec.targets
-        self.a: dict[str, _Part] = {}
-        self.b: dict[str, _Part] = {}
-        offset = 0
-        for projection in spec.targets:  # the A matrices first, so that a group's are one [sum r, in] block
-            size_in, _ = dims[projection]
-            self.a[projection] = _Part(offset, spec.rank, size_in)
-            offset += spec.rank * size_in
-        for projection in spec.targets:
-            _, size_out = dims[projection]
-            self.b[projection] = _Part(offset, size_out, spec.rank)
-            offset += spec.rank * size_out
-        self.elements = offset
+        self.pages, self.parts = page_layout(spec.rank, spec.targets, dims, half_elements)
 
 
 class Adapter:
-    """One adapter's weights for a step: each layer's A and B views into a gathered copy of its pages."""
+    """One adapter's weights for a step: views of each layer's A and B into its pages, read in place when the
+    pages are consecutive blocks, else into a copy gathered once for the step."""
 
-    def __init__(self, layout: AdapterLayout, layers: torch.Tensor):
+    def __init__(self, layout: AdapterLayout, regions: torch.Tensor):
         self.layout = layout
-        self.layers = layers  # [num_layers, elements]
+        self.regions = regions  # [num_layers, 2, pages * values per half block]
 
     def shrink(self, layer: int, projections: tuple[str, ...]) -> tuple[torch.Tensor, list[str]] | None:
-        """The stacked A of those of `projections` it targets (`[k * r, in]`, one block in the buffer when
-        they are consecutive targets), and which they are; None if it targets none of them."""
-        present = [p for p in projections if p in self.layout.a]
+        """The stacked A of those of `projections` it targets (`[k * r, in]`: a view where they are
+        consecutive in one region), and which they are; None if it targets none of them."""
+        present = [p for p in projections if (p, "A") in self.layout.parts]
         if not present:
             return None
-        first, last = self.layout.a[present[0]], self.layout.a[present[-1]]
-        end = last.offset + last.rows * last.cols
-        consecutive = end - first.offset == len(present) * first.rows * first.cols
-        if consecutive:
-            return self.layers[layer, first.offset:end].view(-1, first.cols), present
-        return torch.cat([self._part(layer, self.layout.a[p]) for p in present]), present
+        parts = [self.layout.parts[p, "A"] for p in present]
+        first, last = parts[0], parts[-1]
+        if first.region == last.region and last.offset - first.offset == (len(parts) - 1) * first.rows * first.cols:
+            end = last.offset + last.rows * last.cols
+            return self.regions[layer, first.region, first.offset:end].view(-1, first.cols), present
+        return torch.cat([self._view(layer, part) for part in parts]), present
 
     def expand(self, layer: int, projection: str) -> torch.Tensor:
-        return self._part(layer, self.layout.b[projection])
+        return self._view(layer, self.layout.parts[projection, "B"])
 
-    def _part(self, layer: int, part: _Part) -> torch.Tensor:
-        return self.layers[layer, part.offset : part.offset + part.rows * part.cols].view(part.rows, part.cols)
+    def _view(self, layer: int, part: Part) -> torch.Tensor:
+        return self.regions[layer, part.region, part.offset : part.offset + part.rows * part.cols].view(
+            part.rows, part.cols)
 
 
 class LoraBatch:
@@ -115,9 +98,9 @@ class LoraAdapters:
         self.max_cpu_loras = max(1, max_cpu_loras)
         self.cache = cache
         item = torch.empty((), dtype=dtype).element_size()
-        layer_block = cache.cache[0, :, 0]  # [2, block_size, kv_heads, head_dim]: one layer's part of a block
-        self.half_bytes = layer_block[0].numel() * layer_block.element_size()
-        self.page_elements = 2 * self.half_bytes // item
+        half = cache.cache[0, 0, 0]  # [block_size, kv_heads, head_dim]: one layer's keys in one block
+        self.half_bytes = half.numel() * half.element_size()
+        self.half_elements = self.half_bytes // item
         self.loaded: dict[str, tuple[AdapterLayout, list[int]]] = {}
         self._host: OrderedDict[str, tuple[AdapterLayout, torch.Tensor]] = OrderedDict()
         group_widths = {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")}
@@ -129,19 +112,14 @@ class LoraAdapters:
                 self.widths[projection] = (first, width)
                 first += width
 
-    def pages_for(self, layout: AdapterLayout) -> int:
-        return -(-layout.elements // self.page_elements)
-
     def load(self, load: LoraLoad) -> None:
         """Write the adapter into its pages (read from its files unless host memory has it)."""
-        layout, buffer = self._read(load.name, load.path)
-        if len(load.pages) < self.pages_for(layout):
-            raise ValueError(f"adapter {load.name!r} needs {self.pages_for(layout)} pages, got {len(load.pages)}")
+        layout, regions = self._read(load.name, load.path)
+        if len(load.pages) != layout.pages:
+            raise ValueError(f"adapter {load.name!r} takes {layout.pages} pages, got {len(load.pages)}")
         pages = torch.tensor(load.pages, dtype=torch.int64, device=self.cache.device)
-        padded = torch.zeros((self.num_layers, len(load.pages) * self.page_elements), dtype=self.dtype)
-        padded[:, : layout.elements] = buffer
-        as_bytes = padded.view(torch.uint8).view(self.num_layers, len(load.pages), 2, self.half_bytes)
-        self._pages_view()[:, :, pages] = as_bytes.transpose(1, 2).to(self.cache.device)
+        as_bytes = regions.view(torch.uint8).view(self.num_layers, 2, layout.pages, self.half_bytes)
+        self._pages_view()[:, :, pages] = as_bytes.to(self.cache.device)
         self.loaded[load.name] = (layout, load.pages)
 
     def _pages_view(self) -> torch.Tensor:
@@ -155,18 +133,19 @@ class LoraAdapters:
             self._host.move_to_end(name)
             return held
         spec = check_adapter(name, path, self.base, self.max_rank)
-        layout = AdapterLayout(spec, self.dims)
+        layout = AdapterLayout(spec, self.dims, self.half_elements)
         tensors = load_file(f"{spec.path}/adapter_model.safetensors")
-        buffer = torch.zeros((self.num_layers, layout.elements), dtype=self.dtype)
+        regions = torch.zeros((self.num_layers, 2, layout.pages * self.half_elements), dtype=self.dtype)
         for key, tensor in tensors.items():
             layer, projection, which = lora_tensor(key)
-            part = (layout.a if which == "A" else layout.b)[projection]
+            part = layout.parts[projection, which]
             value = tensor.to(torch.float32) * (spec.scaling if which == "B" else 1.0)
-            buffer[layer, part.offset : part.offset + part.rows * part.cols] = value.reshape(-1).to(self.dtype)
-        self._host[name] = (layout, buffer)
+            regions[layer, part.region, part.offset : part.offset + part.rows * part.cols] = value.reshape(-1).to(
+                self.dtype)
+        self._host[name] = (layout, regions)
         while len(self._host) > self.max_cpu_loras:
             self._host.popitem(last=False)
-        return layout, buffer
+        return layout, regions
 
     def batch(self, segments: list[tuple[str, list[int]]]) -> LoraBatch | None:
         """The step's adapters, each with the rows of its sequences; None when no row runs under one."""
@@ -176,10 +155,13 @@ class LoraAdapters:
         view = self._pages_view()
         for name, rows in segments:
             layout, pages = self.loaded[name]
-            index = torch.tensor(pages, dtype=torch.int64, device=self.cache.device)
-            flat = view[:, :, index].transpose(1, 2).contiguous().view(self.num_layers, -1).view(self.dtype)
-            adapter = Adapter(layout, flat[:, : layout.elements])
-            gathered.append((adapter, _rows(rows, self.cache.device)))
+            first = pages[0]
+            if pages == list(range(first, first + len(pages))):  # read in place
+                held = view[:, :, first : first + len(pages)]
+            else:
+                held = view[:, :, torch.tensor(pages, dtype=torch.int64, device=self.cache.device)]
+            regions = held.view(self.dtype).flatten(2)
+            gathered.append((Adapter(layout, regions), _rows(rows, self.cache.device)))
         return LoraBatch(gathered, self.widths)
 
 

@@ -249,9 +249,9 @@ class WorkerServer:
         except LoraError as exc:
             raise ModelLoadError(f"--enable-lora: {exc}") from None
         self.runner.adapters = adapters
-        self.ready.lora_page_elements = adapters.page_elements
+        self.ready.lora_half_elements = adapters.half_elements
         self.ready.lora_dims = {name: list(dims) for name, dims in adapters.dims.items()}
-        log.info("LoRA adapters: %d values of %s per page and layer, up to rank %d", adapters.page_elements,
+        log.info("LoRA adapters: %d values of %s per half page and layer, up to rank %d", adapters.half_elements,
                  dtype, lora.max_lora_rank)
 
     def run(self, signals: socket.socket | None = None) -> None:
