@@ -200,10 +200,10 @@ class Part:
 def page_layout(rank: int, targets: Sequence[str], dims: Mapping[str, Sequence[int]],
                 half_elements: int) -> tuple[int, dict[tuple[str, str], Part]]:
     """How many blocks (pages) an adapter takes, and where each of its matrices goes: the A matrices (`[r, in]`)
-    in `targets` order, then the B matrices (`[out, r]`), one after the other in each layer's halves of its
+    in `targets` order, then the B matrices transposed (`[r, out]`), one after the other in each layer's halves of its
     pages, taken as two regions (all pages' first halves, then all second halves; contiguous when the pages
     are consecutive blocks). No matrix straddles the two."""
-    sizes = [((p, "A"), rank, dims[p][0]) for p in targets] + [((p, "B"), dims[p][1], rank) for p in targets]
+    sizes = [((p, "A"), rank, dims[p][0]) for p in targets] + [((p, "B"), rank, dims[p][1]) for p in targets]
     total = sum(rows * cols for _, rows, cols in sizes)
     pages = max(1, -(-total // (2 * half_elements)))
     while True:

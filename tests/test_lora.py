@@ -227,3 +227,37 @@ def test_a_server_serves_adapters_by_name_and_loads_and_unloads_them_at_run_time
         assert metrics['pagedserve_lora_adapter_loads_total{event="load"}'] >= 4  # tuned twice: three with room for 2
         assert metrics['pagedserve_lora_adapter_loads_total{event="eviction"}'] >= 2
         assert metrics["pagedserve_lora_adapters"] <= 2 and metrics["pagedserve_lora_pages"] > 0
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_the_compiled_kernel_adds_what_torchs_products_add(llama_dir, adapters, weights, monkeypatch):
+    from services.worker import lora as worker_lora
+
+    if worker_lora.lora_kernel() is None:
+        pytest.skip("no C compiler here")
+    engine = Engine(llama_dir, block_size=4, max_loras=3)
+    runner, pages = engine.runner.adapters, engine.scheduler.kv_cache.adapters
+    # The adapters' values in the KV cache's memory in `weights`, as a model of that dtype keeps them.
+    runner.dtype = weights
+    runner.half_elements = pages.half_elements = runner.half_bytes // torch.empty((), dtype=weights).element_size()
+    segments = []
+    for i, (name, path) in enumerate(adapters.items()):
+        pages.acquire(f"r{i}", ref(llama_dir, name, path))
+        [load] = pages.take_loads()
+        runner.load(load)
+        segments.append((name, [3 * i + j for j in range(i + 1)]))  # 1, 2 and 3 rows
+    torch.manual_seed(0)
+    for group in worker_lora.GROUPS:
+        x = torch.randn(9, runner.dims[group[0]][0])
+        base = torch.randn(9, sum(runner.dims[p][1] for p in group))
+        in_kernel, in_torch = base.clone(), base.clone()
+        batched = runner.batch(segments)
+        assert batched.kernel is not None and not batched.segments  # every adapter through the kernel
+        batched.add(1, group, x, in_kernel)
+        with monkeypatch.context() as patch:
+            patch.setattr(worker_lora, "FEW_ROWS", 0)  # every adapter through torch's products
+            unbatched = runner.batch(segments)
+            assert unbatched.kernel is None and len(unbatched.segments) == 3
+            unbatched.add(1, group, x, in_torch)
+        assert not torch.equal(in_torch, base)
+        torch.testing.assert_close(in_kernel, in_torch, rtol=1e-4, atol=1e-4)

@@ -12,11 +12,13 @@ adapter's sequences: one shrink and one expand per adapter.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import torch
 from safetensors.torch import load_file
 
+from kernels import native
 from services.worker.kv_cache import KVCache
 from shared.lora import AdapterSpec, BaseShape, Part, check_adapter, lora_tensor, page_layout
 from shared.protocol import LoraLoad
@@ -61,14 +63,31 @@ class Adapter:
 
 
 class LoraBatch:
-    """A step's adapters and the rows of each; `add` is called by every projection group of every layer."""
+    """A step's adapters and the rows of each; `add` is called by every projection group of every layer.
 
-    def __init__(self, segments: list[tuple[Adapter, torch.Tensor | slice]], widths: dict[str, tuple[int, int]]):
-        self.segments = segments
+    On a CPU, adapters with a few rows in the step (decoding sequences) go through the compiled kernel,
+    all of them in one call per group and layer, reading their weights in their pages; adapters with many
+    rows (prompts) through torch's matrix products, where the weights' reuse across rows pays."""
+
+    def __init__(self, segments: list[tuple[Adapter, list[int]]], widths: dict[str, tuple[int, int]],
+                 device: torch.device):
         self.columns = widths  # projection -> (first column, width) in its group's fused output
+        kernel = lora_kernel() if device.type == "cpu" else None
+        batched = [(adapter, rows) for adapter, rows in segments
+                   if kernel is not None and len(rows) <= FEW_ROWS and _kernel_reads(adapter)]
+        self.segments = [(adapter, _rows(rows, device)) for adapter, rows in segments
+                         if not any(adapter is other for other, _ in batched)]
+        self.kernel = kernel if batched else None  # the compiled kernel, for the adapters in `batched`
+        if batched:
+            self.units = torch.tensor([(row, index) for index, (_, rows) in enumerate(batched) for row in rows],
+                                      dtype=torch.int64)
+            self.tables = _kernel_tables([adapter for adapter, _ in batched], widths)
+            self.weight_bf16 = int(batched[0][0].regions.dtype == torch.bfloat16)
 
     def add(self, layer: int, projections: tuple[str, ...], x: torch.Tensor, out: torch.Tensor) -> None:
         """`out` (the group's fused output for `x`) += each adapter's B @ A @ x on its rows."""
+        if self.kernel is not None:
+            self._add_in_kernel(layer, projections, x, out)
         for adapter, rows in self.segments:
             shrunk = adapter.shrink(layer, projections)
             if shrunk is None:
@@ -77,13 +96,76 @@ class LoraBatch:
             s = x[rows] @ a.t().to(x.dtype)  # [n, k * r]
             r = adapter.layout.rank
             for k, projection in enumerate(present):
-                delta = s[:, k * r : (k + 1) * r] @ adapter.expand(layer, projection).t().to(x.dtype)
+                delta = s[:, k * r : (k + 1) * r] @ adapter.expand(layer, projection).to(x.dtype)
                 first, width = self.columns[projection] if len(projections) > 1 else (0, out.shape[1])
                 target = out[:, first : first + width]
                 if isinstance(rows, slice):
                     target[rows] += delta
                 else:
                     target.index_add_(0, rows, delta)
+
+    def _add_in_kernel(self, layer: int, projections: tuple[str, ...], x: torch.Tensor, out: torch.Tensor) -> None:
+        if x.dtype is not torch.float32 or out.dtype is not torch.float32 or out.stride(1) != 1:
+            raise ValueError("the LoRA kernel adds float32 rows into a float32 output")
+        x = x if x.stride(1) == 1 else x.contiguous()
+        table = self.tables[layer, GROUPS.index(projections)]
+        units = len(self.units)
+        args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[1], self.units.data_ptr(), units,
+                table.data_ptr(), self.weight_bf16)
+        assert self.kernel is not None
+        native.share_units(self.kernel, args, units, units >= 4, 1)
+
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+FEW_ROWS = 16  # an adapter's rows in a step up to which the kernel serves them; more go to torch's products
+_FIELDS = 13  # per adapter in a kernel table: A's address, its rows, r, k, then (address, column, width) x 3
+_ADDRESSES = torch.tensor([1, 0, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0], dtype=torch.int64)
+
+
+@functools.cache
+def lora_kernel():
+    p, i = native.POINTER, native.INT64
+    return native.function("cpu_lora", "lora_rows", [p, i, p, i, i, p, i, p, i, i, p, i], i)
+
+
+def _kernel_reads(adapter: Adapter) -> bool:
+    """Whether the kernel can read this adapter: float32 or bfloat16 weights, each group's A in one block."""
+    if adapter.regions.dtype not in (torch.float32, torch.bfloat16) or adapter.regions.stride(2) != 1:
+        return False
+    for group in GROUPS:
+        parts = [adapter.layout.parts[p, "A"] for p in group if (p, "A") in adapter.layout.parts]
+        if parts and (len({part.region for part in parts}) > 1 or parts[-1].offset - parts[0].offset
+                      != (len(parts) - 1) * parts[0].rows * parts[0].cols):
+            return False
+    return True
+
+
+def _address(adapter: Adapter, part: Part) -> int:
+    """Where the part starts in the first layer of the adapter's regions."""
+    regions = adapter.regions
+    return regions.data_ptr() + (part.region * regions.stride(1) + part.offset) * regions.element_size()
+
+
+def _kernel_tables(adapters: list[Adapter], widths: dict[str, tuple[int, int]]) -> torch.Tensor:
+    """`[layers, groups, adapters, _FIELDS]` int64: where each adapter's matrices are in each layer."""
+    first_rows = torch.zeros((len(GROUPS), len(adapters), _FIELDS), dtype=torch.int64)
+    layer_bytes = torch.zeros(len(adapters), dtype=torch.int64)
+    for a, adapter in enumerate(adapters):
+        layer_bytes[a] = adapter.regions.stride(0) * adapter.regions.element_size()
+        parts = adapter.layout.parts
+        for g, group in enumerate(GROUPS):
+            present = [p for p in group if (p, "A") in parts]
+            if not present:
+                continue
+            rank = adapter.layout.rank
+            row = [_address(adapter, parts[present[0], "A"]), len(present) * rank, rank, len(present)]
+            for projection in present:
+                column, width = widths[projection] if len(group) > 1 else (0, parts[projection, "B"].cols)
+                row += [_address(adapter, parts[projection, "B"]), column, width]
+            first_rows[g, a, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    num_layers = adapters[0].regions.shape[0]
+    steps = torch.arange(num_layers, dtype=torch.int64)[:, None, None, None]
+    return first_rows[None] + steps * (layer_bytes[None, None, :, None] * _ADDRESSES)
 
 
 class LoraAdapters:
@@ -139,7 +221,8 @@ class LoraAdapters:
         for key, tensor in tensors.items():
             layer, projection, which = lora_tensor(key)
             part = layout.parts[projection, which]
-            value = tensor.to(torch.float32) * (spec.scaling if which == "B" else 1.0)
+            value = tensor.to(torch.float32) * spec.scaling if which == "B" else tensor.to(torch.float32)
+            value = value.t() if which == "B" else value  # B transposed, [r, out]: an expand reads rows
             regions[layer, part.region, part.offset : part.offset + part.rows * part.cols] = value.reshape(-1).to(
                 self.dtype)
         self._host[name] = (layout, regions)
@@ -161,8 +244,8 @@ class LoraAdapters:
             else:
                 held = view[:, :, torch.tensor(pages, dtype=torch.int64, device=self.cache.device)]
             regions = held.view(self.dtype).flatten(2)
-            gathered.append((Adapter(layout, regions), _rows(rows, self.cache.device)))
-        return LoraBatch(gathered, self.widths)
+            gathered.append((Adapter(layout, regions), rows))
+        return LoraBatch(gathered, self.widths, self.cache.device)
 
 
 def _rows(rows: list[int], device: torch.device) -> torch.Tensor | slice:
