@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -261,3 +262,25 @@ def test_the_compiled_kernel_adds_what_torchs_products_add(llama_dir, adapters, 
             unbatched.add(1, group, x, in_torch)
         assert not torch.equal(in_torch, base)
         torch.testing.assert_close(in_kernel, in_torch, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_apply_their_shard_of_each_adapter(llama_dir, adapters, tmp_path):
+    """Column-parallel projections take their rows of B, row-parallel ones their columns of A, added before
+    the ranks' partial sums are reduced; two adapters and the base model in the same steps."""
+    flags = ["--tensor-parallel-size", "2", "--block-size", "4", "--enable-lora", "--max-loras", "2",
+             "--lora-modules", f"tuned={adapters['all-rank8']}", f"attn={adapters['attention-rank4']}"]
+    models = ["tuned", "attn", None] * 2
+    with serve(llama_dir, str(tmp_path), *flags) as server:
+        def complete(model, prompt):
+            body = {"model": model or server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "return_token_ids": True}
+            response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(6) as pool:  # at once: mixed steps
+            got = list(pool.map(complete, models, PROMPTS * 2))
+    paths = {"tuned": adapters["all-rank8"], "attn": adapters["attention-rank4"]}
+    assert got == [hf_lora_greedy(llama_dir, paths[m], p, MAX_TOKENS) if m else hf_greedy(llama_dir, p, MAX_TOKENS)
+                   for m, p in zip(models, PROMPTS * 2)]

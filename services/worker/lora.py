@@ -171,9 +171,17 @@ def _kernel_tables(adapters: list[Adapter], widths: dict[str, tuple[int, int]]) 
 class LoraAdapters:
     """The adapters this rank has loaded into pages of its KV cache."""
 
-    def __init__(self, cache: KVCache, config, dtype: torch.dtype, max_rank: int, max_cpu_loras: int):
+    def __init__(self, cache: KVCache, config, dtype: torch.dtype, max_rank: int, max_cpu_loras: int,
+                 shards: dict[str, tuple[str, int, int]] | None = None):
         self.base = BaseShape.from_config(config.to_dict() if hasattr(config, "to_dict") else vars(config))
-        self.dims = self.base.dims
+        # With tensor parallelism, this rank's part of each projection: ("B", first output, outputs) where the
+        # base layer's outputs are split (B's rows with them), ("A", first input, inputs) where its inputs are.
+        self.shards = shards or {}
+        self.dims: dict[str, tuple[int, int]] = {}  # this rank's (in, out) of each projection
+        for projection, (size_in, size_out) in self.base.dims.items():
+            kind, _, size = self.shards.get(projection, ("", 0, 0))
+            self.dims[projection] = (size, size_out) if kind == "A" else (size_in, size) if kind == "B" else (
+                size_in, size_out)
         self.num_layers = self.base.num_layers
         self.dtype = dtype
         self.max_rank = max_rank
@@ -221,6 +229,11 @@ class LoraAdapters:
         for key, tensor in tensors.items():
             layer, projection, which = lora_tensor(key)
             part = layout.parts[projection, which]
+            kind, first, size = self.shards.get(projection, ("", 0, 0))
+            if kind == which == "A":
+                tensor = tensor[:, first : first + size]
+            elif kind == which == "B":
+                tensor = tensor[first : first + size]
             value = tensor.to(torch.float32) * spec.scaling if which == "B" else tensor.to(torch.float32)
             value = value.t() if which == "B" else value  # B transposed, [r, out]: an expand reads rows
             regions[layer, part.region, part.offset : part.offset + part.rows * part.cols] = value.reshape(-1).to(
@@ -246,6 +259,17 @@ class LoraAdapters:
             regions = held.view(self.dtype).flatten(2)
             gathered.append((Adapter(layout, regions), rows))
         return LoraBatch(gathered, self.widths, self.cache.device)
+
+
+def tensor_parallel_shards(model) -> dict[str, tuple[str, int, int]]:
+    """This rank's part of each projection an adapter may change, as the model's layers split them."""
+    layer = model.model.layers[0]
+    attention, mlp, head = layer.self_attn, layer.mlp, layer.self_attn.head_dim
+    q = (attention.first_head * head, attention.num_heads * head)
+    kv = (attention.first_kv_head * head, attention.num_kv_heads * head)
+    inner = (mlp.first, mlp.width)
+    return {"q_proj": ("B", *q), "k_proj": ("B", *kv), "v_proj": ("B", *kv), "o_proj": ("A", *q),
+            "gate_proj": ("B", *inner), "up_proj": ("B", *inner), "down_proj": ("A", *inner)}
 
 
 def _rows(rows: list[int], device: torch.device) -> torch.Tensor | slice:

@@ -22,7 +22,7 @@ from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
 from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model, numerics
-from services.worker.lora import LoraAdapters
+from services.worker.lora import LoraAdapters, tensor_parallel_shards
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 from services.worker.ngram import NgramProposer
@@ -213,7 +213,7 @@ class WorkerServer:
             num_host_cache_blocks,
         )
         if setup.lora.enable_lora:
-            self._enable_adapters(setup.lora, cache, config, dtype)
+            self._enable_adapters(setup.lora, cache, model, config, dtype)
         if scheduler.kv_cache_dir:
             if draft_cache:
                 raise ModelLoadError("--kv-cache-dir keeps the target model's blocks only: it does not work with a "
@@ -241,11 +241,10 @@ class WorkerServer:
         self.handlers: dict[type, Callable[[Any], None]] = {Step: self.on_step, Reset: self.on_reset,
                                                              Shutdown: self.on_shutdown}
 
-    def _enable_adapters(self, lora: LoraConfig, cache: KVCache, config, dtype: torch.dtype) -> None:
-        if self.world_size > 1:
-            raise ModelLoadError("LoRA adapters are not served at --tensor-parallel-size above 1 yet")
+    def _enable_adapters(self, lora: LoraConfig, cache: KVCache, model, config, dtype: torch.dtype) -> None:
         try:
-            adapters = LoraAdapters(cache, config, dtype, lora.max_lora_rank, lora.max_cpu_loras or lora.max_loras)
+            adapters = LoraAdapters(cache, config, dtype, lora.max_lora_rank, lora.max_cpu_loras or lora.max_loras,
+                                    tensor_parallel_shards(model) if self.world_size > 1 else None)
         except LoraError as exc:
             raise ModelLoadError(f"--enable-lora: {exc}") from None
         self.runner.adapters = adapters

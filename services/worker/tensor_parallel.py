@@ -9,6 +9,7 @@ With more ranks than KV heads, ranks share a KV head: each stores the one its qu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,10 +56,19 @@ def row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out + bias if bias is not None else out
 
 
-def row_parallel_linear(projection: Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def row_parallel_linear(projection: Linear, x: torch.Tensor, tp: TensorParallel,
+                        partial: Callable[[torch.Tensor], object] | None = None) -> torch.Tensor:
+    """`partial`: called with this rank's partial sums before they are all-reduced, to add to them in place
+    (a LoRA adapter's share of the projection, from this rank's part of its input)."""
     if tp.world_size == 1:
-        return projection(x)  # one fused call, bit for bit what it was before tensor parallelism
-    out = tp.all_reduce(projection.product(x, None))
+        out = projection(x)  # one fused call, bit for bit what it was before tensor parallelism
+        if partial is not None:
+            partial(out)
+        return out
+    out = projection.product(x, None)
+    if partial is not None:
+        partial(out)
+    out = tp.all_reduce(out)
     return out + projection.bias if projection.bias is not None else out
 
 

@@ -108,10 +108,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         out = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window, rope=cos_sin)
         out = out.reshape(tokens, self.num_heads * self.head_dim)
-        projected = row_parallel_linear(self.o_proj, out, self.tp)
-        if batch.adapters is not None:
-            batch.adapters.add(self.index, ("o_proj",), out, projected)
-        return projected
+        adapters = batch.adapters
+        return row_parallel_linear(self.o_proj, out, self.tp, None if adapters is None else
+                                   lambda partial: adapters.add(self.index, ("o_proj",), out, partial))
 
     def shards(self, prefix: str) -> dict[str, Shard]:
         hd = self.head_dim
@@ -157,10 +156,8 @@ class MLP(nn.Module):
         else:
             gate, up = gate_up.split(self.width, dim=-1)
             inner = self.act(gate) * up
-        out = row_parallel_linear(self.down_proj, inner, self.tp)
-        if adapters is not None:
-            adapters.add(self.index, ("down_proj",), inner, out)
-        return out
+        return row_parallel_linear(self.down_proj, inner, self.tp, None if adapters is None else
+                                   lambda partial: adapters.add(self.index, ("down_proj",), inner, partial))
 
     def shards(self, prefix: str) -> dict[str, Shard]:
         inner = Shard(0, self.first, self.width)
