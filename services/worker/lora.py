@@ -148,24 +148,38 @@ def _address(adapter: Adapter, part: Part) -> int:
 
 def _kernel_tables(adapters: list[Adapter], widths: dict[str, tuple[int, int]]) -> torch.Tensor:
     """`[layers, groups, adapters, _FIELDS]` int64: where each adapter's matrices are in each layer."""
-    first_rows = torch.zeros((len(GROUPS), len(adapters), _FIELDS), dtype=torch.int64)
-    layer_bytes = torch.zeros(len(adapters), dtype=torch.int64)
-    for a, adapter in enumerate(adapters):
-        layer_bytes[a] = adapter.regions.stride(0) * adapter.regions.element_size()
-        parts = adapter.layout.parts
-        for g, group in enumerate(GROUPS):
-            present = [p for p in group if (p, "A") in parts]
-            if not present:
-                continue
-            rank = adapter.layout.rank
-            row = [_address(adapter, parts[present[0], "A"]), len(present) * rank, rank, len(present)]
-            for projection in present:
-                column, width = widths[projection] if len(group) > 1 else (0, parts[projection, "B"].cols)
-                row += [_address(adapter, parts[projection, "B"]), column, width]
-            first_rows[g, a, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    num_layers = adapters[0].regions.shape[0]
-    steps = torch.arange(num_layers, dtype=torch.int64)[:, None, None, None]
+    first_rows = torch.stack([_first_layer_rows(adapter, widths) for adapter in adapters], dim=1)
+    layer_bytes = torch.tensor([a.regions.stride(0) * a.regions.element_size() for a in adapters], dtype=torch.int64)
+    steps = torch.arange(adapters[0].regions.shape[0], dtype=torch.int64)[:, None, None, None]
     return first_rows[None] + steps * (layer_bytes[None, None, :, None] * _ADDRESSES)
+
+
+_ROWS_MEMO: dict[tuple, torch.Tensor] = {}  # the same pages in place give the same addresses step after step
+
+
+def _first_layer_rows(adapter: Adapter, widths: dict[str, tuple[int, int]]) -> torch.Tensor:
+    """`[groups, _FIELDS]`: the adapter's kernel table in the first layer."""
+    regions = adapter.regions
+    # The layout object itself in the key: the memo keeps it alive, so its id is never another's.
+    key = (regions.data_ptr(), regions.stride(0), regions.stride(1), regions.element_size(), adapter.layout)
+    held = _ROWS_MEMO.get(key)
+    if held is not None:
+        return held
+    rows = torch.zeros((len(GROUPS), _FIELDS), dtype=torch.int64)
+    parts, rank = adapter.layout.parts, adapter.layout.rank
+    for g, group in enumerate(GROUPS):
+        present = [p for p in group if (p, "A") in parts]
+        if not present:
+            continue
+        row = [_address(adapter, parts[present[0], "A"]), len(present) * rank, rank, len(present)]
+        for projection in present:
+            column, width = widths[projection] if len(group) > 1 else (0, parts[projection, "B"].cols)
+            row += [_address(adapter, parts[projection, "B"]), column, width]
+        rows[g, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    if len(_ROWS_MEMO) >= 256:
+        _ROWS_MEMO.clear()
+    _ROWS_MEMO[key] = rows
+    return rows
 
 
 class LoraAdapters:
