@@ -31,7 +31,7 @@ from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Budgets, PreemptionPolicy, Scheduler
 from services.scheduler.speculation import Speculation
 from shared.config import SpeculativeConfig
-from shared.protocol import AddRequest
+from shared.protocol import AddRequest, LoraRef
 from shared.sampling import SamplingParams
 from tests.scheduler_harness import EOS, Pipeline, StandInWorker, check_block_accounting
 
@@ -53,6 +53,7 @@ def configs(draw):
         preemption=draw(st.sampled_from(["swap", "recompute", "auto"])),
         watermark=draw(st.sampled_from([0.0, 0.1])),
         depth=draw(st.sampled_from([1, 2])),  # steps planned ahead of the worker
+        max_loras=draw(st.integers(0, 2)),  # 0: no adapters; else adapters' pages share the pool
     )
 
 
@@ -71,7 +72,13 @@ def requests(draw):
         abort_at=draw(st.one_of(st.none(), st.integers(0, 80))),
         priority=draw(st.integers(-3, 3)),
         tenant=draw(st.sampled_from(["", "user:a", "user:b", "tenant-0123456789abcdef"])),
+        adapter=draw(st.sampled_from([None, 0, 1, 2])),
     )
+
+
+# Three adapters of 1 to 3 pages (the stand-in worker computes no LoRA: the scheduler's accounting is what counts).
+ADAPTERS = [LoraRef(f"adapter-{i}", "/nowhere", i + 1, ["q_proj"]) for i in range(3)]
+ADAPTER_DIMS = {"q_proj": [4, 4]}  # rank r: 8r values a layer, 4 a page half: r pages
 
 
 QUEUE_DELAY = 6  # steps, on the test's clock
@@ -84,6 +91,8 @@ def _build(config, speculative: SpeculativeConfig | None = None, policy: str = "
     preemption = PreemptionPolicy(config["preemption"], block_bytes=1000, swap_bytes_per_second=1e6,
                                   prefill_tokens_per_second=1e3)
     speculation = Speculation(speculative, config["context"]) if speculative is not None else None
+    if config.get("max_loras"):
+        manager.enable_adapters(config["max_loras"], 4, ADAPTER_DIMS)
     return Scheduler(manager, budgets, [EOS], preemption, vocab_size=1000, speculation=speculation,
                      policy=make_policy(policy, QUEUE_DELAY, {"a": 2.0}), **({"clock": clock} if clock else {}))
 
@@ -120,8 +129,10 @@ def test_every_admitted_request_finishes_within_the_bound(policy, config, specs)
                 request_id = f"r{i}"
                 params = SamplingParams(temperature=0.0, **spec["sampling"])
                 priority = spec["priority"] if policy == "priority" else 0
+                adapter = spec["adapter"]
+                lora = ADAPTERS[adapter] if adapter is not None and config.get("max_loras") else None
                 rejected = scheduler.add(AddRequest(request_id, spec["prompt"], params, float(step_index),
-                                                    priority=priority, tenant=spec["tenant"]))
+                                                    priority=priority, tenant=spec["tenant"], lora=lora))
                 if rejected is None:
                     admitted[request_id] = spec
                     max_new = min(params.max_tokens, config["context"] - len(spec["prompt"]))

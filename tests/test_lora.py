@@ -284,3 +284,19 @@ def test_tensor_parallel_ranks_apply_their_shard_of_each_adapter(llama_dir, adap
     paths = {"tuned": adapters["all-rank8"], "attn": adapters["attention-rank4"]}
     assert got == [hf_lora_greedy(llama_dir, paths[m], p, MAX_TOKENS) if m else hf_greedy(llama_dir, p, MAX_TOKENS)
                    for m, p in zip(models, PROMPTS * 2)]
+
+
+def test_routing_and_cache_keys_differ_by_adapter():
+    from services.api.routing import EngineLoad, Router
+    from shared.prefix_keys import routing_key, salted_root
+
+    tokens = list(range(64))
+    assert routing_key(tokens, 4, "", "a") != routing_key(tokens, 4, "", "b") != routing_key(tokens, 4)
+    assert salted_root("", "a") != salted_root("a") and salted_root("s", "a") != salted_root("s", "b")
+    # An engine that caches the base model's prefix is no holder of the adapter's.
+    base_key = routing_key(tokens, 4)[:8]
+    engines = [EngineLoad("e0", 0, 0, 0, 0.0, frozenset({base_key})), EngineLoad("e1", 0, 0, 0, 0.0)]
+    router = Router("prefix")
+    assert router.choose(engines, tokens, 4) == 0
+    chosen = {Router("prefix").choose(engines, tokens, 4, "", name) for name in ("a", "b", "c", "d", "e", "f")}
+    assert chosen == {0, 1}  # the adapters' keys spread by rendezvous, not all to the base's holder

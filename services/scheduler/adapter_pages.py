@@ -2,7 +2,8 @@
 
 An adapter on the device holds as many blocks of the device pool as its matrices take (its
 pages), and the workers write it into them (`LoraLoad`). While a request that runs under it
-is running or swapped out, its pages are referenced; once none is, they stay in the pool as cached
+is running, its pages are referenced (a swapped-out request holds none: it takes them again,
+or has the adapter loaded again, when it is swapped back in); once none is, they stay in the pool as cached
 blocks, so they count as available and are evicted, least recently used first, with the cached
 prefix blocks when an allocation needs room. A request that needs an adapter no longer in the
 pool has it loaded again. At most `max_loras` adapters are in the pool at once.

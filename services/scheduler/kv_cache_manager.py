@@ -416,15 +416,23 @@ class KVCacheManager:
         return len(self._unique_blocks(request)) <= self.cpu.num_available
 
     def swap_out(self, request: Request) -> None:
-        """Move the request's blocks to the swap pool in host memory."""
+        """Move the request's blocks to the swap pool in host memory; its adapter's pages it no longer holds."""
         self.moved.swapped_out += self._move(request, DEVICE, HOST)
+        if self.adapters is not None:
+            self.adapters.release(request.request_id, request.lora)
 
     def can_swap_in(self, request: Request) -> bool:
         needed = len(self._unique_blocks(request)) + len(request.seqs)  # and room to grow
+        if self.adapters is not None:
+            if not self.adapters.can_start(request.lora):
+                return False
+            needed += self.adapters.blocks_to_start(request.lora)
         return self.gpu.num_available - needed >= self.watermark_blocks
 
     def swap_in(self, request: Request) -> None:
-        """Move the request's blocks back to the device."""
+        """Move the request's blocks back to the device, its adapter's pages first (loaded again if need be)."""
+        if self.adapters is not None and request.lora is not None:
+            self.adapters.acquire(request.request_id, request.lora)
         self.moved.swapped_in += self._move(request, HOST, DEVICE)
 
     def _move(self, request: Request, source_tier: int, target_tier: int) -> int:

@@ -3,11 +3,11 @@
 The scheduler gives an adapter some device blocks of the KV pool (its pages) and sends a
 `LoraLoad`; the worker reads the PEFT files (keeping the last `--max-cpu-loras` in host memory)
 and writes them into those blocks. In each layer's part of its pages an adapter's A matrices
-(`[r, in]`) and then its B matrices (`[out, r]`, scaled by the adapter's scaling) follow one another
-as `shared.lora.page_layout` places them. A step reads them in place where the pages are
-consecutive blocks (as the scheduler gives them when it can), else from a copy it gathers once,
-and every projection group (q/k/v, o, gate/up, down) adds `B @ (A @ x)` to the rows of each
-adapter's sequences: one shrink and one expand per adapter.
+(`[r, in]`) and then its B matrices, transposed and scaled by the adapter's scaling (`[r, out]`),
+follow one another as `shared.lora.page_layout` places them. A step reads them in place where the
+pages are consecutive blocks (as the scheduler gives them when it can), else from a copy it
+gathers once, and every projection group (q/k/v, o, gate/up, down) adds `B @ (A @ x)` to the rows
+of each adapter's sequences (`LoraBatch`).
 """
 
 from __future__ import annotations
