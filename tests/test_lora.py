@@ -202,6 +202,10 @@ def test_a_server_serves_adapters_by_name_and_loads_and_unloads_them_at_run_time
         assert complete("attn", PROMPTS[1]) == hf_lora_greedy(llama_dir, adapters["attention-rank4"], PROMPTS[1],
                                                                MAX_TOKENS)
         assert complete(server.model, PROMPTS[0]) == hf_greedy(llama_dir, PROMPTS[0], MAX_TOKENS)
+        card = httpx.get(f"{server.base_url}/v1/models/tuned", headers=headers, timeout=10).json()
+        assert card["id"] == "tuned" and card["parent"] == server.model
+        assert httpx.get(f"{server.base_url}/v1/models/nobody", headers=headers, timeout=10).status_code == 404
+        assert post("/tokenize", {"model": "attn", "prompt": "def"}).json()["count"] > 0
         unknown = post("/v1/completions", {"model": "nobody", "prompt": "hi", "max_tokens": 2})
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 

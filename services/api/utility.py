@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -12,8 +13,11 @@ from starlette.routing import Route
 
 from services.api.errors import ApiError
 
+if TYPE_CHECKING:
+    from services.api.app import OpenAIServer
 
-def utility_routes(server) -> list[Route]:
+
+def utility_routes(server: OpenAIServer) -> list[Route]:
     """`server` is the api's OpenAIServer: its tokenizer, model name and scheduler link."""
 
     async def tokenize(request: Request) -> Response:
@@ -31,8 +35,11 @@ def utility_routes(server) -> list[Route]:
         return Response(status_code=200 if server.client.info is not None else 503)
 
     async def model(request: Request) -> Response:
-        server._check_model(request.path_params["model"])
-        return JSONResponse(server.model_card())
+        name = request.path_params["model"]
+        server.adapters.resolve(name)  # a 404 for a name served neither as the base model nor as an adapter
+        info = server.client.info
+        cards = [server.model_card(), *server.adapters.cards(info.max_model_len if info else None)]
+        return JSONResponse(next(card for card in cards if card["id"] == name))
 
     return [
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -43,9 +50,9 @@ def utility_routes(server) -> list[Route]:
     ]
 
 
-def _tokenized(server, body: dict) -> Response:
+def _tokenized(server: OpenAIServer, body: dict) -> Response:
     if "model" in body:
-        server._check_model(body["model"])
+        server.adapters.resolve(body["model"])
     special = _flag(body, "add_special_tokens", True)
     if "messages" in body:
         if not isinstance(body["messages"], list):
@@ -69,9 +76,9 @@ def _tokenized(server, body: dict) -> Response:
     return JSONResponse(answer)
 
 
-def _detokenized(server, body: dict) -> Response:
+def _detokenized(server: OpenAIServer, body: dict) -> Response:
     if "model" in body:
-        server._check_model(body["model"])
+        server.adapters.resolve(body["model"])
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < server.vocab_size for t in tokens):
         raise ApiError(f"tokens must be a list of token ids in [0, {server.vocab_size})", param="tokens")
