@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import peer_bench  # noqa: E402
 from benchmarks.peer_report import spread  # noqa: E402
 from benchmarks.provenance import commit, cpu_model  # noqa: E402
-from benchmarks.serve_client import _event_stream_lines  # noqa: E402
+from benchmarks.serve_client import stream_completion  # noqa: E402
 
 VOCAB = (4, 4000)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -77,24 +77,9 @@ async def run_requests(base_url: str, args, models: list[str], seed: int) -> dic
     limits = httpx.Limits(max_connections=args.concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         async def one(index: int) -> dict:
-            body = {"model": models[index % len(models)], "prompt": prompts[index], "max_tokens": args.output_len,
-                    "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
             async with gate:
-                started = time.perf_counter()
-                ttft, tokens = None, 0
-                async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
-                    if response.status_code != 200:
-                        raise RuntimeError(f"{base_url}: {response.status_code} {(await response.aread())[:300]!r}")
-                    async for line in _event_stream_lines(response):
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
-                            ttft = time.perf_counter() - started
-                        if chunk.get("usage"):
-                            tokens = chunk["usage"]["completion_tokens"]
-                return {"ttft": ttft if ttft is not None else time.perf_counter() - started, "tokens": tokens}
+                return await stream_completion(client, f"{base_url}/v1/completions", models[index % len(models)],
+                                               prompts[index], args.output_len)
 
         started = time.perf_counter()
         done = await asyncio.gather(*(one(i) for i in range(args.requests)))

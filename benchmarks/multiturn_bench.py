@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import peer_bench  # noqa: E402
 from benchmarks.peer_report import spread  # noqa: E402
 from benchmarks.provenance import commit, cpu_model  # noqa: E402
-from benchmarks.serve_client import _event_stream_lines  # noqa: E402
+from benchmarks.serve_client import stream_completion  # noqa: E402
 
 VOCAB = (4, 4000)  # token ids drawn from here: none of the tokenizer's special ids
 
@@ -52,26 +52,6 @@ def conversation(user: int, seed: int, turns: int, document: int, question: int,
     return prompts
 
 
-async def one_turn(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    started = time.perf_counter()
-    ttft, tokens = None, 0
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url}: {response.status_code} {(await response.aread())[:300]!r}")
-        async for line in _event_stream_lines(response):
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
-                ttft = time.perf_counter() - started
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return {"ttft": ttft if ttft is not None else time.perf_counter() - started, "tokens": tokens,
-            "prompt": len(prompt)}
-
-
 async def run_users(base_url: str, args, seed: int) -> dict:
     url = f"{base_url}/v1/completions"
     limits = httpx.Limits(max_connections=args.users + 4)
@@ -82,8 +62,8 @@ async def run_users(base_url: str, args, seed: int) -> dict:
             prompts = conversation(index, seed, args.turns, args.document, args.question, args.answer)
             await asyncio.sleep(think.uniform(0, args.think))  # users do not all start in the same instant
             for turn, prompt in enumerate(prompts):
-                turns.append({"turn": turn, **await one_turn(client, url, peer_bench.SERVED_NAME, prompt,
-                                                            args.max_tokens)})
+                done = await stream_completion(client, url, peer_bench.SERVED_NAME, prompt, args.max_tokens)
+                turns.append({"turn": turn, "prompt": len(prompt), **done})
                 await asyncio.sleep(think.expovariate(1 / args.think))
             return turns
 

@@ -53,6 +53,28 @@ async def _event_stream_lines(response: httpx.Response):
         yield pending
 
 
+async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+                            max_tokens: int) -> dict:
+    """One greedy streamed completion of `max_tokens` (`ignore_eos`): its time to the first text and its
+    output tokens. A status other than 200 raises, so that a benchmark never counts a refusal."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    ttft, tokens = None, 0
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code} {(await response.aread())[:300]!r}")
+        async for line in _event_stream_lines(response):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                ttft = time.perf_counter() - started
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"ttft": ttft if ttft is not None else time.perf_counter() - started, "tokens": tokens}
+
+
 async def _one(client: httpx.AsyncClient, url: str, payload: dict) -> Outcome:
     started = time.perf_counter()
     outcome = Outcome(ok=False)

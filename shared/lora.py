@@ -14,11 +14,13 @@ import os
 import re
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-# Projections an adapter may target, in the order the worker lays them out, with the base module they sit in.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an adapter may change, grouped as the model computes them (q, k and v fused; gate and up fused),
+# in the order the worker lays them out.
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+PROJECTIONS = tuple(projection for group in PROJECTION_GROUPS for projection in group)
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 MAX_ADAPTER_NAME_CHARS = 128
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
@@ -66,7 +68,6 @@ class AdapterSpec:
     rank: int
     scaling: float
     targets: tuple[str, ...]  # in PROJECTIONS order
-    layers: tuple[int, ...] = field(default=())
 
 
 def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
@@ -149,7 +150,6 @@ def check_adapter(name: str, path: str, base: BaseShape, max_rank: int) -> Adapt
     if not found:
         raise LoraError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
     targets = {projection for _, projection in found}
-    layers = sorted({layer for layer, _ in found})
     for (layer, projection), pair in found.items():
         size_in, size_out = base.dims[projection]
         expected = {"A": [rank, size_in], "B": [size_out, rank]}
@@ -158,7 +158,7 @@ def check_adapter(name: str, path: str, base: BaseShape, max_rank: int) -> Adapt
                 raise LoraError(f"adapter {name!r}: layer {layer} {projection} lora_{which} has shape "
                                 f"{pair.get(which)}, this base model needs {expected[which]}")
     return AdapterSpec(name, os.path.realpath(path), rank, float(scaling),
-                       tuple(p for p in PROJECTIONS if p in targets), tuple(layers))
+                       tuple(p for p in PROJECTIONS if p in targets))
 
 
 def parse_lora_modules(values: list[str]) -> dict[str, tuple[str, str | None]]:

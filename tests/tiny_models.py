@@ -123,7 +123,10 @@ def hf_beam_search(
 
 def _hf_generate(directory: str, prompt_ids: list[int], max_new_tokens: int, **options) -> list[list[int]]:
     """Generated ids of each returned sequence, up to and including the first EOS."""
-    model = _hf_model(directory)
+    return _generated(_hf_model(directory), prompt_ids, max_new_tokens, **options)
+
+
+def _generated(model, prompt_ids: list[int], max_new_tokens: int, **options) -> list[list[int]]:
     out = _greedy(model, prompt_ids, max_new_tokens, **options)
     rows = out[:, len(prompt_ids) :].tolist()
     return [_through_eos(row, model.generation_config.eos_token_id) for row in rows]
@@ -228,6 +231,4 @@ def hf_lora_generate(base_dir: str, adapter_dir: str, prompt_ids: list[int], max
     if key not in _HF_LORA_MODELS:
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         _HF_LORA_MODELS[key] = PeftModel.from_pretrained(base, adapter_dir).eval()
-    model = _HF_LORA_MODELS[key]
-    out = _greedy(model, prompt_ids, max_new_tokens, **options)
-    return [_through_eos(row, model.generation_config.eos_token_id) for row in out[:, len(prompt_ids):].tolist()]
+    return _generated(_HF_LORA_MODELS[key], prompt_ids, max_new_tokens, **options)

@@ -28,7 +28,13 @@ from services.api.formats import ChatFormat, Chunk, CompletionFormat
 from services.api.json_body import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, JsonBodies
 from services.api.memory_return import ReturnMemoryAfterLargeBodies
 from services.api.metrics import ApiMetrics
-from services.api.requests import GenerationRequest, parse_chat, parse_completion
+from services.api.requests import (
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    parse_load_lora_adapter,
+    parse_unload_lora_adapter,
+)
 from services.api.routing import Router
 from services.api.structured import GrammarCompiler
 from services.api.tools import TOOL_CALL_PARSERS
@@ -138,8 +144,7 @@ class OpenAIServer:
         return JSONResponse({"object": "list", "data": [self.model_card(), *cards]})
 
     async def load_lora_adapter(self, request: Request) -> Response:
-        body = await self.bodies.read(request)
-        name, path = _adapter_fields(body, "lora_name", "lora_path")
+        name, path = await self.bodies.read(request, parse_load_lora_adapter)
         try:
             self.adapters.add_at_run_time(name, path)
         except LoraError as exc:
@@ -148,8 +153,7 @@ class OpenAIServer:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora_adapter(self, request: Request) -> Response:
-        body = await self.bodies.read(request)
-        [name] = _adapter_fields(body, "lora_name")
+        name = await self.bodies.read(request, parse_unload_lora_adapter)
         if not self.adapters.remove(name):
             raise ApiError(f"the LoRA adapter '{name}' cannot be found", status=404, param="lora_name",
                            code="model_not_found")
@@ -197,7 +201,6 @@ class OpenAIServer:
                            code="context_length_exceeded")
 
     # --- generation ----------------------------------------------------------------------
-
 
     def _admit(self, request: Request, generation: GenerationRequest) -> None:
         """What both generation routes check first; and whose request it is (its key's tenant)."""
@@ -329,18 +332,6 @@ class OpenAIServer:
             access_log.info("%s %s: %s; prompt %d tokens, generated %d; first token %s, total %.3f s", request_id,
                             endpoint, outcome, len(prompt_ids), num_generated,
                             "-" if first_token is None else f"{first_token:.3f} s", time.monotonic() - arrival)
-
-
-def _adapter_fields(body: object, *names: str) -> list[str]:
-    if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
-    values = []
-    for name in names:
-        value = body.get(name)
-        if not isinstance(value, str) or not value:
-            raise ApiError(f"{name} must be a non-empty string", param=name)
-        values.append(value)
-    return values
 
 
 def _engine_error(output, ready: bool) -> ApiError:

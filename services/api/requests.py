@@ -131,6 +131,23 @@ def _prompts(prompt: object) -> list[str | list[int]]:
     return prompts
 
 
+def parse_load_lora_adapter(body: object) -> tuple[str, str]:
+    """`/v1/load_lora_adapter`'s body, as vLLM's: the adapter's name and directory."""
+    fields = _Body(body)
+    return _required_string(fields, "lora_name"), _required_string(fields, "lora_path")
+
+
+def parse_unload_lora_adapter(body: object) -> str:
+    return _required_string(_Body(body), "lora_name")
+
+
+def _required_string(fields: _Body, name: str) -> str:
+    value = fields.get(name, str, what="a string")
+    if not value:
+        raise ApiError(f"'{name}' is required", param=name)
+    return value
+
+
 def parse_chat(body: object) -> GenerationRequest:
     fields = _Body(body)
     messages = fields.get("messages", list, what="a list of messages")

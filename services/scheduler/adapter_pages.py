@@ -71,13 +71,9 @@ class AdapterPages:
     def acquire(self, request_id: str, lora: LoraRef) -> None:
         """The request starts under the adapter: its pages are referenced, loaded first if need be."""
         held = self.on_device.get(lora.name)
-        if held is not None and not held.users:
-            if all(self.pool.lookup(self._key(lora.name, i), ()) == page for i, page in enumerate(held.pages)):
-                for page in held.pages:
-                    self.pool.share(page)
-            else:
-                self._drop(lora.name)
-                held = None
+        if held is not None and not held.users:  # idle: every page still cached (`evicted` drops it at the first)
+            for page in held.pages:
+                self.pool.share(page)
         if held is None:
             while len(self.on_device) >= self.max_loras:
                 idle = next(name for name, other in self.on_device.items() if not other.users)

@@ -476,7 +476,6 @@ class Scheduler:
     def _recompute_instead(self, request: Request) -> None:
         log.info("%s cannot swap back in; recomputing it instead", request.request_id)
         self.swapped.remove(request)
-        self._release_adapter(request)
         for seq in request.seqs:
             self.registry.preempt_by_recompute(seq)
         request.status = RequestStatus.WAITING

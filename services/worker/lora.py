@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from kernels import native
 from services.worker.kv_cache import KVCache
-from shared.lora import AdapterSpec, BaseShape, Part, check_adapter, lora_tensor, page_layout
+from shared.lora import PROJECTION_GROUPS, AdapterSpec, BaseShape, Part, check_adapter, lora_tensor, page_layout
 from shared.protocol import LoraLoad
 
 
@@ -29,8 +29,19 @@ class AdapterLayout:
 
     def __init__(self, spec: AdapterSpec, dims: dict[str, tuple[int, int]], half_elements: int):
         self.rank = spec.rank
-        self.targets = spec.targets
         self.pages, self.parts = page_layout(spec.rank, spec.targets, dims, half_elements)
+
+    def present(self, projections: tuple[str, ...]) -> list[str]:
+        """Those of `projections` the adapter changes."""
+        return [p for p in projections if (p, "A") in self.parts]
+
+    def stacked_a(self, present: list[str]) -> Part | None:
+        """The A matrices of `present` as one `[k * r, in]` part, where they follow one another in one region."""
+        parts = [self.parts[p, "A"] for p in present]
+        first, last = parts[0], parts[-1]
+        if first.region != last.region or last.offset - first.offset != (len(parts) - 1) * first.rows * first.cols:
+            return None
+        return Part(first.region, first.offset, len(parts) * first.rows, first.cols)
 
 
 class Adapter:
@@ -44,15 +55,13 @@ class Adapter:
     def shrink(self, layer: int, projections: tuple[str, ...]) -> tuple[torch.Tensor, list[str]] | None:
         """The stacked A of those of `projections` it targets (`[k * r, in]`: a view where they are
         consecutive in one region), and which they are; None if it targets none of them."""
-        present = [p for p in projections if (p, "A") in self.layout.parts]
+        present = self.layout.present(projections)
         if not present:
             return None
-        parts = [self.layout.parts[p, "A"] for p in present]
-        first, last = parts[0], parts[-1]
-        if first.region == last.region and last.offset - first.offset == (len(parts) - 1) * first.rows * first.cols:
-            end = last.offset + last.rows * last.cols
-            return self.regions[layer, first.region, first.offset:end].view(-1, first.cols), present
-        return torch.cat([self._view(layer, part) for part in parts]), present
+        stacked = self.layout.stacked_a(present)
+        if stacked is not None:
+            return self._view(layer, stacked), present
+        return torch.cat([self._view(layer, self.layout.parts[p, "A"]) for p in present]), present
 
     def expand(self, layer: int, projection: str) -> torch.Tensor:
         return self._view(layer, self.layout.parts[projection, "B"])
@@ -71,7 +80,7 @@ class LoraBatch:
 
     def __init__(self, segments: list[tuple[Adapter, list[int]]], widths: dict[str, tuple[int, int]],
                  device: torch.device):
-        self.columns = widths  # projection -> (first column, width) in its group's fused output
+        self.columns = widths  # projection -> (first column, width) in its group's output
         kernel = lora_kernel() if device.type == "cpu" else None
         batched = [(adapter, rows) for adapter, rows in segments
                    if kernel is not None and len(rows) <= FEW_ROWS and _kernel_reads(adapter)]
@@ -97,7 +106,7 @@ class LoraBatch:
             r = adapter.layout.rank
             for k, projection in enumerate(present):
                 delta = s[:, k * r : (k + 1) * r] @ adapter.expand(layer, projection).to(x.dtype)
-                first, width = self.columns[projection] if len(projections) > 1 else (0, out.shape[1])
+                first, width = self.columns[projection]
                 target = out[:, first : first + width]
                 if isinstance(rows, slice):
                     target[rows] += delta
@@ -116,7 +125,7 @@ class LoraBatch:
         native.share_units(self.kernel, args, units, units >= 4, 1)
 
 
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+GROUPS = PROJECTION_GROUPS
 FEW_ROWS = 16  # an adapter's rows in a step up to which the kernel serves them; more go to torch's products
 _FIELDS = 13  # per adapter in a kernel table: A's address, its rows, r, k, then (address, column, width) x 3
 _ADDRESSES = torch.tensor([1, 0, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0], dtype=torch.int64)
@@ -132,12 +141,8 @@ def _kernel_reads(adapter: Adapter) -> bool:
     """Whether the kernel can read this adapter: float32 or bfloat16 weights, each group's A in one block."""
     if adapter.regions.dtype not in (torch.float32, torch.bfloat16) or adapter.regions.stride(2) != 1:
         return False
-    for group in GROUPS:
-        parts = [adapter.layout.parts[p, "A"] for p in group if (p, "A") in adapter.layout.parts]
-        if parts and (len({part.region for part in parts}) > 1 or parts[-1].offset - parts[0].offset
-                      != (len(parts) - 1) * parts[0].rows * parts[0].cols):
-            return False
-    return True
+    layout = adapter.layout
+    return all(layout.stacked_a(present) is not None for group in GROUPS if (present := layout.present(group)))
 
 
 def _address(adapter: Adapter, part: Part) -> int:
@@ -166,15 +171,15 @@ def _first_layer_rows(adapter: Adapter, widths: dict[str, tuple[int, int]]) -> t
     if held is not None:
         return held
     rows = torch.zeros((len(GROUPS), _FIELDS), dtype=torch.int64)
-    parts, rank = adapter.layout.parts, adapter.layout.rank
+    layout = adapter.layout
     for g, group in enumerate(GROUPS):
-        present = [p for p in group if (p, "A") in parts]
+        present = layout.present(group)
         if not present:
             continue
-        row = [_address(adapter, parts[present[0], "A"]), len(present) * rank, rank, len(present)]
+        row = [_address(adapter, layout.parts[present[0], "A"]), len(present) * layout.rank, layout.rank,
+               len(present)]
         for projection in present:
-            column, width = widths[projection] if len(group) > 1 else (0, parts[projection, "B"].cols)
-            row += [_address(adapter, parts[projection, "B"]), column, width]
+            row += [_address(adapter, layout.parts[projection, "B"]), *widths[projection]]
         rows[g, : len(row)] = torch.tensor(row, dtype=torch.int64)
     if len(_ROWS_MEMO) >= 256:
         _ROWS_MEMO.clear()
@@ -207,9 +212,8 @@ class LoraAdapters:
         self.half_elements = self.half_bytes // item
         self.loaded: dict[str, tuple[AdapterLayout, list[int]]] = {}
         self._host: OrderedDict[str, tuple[AdapterLayout, torch.Tensor]] = OrderedDict()
-        group_widths = {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")}
-        self.widths: dict[str, tuple[int, int]] = {}
-        for group in group_widths:
+        self.widths: dict[str, tuple[int, int]] = {}  # projection -> (first column, width) in its group's output
+        for group in GROUPS:
             first = 0
             for projection in group:
                 width = self.dims[projection][1]
@@ -248,8 +252,9 @@ class LoraAdapters:
                 tensor = tensor[:, first : first + size]
             elif kind == which == "B":
                 tensor = tensor[first : first + size]
-            value = tensor.to(torch.float32) * spec.scaling if which == "B" else tensor.to(torch.float32)
-            value = value.t() if which == "B" else value  # B transposed, [r, out]: an expand reads rows
+            value = tensor.to(torch.float32)
+            if which == "B":
+                value = value.t() * spec.scaling  # transposed, [r, out]: an expand reads rows
             regions[layer, part.region, part.offset : part.offset + part.rows * part.cols] = value.reshape(-1).to(
                 self.dtype)
         self._host[name] = (layout, regions)

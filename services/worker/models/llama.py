@@ -17,8 +17,9 @@ from services.worker.models.activations import activation
 from services.worker.models.base import Embedding, PagedCausalLM, fused
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
+from shared.lora import PROJECTION_GROUPS
 
-QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")  # the fused projections, in their order
+QKV, OUT, GATE_UP, DOWN = PROJECTION_GROUPS  # what a LoRA adapter adds to, by the projections' names
 
 
 class RMSNorm(nn.Module):
@@ -110,7 +111,7 @@ class Attention(nn.Module):
         out = out.reshape(tokens, self.num_heads * self.head_dim)
         adapters = batch.adapters
         return row_parallel_linear(self.o_proj, out, self.tp, None if adapters is None else
-                                   lambda partial: adapters.add(self.index, ("o_proj",), out, partial))
+                                   lambda partial: adapters.add(self.index, OUT, out, partial))
 
     def shards(self, prefix: str) -> dict[str, Shard]:
         hd = self.head_dim
@@ -157,7 +158,7 @@ class MLP(nn.Module):
             gate, up = gate_up.split(self.width, dim=-1)
             inner = self.act(gate) * up
         return row_parallel_linear(self.down_proj, inner, self.tp, None if adapters is None else
-                                   lambda partial: adapters.add(self.index, ("down_proj",), inner, partial))
+                                   lambda partial: adapters.add(self.index, DOWN, inner, partial))
 
     def shards(self, prefix: str) -> dict[str, Shard]:
         inner = Shard(0, self.first, self.width)
