@@ -13,8 +13,10 @@ import triton  # noqa: F401  (installed with the test extra: these tests must ru
 from kernels.batch import PagedBatch
 from kernels.block_copy import copy_blocks_reference, copy_blocks_triton
 from kernels.kv_write import write_kv_reference, write_kv_triton
+from kernels.lora_triton import FIELDS, lora_add_triton
 from kernels.norm_triton import rms_norm_triton
 from kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from shared.lora import page_layout
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -176,3 +178,51 @@ def test_fused_residual_rms_norm_is_the_add_then_hf_rms_norm(dtype, with_residua
         assert torch.equal(residual, expected_sum)  # updated in place, exactly
     elif with_residual:  # triton's interpreter truncates to bfloat16 where compiled triton rounds
         torch.testing.assert_close(residual, expected_sum, atol=0, rtol=2**-7)
+
+
+LORA_GROUP = {"q_proj": (40, 24), "k_proj": (40, 8), "v_proj": (40, 8)}  # (in, out); widths not powers of two
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lora_rows_read_each_adapter_through_its_scattered_pages(dtype):
+    """Three adapters (ranks 4, 8 and 2, changing all three projections, two, one), their pages scattered over
+    the pool and their A matrices in both regions; each row gets its adapter's B @ A @ x in its projections'
+    columns, the other rows nothing."""
+    generator = torch.Generator().manual_seed(4)
+    layers, blocks, half, layer = 2, 40, 48, 1
+    pool = torch.zeros((layers, 2, blocks, half), dtype=dtype)
+    free = torch.randperm(blocks, generator=generator).tolist()
+    adapters = [(4, ("q_proj", "k_proj", "v_proj")), (8, ("q_proj", "v_proj")), (2, ("k_proj",))]
+    columns = {"q_proj": 0, "k_proj": 24, "v_proj": 32}
+    table = torch.zeros((len(adapters), FIELDS), dtype=torch.int64)
+    page_table = torch.zeros((len(adapters), 2 * blocks), dtype=torch.int64)
+    matrices = []
+    for index, (rank, targets) in enumerate(adapters):
+        count, parts = page_layout(rank, targets, LORA_GROUP, half)
+        pages = [free.pop() for _ in range(count)]
+        page_table[index, : 2 * count] = torch.tensor(pages + [blocks + p for p in pages])
+        logical = {key: part.region * count * half + part.offset for key, part in parts.items()}
+        values = {key: torch.randn(part.rows * part.cols, generator=generator).to(dtype)
+                  for key, part in parts.items()}
+        for key, flat in values.items():  # written value by value through the page table, as the kernel reads
+            at = logical[key] + torch.arange(flat.numel())
+            pool[layer].view(2 * blocks, half)[page_table[index, at // half], at % half] = flat
+        row = [rank, len(targets)]
+        for projection in targets:
+            row += [logical[projection, "A"], logical[projection, "B"], columns[projection], LORA_GROUP[projection][1]]
+        table[index, : len(row)] = torch.tensor(row)
+        matrices.append({p: (values[p, "A"].view(rank, 40).float(), values[p, "B"].view(rank, -1).float())
+                         for p in targets})
+    units = torch.tensor([(0, 1), (2, 0), (3, 2), (5, 1), (6, 0)])  # row 1 and row 4: the base model
+    x = torch.randn(7, 40, generator=generator).to(dtype)
+    out = torch.randn(7, 40, generator=generator).to(dtype)
+    expected = out.float().clone()
+    for row, index in units.tolist():
+        for projection, (a, b) in matrices[index].items():
+            first = columns[projection]
+            expected[row, first : first + b.shape[1]] += (x[row].float() @ a.t()) @ b
+    out, x = out.to(DEVICE), x.to(DEVICE)
+    lora_add_triton(x, out, units.to(DEVICE), table.to(DEVICE), page_table.to(DEVICE), pool.view(-1).to(DEVICE),
+                    layer * 2 * blocks * half, half, max_rank=8, max_width=24)
+    torch.testing.assert_close(out.float().cpu(), expected, atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
+    assert torch.equal(out[[1, 4]].cpu(), expected[[1, 4]].to(dtype))  # rows under no adapter are untouched

@@ -138,6 +138,59 @@ def test_beams_samples_and_ngram_speculation_run_under_the_adapter(llama_dir, ad
         hf_lora_greedy(llama_dir, path, repetitive, 12)]
 
 
+def test_a_draft_model_proposes_without_the_adapter_and_the_target_verifies_under_it(llama_dir, adapters):
+    path = adapters["all-rank8"]
+    lora = ref(llama_dir, "all-rank8", path)
+    engine = Engine(llama_dir, block_size=4, max_loras=1,
+                    speculative=SpeculativeConfig("draft_model", 3, model=llama_dir, adaptive=False))
+    assert engine.generate(PROMPTS, lora=lora, max_tokens=12) == [hf_lora_greedy(llama_dir, path, p, 12)
+                                                                   for p in PROMPTS]
+    speculation = engine.stats().speculation
+    # The draft is the base model: it proposes the base's tokens, which the adapter keeps only in part.
+    assert 0 < speculation.num_accepted_tokens < speculation.num_draft_tokens
+
+
+def test_structured_outputs_hold_under_an_adapter(llama_dir, adapters):
+    from services.api.structured import GrammarSpec
+    from tests.test_structured_outputs import compiled, texts
+
+    regex = compiled(llama_dir, GrammarSpec("regex", "[0-9]{3}-[a-z]{2}", "guided_regex"))
+    lora = ref(llama_dir, "all-rank8", adapters["all-rank8"])
+    engine = Engine(llama_dir, block_size=4, max_loras=1)
+    tuned = engine.generate(PROMPTS, lora=lora, grammar=regex, max_tokens=30, temperature=1.0, seed=5)
+    base = engine.generate(PROMPTS, grammar=regex, max_tokens=30, temperature=1.0, seed=5)
+    for text in texts(llama_dir, tuned):
+        assert len(text) == 6 and text[:3].isdigit() and text[3] == "-" and text[4:].isalpha(), text
+    assert tuned != base  # the adapter's distribution, masked by the grammar
+
+
+def test_the_host_cache_and_the_disk_tier_keep_each_adapters_blocks_apart(llama_dir, adapters, tmp_path):
+    """Prompts under two adapters and the base fill a small device pool, so their blocks go to the host
+    cache and to files; a second round (and a restarted engine) loads each one's own blocks, never another's."""
+    names = ["attention-rank4", "mlp-rslora", None]
+    loras = {name: ref(llama_dir, name, adapters[name]) for name in names if name}
+    prompt = [7 + j for j in range(20)]  # the same tokens under each: only the salt keeps them apart
+    expected = [hf_lora_greedy(llama_dir, adapters[n], prompt, MAX_TOKENS) if n else hf_greedy(
+        llama_dir, prompt, MAX_TOKENS) for n in names]
+    assert len({tuple(e) for e in expected}) == 3
+
+    def tiered() -> Engine:
+        return Engine(llama_dir, block_size=4, num_gpu_blocks=64, max_loras=1, prefix_caching=True,
+                      num_host_cache_blocks=64, kv_cache_dir=str(tmp_path), write_through=True)
+
+    def rounds(engine: Engine) -> list[list[int]]:
+        return [engine.generate([prompt], lora=loras.get(n), max_tokens=MAX_TOKENS)[0] for n in names * 2]
+
+    first = tiered()
+    assert rounds(first) == expected * 2
+    stats = first.stats()
+    assert stats.blocks_loaded > 0 and stats.prefix_hits_host_tokens > 0  # adapter pages evicted cached blocks
+    first.cache.disk.close()
+    restarted = tiered()
+    assert rounds(restarted) == expected * 2
+    assert restarted.stats().blocks_read_from_disk >= 3 * 4  # each one's own four full blocks
+
+
 def broken_adapter(tmp_path, llama_dir, kind: str) -> str:
     """An adapter directory with one thing wrong."""
     path = make_lora_adapter(llama_dir, str(tmp_path / kind), rank=4, seed=5)
@@ -235,10 +288,15 @@ def test_a_server_serves_adapters_by_name_and_loads_and_unloads_them_at_run_time
 
 
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
-def test_the_compiled_kernel_adds_what_torchs_products_add(llama_dir, adapters, weights, monkeypatch):
+@pytest.mark.parametrize("kernel, scattered", [("c", False), ("c", True), ("triton", False), ("triton", True)],
+                         ids=["compiled", "compiled-scattered", "triton", "triton-scattered"])
+def test_each_kernel_adds_what_torchs_products_add(llama_dir, adapters, weights, kernel, scattered):
+    """The compiled kernel (a CPU's) and the Triton one (CUDA's, run here by Triton's interpreter) against
+    torch's products, with each adapter's pages consecutive or with no two consecutive (the compiled kernel
+    and torch then read a gathered copy, the Triton kernel the pages where they are)."""
     from services.worker import lora as worker_lora
 
-    if worker_lora.lora_kernel() is None:
+    if kernel == "c" and worker_lora.lora_kernel() is None:
         pytest.skip("no C compiler here")
     engine = Engine(llama_dir, block_size=4, max_loras=3)
     runner, pages = engine.runner.adapters, engine.scheduler.kv_cache.adapters
@@ -249,6 +307,8 @@ def test_the_compiled_kernel_adds_what_torchs_products_add(llama_dir, adapters, 
     for i, (name, path) in enumerate(adapters.items()):
         pages.acquire(f"r{i}", ref(llama_dir, name, path))
         [load] = pages.take_loads()
+        if scattered:
+            load.pages = load.pages[1::2] + load.pages[::2]
         runner.load(load)
         segments.append((name, [3 * i + j for j in range(i + 1)]))  # 1, 2 and 3 rows
     torch.manual_seed(0)
@@ -256,14 +316,14 @@ def test_the_compiled_kernel_adds_what_torchs_products_add(llama_dir, adapters, 
         x = torch.randn(9, runner.dims[group[0]][0])
         base = torch.randn(9, sum(runner.dims[p][1] for p in group))
         in_kernel, in_torch = base.clone(), base.clone()
+        runner.kernel = kernel
         batched = runner.batch(segments)
         assert batched.kernel is not None and not batched.segments  # every adapter through the kernel
         batched.add(1, group, x, in_kernel)
-        with monkeypatch.context() as patch:
-            patch.setattr(worker_lora, "FEW_ROWS", 0)  # every adapter through torch's products
-            unbatched = runner.batch(segments)
-            assert unbatched.kernel is None and len(unbatched.segments) == 3
-            unbatched.add(1, group, x, in_torch)
+        runner.kernel = None  # every adapter through torch's products
+        unbatched = runner.batch(segments)
+        assert unbatched.kernel is None and len(unbatched.segments) == 3
+        unbatched.add(1, group, x, in_torch)
         assert not torch.equal(in_torch, base)
         torch.testing.assert_close(in_kernel, in_torch, rtol=1e-4, atol=1e-4)
 

@@ -1,6 +1,7 @@
 """The shipped dashboard's queries on a real Prometheus scraping pagedserve under load.
 
-Two servers, one preempting by swap (with a host cache) and one by recompute (and speculating), both
+Two servers, one preempting by swap (with a host cache) and one by recompute (speculating, and serving
+half its requests under a LoRA adapter), both
 with prefix caching and a KV cache small enough that the load preempts; Prometheus scrapes all six
 services (each server's api, scheduler and worker) every second. Every PromQL
 expression of the dashboard must parse and return data, and the latency histograms must count
@@ -22,6 +23,7 @@ import pytest
 
 from tests.conftest import ROOT, free_port, serve, wait_until
 from tests.test_resilience import healthy
+from tests.tiny_models import make_lora_adapter
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [pytest.mark.slow,
@@ -70,10 +72,13 @@ def scraped_count(base: str) -> float:
     return float(result[0]["value"][1]) if result else 0.0
 
 
-def load(server, count: int) -> None:
+def load(server, count: int, models: tuple[str, ...] = ()) -> None:
+    """`count` requests at once, their `model` taken in turn from `models` (the served model by default)."""
+    models = models or (server.model,)
+
     def one(i: int) -> None:
-        body = {"model": server.model, "prompt": PREFIX + f"# request {i}\n", "max_tokens": 48, "ignore_eos": True,
-                "temperature": 0, "stream": i % 2 == 0}
+        body = {"model": models[i % len(models)], "prompt": PREFIX + f"# request {i}\n", "max_tokens": 48,
+                "ignore_eos": True, "temperature": 0, "stream": i % 2 == 0}
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
             response.read()
@@ -84,21 +89,23 @@ def load(server, count: int) -> None:
 
 def test_every_dashboard_query_returns_data_and_histograms_count_every_request(llama_dir, tmp_path):
     count = 12
+    adapter = make_lora_adapter(llama_dir, str(tmp_path / "adapter"), rank=4, targets=("q_proj", "v_proj"))
     with (serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "swap", "--kv-offloading-size",
                 "0.001") as swapping,
           serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "recompute", "--speculative-config",
-                SPECULATING) as recomputing):
+                SPECULATING, "--enable-lora", "--lora-modules", f"tuned={adapter}") as recomputing):
         targets = [url.removeprefix("http://").removesuffix("/metrics")
                    for server in (swapping, recomputing) for url in server.metrics_urls.values()]
         with prometheus(targets, str(tmp_path)) as base:
             assert wait_until(lambda: len(query(base, "up == 1")) == 6, 30, 0.5), "prometheus never scraped all six"
-            for server in (swapping, recomputing):
-                load(server, count)
-                load(server, 2)  # the shared prefix is cached by now
+            for server, models in ((swapping, ()), (recomputing, (recomputing.model, "tuned"))):
+                load(server, count, models)
+                load(server, 2, models)  # the shared prefix is cached by now
             for server, mode in ((swapping, "swap"), (recomputing, "recompute")):
                 assert server.metrics()[f'pagedserve_preemptions_total{{mode="{mode}"}}'] > 0
                 assert server.metrics()["pagedserve_prefix_cache_hits_total"] > 0
             assert swapping.metrics()['pagedserve_blocks_swapped_total{direction="out"}'] > 0
+            assert recomputing.metrics()['pagedserve_lora_requests_total{adapter="tuned"}'] == (count + 2) // 2
             sent = 2 * (count + 2)
             assert wait_until(lambda: scraped_count(base) == sent, 30, 0.5), f"{scraped_count(base)} of {sent} requests"
             time.sleep(2)  # one more scrape, so every rate has two points after the load

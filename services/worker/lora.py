@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file
 
-from kernels import native
+from kernels import lora_triton, native
 from services.worker.kv_cache import KVCache
 from shared.lora import PROJECTION_GROUPS, AdapterSpec, BaseShape, Part, check_adapter, lora_tensor, page_layout
 from shared.protocol import LoraLoad
@@ -29,6 +30,7 @@ class AdapterLayout:
 
     def __init__(self, spec: AdapterSpec, dims: dict[str, tuple[int, int]], half_elements: int):
         self.rank = spec.rank
+        self.half = half_elements
         self.pages, self.parts = page_layout(spec.rank, spec.targets, dims, half_elements)
 
     def present(self, projections: tuple[str, ...]) -> list[str]:
@@ -45,12 +47,24 @@ class AdapterLayout:
 
 
 class Adapter:
-    """One adapter's weights for a step: views of each layer's A and B into its pages, read in place when the
-    pages are consecutive blocks, else into a copy gathered once for the step."""
+    """One adapter's weights for a step: where its pages are, and views of each layer's A and B into them
+    (read in place when the pages are consecutive blocks, else from a copy gathered the first time asked)."""
 
-    def __init__(self, layout: AdapterLayout, regions: torch.Tensor):
+    def __init__(self, layout: AdapterLayout, pages: list[int], cache_bytes: torch.Tensor, dtype: torch.dtype):
         self.layout = layout
-        self.regions = regions  # [num_layers, 2, pages * values per half block]
+        self.pages = pages
+        self._cache_bytes = cache_bytes  # [layers, 2, blocks, bytes of one layer's half of a block]
+        self._dtype = dtype
+
+    @functools.cached_property
+    def regions(self) -> torch.Tensor:
+        """[num_layers, 2, pages * values per half block]"""
+        first = self.pages[0]
+        if self.pages == list(range(first, first + len(self.pages))):  # in place
+            held = self._cache_bytes[:, :, first : first + len(self.pages)]
+        else:
+            held = self._cache_bytes[:, :, torch.tensor(self.pages, dtype=torch.int64, device=self._cache_bytes.device)]
+        return held.view(self._dtype).flatten(2)
 
     def shrink(self, layer: int, projections: tuple[str, ...]) -> tuple[torch.Tensor, list[str]] | None:
         """The stacked A of those of `projections` it targets (`[k * r, in]`: a view where they are
@@ -74,29 +88,29 @@ class Adapter:
 class LoraBatch:
     """A step's adapters and the rows of each; `add` is called by every projection group of every layer.
 
-    On a CPU, adapters with a few rows in the step (decoding sequences) go through the compiled kernel,
-    all of them in one call per group and layer, reading their weights in their pages; adapters with many
-    rows (prompts) through torch's matrix products, where the weights' reuse across rows pays."""
+    Adapters with a few rows in the step (decoding sequences) go through a kernel, all of them in one call
+    per group and layer, reading their weights in their pages: the compiled one on a CPU, Triton's on CUDA
+    (`kernel`: "c", "triton" or None). Adapters with many rows (prompts) go through torch's matrix
+    products, where the weights' reuse across rows pays."""
 
     def __init__(self, segments: list[tuple[Adapter, list[int]]], widths: dict[str, tuple[int, int]],
-                 device: torch.device):
+                 device: torch.device, kernel: str | None = None, paged: PagedWeights | None = None):
         self.columns = widths  # projection -> (first column, width) in its group's output
-        kernel = lora_kernel() if device.type == "cpu" else None
-        batched = [(adapter, rows) for adapter, rows in segments
-                   if kernel is not None and len(rows) <= FEW_ROWS and _kernel_reads(adapter)]
+        few = [(adapter, rows) for adapter, rows in segments
+               if kernel is not None and len(rows) <= FEW_ROWS and _kernel_reads(adapter, kernel)]
         self.segments = [(adapter, _rows(rows, device)) for adapter, rows in segments
-                         if not any(adapter is other for other, _ in batched)]
-        self.kernel = kernel if batched else None  # the compiled kernel, for the adapters in `batched`
-        if batched:
-            self.units = torch.tensor([(row, index) for index, (_, rows) in enumerate(batched) for row in rows],
-                                      dtype=torch.int64)
-            self.tables = _kernel_tables([adapter for adapter, _ in batched], widths)
-            self.weight_bf16 = int(batched[0][0].regions.dtype == torch.bfloat16)
+                         if not any(adapter is other for other, _ in few)]
+        self.kernel: _CompiledKernel | _TritonKernel | None = None  # for the adapters in `few`
+        if few and kernel == "c":
+            self.kernel = _CompiledKernel(few, widths)
+        elif few:
+            assert paged is not None
+            self.kernel = _TritonKernel(few, widths, paged, device)
 
     def add(self, layer: int, projections: tuple[str, ...], x: torch.Tensor, out: torch.Tensor) -> None:
         """`out` (the group's fused output for `x`) += each adapter's B @ A @ x on its rows."""
         if self.kernel is not None:
-            self._add_in_kernel(layer, projections, x, out)
+            self.kernel.add(layer, projections, x, out)
         for adapter, rows in self.segments:
             shrunk = adapter.shrink(layer, projections)
             if shrunk is None:
@@ -113,7 +127,18 @@ class LoraBatch:
                 else:
                     target.index_add_(0, rows, delta)
 
-    def _add_in_kernel(self, layer: int, projections: tuple[str, ...], x: torch.Tensor, out: torch.Tensor) -> None:
+
+class _CompiledKernel:
+    """`cpu_lora.c` over the adapters of a step's few rows, one call per group and layer."""
+
+    def __init__(self, few: list[tuple[Adapter, list[int]]], widths: dict[str, tuple[int, int]]):
+        self.function = lora_kernel()
+        self.units = torch.tensor([(row, index) for index, (_, rows) in enumerate(few) for row in rows],
+                                  dtype=torch.int64)
+        self.tables = _kernel_tables([adapter for adapter, _ in few], widths)
+        self.weight_bf16 = int(few[0][0].regions.dtype == torch.bfloat16)
+
+    def add(self, layer: int, projections: tuple[str, ...], x: torch.Tensor, out: torch.Tensor) -> None:
         if x.dtype is not torch.float32 or out.dtype is not torch.float32 or out.stride(1) != 1:
             raise ValueError("the LoRA kernel adds float32 rows into a float32 output")
         x = x if x.stride(1) == 1 else x.contiguous()
@@ -121,8 +146,60 @@ class LoraBatch:
         units = len(self.units)
         args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[1], self.units.data_ptr(), units,
                 table.data_ptr(), self.weight_bf16)
-        assert self.kernel is not None
-        native.share_units(self.kernel, args, units, units >= 4, 1)
+        native.share_units(self.function, args, units, units >= 4, 1)
+
+
+@dataclass(slots=True, frozen=True)
+class PagedWeights:
+    """The KV cache's memory as adapter values: `values` flat, `[layers, 2, blocks, half]` behind it."""
+
+    values: torch.Tensor
+    blocks: int
+    half: int
+
+
+class _TritonKernel:
+    """`kernels.lora_triton` over the adapters of a step's few rows: their tables and page tables, made once
+    per step on the device, serve every group of every layer."""
+
+    def __init__(self, few: list[tuple[Adapter, list[int]]], widths: dict[str, tuple[int, int]],
+                 paged: PagedWeights, device: torch.device):
+        self.paged = paged
+        adapters = [adapter for adapter, _ in few]
+        self.units = torch.tensor([(row, index) for index, (_, rows) in enumerate(few) for row in rows],
+                                  dtype=torch.int64, device=device)
+        widest = max(len(adapter.pages) for adapter in adapters)
+        page_table = torch.zeros((len(adapters), 2 * widest), dtype=torch.int64)
+        for index, adapter in enumerate(adapters):
+            pages = torch.tensor(adapter.pages, dtype=torch.int64)
+            page_table[index, : 2 * len(pages)] = torch.cat([pages, pages + paged.blocks])  # region 0, then 1
+        self.page_table = page_table.to(device)
+        self.tables, self.max_rank, self.max_width = [], [], []
+        for group in GROUPS:
+            table = torch.tensor([_triton_row(adapter, group, widths) for adapter in adapters], dtype=torch.int64)
+            self.tables.append(table.to(device))
+            self.max_rank.append(int(table[:, 0].max()))
+            self.max_width.append(int(table[:, 5::4].max()))
+
+    def add(self, layer: int, projections: tuple[str, ...], x: torch.Tensor, out: torch.Tensor) -> None:
+        g = GROUPS.index(projections)
+        paged = self.paged
+        lora_triton.lora_add_triton(x if x.stride(1) == 1 else x.contiguous(), out, self.units, self.tables[g],
+                                    self.page_table, paged.values, layer * 2 * paged.blocks * paged.half,
+                                    paged.half, self.max_rank[g], self.max_width[g])
+
+
+def _triton_row(adapter: Adapter, group: tuple[str, ...], widths: dict[str, tuple[int, int]]) -> list[int]:
+    """The adapter's fields for one projection group as `kernels.lora_triton` takes them, offsets counted in
+    its two regions taken one after the other."""
+    layout = adapter.layout
+    present = layout.present(group)
+    row = [layout.rank if present else 0, len(present)]
+    for projection in present:
+        a, b = layout.parts[projection, "A"], layout.parts[projection, "B"]
+        row += [a.region * len(adapter.pages) * layout.half + a.offset,
+                b.region * len(adapter.pages) * layout.half + b.offset, *widths[projection]]
+    return row + [0] * (lora_triton.FIELDS - len(row))
 
 
 GROUPS = PROJECTION_GROUPS
@@ -137,8 +214,17 @@ def lora_kernel():
     return native.function("cpu_lora", "lora_rows", [p, i, p, i, i, p, i, p, i, i, p, i], i)
 
 
-def _kernel_reads(adapter: Adapter) -> bool:
-    """Whether the kernel can read this adapter: float32 or bfloat16 weights, each group's A in one block."""
+def _kernel_for(device: torch.device) -> str | None:
+    if device.type == "cpu":
+        return "c" if lora_kernel() is not None else None
+    return "triton" if device.type == "cuda" and lora_triton.triton is not None else None
+
+
+def _kernel_reads(adapter: Adapter, kernel: str) -> bool:
+    """Whether the kernel can read this adapter: Triton's reads any; the compiled one float32 or bfloat16
+    weights with each group's A matrices in one block."""
+    if kernel == "triton":
+        return True
     if adapter.regions.dtype not in (torch.float32, torch.bfloat16) or adapter.regions.stride(2) != 1:
         return False
     layout = adapter.layout
@@ -211,6 +297,7 @@ class LoraAdapters:
         self.half_bytes = half.numel() * half.element_size()
         self.half_elements = self.half_bytes // item
         self.loaded: dict[str, tuple[AdapterLayout, list[int]]] = {}
+        self.kernel = _kernel_for(cache.device)  # for a step's adapters with few rows: "c", "triton" or None
         self._host: OrderedDict[str, tuple[AdapterLayout, torch.Tensor]] = OrderedDict()
         self.widths: dict[str, tuple[int, int]] = {}  # projection -> (first column, width) in its group's output
         for group in GROUPS:
@@ -266,18 +353,14 @@ class LoraAdapters:
         """The step's adapters, each with the rows of its sequences; None when no row runs under one."""
         if not segments:
             return None
-        gathered = []
         view = self._pages_view()
-        for name, rows in segments:
-            layout, pages = self.loaded[name]
-            first = pages[0]
-            if pages == list(range(first, first + len(pages))):  # read in place
-                held = view[:, :, first : first + len(pages)]
-            else:
-                held = view[:, :, torch.tensor(pages, dtype=torch.int64, device=self.cache.device)]
-            regions = held.view(self.dtype).flatten(2)
-            gathered.append((Adapter(layout, regions), rows))
-        return LoraBatch(gathered, self.widths, self.cache.device)
+        adapters = [(Adapter(self.loaded[name][0], self.loaded[name][1], view, self.dtype), rows)
+                    for name, rows in segments]
+        paged = None
+        if self.kernel == "triton":
+            paged = PagedWeights(self.cache.cache.view(-1).view(torch.uint8).view(self.dtype), view.shape[2],
+                                 self.half_elements)
+        return LoraBatch(adapters, self.widths, self.cache.device, self.kernel, paged)
 
 
 def tensor_parallel_shards(model) -> dict[str, tuple[str, int, int]]:
