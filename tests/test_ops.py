@@ -14,8 +14,9 @@ import httpx
 import pytest
 import yaml
 
-from services.scheduler.metrics import speculation_metrics
+from services.scheduler.metrics import lora_metrics, speculation_metrics
 from services.scheduler.speculation import SpeculationStats
+from services.scheduler.stats import LoraStats
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # starts processes: not in `make check`
@@ -25,9 +26,10 @@ def test_every_dashboard_query_uses_an_exported_metric(llama_server):
     httpx.post(f"{llama_server.base_url}/v1/completions", timeout=60,
                json={"model": llama_server.model, "prompt": "x", "max_tokens": 2})
     exported = {name.split("{")[0] for name in llama_server.metrics()}
-    # A scheduler that speculates exports these too (llama_server does not speculate).
+    # A scheduler that speculates or serves adapters exports these too (llama_server does neither).
     exported |= {sample.name for family in speculation_metrics(SpeculationStats(accepted_per_position=[0]))
                  for sample in family.samples}
+    exported |= {sample.name for family in lora_metrics(LoraStats(1, 1, 1, 1, {"": 1})) for sample in family.samples}
     with open(os.path.join(ROOT, "ops", "grafana", "dashboards", "pagedserve.json")) as f:
         dashboard = json.load(f)
     used = {name for panel in dashboard["panels"] for target in panel["targets"]

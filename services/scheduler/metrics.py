@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from services.scheduler.speculation import SpeculationStats
-from services.scheduler.stats import Stats
+from services.scheduler.stats import LoraStats, Stats
 from shared.sockets import Context
 
 SCHEDULE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -169,17 +169,7 @@ class StatsCollector:
         for name, (help_text, count) in counters.items():
             yield CounterMetricFamily(f"pagedserve_{name}", help_text, value=count)
         if stats.lora is not None:
-            lora = stats.lora
-            yield GaugeMetricFamily("pagedserve_lora_adapters", "LoRA adapters with pages in the device pool",
-                                    value=lora.on_device)
-            yield GaugeMetricFamily("pagedserve_lora_pages", "device blocks LoRA adapters' pages take",
-                                    value=lora.pages)
-            yield labeled_counter("pagedserve_lora_adapter_loads", "LoRA adapters loaded into pages of the device "
-                                  "pool, and evicted from it", "event", {"load": lora.loads,
-                                                                          "eviction": lora.evictions})
-            yield labeled_counter("pagedserve_lora_requests", "requests admitted, by the adapter they run under "
-                                  "(base: none; other: past --max-cpu-loras names)", "adapter",
-                                  {name or "base": count for name, count in lora.requests.items()})
+            yield from lora_metrics(stats.lora)
         served = CounterMetricFamily("pagedserve_served_tokens", "prompt tokens computed and output tokens sampled, "
                                      "by tenant and priority class (as pagedserve_request_queue_time_seconds)",
                                      labels=["tenant", "priority", "kind"])
@@ -207,6 +197,20 @@ def speculation_metrics(stats: SpeculationStats) -> Iterator[Metric]:
     yield labeled_counter("pagedserve_spec_decode_steps", "steps by whether they speculated (chosen by what each "
                           "choice gave lately at the batch's size)", "choice",
                           {"speculate": stats.steps_speculating, "plain": stats.steps_plain})
+
+
+def lora_metrics(lora: LoraStats) -> Iterator[Metric]:
+    """With --enable-lora: adapters and their pages in the device pool, loads and evictions, requests by adapter."""
+    yield GaugeMetricFamily("pagedserve_lora_adapters", "LoRA adapters with pages in the device pool",
+                            value=lora.on_device)
+    yield GaugeMetricFamily("pagedserve_lora_pages", "device blocks LoRA adapters' pages take",
+                            value=lora.pages)
+    yield labeled_counter("pagedserve_lora_adapter_loads", "LoRA adapters loaded into pages of the device "
+                          "pool, and evicted from it", "event", {"load": lora.loads,
+                                                                  "eviction": lora.evictions})
+    yield labeled_counter("pagedserve_lora_requests", "requests admitted, by the adapter they run under "
+                          "(base: none; other: past --max-cpu-loras names)", "adapter",
+                          {name or "base": count for name, count in lora.requests.items()})
 
 
 def labeled_counter(name: str, help_text: str, label: str, values: dict[str, float]) -> CounterMetricFamily:
