@@ -89,6 +89,14 @@ async def run_requests(base_url: str, args, models: list[str], seed: int) -> dic
             "requests": len(done)}
 
 
+async def warm_up(base_url: str, models: list[str]) -> None:
+    """One short request per model, so that every adapter is loaded before the timed runs (on each system
+    alike): the figures are of serving, not of reading adapters from disk the first time."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        for model in models:
+            await stream_completion(client, f"{base_url}/v1/completions", model, list(range(10, 18)), 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     peer_bench.add_system_args(parser)
@@ -123,6 +131,8 @@ def main() -> None:
                                            Path(scratch))
                 servers.append(server)
                 server.wait_ready()
+                models = [peer_bench.SERVED_NAME] if name == "pagedserve-base" else [a for a, _ in adapters]
+                asyncio.run(warm_up(f"http://127.0.0.1:{ports[name]}", models))
             for repeat in range(args.repeats):
                 for count in counts:
                     names = [adapter for adapter, _ in adapters[:count]]

@@ -153,6 +153,45 @@ def test_under_fair_weights_scale_a_tenants_share():
     assert 0.6 * b < a < 1.6 * b, (a, b)
 
 
+def _prompt_tokens_of_next_step(scheduler, worker) -> int:
+    before = scheduler.counters.prompt_tokens_computed
+    _step(scheduler, worker)
+    return scheduler.counters.prompt_tokens_computed - before
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole-prompts"])
+def test_under_fair_a_step_carries_half_its_budget_of_prompts_while_another_tenant_is_active(chunked):
+    """A request that arrives while a step computes waits for it: while more than one tenant is active, one
+    tenant's prompts fill half a step, so the step a newcomer waits for is short; alone, the whole budget."""
+    now = [0.0]
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=16, max_tokens_per_step=64, chunked=chunked,
+                               policy=FairPolicy(), clock=lambda: now[0])
+    worker = StandInWorker()
+    for _ in range(12):
+        scheduler.add(request(prompt_len=16, max_tokens=40, tenant=TENANT_A))
+    assert _prompt_tokens_of_next_step(scheduler, worker) == 64  # A alone: four prompts
+    steady = request(prompt_len=4, max_tokens=1, tenant=TENANT_B)
+    scheduler.add(steady)
+    _step(scheduler, worker)  # B's request runs alone with A's decodes, and ends
+    assert steady.request_id not in scheduler.requests
+    now[0] += 1.0  # B has no request present, but had one a moment ago: it may send its next any time
+    assert _prompt_tokens_of_next_step(scheduler, worker) == 32
+    now[0] += 2.0  # B is gone
+    decoding = len(scheduler.running)
+    assert 32 < _prompt_tokens_of_next_step(scheduler, worker) <= 64 - decoding  # the budget, less A's decodes
+
+
+def test_under_fair_a_prompt_longer_than_the_cap_still_starts_where_prompts_are_not_split():
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=16, max_tokens_per_step=64, policy=FairPolicy())
+    worker = StandInWorker()
+    scheduler.add(request(prompt_len=4, max_tokens=40, tenant=TENANT_B))
+    long = request(prompt_len=48, max_tokens=4, tenant=TENANT_A)
+    scheduler.add(long)
+    _step(scheduler, worker)  # B's request: A's, of more than half the budget, is not in its step
+    assert _prompt_tokens_of_next_step(scheduler, worker) == 48  # the step's first prompt goes past the cap
+    assert scheduler.requests[long.request_id].status is RequestStatus.RUNNING
+
+
 def test_an_idle_tenant_banks_no_credit():
     policy = FairPolicy()
     scheduler = make_scheduler(policy=policy)

@@ -103,18 +103,21 @@ TRAIN_SMALL = ["--files", "15", "--vocab-size", "400", "--batch-size", "2", "--s
                "--no-plot"]
 
 
-def train(*args: str) -> None:
+def train(*runs: list[str]) -> None:
+    """One training run per list of arguments, side by side (each takes one thread)."""
     script = os.path.join(ROOT, "ops", "train_tiny_model.py")
-    done = subprocess.run([sys.executable, script, *args, *TRAIN_SMALL], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    started = [subprocess.Popen([sys.executable, script, *args, *TRAIN_SMALL], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True) for args in runs]
+    for process in started:
+        _, errors = process.communicate(timeout=300)
+        assert process.returncode == 0, errors[-2000:]
 
 
 @pytest.fixture(scope="module")
 def trained_twice(tmp_path_factory):
     """Two training runs with the same arguments."""
     root = tmp_path_factory.mktemp("trained")
-    for run in ("a", "b"):
-        train("--out", str(root / run), "--steps", "3")
+    train(*(["--out", str(root / run), "--steps", "3"] for run in ("a", "b")))
     return root / "a", root / "b"
 
 
@@ -126,7 +129,7 @@ def test_training_is_seeded_and_reproducible(trained_twice):
 
 def test_unlikelihood_fine_tuning_starts_from_a_saved_model_and_records_the_chain(trained_twice, tmp_path):
     base_dir = trained_twice[0]
-    train("--out", str(tmp_path / "tuned"), "--init-from", str(base_dir), "--steps", "0", "--unlikelihood-steps", "2")
+    train(["--out", str(tmp_path / "tuned"), "--init-from", str(base_dir), "--steps", "0", "--unlikelihood-steps", "2"])
     record = json.loads((tmp_path / "tuned" / "training.json").read_text())
     assert record["init_from"]["steps"] == 3 and [s["step"] for s in record["unlikelihood"]] == [0, 1]
     base, tuned = load_file(base_dir / "model.safetensors"), load_file(tmp_path / "tuned" / "model.safetensors")

@@ -39,6 +39,11 @@ PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
 MAX_TENANT_LABELS = 64
 MAX_IDLE_TENANTS = 4096  # counters kept of tenants with no request present; the lowest go first
+# Under fair: a tenant whose last request left this recently is still active (a client sending one request
+# after another has none present for a moment between them), and while more than one tenant is active a step
+# carries prompt tokens up to this share of its budget.
+ACTIVE_SECONDS = 2.0
+CONTENDED_PROMPT_SHARE = 0.5
 _KEY_TENANT = re.compile(r"tenant-[0-9a-f]{16}")
 
 
@@ -64,6 +69,10 @@ class SchedulingPolicy:
 
     def _rank(self, request: Request) -> Rank:
         return ()
+
+    def prompt_budget(self, budget: int) -> int:
+        """Prompt tokens a step of `budget` tokens may carry."""
+        return budget
 
     def preempts(self, head: Request, running: list[Request]) -> bool:
         """Whether `head`, first to be admitted or resumed, which outranks the last of `running` (in
@@ -102,6 +111,17 @@ class FairPolicy(SchedulingPolicy):
         self.counters: dict[str, float] = {}  # of tenants present
         self.present: dict[str, int] = {}  # tenant -> its requests in the system
         self.idle: dict[str, float] = {}  # the counters of tenants that left, while anyone is present
+        self.last_left: dict[str, float] = {}  # tenant -> when its last request left, while that is recent
+
+    def prompt_budget(self, budget: int) -> int:
+        """Half the budget while another tenant than one is active (has a request present, or had one within
+        ACTIVE_SECONDS): a request that arrives while a step computes waits for that step, so while others
+        may be arriving, one tenant's flood of prompts does not make every step a long one."""
+        for tenant, when in list(self.last_left.items()):
+            if self.now - when > ACTIVE_SECONDS or tenant in self.present:
+                del self.last_left[tenant]
+        active = len(self.present) + len(self.last_left)
+        return budget if active <= 1 else max(1, int(budget * CONTENDED_PROMPT_SHARE))
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant.removeprefix("user:"), 1.0)
@@ -129,6 +149,7 @@ class FairPolicy(SchedulingPolicy):
             return
         del self.present[tenant]
         self.idle[tenant] = self.counters.pop(tenant)
+        self.last_left[tenant] = self.now
         if not self.present:
             self.idle.clear()
         elif len(self.idle) > MAX_IDLE_TENANTS:

@@ -101,10 +101,12 @@ class Counters:
 
 @dataclass(slots=True)
 class _Plan:
-    """The step being planned: what it runs and the tokens it has left (its block transfers are queued
-    in the KV cache manager)."""
+    """The step being planned: what it runs and the tokens it has left, of all and of prompts (its block
+    transfers are queued in the KV cache manager)."""
 
     tokens_left: int
+    prompt_tokens_left: int  # the policy's cap on prompt tokens in this step, less those taken
+    prompt_tokens: int = 0  # taken
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, positions to compute)
 
 
@@ -231,7 +233,7 @@ class Scheduler:
 
     def schedule(self) -> Step | None:
         """Decide the next step, or None when there is nothing to run."""
-        plan = _Plan(self.budgets.max_num_batched_tokens)
+        budget = self.budgets.max_num_batched_tokens
         preempted = False
         ahead = bool(self.in_flight)
         self.needs_drain = False
@@ -240,6 +242,7 @@ class Scheduler:
             return None
         self._speculating = self.speculation is not None and self.speculation.decide(self._num_decoding())
         self._rank_queues()
+        plan = _Plan(budget, self.policy.prompt_budget(budget))
         held, head_rank = self._make_room_for_head(plan, ahead)
 
         queue = list(self.running)
@@ -249,7 +252,7 @@ class Scheduler:
             next_index += 1
             if held and self.policy.rank(request) > head_rank and _in_prompt(request):
                 continue  # the head it ranks below starts first, in a step no longer for this chunk
-            wants = self._within_free_blocks(self._wants(request, plan.tokens_left - held))
+            wants = self._within_free_blocks(self._wants(request, self._room(request, plan) - held))
             if not wants:
                 continue
             if ahead and not self.kv_cache.can_append(wants):
@@ -382,8 +385,18 @@ class Scheduler:
         return (len(seq.output_token_ids) + seq.num_coming < sampling.max_tokens
                 and seq.num_tokens + seq.num_coming < self.budgets.max_model_len)
 
+    def _room(self, request: Request, plan: _Plan) -> int:
+        """The tokens a request may take in the step: for a prompt, within the policy's cap on prompt
+        tokens too, except for the step's first prompt where prompts cannot be split into chunks."""
+        if not _in_prompt(request) or (plan.prompt_tokens == 0 and not self.budgets.chunked_prefill):
+            return plan.tokens_left
+        return max(0, min(plan.tokens_left, plan.prompt_tokens_left))
+
     def _take(self, wants: list[tuple[Sequence, int]], plan: _Plan) -> None:
         for seq, n in wants:
+            if seq.kv.num_computed < seq.num_prompt_tokens:
+                plan.prompt_tokens += n
+                plan.prompt_tokens_left -= n
             self.kv_cache.append_slots(seq, n)
             plan.scheduled.append((seq, n))
             plan.tokens_left -= n
@@ -431,7 +444,7 @@ class Scheduler:
                     self.swapped.pop(0)
                     self.kv_cache.swap_in(request)
                     self._mark_running(request)
-                    wants = self._within_free_blocks(self._wants(request, plan.tokens_left))
+                    wants = self._within_free_blocks(self._wants(request, self._room(request, plan)))
                     if wants and self.kv_cache.can_append(wants):
                         self._take(wants, plan)
                     continue
@@ -443,7 +456,7 @@ class Scheduler:
                 break
 
     def _start(self, request: Request, plan: _Plan) -> bool:
-        start = self._plan_start(request, plan.tokens_left)
+        start = self._plan_start(request, self._room(request, plan))
         if start is None:
             return False
         if start.hits.waiting:
@@ -452,7 +465,7 @@ class Scheduler:
             if not request.waited_for_disk and self.kv_cache.read_from_disk(start.hits):
                 request.waited_for_disk = True
                 return False
-            start = self._plan_start(request, plan.tokens_left, disk=False)
+            start = self._plan_start(request, self._room(request, plan), disk=False)
             if start is None:
                 return False
         self.waiting.popleft()
