@@ -16,27 +16,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks.kernel_bench import time_ms  # noqa: E402
 from kernels.lora_triton import FIELDS, lora_add_triton  # noqa: E402
 from shared.lora import page_layout  # noqa: E402
 
 GROUP = {"q_proj": (4096, 4096), "k_proj": (4096, 1024), "v_proj": (4096, 1024)}
 COLUMNS = {"q_proj": 0, "k_proj": 4096, "v_proj": 5120}
 RANK, DTYPE, HALF = 16, torch.float16, 16 * 8 * 128  # one layer's keys in a block: 16 tokens, 8 heads, 128
-
-
-def timed(function, repeats: int = 50) -> float:
-    """Median milliseconds of `function` on the GPU."""
-    for _ in range(5):
-        function()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def case(adapters: int, rows: int, device: str = "cuda", timing: bool = True) -> dict:
@@ -94,7 +80,7 @@ def case(adapters: int, rows: int, device: str = "cuda", timing: bool = True) ->
     out.copy_(check)
     if not timing:
         return {}
-    kernel_ms, loop_ms = timed(kernel), timed(loop)
+    kernel_ms, loop_ms = time_ms(kernel, 50), time_ms(loop, 50)
     return {"adapters": adapters, "rows": rows, "kernel_ms": round(kernel_ms, 4), "loop_ms": round(loop_ms, 4),
             "speedup": round(loop_ms / kernel_ms, 2)}
 

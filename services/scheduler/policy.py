@@ -113,13 +113,14 @@ class FairPolicy(SchedulingPolicy):
         self.idle: dict[str, float] = {}  # the counters of tenants that left, while anyone is present
         self.last_left: dict[str, float] = {}  # tenant -> when its last request left, while that is recent
 
+    def begin_step(self, now: float) -> None:
+        super().begin_step(now)
+        self.last_left = {tenant: when for tenant, when in self.last_left.items() if now - when <= ACTIVE_SECONDS}
+
     def prompt_budget(self, budget: int) -> int:
-        """Half the budget while another tenant than one is active (has a request present, or had one within
+        """Half the budget while more than one tenant is active (has a request present, or had one within
         ACTIVE_SECONDS): a request that arrives while a step computes waits for that step, so while others
         may be arriving, one tenant's flood of prompts does not make every step a long one."""
-        for tenant, when in list(self.last_left.items()):
-            if self.now - when > ACTIVE_SECONDS or tenant in self.present:
-                del self.last_left[tenant]
         active = len(self.present) + len(self.last_left)
         return budget if active <= 1 else max(1, int(budget * CONTENDED_PROMPT_SHARE))
 
@@ -137,6 +138,7 @@ class FairPolicy(SchedulingPolicy):
 
     def arrived(self, request: Request) -> None:
         tenant = request.tenant
+        self.last_left.pop(tenant, None)  # present again: counted once
         if tenant not in self.present:
             self.counters[tenant] = max(self.idle.pop(tenant, 0.0), min(self.counters.values(), default=0.0))
             self.present[tenant] = 0

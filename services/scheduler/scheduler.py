@@ -105,7 +105,7 @@ class _Plan:
     transfers are queued in the KV cache manager)."""
 
     tokens_left: int
-    prompt_tokens_left: int  # the policy's cap on prompt tokens in this step, less those taken
+    prompt_cap: int  # the policy's cap on the step's prompt tokens
     prompt_tokens: int = 0  # taken
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, positions to compute)
 
@@ -390,13 +390,12 @@ class Scheduler:
         tokens too, except for the step's first prompt where prompts cannot be split into chunks."""
         if not _in_prompt(request) or (plan.prompt_tokens == 0 and not self.budgets.chunked_prefill):
             return plan.tokens_left
-        return max(0, min(plan.tokens_left, plan.prompt_tokens_left))
+        return max(0, min(plan.tokens_left, plan.prompt_cap - plan.prompt_tokens))
 
     def _take(self, wants: list[tuple[Sequence, int]], plan: _Plan) -> None:
         for seq, n in wants:
             if seq.kv.num_computed < seq.num_prompt_tokens:
                 plan.prompt_tokens += n
-                plan.prompt_tokens_left -= n
             self.kv_cache.append_slots(seq, n)
             plan.scheduled.append((seq, n))
             plan.tokens_left -= n

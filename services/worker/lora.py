@@ -354,12 +354,10 @@ class LoraAdapters:
         if not segments:
             return None
         view = self._pages_view()
-        adapters = [(Adapter(self.loaded[name][0], self.loaded[name][1], view, self.dtype), rows)
-                    for name, rows in segments]
+        adapters = [(Adapter(*self.loaded[name], view, self.dtype), rows) for name, rows in segments]
         paged = None
         if self.kernel == "triton":
-            paged = PagedWeights(self.cache.cache.view(-1).view(torch.uint8).view(self.dtype), view.shape[2],
-                                 self.half_elements)
+            paged = PagedWeights(view.view(-1).view(self.dtype), view.shape[2], self.half_elements)
         return LoraBatch(adapters, self.widths, self.cache.device, self.kernel, paged)
 
 
