@@ -27,9 +27,9 @@ up: install
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q $(ARGS)
 
-# The inner loop: lint, types and every test that starts no server (a couple of minutes).
+# The inner loop: lint, types and every test that starts no server, spread over the cores.
 check: lint
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not slow" -n auto $(ARGS)
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -20,6 +21,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny_models import build_model
+
+XDIST_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in each worker of `pytest -n` (make check)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The workers share the cores: each with torch's default of one thread per core, their threads
+    # wait on one another's cores (make check took twice as long as one process did).
+    torch.set_num_threads(1)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +94,23 @@ def free_port(span: int = 1) -> int:
         wanted = range(port, port + span)
         if not _handed_out.intersection(wanted) and all(_bindable(p) for p in wanted[1:]):
             _handed_out.update(wanted)
-            return port
+            if _claimed_across_workers(wanted):
+                return port
+
+
+def _claimed_across_workers(ports: range) -> bool:
+    """Under `pytest -n`, each port handed out is a file the other workers see, so two workers never
+    get the same one; False where another worker has one of `ports`."""
+    if XDIST_RUN is None:
+        return True
+    folder = os.path.join(tempfile.gettempdir(), f"pagedserve-test-ports-{XDIST_RUN}")
+    os.makedirs(folder, exist_ok=True)
+    for port in ports:
+        try:
+            os.close(os.open(os.path.join(folder, str(port)), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return False
+    return True
 
 
 def _bindable(port: int) -> bool:

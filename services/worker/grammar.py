@@ -51,7 +51,7 @@ def grammar_tokenizer(tokenizer_dir: str, vocab_size: int, eos_token: int | None
     from transformers import AutoTokenizer
 
     hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token)  # type: ignore[arg-type]
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token)
 
 
 def _tokens_added_elsewhere(tokenizer_dir: str, backend) -> bool:

@@ -109,7 +109,7 @@ class GPT2LMHeadModel(PagedCausalLM):
     def __init__(self, config, tp: TensorParallel = SINGLE):
         super().__init__()
         self.transformer = _GPT2Model(config, tp)
-        attention: GPT2Attention = self.transformer.h[0].attn  # type: ignore[assignment]  # a ModuleList's item
+        attention: GPT2Attention = self.transformer.h[0].attn
         self.init_head(config, config.hidden_size, attention.num_heads, attention.head_dim)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], batch: PagedBatch):

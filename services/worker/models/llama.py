@@ -210,7 +210,7 @@ class LlamaForCausalLM(PagedCausalLM):
 
     def _build(self, config, tp: TensorParallel, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
         self.model = DecoderModel(config, qkv_bias, o_bias, qk_norm, tp)
-        attention: Attention = self.model.layers[0].self_attn  # type: ignore[assignment]  # a ModuleList's item
+        attention: Attention = self.model.layers[0].self_attn
         self.init_head(config, config.hidden_size, attention.num_kv_heads, attention.head_dim)
         self.rotary = RotaryEmbedding(config, self.head_dim)
 

@@ -113,7 +113,7 @@ class OPTForCausalLM(PagedCausalLM):
     def __init__(self, config, tp: TensorParallel = SINGLE):
         super().__init__()
         self.model = _OPTModel(config, tp)
-        attention: OPTAttention = self.model.decoder.layers[0].self_attn  # type: ignore[assignment]  # a ModuleList's item
+        attention: OPTAttention = self.model.decoder.layers[0].self_attn
         self.init_head(config, config.word_embed_proj_dim, attention.num_heads, attention.head_dim)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], batch: PagedBatch):
