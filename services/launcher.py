@@ -51,6 +51,7 @@ from shared.config import (
 from shared.options import add_options, from_namespace, to_flags
 
 PR_SET_PDEATHSIG = 1
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
 STOP_CODES = (0, -signal.SIGINT, -signal.SIGTERM)  # how a child ends when asked to stop
 
 SHIPPED_MODEL = os.path.join(
@@ -190,11 +191,27 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    directory = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700
+    directory = socket_directory(args.data_parallel_size)
+    if directory is None:
+        print(f"pagedserve: the temporary directory {tempfile.gettempdir()} is too deep for Unix socket paths "
+              f"({SOCKET_PATH_MAX} bytes at most), and so is /tmp: set TMPDIR to a shorter one", file=sys.stderr)
+        return 2
     try:
         return _supervise(args, directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def socket_directory(engines: int) -> str | None:
+    """A new private directory (mode 0700) for the services' Unix sockets: in the temporary directory
+    where the longest socket path fits in an address, else in /tmp (a deep TMPDIR, as test runners
+    and some schedulers set, would otherwise fail the scheduler's bind); None where neither fits."""
+    for parent in dict.fromkeys([tempfile.gettempdir(), "/tmp"]):
+        name = os.path.join(parent, "pagedserve-" + "x" * 8)  # mkdtemp's random part is 8 characters
+        longest = Endpoints.local(name, engines - 1).workers.removeprefix("ipc://")
+        if len(longest.encode()) <= SOCKET_PATH_MAX and os.path.isdir(parent):
+            return tempfile.mkdtemp(prefix="pagedserve-", dir=parent)
+    return None
 
 
 def _exited(children: dict[str, subprocess.Popen]) -> dict[str, int]:

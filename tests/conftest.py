@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +32,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `pytest -n --dist loadgroup` (make test), a file's tests run in one worker, so a server its
+    fixtures start once serves them all; files marked `xdist_group` share a worker with the others of
+    that group (those that listen on fixed ports take turns)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     return {
@@ -42,6 +52,15 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs) -> str:
     return model_dirs["llama"]
+
+
+@pytest.fixture
+def socket_dir():
+    """A short private directory for ipc:// sockets and, as TMPDIR, for the launcher's socket directory:
+    tmp_path can exceed a socket path's 107 bytes (under `pytest -n` it is deeper still)."""
+    directory = tempfile.mkdtemp(prefix="pagedserve-test-")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:
@@ -230,6 +249,10 @@ def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] 
     )
     try:
         wait_serving(base_url, process, server.log, 120)
+        # The api answers /health before the launcher has seen it ready; a child that dies before then
+        # is a failed start to the launcher, which stops rather than restarts it.
+        if not wait_until(lambda: "pagedserve: ready at" in server.log() or process.poll() is not None, 60):
+            raise RuntimeError(f"the launcher did not say it was ready:\n{server.log()[-3000:]}")
         yield server
     finally:
         process.send_signal(signal.SIGINT)

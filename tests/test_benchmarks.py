@@ -11,7 +11,9 @@ import pytest
 from kernels.cpu_linear import gemm_build
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow  # starts processes: not in `make check`
+# Starts processes (not in `make check`); some benchmarks listen on their fixed default ports, as
+# does the getting-started page's server: under `pytest -n` they take turns in one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fixed-ports")]
 
 
 def load(name):

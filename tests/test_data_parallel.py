@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import free_port, parse_metrics, serve, wait_until
 from tests.test_end_to_end import MAX_TOKENS, prompts
-from tests.test_resilience import socket_dir, start, wait_healthy  # noqa: F401 (a fixture)
+from tests.test_resilience import start, wait_healthy
 from tests.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.slow  # starts processes: not in `make check`
@@ -115,7 +115,7 @@ def engine_process(launcher: int, module: str, endpoint_part: str) -> int:
 
 
 def test_a_killed_engine_fails_only_its_own_requests_and_a_restarted_one_serves_again(llama_dir, tmp_path,
-                                                                                       socket_dir):  # noqa: F811
+                                                                                       socket_dir):
     """The services run alone, as deployed across hosts: nothing restarts the killed engine but the test."""
     endpoints = [(f"ipc://{socket_dir}/scheduler-{i}.sock", f"ipc://{socket_dir}/workers-{i}.sock")
                  for i in range(ENGINES)]

@@ -71,6 +71,7 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("fixed-ports")  # make up's ports, which some benchmarks' tests use too
 def test_every_block_of_the_getting_started_page_runs_as_written_and_prints_what_it_says(tmp_path):
     servers: list[subprocess.Popen] = []
     checked = 0

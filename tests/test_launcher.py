@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,10 +15,10 @@ from tests.conftest import ROOT, free_port, metrics_port_flags, serve
 pytestmark = pytest.mark.slow  # starts processes: not in `make check`
 
 
-def test_the_launcher_exits_non_zero_when_a_child_dies_and_leaves_no_socket_directory(llama_dir, tmp_path):
-    broken, temp = tmp_path / "broken", tmp_path / "tmp"
+def test_the_launcher_exits_non_zero_when_a_child_dies_and_leaves_no_socket_directory(llama_dir, tmp_path,
+                                                                                        socket_dir):
+    broken, temp = tmp_path / "broken", Path(socket_dir)
     broken.mkdir()
-    temp.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # all but the weights
         shutil.copy(os.path.join(llama_dir, name), broken)
     cmd = [sys.executable, "-m", "services.launcher", "up", "--model", str(broken),
@@ -260,6 +261,27 @@ def test_with_several_engines_each_gets_its_own_sockets_and_metrics_ports():
         flag(f"engine {i}'s scheduler", "--scheduler-endpoint") for i in range(2)
     )
     assert flag("api", "--routing") == "prefix"
+
+
+def test_sockets_go_under_tmp_when_the_temporary_directory_is_too_deep_for_their_paths(tmp_path, monkeypatch):
+    import tempfile
+
+    from services.launcher import SOCKET_PATH_MAX, socket_directory
+    from shared.config import Endpoints
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    chosen = socket_directory(engines=2)
+    try:
+        assert os.path.dirname(chosen) == "/tmp" and os.stat(chosen).st_mode & 0o777 == 0o700
+        assert len(Endpoints.local(chosen, 1).workers.removeprefix("ipc://")) <= SOCKET_PATH_MAX
+    finally:
+        os.rmdir(chosen)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # short enough: the temporary directory itself
+    chosen = socket_directory(engines=1)
+    assert os.path.dirname(chosen) == str(tmp_path)
+    os.rmdir(chosen)
 
 
 @pytest.mark.parametrize("service", ["scheduler", "worker"])

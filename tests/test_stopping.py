@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -57,13 +58,12 @@ def stream_forever(base_url: str, model: str) -> None:
 
 @pytest.mark.parametrize("signum, whole_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
                          ids=["ctrl-c", "sigterm-to-the-launcher"])
-def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, signum, whole_group):
-    port, temp = free_port(), tmp_path / "tmp"
-    temp.mkdir()
+def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, socket_dir, signum, whole_group):
+    port, temp = free_port(), Path(socket_dir)
     process = start([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
                      *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
                     tmp_path / "launcher.log", temp)
-    wait_healthy(f"http://127.0.0.1:{port}/health")
+    wait_healthy(f"http://127.0.0.1:{port}/health", process=process)
     # Its ipc sockets live in a directory of its own, closed to other users.
     assert [(p.name[:11], p.stat().st_mode & 0o777) for p in temp.iterdir()] == [("pagedserve-", 0o700)]
     # `serve` takes the model as its first argument.
@@ -82,13 +82,12 @@ def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, signum, who
     assert list(temp.iterdir()) == []
 
 
-def test_an_idle_launcher_stopped_by_ctrl_c_logs_no_error_and_no_line_about_waiting(llama_dir, tmp_path):
-    port, temp = free_port(), tmp_path / "tmp"
-    temp.mkdir()
+def test_an_idle_launcher_stopped_by_ctrl_c_logs_no_error_and_no_line_about_waiting(llama_dir, tmp_path, socket_dir):
+    port, temp = free_port(), Path(socket_dir)
     process = start([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
                      *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
                     tmp_path / "launcher.log", temp)
-    wait_healthy(f"http://127.0.0.1:{port}/health")
+    wait_healthy(f"http://127.0.0.1:{port}/health", process=process)
     stop_and_time(process, signal.SIGINT, whole_group=True)
     output = (tmp_path / "launcher.log").read_text()
     assert process.returncode == 0, output
@@ -109,12 +108,12 @@ def service_commands(llama_dir: str, sockets: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_each_service_alone_stops_promptly(llama_dir, tmp_path, signum):
+def test_each_service_alone_stops_promptly(llama_dir, tmp_path, socket_dir, signum):
     # The three at once, each with sockets of its own: none has a peer, and none waits for another's start.
     ready_line = {"scheduler": "waiting for 1 worker rank", "worker": "measured:", "api": "once the scheduler is ready"}
     processes, logs = {}, {}
     for service in ready_line:
-        sockets = tmp_path / service
+        sockets = Path(socket_dir) / service
         sockets.mkdir()
         logs[service] = tmp_path / f"{service}.log"
         processes[service] = start(service_commands(llama_dir, str(sockets))[service], logs[service], sockets)
@@ -154,7 +153,7 @@ def helper_thread_taking(pid: int, signum: int) -> int:
 
 
 @pytest.mark.skipif(TGKILL is None, reason="tgkill's number is known here for x86_64 and aarch64 only")
-def test_a_signal_taken_by_a_helper_thread_still_stops_the_scheduler_and_the_worker(llama_dir, tmp_path):
+def test_a_signal_taken_by_a_helper_thread_still_stops_the_scheduler_and_the_worker(llama_dir, tmp_path, socket_dir):
     """Python runs a signal's handler in the main thread, the next time it runs; the loops wait in
     zmq polls without a timeout, so the signal must wake them."""
     import ctypes
@@ -162,7 +161,7 @@ def test_a_signal_taken_by_a_helper_thread_still_stops_the_scheduler_and_the_wor
     syscall = ctypes.CDLL(None, use_errno=True).syscall
     ready_line = {"scheduler": "waiting for 1 worker rank", "worker": "measured:"}
     for service, line in ready_line.items():
-        sockets = tmp_path / service
+        sockets = Path(socket_dir) / service
         sockets.mkdir()
         log = tmp_path / f"{service}.log"
         process = start(service_commands(llama_dir, str(sockets))[service], log, sockets)
@@ -217,14 +216,13 @@ def test_a_signal_whose_interrupt_is_lost_in_a_destructor_still_stops_the_loop()
     assert done.stdout.split() == ["survived", "the", "lost", "interrupt", "stopped"], done.stdout + done.stderr
 
 
-def test_a_sigkilled_launcher_leaves_no_service_and_no_socket_directory_behind(llama_dir, tmp_path):
-    port, temp = free_port(), tmp_path / "tmp"
-    temp.mkdir()
+def test_a_sigkilled_launcher_leaves_no_service_and_no_socket_directory_behind(llama_dir, tmp_path, socket_dir):
+    port, temp = free_port(), Path(socket_dir)
     process = start([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
                      *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
                     tmp_path / "launcher.log", temp)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health")
+        wait_healthy(f"http://127.0.0.1:{port}/health", process=process)
         children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 3 and os.listdir(temp)
         process.kill()  # SIGKILL: the launcher's own cleanup never runs
