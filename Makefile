@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install up test check lint docs docs-check bench
+.PHONY: install up test check unit-tests types lint docs docs-check bench
 
 # Serving needs only the package itself (torch, no triton or test tools); tests add the rest.
 $(VENV)/.installed: pyproject.toml
@@ -27,9 +27,17 @@ up: install
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n auto --dist loadgroup $(ARGS)
 
-# The inner loop: lint, types and every test that starts no server, spread over the cores.
-check: lint
+# The inner loop: lint, types and every test that starts no server, spread over the cores; the type
+# check runs beside the tests, on what their workers leave idle.
+check: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(MAKE) -j2 --no-print-directory types unit-tests
+
+unit-tests: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m "not slow" -n auto $(ARGS)
+
+types: $(VENV)/.installed-test
+	$(VENV)/bin/mypy
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
