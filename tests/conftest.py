@@ -117,19 +117,38 @@ def free_port(span: int = 1) -> int:
                 return port
 
 
+def _claims_folder() -> str:
+    return os.path.join(tempfile.gettempdir(), f"pagedserve-test-ports-{XDIST_RUN}")
+
+
 def _claimed_across_workers(ports: range) -> bool:
     """Under `pytest -n`, each port handed out is a file the other workers see, so two workers never
     get the same one; False where another worker has one of `ports`."""
     if XDIST_RUN is None:
         return True
-    folder = os.path.join(tempfile.gettempdir(), f"pagedserve-test-ports-{XDIST_RUN}")
+    folder = _claims_folder()
     os.makedirs(folder, exist_ok=True)
     for port in ports:
         try:
-            os.close(os.open(os.path.join(folder, str(port)), os.O_CREAT | os.O_EXCL))
+            claim = os.open(os.path.join(folder, str(port)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
+        os.write(claim, os.environ.get("PYTEST_XDIST_WORKER", "").encode())  # whose it is, for its removal
+        os.close(claim)
     return True
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A worker's port claims go with it; the last worker out removes their folder."""
+    if XDIST_RUN is None:
+        return
+    folder, worker = _claims_folder(), os.environ.get("PYTEST_XDIST_WORKER", "").encode()
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        with contextlib.suppress(OSError), open(os.path.join(folder, name), "rb") as claim:
+            if claim.read() == worker:
+                os.remove(claim.name)
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)  # fails while another worker still holds a claim
 
 
 def _bindable(port: int) -> bool:
