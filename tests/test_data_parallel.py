@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -91,12 +90,19 @@ def test_the_launcher_starts_a_dead_engine_again_while_the_other_serves(two_engi
     assert wait_until(lambda: "restarting engine 1" in two_engines.log(), 10)
     assert wait_until(lambda: httpx.get(f"{two_engines.base_url}/health").json()["engines_up"] == 2, 60)
     assert engine_process(two_engines.process.pid, "services.scheduler", "scheduler-1.sock") != scheduler
-    before = routed(two_engines)[1]
-    with ThreadPoolExecutor(4) as pool:  # least-loaded short prompts: some reach engine 1
-        answers = list(pool.map(lambda _: httpx.post(f"{two_engines.base_url}/v1/completions", json=body,
-                                                     timeout=60), range(4)))
-    assert [a.status_code for a in answers] == [200] * 4
-    assert routed(two_engines)[1] > before
+    before = routed(two_engines)
+    url = f"{two_engines.base_url}/v1/completions"
+    # A short prompt goes to the engine with fewer requests in flight: a long request streaming on one
+    # engine sends the short one sent meanwhile to the other, and one of the two is engine 1.
+    with httpx.stream("POST", url, json={**body, "max_tokens": 400, "ignore_eos": True, "stream": True},
+                      timeout=120) as long:
+        lines = long.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # routed, and generating
+        short = httpx.post(url, json=body, timeout=60)
+        for _ in lines:
+            pass
+    assert long.status_code == 200 and short.status_code == 200
+    assert routed(two_engines)[1] > before[1]
 
 
 def engine_process(launcher: int, module: str, endpoint_part: str) -> int:
