@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install up test check unit-tests types lint docs docs-check bench
+.PHONY: install up test check unit-tests lint ruff types docs docs-check bench
 
 # Serving needs only the package itself (torch, no triton or test tools); tests add the rest.
 $(VENV)/.installed: pyproject.toml
@@ -29,18 +29,18 @@ test: $(VENV)/.installed-test
 
 # The inner loop: lint, types and every test that starts no server, spread over the cores; the type
 # check runs beside the tests, on what their workers leave idle.
-check: $(VENV)/.installed-test
-	$(VENV)/bin/ruff check .
+check: ruff
 	$(MAKE) -j2 --no-print-directory types unit-tests
 
 unit-tests: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m "not slow" -n auto $(ARGS)
 
-types: $(VENV)/.installed-test
-	$(VENV)/bin/mypy
+lint: ruff types
 
-lint: $(VENV)/.installed-test
+ruff: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
+
+types: $(VENV)/.installed-test
 	$(VENV)/bin/mypy
 
 docs: $(VENV)/.installed-test

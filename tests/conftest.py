@@ -270,7 +270,8 @@ def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] 
         wait_serving(base_url, process, server.log, 120)
         # The api answers /health before the launcher has seen it ready; a child that dies before then
         # is a failed start to the launcher, which stops rather than restarts it.
-        if not wait_until(lambda: "pagedserve: ready at" in server.log() or process.poll() is not None, 60):
+        if not wait_until(lambda: "pagedserve: ready at" in server.log() or process.poll() is not None, 60) \
+                or process.poll() is not None:
             raise RuntimeError(f"the launcher did not say it was ready:\n{server.log()[-3000:]}")
         yield server
     finally:

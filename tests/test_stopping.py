@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, free_port, metrics_port_flags, wait_until
+from tests.conftest import ROOT, free_port, metrics_port_flags, wait_serving, wait_until
 from tests.test_resilience import wait_healthy
 
 pytestmark = pytest.mark.slow  # starts processes: not in `make check`
@@ -63,7 +63,7 @@ def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, socket_dir,
     process = start([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
                      *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
                     tmp_path / "launcher.log", temp)
-    wait_healthy(f"http://127.0.0.1:{port}/health", process=process)
+    wait_serving(f"http://127.0.0.1:{port}", process, (tmp_path / "launcher.log").read_text, 120)
     # Its ipc sockets live in a directory of its own, closed to other users.
     assert [(p.name[:11], p.stat().st_mode & 0o777) for p in temp.iterdir()] == [("pagedserve-", 0o700)]
     # `serve` takes the model as its first argument.
@@ -87,7 +87,7 @@ def test_an_idle_launcher_stopped_by_ctrl_c_logs_no_error_and_no_line_about_wait
     process = start([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
                      *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
                     tmp_path / "launcher.log", temp)
-    wait_healthy(f"http://127.0.0.1:{port}/health", process=process)
+    wait_serving(f"http://127.0.0.1:{port}", process, (tmp_path / "launcher.log").read_text, 120)
     stop_and_time(process, signal.SIGINT, whole_group=True)
     output = (tmp_path / "launcher.log").read_text()
     assert process.returncode == 0, output
@@ -222,7 +222,7 @@ def test_a_sigkilled_launcher_leaves_no_service_and_no_socket_directory_behind(l
                      *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
                     tmp_path / "launcher.log", temp)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", process=process)
+        wait_serving(f"http://127.0.0.1:{port}", process, (tmp_path / "launcher.log").read_text, 120)
         children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 3 and os.listdir(temp)
         process.kill()  # SIGKILL: the launcher's own cleanup never runs
