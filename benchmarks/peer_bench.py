@@ -357,8 +357,12 @@ def start_system(args, name: str, port: int, scratch: Path) -> Server:
     build, speculative = SYSTEMS[name]
     command, env = build(args, port, speculative)
     server = Server(name, command, env, port, scratch)
-    server.wait_ready()
-    run_client(args, port, Scenario(32, 16, 8, max_concurrency=8), 0, scratch)  # warm-up
+    try:
+        server.wait_ready()
+        run_client(args, port, Scenario(32, 16, 8, max_concurrency=8), 0, scratch)  # warm-up
+    except BaseException:  # not yet in the caller's list: stopped here, or it outlives the bench
+        server.stop()
+        raise
     return server
 
 

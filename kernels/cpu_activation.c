@@ -2,7 +2,7 @@
  * the input of a gated MLP's down projection, in one pass where torch takes two (SiLU, then the
  * product) and, for a decode step's few rows, most of its time in calling them.
  *
- * gate_up rows are `stride` floats apart, out rows `out_stride` apart. Threads share a call by
+ * gate_up rows are `stride` floats apart, out rows `out_stride` apart; out may be gate_up's own gate half. Threads share a call by
  * claiming its chunks of rows_per_chunk rows (claims.h); the caller, wait != 0, returns once every
  * chunk is done. Built with -ffast-math, so the loop becomes SIMD and expf the vector library's.
  */
@@ -20,6 +20,8 @@ int64_t silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t o
         for (int64_t r = c * rows_per_chunk; r < end; r++) {
             const float *gate = gate_up + r * stride, *up = gate + width;
             float *o = out + r * out_stride;
+            /* out may be gate_up itself (the gate half, overwritten): each o[i] depends on that i alone. */
+#pragma omp simd
             for (int64_t i = 0; i < width; i++)
                 o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
         }

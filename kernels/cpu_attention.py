@@ -14,7 +14,6 @@ whole context. Both keep the contract of `paged_attention_reference`, which stay
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -22,22 +21,7 @@ import torch.nn.functional as F
 from kernels import native
 from kernels.batch import PagedBatch
 from kernels.kv_quant import SCALE_BYTES
-
-
-class Workspace:
-    """Scratch tensors reused across layers and steps; allocating them fresh costs more than the copy."""
-
-    def __init__(self):
-        self._tensors: dict[str, torch.Tensor] = {}
-
-    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        size = math.prod(shape)
-        tensor = self._tensors.get(name)
-        if tensor is None or tensor.numel() < size or tensor.dtype != dtype or tensor.device != device:
-            tensor = torch.empty(max(size, 1), dtype=dtype, device=device)
-            self._tensors[name] = tensor
-        return tensor[:size].view(shape)
-
+from kernels.workspace import Workspace
 
 _workspace = Workspace()
 CHUNK_BYTES = 4 << 20  # gathered keys and values per attention call
@@ -113,11 +97,18 @@ def paged_attention_native(
     derived = batch.derived.get("native")
     threads = native.threads()
     if derived is None or derived[4] != threads:  # the same for every layer of the step
-        bounds = _split(batch, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
+        parts = threads * CHUNKS_PER_THREAD if threads > 1 else 1
+        pieces = _pieces(batch.query_start_list, batch.context_lens_list, parts)
+        starts = [batch.query_start_list[s] + first for s, first, _ in pieces] + [batch.query_start_list[-1]]
+        lens = [batch.context_lens_list[s] - _queries(batch, s) + end for s, _, end in pieces]
+        bounds = _split(starts, lens, parts)
+        tables = batch.block_tables.to(torch.int32)
+        if len(pieces) > len(batch.context_lens_list):
+            tables = tables[[s for s, _, _ in pieces]]
         derived = batch.derived["native"] = (
-            batch.block_tables.to(torch.int32).contiguous(),
-            batch.query_start_loc.to(torch.int32).contiguous(),
-            batch.context_lens.to(torch.int32).contiguous(),
+            tables.contiguous(),
+            torch.tensor(starts, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32),
             torch.tensor([first for first, _ in bounds] + [bounds[-1][1]], dtype=torch.int64),
             threads,
         )
@@ -149,9 +140,43 @@ def paged_attention_native(
     return out
 
 
-def _split(batch: PagedBatch, parts: int) -> list[tuple[int, int]]:
+def _queries(batch: PagedBatch, s: int) -> int:
+    return batch.query_start_list[s + 1] - batch.query_start_list[s]
+
+
+def _pieces(starts: list[int], lens: list[int], parts: int) -> list[tuple[int, int, int]]:
+    """The step's sequences as (sequence, first query, end query) pieces for the threads to share: a
+    sequence with more than a part's work (a long prompt among few) cut into runs of queries, whole
+    blocks of QUERY_BLOCK, of about equal work. A run is a sequence to the kernel: its queries are the
+    last of a context that ends at its last query, over the same block table."""
+    work = [_causal_work(lens[s], starts[s + 1] - starts[s], 0, starts[s + 1] - starts[s]) for s in range(len(lens))]
+    share = sum(work) / max(parts, 1)
+    pieces = []
+    for s, context in enumerate(lens):
+        queries = starts[s + 1] - starts[s]
+        cuts = min(int(work[s] // share) if share else 1, queries // QUERY_BLOCK) if parts > 1 else 1
+        first = 0
+        for k in range(1, max(cuts, 1)):
+            if first + QUERY_BLOCK >= queries:
+                break
+            target = work[s] * k / cuts
+            end = first + QUERY_BLOCK
+            while end + QUERY_BLOCK < queries and _causal_work(context, queries, 0, end) < target:
+                end += QUERY_BLOCK
+            pieces.append((s, first, end))
+            first = end
+        pieces.append((s, first, queries))
+    return pieces
+
+
+def _causal_work(context: int, queries: int, first: int, end: int) -> int:
+    """Positions seen by queries first .. end - 1 of `queries` that end a context of `context`."""
+    seen_before = context - queries
+    return (end - first) * seen_before + (end * (end + 1) - first * (first + 1)) // 2
+
+
+def _split(starts: list[int], lens: list[int], parts: int) -> list[tuple[int, int]]:
     """Consecutive ranges of sequences with about equal work (queries times context) each, at most `parts`."""
-    starts, lens = batch.query_start_list, batch.context_lens_list
     costs = [(starts[s + 1] - starts[s]) * lens[s] for s in range(len(lens))]
     parts = min(parts, len(lens))
     if parts <= 1:

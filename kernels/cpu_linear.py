@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import native
+from kernels.workspace import reusable, step_scratch
 
 SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth sharing between threads
 SPLIT_ROWS = 4  # nor below this many rows, where reading the weight bounds it, unless the weight is larger
@@ -79,15 +80,17 @@ def pack(weight: torch.Tensor, build: GemmBuild | None = None) -> torch.Tensor:
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-         build: GemmBuild | None = None) -> torch.Tensor | None:
-    """`x W^T + b` from W's panels, x and the result float32; None where the kernel does not apply."""
+         build: GemmBuild | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`x W^T + b` from W's panels, x and the result float32 (into `out`, contiguous, where given);
+    None where the kernel does not apply."""
     build = build or gemm_build()
     if build is None or x.stride(1) != 1 or x.dtype is not torch.float32 or torch.is_grad_enabled():
         return None
     if panels.dtype is torch.bfloat16 and build.bf16_rows:
         x = bf16_rows(x)
     rows, width = x.shape
-    out = torch.empty((rows, out_features), dtype=torch.float32)
+    if out is None:
+        out = torch.empty((rows, out_features), dtype=torch.float32)
     split = (rows >= SPLIT_ROWS and rows * out_features * width >= SPLIT_MACS) or panels.nbytes >= SPLIT_BYTES
     args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
             out.data_ptr(), out_features, rows, out_features, width)
@@ -96,13 +99,20 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.T
 
 
 def bf16_rows(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to bfloat16, its rows padded with a zero to an even length (the dot product takes pairs)."""
+    """x rounded to bfloat16, its rows padded with a zero to an even length (the dot product takes
+    pairs); a large copy in scratch memory, which the call that takes it is done with on return."""
     rows, width = x.shape
-    if width % 2 == 0:
-        return x.to(torch.bfloat16)
-    padded = torch.zeros(rows, width + 1, dtype=torch.bfloat16)
-    padded[:, :width] = x
-    return padded
+    shape = (rows, width + width % 2)
+    if reusable(shape, torch.bfloat16):
+        rounded = step_scratch.take("bfloat16 rows", shape, torch.bfloat16, x.device)
+    else:
+        rounded = torch.empty(shape, dtype=torch.bfloat16)
+    if width % 2:
+        rounded[:, :width].copy_(x)
+        rounded[:, width] = 0
+    else:
+        rounded.copy_(x)
+    return rounded
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,6 +125,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     panels: torch.Tensor | None = None
+    # Where a model's use of this layer's output ends before the next layer of the same role runs
+    # (within one decoder layer), a large output is written into a buffer of that name, reused
+    # (kernels/workspace.py); None: a fresh tensor, for outputs that live on (the logits).
+    output_slot: str | None = None
 
     def pack(self) -> None:
         """Pack the weight for `cpu_gemm.c`, where it will run: a CPU, a kernel for its dtype at hand."""
@@ -130,7 +144,10 @@ class Linear(nn.Linear):
         """`x W^T`, plus `bias` where given (the row-parallel projections of tensor parallelism add
         theirs after the all-reduce)."""
         if self.panels is not None and x.dim() == 2:
-            out = gemm(x, self.panels, self.out_features, bias)
+            shape = (x.shape[0], self.out_features)
+            reused = (step_scratch.take(self.output_slot, shape, torch.float32, x.device)
+                      if self.output_slot is not None and reusable(shape, torch.float32) else None)
+            out = gemm(x, self.panels, self.out_features, bias, out=reused)
             if out is not None:
                 return out
         return linear(x, self.weight, bias)

@@ -32,6 +32,16 @@ def test_the_kernel_matches_silu_times_up_on_one_thread_or_shared(rows, width, t
 def test_rows_of_a_wider_tensor_are_read_in_place_and_other_dtypes_go_to_torch():
     wide = torch.randn(5, 40)
     gate_up = wide[:, :32]  # rows 40 floats apart
-    torch.testing.assert_close(silu_and_mul(gate_up, 16), expected(gate_up, 16), atol=1e-5, rtol=1e-5)
+    want = expected(gate_up, 16)
+    torch.testing.assert_close(silu_and_mul(gate_up, 16), want, atol=1e-5, rtol=1e-5)
     half = torch.randn(4, 32).to(torch.bfloat16)
     torch.testing.assert_close(silu_and_mul(half.clone(), 16), expected(half, 16))
+
+
+def test_the_result_is_written_over_the_gate_half_and_leaves_the_up_half_as_it_was():
+    gate_up = torch.randn(48, 2 * 704)
+    want, up = expected(gate_up, 704), gate_up[:, 704:].clone()
+    out = silu_and_mul(gate_up, 704)
+    assert out.data_ptr() == gate_up.data_ptr() and out.stride() == gate_up.stride()
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(gate_up[:, 704:], up)

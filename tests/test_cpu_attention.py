@@ -111,12 +111,38 @@ def test_the_compiled_kernel_takes_float32_queries_only_and_leaves_half_ones_to_
 
 def test_sequences_are_split_over_threads_by_work_and_none_is_left_out():
     _, _, _, batch = make_batch([(1, 100), (30, 30), (1, 5), (1, 5), (1, 90), (1, 8)], 4, 2, 16, 8, torch.float32)
-    parts = cpu_attention._split(batch, 3)
+    parts = cpu_attention._split(batch.query_start_list, batch.context_lens_list, 3)
     assert len(parts) == 3 and parts[0][0] == 0 and parts[-1][1] == batch.num_seqs
     assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(parts, parts[1:]))
     _, _, _, even = make_batch([(1, 20)] * 6, 4, 2, 16, 8, torch.float32)
-    assert cpu_attention._split(even, 3) == [(0, 2), (2, 4), (4, 6)]
-    assert cpu_attention._split(even, 1) == [(0, 6)]
+    assert cpu_attention._split(even.query_start_list, even.context_lens_list, 3) == [(0, 2), (2, 4), (4, 6)]
+    assert cpu_attention._split(even.query_start_list, even.context_lens_list, 1) == [(0, 6)]
+
+
+def test_a_long_prompt_among_few_is_cut_into_runs_of_whole_query_blocks_of_about_equal_work():
+    _, _, _, batch = make_batch([(300, 340), (1, 50)], 4, 2, 16, 8, torch.float32)
+    pieces = cpu_attention._pieces(batch.query_start_list, batch.context_lens_list, 8)
+    prompt = [(first, end) for s, first, end in pieces if s == 0]
+    assert len(prompt) > 4 and prompt[0][0] == 0 and prompt[-1][1] == 300 and (1, 0, 1) in pieces
+    assert all(a[1] == b[0] and b[0] % cpu_attention.QUERY_BLOCK == 0 for a, b in zip(prompt, prompt[1:]))
+    work = [cpu_attention._causal_work(340, 300, first, end) for first, end in prompt]
+    assert max(work) < 2 * min(work)  # the later queries see more: their runs are shorter
+    assert cpu_attention._pieces(batch.query_start_list, batch.context_lens_list, 1) == [(0, 0, 300), (1, 0, 1)]
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_a_prompt_cut_between_threads_gets_the_answer_it_gets_whole(window, monkeypatch):
+    compiled_kernel()
+    query, key_cache, value_cache, batch = make_batch([(150, 170)], 4, 2, 64, 16, torch.float32)
+    monkeypatch.setattr(cpu_attention.native, "_threads", 1)
+    whole = paged_attention_native(query, key_cache, value_cache, batch, 0.125, window)
+    batch.derived.clear()
+    monkeypatch.setattr(cpu_attention.native, "_threads", 3)
+    shared = paged_attention_native(query, key_cache, value_cache, batch, 0.125, window)
+    assert len(batch.derived["native"][1]) > 2  # the prompt went as several runs
+    assert torch.equal(shared, whole)
+    expected = reference_in_float32(query, key_cache, value_cache, batch, 0.125, window)
+    torch.testing.assert_close(shared, expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("attention", [paged_attention_torch, paged_attention_native])

@@ -122,8 +122,8 @@ def test_a_call_is_shared_when_its_rows_are_many_enough_or_its_weight_large_enou
     for weight, rows in ((small, 1), (small, 3), (small, 32), (large, 1), (large.to(torch.bfloat16), 1)):
         x = torch.randn(rows, 256)
         torch.testing.assert_close(
-            gemm(x, pack(weight), weight.shape[0], None), F.linear(x, weight.float()), atol=1e-4, rtol=1e-4
-        )
+            gemm(x, pack(weight), weight.shape[0], None), expected(x, weight, None, gemm_build()),
+            atol=1e-4, rtol=1e-4)
     # A few rows against a small weight are one thread's: a helper costs more than it brings. Many
     # rows are arithmetic, and one row against a large weight is bound by reading it: both shared,
     # by its bytes, so the same weight in bfloat16 (half the bytes) is one thread's.
@@ -157,3 +157,17 @@ def test_without_a_kernel_a_half_weight_still_serves_float32_rows(monkeypatch):
     x = torch.randn(2, 16)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight.float(), layer.bias.float()))
 
+
+
+def test_a_layer_with_an_output_slot_writes_large_outputs_into_one_buffer_and_others_afresh():
+    layer = Linear(256, 1024)
+    layer.pack()
+    layer.output_slot = "a test's projection"
+    large = [torch.randn(300, 256) for _ in range(2)]  # 300 x 1,024 floats: past the reuse threshold
+    outputs = [layer(x) for x in large]
+    for x, out in zip(large[1:], outputs[1:]):
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert outputs[0].data_ptr() == outputs[1].data_ptr()  # the first is spent once the second is taken
+    assert layer(torch.randn(2, 256)).data_ptr() != outputs[1].data_ptr()  # small: its own tensor
+    layer.output_slot = None
+    assert layer(large[0]).data_ptr() != outputs[1].data_ptr()

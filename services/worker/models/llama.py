@@ -89,6 +89,9 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         self.qkv_proj = fused(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
+        # Each output is spent within the layer: q by attention, k and v written to the cache, the
+        # o projection's added to the residual stream by the next norm.
+        self.qkv_proj.output_slot, self.o_proj.output_slot = "qkv", "attention output"
 
     def forward(
         self,
@@ -147,6 +150,8 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         self.gate_up_proj = fused(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
+        # gate_up is spent on the down projection's input, whose output the next norm adds to the residual stream.
+        self.gate_up_proj.output_slot, self.down_proj.output_slot = "gate_up", "mlp output"
 
     def forward(self, x: torch.Tensor, adapters=None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
