@@ -25,7 +25,7 @@ up: install
 	$(VENV)/bin/pagedserve up $(ARGS)
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n auto --dist loadgroup $(ARGS)
+	$(PY) -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder $(ARGS)
 
 # The inner loop: lint, types and every test that starts no server, spread over the cores; the type
 # check runs beside the tests, on what their workers leave idle.

@@ -32,13 +32,41 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Groups whose few tests take minutes (Docker builds and compose runs, benchmark scripts, the paper's
+# figures, the wheel, TP ranks): handed out first, so none is left for the end with the other worker idle.
+SLOW_GROUPS = ("test_docker_compose", "fixed-ports", "test_paper_benchmarks", "test_install", "test_tensor_parallel",
+               "test_prometheus")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under `pytest -n --dist loadgroup` (make test), a file's tests run in one worker, so a server its
     fixtures start once serves them all; files marked `xdist_group` share a worker with the others of
-    that group (those that listen on fixed ports take turns)."""
+    that group (those that listen on fixed ports take turns). Groups go to the workers in the order
+    collected (make test passes --no-loadscope-reorder): SLOW_GROUPS first, then the rest by their
+    number of tests, most first, as xdist would order them."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(item.get_closest_marker("xdist_group").args[0], []).append(item)
+
+    def turn(name: str) -> tuple[int, int]:
+        short = name.rsplit(".", 1)[-1]
+        return (SLOW_GROUPS.index(short) if short in SLOW_GROUPS else len(SLOW_GROUPS), -len(groups[name]))
+
+    items[:] = [item for name in sorted(groups, key=turn) for item in groups[name]]
+
+
+@pytest.fixture(autouse=True)
+def kernel_threads_as_they_were():
+    """A model runner sets the compiled kernels' thread count for its process (ComputeThreads.use): put
+    back after each test, so no test depends on which ran before it in the same worker."""
+    from kernels import native
+
+    before = native._threads
+    yield
+    native._threads = before
 
 
 @pytest.fixture(scope="session")

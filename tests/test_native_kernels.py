@@ -35,20 +35,16 @@ def test_a_declaration_that_differs_from_the_c_signature_is_refused(caplog):
     assert "rms_norm_f32 takes pppfpiii:i, where its caller passes pppipiii:i" in caplog.text
 
 
-def test_torch_profiler_sees_each_kernel_call_by_name_and_a_call_split_over_threads_as_one_range():
+def test_torch_profiler_sees_each_kernel_call_by_name_and_a_call_split_over_threads_as_one_range(monkeypatch):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     x, weight = torch.randn(32, 256), torch.randn(512, 256)  # past SPLIT_MACS: two threads share the call
     panels = cpu_linear.pack(weight)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as recorded:
-            cpu_norm.rms_norm(x, torch.ones(256), 1e-5)
-            out = cpu_linear.gemm(x, panels, 512, None)
-    finally:
-        torch.set_num_threads(threads)
+    monkeypatch.setattr(native, "_threads", 2)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as recorded:
+        cpu_norm.rms_norm(x, torch.ones(256), 1e-5)
+        out = cpu_linear.gemm(x, panels, 512, None)
     assert out is not None and torch.allclose(out, x @ weight.T, atol=1e-3)
     counts = {event.key: event.count for event in recorded.key_averages()}
     assert counts.get("pagedserve::cpu_norm.rms_norm_f32") == 1, sorted(counts)
