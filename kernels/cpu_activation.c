@@ -2,9 +2,9 @@
  * the input of a gated MLP's down projection, in one pass where torch takes two (SiLU, then the
  * product) and, for a decode step's few rows, most of its time in calling them.
  *
- * gate_up rows are `stride` floats apart, out rows `out_stride` apart; out may be gate_up's own gate half. Threads share a call by
- * claiming its chunks of rows_per_chunk rows (claims.h); the caller, wait != 0, returns once every
- * chunk is done. Built with -ffast-math, so the loop becomes SIMD and expf the vector library's.
+ * gate_up rows are `stride` floats apart, out rows `out_stride` apart; out may be gate_up's own gate
+ * half. Threads share a call by claiming its chunks of rows_per_chunk rows (claims.h); the caller,
+ * wait != 0, returns once every chunk is done. Built with -ffast-math, so the loop becomes SIMD and expf the vector library's.
  */
 #include <math.h>
 #include <stdint.h>

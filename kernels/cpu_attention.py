@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from kernels import native
 from kernels.batch import PagedBatch
 from kernels.kv_quant import SCALE_BYTES
-from kernels.workspace import Workspace
+from kernels.workspace import Workspace, step_scratch
 
-_workspace = Workspace()
 CHUNK_BYTES = 4 << 20  # gathered keys and values per attention call
 QUERY_BLOCK = 8  # queries of a sequence the compiled kernel serves together (cpu_attention.c)
 CHUNKS_PER_THREAD = 4  # a shared call's sequences come in this many chunks per thread, claimed in turn
@@ -89,7 +88,7 @@ def paged_attention_native(
     batch: PagedBatch,
     scale: float,
     window: int | None = None,
-    workspace: Workspace = _workspace,
+    workspace: Workspace = step_scratch,
 ) -> torch.Tensor:
     kernel = native_kernel(_symbol(key_cache))
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -98,9 +97,11 @@ def paged_attention_native(
     threads = native.threads()
     if derived is None or derived[4] != threads:  # the same for every layer of the step
         parts = threads * CHUNKS_PER_THREAD if threads > 1 else 1
-        pieces = _pieces(batch.query_start_list, batch.context_lens_list, parts)
-        starts = [batch.query_start_list[s] + first for s, first, _ in pieces] + [batch.query_start_list[-1]]
-        lens = [batch.context_lens_list[s] - _queries(batch, s) + end for s, _, end in pieces]
+        query_start, context_lens = batch.query_start_list, batch.context_lens_list
+        pieces = _pieces(query_start, context_lens, parts)
+        # Each run as a sequence: its queries from its first, its context ending at its last query.
+        starts = [query_start[s] + first for s, first, _ in pieces] + [query_start[-1]]
+        lens = [context_lens[s] - (query_start[s + 1] - query_start[s]) + end for s, _, end in pieces]
         bounds = _split(starts, lens, parts)
         tables = batch.block_tables.to(torch.int32)
         if len(pieces) > len(batch.context_lens_list):
@@ -140,10 +141,6 @@ def paged_attention_native(
     return out
 
 
-def _queries(batch: PagedBatch, s: int) -> int:
-    return batch.query_start_list[s + 1] - batch.query_start_list[s]
-
-
 def _pieces(starts: list[int], lens: list[int], parts: int) -> list[tuple[int, int, int]]:
     """The step's sequences as (sequence, first query, end query) pieces for the threads to share: a
     sequence with more than a part's work (a long prompt among few) cut into runs of queries, whole
@@ -154,9 +151,9 @@ def _pieces(starts: list[int], lens: list[int], parts: int) -> list[tuple[int, i
     pieces = []
     for s, context in enumerate(lens):
         queries = starts[s + 1] - starts[s]
-        cuts = min(int(work[s] // share) if share else 1, queries // QUERY_BLOCK) if parts > 1 else 1
+        cuts = max(1, min(int(work[s] // share), queries // QUERY_BLOCK)) if parts > 1 and share else 1
         first = 0
-        for k in range(1, max(cuts, 1)):
+        for k in range(1, cuts):
             if first + QUERY_BLOCK >= queries:
                 break
             target = work[s] * k / cuts
@@ -198,7 +195,7 @@ def paged_attention_torch(
     batch: PagedBatch,
     scale: float,
     window: int | None = None,
-    workspace: Workspace = _workspace,
+    workspace: Workspace = step_scratch,
 ) -> torch.Tensor:
     starts, lens = batch.query_start_list, batch.context_lens_list
     decode = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]

@@ -36,4 +36,4 @@ def reusable(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
     return math.prod(shape) * dtype.itemsize >= REUSE_BYTES
 
 
-step_scratch = Workspace()  # the forward pass's: one thread runs it
+step_scratch = Workspace()  # the forward pass's scratch (attention's too): one thread runs it
