@@ -31,6 +31,15 @@ int64_t silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t o
     return 0;
 }
 
+/* The same call as a task of helper_pool.c: the arguments before the counters as words, in order. */
+int64_t silu_mul_f32_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
+{
+    (void)thread;
+    return silu_mul_f32((const float *)w[0], w[1], (float *)w[2], w[3], w[4], w[5], w[6], counters, wait);
+}
+int64_t silu_mul_f32_task_words(void) { return 7; }
+
 /* The argument types of silu_mul_f32, as kernels/native.py checks them before any call: p a pointer,
  * i an int64_t, f a float; after the colon the result (v: none). */
 const char *silu_mul_f32_signature(void) { return "pipiiiipi:i"; }
+const char *silu_mul_f32_task_words_signature(void) { return ":i"; }

@@ -445,6 +445,30 @@ void paged_attention_f8(
 #undef ATTEND
 #undef ATTEND_SPECIALIZED
 
+/* The same calls as tasks of helper_pool.c. Words: query, query_stride, key_cache, value_cache,
+ * block_tables, table_stride, query_start, context_lens, bounds, chunks, num_heads, num_kv_heads,
+ * head_dim, block_size, scale (a float's bits), window, scores, the floats of each thread's scores
+ * (thread t's start t times that far on), out. */
+#define ATTENTION_TASK(NAME, ELEMENT)                                                                   \
+    int64_t NAME##_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)               \
+    {                                                                                                   \
+        float scale;                                                                                    \
+        const uint32_t scale_bits = (uint32_t)w[14];                                                    \
+        memcpy(&scale, &scale_bits, sizeof scale);                                                      \
+        NAME((const float *)w[0], w[1], (const ELEMENT *)w[2], (const ELEMENT *)w[3], (const int32_t *)w[4], w[5], \
+             (const int32_t *)w[6], (const int32_t *)w[7], (const int64_t *)w[8], w[9], counters, wait, w[10], \
+             w[11], w[12], w[13], scale, w[15], (float *)w[16] + thread * w[17], (float *)w[18]);       \
+        return 0;                                                                                       \
+    }                                                                                                   \
+    int64_t NAME##_task_words(void) { return 19; }                                                      \
+    const char *NAME##_task_words_signature(void) { return ":i"; }
+ATTENTION_TASK(paged_attention_f32, float)
+ATTENTION_TASK(paged_attention_bf16, uint16_t)
+ATTENTION_TASK(paged_attention_f16, uint16_t)
+ATTENTION_TASK(paged_attention_i8, int8_t)
+ATTENTION_TASK(paged_attention_f8, uint8_t)
+#undef ATTENTION_TASK
+
 /* The argument types of paged_attention_f32, _bf16, _f16, _i8 and _f8, as kernels/native.py checks them
  * before any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
 const char *paged_attention_f32_signature(void) { return "pipppipppipiiiiifipp:v"; }

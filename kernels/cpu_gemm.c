@@ -294,6 +294,20 @@ int64_t gemm_bf16(const void *x, int64_t x_stride, const uint32_t *panels, const
     return gemm(W_BF16, x, x_stride, panels, bias, y, y_stride, M, N, K, panels_per_chunk, counters, wait);
 }
 
+/* The same calls as tasks of helper_pool.c: the arguments before the counters as words, in order. */
+#define GEMM_TASK(NAME, KIND)                                                                           \
+    int64_t NAME##_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)               \
+    {                                                                                                   \
+        (void)thread;                                                                                   \
+        return gemm(KIND, (const void *)w[0], w[1], (const void *)w[2], (const float *)w[3], (float *)w[4], w[5], \
+                    w[6], w[7], w[8], w[9], counters, wait);                                            \
+    }                                                                                                   \
+    int64_t NAME##_task_words(void) { return 10; }
+GEMM_TASK(gemm_f32, W_F32)
+GEMM_TASK(gemm_f16, W_F16)
+GEMM_TASK(gemm_bf16, W_BF16)
+#undef GEMM_TASK
+
 /* What the caller must know of this build: the panels' width in columns, whether gemm_bf16 takes
  * bfloat16 rows of x (of even length, an odd K's last padded with a zero), and how it multiplies. */
 int64_t gemm_panel_width(void) { return NR; }
@@ -318,5 +332,8 @@ const char *gemm_description(void)
 const char *gemm_f32_signature(void) { return "pipppiiiiipi:i"; }
 const char *gemm_f16_signature(void) { return "pipppiiiiipi:i"; }
 const char *gemm_bf16_signature(void) { return "pipppiiiiipi:i"; }
+const char *gemm_f32_task_words_signature(void) { return ":i"; }
+const char *gemm_f16_task_words_signature(void) { return ":i"; }
+const char *gemm_bf16_task_words_signature(void) { return ":i"; }
 const char *gemm_panel_width_signature(void) { return ":i"; }
 const char *gemm_bf16_reads_bf16_rows_signature(void) { return ":i"; }

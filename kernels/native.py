@@ -99,7 +99,31 @@ def function(name: str, symbol: str, argument_types: list, result_type=None, var
         return None
     kernel = getattr(library, symbol)
     kernel.argtypes, kernel.restype = argument_types, result_type
-    return profiled(kernel, f"pagedserve::{name}.{symbol}")
+    call = profiled(kernel, f"pagedserve::{name}.{symbol}")
+    call.task = _task(library, symbol)
+    return call
+
+
+class Task:
+    """A kernel's entry for the C helpers (helper_pool.c): `<symbol>_task(words, counters, thread,
+    wait)`, which takes the kernel's arguments before its counters as `words` 64-bit words."""
+
+    __slots__ = ("address", "words")
+
+    def __init__(self, address: int, words: int):
+        self.address, self.words = address, words
+
+
+def _task(library: ctypes.CDLL, symbol: str) -> Task | None:
+    words = getattr(library, f"{symbol}_task_words", None)
+    described = getattr(library, f"{symbol}_task_words_signature", None)
+    if words is None or described is None:
+        return None
+    described.restype = ctypes.c_char_p
+    if described().decode() != ":i":
+        return None
+    words.restype = ctypes.c_int64
+    return Task(ctypes.cast(getattr(library, f"{symbol}_task"), ctypes.c_void_p).value, words())
 
 
 def profiled(kernel: Callable, label: str) -> Callable:
@@ -182,8 +206,53 @@ def share_units(kernel: Callable, args: tuple, units: int, worth_sharing: bool, 
     caller's result."""
     count = min(threads(), units) if worth_sharing else 1
     per_chunk = -(-units // (count * per_thread)) if count > 1 else max(units, 1)
+    task = getattr(kernel, "task", None)
+    if count > 1 and task is not None:
+        done = share_task(task, (*args, per_chunk), count, kernel.__name__)
+        if done is not None:
+            return done
     whole = (*args, per_chunk, new_counters())
     return share(lambda _, wait: kernel(*whole, wait), count, kernel.__name__)
+
+
+def share_task(task: Task, words: tuple[int, ...], count: int, label: str = "pagedserve::kernel") -> int | None:
+    """`task` on this thread and on count - 1 of the C helpers (helper_pool.c), which, unlike the
+    Python helpers of `share`, need no lock of Python's to start; its result, or None where the
+    helpers cannot be built here (the caller then shares the call through `share`)."""
+    pool = helper_pool()
+    if pool is None or len(words) != task.words:
+        return None
+    if _pool_helpers[0] < count - 1:
+        _pool_helpers[0] = pool.start(count - 1)
+    packed = (ctypes.c_int64 * len(words))(*words)
+    if _profiling():
+        with _profiler_range(f"{label} on {count} threads"), _profiler_range(label):
+            return pool.share(task.address, packed, len(words), count)
+    return pool.share(task.address, packed, len(words), count)
+
+
+class HelperPool:
+    """helper_pool.c's functions: start helpers, share a task, hold them off (tests), count their joins."""
+
+    __slots__ = ("start", "share", "hold", "joins")
+
+    def __init__(self, start: Callable, share: Callable, hold: Callable, joins: Callable):
+        self.start, self.share, self.hold, self.joins = start, share, hold, joins
+
+
+_pool_helpers = [0]  # C helpers started in this process
+
+
+@functools.cache
+def helper_pool() -> HelperPool | None:
+    """helper_pool.c's functions, or None where it cannot be built."""
+    p, i = POINTER, INT64
+    parts = [function("helper_pool", symbol, types, result)
+             for symbol, types, result in (("pool_start", [i], i), ("pool_share", [p, p, i, i], i),
+                                           ("pool_hold", [i], None), ("pool_joins", [], i))]
+    if None in parts:
+        return None
+    return HelperPool(*parts)
 
 
 def _helper_queue(index: int) -> queue.SimpleQueue:

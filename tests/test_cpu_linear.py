@@ -113,9 +113,13 @@ def test_split_over_threads_the_result_is_the_same_bit_for_bit(dtype, threads, m
 
 def test_a_call_is_shared_when_its_rows_are_many_enough_or_its_weight_large_enough(monkeypatch):
     shared = []
-    real_share = native.share
+    real_share, real_share_task = native.share, native.share_task
     monkeypatch.setattr(
         native, "share", lambda run, count, label: shared.append(count) or real_share(run, count, label)
+    )
+    monkeypatch.setattr(  # the C helpers' path, where they are built
+        native, "share_task", lambda task, words, count, label: shared.append(count) or real_share_task(
+            task, words, count, label)
     )
     monkeypatch.setattr(native, "_threads", 2)
     small, large = torch.randn(256, 256), torch.randn(4096, 256)  # 256 KiB and 4 MiB of float32

@@ -57,11 +57,16 @@ def blocked_helper():
     api keeps its core busy); yields the event that lets it go."""
     held, drained = threading.Event(), threading.Event()
     native._helper_queue(1).put(held.wait)
+    pool = native.helper_pool()
+    if pool is not None:  # and the C helpers join no call
+        pool.hold(1)
     native.set_threads(2)
     try:
         yield held
     finally:
         native.set_threads(0)
+        if pool is not None:
+            pool.hold(0)
         held.set()
         native._helper_queue(1).put(drained.set)
         assert drained.wait(10), "the helper never came back"
@@ -89,3 +94,57 @@ def test_a_call_shared_with_a_helper_that_never_starts_is_finished_by_the_caller
             shared_attention, cpu_attention.paged_attention_native(query, key_cache, value_cache, batch, 0.125)
         )
         assert torch.equal(shared_activation, cpu_activation.silu_and_mul(gate_up, 1024))
+
+
+def test_the_c_helpers_join_shared_calls_and_every_call_gets_the_answer_one_thread_gets():
+    import time
+
+    import torch
+
+    from tests.test_kernels import make_batch
+
+    pool = native.helper_pool()
+    assert pool is not None
+    x, weight = torch.randn(32, 256), torch.randn(512, 256)
+    panels = cpu_linear.pack(weight.to(torch.bfloat16))
+    query, key_cache, value_cache, batch = make_batch([(1, 40), (3, 30), (1, 9), (1, 70)], 4, 2, 64, 8, torch.float32)
+    with torch.no_grad():
+        native.set_threads(1)
+        alone = cpu_linear.gemm(x, panels, 512, None)
+        attention_alone = cpu_attention.paged_attention_native(query, key_cache, value_cache, batch, 0.125)
+        native.set_threads(2)
+        joins, deadline = pool.joins(), time.monotonic() + 20
+        calls = 0
+        while calls < 50 or (pool.joins() == joins and time.monotonic() < deadline):
+            assert torch.equal(cpu_linear.gemm(x, panels, 512, None), alone)
+            batch.derived.clear()
+            assert torch.equal(
+                cpu_attention.paged_attention_native(query, key_cache, value_cache, batch, 0.125), attention_alone
+            )
+            calls += 1
+    assert pool.joins() > joins  # a helper took part (the answers equal whoever took which chunks)
+
+
+def test_calls_from_two_threads_at_once_each_get_their_own_answer():
+    import torch
+
+    x = [torch.randn(48, 256) for _ in range(2)]
+    weight = torch.randn(512, 256)
+    panels = cpu_linear.pack(weight)
+    native.set_threads(2)
+    with torch.no_grad():
+        expected = [cpu_linear.gemm(rows, panels, 512, None) for rows in x]
+    wrong = []
+
+    def call_often(index: int) -> None:
+        with torch.no_grad():
+            for _ in range(200):
+                if not torch.equal(cpu_linear.gemm(x[index], panels, 512, None), expected[index]):
+                    wrong.append(index)
+
+    threads = [threading.Thread(target=call_often, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []

@@ -15,8 +15,8 @@ Hence two thresholds, and a hold after giving a core back. The benchmark archive
 fixes the count instead.
 
 The step's threads are two sets: torch's OpenMP threads for its own operations, counted as above,
-and the compiled kernels' helpers (`kernels.native.share`), one per core but the caller's, always:
-a helper claims a call's chunks only once its core lets it run, so a busy core slows no call
+and the compiled kernels' helpers (`kernels.native.share`, `kernels/helper_pool.c`), one per core
+but the caller's, always: a helper claims a call's chunks only once its core lets it run, so a busy core slows no call
 (kernels/claims.h); where torch keeps one thread they still serve more tokens than one thread. An
 idle OpenMP thread spins for a while before it sleeps, on a core a kernel thread needs next, so the
 worker process starts with OMP_WAIT_POLICY=PASSIVE unless the environment sets it (both measured in
