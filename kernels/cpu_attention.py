@@ -14,7 +14,6 @@ whole context. Both keep the contract of `paged_attention_reference`, which stay
 from __future__ import annotations
 
 import functools
-import struct
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +123,7 @@ def paged_attention_native(
     if threads > 1 and task is not None:
         words = (query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
                  tables.stride(0), starts.data_ptr(), lens.data_ptr(), bounds.data_ptr(), chunks, num_heads,
-                 num_kv_heads, head_dim, block_size, _float_bits(scale), window or 0, scores.data_ptr(), scratch,
+                 num_kv_heads, head_dim, block_size, scale, window or 0, scores.data_ptr(), scratch,
                  out.data_ptr())
         if native.share_task(task, words, threads, kernel.__name__) is not None:
             return out
@@ -148,11 +147,6 @@ def paged_attention_native(
 
     native.share(run, threads, kernel.__name__)
     return out
-
-
-def _float_bits(value: float) -> int:
-    """A float32's bits as an integer: how a task's words carry a float (cpu_attention.c)."""
-    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 def _pieces(starts: list[int], lens: list[int], parts: int) -> list[tuple[int, int, int]]:

@@ -8,11 +8,14 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
-int64_t rms_norm_f32(const float *x, float *residual, const float *weight, float eps, float *out, int64_t rows,
-                     int64_t width, int64_t stride)
+#include "claims.h"
+
+static void norm_rows(const float *x, float *residual, const float *weight, float eps, float *out, int64_t first,
+                      int64_t end, int64_t width, int64_t stride)
 {
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = first; r < end; r++) {
         const float *in = x + r * stride;
         float *source = residual ? residual + r * stride : (float *)in;
         if (residual)
@@ -26,9 +29,37 @@ int64_t rms_norm_f32(const float *x, float *residual, const float *weight, float
         for (int64_t i = 0; i < width; i++)
             o[i] = source[i] * scale * weight[i];
     }
+}
+
+/* Threads share a call by claiming its chunks of rows_per_chunk rows (claims.h); the caller, wait != 0,
+ * returns once every chunk is done. */
+int64_t rms_norm_f32(const float *x, float *residual, const float *weight, float eps, float *out, int64_t rows,
+                     int64_t width, int64_t stride, int64_t rows_per_chunk, int64_t *counters, int64_t wait)
+{
+    const int64_t chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+        const int64_t end = (c + 1) * rows_per_chunk < rows ? (c + 1) * rows_per_chunk : rows;
+        norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, width, stride);
+    }
+    if (wait)
+        wait_for_chunks(counters, chunks);
     return 0;
 }
 
+/* The same call as a task of helper_pool.c: the arguments before the counters as words, in order (eps
+ * as a float's bits). */
+int64_t rms_norm_f32_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
+{
+    (void)thread;
+    float eps;
+    const uint32_t eps_bits = (uint32_t)w[3];
+    memcpy(&eps, &eps_bits, sizeof eps);
+    return rms_norm_f32((const float *)w[0], (float *)w[1], (const float *)w[2], eps, (float *)w[4], w[5], w[6], w[7],
+                        w[8], counters, wait);
+}
+int64_t rms_norm_f32_task_words(void) { return 9; }
+
 /* The argument types of rms_norm_f32, as kernels/native.py checks them before any call: p a pointer,
  * i an int64_t, f a float; after the colon the result (v: none). */
-const char *rms_norm_f32_signature(void) { return "pppfpiii:i"; }
+const char *rms_norm_f32_signature(void) { return "pppfpiiiipi:i"; }
+const char *rms_norm_f32_task_words_signature(void) { return ":i"; }

@@ -10,17 +10,24 @@ import torch.nn.functional as F
 
 from kernels import dispatch, native
 from kernels.norm_triton import rms_norm_triton
+from kernels.workspace import reusable, step_scratch
+
+SPLIT_VALUES = 1 << 16  # outputs below which a call is not worth sharing between threads
+CHUNKS_PER_THREAD = 4
 
 
 @functools.cache
 def native_kernel():
     p, i = native.POINTER, native.INT64
-    return native.function("cpu_norm", "rms_norm_f32", [p, p, p, native.FLOAT, p, i, i, i], i)
+    return native.function("cpu_norm", "rms_norm_f32", [p, p, p, native.FLOAT, p, i, i, i, i, p, i], i)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             output_slot: str | None = None) -> torch.Tensor:
     """`x` normalized over its last dimension and scaled by `weight`; with `residual`, first
-    `residual += x` (in place), and then `residual` is what is normalized."""
+    `residual += x` (in place), and then `residual` is what is normalized. With `output_slot`, a large
+    result is written into the step's buffer of that name (kernels/workspace.py), for a caller whose use
+    of it ends before the next norm of that name."""
     if dispatch.use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
     width = x.shape[-1]
@@ -34,21 +41,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         and not torch.is_grad_enabled()
         and (kernel := native_kernel()) is not None
     ):
-        out = torch.empty_like(x)
+        slot = output_slot is not None and reusable(tuple(x.shape), x.dtype)
+        out = step_scratch.take(output_slot, tuple(x.shape), x.dtype, x.device) if slot else torch.empty_like(x)
         rows = x.numel() // width
-        if (
-            kernel(
-                x.data_ptr(),
-                0 if residual is None else residual.data_ptr(),
-                weight.data_ptr(),
-                eps,
-                out.data_ptr(),
-                rows,
-                width,
-                width,
-            )
-            == 0
-        ):
+        args = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
+                rows, width, width)
+        if native.share_units(kernel, args, rows, rows * width >= SPLIT_VALUES, CHUNKS_PER_THREAD) == 0:
             return out
     if residual is not None:
         x = residual.add_(x)

@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -218,17 +219,23 @@ def share_units(kernel: Callable, args: tuple, units: int, worth_sharing: bool, 
 def share_task(task: Task, words: tuple[int, ...], count: int, label: str = "pagedserve::kernel") -> int | None:
     """`task` on this thread and on count - 1 of the C helpers (helper_pool.c), which, unlike the
     Python helpers of `share`, need no lock of Python's to start; its result, or None where the
-    helpers cannot be built here (the caller then shares the call through `share`)."""
+    helpers cannot be built here (the caller then shares the call through `share`). A float among
+    `words` goes as its float32 bits."""
     pool = helper_pool()
     if pool is None or len(words) != task.words:
         return None
     if _pool_helpers[0] < count - 1:
         _pool_helpers[0] = pool.start(count - 1)
-    packed = (ctypes.c_int64 * len(words))(*words)
+    packed = (ctypes.c_int64 * len(words))(*(float_bits(w) if isinstance(w, float) else w for w in words))
     if _profiling():
         with _profiler_range(f"{label} on {count} threads"), _profiler_range(label):
             return pool.share(task.address, packed, len(words), count)
     return pool.share(task.address, packed, len(words), count)
+
+
+def float_bits(value: float) -> int:
+    """A float32's bits as an integer: how a task's words carry a float."""
+    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 class HelperPool:

@@ -30,9 +30,9 @@ def test_every_kernel_loads_with_the_signature_its_c_file_states(getter):
 def test_a_declaration_that_differs_from_the_c_signature_is_refused(caplog):
     p, i = native.POINTER, native.INT64
     with caplog.at_level(logging.ERROR, logger="pagedserve.kernels"):
-        kernel = native.function("cpu_norm", "rms_norm_f32", [p, p, p, i, p, i, i, i], i)  # eps as an int64
+        kernel = native.function("cpu_norm", "rms_norm_f32", [p, p, p, i, p, i, i, i, i, p, i], i)  # eps as an int64
     assert kernel is None
-    assert "rms_norm_f32 takes pppfpiii:i, where its caller passes pppipiii:i" in caplog.text
+    assert "rms_norm_f32 takes pppfpiiiipi:i, where its caller passes pppipiiiipi:i" in caplog.text
 
 
 def test_torch_profiler_sees_each_kernel_call_by_name_and_a_call_split_over_threads_as_one_range(monkeypatch):

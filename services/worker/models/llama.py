@@ -23,6 +23,10 @@ QKV, OUT, GATE_UP, DOWN = PROJECTION_GROUPS  # what a LoRA adapter adds to, by t
 
 
 class RMSNorm(nn.Module):
+    # As `Linear.output_slot`: where the output is spent before the next norm of that name, a large
+    # one is written into the step's buffer of that name; None: a fresh tensor.
+    output_slot: str | None = None
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -30,7 +34,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x` normalized; with `residual`, `residual += x` first (in place) and that is normalized."""
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual, self.output_slot)
 
 
 class RotaryEmbedding:
@@ -180,6 +184,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Each norm's output is spent within its sublayer (the projections and their adapters).
+        self.input_layernorm.output_slot = "attention input"
+        self.post_attention_layernorm.output_slot = "mlp input"
 
     def forward(self, hidden, residual, cos_sin, kv_cache, batch):
         """(this layer's output, the residual stream before it): each residual add is done by the

@@ -1,0 +1,41 @@
+"""The compiled RMSNorm: shared between threads row by row, and writing a large output into the
+step's buffer of its role where the model gives it one."""
+
+import pytest
+import torch
+
+from kernels import cpu_norm, native
+from kernels.workspace import step_scratch
+
+pytestmark = pytest.mark.skipif(cpu_norm.native_kernel() is None, reason="no C compiler here")
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_a_norm_shared_between_threads_gets_the_bits_one_thread_gets(with_residual, monkeypatch):
+    x, weight = torch.randn(300, 512), torch.rand(512) + 0.5  # past SPLIT_VALUES: shared
+    residuals = [torch.randn(300, 512) for _ in range(2)] if with_residual else [None, None]
+    if with_residual:
+        residuals[1].copy_(residuals[0])
+    results = []
+    for threads, residual in zip((1, 2), residuals):
+        monkeypatch.setattr(native, "_threads", threads)
+        with torch.no_grad():
+            results.append(cpu_norm.rms_norm(x, weight, 1e-5, residual))
+    assert torch.equal(results[0], results[1])
+    if with_residual:
+        assert torch.equal(residuals[0], residuals[1])  # each row's residual add done once, whoever did it
+
+
+def test_a_norm_with_an_output_slot_writes_large_outputs_into_one_buffer_and_small_ones_afresh():
+    weight = torch.ones(768)
+    with torch.no_grad():
+        large = [cpu_norm.rms_norm(torch.randn(1024, 768), weight, 1e-5, output_slot="attention input")
+                 for _ in range(2)]
+        small = [cpu_norm.rms_norm(torch.randn(4, 768), weight, 1e-5, output_slot="attention input")
+                 for _ in range(2)]
+        fresh = cpu_norm.rms_norm(torch.randn(1024, 768), weight, 1e-5)
+    assert large[0].data_ptr() == large[1].data_ptr()
+    assert large[0].data_ptr() == step_scratch.take("attention input", (1024, 768), torch.float32,
+                                                    torch.device("cpu")).data_ptr()
+    assert small[0].data_ptr() != small[1].data_ptr()
+    assert fresh.data_ptr() != large[0].data_ptr()
