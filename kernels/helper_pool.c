@@ -75,7 +75,12 @@ static int64_t next_post(int64_t seen)
             return newest;
         if ((spins & 63) == 0 && now_ns() > until)
             break;
-        pause_briefly();
+        /* Now and then the core goes to whatever else waits for it (the api, the scheduler): a
+         * helper that waits for work must not hold them up for a whole time slice. */
+        if ((spins & 255) == 255)
+            sched_yield();
+        else
+            pause_briefly();
     }
     for (;;) {
         const int32_t signal = __atomic_load_n(&post_signal, __ATOMIC_SEQ_CST);
