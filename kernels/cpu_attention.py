@@ -119,31 +119,19 @@ def paged_attention_native(
     out = torch.empty(query.shape, dtype=query.dtype)
     scratch = QUERY_BLOCK * num_heads * max(batch.context_lens_list)
     scores = workspace.take("scores", (threads, scratch), torch.float32, query.device)  # a row each thread
+    # The kernel's arguments before its counters and wait, and those after them up to the scores.
+    inputs = (query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+              tables.stride(0), starts.data_ptr(), lens.data_ptr(), bounds.data_ptr(), chunks)
+    shape = (num_heads, num_kv_heads, head_dim, block_size, scale, window or 0)
     task = getattr(kernel, "task", None)
     if threads > 1 and task is not None:
-        words = (query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
-                 tables.stride(0), starts.data_ptr(), lens.data_ptr(), bounds.data_ptr(), chunks, num_heads,
-                 num_kv_heads, head_dim, block_size, scale, window or 0, scores.data_ptr(), scratch,
-                 out.data_ptr())
+        words = (*inputs, *shape, scores.data_ptr(), scratch, out.data_ptr())  # cpu_attention.c's task words
         if native.share_task(task, words, threads, kernel.__name__) is not None:
             return out
-    args = (
-        query.data_ptr(),
-        query.stride(0),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        tables.data_ptr(),
-        tables.stride(0),
-        starts.data_ptr(),
-        lens.data_ptr(),
-        bounds.data_ptr(),
-        chunks,
-        native.new_counters(),
-    )
-    shape = (num_heads, num_kv_heads, head_dim, block_size, scale, window or 0)
+    counters = native.new_counters()
 
     def run(thread: int, wait: bool) -> None:
-        kernel(*args, wait, *shape, scores[thread].data_ptr(), out.data_ptr())
+        kernel(*inputs, counters, wait, *shape, scores[thread].data_ptr(), out.data_ptr())
 
     native.share(run, threads, kernel.__name__)
     return out

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import native
-from kernels.workspace import reusable, step_scratch
+from kernels.workspace import step_scratch
 
 SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth sharing between threads
 SPLIT_ROWS = 4  # nor below this many rows, where reading the weight bounds it, unless the weight is larger
@@ -102,11 +102,7 @@ def bf16_rows(x: torch.Tensor) -> torch.Tensor:
     """x rounded to bfloat16, its rows padded with a zero to an even length (the dot product takes
     pairs); a large copy in scratch memory, which the call that takes it is done with on return."""
     rows, width = x.shape
-    shape = (rows, width + width % 2)
-    if reusable(shape, torch.bfloat16):
-        rounded = step_scratch.take("bfloat16 rows", shape, torch.bfloat16, x.device)
-    else:
-        rounded = torch.empty(shape, dtype=torch.bfloat16)
+    rounded = step_scratch.take_if_large("bfloat16 rows", (rows, width + width % 2), torch.bfloat16, x.device)
     if width % 2:
         rounded[:, :width].copy_(x)
         rounded[:, width] = 0
@@ -145,9 +141,8 @@ class Linear(nn.Linear):
         theirs after the all-reduce)."""
         if self.panels is not None and x.dim() == 2:
             shape = (x.shape[0], self.out_features)
-            reused = (step_scratch.take(self.output_slot, shape, torch.float32, x.device)
-                      if self.output_slot is not None and reusable(shape, torch.float32) else None)
-            out = gemm(x, self.panels, self.out_features, bias, out=reused)
+            out = gemm(x, self.panels, self.out_features, bias,
+                       out=step_scratch.take_if_large(self.output_slot, shape, torch.float32, x.device))
             if out is not None:
                 return out
         return linear(x, self.weight, bias)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kernels import dispatch, native
 from kernels.norm_triton import rms_norm_triton
-from kernels.workspace import reusable, step_scratch
+from kernels.workspace import step_scratch
 
 SPLIT_VALUES = 1 << 16  # outputs below which a call is not worth sharing between threads
 CHUNKS_PER_THREAD = 4
@@ -41,8 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         and not torch.is_grad_enabled()
         and (kernel := native_kernel()) is not None
     ):
-        slot = output_slot is not None and reusable(tuple(x.shape), x.dtype)
-        out = step_scratch.take(output_slot, tuple(x.shape), x.dtype, x.device) if slot else torch.empty_like(x)
+        out = step_scratch.take_if_large(output_slot, tuple(x.shape), x.dtype, x.device)
         rows = x.numel() // width
         args = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
                 rows, width, width)

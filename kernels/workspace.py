@@ -30,6 +30,14 @@ class Workspace:
             self._tensors[name] = tensor
         return tensor[:size].view(shape)
 
+    def take_if_large(self, name: str | None, shape: tuple[int, ...], dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+        """The buffer `name` (as `take`) where a name is given and the tensor is worth reusing
+        (`reusable`); else a fresh uninitialized tensor."""
+        if name is not None and reusable(shape, dtype):
+            return self.take(name, shape, dtype, device)
+        return torch.empty(shape, dtype=dtype, device=device)
+
 
 def reusable(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
     """Whether a tensor of this size is worth taking from a workspace rather than allocating."""
