@@ -38,6 +38,7 @@ SLOW_GROUPS = ("test_docker_compose", "fixed-ports", "test_paper_benchmarks", "t
                "test_prometheus")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under `pytest -n --dist loadgroup` (make test), a file's tests run in one worker, so a server its
     fixtures start once serves them all; files marked `xdist_group` share a worker with the others of
@@ -56,6 +57,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return (SLOW_GROUPS.index(short) if short in SLOW_GROUPS else len(SLOW_GROUPS), -len(groups[name]))
 
     items[:] = [item for name in sorted(groups, key=turn) for item in groups[name]]
+
+
+class GroupsTaken:
+    """Under --dist loadgroup xdist appends each test's group to its id and groups by that alone: with a
+    pytest where it cannot, a file's tests would run on several workers at once (the Docker tests then
+    race for the same keys), so the run stops as soon as a worker reports its collection."""
+
+    def pytest_xdist_node_collection_finished(self, node, ids: list[str]) -> None:
+        if node.config.getvalue("dist") == "loadgroup" and any("@" not in nodeid for nodeid in ids):
+            pytest.exit(f"pytest-xdist could not put the tests' groups into their ids under pytest "
+                        f"{pytest.__version__}: --dist loadgroup would split them (see pyproject's test extra)",
+                        returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist") and not config.pluginmanager.has_plugin("groups-taken"):
+        config.pluginmanager.register(GroupsTaken(), "groups-taken")
 
 
 @pytest.fixture(autouse=True)
