@@ -37,13 +37,21 @@ def paged_attention_cpu(
 
 
 @functools.cache
-def native_kernel(symbol: str = "paged_attention_f32"):
+def native_kernel(symbol: str = "paged_attention_f32", variant: str | None = None):
     """The C kernel over a float32 cache, or with "paged_attention_bf16" (or "_f16", "_i8", "_f8") over a
-    bfloat16 (or float16, int8, E4M3) one."""
+    bfloat16 (or float16, int8, E4M3) one; the build that runs here, or `variant`'s."""
     p, i = native.POINTER, native.INT64
     return native.function(
-        "cpu_attention", symbol, [p, i, p, p, p, i, p, p, p, i, p, i, i, i, i, i, native.FLOAT, i, p, p], None
+        "cpu_attention", symbol, [p, i, p, p, p, i, p, p, p, i, p, i, i, i, i, i, native.FLOAT, i, p, p], None,
+        variant=variant,
     )
+
+
+def bf16_dot(variant: str | None = None) -> bool:
+    """Whether the build serves rows over a bfloat16 cache by the bfloat16 dot product: their query and softmax
+    weights are then rounded to bfloat16, as a bfloat16 model's attention holds them."""
+    fact = native.function("cpu_attention", "paged_attention_bf16_dot", [], native.INT64, variant=variant)
+    return fact is not None and bool(fact())
 
 
 MAX_DECODED, TILE = 16384, 16  # cpu_attention.c decodes a tile of TILE cached tokens' rows into this many floats

@@ -4,7 +4,7 @@ reference over the kernel tests' shapes."""
 import pytest
 import torch
 
-from kernels import cpu_attention, kv_quant
+from kernels import cpu_attention, kv_quant, native
 from kernels.cpu_attention import (
     Workspace,
     native_accepts,
@@ -65,7 +65,65 @@ def test_compiled_attention_over_a_half_cache_is_the_reference_over_its_values(
     assert native_accepts(query, keys, values)
     out = paged_attention_native(query, keys, values, batch, head_dim**-0.5, window)
     expected = reference_in_float32(query, keys, values, batch, head_dim**-0.5, window)
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    # With the bfloat16 dot product a row's query and weights are rounded to bfloat16 (each weight within 2^-9 of
+    # its own): the next test holds the rows to that rounding exactly.
+    tolerance = 2e-2 if storage is torch.bfloat16 and cpu_attention.bf16_dot() else 1e-4
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+def rounded_reference(query, keys, values, table, context, scale):
+    """One query row, at position context - 1, over a bfloat16 cache as the dot product computes it: query and
+    weights in bfloat16."""
+    heads, head_dim = query.shape
+    block_size, kv_heads = keys.shape[1], keys.shape[2]
+    blocks = table[: -(-context // block_size)].long()
+    k = keys[blocks].reshape(-1, kv_heads, head_dim)[:context].float().repeat_interleave(heads // kv_heads, 1)
+    v = values[blocks].reshape(-1, kv_heads, head_dim)[:context].float().repeat_interleave(heads // kv_heads, 1)
+    weights = (torch.einsum("hd,thd->ht", query.bfloat16().float(), k) * scale).softmax(-1)
+    return torch.einsum("ht,thd->hd", weights.bfloat16().float(), v)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(12, 4, 64), (16, 2, 64), (8, 8, 128), (4, 2, 64)])
+def test_rows_over_a_bf16_cache_take_their_query_and_weights_rounded_to_bf16(heads, kv_heads, head_dim):
+    # Decode rows with contexts inside one run of 16 cached tokens, at its edges, across blocks and long; and a
+    # prompt, a chunk over a cached prefix.
+    compiled_kernel()
+    if not cpu_attention.bf16_dot():
+        pytest.skip("this build computes every row in float32: the test above covers it")
+    shapes = [(1, context) for context in (1, 15, 16, 17, 33, 300)] + [(19, 19), (11, 40)]
+    query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, 32, torch.float32)
+    keys, values = key_cache.bfloat16(), value_cache.bfloat16()
+    out = paged_attention_native(query, keys, values, batch, head_dim**-0.5)
+    row = 0
+    for s, (queries, context) in enumerate(shapes):
+        for position in range(context - queries, context):
+            expected = rounded_reference(query[row], keys, values, batch.block_tables[s], position + 1, head_dim**-0.5)
+            # a weight next to a rounding boundary may round the other way: one bfloat16 step of one weight
+            torch.testing.assert_close(out[row], expected, atol=3e-4, rtol=0)
+            row += 1
+
+
+@pytest.mark.parametrize("variant", native.runnable_variants())
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.float16, torch.int8], ids=str)
+def test_every_build_this_cpu_runs_attends_as_the_portable_build_does(variant, storage, monkeypatch):
+    # The instruction set is chosen at run time: each build computes what the portable one does, to rounding (a
+    # build with the bfloat16 dot product rounds queries and weights over a bfloat16 cache, the test above).
+    compiled_kernel()
+    shapes = [(1, 17), (1, 300), (19, 19), (9, 40)]
+    query, key_cache, value_cache, batch = make_batch(shapes, 12, 4, 64, 16, torch.float32)
+    if storage is torch.int8:
+        keys, values = kv_quant.quantize(key_cache, storage), kv_quant.quantize(value_cache, storage)
+    else:
+        keys, values = key_cache.to(storage), value_cache.to(storage)
+
+    def attend(build: str) -> torch.Tensor:
+        monkeypatch.setattr(cpu_attention, "native_kernel", lambda symbol: native_kernel.__wrapped__(symbol, build))
+        batch.derived.clear()
+        return paged_attention_native(query, keys, values, batch, 64**-0.5)
+
+    portable, out = attend("portable"), attend(variant)
+    tolerance = 2e-2 if storage is torch.bfloat16 and cpu_attention.bf16_dot(variant) else 1e-5
+    torch.testing.assert_close(out, portable, atol=tolerance, rtol=tolerance)
 
 
 QUANTIZED_CASES = ATTENTION_CASES + [
