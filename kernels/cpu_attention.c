@@ -278,7 +278,8 @@ static inline __attribute__((always_inline)) void attend_one_query(
  * head, so that memory serves the two streams at once. Values: two tokens' rows are interleaved so that one product
  * adds both tokens' weighted values, into sums held over the whole context. Faster than the float32 walk below at
  * every size measured, prompts included (docs/kernels.md). */
-#define MAX_BF16_HEADS 64 /* query heads this path serves at most (its sums live on the stack) */
+#define MAX_BF16_HEADS 64 /* query heads this path serves at most (their queries live on the stack) */
+#define VALUE_HEADS 4     /* heads of a group whose value sums are held in registers together */
 
 /* Lane u of the result: the sum of a[u]'s lanes. Four steps each halve the vectors and double the keys per vector;
  * the last leaves key 4j + k in lane 4k + j, which the permutation puts back in order. */
@@ -335,47 +336,52 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
     }
     for (int64_t head = 0; head < num_heads; head++)
         softmax(scores + head * n, 0, n);
-    /* Values: per head and vector of 32 dimensions, sums[0] holds dimensions 8L .. 8L + 3 in lanes 4L .. 4L + 3 and
-     * sums[1] dimensions 8L + 4 .. 8L + 7, as two tokens' rows interleave (unpacklo, unpackhi) */
-    __m512 sums[MAX_BF16_HEADS][4][2];
-    for (int64_t head = 0; head < num_heads; head++)
-        for (int64_t c = 0; c < vectors; c++)
-            sums[head][c][0] = sums[head][c][1] = _mm512_setzero_ps();
-    for (int64_t p = low, stop; p <= high;) {
-        const char *run = block_run(value_cache, table, p, high + 1, block_size, token_bytes, &stop);
-        for (int64_t count; p < stop; p += count, run += count * token_bytes) {
-            count = min64(16, stop - p);
-            const __mmask16 valid = (__mmask16)((1u << count) - 1);
-            uint32_t pairs[MAX_BF16_HEADS][8]; /* the weights of tokens 2j and 2j + 1, two bfloat16 */
-            for (int64_t head = 0; head < num_heads; head++)
-                _mm256_storeu_si256((__m256i *)pairs[head], (__m256i)_mm512_cvtneps_pbh(
-                    _mm512_maskz_loadu_ps(valid, scores + head * n + (p - low))));
-            for (int64_t kv = 0; kv < num_kv_heads; kv++)
+    /* Values, for up to VALUE_HEADS heads of a group at a time: per head and vector of 32 dimensions, sums[..][0]
+     * holds dimensions 8L .. 8L + 3 in lanes 4L .. 4L + 3 and sums[..][1] dimensions 8L + 4 .. 8L + 7, as two
+     * tokens' rows interleave (unpacklo, unpackhi); they stay in registers over the whole context. */
+    const __m512i low_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i high_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t first = 0, heads; first < num_heads; first += heads) {
+        const int64_t kv = first / group;
+        heads = min64(VALUE_HEADS, (kv + 1) * group - first);
+        __m512 sums[VALUE_HEADS][4][2];
+        for (int64_t h = 0; h < VALUE_HEADS; h++)
+            for (int64_t c = 0; c < 4; c++)
+                sums[h][c][0] = sums[h][c][1] = _mm512_setzero_ps();
+        for (int64_t p = low, stop; p <= high;) {
+            const char *run = block_run(value_cache, table, p, high + 1, block_size, token_bytes, &stop) + kv * head_bytes;
+            for (int64_t count; p < stop; p += count, run += count * token_bytes) {
+                count = min64(16, stop - p);
+                const __mmask16 valid = (__mmask16)((1u << count) - 1);
+                __m512i pairs[VALUE_HEADS]; /* word j: the weights of tokens 2j and 2j + 1, two bfloat16 */
+                for (int64_t h = 0; h < heads; h++)
+                    pairs[h] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(
+                        _mm512_maskz_loadu_ps(valid, scores + (first + h) * n + (p - low))));
                 for (int64_t j = 0; 2 * j < count; j++) {
-                    const char *row = run + 2 * j * token_bytes + kv * head_bytes;
+                    const char *row = run + 2 * j * token_bytes;
                     for (int64_t c = 0; c < vectors; c++) {
                         const __m512i even = _mm512_loadu_si512(row + c * 64);
                         const __m512i odd = 2 * j + 1 < count ? _mm512_loadu_si512(row + token_bytes + c * 64)
                                                               : _mm512_setzero_si512();
                         const __m512bh low_pairs = (__m512bh)_mm512_unpacklo_epi16(even, odd);
                         const __m512bh high_pairs = (__m512bh)_mm512_unpackhi_epi16(even, odd);
-                        for (int64_t head = kv * group; head < (kv + 1) * group; head++) {
-                            const __m512bh weight = (__m512bh)_mm512_set1_epi32((int)pairs[head][j]);
-                            sums[head][c][0] = _mm512_dpbf16_ps(sums[head][c][0], low_pairs, weight);
-                            sums[head][c][1] = _mm512_dpbf16_ps(sums[head][c][1], high_pairs, weight);
+                        for (int64_t h = 0; h < heads; h++) {
+                            const __m512bh weight =
+                                (__m512bh)_mm512_permutexvar_epi32(_mm512_set1_epi32((int)j), pairs[h]);
+                            sums[h][c][0] = _mm512_dpbf16_ps(sums[h][c][0], low_pairs, weight);
+                            sums[h][c][1] = _mm512_dpbf16_ps(sums[h][c][1], high_pairs, weight);
                         }
                     }
                 }
+            }
         }
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t c = 0; c < vectors; c++) {
+                float *o = out + (first + h) * head_dim + c * 32;
+                _mm512_storeu_ps(o, _mm512_permutex2var_ps(sums[h][c][0], low_order, sums[h][c][1]));
+                _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(sums[h][c][0], high_order, sums[h][c][1]));
+            }
     }
-    const __m512i low_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i high_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int64_t head = 0; head < num_heads; head++)
-        for (int64_t c = 0; c < vectors; c++) {
-            float *o = out + head * head_dim + c * 32;
-            _mm512_storeu_ps(o, _mm512_permutex2var_ps(sums[head][c][0], low_order, sums[head][c][1]));
-            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(sums[head][c][0], high_order, sums[head][c][1]));
-        }
 }
 #endif
 
