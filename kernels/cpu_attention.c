@@ -151,6 +151,15 @@ static inline void prefetch_rows(const char *cache, const int32_t *table, int64_
     }
 }
 
+/* Asks for part `part` of `parts` of the `lines` cache lines from `first` on, into the second-level cache: a walk over
+ * keys spreads the same tokens' values over its query heads this way, so that memory serves both streams at once
+ * (docs/kernels.md). */
+static inline void prefetch_part(const char *first, int64_t lines, int64_t part, int64_t parts)
+{
+    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; line++)
+        __builtin_prefetch(first + line * 64, 0, 2);
+}
+
 /* One query row's attention over one-byte rows (int8, E4M3) at head size 64, in whole vectors of 8 floats
  * (GCC's vector extensions: AVX on x86-64-v3 and native builds, narrower vectors elsewhere): a decode step's
  * row, and a chunk's row alone in its block of QUERY_BLOCK queries (its ninth, seventeenth, ...). Each cached
@@ -318,8 +327,7 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
             const int64_t lines = count * token_bytes / 64;
             const char *values = value_cache + (run - key_cache); /* the same tokens' values, asked for meanwhile */
             for (int64_t head = 0; head < num_heads; head++) {
-                for (int64_t line = head * lines / num_heads; line < (head + 1) * lines / num_heads; line++)
-                    __builtin_prefetch(values + line * 64, 0, 2);
+                prefetch_part(values, lines, head, num_heads);
                 const char *rows = run + (head / group) * head_bytes;
                 __m512 sums[16];
                 for (int64_t u = 0; u < 16; u++) {
@@ -433,11 +441,9 @@ static inline __attribute__((always_inline)) void attend_range(
                 const char *run = block_run(key_cache, table, p, end, block_size, token_bytes, &stop);
                 while (p < stop) {
                     const int64_t tile_end = min64(p + TILE, stop);
-                    /* the keys AHEAD positions on, and past the last key the first values */
+                    /* the keys AHEAD positions on (each tile's values are asked for below, as its keys are read) */
                     prefetch_rows(key_cache, table, min64(p + AHEAD, end), min64(tile_end + AHEAD, end), block_size,
                                   token_bytes);
-                    prefetch_rows(value_cache, table, lowest + max64(p + AHEAD - end, 0),
-                                  lowest + min64(max64(tile_end + AHEAD - end, 0), n), block_size, token_bytes);
                     if (kind != ROW_F32)
                         decode_tile(run, tile_end - p, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
                     const int64_t lines = (tile_end - p) * token_bytes / 64;
@@ -447,8 +453,7 @@ static inline __attribute__((always_inline)) void attend_range(
                         const float *q = query + (first + i0 + b) * query_stride;
                         for (int64_t head = 0; head < num_heads; head++) {
                             if (b == 0)
-                                for (int64_t line = head * lines / num_heads; line < (head + 1) * lines / num_heads; line++)
-                                    __builtin_prefetch(values + line * 64, 0, 2);
+                                prefetch_part(values, lines, head, num_heads);
                             const float *qh = q + head * head_dim;
                             float *row_scores = scores + (b * num_heads + head) * n;
                             for (int64_t u = from; u < to; u++) {
@@ -601,8 +606,8 @@ ATTENTION_TASK(paged_attention_i8, int8_t)
 ATTENTION_TASK(paged_attention_f8, uint8_t)
 #undef ATTENTION_TASK
 
-/* 1 where one-query rows over a bfloat16 cache take the bfloat16 dot product (their query and weights rounded to
- * bfloat16), 0 where every row is computed in float32. */
+/* 1 where rows over a bfloat16 cache take the bfloat16 dot product (their query and weights rounded to bfloat16), 0
+ * where every row is computed in float32. */
 int64_t paged_attention_bf16_dot(void)
 {
 #ifdef BF16_DOT
