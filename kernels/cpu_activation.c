@@ -4,22 +4,32 @@
  *
  * gate_up rows are `stride` floats apart, out rows `out_stride` apart; out may be gate_up's own gate
  * half. Threads share a call by claiming its chunks of rows_per_chunk rows (claims.h); the caller,
- * wait != 0, returns once every chunk is done. Built with -ffast-math, so the loop becomes SIMD and expf the vector library's.
+ * wait != 0, returns once every chunk is done. silu_mul_f32_bf16 writes out as bfloat16 rows, the input
+ * of a product that takes them. Built with -ffast-math, so the loop becomes SIMD and expf the vector library's.
  */
 #include <math.h>
 #include <stdint.h>
 
+#include "bfloat16.h"
 #include "claims.h"
 
-int64_t silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t out_stride, int64_t rows,
-                     int64_t width, int64_t rows_per_chunk, int64_t *counters, int64_t wait)
+static inline __attribute__((always_inline)) int64_t silu_mul(
+    const float *gate_up, int64_t stride, void *out, int64_t out_stride, int64_t rows, int64_t width,
+    int64_t rows_per_chunk, int64_t *counters, int64_t wait, const int bf16_out)
 {
     const int64_t chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
     for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
         const int64_t end = (c + 1) * rows_per_chunk < rows ? (c + 1) * rows_per_chunk : rows;
         for (int64_t r = c * rows_per_chunk; r < end; r++) {
             const float *gate = gate_up + r * stride, *up = gate + width;
-            float *o = out + r * out_stride;
+            if (bf16_out) {
+                uint16_t *o = (uint16_t *)out + r * out_stride;
+#pragma omp simd
+                for (int64_t i = 0; i < width; i++)
+                    o[i] = bfloat16_of(gate[i] / (1.0f + expf(-gate[i])) * up[i]);
+                continue;
+            }
+            float *o = (float *)out + r * out_stride;
             /* out may be gate_up itself (the gate half, overwritten): each o[i] depends on that i alone. */
 #pragma omp simd
             for (int64_t i = 0; i < width; i++)
@@ -31,15 +41,33 @@ int64_t silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t o
     return 0;
 }
 
-/* The same call as a task of helper_pool.c: the arguments before the counters as words, in order. */
-int64_t silu_mul_f32_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
+int64_t silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t out_stride, int64_t rows,
+                     int64_t width, int64_t rows_per_chunk, int64_t *counters, int64_t wait)
 {
-    (void)thread;
-    return silu_mul_f32((const float *)w[0], w[1], (float *)w[2], w[3], w[4], w[5], w[6], counters, wait);
+    return silu_mul(gate_up, stride, out, out_stride, rows, width, rows_per_chunk, counters, wait, 0);
 }
-int64_t silu_mul_f32_task_words(void) { return 7; }
+
+int64_t silu_mul_f32_bf16(const float *gate_up, int64_t stride, uint16_t *out, int64_t out_stride, int64_t rows,
+                          int64_t width, int64_t rows_per_chunk, int64_t *counters, int64_t wait)
+{
+    return silu_mul(gate_up, stride, out, out_stride, rows, width, rows_per_chunk, counters, wait, 1);
+}
+
+/* The same calls as tasks of helper_pool.c: the arguments before the counters as words, in order. */
+#define SILU_TASK(NAME, BF16_OUT)                                                                       \
+    int64_t NAME##_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)               \
+    {                                                                                                   \
+        (void)thread;                                                                                   \
+        return silu_mul((const float *)w[0], w[1], (void *)w[2], w[3], w[4], w[5], w[6], counters, wait, BF16_OUT); \
+    }                                                                                                   \
+    int64_t NAME##_task_words(void) { return 7; }
+SILU_TASK(silu_mul_f32, 0)
+SILU_TASK(silu_mul_f32_bf16, 1)
+#undef SILU_TASK
 
 /* The argument types of silu_mul_f32, as kernels/native.py checks them before any call: p a pointer,
  * i an int64_t, f a float; after the colon the result (v: none). */
 const char *silu_mul_f32_signature(void) { return "pipiiiipi:i"; }
 const char *silu_mul_f32_task_words_signature(void) { return ":i"; }
+const char *silu_mul_f32_bf16_signature(void) { return "pipiiiipi:i"; }
+const char *silu_mul_f32_bf16_task_words_signature(void) { return ":i"; }

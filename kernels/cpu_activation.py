@@ -10,24 +10,33 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
+from kernels.workspace import step_scratch
 
 SPLIT_VALUES = 1 << 16  # outputs below which a call is not worth sharing between threads
 CHUNKS_PER_THREAD = 4
 
 
 @functools.cache
-def native_kernel():
+def native_kernel(symbol: str = "silu_mul_f32"):
     p, i = native.POINTER, native.INT64
-    return native.function("cpu_activation", "silu_mul_f32", [p, i, p, i, i, i, i, p, i], i)
+    return native.function("cpu_activation", symbol, [p, i, p, i, i, i, i, p, i], i)
 
 
-def silu_and_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, width: int, bf16_rows: bool = False) -> torch.Tensor:
     """`SiLU(gate_up[:, :width]) * gate_up[:, width:]`, written over the gate half of `gate_up` (a view
-    of it is returned): no new tensor of activations' size, whose fresh pages cost more than the pass."""
+    of it is returned): no new tensor of activations' size, whose fresh pages cost more than the pass.
+    With `bf16_rows`, into bfloat16 rows in the step's scratch where the compiled kernel runs (the
+    rounding a product taking bfloat16 rows would do), and as without it elsewhere."""
     rows = gate_up.shape[0]
     if (gate_up.dtype is torch.float32 and not gate_up.is_cuda and gate_up.dim() == 2
             and gate_up.stride(1) == 1 and gate_up.shape[1] == 2 * width and not torch.is_grad_enabled()
-            and (kernel := native_kernel()) is not None):
+            and (kernel := native_kernel("silu_mul_f32_bf16" if bf16_rows else "silu_mul_f32")) is not None):
+        if bf16_rows:
+            out = step_scratch.take_if_large("activation rows", (rows, width), torch.bfloat16, gate_up.device)
+            args = (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, rows, width)
+            if native.share_units(kernel, args, rows, rows * width >= SPLIT_VALUES, CHUNKS_PER_THREAD) == 0:
+                return out
+            return silu_and_mul(gate_up, width)
         args = (gate_up.data_ptr(), gate_up.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, width)
         if native.share_units(kernel, args, rows, rows * width >= SPLIT_VALUES, CHUNKS_PER_THREAD) == 0:
             return gate_up[:, :width]

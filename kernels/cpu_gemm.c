@@ -11,9 +11,10 @@
  *             vectors with one shift and one mask, and x stays float32.
  * A tile is up to MR rows of x against one panel, in 2 x MR vector accumulators, so the multiply-
  * add units and not the loads set the pace. A panel streams from memory in one run and stays in the
- * second-level cache while every tile of rows passes over it, and each tile prefetches the next
- * panel into that cache: the reads from memory spread over all the passes of a panel, not bunched
- * into its first. One or two rows are bound by the reads alone, and there the hardware's own
+ * second-level cache while every tile of rows passes over it, and the first PREFETCH_TILES tiles
+ * over a panel each prefetch their share of the next one into that cache, every line of it at an
+ * even pace: the reads from memory overlap the arithmetic of several passes rather than stalling the
+ * first (docs/kernels.md). One or two rows are bound by the reads alone, and there the hardware's own
  * prefetch streams the panels faster without ours (docs/kernels.md). Blocking as BLIS does, rows packed
  * into micro-panels and K cut so that a panel's block stays in the first-level cache, was faster on one
  * thread at 2,048 rows but not on two sharing a call (docs/kernels.md), so it is not done.
@@ -67,6 +68,7 @@
 #define NR (2 * GEMM_VEC)
 #define MC 48 /* rows per block: their x stays in the second-level cache while the block passes a panel */
 #define PREFETCH_MIN_ROWS 3
+#define PREFETCH_TILES 4 /* tiles over a panel that share the prefetch of the next: more add nothing once the rows are many */
 
 enum weight_kind { W_F32, W_F16, W_BF16 };
 
@@ -139,10 +141,11 @@ static inline __attribute__((always_inline)) void store_row(vf a, vf b, const fl
 }
 
 /* `rows` rows of x against one panel, over its kc values of k. The accumulators are locals that nothing takes the address of, so they stay in registers
- * for the whole block. */
+ * for the whole block. Where `ahead` is given, each step of k prefetches the line at ahead + step * pf_stride (and
+ * the next, for a stride past one line). */
 static inline __attribute__((always_inline)) void tile(
     const int rows, const int kind, const char *x, int64_t x_stride, const char *w, int64_t kc,
-    const float *bias, float *y, int64_t y_stride, int64_t cols, const char *ahead)
+    const float *bias, float *y, int64_t y_stride, int64_t cols, const char *ahead, int64_t pf_stride)
 {
     vf acc0[MR], acc1[MR];
     for (int r = 0; r < rows; r++)
@@ -150,8 +153,11 @@ static inline __attribute__((always_inline)) void tile(
     if (kind == W_BF16 && BF16_DOT) {
         const uint32_t *xw = (const uint32_t *)x; /* bfloat16 rows: x_stride counts bfloat16 values */
         for (int64_t p = 0; p < kc / 2; p++) {
-            if (ahead)
-                __builtin_prefetch(ahead + p * NR * 4, 0, 2);
+            if (ahead) {
+                __builtin_prefetch(ahead + p * pf_stride, 0, 2);
+                if (pf_stride > 64)
+                    __builtin_prefetch(ahead + p * pf_stride + 64, 0, 2);
+            }
             const vu w0 = load_words(w + p * NR * 4), w1 = load_words(w + p * NR * 4 + 4 * GEMM_VEC);
             for (int r = 0; r < rows; r++) {
                 const uint32_t pair = xw[r * x_stride / 2 + p];
@@ -162,8 +168,11 @@ static inline __attribute__((always_inline)) void tile(
     } else if (kind == W_BF16) {
         const float *xf = (const float *)x;
         for (int64_t p = 0; 2 * p < kc; p++) {
-            if (ahead)
-                __builtin_prefetch(ahead + p * NR * 4, 0, 2);
+            if (ahead) {
+                __builtin_prefetch(ahead + p * pf_stride, 0, 2);
+                if (pf_stride > 64)
+                    __builtin_prefetch(ahead + p * pf_stride + 64, 0, 2);
+            }
             const vu w0 = load_words(w + p * NR * 4), w1 = load_words(w + p * NR * 4 + 4 * GEMM_VEC);
             const vf low0 = as_floats(w0 << 16), low1 = as_floats(w1 << 16);
             for (int r = 0; r < rows; r++) {
@@ -189,8 +198,11 @@ static inline __attribute__((always_inline)) void tile(
         const float *xf = (const float *)x;
         const int64_t row_bytes = NR * (kind == W_F16 ? 2 : 4);
         for (int64_t k = 0; k < kc; k++) {
-            if (ahead)
-                __builtin_prefetch(ahead + k * row_bytes, 0, 2);
+            if (ahead) {
+                __builtin_prefetch(ahead + k * pf_stride, 0, 2);
+                if (pf_stride > 64)
+                    __builtin_prefetch(ahead + k * pf_stride + 64, 0, 2);
+            }
             vf w0, w1;
             if (kind == W_F16) {
                 w0 = halves_to_floats((const uint16_t *)(w + k * row_bytes));
@@ -212,16 +224,17 @@ static inline __attribute__((always_inline)) void tile(
 
 #define TILES(KIND)                                                                                     \
     switch (rows) {                                                                                     \
-    case 6: tile(6, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead); break;   \
-    case 5: tile(5, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead); break;   \
-    case 4: tile(4, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead); break;   \
-    case 3: tile(3, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead); break;   \
-    case 2: tile(2, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead); break;   \
-    default: tile(1, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead);         \
+    case 6: tile(6, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride); break;   \
+    case 5: tile(5, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride); break;   \
+    case 4: tile(4, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride); break;   \
+    case 3: tile(3, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride); break;   \
+    case 2: tile(2, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride); break;   \
+    default: tile(1, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride);         \
     }
 
 static void tile_of(const int kind, int rows, const char *xm, int64_t x_stride, const char *w, int64_t kc,
-                    const float *bias, float *ym, int64_t y_stride, int64_t cols, const char *ahead)
+                    const float *bias, float *ym, int64_t y_stride, int64_t cols, const char *ahead,
+                    int64_t pf_stride)
 {
     switch (kind) {
     case W_F32: TILES(W_F32) break;
@@ -242,18 +255,21 @@ static void gemm_panels(const int kind, const char *x, int64_t x_stride, const c
                         int64_t last_panel)
 {
     const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, whole_panel = panel_bytes(kind, K);
+    /* The tiles that prefetch the next panel (none for a row or two), the bytes each asks for, and per step of k. */
+    const int64_t tiles = M >= PREFETCH_MIN_ROWS ? (M + MR - 1) / MR : 0;
+    const int64_t sharing = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES, steps = kind == W_BF16 ? (K + 1) / 2 : K;
+    const int64_t share = sharing ? (whole_panel + sharing - 1) / sharing : 0, pf_stride = (share + steps - 1) / steps;
     for (int64_t p = first_panel; p < last_panel; p++) {
         const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
         const char *w = panels + p * whole_panel;
-        /* The next panel, past the last one too (a prefetch never faults); none for a row or two. */
-        const char *next = M >= PREFETCH_MIN_ROWS ? w + whole_panel : 0;
-        /* Rows in blocks whose x stays in the second-level cache while the block passes. */
+        int64_t t = 0;
         for (int64_t m0 = 0; m0 < M; m0 += MC) {
             const int64_t m_end = m0 + MC < M ? m0 + MC : M;
-            for (int64_t m = m0; m < m_end; m += MR) {
+            for (int64_t m = m0; m < m_end; m += MR, t++) {
                 const int rows = m_end - m < MR ? (int)(m_end - m) : MR;
+                const char *ahead = t < sharing ? w + whole_panel + t * share : 0;
                 tile_of(kind, rows, x + m * x_stride * x_element, x_stride, w, K, bias ? bias + n : 0,
-                        y + m * y_stride + n, y_stride, cols, next);
+                        y + m * y_stride + n, y_stride, cols, ahead, pf_stride);
             }
         }
     }

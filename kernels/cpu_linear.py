@@ -81,12 +81,18 @@ def pack(weight: torch.Tensor, build: GemmBuild | None = None) -> torch.Tensor:
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
          build: GemmBuild | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`x W^T + b` from W's panels, x and the result float32 (into `out`, contiguous, where given);
-    None where the kernel does not apply."""
+    """`x W^T + b` from W's panels, x float32 (or bfloat16 rows of even width, where the build takes
+    them for these panels) and the result float32 (into `out`, contiguous, where given); None where the
+    kernel does not apply."""
     build = build or gemm_build()
-    if build is None or x.stride(1) != 1 or x.dtype is not torch.float32 or torch.is_grad_enabled():
+    if build is None or x.stride(1) != 1 or torch.is_grad_enabled():
         return None
-    if panels.dtype is torch.bfloat16 and build.bf16_rows:
+    takes_rows = panels.dtype is torch.bfloat16 and build.bf16_rows
+    if x.dtype is torch.bfloat16 and takes_rows and x.shape[1] % 2 == 0:
+        pass  # rounded already by the kernel that wrote them
+    elif x.dtype is not torch.float32:
+        return None
+    elif takes_rows:
         x = bf16_rows(x)
     rows, width = x.shape
     if out is None:
@@ -136,6 +142,16 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
 
+    @property
+    def takes_bf16_rows(self) -> bool:
+        """Whether this layer's kernel multiplies bfloat16 rows of x: its input may be written as such
+        by the kernel before it (norm, activation), saving a pass that rounds float32 rows."""
+        panels = self.panels
+        if panels is None or panels.dtype is not torch.bfloat16 or self.in_features % 2:
+            return False
+        build = gemm_build()
+        return build is not None and build.bf16_rows
+
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x W^T`, plus `bias` where given (the row-parallel projections of tensor parallelism add
         theirs after the all-reduce)."""
@@ -145,6 +161,8 @@ class Linear(nn.Linear):
                        out=step_scratch.take_if_large(self.output_slot, shape, torch.float32, x.device))
             if out is not None:
                 return out
+        if x.dtype is torch.bfloat16 and self.weight.dtype is not torch.bfloat16:
+            x = x.float()
         return linear(x, self.weight, bias)
 
 

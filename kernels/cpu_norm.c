@@ -4,16 +4,19 @@
  * With residual != NULL: residual += x, then out = residual / rms(residual) * weight (the residual
  * stream and the normalized input of the next sublayer, as a pre-norm decoder needs both).
  * Without: out = x / rms(x) * weight. Rows are `stride` floats apart in x, residual and out alike.
- * Sums of squares run in float32, as HF's RMSNorm computes them for float32 inputs.
+ * Sums of squares run in float32, as HF's RMSNorm computes them for float32 inputs. rms_norm_f32_bf16
+ * writes out as bfloat16 rows (out_stride values apart), the input of a product that takes them.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "bfloat16.h"
 #include "claims.h"
 
-static void norm_rows(const float *x, float *residual, const float *weight, float eps, float *out, int64_t first,
-                      int64_t end, int64_t width, int64_t stride)
+static inline __attribute__((always_inline)) void norm_rows(
+    const float *x, float *residual, const float *weight, float eps, void *out, int64_t first, int64_t end,
+    int64_t width, int64_t stride, const int bf16_out)
 {
     for (int64_t r = first; r < end; r++) {
         const float *in = x + r * stride;
@@ -25,10 +28,33 @@ static void norm_rows(const float *x, float *residual, const float *weight, floa
         for (int64_t i = 0; i < width; i++)
             squares += source[i] * source[i];
         const float scale = 1.0f / sqrtf(squares / (float)width + eps);
-        float *o = out + r * stride;
-        for (int64_t i = 0; i < width; i++)
-            o[i] = source[i] * scale * weight[i];
+        if (bf16_out) {
+            uint16_t *o = (uint16_t *)out + r * stride;
+            for (int64_t i = 0; i < width; i++)
+                o[i] = bfloat16_of(source[i] * scale * weight[i]);
+        } else {
+            float *o = (float *)out + r * stride;
+            for (int64_t i = 0; i < width; i++)
+                o[i] = source[i] * scale * weight[i];
+        }
     }
+}
+
+static int64_t norm(const float *x, float *residual, const float *weight, float eps, void *out, int64_t rows,
+                    int64_t width, int64_t stride, int64_t rows_per_chunk, int64_t *counters, int64_t wait,
+                    const int bf16_out)
+{
+    const int64_t chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+        const int64_t end = (c + 1) * rows_per_chunk < rows ? (c + 1) * rows_per_chunk : rows;
+        if (bf16_out)
+            norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, width, stride, 1);
+        else
+            norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, width, stride, 0);
+    }
+    if (wait)
+        wait_for_chunks(counters, chunks);
+    return 0;
 }
 
 /* Threads share a call by claiming its chunks of rows_per_chunk rows (claims.h); the caller, wait != 0,
@@ -36,30 +62,36 @@ static void norm_rows(const float *x, float *residual, const float *weight, floa
 int64_t rms_norm_f32(const float *x, float *residual, const float *weight, float eps, float *out, int64_t rows,
                      int64_t width, int64_t stride, int64_t rows_per_chunk, int64_t *counters, int64_t wait)
 {
-    const int64_t chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
-    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
-        const int64_t end = (c + 1) * rows_per_chunk < rows ? (c + 1) * rows_per_chunk : rows;
-        norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, width, stride);
-    }
-    if (wait)
-        wait_for_chunks(counters, chunks);
-    return 0;
+    return norm(x, residual, weight, eps, out, rows, width, stride, rows_per_chunk, counters, wait, 0);
 }
 
-/* The same call as a task of helper_pool.c: the arguments before the counters as words, in order (eps
- * as a float's bits). */
-int64_t rms_norm_f32_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
+int64_t rms_norm_f32_bf16(const float *x, float *residual, const float *weight, float eps, uint16_t *out,
+                          int64_t rows, int64_t width, int64_t stride, int64_t rows_per_chunk, int64_t *counters,
+                          int64_t wait)
 {
-    (void)thread;
-    float eps;
-    const uint32_t eps_bits = (uint32_t)w[3];
-    memcpy(&eps, &eps_bits, sizeof eps);
-    return rms_norm_f32((const float *)w[0], (float *)w[1], (const float *)w[2], eps, (float *)w[4], w[5], w[6], w[7],
-                        w[8], counters, wait);
+    return norm(x, residual, weight, eps, out, rows, width, stride, rows_per_chunk, counters, wait, 1);
 }
-int64_t rms_norm_f32_task_words(void) { return 9; }
+
+/* The same calls as tasks of helper_pool.c: the arguments before the counters as words, in order (eps
+ * as a float's bits). */
+#define NORM_TASK(NAME, BF16_OUT)                                                                       \
+    int64_t NAME##_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)               \
+    {                                                                                                   \
+        (void)thread;                                                                                   \
+        float eps;                                                                                      \
+        const uint32_t eps_bits = (uint32_t)w[3];                                                       \
+        memcpy(&eps, &eps_bits, sizeof eps);                                                            \
+        return norm((const float *)w[0], (float *)w[1], (const float *)w[2], eps, (void *)w[4], w[5], w[6], w[7], \
+                    w[8], counters, wait, BF16_OUT);                                                    \
+    }                                                                                                   \
+    int64_t NAME##_task_words(void) { return 9; }
+NORM_TASK(rms_norm_f32, 0)
+NORM_TASK(rms_norm_f32_bf16, 1)
+#undef NORM_TASK
 
 /* The argument types of rms_norm_f32, as kernels/native.py checks them before any call: p a pointer,
  * i an int64_t, f a float; after the colon the result (v: none). */
 const char *rms_norm_f32_signature(void) { return "pppfpiiiipi:i"; }
 const char *rms_norm_f32_task_words_signature(void) { return ":i"; }
+const char *rms_norm_f32_bf16_signature(void) { return "pppfpiiiipi:i"; }
+const char *rms_norm_f32_bf16_task_words_signature(void) { return ":i"; }

@@ -17,17 +17,19 @@ CHUNKS_PER_THREAD = 4
 
 
 @functools.cache
-def native_kernel():
+def native_kernel(symbol: str = "rms_norm_f32"):
     p, i = native.POINTER, native.INT64
-    return native.function("cpu_norm", "rms_norm_f32", [p, p, p, native.FLOAT, p, i, i, i, i, p, i], i)
+    return native.function("cpu_norm", symbol, [p, p, p, native.FLOAT, p, i, i, i, i, p, i], i)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             output_slot: str | None = None) -> torch.Tensor:
+             output_slot: str | None = None, bf16_rows: bool = False) -> torch.Tensor:
     """`x` normalized over its last dimension and scaled by `weight`; with `residual`, first
     `residual += x` (in place), and then `residual` is what is normalized. With `output_slot`, a large
     result is written into the step's buffer of that name (kernels/workspace.py), for a caller whose use
-    of it ends before the next norm of that name."""
+    of it ends before the next norm of that name. With `bf16_rows`, float32 `x` is normalized into
+    bfloat16 where the compiled kernel runs (the rounding a product taking bfloat16 rows would do), and
+    into float32 elsewhere."""
     if dispatch.use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
     width = x.shape[-1]
@@ -39,9 +41,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         and weight.is_contiguous()
         and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))
         and not torch.is_grad_enabled()
-        and (kernel := native_kernel()) is not None
+        and (kernel := native_kernel("rms_norm_f32_bf16" if bf16_rows else "rms_norm_f32")) is not None
     ):
-        out = step_scratch.take_if_large(output_slot, tuple(x.shape), x.dtype, x.device)
+        out = step_scratch.take_if_large(output_slot, tuple(x.shape), torch.bfloat16 if bf16_rows else x.dtype,
+                                         x.device)
         rows = x.numel() // width
         args = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
                 rows, width, width)

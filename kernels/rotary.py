@@ -21,6 +21,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
+SPLIT_VALUES = 1 << 16  # rotated and stored values below which a call is not worth sharing between threads
+CHUNKS_PER_THREAD = 4
 QUANTIZED_SYMBOLS = {torch.int8: "rotate_and_write_i8", torch.uint8: "rotate_and_write_f8"}  # kernels/kv_quant.py
 SYMBOLS = {torch.float32: "rotate_and_write_f32", torch.bfloat16: "rotate_and_write_bf16",
            torch.float16: "rotate_and_write_f16", **QUANTIZED_SYMBOLS}
@@ -31,7 +33,7 @@ def native_kernel(symbol: str = "rotate_and_write_f32"):
     """The kernel into a float32 cache, or with "rotate_and_write_bf16" (or "_f16", "_i8", "_f8") into a
     bfloat16 (or float16, int8, E4M3) one."""
     p, i = native.POINTER, native.INT64
-    return native.function("rotary_write", symbol, [p, i, p, i, p, i, p, p, p, i, i, i, i, p, p], i)
+    return native.function("rotary_write", symbol, [p, i, p, i, p, i, p, p, p, i, i, i, i, p, p, i, p, i], i)
 
 
 def rotate_and_write_native(query, key, value, cos, sin, key_cache, value_cache, slot_mapping) -> bool:
@@ -50,7 +52,8 @@ def rotate_and_write_native(query, key, value, cos, sin, key_cache, value_cache,
     if any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (query, key, value)):
         return False  # each token's heads must be one row
     num_tokens, num_heads, head_dim = query.shape
-    done = kernel(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
-                  value.stride(0), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), num_tokens, num_heads,
-                  key.shape[1], head_dim, key_cache.data_ptr(), value_cache.data_ptr())
-    return done == 0
+    args = (query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+            cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), num_tokens, num_heads, key.shape[1], head_dim,
+            key_cache.data_ptr(), value_cache.data_ptr())
+    values = num_tokens * (num_heads + 2 * key.shape[1]) * head_dim
+    return native.share_units(kernel, args, num_tokens, values >= SPLIT_VALUES, CHUNKS_PER_THREAD) == 0

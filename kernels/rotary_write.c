@@ -5,12 +5,17 @@
  * x'[i + d/2] = x[i + d/2] cos[i + d/2] + x[i] sin[i + d/2]. Each product and the sum are rounded
  * as torch rounds them (no fused multiply-add), so the result is bit for bit the reference's.
  * Queries are rotated in place; rotated keys go straight to the cache (converted to its type as
- * torch converts them, rounding to nearest even). A slot < 0 is skipped.
+ * torch converts them, rounding to nearest even). A slot < 0 is skipped. Threads share a call by
+ * claiming its chunks of tokens_per_chunk tokens (claims.h); the caller, wait != 0, returns once every
+ * chunk is done.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "bfloat16.h"
+#include "claims.h"
 
 #pragma GCC optimize("fp-contract=off")
 
@@ -84,16 +89,6 @@ static inline void quantize_row_fp8(const float *x, uint8_t *out, int64_t head_d
     memcpy(out + head_dim, &scale, sizeof scale);
 }
 
-/* x as a bfloat16, rounded to nearest even as torch converts it (a NaN stays a quiet NaN). */
-static inline uint16_t bf16_bits(float x)
-{
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* How a cache row holds its values: float32; bfloat16 or float16; or one byte each (int8, E4M3)
  * and their scale. */
 enum row_kind { ROW_F32, ROW_BF16, ROW_F16, ROW_I8, ROW_F8 };
@@ -103,7 +98,7 @@ static inline void store_as(int kind, const float *x, char *out, int64_t head_di
 {
     if (kind == ROW_BF16)
         for (int64_t i = 0; i < head_dim; i++)
-            ((uint16_t *)out)[i] = bf16_bits(x[i]);
+            ((uint16_t *)out)[i] = bfloat16_of(x[i]);
     else if (kind == ROW_F16)
         for (int64_t i = 0; i < head_dim; i++)
             ((_Float16 *)out)[i] = (_Float16)x[i];
@@ -113,22 +108,17 @@ static inline void store_as(int kind, const float *x, char *out, int64_t head_di
         quantize_row_fp8(x, (uint8_t *)out, head_dim);
 }
 
-/* cos, sin: [num_tokens, head_dim]; query rows are num_heads * head_dim apart (query_stride
- * floats between tokens), keys and values num_kv_heads * head_dim (key_stride, value_stride). A
- * float32 cache takes the rotated keys and the values as they are; an int8 or E4M3 cache (rows of
- * head_dim one-byte values and their float32 scale) takes them quantized. */
-static inline __attribute__((always_inline)) int64_t rotate_and_write(
+/* Tokens first .. end - 1 of the call below. */
+static inline __attribute__((always_inline)) void rotate_tokens(
     float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
-    int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
+    int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t first, int64_t end,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, char *key_cache, char *value_cache, const int kind)
 {
-    if (head_dim > 512 || head_dim % 2)
-        return -1;
     const int64_t head_bytes = kind == ROW_I8 || kind == ROW_F8 ? head_dim + (int64_t)sizeof(float)
                              : head_dim * (kind == ROW_F32 ? 4 : 2);
     const int64_t row = num_kv_heads * head_bytes;
     float rotated[512];
-    for (int64_t t = 0; t < num_tokens; t++) {
+    for (int64_t t = first; t < end; t++) {
         const float *c = cos + t * head_dim, *s = sin + t * head_dim;
         for (int64_t h = 0; h < num_heads; h++) {
             float *q = query + t * query_stride + h * head_dim;
@@ -149,58 +139,110 @@ static inline __attribute__((always_inline)) int64_t rotate_and_write(
             }
         }
     }
+}
+
+/* cos, sin: [num_tokens, head_dim]; query rows are num_heads * head_dim apart (query_stride
+ * floats between tokens), keys and values num_kv_heads * head_dim (key_stride, value_stride). A
+ * float32 cache takes the rotated keys and the values as they are; an int8 or E4M3 cache (rows of
+ * head_dim one-byte values and their float32 scale) takes them quantized. */
+static inline __attribute__((always_inline)) int64_t rotate_and_write(
+    float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
+    int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, char *key_cache, char *value_cache, const int kind,
+    int64_t tokens_per_chunk, int64_t *counters, int64_t wait)
+{
+    if (head_dim > 512 || head_dim % 2)
+        return -1;
+    const int64_t chunks = (num_tokens + tokens_per_chunk - 1) / tokens_per_chunk;
+    for (int64_t chunk; (chunk = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+        const int64_t first = chunk * tokens_per_chunk, end = first + tokens_per_chunk < num_tokens
+                                                                    ? first + tokens_per_chunk : num_tokens;
+        rotate_tokens(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, first, end,
+                      num_heads, num_kv_heads, head_dim, key_cache, value_cache, kind);
+    }
+    if (wait)
+        wait_for_chunks(counters, chunks);
     return 0;
 }
+
 
 int64_t rotate_and_write_f32(
     float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
     int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float *key_cache, float *value_cache)
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float *key_cache, float *value_cache,
+    int64_t tokens_per_chunk, int64_t *counters, int64_t wait)
 {
     return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
-                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_F32);
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_F32,
+                            tokens_per_chunk, counters, wait);
 }
 
 int64_t rotate_and_write_bf16(
     float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
     int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uint16_t *key_cache, uint16_t *value_cache)
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uint16_t *key_cache, uint16_t *value_cache,
+    int64_t tokens_per_chunk, int64_t *counters, int64_t wait)
 {
     return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
-                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_BF16);
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_BF16,
+                            tokens_per_chunk, counters, wait);
 }
 
 int64_t rotate_and_write_f16(
     float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
     int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uint16_t *key_cache, uint16_t *value_cache)
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uint16_t *key_cache, uint16_t *value_cache,
+    int64_t tokens_per_chunk, int64_t *counters, int64_t wait)
 {
     return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
-                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_F16);
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_F16,
+                            tokens_per_chunk, counters, wait);
 }
 
 int64_t rotate_and_write_i8(
     float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
     int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int8_t *key_cache, int8_t *value_cache)
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int8_t *key_cache, int8_t *value_cache,
+    int64_t tokens_per_chunk, int64_t *counters, int64_t wait)
 {
     return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
-                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_I8);
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_I8,
+                            tokens_per_chunk, counters, wait);
 }
 
 int64_t rotate_and_write_f8(
     float *query, int64_t query_stride, const float *key, int64_t key_stride, const float *value,
     int64_t value_stride, const float *cos, const float *sin, const int64_t *slots, int64_t num_tokens,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uint8_t *key_cache, uint8_t *value_cache)
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uint8_t *key_cache, uint8_t *value_cache,
+    int64_t tokens_per_chunk, int64_t *counters, int64_t wait)
 {
     return rotate_and_write(query, query_stride, key, key_stride, value, value_stride, cos, sin, slots, num_tokens,
-                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_F8);
+                            num_heads, num_kv_heads, head_dim, (char *)key_cache, (char *)value_cache, ROW_F8,
+                            tokens_per_chunk, counters, wait);
 }
+
+/* The same calls as tasks of helper_pool.c: the arguments before the counters as words, in order. */
+#define ROTATE_TASK(NAME, KIND)                                                                         \
+    int64_t NAME##_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)               \
+    {                                                                                                   \
+        (void)thread;                                                                                   \
+        return rotate_and_write((float *)w[0], w[1], (const float *)w[2], w[3], (const float *)w[4], w[5],   \
+                                (const float *)w[6], (const float *)w[7], (const int64_t *)w[8], w[9], w[10], \
+                                w[11], w[12], (char *)w[13], (char *)w[14], KIND, w[15], counters, wait); \
+    }                                                                                                   \
+    int64_t NAME##_task_words(void) { return 16; }                                                      \
+    const char *NAME##_task_words_signature(void) { return ":i"; }
+ROTATE_TASK(rotate_and_write_f32, ROW_F32)
+ROTATE_TASK(rotate_and_write_bf16, ROW_BF16)
+ROTATE_TASK(rotate_and_write_f16, ROW_F16)
+ROTATE_TASK(rotate_and_write_i8, ROW_I8)
+ROTATE_TASK(rotate_and_write_f8, ROW_F8)
+#undef ROTATE_TASK
 
 /* The argument types of rotate_and_write_f32, _bf16, _f16, _i8 and _f8, as kernels/native.py checks them
  * before any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
-const char *rotate_and_write_f32_signature(void) { return "pipipipppiiiipp:i"; }
-const char *rotate_and_write_bf16_signature(void) { return "pipipipppiiiipp:i"; }
-const char *rotate_and_write_f16_signature(void) { return "pipipipppiiiipp:i"; }
-const char *rotate_and_write_i8_signature(void) { return "pipipipppiiiipp:i"; }
-const char *rotate_and_write_f8_signature(void) { return "pipipipppiiiipp:i"; }
+const char *rotate_and_write_f32_signature(void) { return "pipipipppiiiippipi:i"; }
+const char *rotate_and_write_bf16_signature(void) { return "pipipipppiiiippipi:i"; }
+const char *rotate_and_write_f16_signature(void) { return "pipipipppiiiippipi:i"; }
+const char *rotate_and_write_i8_signature(void) { return "pipipipppiiiippipi:i"; }
+const char *rotate_and_write_f8_signature(void) { return "pipipipppiiiippipi:i"; }

@@ -29,6 +29,24 @@ def test_the_kernel_matches_silu_times_up_on_one_thread_or_shared(rows, width, t
     torch.testing.assert_close(silu_and_mul(gate_up.clone(), width), expected(gate_up, width), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_rows_are_the_float32_result_rounded_as_torch_rounds_it_and_leave_gate_up_as_it_was(threads, monkeypatch):
+    """A down projection that takes bfloat16 rows gets exactly the rows it would round itself."""
+    if native_kernel("silu_mul_f32_bf16") is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(native, "_threads", threads)
+    gate_up = torch.randn(300, 2 * 704) * 4
+    gate_up[0, 704] = float("nan")  # an up value: NaN stays NaN
+    before = gate_up.clone()
+    rows = silu_and_mul(gate_up, 704, bf16_rows=True)
+    assert rows.dtype is torch.bfloat16
+    assert torch.equal(gate_up.view(torch.int32), before.view(torch.int32))
+    wanted = silu_and_mul(gate_up.clone(), 704).to(torch.bfloat16)
+    assert torch.isnan(rows[0, 0])
+    assert torch.equal(rows.view(torch.int16)[:, 1:], wanted.view(torch.int16)[:, 1:])
+    assert torch.equal(rows.view(torch.int16)[1:], wanted.view(torch.int16)[1:])
+
+
 def test_rows_of_a_wider_tensor_are_read_in_place_and_other_dtypes_go_to_torch():
     wide = torch.randn(5, 40)
     gate_up = wide[:, :32]  # rows 40 floats apart

@@ -269,51 +269,72 @@ def test_loading_the_kernel_leaves_subnormal_numbers_alone():
     assert (torch.tensor([1e-40]) * 1.0).item() != 0.0
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (8, 1, 128), (3, 3, 16)])
-def test_compiled_rotary_and_kv_write_are_bit_for_bit_the_torch_reference(heads, kv_heads, head_dim):
+def rotary_inputs(generator, tokens, heads, kv_heads, head_dim, scale=1.0):
+    """A step's queries, keys and values, and the cos and sin of angles up to 50 radians."""
+    query = torch.randn(tokens, heads, head_dim, generator=generator)
+    key, value = (torch.randn(tokens, kv_heads, head_dim, generator=generator) * scale for _ in range(2))
+    angles = torch.rand(tokens, head_dim // 2, generator=generator) * 50
+    return query, key, value, torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+
+
+def assert_rotary_and_write_are_the_reference(query, key, value, cos, sin, caches, slots):
+    """The compiled rotary and cache write (into caches[0], caches[1]) bit for bit torch's (into the other two)."""
     from kernels.kv_write import write_kv_reference
     from kernels.rotary import apply_rope, rotate_and_write_native
-    from kernels.rotary import native_kernel as rotary_kernel
-
-    if rotary_kernel() is None:
-        pytest.skip("no C compiler here: the compiled rotary kernel cannot be built")
-    generator = torch.Generator().manual_seed(heads)
-    tokens, block_size, num_blocks = 7, 4, 5
-    query = torch.randn(tokens, heads, head_dim, generator=generator)
-    key, value = (torch.randn(tokens, kv_heads, head_dim, generator=generator) for _ in range(2))
-    angles = torch.rand(tokens, head_dim // 2, generator=generator) * 50
-    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-    slots = torch.tensor([3, 9, -1, 0, 17, 12, 5])
-    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim) for _ in range(4)]
 
     rotated = query.clone()
     assert rotate_and_write_native(rotated, key, value, cos, sin, caches[0], caches[1], slots)
     write_kv_reference(apply_rope(key, cos, sin), value, caches[2], caches[3], slots)
     assert torch.equal(rotated, apply_rope(query, cos, sin))
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (8, 1, 128), (3, 3, 16)])
+def test_compiled_rotary_and_kv_write_are_bit_for_bit_the_torch_reference(heads, kv_heads, head_dim):
+    from kernels.rotary import native_kernel as rotary_kernel
+    from kernels.rotary import rotate_and_write_native
+
+    if rotary_kernel() is None:
+        pytest.skip("no C compiler here: the compiled rotary kernel cannot be built")
+    generator = torch.Generator().manual_seed(heads)
+    tokens, block_size, num_blocks = 7, 4, 5
+    query, key, value, cos, sin = rotary_inputs(generator, tokens, heads, kv_heads, head_dim)
+    slots = torch.tensor([3, 9, -1, 0, 17, 12, 5])
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim) for _ in range(4)]
+
+    assert_rotary_and_write_are_the_reference(query, key, value, cos, sin, caches, slots)
     assert not rotate_and_write_native(query.half(), key.half(), value.half(), cos.half(), sin.half(),
                                        caches[0].half(), caches[1].half(), slots)  # float32 queries only
 
 
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_compiled_rotary_of_a_prompt_shared_between_threads_is_the_torch_reference(storage, monkeypatch):
+    from kernels.rotary import SPLIT_VALUES, SYMBOLS
+    from kernels.rotary import native_kernel as rotary_kernel
+
+    if rotary_kernel(SYMBOLS[storage]) is None:
+        pytest.skip("no C compiler here: the compiled rotary kernel cannot be built")
+    monkeypatch.setattr(native, "_threads", 2)
+    generator = torch.Generator().manual_seed(5)
+    tokens, heads, kv_heads, head_dim = 600, 8, 2, 64
+    assert tokens * (heads + 2 * kv_heads) * head_dim >= SPLIT_VALUES  # shared
+    query, key, value, cos, sin = rotary_inputs(generator, tokens, heads, kv_heads, head_dim)
+    slots = torch.randperm(700, generator=generator)[:tokens]
+    caches = [torch.zeros(175, 4, kv_heads, head_dim, dtype=storage) for _ in range(4)]
+    assert_rotary_and_write_are_the_reference(query, key, value, cos, sin, caches, slots)
+
+
 @pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_compiled_rotary_writes_a_half_cache_rounded_as_torch_rounds(storage):
-    from kernels.kv_write import write_kv_reference
-    from kernels.rotary import SYMBOLS, apply_rope, rotate_and_write_native
+    from kernels.rotary import SYMBOLS
     from kernels.rotary import native_kernel as rotary_kernel
 
     if rotary_kernel(SYMBOLS[storage]) is None:
         pytest.skip("no C compiler here: the compiled rotary kernel cannot be built")
     generator = torch.Generator().manual_seed(3)
     tokens, heads, kv_heads, head_dim = 6, 4, 2, 64
-    query = torch.randn(tokens, heads, head_dim, generator=generator)
-    key, value = (torch.randn(tokens, kv_heads, head_dim, generator=generator) * 100 for _ in range(2))
+    query, key, value, cos, sin = rotary_inputs(generator, tokens, heads, kv_heads, head_dim, scale=100)
     value[0, 0, :3] = torch.tensor([float("inf"), 3e38, 1e-30])  # out of float16's range, and below it
-    angles = torch.rand(tokens, head_dim // 2, generator=generator) * 50
-    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     slots = torch.tensor([3, 9, -1, 0, 17, 12])
     caches = [torch.zeros(5, 4, kv_heads, head_dim, dtype=storage) for _ in range(4)]
-    rotated = query.clone()
-    assert rotate_and_write_native(rotated, key, value, cos, sin, caches[0], caches[1], slots)
-    write_kv_reference(apply_rope(key, cos, sin), value, caches[2], caches[3], slots)
-    assert torch.equal(rotated, apply_rope(query, cos, sin))
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert_rotary_and_write_are_the_reference(query, key, value, cos, sin, caches, slots)

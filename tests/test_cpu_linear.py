@@ -146,6 +146,20 @@ def test_a_layer_packs_its_weight_on_a_cpu_and_computes_in_float32(dtype):
     torch.testing.assert_close(out, expected(x, layer.weight, layer.bias, gemm_build()), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_layer_takes_bf16_rows_exactly_where_its_kernel_rounds_x_to_them_and_gives_the_same_result(dtype):
+    layer = Linear(32, 24).to(dtype)
+    layer.bias.data = layer.bias.data.float()
+    pack_weights(layer)
+    assert layer.takes_bf16_rows == (dtype is torch.bfloat16 and gemm_build().bf16_rows)
+    odd = Linear(31, 24).to(dtype)
+    pack_weights(odd)
+    assert not odd.takes_bf16_rows  # the dot product takes pairs: an odd width is padded by the kernel's caller
+    x = torch.randn(7, 32)
+    if layer.takes_bf16_rows:
+        assert torch.equal(layer(x.to(torch.bfloat16)), layer(x))
+
+
 def test_a_row_parallel_product_leaves_the_bias_to_be_added_after_the_all_reduce():
     layer = Linear(32, 24)
     pack_weights(layer)

@@ -39,3 +39,20 @@ def test_a_norm_with_an_output_slot_writes_large_outputs_into_one_buffer_and_sma
                                                     torch.device("cpu")).data_ptr()
     assert small[0].data_ptr() != small[1].data_ptr()
     assert fresh.data_ptr() != large[0].data_ptr()
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_rows_are_the_float32_norm_rounded_as_torch_rounds_it(with_residual, threads, monkeypatch):
+    """A product that takes bfloat16 rows gets from the norm exactly the rows it would round itself."""
+    monkeypatch.setattr(native, "_threads", threads)
+    x, weight = torch.randn(300, 512) * 3, torch.rand(512) + 0.5
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1 + 2**-8])  # NaN, infinities, a tie
+    residual = torch.randn(300, 512) if with_residual else None
+    with torch.no_grad():
+        wanted = cpu_norm.rms_norm(x, weight, 1e-5, None if residual is None else residual.clone())
+        rows = cpu_norm.rms_norm(x, weight, 1e-5, residual, bf16_rows=True)
+    assert rows.dtype is torch.bfloat16
+    assert torch.equal(rows.view(torch.int16)[1:], wanted.to(torch.bfloat16).view(torch.int16)[1:])
+    if not with_residual:
+        assert torch.isnan(rows[0]).all() or torch.equal(rows[0], wanted[0].to(torch.bfloat16))

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(native.load("cpu_norm") is None, reason="no C co
         *(functools.partial(cpu_attention.native_kernel, symbol) for symbol in cpu_attention.SYMBOLS.values()),
         *(functools.partial(rotary.native_kernel, symbol) for symbol in rotary.SYMBOLS.values()),
         cpu_linear.gemm_build,
-        cpu_norm.native_kernel,
-        cpu_activation.native_kernel,
+        *(functools.partial(cpu_norm.native_kernel, symbol) for symbol in ("rms_norm_f32", "rms_norm_f32_bf16")),
+        *(functools.partial(cpu_activation.native_kernel, symbol) for symbol in ("silu_mul_f32", "silu_mul_f32_bf16")),
     ],
 )
 def test_every_kernel_loads_with_the_signature_its_c_file_states(getter):

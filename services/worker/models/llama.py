@@ -32,9 +32,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`x` normalized; with `residual`, `residual += x` first (in place) and that is normalized."""
-        return rms_norm(x, self.weight, self.eps, residual, self.output_slot)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, bf16_rows: bool = False) -> torch.Tensor:
+        """`x` normalized; with `residual`, `residual += x` first (in place) and that is normalized; with
+        `bf16_rows`, as bfloat16 rows where the kernel can (for a product that takes them)."""
+        return rms_norm(x, self.weight, self.eps, residual, self.output_slot, bf16_rows)
 
 
 class RotaryEmbedding:
@@ -162,7 +163,7 @@ class MLP(nn.Module):
         if adapters is not None:
             adapters.add(self.index, GATE_UP, x, gate_up)
         if self.silu:  # one pass, no extra activations-sized tensors per layer
-            inner = silu_and_mul(gate_up, self.width)
+            inner = silu_and_mul(gate_up, self.width, bf16_rows=adapters is None and self.down_proj.takes_bf16_rows)
         else:
             gate, up = gate_up.split(self.width, dim=-1)
             inner = self.act(gate) * up
@@ -191,12 +192,15 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden, residual, cos_sin, kv_cache, batch):
         """(this layer's output, the residual stream before it): each residual add is done by the
         next norm, in place, in the same pass."""
+        # The norms write the projections' bfloat16 rows where those take them (an adapter takes float32).
+        attention_rows = batch.adapters is None and self.self_attn.qkv_proj.takes_bf16_rows
+        mlp_rows = batch.adapters is None and self.mlp.gate_up_proj.takes_bf16_rows
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden, bf16_rows=attention_rows)
         else:
-            hidden = self.input_layernorm(hidden, residual)
+            hidden = self.input_layernorm(hidden, residual, attention_rows)
         hidden = self.self_attn(hidden, cos_sin, kv_cache, batch)
-        hidden = self.post_attention_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(hidden, residual, mlp_rows)
         return self.mlp(hidden, batch.adapters), residual
 
 
