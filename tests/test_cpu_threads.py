@@ -91,6 +91,16 @@ def test_the_compiled_kernels_share_every_core_whatever_the_others_do(monkeypatc
         assert native.threads() == kernel_threads
 
 
+def test_a_step_of_few_tokens_gives_torch_one_thread_and_a_large_one_every_core_the_others_leave():
+    machine = Machine()
+    threads = machine.threads()
+    machine.run(1.0, worker_cores=1.0, others_cores=0.0)
+    assert threads.for_step(tokens=cpu_threads.SMALL_STEP_TOKENS - 1) == 1  # decodes: waking a thread costs more
+    assert threads.for_step(tokens=cpu_threads.SMALL_STEP_TOKENS) == 2
+    assert threads.for_step() == 2
+    assert machine.threads(requested=2).for_step(tokens=1) == 2  # the flag still fixes the count
+
+
 def test_the_flag_fixes_the_count():
     machine = Machine()
     threads = machine.threads(requested=1)

@@ -21,6 +21,10 @@ but the caller's, always: a helper claims a call's chunks only once its core let
 idle OpenMP thread spins for a while before it sleeps, on a core a kernel thread needs next, so the
 worker process starts with OMP_WAIT_POLICY=PASSIVE unless the environment sets it (both measured in
 docs/benchmarks-archive.md).
+
+A step of few tokens (decodes) gives torch one thread whatever the cores: its own operations there
+(rotary tables, sampling, small copies) are too small to gain from a second thread, and waking a
+sleeping one costs more than they take (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ ENTER_SHARE = 0.25  # of one core: the others this idle, the worker takes every 
 LEAVE_SHARE = 0.35  # this busy, it gives one back, and for HOLD seconds
 HOLD = 30.0
 INTERVAL = 1.0  # seconds between looks at the cores
+SMALL_STEP_TOKENS = 256  # steps of fewer tokens give torch one thread
 
 
 def cpu_seconds_busy(cores: set[int], path: str = "/proc/stat") -> float | None:
@@ -86,10 +91,15 @@ class ComputeThreads:
     def _sample(self) -> tuple[float, float | None, float]:
         return self.clock(), self.busy() if self.adapts else None, self.own()
 
-    def for_step(self) -> int:
-        """The count for the next step; looks at the cores once an interval has passed."""
+    def for_step(self, tokens: int | None = None) -> int:
+        """The count for the next step (of `tokens` tokens, where known); looks at the cores once an interval
+        has passed."""
         if self.fixed is not None:
             return self.fixed
+        count = self._for_cores()
+        return 1 if tokens is not None and tokens < SMALL_STEP_TOKENS else count
+
+    def _for_cores(self) -> int:
         if not self.adapts:
             return self.spare_one
         now = self.clock()

@@ -180,7 +180,7 @@ class ModelRunner:
                 to_sample.append(i)
 
         if self.threads is not None:
-            self.threads.use(self.threads.for_step())
+            self.threads.use(self.threads.for_step(len(input_ids)))
         if self.drafter is not None:
             drafted = self.drafter.draft(scheduled, self.mirrors, self.tables)
             for i, entry in enumerate(scheduled):
