@@ -12,7 +12,7 @@
  * A tile is up to MR rows of x against one panel, in 2 x MR vector accumulators, so the multiply-
  * add units and not the loads set the pace. A panel streams from memory in one run and stays in the
  * second-level cache while every tile of rows passes over it, and the first PREFETCH_TILES tiles
- * over a panel each prefetch their share of the next one into that cache, every line of it at an
+ * over a panel each prefetch their share of a later one into that cache, every line of it at an
  * even pace: the reads from memory overlap the arithmetic of several passes rather than stalling the
  * first (docs/kernels.md). One or two rows are bound by the reads alone, and there the hardware's own
  * prefetch streams the panels faster without ours (docs/kernels.md). Blocking as BLIS does, rows packed
@@ -69,6 +69,7 @@
 #define MC 48 /* rows per block: their x stays in the second-level cache while the block passes a panel */
 #define PREFETCH_MIN_ROWS 3
 #define PREFETCH_TILES 4 /* tiles over a panel that share the prefetch of the next: more add nothing once the rows are many */
+#define PREFETCH_PANELS 2 /* how far ahead that panel is: a slow read has a whole panel's passes to arrive */
 
 enum weight_kind { W_F32, W_F16, W_BF16 };
 
@@ -267,7 +268,7 @@ static void gemm_panels(const int kind, const char *x, int64_t x_stride, const c
             const int64_t m_end = m0 + MC < M ? m0 + MC : M;
             for (int64_t m = m0; m < m_end; m += MR, t++) {
                 const int rows = m_end - m < MR ? (int)(m_end - m) : MR;
-                const char *ahead = t < sharing ? w + whole_panel + t * share : 0;
+                const char *ahead = t < sharing ? w + PREFETCH_PANELS * whole_panel + t * share : 0;
                 tile_of(kind, rows, x + m * x_stride * x_element, x_stride, w, K, bias ? bias + n : 0,
                         y + m * y_stride + n, y_stride, cols, ahead, pf_stride);
             }
