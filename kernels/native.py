@@ -109,10 +109,11 @@ class Task:
     """A kernel's entry for the C helpers (helper_pool.c): `<symbol>_task(words, counters, thread,
     wait)`, which takes the kernel's arguments before its counters as `words` 64-bit words."""
 
-    __slots__ = ("address", "words")
+    __slots__ = ("address", "words", "array")
 
     def __init__(self, address: int, words: int):
         self.address, self.words = address, words
+        self.array = ctypes.c_int64 * words  # the type its words are passed in
 
 
 def _task(library: ctypes.CDLL, symbol: str) -> Task | None:
@@ -207,8 +208,10 @@ def share_units(kernel: Callable, args: tuple, units: int, worth_sharing: bool, 
     caller's result."""
     count = min(threads(), units) if worth_sharing else 1
     per_chunk = -(-units // (count * per_thread)) if count > 1 else max(units, 1)
+    if count == 1:
+        return kernel(*args, per_chunk, new_counters(), True)
     task = getattr(kernel, "task", None)
-    if count > 1 and task is not None:
+    if task is not None:
         done = share_task(task, (*args, per_chunk), count, kernel.__name__)
         if done is not None:
             return done
@@ -226,7 +229,10 @@ def share_task(task: Task, words: tuple[int, ...], count: int, label: str = "pag
         return None
     if _pool_helpers[0] < count - 1:
         _pool_helpers[0] = pool.start(count - 1)
-    packed = (ctypes.c_int64 * len(words))(*(float_bits(w) if isinstance(w, float) else w for w in words))
+    try:
+        packed = task.array(*words)
+    except TypeError:  # a float among them
+        packed = task.array(*(float_bits(w) if isinstance(w, float) else w for w in words))
     if _profiling():
         with _profiler_range(f"{label} on {count} threads"), _profiler_range(label):
             return pool.share(task.address, packed, len(words), count)

@@ -113,14 +113,9 @@ def test_split_over_threads_the_result_is_the_same_bit_for_bit(dtype, threads, m
 
 def test_a_call_is_shared_when_its_rows_are_many_enough_or_its_weight_large_enough(monkeypatch):
     shared = []
-    real_share, real_share_task = native.share, native.share_task
-    monkeypatch.setattr(
-        native, "share", lambda run, count, label: shared.append(count) or real_share(run, count, label)
-    )
-    monkeypatch.setattr(  # the C helpers' path, where they are built
-        native, "share_task", lambda task, words, count, label: shared.append(count) or real_share_task(
-            task, words, count, label)
-    )
+    real_share_units = native.share_units
+    monkeypatch.setattr(native, "share_units", lambda kernel, args, units, worth_sharing, per_thread: shared.append(
+        worth_sharing) or real_share_units(kernel, args, units, worth_sharing, per_thread))
     monkeypatch.setattr(native, "_threads", 2)
     small, large = torch.randn(256, 256), torch.randn(4096, 256)  # 256 KiB and 4 MiB of float32
     for weight, rows in ((small, 1), (small, 3), (small, 32), (large, 1), (large.to(torch.bfloat16), 1)):
@@ -131,7 +126,7 @@ def test_a_call_is_shared_when_its_rows_are_many_enough_or_its_weight_large_enou
     # A few rows against a small weight are one thread's: a helper costs more than it brings. Many
     # rows are arithmetic, and one row against a large weight is bound by reading it: both shared,
     # by its bytes, so the same weight in bfloat16 (half the bytes) is one thread's.
-    assert shared == [1, 1, 2, 2, 1]
+    assert shared == [False, False, True, True, False]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
