@@ -88,8 +88,9 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.T
     if build is None or x.stride(1) != 1 or torch.is_grad_enabled():
         return None
     takes_rows = panels.dtype is torch.bfloat16 and build.bf16_rows
-    if x.dtype is torch.bfloat16 and takes_rows and x.shape[1] % 2 == 0:
-        pass  # rounded already by the kernel that wrote them
+    if x.dtype is torch.bfloat16:  # rows rounded already, by the kernel that wrote them
+        if not takes_rows or x.shape[1] % 2:
+            return None
     elif x.dtype is not torch.float32:
         return None
     elif takes_rows:

@@ -5,7 +5,7 @@
  * stream and the normalized input of the next sublayer, as a pre-norm decoder needs both).
  * Without: out = x / rms(x) * weight. Rows are `stride` floats apart in x, residual and out alike.
  * Sums of squares run in float32, as HF's RMSNorm computes them for float32 inputs. rms_norm_f32_bf16
- * writes out as bfloat16 rows (out_stride values apart), the input of a product that takes them.
+ * writes out as bfloat16 rows (stride values apart), the input of a product that takes them.
  */
 #include <math.h>
 #include <stdint.h>
