@@ -68,7 +68,7 @@
 #define NR (2 * GEMM_VEC)
 #define MC 48 /* rows per block: their x stays in the second-level cache while the block passes a panel */
 #define PREFETCH_MIN_ROWS 3
-#define PREFETCH_TILES 4 /* tiles over a panel that share the prefetch of the next: more add nothing once the rows are many */
+#define PREFETCH_TILES 4 /* tiles over a panel that share the prefetch of a later one: more add nothing once the rows are many */
 #define PREFETCH_PANELS 2 /* how far ahead that panel is: a slow read has a whole panel's passes to arrive */
 
 enum weight_kind { W_F32, W_F16, W_BF16 };
@@ -141,9 +141,19 @@ static inline __attribute__((always_inline)) void store_row(vf a, vf b, const fl
         y[c] = row[c] + (bias ? bias[c] : 0.0f);
 }
 
+/* Step `step` of a tile's share of a later panel: the line at ahead + step * pf_stride, and the next for a stride
+ * past one line (none where ahead is NULL). */
+static inline __attribute__((always_inline)) void prefetch_step(const char *ahead, int64_t step, int64_t pf_stride)
+{
+    if (!ahead)
+        return;
+    __builtin_prefetch(ahead + step * pf_stride, 0, 2);
+    if (pf_stride > 64)
+        __builtin_prefetch(ahead + step * pf_stride + 64, 0, 2);
+}
+
 /* `rows` rows of x against one panel, over its kc values of k. The accumulators are locals that nothing takes the address of, so they stay in registers
- * for the whole block. Where `ahead` is given, each step of k prefetches the line at ahead + step * pf_stride (and
- * the next, for a stride past one line). */
+ * for the whole block. Where `ahead` is given, each step of k prefetches its part of a later panel (prefetch_step). */
 static inline __attribute__((always_inline)) void tile(
     const int rows, const int kind, const char *x, int64_t x_stride, const char *w, int64_t kc,
     const float *bias, float *y, int64_t y_stride, int64_t cols, const char *ahead, int64_t pf_stride)
@@ -154,11 +164,7 @@ static inline __attribute__((always_inline)) void tile(
     if (kind == W_BF16 && BF16_DOT) {
         const uint32_t *xw = (const uint32_t *)x; /* bfloat16 rows: x_stride counts bfloat16 values */
         for (int64_t p = 0; p < kc / 2; p++) {
-            if (ahead) {
-                __builtin_prefetch(ahead + p * pf_stride, 0, 2);
-                if (pf_stride > 64)
-                    __builtin_prefetch(ahead + p * pf_stride + 64, 0, 2);
-            }
+            prefetch_step(ahead, p, pf_stride);
             const vu w0 = load_words(w + p * NR * 4), w1 = load_words(w + p * NR * 4 + 4 * GEMM_VEC);
             for (int r = 0; r < rows; r++) {
                 const uint32_t pair = xw[r * x_stride / 2 + p];
@@ -169,11 +175,7 @@ static inline __attribute__((always_inline)) void tile(
     } else if (kind == W_BF16) {
         const float *xf = (const float *)x;
         for (int64_t p = 0; 2 * p < kc; p++) {
-            if (ahead) {
-                __builtin_prefetch(ahead + p * pf_stride, 0, 2);
-                if (pf_stride > 64)
-                    __builtin_prefetch(ahead + p * pf_stride + 64, 0, 2);
-            }
+            prefetch_step(ahead, p, pf_stride);
             const vu w0 = load_words(w + p * NR * 4), w1 = load_words(w + p * NR * 4 + 4 * GEMM_VEC);
             const vf low0 = as_floats(w0 << 16), low1 = as_floats(w1 << 16);
             for (int r = 0; r < rows; r++) {
@@ -199,11 +201,7 @@ static inline __attribute__((always_inline)) void tile(
         const float *xf = (const float *)x;
         const int64_t row_bytes = NR * (kind == W_F16 ? 2 : 4);
         for (int64_t k = 0; k < kc; k++) {
-            if (ahead) {
-                __builtin_prefetch(ahead + k * pf_stride, 0, 2);
-                if (pf_stride > 64)
-                    __builtin_prefetch(ahead + k * pf_stride + 64, 0, 2);
-            }
+            prefetch_step(ahead, k, pf_stride);
             vf w0, w1;
             if (kind == W_F16) {
                 w0 = halves_to_floats((const uint16_t *)(w + k * row_bytes));
@@ -256,7 +254,7 @@ static void gemm_panels(const int kind, const char *x, int64_t x_stride, const c
                         int64_t last_panel)
 {
     const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, whole_panel = panel_bytes(kind, K);
-    /* The tiles that prefetch the next panel (none for a row or two), the bytes each asks for, and per step of k. */
+    /* The tiles that prefetch a later panel (none for a row or two), the bytes each asks for, and per step of k. */
     const int64_t tiles = M >= PREFETCH_MIN_ROWS ? (M + MR - 1) / MR : 0;
     const int64_t sharing = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES, steps = kind == W_BF16 ? (K + 1) / 2 : K;
     const int64_t share = sharing ? (whole_panel + sharing - 1) / sharing : 0, pf_stride = (share + steps - 1) / steps;
@@ -264,6 +262,7 @@ static void gemm_panels(const int kind, const char *x, int64_t x_stride, const c
         const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
         const char *w = panels + p * whole_panel;
         int64_t t = 0;
+        /* Rows in blocks whose x stays in the second-level cache while the block passes. */
         for (int64_t m0 = 0; m0 < M; m0 += MC) {
             const int64_t m_end = m0 + MC < M ? m0 + MC : M;
             for (int64_t m = m0; m < m_end; m += MR, t++) {
