@@ -279,14 +279,13 @@ static inline __attribute__((always_inline)) void attend_one_query(
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BF16_DOT 1
 /* One query row's attention over a bfloat16 cache by the bfloat16 dot product (VDPBF16PS, float32 sums), at head
- * sizes of whole 32-value vectors: every row of a decode or a prompt, one at a time (a prompt's rows find its keys
- * and values in cache after the first). The query and the softmax's weights are rounded to bfloat16 as the products
+ * sizes of whole 32-value vectors: a decode's row (a prompt's rows go in blocks, block_attention). The query and the softmax's weights are rounded to bfloat16 as the products
  * take them, as a bfloat16 model's own attention holds them; the cached rows are read as they are, nothing widened
  * or stored again. Keys: 16 cached tokens at a time, every KV head's row of each, in memory order; a row's scores for
  * them come as one vector folded from 16 sums (fold16); meanwhile the same tokens' values are asked for, a slice per
  * head, so that memory serves the two streams at once. Values: two tokens' rows are interleaved so that one product
  * adds both tokens' weighted values, into sums held over the whole context. Faster than the float32 walk below at
- * every size measured, prompts included (docs/kernels.md). */
+ * every size measured (docs/kernels.md). */
 #define MAX_BF16_HEADS 64 /* query heads this path serves at most (their queries live on the stack) */
 #define VALUE_HEADS 4     /* heads of a group whose value sums are held in registers together */
 
@@ -393,6 +392,307 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
 }
 #endif
 
+/* Prompt rows, a block of up to QUERY_BLOCK of one sequence at a time (a prompt's chunk, or a decode with the
+ * proposals it verifies), as small matrix products: for one KV head, its cached keys are laid out once per run
+ * of the sequence, transposed in tiles of TILE positions (lane u: position u's value of one dimension, or of one
+ * pair of dimensions for the bfloat16 dot product), so that each query row's scores for a tile come as one vector
+ * of sums with no fold, its query's values broadcast; BLOCK_HEADS heads of the group share each key vector read.
+ * The weighted values then add up per query row with the weights broadcast: float32 rows as they are cached,
+ * bfloat16 rows of two positions interleaved (laid out once, as the keys are). Float32 and bfloat16 caches. */
+typedef float vf16 __attribute__((vector_size(64)));
+#define BLOCK_HEADS 2 /* heads of a group whose scores one pass over the keys computes */
+#define VALUE_ROWS 4  /* query rows whose weighted sums one pass over the values holds, 64 dimensions each */
+#define KEY_PAD 32    /* positions a scratch row holds beyond the context: a tile's or pair's rest */
+
+static inline __attribute__((always_inline)) vf16 load16(const void *p)
+{
+    vf16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline const char *row_at(const char *cache, const int32_t *table, int64_t p, int64_t block_size,
+                                 int64_t token_bytes)
+{
+    return cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * token_bytes;
+}
+
+/* One KV head's keys of positions from .. to - 1 (from a multiple of TILE) into `keys`, tile by tile: float32
+ * keys[(p / TILE) * head_dim * TILE + d * TILE + p % TILE], or for bfloat16, in 32-bit words of two dimensions,
+ * keys[(p / TILE) * head_dim / 2 * TILE + j * TILE + p % TILE] (dimensions 2j, 2j + 1). The tile's rest is zero. */
+static inline __attribute__((always_inline)) void lay_out_keys(
+    const char *cache, const int32_t *table, int64_t from, int64_t to, int64_t block_size, int64_t token_bytes,
+    int64_t offset, const int64_t head_dim, void *keys, const int kind)
+{
+    const int64_t words = kind == ROW_F32 ? head_dim : head_dim / 2; /* 32-bit words per key */
+    uint32_t *out = keys;
+    for (int64_t p = from; p < (to + TILE - 1) / TILE * TILE; p++) {
+        uint32_t *tile = out + (p / TILE) * words * TILE + p % TILE;
+        if (p < to) {
+            const uint32_t *row = (const uint32_t *)(row_at(cache, table, p, block_size, token_bytes) + offset);
+            for (int64_t j = 0; j < words; j++)
+                tile[j * TILE] = row[j];
+        } else {
+            for (int64_t j = 0; j < words; j++)
+                tile[j * TILE] = 0;
+        }
+    }
+}
+
+/* Query rows b < rows (row `block - 1` standing in for the rest) of heads h0 .. h0 + HEADS - 1 against the tiles
+ * from position `base` to `last`: scores[(b * BLOCK_HEADS + hh) * stride + p - base]. */
+static inline __attribute__((always_inline)) void block_scores_f32(
+    const float *const *rows, int64_t block, const int64_t head_dim, int64_t h0, const int HEADS, const float *keys,
+    int64_t base, int64_t last, float scale, float *scores, int64_t stride)
+{
+    for (int64_t t = base / TILE; t <= last / TILE; t++) {
+        vf16 sums[BLOCK_HEADS][QUERY_BLOCK];
+        for (int hh = 0; hh < HEADS; hh++)
+            for (int b = 0; b < QUERY_BLOCK; b++)
+                sums[hh][b] = (vf16){0};
+        const float *tile = keys + t * head_dim * TILE;
+        for (int64_t d = 0; d < head_dim; d++) {
+            const vf16 k = load16(tile + d * TILE);
+            for (int hh = 0; hh < HEADS; hh++)
+                for (int b = 0; b < QUERY_BLOCK; b++)
+                    sums[hh][b] += k * rows[b][(h0 + hh) * head_dim + d];
+        }
+        for (int hh = 0; hh < HEADS; hh++)
+            for (int b = 0; b < block; b++) {
+                const vf16 scaled = sums[hh][b] * scale;
+                memcpy(scores + (b * BLOCK_HEADS + hh) * stride + t * TILE - base, &scaled, sizeof scaled);
+            }
+    }
+}
+
+/* Softmax of each row's visible positions, zero elsewhere up to the last tile's end. */
+static inline void block_softmax(float *scores, int64_t stride, int64_t block, int64_t heads, const int64_t *low,
+                                 const int64_t *high, int64_t base, int64_t width)
+{
+    for (int64_t b = 0; b < block; b++)
+        for (int64_t hh = 0; hh < heads; hh++) {
+            float *row = scores + (b * BLOCK_HEADS + hh) * stride;
+            softmax(row, low[b] - base, high[b] - base + 1);
+            for (int64_t t = 0; t < low[b] - base; t++)
+                row[t] = 0.f;
+            for (int64_t t = high[b] - base + 1; t < width; t++)
+                row[t] = 0.f;
+        }
+}
+
+/* Head h0 + hh's output of query rows b < block: the weighted sum of float32 values from `base` to `last`. */
+static inline __attribute__((always_inline)) void block_values_f32(
+    const char *cache, const int32_t *table, int64_t block_size, int64_t token_bytes, int64_t offset,
+    const int64_t head_dim, int64_t block, int64_t hh, const float *scores, int64_t stride, int64_t base,
+    int64_t last, float *const *outs)
+{
+    for (int64_t b0 = 0; b0 < block; b0 += VALUE_ROWS)
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+            const int64_t chunks = min64(64, head_dim - d0) / 16;
+            const float *weights[VALUE_ROWS];
+            for (int r = 0; r < VALUE_ROWS; r++)
+                weights[r] = scores + (min64(b0 + r, block - 1) * BLOCK_HEADS + hh) * stride - base;
+            vf16 sums[VALUE_ROWS][4];
+            for (int r = 0; r < VALUE_ROWS; r++)
+                for (int c = 0; c < 4; c++)
+                    sums[r][c] = (vf16){0};
+            for (int64_t p = base, stop; p <= last;) {
+                const char *run = block_run(cache, table, p, last + 1, block_size, token_bytes, &stop) + offset;
+                for (; p < stop; p++, run += token_bytes) {
+                    const float *v = (const float *)run + d0;
+                    for (int c = 0; c < 4; c++)
+                        if (c < chunks) {
+                            const vf16 value = load16(v + c * 16);
+                            for (int r = 0; r < VALUE_ROWS; r++)
+                                sums[r][c] += value * weights[r][p];
+                        }
+                }
+            }
+            for (int64_t r = 0; r < VALUE_ROWS && b0 + r < block; r++)
+                for (int c = 0; c < chunks; c++)
+                    memcpy(outs[b0 + r] + d0 + c * 16, &sums[r][c], sizeof sums[r][c]);
+        }
+}
+
+#ifdef BF16_DOT
+/* One KV head's bfloat16 values of positions from .. to - 1 (from even) as interleaved pairs: for the pair of
+ * positions 2P, 2P + 1 and 32 dimensions c, two vectors (the words of unpacklo and unpackhi of the two rows) at
+ * values + ((P * head_dim / 32 + c) * 2 + half) * 64 bytes; a missing odd position reads as zero. */
+static inline void lay_out_values_bf16(const char *cache, const int32_t *table, int64_t from, int64_t to,
+                                       int64_t block_size, int64_t token_bytes, int64_t offset, int64_t head_dim,
+                                       char *values)
+{
+    const int64_t vectors = head_dim / 32;
+    for (int64_t p = from; p < to; p += 2) {
+        const char *even = row_at(cache, table, p, block_size, token_bytes) + offset;
+        const char *odd = p + 1 < to ? row_at(cache, table, p + 1, block_size, token_bytes) + offset : NULL;
+        for (int64_t c = 0; c < vectors; c++) {
+            const __m512i e = _mm512_loadu_si512(even + c * 64);
+            const __m512i o = odd ? _mm512_loadu_si512(odd + c * 64) : _mm512_setzero_si512();
+            char *pair = values + ((p / 2 * vectors + c) * 2) * 64;
+            _mm512_storeu_si512(pair, _mm512_unpacklo_epi16(e, o));
+            _mm512_storeu_si512(pair + 64, _mm512_unpackhi_epi16(e, o));
+        }
+    }
+}
+
+/* block_scores_f32 by the bfloat16 dot product: each query row rounded to bfloat16, as a bfloat16 model holds it. */
+static inline __attribute__((always_inline)) void block_scores_bf16(
+    const float *const *rows, int64_t block, const int64_t head_dim, int64_t h0, const int HEADS,
+    const uint32_t *keys, int64_t base, int64_t last, float scale, float *scores, int64_t stride)
+{
+    uint32_t query[BLOCK_HEADS][QUERY_BLOCK][128]; /* pairs of bfloat16 dimensions, head sizes up to 256 */
+    for (int hh = 0; hh < HEADS; hh++)
+        for (int b = 0; b < QUERY_BLOCK; b++)
+            for (int64_t c = 0; c < head_dim / 32; c++) {
+                const float *q = rows[b] + (h0 + hh) * head_dim + c * 32;
+                _mm512_storeu_si512(query[hh][b] + c * 16, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16),
+                                                                                      _mm512_loadu_ps(q)));
+            }
+    for (int64_t t = base / TILE; t <= last / TILE; t++) {
+        __m512 sums[BLOCK_HEADS][QUERY_BLOCK];
+        for (int hh = 0; hh < HEADS; hh++)
+            for (int b = 0; b < QUERY_BLOCK; b++)
+                sums[hh][b] = _mm512_setzero_ps();
+        const uint32_t *tile = keys + t * head_dim / 2 * TILE;
+        for (int64_t j = 0; j < head_dim / 2; j++) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(tile + j * TILE);
+            for (int hh = 0; hh < HEADS; hh++)
+                for (int b = 0; b < QUERY_BLOCK; b++)
+                    sums[hh][b] = _mm512_dpbf16_ps(sums[hh][b], k, (__m512bh)_mm512_set1_epi32((int)query[hh][b][j]));
+        }
+        for (int hh = 0; hh < HEADS; hh++)
+            for (int b = 0; b < block; b++)
+                _mm512_storeu_ps(scores + (b * BLOCK_HEADS + hh) * stride + t * TILE - base,
+                                 _mm512_mul_ps(sums[hh][b], _mm512_set1_ps(scale)));
+    }
+}
+
+/* block_values_f32 over interleaved bfloat16 pairs: each row's weights rounded to bfloat16 pairs in place first. */
+static inline __attribute__((always_inline)) void block_values_bf16(
+    const char *values, const int64_t head_dim, int64_t block, int64_t hh, float *scores, int64_t stride,
+    int64_t base, int64_t last, int64_t width, float *const *outs)
+{
+    for (int64_t b = 0; b < block; b++) {
+        float *row = scores + (b * BLOCK_HEADS + hh) * stride;
+        for (int64_t t = 0; t < width; t += 16) /* each store lands on floats already read */
+            _mm256_storeu_si256((__m256i *)((uint16_t *)row + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + t)));
+    }
+    const __m512i low_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i high_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const int64_t vectors = head_dim / 32;
+    for (int64_t b0 = 0; b0 < block; b0 += VALUE_ROWS)
+        for (int64_t c0 = 0; c0 < vectors; c0 += 2) {
+            const int64_t count = min64(2, vectors - c0);
+            const uint32_t *weights[VALUE_ROWS];
+            for (int r = 0; r < VALUE_ROWS; r++)
+                weights[r] = (const uint32_t *)(scores + (min64(b0 + r, block - 1) * BLOCK_HEADS + hh) * stride) - base / 2;
+            __m512 sums[VALUE_ROWS][2][2];
+            for (int r = 0; r < VALUE_ROWS; r++)
+                for (int c = 0; c < 2; c++)
+                    sums[r][c][0] = sums[r][c][1] = _mm512_setzero_ps();
+            for (int64_t pair = base / 2; pair <= last / 2; pair++) {
+                const char *at = values + ((pair * vectors + c0) * 2) * 64;
+                for (int c = 0; c < 2; c++)
+                    if (c < count) {
+                        const __m512bh low = (__m512bh)_mm512_loadu_si512(at + c * 128);
+                        const __m512bh high = (__m512bh)_mm512_loadu_si512(at + c * 128 + 64);
+                        for (int r = 0; r < VALUE_ROWS; r++) {
+                            const __m512bh weight = (__m512bh)_mm512_set1_epi32((int)weights[r][pair]);
+                            sums[r][c][0] = _mm512_dpbf16_ps(sums[r][c][0], low, weight);
+                            sums[r][c][1] = _mm512_dpbf16_ps(sums[r][c][1], high, weight);
+                        }
+                    }
+            }
+            for (int64_t r = 0; r < VALUE_ROWS && b0 + r < block; r++)
+                for (int c = 0; c < count; c++) {
+                    float *o = outs[b0 + r] + (c0 + c) * 32;
+                    _mm512_storeu_ps(o, _mm512_permutex2var_ps(sums[r][c][0], low_order, sums[r][c][1]));
+                    _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(sums[r][c][0], high_order, sums[r][c][1]));
+                }
+        }
+}
+#endif
+
+/* Whether block_attention serves a cache of `kind` at this head size. */
+static inline int block_path(int kind, int64_t head_dim)
+{
+#ifdef BF16_DOT
+    if (kind == ROW_BF16)
+        return head_dim % 32 == 0 && head_dim <= 256;
+#endif
+    return kind == ROW_F32 && head_dim % 16 == 0;
+}
+
+/* Every query row of sequence rows first .. first + num_queries - 1 (the last of a context of `context`), block by
+ * block, KV head by KV head. scratch: (head_dim + BLOCK_HEADS * QUERY_BLOCK) * (context + KEY_PAD) floats. */
+static inline __attribute__((always_inline)) void block_attention(
+    const float *restrict query, int64_t query_stride, const char *restrict key_cache, const char *restrict value_cache,
+    const int32_t *restrict table, int64_t first, int64_t num_queries, int64_t context, int64_t num_heads,
+    int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    float *restrict scratch, float *restrict out, const int kind)
+{
+    const int64_t group = num_heads / num_kv_heads, head_bytes = head_row_bytes(head_dim, kind);
+    const int64_t token_bytes = num_kv_heads * head_bytes, stride = context + KEY_PAD;
+    float *keys = scratch, *scores = scratch + head_dim * stride;
+    char *values = (char *)(scratch + head_dim * stride / 2); /* bfloat16 pairs, after bfloat16 keys */
+    /* Every row's keys and values are in the cache already: laid out once, from the first row's first visible tile. */
+    const int64_t first_high = context - num_queries;
+    const int64_t from = (window > 0 && first_high - window + 1 > 0 ? first_high - window + 1 : 0) / TILE * TILE;
+    for (int64_t kv = 0; kv < num_kv_heads; kv++) {
+        lay_out_keys(key_cache, table, from, context, block_size, token_bytes, kv * head_bytes, head_dim, keys, kind);
+#ifdef BF16_DOT
+        if (kind == ROW_BF16)
+            lay_out_values_bf16(value_cache, table, from, context, block_size, token_bytes, kv * head_bytes, head_dim,
+                                values);
+#endif
+        for (int64_t i0 = 0; i0 < num_queries; i0 += QUERY_BLOCK) {
+            const int64_t block = min64(QUERY_BLOCK, num_queries - i0);
+            int64_t low[QUERY_BLOCK], high[QUERY_BLOCK];
+            const float *rows[QUERY_BLOCK];
+            float *outs[QUERY_BLOCK];
+            for (int64_t b = 0; b < QUERY_BLOCK; b++) {
+                const int64_t i = i0 + min64(b, block - 1);
+                high[b] = context - num_queries + i;
+                low[b] = (window > 0 && high[b] - window + 1 > 0) ? high[b] - window + 1 : 0;
+                rows[b] = query + (first + i) * query_stride;
+                outs[b] = out + (first + i) * num_heads * head_dim;
+            }
+            const int64_t base = low[0] / TILE * TILE, last = high[block - 1];
+            const int64_t width = (last / TILE + 1) * TILE - base;
+            for (int64_t h0 = kv * group, heads; h0 < (kv + 1) * group; h0 += heads) {
+                heads = min64(BLOCK_HEADS, (kv + 1) * group - h0);
+#ifdef BF16_DOT
+                if (kind == ROW_BF16) {
+                    if (heads == 2)
+                        block_scores_bf16(rows, block, head_dim, h0, 2, (const uint32_t *)keys, base, last, scale, scores, stride);
+                    else
+                        block_scores_bf16(rows, block, head_dim, h0, 1, (const uint32_t *)keys, base, last, scale, scores, stride);
+                } else
+#endif
+                if (heads == 2)
+                    block_scores_f32(rows, block, head_dim, h0, 2, keys, base, last, scale, scores, stride);
+                else
+                    block_scores_f32(rows, block, head_dim, h0, 1, keys, base, last, scale, scores, stride);
+                block_softmax(scores, stride, block, heads, low, high, base, width);
+                for (int64_t hh = 0; hh < heads; hh++) {
+                    float *head_outs[QUERY_BLOCK];
+                    for (int64_t b = 0; b < QUERY_BLOCK; b++)
+                        head_outs[b] = outs[b] + (h0 + hh) * head_dim;
+#ifdef BF16_DOT
+                    if (kind == ROW_BF16) {
+                        block_values_bf16(values, head_dim, block, hh, scores, stride, base, last, width, head_outs);
+                        continue;
+                    }
+#endif
+                    block_values_f32(value_cache, table, block_size, token_bytes, kv * head_bytes, head_dim, block, hh,
+                                     scores, stride, base, last, head_outs);
+                }
+            }
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_range(
     const float *restrict query, int64_t query_stride, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict block_tables, int64_t table_stride, const int32_t *restrict query_start,
@@ -410,6 +710,11 @@ static inline __attribute__((always_inline)) void attend_range(
         const int32_t *table = block_tables + s * table_stride;
         const int64_t first = query_start[s], num_queries = query_start[s + 1] - first;
         const int64_t context = context_lens[s];
+        if (num_queries > 1 && block_path(kind, head_dim)) {
+            block_attention(query, query_stride, key_cache, value_cache, table, first, num_queries, context, num_heads,
+                            num_kv_heads, head_dim, block_size, scale, window, scores, out, kind);
+            continue;
+        }
         for (int64_t i0 = 0; i0 < num_queries; i0 += QUERY_BLOCK) {
             const int64_t block = num_queries - i0 < QUERY_BLOCK ? num_queries - i0 : QUERY_BLOCK;
             for (int64_t b = 0; b < block; b++) {

@@ -25,6 +25,7 @@ from kernels.workspace import Workspace, step_scratch
 
 CHUNK_BYTES = 4 << 20  # gathered keys and values per attention call
 QUERY_BLOCK = 8  # queries of a sequence the compiled kernel serves together (cpu_attention.c)
+BLOCK_HEADS, KEY_PAD = 2, 32  # cpu_attention.c's prompt blocks: heads scored together, positions past the context
 CHUNKS_PER_THREAD = 4  # a shared call's sequences come in this many chunks per thread, claimed in turn
 
 
@@ -125,7 +126,9 @@ def paged_attention_native(
     chunks = len(bounds) - 1
     threads = min(threads, chunks)
     out = torch.empty(query.shape, dtype=query.dtype)
-    scratch = QUERY_BLOCK * num_heads * max(batch.context_lens_list)
+    # Each thread's scores of a block's rows and heads, or a prompt block's keys, values and scores.
+    longest = max(batch.context_lens_list) + KEY_PAD
+    scratch = max(QUERY_BLOCK * num_heads, head_dim + BLOCK_HEADS * QUERY_BLOCK) * longest
     scores = workspace.take("scores", (threads, scratch), torch.float32, query.device)  # a row each thread
     # The kernel's arguments before its counters and wait, and those after them up to the scores.
     inputs = (query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),

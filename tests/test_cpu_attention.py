@@ -103,6 +103,28 @@ def test_rows_over_a_bf16_cache_take_their_query_and_weights_rounded_to_bf16(hea
             row += 1
 
 
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_rows_in_blocks_of_any_length_and_offset_are_the_reference(storage, window, threads):
+    # A prompt's rows go QUERY_BLOCK at a time over keys laid out in tiles of 16 positions: chunks of every
+    # length up to past two blocks, ending on and beside tile edges, alone or over a cached prefix; a group of
+    # three heads (two scored together, then one); beside a decode row.
+    compiled_kernel()
+    shapes = [(2, 2), (8, 16), (9, 16), (16, 16), (17, 32), (23, 64), (1, 40)]
+    query, key_cache, value_cache, batch = make_batch(shapes, 6, 2, 64, 16, torch.float32)
+    keys, values = key_cache.to(storage), value_cache.to(storage)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_attention_native(query, keys, values, batch, 64**-0.5, window)
+    finally:
+        torch.set_num_threads(before)
+    expected = reference_in_float32(query, keys, values, batch, 64**-0.5, window)
+    tolerance = 2e-2 if storage is torch.bfloat16 and cpu_attention.bf16_dot() else TOLERANCE[torch.float32]
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("variant", native.runnable_variants())
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.float16, torch.int8], ids=str)
 def test_every_build_this_cpu_runs_attends_as_the_portable_build_does(variant, storage, monkeypatch):
