@@ -160,6 +160,38 @@ static inline void prefetch_part(const char *first, int64_t lines, int64_t part,
         __builtin_prefetch(first + line * 64, 0, 2);
 }
 
+/* The positions a decode row AHEAD_SEQUENCES on will read (its table, first position and count; count 0: none). A decode's
+ * blocks lie anywhere, and the hardware's prefetchers stop at each page: while a row reads its keys, that row's keys and
+ * values are asked for, as far on in them as this row is in its own, so that memory serves several rows at once
+ * (docs/kernels.md). */
+#define AHEAD_SEQUENCES 2
+struct later_rows { const int32_t *table; int64_t low, count; };
+
+static inline struct later_rows later_decode(const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
+                                             const int32_t *context_lens, int64_t s, int64_t num_seqs, int64_t window)
+{
+    struct later_rows later = {block_tables, 0, 0};
+    const int64_t t = s + AHEAD_SEQUENCES;
+    if (t < num_seqs && query_start[s + 1] - query_start[s] == 1 && query_start[t + 1] - query_start[t] == 1) {
+        const int64_t high = context_lens[t] - 1;
+        later.table = block_tables + t * table_stride;
+        later.low = window > 0 && high - window + 1 > 0 ? high - window + 1 : 0;
+        later.count = high + 1 - later.low;
+    }
+    return later;
+}
+
+/* The later row's share of its keys and values for this row's positions done .. done + count - 1 of n. */
+static inline void prefetch_later(const char *key_cache, const char *value_cache, const struct later_rows *later,
+                                  int64_t done, int64_t count, int64_t n, int64_t block_size, int64_t token_bytes)
+{
+    if (later->count == 0)
+        return;
+    const int64_t from = later->low + done * later->count / n, to = later->low + (done + count) * later->count / n;
+    prefetch_rows(key_cache, later->table, from, to, block_size, token_bytes);
+    prefetch_rows(value_cache, later->table, from, to, block_size, token_bytes);
+}
+
 /* One query row's attention over one-byte rows (int8, E4M3) at head size 64, in whole vectors of 8 floats
  * (GCC's vector extensions: AVX on x86-64-v3 and native builds, narrower vectors elsewhere): a decode step's
  * row, and a chunk's row alone in its block of QUERY_BLOCK queries (its ninth, seventeenth, ...). Each cached
@@ -309,7 +341,8 @@ static inline __attribute__((always_inline)) __m512 fold16(const __m512 a[16])
 static inline __attribute__((always_inline)) void attend_one_query_bf16(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
-    const int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict out)
+    const int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict out,
+    const struct later_rows *later)
 {
     const int64_t group = num_heads / num_kv_heads, vectors = head_dim / 32, n = high + 1 - low;
     const int64_t head_bytes = head_dim * 2, token_bytes = num_kv_heads * head_bytes;
@@ -325,6 +358,7 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
             count = min64(16, stop - p);
             const int64_t lines = count * token_bytes / 64;
             const char *values = value_cache + (run - key_cache); /* the same tokens' values, asked for meanwhile */
+            prefetch_later(key_cache, value_cache, later, p - low, count, n, block_size, token_bytes);
             for (int64_t head = 0; head < num_heads; head++) {
                 prefetch_part(values, lines, head, num_heads);
                 const char *rows = run + (head / group) * head_bytes;
@@ -696,7 +730,7 @@ static inline __attribute__((always_inline)) void block_attention(
 static inline __attribute__((always_inline)) void attend_range(
     const float *restrict query, int64_t query_stride, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict block_tables, int64_t table_stride, const int32_t *restrict query_start,
-    const int32_t *restrict context_lens, int64_t first_seq, int64_t last_seq, int64_t num_heads,
+    const int32_t *restrict context_lens, int64_t first_seq, int64_t last_seq, int64_t num_seqs, int64_t num_heads,
     int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale, int64_t window,
     float *restrict scores, float *restrict out, const int kind)
 {
@@ -710,6 +744,8 @@ static inline __attribute__((always_inline)) void attend_range(
         const int32_t *table = block_tables + s * table_stride;
         const int64_t first = query_start[s], num_queries = query_start[s + 1] - first;
         const int64_t context = context_lens[s];
+        const struct later_rows later = later_decode(block_tables, table_stride, query_start, context_lens, s, num_seqs,
+                                                     window);
         if (num_queries > 1 && block_path(kind, head_dim)) {
             block_attention(query, query_stride, key_cache, value_cache, table, first, num_queries, context, num_heads,
                             num_kv_heads, head_dim, block_size, scale, window, scores, out, kind);
@@ -727,7 +763,7 @@ static inline __attribute__((always_inline)) void attend_range(
                 for (int64_t b = 0; b < block; b++)
                     attend_one_query_bf16(query + (first + i0 + b) * query_stride, key_cache, value_cache, table,
                                           low[b], high[b], num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                                          out + (first + i0 + b) * num_heads * head_dim);
+                                          out + (first + i0 + b) * num_heads * head_dim, &later);
                 continue;
             }
 #endif
@@ -751,6 +787,8 @@ static inline __attribute__((always_inline)) void attend_range(
                                   token_bytes);
                     if (kind != ROW_F32)
                         decode_tile(run, tile_end - p, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
+                    prefetch_later((const char *)key_cache, (const char *)value_cache, &later, p - lowest, tile_end - p, n,
+                                   block_size, token_bytes);
                     const int64_t lines = (tile_end - p) * token_bytes / 64;
                     const char *values = value_cache + (run - key_cache); /* this tile's values, asked for meanwhile */
                     for (int64_t b = 0; b < block; b++) {
@@ -830,7 +868,7 @@ static inline __attribute__((always_inline)) void attend_range(
 #define ATTEND(DIM, KIND)                                                                               \
     for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters))                       \
         attend_range(query, query_stride, (const char *)key_cache, (const char *)value_cache, block_tables, \
-                     table_stride, query_start, context_lens, bounds[c], bounds[c + 1], num_heads,       \
+                     table_stride, query_start, context_lens, bounds[c], bounds[c + 1], bounds[chunks], num_heads, \
                      num_kv_heads, DIM, block_size, scale, window, scores, out, KIND)
 
 void paged_attention_f32(
