@@ -160,15 +160,16 @@ static inline void prefetch_part(const char *first, int64_t lines, int64_t part,
         __builtin_prefetch(first + line * 64, 0, 2);
 }
 
-/* The positions a decode row AHEAD_SEQUENCES on will read (its table, first position and count; count 0: none). A decode's
- * blocks lie anywhere, and the hardware's prefetchers stop at each page: while a row reads its keys, that row's keys and
- * values are asked for, as far on in them as this row is in its own, so that memory serves several rows at once
- * (docs/kernels.md). */
+/* The positions a decode row AHEAD_SEQUENCES on will read (its table, first position and count; count 0: none).
+ * A decode's blocks lie anywhere, and the hardware's prefetchers stop at each page: while a row reads its keys,
+ * that row's keys and values are asked for, as far on in them as this row is in its own, so that memory serves
+ * several rows at once (docs/kernels.md). */
 #define AHEAD_SEQUENCES 2
 struct later_rows { const int32_t *table; int64_t low, count; };
 
-static inline struct later_rows later_decode(const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
-                                             const int32_t *context_lens, int64_t s, int64_t num_seqs, int64_t window)
+static inline struct later_rows later_decode(const int32_t *block_tables, int64_t table_stride,
+                                             const int32_t *query_start, const int32_t *context_lens, int64_t s,
+                                             int64_t num_seqs, int64_t window)
 {
     struct later_rows later = {block_tables, 0, 0};
     const int64_t t = s + AHEAD_SEQUENCES;
@@ -311,11 +312,12 @@ static inline __attribute__((always_inline)) void attend_one_query(
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BF16_DOT 1
 /* One query row's attention over a bfloat16 cache by the bfloat16 dot product (VDPBF16PS, float32 sums), at head
- * sizes of whole 32-value vectors: a decode's row (a prompt's rows go in blocks, block_attention). The query and the softmax's weights are rounded to bfloat16 as the products
- * take them, as a bfloat16 model's own attention holds them; the cached rows are read as they are, nothing widened
- * or stored again. Keys: 16 cached tokens at a time, every KV head's row of each, in memory order; a row's scores for
- * them come as one vector folded from 16 sums (fold16); meanwhile the same tokens' values are asked for, a slice per
- * head, so that memory serves the two streams at once. Values: two tokens' rows are interleaved so that one product
+ * sizes of whole 32-value vectors: a decode's row (a prompt's rows go in blocks, block_attention). The query and
+ * the softmax's weights are rounded to bfloat16 as the products take them, as a bfloat16 model's own attention
+ * holds them; the cached rows are read as they are, nothing widened or stored again. Keys: 16 cached tokens at a
+ * time, every KV head's row of each, in memory order; a row's scores for them come as one vector folded from 16
+ * sums (fold16); meanwhile the same tokens' values are asked for, a slice per head, so that memory serves the two
+ * streams at once. Values: two tokens' rows are interleaved so that one product
  * adds both tokens' weighted values, into sums held over the whole context. Faster than the float32 walk below at
  * every size measured (docs/kernels.md). */
 #define MAX_BF16_HEADS 64 /* query heads this path serves at most (their queries live on the stack) */
@@ -434,6 +436,8 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
  * The weighted values then add up per query row with the weights broadcast: float32 rows as they are cached,
  * bfloat16 rows of two positions interleaved (laid out once, as the keys are). Float32 and bfloat16 caches. */
 typedef float vf16 __attribute__((vector_size(64)));
+/* Below AVX-512 such a vector passed by value changes the ABI; none crosses a call (each function is inlined). */
+#pragma GCC diagnostic ignored "-Wpsabi"
 #define BLOCK_HEADS 2 /* heads of a group whose scores one pass over the keys computes */
 #define VALUE_ROWS 4  /* query rows whose weighted sums one pass over the values holds, 64 dimensions each */
 #define KEY_PAD 32    /* positions a scratch row holds beyond the context: a tile's or pair's rest */
@@ -473,7 +477,7 @@ static inline __attribute__((always_inline)) void lay_out_keys(
     }
 }
 
-/* Query rows b < rows (row `block - 1` standing in for the rest) of heads h0 .. h0 + HEADS - 1 against the tiles
+/* Query rows b < block (row `block - 1` standing in for the rest) of heads h0 .. h0 + HEADS - 1 against the tiles
  * from position `base` to `last`: scores[(b * BLOCK_HEADS + hh) * stride + p - base]. */
 static inline __attribute__((always_inline)) void block_scores_f32(
     const float *const *rows, int64_t block, const int64_t head_dim, int64_t h0, const int HEADS, const float *keys,
@@ -610,7 +614,8 @@ static inline __attribute__((always_inline)) void block_values_bf16(
     for (int64_t b = 0; b < block; b++) {
         float *row = scores + (b * BLOCK_HEADS + hh) * stride;
         for (int64_t t = 0; t < width; t += 16) /* each store lands on floats already read */
-            _mm256_storeu_si256((__m256i *)((uint16_t *)row + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + t)));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)row + t),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + t)));
     }
     const __m512i low_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i high_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -620,7 +625,8 @@ static inline __attribute__((always_inline)) void block_values_bf16(
             const int64_t count = min64(2, vectors - c0);
             const uint32_t *weights[VALUE_ROWS];
             for (int r = 0; r < VALUE_ROWS; r++)
-                weights[r] = (const uint32_t *)(scores + (min64(b0 + r, block - 1) * BLOCK_HEADS + hh) * stride) - base / 2;
+                weights[r] = (const uint32_t *)(scores + (min64(b0 + r, block - 1) * BLOCK_HEADS + hh) * stride)
+                             - base / 2;
             __m512 sums[VALUE_ROWS][2][2];
             for (int r = 0; r < VALUE_ROWS; r++)
                 for (int c = 0; c < 2; c++)
@@ -669,7 +675,9 @@ static inline __attribute__((always_inline)) void block_attention(
     const int64_t group = num_heads / num_kv_heads, head_bytes = head_row_bytes(head_dim, kind);
     const int64_t token_bytes = num_kv_heads * head_bytes, stride = context + KEY_PAD;
     float *keys = scratch, *scores = scratch + head_dim * stride;
+#ifdef BF16_DOT
     char *values = (char *)(scratch + head_dim * stride / 2); /* bfloat16 pairs, after bfloat16 keys */
+#endif
     /* Every row's keys and values are in the cache already: laid out once, from the first row's first visible tile. */
     const int64_t first_high = context - num_queries;
     const int64_t from = (window > 0 && first_high - window + 1 > 0 ? first_high - window + 1 : 0) / TILE * TILE;
@@ -698,10 +706,11 @@ static inline __attribute__((always_inline)) void block_attention(
                 heads = min64(BLOCK_HEADS, (kv + 1) * group - h0);
 #ifdef BF16_DOT
                 if (kind == ROW_BF16) {
+                    const uint32_t *pairs = (const uint32_t *)keys;
                     if (heads == 2)
-                        block_scores_bf16(rows, block, head_dim, h0, 2, (const uint32_t *)keys, base, last, scale, scores, stride);
+                        block_scores_bf16(rows, block, head_dim, h0, 2, pairs, base, last, scale, scores, stride);
                     else
-                        block_scores_bf16(rows, block, head_dim, h0, 1, (const uint32_t *)keys, base, last, scale, scores, stride);
+                        block_scores_bf16(rows, block, head_dim, h0, 1, pairs, base, last, scale, scores, stride);
                 } else
 #endif
                 if (heads == 2)
@@ -787,8 +796,8 @@ static inline __attribute__((always_inline)) void attend_range(
                                   token_bytes);
                     if (kind != ROW_F32)
                         decode_tile(run, tile_end - p, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
-                    prefetch_later((const char *)key_cache, (const char *)value_cache, &later, p - lowest, tile_end - p, n,
-                                   block_size, token_bytes);
+                    prefetch_later((const char *)key_cache, (const char *)value_cache, &later, p - lowest,
+                                   tile_end - p, n, block_size, token_bytes);
                     const int64_t lines = (tile_end - p) * token_bytes / 64;
                     const char *values = value_cache + (run - key_cache); /* this tile's values, asked for meanwhile */
                     for (int64_t b = 0; b < block; b++) {
