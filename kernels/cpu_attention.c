@@ -36,6 +36,12 @@ static inline const char *block_run(const char *cache, const int32_t *table, int
     return cache + ((int64_t)table[p / block_size] * block_size + offset) * token_bytes;
 }
 
+/* The first position a query at position `high` sees: all of them, or the last `window` (window > 0). */
+static inline int64_t first_visible(int64_t high, int64_t window)
+{
+    return window > 0 && high - window + 1 > 0 ? high - window + 1 : 0;
+}
+
 /* How a cached row holds its values: float32; bfloat16 or float16 (the model's dtype where it is a
  * half type); or head_dim one-byte values (int8, or OCP E4M3 floats) followed by their float32
  * scale (kernels/kv_quant.py). */
@@ -176,7 +182,7 @@ static inline struct later_rows later_decode(const int32_t *block_tables, int64_
     if (t < num_seqs && query_start[s + 1] - query_start[s] == 1 && query_start[t + 1] - query_start[t] == 1) {
         const int64_t high = context_lens[t] - 1;
         later.table = block_tables + t * table_stride;
-        later.low = window > 0 && high - window + 1 > 0 ? high - window + 1 : 0;
+        later.low = first_visible(high, window);
         later.count = high + 1 - later.low;
     }
     return later;
@@ -317,9 +323,9 @@ static inline __attribute__((always_inline)) void attend_one_query(
  * holds them; the cached rows are read as they are, nothing widened or stored again. Keys: 16 cached tokens at a
  * time, every KV head's row of each, in memory order; a row's scores for them come as one vector folded from 16
  * sums (fold16); meanwhile the same tokens' values are asked for, a slice per head, so that memory serves the two
- * streams at once. Values: two tokens' rows are interleaved so that one product
- * adds both tokens' weighted values, into sums held over the whole context. Faster than the float32 walk below at
- * every size measured (docs/kernels.md). */
+ * streams at once. Values: two tokens' rows are interleaved so that one product adds both tokens' weighted values,
+ * into sums held over the whole context. Faster than the float32 walk below at every size measured
+ * (docs/kernels.md). */
 #define MAX_BF16_HEADS 64 /* query heads this path serves at most (their queries live on the stack) */
 #define VALUE_HEADS 4     /* heads of a group whose value sums are held in registers together */
 
@@ -449,10 +455,12 @@ static inline __attribute__((always_inline)) vf16 load16(const void *p)
     return v;
 }
 
+/* The cached row of position p alone (block_run's, for a caller that takes positions one at a time). */
 static inline const char *row_at(const char *cache, const int32_t *table, int64_t p, int64_t block_size,
                                  int64_t token_bytes)
 {
-    return cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * token_bytes;
+    int64_t stop;
+    return block_run(cache, table, p, p + 1, block_size, token_bytes, &stop);
 }
 
 /* One KV head's keys of positions from .. to - 1 (from a multiple of TILE) into `keys`, tile by tile: float32
@@ -679,8 +687,7 @@ static inline __attribute__((always_inline)) void block_attention(
     char *values = (char *)(scratch + head_dim * stride / 2); /* bfloat16 pairs, after bfloat16 keys */
 #endif
     /* Every row's keys and values are in the cache already: laid out once, from the first row's first visible tile. */
-    const int64_t first_high = context - num_queries;
-    const int64_t from = (window > 0 && first_high - window + 1 > 0 ? first_high - window + 1 : 0) / TILE * TILE;
+    const int64_t from = first_visible(context - num_queries, window) / TILE * TILE;
     for (int64_t kv = 0; kv < num_kv_heads; kv++) {
         lay_out_keys(key_cache, table, from, context, block_size, token_bytes, kv * head_bytes, head_dim, keys, kind);
 #ifdef BF16_DOT
@@ -696,7 +703,7 @@ static inline __attribute__((always_inline)) void block_attention(
             for (int64_t b = 0; b < QUERY_BLOCK; b++) {
                 const int64_t i = i0 + min64(b, block - 1);
                 high[b] = context - num_queries + i;
-                low[b] = (window > 0 && high[b] - window + 1 > 0) ? high[b] - window + 1 : 0;
+                low[b] = first_visible(high[b], window);
                 rows[b] = query + (first + i) * query_stride;
                 outs[b] = out + (first + i) * num_heads * head_dim;
             }
@@ -753,18 +760,18 @@ static inline __attribute__((always_inline)) void attend_range(
         const int32_t *table = block_tables + s * table_stride;
         const int64_t first = query_start[s], num_queries = query_start[s + 1] - first;
         const int64_t context = context_lens[s];
-        const struct later_rows later = later_decode(block_tables, table_stride, query_start, context_lens, s, num_seqs,
-                                                     window);
         if (num_queries > 1 && block_path(kind, head_dim)) {
             block_attention(query, query_stride, key_cache, value_cache, table, first, num_queries, context, num_heads,
                             num_kv_heads, head_dim, block_size, scale, window, scores, out, kind);
             continue;
         }
+        const struct later_rows later = later_decode(block_tables, table_stride, query_start, context_lens, s, num_seqs,
+                                                     window);
         for (int64_t i0 = 0; i0 < num_queries; i0 += QUERY_BLOCK) {
             const int64_t block = num_queries - i0 < QUERY_BLOCK ? num_queries - i0 : QUERY_BLOCK;
             for (int64_t b = 0; b < block; b++) {
                 high[b] = context - num_queries + i0 + b;
-                low[b] = (window > 0 && high[b] - window + 1 > 0) ? high[b] - window + 1 : 0;
+                low[b] = first_visible(high[b], window);
             }
             const int64_t lowest = low[0], n = high[block - 1] + 1 - lowest; /* span of the block's rows */
 #ifdef BF16_DOT
