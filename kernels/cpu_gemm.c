@@ -21,6 +21,10 @@
  *
  * x: [M, K] floats with rows x_stride apart (bfloat16 rows of even length where
  * gemm_bf16_reads_bf16_rows() says so); y: [M, N] with rows y_stride apart; bias: [N] or NULL.
+ * A gated MLP's gate and up projections (halves > 0: N = 2 x halves) are packed in pairs of panels, a gate
+ * panel and the up panel of the same columns (kernels/cpu_linear.py), so that a tile of rows has both
+ * sums at hand: with an activation (act), y gets SiLU(gate) x up, [M, halves], as it is stored, rather
+ * than both halves in float32 for another pass to read back; without, each half's columns as unpaired.
  * Threads share a call by claiming its chunks of panels_per_chunk panels (claims.h); the caller,
  * wait != 0, returns once every chunk is done. Sums run in float32.
  *
@@ -30,9 +34,11 @@
  * to run the AVX-512 layout on an AVX2 machine), and GEMM_BF16_DOT_EMULATED has the bfloat16
  * format take bfloat16 rows as the dot product does, computed without it.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "bfloat16.h"
 #include "claims.h"
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -69,9 +75,11 @@
 #define MC 48 /* rows per block: their x stays in the second-level cache while the block passes a panel */
 #define PREFETCH_MIN_ROWS 3
 #define PREFETCH_TILES 4 /* tiles over a panel that share the prefetch of a later one: more add nothing once the rows are many */
-#define PREFETCH_PANELS 2 /* how far ahead that panel is: a slow read has a whole panel's passes to arrive */
+#define PREFETCH_PANELS 2 /* how far ahead that panel is: a slow read has a whole panel's passes to arrive (even: paired
+                           * panels prefetch the pair as far ahead) */
 
 enum weight_kind { W_F32, W_F16, W_BF16 };
+enum activation { ACT_NONE, ACT_SILU_F32, ACT_SILU_BF16 }; /* what y holds for paired panels */
 
 typedef float vf __attribute__((vector_size(4 * GEMM_VEC)));
 typedef uint32_t vu __attribute__((vector_size(4 * GEMM_VEC)));
@@ -275,39 +283,110 @@ static void gemm_panels(const int kind, const char *x, int64_t x_stride, const c
     }
 }
 
-static int64_t gemm(const int kind, const void *x, int64_t x_stride, const void *panels, const float *bias, float *y,
-                    int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t panels_per_chunk, int64_t *counters,
-                    int64_t wait)
+/* Rows r < rows of a tile's gate and up sums (rows NR apart), as SiLU(gate) x up, into `cols` columns of
+ * y's rows: the expression and vector expf of cpu_activation.c, so the values are the ones it gives. */
+static void store_gated(const float *gate, const float *up, int rows, int64_t cols, void *y, int64_t y_stride,
+                        const int act)
 {
-    const int64_t count = (N + NR - 1) / NR, chunks = (count + panels_per_chunk - 1) / panels_per_chunk;
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate + r * NR, *u = up + r * NR;
+        if (act == ACT_SILU_BF16) {
+            uint16_t *o = (uint16_t *)y + r * y_stride;
+#pragma omp simd
+            for (int64_t i = 0; i < cols; i++)
+                o[i] = bfloat16_of(g[i] / (1.0f + expf(-g[i])) * u[i]);
+        } else {
+            float *o = (float *)y + r * y_stride;
+#pragma omp simd
+            for (int64_t i = 0; i < cols; i++)
+                o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+    }
+}
+
+/* Pairs of panels first .. last - 1 (pair j: columns j NR .. of the gate half, then of the up half, `halves`
+ * columns each): each tile of rows over the gate panel, then over the up panel, stored as gemm_panels stores
+ * unpaired columns (act == ACT_NONE) or through first-level-cache rows as the activation (store_gated). */
+static void gemm_pairs(const int kind, const char *x, int64_t x_stride, const char *panels, const float *bias,
+                       void *y, int64_t y_stride, int64_t M, int64_t halves, int64_t K, int64_t first, int64_t last,
+                       const int act)
+{
+    const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, whole_panel = panel_bytes(kind, K);
+    const int64_t tiles = M >= PREFETCH_MIN_ROWS ? (M + MR - 1) / MR : 0;
+    const int64_t sharing = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES, steps = kind == W_BF16 ? (K + 1) / 2 : K;
+    const int64_t share = sharing ? (whole_panel + sharing - 1) / sharing : 0, pf_stride = (share + steps - 1) / steps;
+    const int64_t y_element = act == ACT_SILU_BF16 ? 2 : 4;
+    float gate[MR * NR], up[MR * NR];
+    for (int64_t j = first; j < last; j++) {
+        const int64_t n = j * NR, cols = halves - n < NR ? halves - n : NR;
+        const char *wg = panels + 2 * j * whole_panel, *wu = wg + whole_panel;
+        const float *bias_g = bias ? bias + n : 0, *bias_u = bias ? bias + halves + n : 0;
+        int64_t t = 0;
+        for (int64_t m0 = 0; m0 < M; m0 += MC) {
+            const int64_t m_end = m0 + MC < M ? m0 + MC : M;
+            for (int64_t m = m0; m < m_end; m += MR, t++) {
+                const int rows = m_end - m < MR ? (int)(m_end - m) : MR;
+                const char *xm = x + m * x_stride * x_element;
+                /* a later pair's panels */
+                const char *ahead_g = t < sharing ? wg + PREFETCH_PANELS * whole_panel + t * share : 0;
+                const char *ahead_u = ahead_g ? ahead_g + whole_panel : 0;
+                char *ym = (char *)y + m * y_stride * y_element;
+                if (act == ACT_NONE) {
+                    tile_of(kind, rows, xm, x_stride, wg, K, bias_g, (float *)ym + n, y_stride, cols, ahead_g,
+                            pf_stride);
+                    tile_of(kind, rows, xm, x_stride, wu, K, bias_u, (float *)ym + halves + n, y_stride, cols, ahead_u,
+                            pf_stride);
+                    continue;
+                }
+                tile_of(kind, rows, xm, x_stride, wg, K, bias_g, gate, NR, cols, ahead_g, pf_stride);
+                tile_of(kind, rows, xm, x_stride, wu, K, bias_u, up, NR, cols, ahead_u, pf_stride);
+                store_gated(gate, up, rows, cols, ym + n * y_element, y_stride, act);
+            }
+        }
+    }
+}
+
+static int64_t gemm(const int kind, const void *x, int64_t x_stride, const void *panels, const float *bias, void *y,
+                    int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t halves, int64_t act,
+                    int64_t units_per_chunk, int64_t *counters, int64_t wait)
+{
+    /* The units claimed: panels, or pairs of them. */
+    const int64_t count = halves ? (halves + NR - 1) / NR : (N + NR - 1) / NR;
+    const int64_t chunks = (count + units_per_chunk - 1) / units_per_chunk;
     for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
-        const int64_t first = c * panels_per_chunk, last = first + panels_per_chunk < count ? first + panels_per_chunk : count;
-        gemm_panels(kind, (const char *)x, x_stride, (const char *)panels, bias, y, y_stride, M, N, K, first, last);
+        const int64_t first = c * units_per_chunk;
+        const int64_t last = first + units_per_chunk < count ? first + units_per_chunk : count;
+        if (halves)
+            gemm_pairs(kind, (const char *)x, x_stride, (const char *)panels, bias, y, y_stride, M, halves, K, first,
+                       last, (int)act);
+        else
+            gemm_panels(kind, (const char *)x, x_stride, (const char *)panels, bias, (float *)y, y_stride, M, N, K,
+                        first, last);
     }
     if (wait)
         wait_for_chunks(counters, chunks);
     return 0;
 }
 
-int64_t gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y,
-                 int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t panels_per_chunk, int64_t *counters,
-                 int64_t wait)
+int64_t gemm_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, void *y, int64_t y_stride,
+                 int64_t M, int64_t N, int64_t K, int64_t halves, int64_t act, int64_t units_per_chunk,
+                 int64_t *counters, int64_t wait)
 {
-    return gemm(W_F32, x, x_stride, panels, bias, y, y_stride, M, N, K, panels_per_chunk, counters, wait);
+    return gemm(W_F32, x, x_stride, panels, bias, y, y_stride, M, N, K, halves, act, units_per_chunk, counters, wait);
 }
 
-int64_t gemm_f16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias, float *y,
-                 int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t panels_per_chunk, int64_t *counters,
-                 int64_t wait)
+int64_t gemm_f16(const float *x, int64_t x_stride, const uint16_t *panels, const float *bias, void *y, int64_t y_stride,
+                 int64_t M, int64_t N, int64_t K, int64_t halves, int64_t act, int64_t units_per_chunk,
+                 int64_t *counters, int64_t wait)
 {
-    return gemm(W_F16, x, x_stride, panels, bias, y, y_stride, M, N, K, panels_per_chunk, counters, wait);
+    return gemm(W_F16, x, x_stride, panels, bias, y, y_stride, M, N, K, halves, act, units_per_chunk, counters, wait);
 }
 
-int64_t gemm_bf16(const void *x, int64_t x_stride, const uint32_t *panels, const float *bias, float *y,
-                  int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t panels_per_chunk, int64_t *counters,
-                  int64_t wait)
+int64_t gemm_bf16(const void *x, int64_t x_stride, const uint32_t *panels, const float *bias, void *y, int64_t y_stride,
+                 int64_t M, int64_t N, int64_t K, int64_t halves, int64_t act, int64_t units_per_chunk,
+                 int64_t *counters, int64_t wait)
 {
-    return gemm(W_BF16, x, x_stride, panels, bias, y, y_stride, M, N, K, panels_per_chunk, counters, wait);
+    return gemm(W_BF16, x, x_stride, panels, bias, y, y_stride, M, N, K, halves, act, units_per_chunk, counters, wait);
 }
 
 /* The same calls as tasks of helper_pool.c: the arguments before the counters as words, in order. */
@@ -315,10 +394,10 @@ int64_t gemm_bf16(const void *x, int64_t x_stride, const uint32_t *panels, const
     int64_t NAME##_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)               \
     {                                                                                                   \
         (void)thread;                                                                                   \
-        return gemm(KIND, (const void *)w[0], w[1], (const void *)w[2], (const float *)w[3], (float *)w[4], w[5], \
-                    w[6], w[7], w[8], w[9], counters, wait);                                            \
+        return gemm(KIND, (const void *)w[0], w[1], (const void *)w[2], (const float *)w[3], (void *)w[4], w[5], \
+                    w[6], w[7], w[8], w[9], w[10], w[11], counters, wait);                              \
     }                                                                                                   \
-    int64_t NAME##_task_words(void) { return 10; }
+    int64_t NAME##_task_words(void) { return 12; }
 GEMM_TASK(gemm_f32, W_F32)
 GEMM_TASK(gemm_f16, W_F16)
 GEMM_TASK(gemm_bf16, W_BF16)
@@ -345,9 +424,9 @@ const char *gemm_description(void)
 
 /* The argument types of the gemm_* functions, as kernels/native.py checks them before any call: p a
  * pointer, i an int64_t, f a float; after the colon the result (v: none). */
-const char *gemm_f32_signature(void) { return "pipppiiiiipi:i"; }
-const char *gemm_f16_signature(void) { return "pipppiiiiipi:i"; }
-const char *gemm_bf16_signature(void) { return "pipppiiiiipi:i"; }
+const char *gemm_f32_signature(void) { return "pipppiiiiiiipi:i"; }
+const char *gemm_f16_signature(void) { return "pipppiiiiiiipi:i"; }
+const char *gemm_bf16_signature(void) { return "pipppiiiiiiipi:i"; }
 const char *gemm_f32_task_words_signature(void) { return ":i"; }
 const char *gemm_f16_task_words_signature(void) { return ":i"; }
 const char *gemm_bf16_task_words_signature(void) { return ":i"; }

@@ -28,6 +28,7 @@ SPLIT_ROWS = 4  # nor below this many rows, where reading the weight bounds it, 
 SPLIT_BYTES = 4 << 20  # than this: then a second core reads it faster (docs/kernels.md)
 CHUNKS_PER_THREAD = 8  # a shared call's panels come in this many chunks per thread, claimed in turn
 SYMBOLS = {torch.float32: "gemm_f32", torch.float16: "gemm_f16", torch.bfloat16: "gemm_bf16"}
+ACT_NONE, ACT_SILU_F32, ACT_SILU_BF16 = 0, 1, 2  # what a call stores (cpu_gemm.c's enum activation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,8 @@ class GemmBuild:
 def gemm_build(variant: str | None = None) -> GemmBuild | None:
     """The build that runs here (or `variant`'s), None where none loads."""
     p, i = native.POINTER, native.INT64
-    kernels = {dtype: native.function("cpu_gemm", symbol, [p, i, p, p, p, i, i, i, i, i, p, i], i, variant=variant)
+    arguments = [p, i, p, p, p, i, i, i, i, i, i, i, p, i]
+    kernels = {dtype: native.function("cpu_gemm", symbol, arguments, i, variant=variant)
                for dtype, symbol in SYMBOLS.items()}
     facts = {name: native.function("cpu_gemm", f"gemm_{name}", [], i, variant=variant)
              for name in ("panel_width", "bf16_reads_bf16_rows")}
@@ -62,13 +64,19 @@ def packs(dtype: torch.dtype) -> bool:
     return dtype in SYMBOLS and gemm_build() is not None
 
 
-def pack(weight: torch.Tensor, build: GemmBuild | None = None) -> torch.Tensor:
+def pack(weight: torch.Tensor, build: GemmBuild | None = None, halves: int = 0) -> torch.Tensor:
     """`weight` [N, K] as panels of the build's width: [panels, K, width] for float32 and float16 (row k
     of panel p holds W[width p .. width p + width - 1][k]); for bfloat16 [panels, ceil(K / 2), width, 2],
-    each column's k and k + 1 side by side (cpu_gemm.c)."""
+    each column's k and k + 1 side by side (cpu_gemm.c). With `halves` (a gated MLP's gate rows, then as
+    many up rows), the panels come in pairs: the gate panel of some columns, then the up panel of the same."""
     build = build or gemm_build()
-    n, k = weight.shape
     width = build.panel_width
+    if halves:
+        count, k = -(-halves // width), weight.shape[1]
+        gate, up = torch.zeros(2, count * width, k, dtype=weight.dtype)
+        gate[:halves], up[:halves] = weight.split(halves)
+        weight = torch.stack([gate.view(count, width, k), up.view(count, width, k)], 1).view(-1, k)
+    n, k = weight.shape
     panels = -(-n // width)
     pairs = weight.dtype is torch.bfloat16
     padded = torch.zeros(panels * width, k + (k % 2 if pairs else 0), dtype=weight.dtype)
@@ -80,10 +88,26 @@ def pack(weight: torch.Tensor, build: GemmBuild | None = None) -> torch.Tensor:
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-         build: GemmBuild | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`x W^T + b` from W's panels, x float32 (or bfloat16 rows of even width, where the build takes
-    them for these panels) and the result float32 (into `out`, contiguous, where given); None where the
-    kernel does not apply."""
+         build: GemmBuild | None = None, out: torch.Tensor | None = None, halves: int = 0) -> torch.Tensor | None:
+    """`x W^T + b` from W's panels (packed with `halves` where given), x float32 (or bfloat16 rows of even
+    width, where the build takes them for these panels) and the result float32 (into `out`, contiguous,
+    where given); None where the kernel does not apply."""
+    if out is None:
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    return _run(x, panels, out, bias, out_features, halves, ACT_NONE, build)
+
+
+def gated_gemm(x: torch.Tensor, panels: torch.Tensor, halves: int, bias: torch.Tensor | None, out: torch.Tensor,
+               build: GemmBuild | None = None) -> torch.Tensor | None:
+    """SiLU(x G^T + b_G) * (x U^T + b_U) from the panels of a gated MLP's gate and up weights packed with
+    `halves` (their width), into `out` [rows, halves]: float32, or bfloat16 rows for a product that takes
+    them. The sums meet the activation as they are stored, so neither half is written out first."""
+    act = ACT_SILU_BF16 if out.dtype is torch.bfloat16 else ACT_SILU_F32
+    return _run(x, panels, out, bias, 2 * halves, halves, act, build)
+
+
+def _run(x: torch.Tensor, panels: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+         halves: int, act: int, build: GemmBuild | None) -> torch.Tensor | None:
     build = build or gemm_build()
     if build is None or x.stride(1) != 1 or torch.is_grad_enabled():
         return None
@@ -96,12 +120,11 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.T
     elif takes_rows:
         x = bf16_rows(x)
     rows, width = x.shape
-    if out is None:
-        out = torch.empty((rows, out_features), dtype=torch.float32)
     split = (rows >= SPLIT_ROWS and rows * out_features * width >= SPLIT_MACS) or panels.nbytes >= SPLIT_BYTES
+    units = panels.shape[0] // 2 if halves else panels.shape[0]  # pairs of panels are claimed whole
     args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-            out.data_ptr(), out_features, rows, out_features, width)
-    done = native.share_units(build.kernels[panels.dtype], args, panels.shape[0], split, CHUNKS_PER_THREAD)
+            out.data_ptr(), out.stride(0), rows, out_features, width, halves, act)
+    done = native.share_units(build.kernels[panels.dtype], args, units, split, CHUNKS_PER_THREAD)
     return out if done == 0 else None
 
 
@@ -128,6 +151,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     panels: torch.Tensor | None = None
+    halves = 0  # a gated MLP's fused gate and up projection: each half's width, its panels packed in pairs (gated)
     # Where a model's use of this layer's output ends before the next layer of the same role runs
     # (within one decoder layer), a large output is written into a buffer of that name, reused
     # (kernels/workspace.py); None: a fresh tensor, for outputs that live on (the logits).
@@ -138,7 +162,7 @@ class Linear(nn.Linear):
         weight = self.weight
         if (weight.device.type == "cpu" and packs(weight.dtype)
                 and (self.bias is None or (self.bias.is_contiguous() and self.bias.dtype is torch.float32))):
-            self.panels = pack(weight.detach())
+            self.panels = pack(weight.detach(), halves=self.halves)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
@@ -159,12 +183,23 @@ class Linear(nn.Linear):
         if self.panels is not None and x.dim() == 2:
             shape = (x.shape[0], self.out_features)
             out = gemm(x, self.panels, self.out_features, bias,
-                       out=step_scratch.take_if_large(self.output_slot, shape, torch.float32, x.device))
+                       out=step_scratch.take_if_large(self.output_slot, shape, torch.float32, x.device),
+                       halves=self.halves)
             if out is not None:
                 return out
         if x.dtype is torch.bfloat16 and self.weight.dtype is not torch.bfloat16:
             x = x.float()
         return linear(x, self.weight, bias)
+
+    def gated(self, x: torch.Tensor, bf16_rows: bool) -> torch.Tensor | None:
+        """SiLU(gate) * up of this fused gate and up projection (`halves` set), the activation applied as the
+        kernel stores its sums: float32 rows, or bfloat16 rows for a product that takes them. None where the
+        kernel does not run here (then `forward`, and the activation apart)."""
+        if self.panels is None or not self.halves or x.dim() != 2:
+            return None
+        shape, dtype = (x.shape[0], self.halves), torch.bfloat16 if bf16_rows else torch.float32
+        return gated_gemm(x, self.panels, self.halves, self.bias,
+                          step_scratch.take_if_large("activation rows", shape, dtype, x.device))
 
 
 def pack_weights(model: nn.Module) -> None:

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_linear, native
-from kernels.cpu_linear import Linear, gemm, gemm_build, pack, pack_weights
+from kernels.cpu_activation import silu_and_mul
+from kernels.cpu_linear import Linear, gated_gemm, gemm, gemm_build, pack, pack_weights
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(37, 100), (64, 256), (50, 13), (33, 1), (40, 7)]  # partial panels; odd K, down to one
@@ -78,6 +79,68 @@ def test_every_build_this_cpu_runs_gives_the_portable_builds_results(variant, dt
         reference = gemm(x, pack(weight, portable), out_features, b, portable)
         torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out, expected(x, weight, b, build), atol=1e-5, rtol=1e-5)
+
+
+def test_paired_packing_puts_the_gate_and_the_up_panel_of_the_same_columns_side_by_side():
+    width = gemm_build().panel_width
+    halves = width + 3  # two pairs, the second partial
+    weight = torch.arange(2 * halves * 2, dtype=torch.float32).view(2 * halves, 2)
+    panels = pack(weight, halves=halves)
+    assert panels.shape == (4, 2, width)
+    gate, up = weight[:halves], weight[halves:]
+    assert torch.equal(panels[0, 1], gate[:width, 1]) and torch.equal(panels[1, 1], up[:width, 1])
+    assert torch.equal(panels[2, 0, :3], gate[width:, 0]) and torch.equal(panels[3, 0, :3], up[width:, 0])
+    assert not panels[2:, :, 3:].any()  # zeros past each half's columns
+
+
+GATED_SHAPES = [(1, 64, 8), (7, 100, 64), (50, 33, 5), (300, 704, 96)]  # rows, halves, in features
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, halves, in_features", GATED_SHAPES)
+def test_over_paired_panels_the_product_is_the_unpaired_one_bit_for_bit(dtype, threads, rows, halves, in_features,
+                                                                        monkeypatch):
+    monkeypatch.setattr(native, "_threads", threads)
+    monkeypatch.setattr(cpu_linear, "SPLIT_MACS", 0)
+    weight, bias = (torch.randn(2 * halves, in_features) * 0.2).to(dtype), torch.randn(2 * halves)
+    x = torch.randn(rows, in_features)
+    unpaired = gemm(x, pack(weight), 2 * halves, bias)
+    assert torch.equal(gemm(x, pack(weight, halves=halves), 2 * halves, bias, halves=halves), unpaired)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, halves, in_features", GATED_SHAPES)
+def test_the_gated_product_is_the_product_then_the_activation(dtype, out_dtype, threads, rows, halves, in_features,
+                                                              monkeypatch):
+    """SiLU(gate) * up applied as the sums are stored gives what the product and then the activation
+    kernel give: float32 rows, or bfloat16 rows rounded as that kernel rounds them."""
+    monkeypatch.setattr(native, "_threads", threads)
+    monkeypatch.setattr(cpu_linear, "SPLIT_MACS", 0)
+    weight, bias = (torch.randn(2 * halves, in_features) * 0.2).to(dtype), torch.randn(2 * halves)
+    x = torch.randn(rows, in_features)
+    apart = silu_and_mul(gemm(x, pack(weight), 2 * halves, bias), halves, bf16_rows=out_dtype is torch.bfloat16)
+    out = torch.full((rows, halves), float("nan"), dtype=out_dtype)
+    gated = gated_gemm(x, pack(weight, halves=halves), halves, bias, out)
+    assert gated is out
+    torch.testing.assert_close(gated, apart, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", native.runnable_variants())
+def test_every_build_gates_as_the_portable_one(variant):
+    portable, build = gemm_build("portable"), gemm_build(variant)
+    generator = torch.Generator().manual_seed(3)
+    for dtype in DTYPES:
+        weight = (torch.randn(2 * 70, 96, generator=generator) * 0.2).to(dtype)
+        x = torch.randn(13, 96, generator=generator)
+        if dtype is torch.bfloat16 and build.bf16_rows:
+            x = x.to(torch.bfloat16).float()  # the values both builds multiply
+        out, reference = torch.empty(13, 70), torch.empty(13, 70)
+        gated_gemm(x, pack(weight, build, halves=70), 70, None, out, build)
+        gated_gemm(x, pack(weight, portable, halves=70), 70, None, reference, portable)
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_the_tests_reach_the_avx512_layout_and_the_dot_product_on_every_x86_machine():

@@ -157,8 +157,13 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
         # gate_up is spent on the down projection's input, whose output the next norm adds to the residual stream.
         self.gate_up_proj.output_slot, self.down_proj.output_slot = "gate_up", "mlp output"
+        if self.silu:
+            self.gate_up_proj.halves = self.width
 
     def forward(self, x: torch.Tensor, adapters=None) -> torch.Tensor:
+        inner = None if adapters is not None else self.gate_up_proj.gated(x, self.down_proj.takes_bf16_rows)
+        if inner is not None:  # the activation applied as the projection stores its sums
+            return row_parallel_linear(self.down_proj, inner, self.tp, None)
         gate_up = self.gate_up_proj(x)
         if adapters is not None:
             adapters.add(self.index, GATE_UP, x, gate_up)
