@@ -157,46 +157,41 @@ static inline void prefetch_rows(const char *cache, const int32_t *table, int64_
     }
 }
 
-/* Asks for part `part` of `parts` of the `lines` cache lines from `first` on, into the second-level cache: a walk over
- * keys spreads the same tokens' values over its query heads this way, so that memory serves both streams at once
- * (docs/kernels.md). */
-static inline void prefetch_part(const char *first, int64_t lines, int64_t part, int64_t parts)
-{
-    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; line++)
-        __builtin_prefetch(first + line * 64, 0, 2);
-}
+/* A decode row reads one stream: its keys, then its values, then the next row's keys. Its blocks lie anywhere, and
+ * the hardware's prefetchers start afresh at each page, so while it reads a tile it asks for the rows AHEAD_BYTES
+ * on in that stream: far enough for memory's latency, near enough that several threads' requests do not crowd out
+ * one another (one block on was faster than two or four sequences on; docs/kernels.md). */
+#define AHEAD_BYTES 8192
+struct next_row { const int32_t *table; int64_t low, count; }; /* count 0: none */
 
-/* The positions a decode row AHEAD_SEQUENCES on will read (its table, first position and count; count 0: none).
- * A decode's blocks lie anywhere, and the hardware's prefetchers stop at each page: while a row reads its keys,
- * that row's keys and values are asked for, as far on in them as this row is in its own, so that memory serves
- * several rows at once (docs/kernels.md). */
-#define AHEAD_SEQUENCES 2
-struct later_rows { const int32_t *table; int64_t low, count; };
-
-static inline struct later_rows later_decode(const int32_t *block_tables, int64_t table_stride,
-                                             const int32_t *query_start, const int32_t *context_lens, int64_t s,
-                                             int64_t num_seqs, int64_t window)
+/* Where the decode row after row s of this thread's share (before `end`) reads: none unless both are decode rows. */
+static inline struct next_row next_decode_row(const int32_t *block_tables, int64_t table_stride,
+                                              const int32_t *query_start, const int32_t *context_lens, int64_t s,
+                                              int64_t end, int64_t window)
 {
-    struct later_rows later = {block_tables, 0, 0};
-    const int64_t t = s + AHEAD_SEQUENCES;
-    if (t < num_seqs && query_start[s + 1] - query_start[s] == 1 && query_start[t + 1] - query_start[t] == 1) {
-        const int64_t high = context_lens[t] - 1;
-        later.table = block_tables + t * table_stride;
-        later.low = first_visible(high, window);
-        later.count = high + 1 - later.low;
+    struct next_row next = {block_tables, 0, 0};
+    if (s + 1 < end && query_start[s + 1] - query_start[s] == 1 && query_start[s + 2] - query_start[s + 1] == 1) {
+        const int64_t high = context_lens[s + 1] - 1;
+        next.table = block_tables + (s + 1) * table_stride;
+        next.low = first_visible(high, window);
+        next.count = high + 1 - next.low;
     }
-    return later;
+    return next;
 }
 
-/* The later row's share of its keys and values for this row's positions done .. done + count - 1 of n. */
-static inline void prefetch_later(const char *key_cache, const char *value_cache, const struct later_rows *later,
-                                  int64_t done, int64_t count, int64_t n, int64_t block_size, int64_t token_bytes)
+/* Offsets from .. to - 1 of one pass of a row's stream: rows of `cache` from position low on below n, and past n
+ * the next pass's rows (`then`, from then_low on, then_count of them; none where then is NULL). */
+static inline void prefetch_stream(const char *cache, const int32_t *table, int64_t low, int64_t n, const char *then,
+                                   const int32_t *then_table, int64_t then_low, int64_t then_count, int64_t from,
+                                   int64_t to, int64_t block_size, int64_t token_bytes)
 {
-    if (later->count == 0)
-        return;
-    const int64_t from = later->low + done * later->count / n, to = later->low + (done + count) * later->count / n;
-    prefetch_rows(key_cache, later->table, from, to, block_size, token_bytes);
-    prefetch_rows(value_cache, later->table, from, to, block_size, token_bytes);
+    if (from < n)
+        prefetch_rows(cache, table, low + from, low + min64(to, n), block_size, token_bytes);
+    if (then && to > n) {
+        const int64_t a = max64(from, n) - n, b = min64(to - n, then_count);
+        if (a < b)
+            prefetch_rows(then, then_table, then_low + a, then_low + b, block_size, token_bytes);
+    }
 }
 
 /* One query row's attention over one-byte rows (int8, E4M3) at head size 64, in whole vectors of 8 floats
@@ -350,10 +345,11 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
     const int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict out,
-    const struct later_rows *later)
+    const struct next_row *next)
 {
     const int64_t group = num_heads / num_kv_heads, vectors = head_dim / 32, n = high + 1 - low;
     const int64_t head_bytes = head_dim * 2, token_bytes = num_kv_heads * head_bytes;
+    const int64_t ahead = max64(16, AHEAD_BYTES / token_bytes);
     __m512bh query[MAX_BF16_HEADS][4];
     for (int64_t head = 0; head < num_heads; head++)
         for (int64_t c = 0; c < vectors; c++)
@@ -364,11 +360,10 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
         const char *run = block_run(key_cache, table, p, high + 1, block_size, token_bytes, &stop);
         for (int64_t count; p < stop; p += count, run += count * token_bytes) {
             count = min64(16, stop - p);
-            const int64_t lines = count * token_bytes / 64;
-            const char *values = value_cache + (run - key_cache); /* the same tokens' values, asked for meanwhile */
-            prefetch_later(key_cache, value_cache, later, p - low, count, n, block_size, token_bytes);
             for (int64_t head = 0; head < num_heads; head++) {
-                prefetch_part(values, lines, head, num_heads);
+                const int64_t offset = p - low + ahead; /* the stream ahead, spread over the heads */
+                prefetch_stream(key_cache, table, low, n, value_cache, table, low, n, offset + head * count / num_heads,
+                                offset + (head + 1) * count / num_heads, block_size, token_bytes);
                 const char *rows = run + (head / group) * head_bytes;
                 __m512 sums[16];
                 for (int64_t u = 0; u < 16; u++) {
@@ -401,6 +396,12 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
             const char *run = block_run(value_cache, table, p, high + 1, block_size, token_bytes, &stop) + kv * head_bytes;
             for (int64_t count; p < stop; p += count, run += count * token_bytes) {
                 count = min64(16, stop - p);
+                if (first == 0)
+                    prefetch_stream(value_cache, table, low, n, 0, 0, 0, 0, p - low + ahead, p - low + count + ahead,
+                                    block_size, token_bytes);
+                if (first + heads == num_heads)
+                    prefetch_stream(value_cache, table, low, n, key_cache, next->table, next->low, next->count,
+                                    max64(n, p - low + ahead), p - low + count + ahead, block_size, token_bytes);
                 const __mmask16 valid = (__mmask16)((1u << count) - 1);
                 __m512i pairs[VALUE_HEADS]; /* word j: the weights of tokens 2j and 2j + 1, two bfloat16 */
                 for (int64_t h = 0; h < heads; h++)
@@ -746,14 +747,14 @@ static inline __attribute__((always_inline)) void block_attention(
 static inline __attribute__((always_inline)) void attend_range(
     const float *restrict query, int64_t query_stride, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict block_tables, int64_t table_stride, const int32_t *restrict query_start,
-    const int32_t *restrict context_lens, int64_t first_seq, int64_t last_seq, int64_t num_seqs, int64_t num_heads,
+    const int32_t *restrict context_lens, int64_t first_seq, int64_t last_seq, int64_t num_heads,
     int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale, int64_t window,
     float *restrict scores, float *restrict out, const int kind)
 {
     const int64_t group = num_heads / num_kv_heads;
     /* bytes of one KV head's row, and of a cached token: every KV head's row */
     const int64_t head_bytes = head_row_bytes(head_dim, kind);
-    const int64_t token_bytes = num_kv_heads * head_bytes;
+    const int64_t token_bytes = num_kv_heads * head_bytes, ahead = max64(TILE, AHEAD_BYTES / token_bytes);
     int64_t low[QUERY_BLOCK], high[QUERY_BLOCK];          /* each query's visible positions, inclusive */
     float decoded[kind != ROW_F32 ? MAX_DECODED : 1];
     for (int64_t s = first_seq; s < last_seq; s++) {
@@ -765,7 +766,7 @@ static inline __attribute__((always_inline)) void attend_range(
                             num_kv_heads, head_dim, block_size, scale, window, scores, out, kind);
             continue;
         }
-        const struct later_rows later = later_decode(block_tables, table_stride, query_start, context_lens, s, num_seqs,
+        const struct next_row next = next_decode_row(block_tables, table_stride, query_start, context_lens, s, last_seq,
                                                      window);
         for (int64_t i0 = 0; i0 < num_queries; i0 += QUERY_BLOCK) {
             const int64_t block = num_queries - i0 < QUERY_BLOCK ? num_queries - i0 : QUERY_BLOCK;
@@ -779,7 +780,7 @@ static inline __attribute__((always_inline)) void attend_range(
                 for (int64_t b = 0; b < block; b++)
                     attend_one_query_bf16(query + (first + i0 + b) * query_stride, key_cache, value_cache, table,
                                           low[b], high[b], num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                                          out + (first + i0 + b) * num_heads * head_dim, &later);
+                                          out + (first + i0 + b) * num_heads * head_dim, &next);
                 continue;
             }
 #endif
@@ -798,21 +799,17 @@ static inline __attribute__((always_inline)) void attend_range(
                 const char *run = block_run(key_cache, table, p, end, block_size, token_bytes, &stop);
                 while (p < stop) {
                     const int64_t tile_end = min64(p + TILE, stop);
-                    /* the keys AHEAD positions on (each tile's values are asked for below, as its keys are read) */
-                    prefetch_rows(key_cache, table, min64(p + AHEAD, end), min64(tile_end + AHEAD, end), block_size,
-                                  token_bytes);
                     if (kind != ROW_F32)
                         decode_tile(run, tile_end - p, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
-                    prefetch_later((const char *)key_cache, (const char *)value_cache, &later, p - lowest,
-                                   tile_end - p, n, block_size, token_bytes);
-                    const int64_t lines = (tile_end - p) * token_bytes / 64;
-                    const char *values = value_cache + (run - key_cache); /* this tile's values, asked for meanwhile */
+                    const int64_t count = tile_end - p, offset = p - lowest + ahead;
                     for (int64_t b = 0; b < block; b++) {
                         const int64_t from = max64(p, low[b]), to = min64(tile_end, high[b] + 1);
                         const float *q = query + (first + i0 + b) * query_stride;
                         for (int64_t head = 0; head < num_heads; head++) {
                             if (b == 0)
-                                prefetch_part(values, lines, head, num_heads);
+                                prefetch_stream((const char *)key_cache, table, lowest, n, (const char *)value_cache,
+                                                table, lowest, n, offset + head * count / num_heads,
+                                                offset + (head + 1) * count / num_heads, block_size, token_bytes);
                             const float *qh = q + head * head_dim;
                             float *row_scores = scores + (b * num_heads + head) * n;
                             for (int64_t u = from; u < to; u++) {
@@ -840,8 +837,9 @@ static inline __attribute__((always_inline)) void attend_range(
                 const char *run = block_run(value_cache, table, p, end, block_size, token_bytes, &stop);
                 while (p < stop) {
                     const int64_t tile_end = min64(p + TILE, stop);
-                    prefetch_rows(value_cache, table, min64(p + AHEAD, end), min64(tile_end + AHEAD, end), block_size,
-                                  token_bytes);
+                    prefetch_stream((const char *)value_cache, table, lowest, n, (const char *)key_cache, next.table,
+                                    next.low, next.count, p - lowest + ahead, tile_end - lowest + ahead, block_size,
+                                    token_bytes);
                     if (kind != ROW_F32)
                         decode_tile(run, tile_end - p, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
                     for (int64_t b = 0; b < block; b++) {
@@ -884,7 +882,7 @@ static inline __attribute__((always_inline)) void attend_range(
 #define ATTEND(DIM, KIND)                                                                               \
     for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters))                       \
         attend_range(query, query_stride, (const char *)key_cache, (const char *)value_cache, block_tables, \
-                     table_stride, query_start, context_lens, bounds[c], bounds[c + 1], bounds[chunks], num_heads, \
+                     table_stride, query_start, context_lens, bounds[c], bounds[c + 1], num_heads,              \
                      num_kv_heads, DIM, block_size, scale, window, scores, out, KIND)
 
 void paged_attention_f32(

@@ -125,7 +125,8 @@ def paged_attention_native(
     tables, starts, lens, bounds, _ = derived
     chunks = len(bounds) - 1
     threads = min(threads, chunks)
-    out = torch.empty(query.shape, dtype=query.dtype)
+    # Spent by the layer's output projection before the next attention: fresh pages each layer cost more.
+    out = workspace.take_if_large("attention output", tuple(query.shape), query.dtype, query.device)
     # Each thread's scores of a block's rows and heads, or a prompt block's keys, values and scores.
     longest = max(batch.context_lens_list) + KEY_PAD
     scratch = max(QUERY_BLOCK * num_heads, head_dim + BLOCK_HEADS * QUERY_BLOCK) * longest

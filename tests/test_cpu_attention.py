@@ -182,6 +182,21 @@ def test_the_compiled_kernel_reads_queries_in_place_from_a_fused_qkv_row():
     torch.testing.assert_close(out, paged_attention_native(query, key_cache, value_cache, batch, head_dim**-0.5))
 
 
+def test_a_large_output_is_written_into_one_buffer_that_the_next_call_takes_again():
+    """A prefill's attention output is spent by the layer's output projection before the next layer
+    attends: fresh pages for it every layer cost more than the attention (kernels/workspace.py)."""
+    compiled_kernel()
+    query, key_cache, value_cache, batch = make_batch([(300, 300), (300, 310)], 8, 2, 64, 16, torch.float32)
+    workspace = Workspace()
+    first = paged_attention_native(query, key_cache, value_cache, batch, 64**-0.5, workspace=workspace)
+    expected = first.clone()
+    second = paged_attention_native(query * 2, key_cache, value_cache, batch, 64**-0.5, workspace=workspace)
+    assert second.data_ptr() == first.data_ptr() and not torch.equal(second, expected)
+    small, _, _, small_batch = make_batch([(1, 9)], 8, 2, 64, 16, torch.float32)
+    one_row = paged_attention_native(small, key_cache, value_cache, small_batch, 64**-0.5, workspace=workspace)
+    assert one_row.data_ptr() != first.data_ptr()  # small: its own tensor
+
+
 def test_the_compiled_kernel_takes_float32_queries_only_and_leaves_half_ones_to_torch():
     for dtype, taken in ((torch.float32, True), (torch.bfloat16, False), (torch.float16, False)):
         query, key_cache, value_cache, _ = make_batch([(1, 5)], 4, 2, 64, 8, dtype)
