@@ -17,7 +17,9 @@
  * first (docs/kernels.md). One or two rows are bound by the reads alone, and there the hardware's own
  * prefetch streams the panels faster without ours (docs/kernels.md). Blocking as BLIS does, rows packed
  * into micro-panels and K cut so that a panel's block stays in the first-level cache, was faster on one
- * thread at 2,048 rows but not on two sharing a call (docs/kernels.md), so it is not done.
+ * thread at 2,048 rows but not on two sharing a call (docs/kernels.md), so it is not done. A prompt's
+ * many rows are cut into blocks of ROW_BLOCK_BYTES of x (half the smallest second-level cache seen),
+ * which the threads take in turn, each block's panels shared.
  *
  * x: [M, K] floats with rows x_stride apart (bfloat16 rows of even length where
  * gemm_bf16_reads_bf16_rows() says so); y: [M, N] with rows y_stride apart; bias: [N] or NULL.
@@ -73,6 +75,9 @@
 #define MR 6
 #define NR (2 * GEMM_VEC)
 #define MC 48 /* rows per block: their x stays in the second-level cache while the block passes a panel */
+#ifndef ROW_BLOCK_BYTES
+#define ROW_BLOCK_BYTES (256 << 10) /* x of a call's block of rows, held in the second-level cache (gemm) */
+#endif
 #define PREFETCH_MIN_ROWS 3
 #define PREFETCH_TILES 4 /* tiles over a panel that share the prefetch of a later one: more add nothing once the rows are many */
 #define PREFETCH_PANELS 2 /* how far ahead that panel is: a slow read has a whole panel's passes to arrive (even: paired
@@ -350,18 +355,26 @@ static int64_t gemm(const int kind, const void *x, int64_t x_stride, const void 
                     int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t halves, int64_t act,
                     int64_t units_per_chunk, int64_t *counters, int64_t wait)
 {
-    /* The units claimed: panels, or pairs of them. */
+    /* The units claimed: panels, or pairs of them; and the rows in blocks whose x the second-level cache holds while
+     * the threads pass their panels over it (rather than every panel's pass reading all of x from the third level),
+     * each panel read once a block: block after block, each block's chunks of units in turn. */
+    const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, y_element = act == ACT_SILU_BF16 ? 2 : 4;
+    const int64_t fit = K > 0 ? ROW_BLOCK_BYTES / (K * x_element) / MC * MC : 0;
+    const int64_t row_block = M > fit && fit ? fit : (M > 0 ? M : 1);
     const int64_t count = halves ? (halves + NR - 1) / NR : (N + NR - 1) / NR;
-    const int64_t chunks = (count + units_per_chunk - 1) / units_per_chunk;
+    const int64_t unit_chunks = (count + units_per_chunk - 1) / units_per_chunk;
+    const int64_t chunks = unit_chunks * ((M + row_block - 1) / row_block);
     for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
-        const int64_t first = c * units_per_chunk;
+        const int64_t first = c % unit_chunks * units_per_chunk, m0 = c / unit_chunks * row_block;
         const int64_t last = first + units_per_chunk < count ? first + units_per_chunk : count;
+        const int64_t rows = M - m0 < row_block ? M - m0 : row_block;
+        const char *xm = (const char *)x + m0 * x_stride * x_element;
+        char *ym = (char *)y + m0 * y_stride * y_element;
         if (halves)
-            gemm_pairs(kind, (const char *)x, x_stride, (const char *)panels, bias, y, y_stride, M, halves, K, first,
-                       last, (int)act);
+            gemm_pairs(kind, xm, x_stride, (const char *)panels, bias, ym, y_stride, rows, halves, K, first, last,
+                       (int)act);
         else
-            gemm_panels(kind, (const char *)x, x_stride, (const char *)panels, bias, (float *)y, y_stride, M, N, K,
-                        first, last);
+            gemm_panels(kind, xm, x_stride, (const char *)panels, bias, (float *)ym, y_stride, rows, N, K, first, last);
     }
     if (wait)
         wait_for_chunks(counters, chunks);

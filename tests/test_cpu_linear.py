@@ -151,6 +151,14 @@ def test_the_tests_reach_the_avx512_layout_and_the_dot_product_on_every_x86_mach
     assert any(build.bf16_rows for build in wide), variants
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_call_of_no_rows_gives_no_rows(dtype):
+    weight = torch.randn(70, 64).to(dtype)
+    assert gemm(torch.randn(0, 64), pack(weight), 70, None).shape == (0, 70)
+    out = torch.empty(0, 35)
+    assert gated_gemm(torch.randn(0, 64), pack(weight, halves=35), 35, None, out) is out
+
+
 def test_rows_of_a_wider_tensor_are_read_in_place():
     weight = torch.randn(40, 32)
     wide = torch.randn(9, 96)
