@@ -27,8 +27,8 @@
  * panel and the up panel of the same columns (kernels/cpu_linear.py), so that a tile of rows has both
  * sums at hand: with an activation (act), y gets SiLU(gate) x up, [M, halves], as it is stored, rather
  * than both halves in float32 for another pass to read back; without, each half's columns as unpaired.
- * Threads share a call by claiming its chunks of panels_per_chunk panels (claims.h); the caller,
- * wait != 0, returns once every chunk is done. Sums run in float32.
+ * Threads share a call by claiming its chunks (claims.h): units_per_chunk panels, or pairs of them, of one
+ * block of rows; the caller, wait != 0, returns once every chunk is done. Sums run in float32.
  *
  * Written with GCC's vector extensions, so one source serves every instruction set the package
  * builds (kernels/native.py): GEMM_VEC floats a vector (16 where AVX-512 is built in, else 8; a
@@ -262,15 +262,24 @@ static inline int64_t panel_bytes(int kind, int64_t K)
     return kind == W_BF16 ? (K + 1) / 2 * NR * 4 : K * NR * (kind == W_F16 ? 2 : 4);
 }
 
+/* The tiles over a panel that prefetch a later one (none for a row or two), the bytes each asks for, and the
+ * stride of its asks per step of k. */
+struct prefetch_plan { int64_t sharing, share, stride; };
+
+static struct prefetch_plan plan_prefetch(const int kind, int64_t M, int64_t K)
+{
+    const int64_t tiles = M >= PREFETCH_MIN_ROWS ? (M + MR - 1) / MR : 0, steps = kind == W_BF16 ? (K + 1) / 2 : K;
+    const int64_t sharing = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
+    const int64_t share = sharing ? (panel_bytes(kind, K) + sharing - 1) / sharing : 0;
+    return (struct prefetch_plan){sharing, share, (share + steps - 1) / steps};
+}
+
 static void gemm_panels(const int kind, const char *x, int64_t x_stride, const char *panels, const float *bias,
                         float *y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t first_panel,
                         int64_t last_panel)
 {
     const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, whole_panel = panel_bytes(kind, K);
-    /* The tiles that prefetch a later panel (none for a row or two), the bytes each asks for, and per step of k. */
-    const int64_t tiles = M >= PREFETCH_MIN_ROWS ? (M + MR - 1) / MR : 0;
-    const int64_t sharing = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES, steps = kind == W_BF16 ? (K + 1) / 2 : K;
-    const int64_t share = sharing ? (whole_panel + sharing - 1) / sharing : 0, pf_stride = (share + steps - 1) / steps;
+    const struct prefetch_plan plan = plan_prefetch(kind, M, K);
     for (int64_t p = first_panel; p < last_panel; p++) {
         const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
         const char *w = panels + p * whole_panel;
@@ -280,9 +289,9 @@ static void gemm_panels(const int kind, const char *x, int64_t x_stride, const c
             const int64_t m_end = m0 + MC < M ? m0 + MC : M;
             for (int64_t m = m0; m < m_end; m += MR, t++) {
                 const int rows = m_end - m < MR ? (int)(m_end - m) : MR;
-                const char *ahead = t < sharing ? w + PREFETCH_PANELS * whole_panel + t * share : 0;
+                const char *ahead = t < plan.sharing ? w + PREFETCH_PANELS * whole_panel + t * plan.share : 0;
                 tile_of(kind, rows, x + m * x_stride * x_element, x_stride, w, K, bias ? bias + n : 0,
-                        y + m * y_stride + n, y_stride, cols, ahead, pf_stride);
+                        y + m * y_stride + n, y_stride, cols, ahead, plan.stride);
             }
         }
     }
@@ -317,9 +326,7 @@ static void gemm_pairs(const int kind, const char *x, int64_t x_stride, const ch
                        const int act)
 {
     const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, whole_panel = panel_bytes(kind, K);
-    const int64_t tiles = M >= PREFETCH_MIN_ROWS ? (M + MR - 1) / MR : 0;
-    const int64_t sharing = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES, steps = kind == W_BF16 ? (K + 1) / 2 : K;
-    const int64_t share = sharing ? (whole_panel + sharing - 1) / sharing : 0, pf_stride = (share + steps - 1) / steps;
+    const struct prefetch_plan plan = plan_prefetch(kind, M, K);
     const int64_t y_element = act == ACT_SILU_BF16 ? 2 : 4;
     float gate[MR * NR], up[MR * NR];
     for (int64_t j = first; j < last; j++) {
@@ -333,18 +340,18 @@ static void gemm_pairs(const int kind, const char *x, int64_t x_stride, const ch
                 const int rows = m_end - m < MR ? (int)(m_end - m) : MR;
                 const char *xm = x + m * x_stride * x_element;
                 /* a later pair's panels */
-                const char *ahead_g = t < sharing ? wg + PREFETCH_PANELS * whole_panel + t * share : 0;
+                const char *ahead_g = t < plan.sharing ? wg + PREFETCH_PANELS * whole_panel + t * plan.share : 0;
                 const char *ahead_u = ahead_g ? ahead_g + whole_panel : 0;
                 char *ym = (char *)y + m * y_stride * y_element;
                 if (act == ACT_NONE) {
                     tile_of(kind, rows, xm, x_stride, wg, K, bias_g, (float *)ym + n, y_stride, cols, ahead_g,
-                            pf_stride);
+                            plan.stride);
                     tile_of(kind, rows, xm, x_stride, wu, K, bias_u, (float *)ym + halves + n, y_stride, cols, ahead_u,
-                            pf_stride);
+                            plan.stride);
                     continue;
                 }
-                tile_of(kind, rows, xm, x_stride, wg, K, bias_g, gate, NR, cols, ahead_g, pf_stride);
-                tile_of(kind, rows, xm, x_stride, wu, K, bias_u, up, NR, cols, ahead_u, pf_stride);
+                tile_of(kind, rows, xm, x_stride, wg, K, bias_g, gate, NR, cols, ahead_g, plan.stride);
+                tile_of(kind, rows, xm, x_stride, wu, K, bias_u, up, NR, cols, ahead_u, plan.stride);
                 store_gated(gate, up, rows, cols, ym + n * y_element, y_stride, act);
             }
         }
