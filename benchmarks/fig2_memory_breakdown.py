@@ -1,7 +1,7 @@
 """The paper's Figure 2: what the KV memory in use holds, pagedserve against the reservation baselines.
 
 Each system serves the same seeded ShareGPT-like trace, all requests at once, with the same KV
-budget; the scheduler's `pagedserve_kv_slots` gauges are sampled four times a second and split
+budget; the scheduler's `pagedserve_kv_slots` gauges are sampled twenty times a second and split
 the used slots into token states, slots reserved for tokens a request will still produce, and
 slots no token will ever fill (internal fragmentation). The baselines reserve one contiguous run
 of blocks (first fit), so while a request waits, the free blocks in runs too short for its

@@ -78,7 +78,7 @@ class SlotSampler:
     """Scrapes the scheduler's KV slot gauges every `interval` seconds while a run lasts; the
     breakdown averages the samples taken while some slots were in use."""
 
-    def __init__(self, metrics_url: str, interval: float = 0.25):
+    def __init__(self, metrics_url: str, interval: float = 0.05):
         self.url, self.interval = metrics_url, interval
         self.samples: list[dict[str, float]] = []
         self._stop = threading.Event()
