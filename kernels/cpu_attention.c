@@ -164,6 +164,9 @@ static inline void prefetch_rows(const char *cache, const int32_t *table, int64_
 #define AHEAD_BYTES 8192
 struct next_row { const int32_t *table; int64_t low, count; }; /* count 0: none */
 
+/* How many positions of a stream whose tokens are token_bytes each AHEAD_BYTES is: a tile at least. */
+static inline int64_t stream_ahead(int64_t token_bytes) { return max64(TILE, AHEAD_BYTES / token_bytes); }
+
 /* Where the decode row after row s of this thread's share (before `end`) reads: none unless both are decode rows. */
 static inline struct next_row next_decode_row(const int32_t *block_tables, int64_t table_stride,
                                               const int32_t *query_start, const int32_t *context_lens, int64_t s,
@@ -317,10 +320,9 @@ static inline __attribute__((always_inline)) void attend_one_query(
  * the softmax's weights are rounded to bfloat16 as the products take them, as a bfloat16 model's own attention
  * holds them; the cached rows are read as they are, nothing widened or stored again. Keys: 16 cached tokens at a
  * time, every KV head's row of each, in memory order; a row's scores for them come as one vector folded from 16
- * sums (fold16); meanwhile the same tokens' values are asked for, a slice per head, so that memory serves the two
- * streams at once. Values: two tokens' rows are interleaved so that one product adds both tokens' weighted values,
- * into sums held over the whole context. Faster than the float32 walk below at every size measured
- * (docs/kernels.md). */
+ * sums (fold16); meanwhile the row's stream is asked for AHEAD_BYTES on, a slice per head (prefetch_stream).
+ * Values: two tokens' rows are interleaved so that one product adds both tokens' weighted values, into sums held
+ * over the whole context. Faster than the float32 walk below at every size measured (docs/kernels.md). */
 #define MAX_BF16_HEADS 64 /* query heads this path serves at most (their queries live on the stack) */
 #define VALUE_HEADS 4     /* heads of a group whose value sums are held in registers together */
 
@@ -349,7 +351,7 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
 {
     const int64_t group = num_heads / num_kv_heads, vectors = head_dim / 32, n = high + 1 - low;
     const int64_t head_bytes = head_dim * 2, token_bytes = num_kv_heads * head_bytes;
-    const int64_t ahead = max64(16, AHEAD_BYTES / token_bytes);
+    const int64_t ahead = stream_ahead(token_bytes);
     __m512bh query[MAX_BF16_HEADS][4];
     for (int64_t head = 0; head < num_heads; head++)
         for (int64_t c = 0; c < vectors; c++)
@@ -360,8 +362,8 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
         const char *run = block_run(key_cache, table, p, high + 1, block_size, token_bytes, &stop);
         for (int64_t count; p < stop; p += count, run += count * token_bytes) {
             count = min64(16, stop - p);
+            const int64_t offset = p - low + ahead; /* the stream ahead, spread over the heads */
             for (int64_t head = 0; head < num_heads; head++) {
-                const int64_t offset = p - low + ahead; /* the stream ahead, spread over the heads */
                 prefetch_stream(key_cache, table, low, n, value_cache, table, low, n, offset + head * count / num_heads,
                                 offset + (head + 1) * count / num_heads, block_size, token_bytes);
                 const char *rows = run + (head / group) * head_bytes;
@@ -754,7 +756,7 @@ static inline __attribute__((always_inline)) void attend_range(
     const int64_t group = num_heads / num_kv_heads;
     /* bytes of one KV head's row, and of a cached token: every KV head's row */
     const int64_t head_bytes = head_row_bytes(head_dim, kind);
-    const int64_t token_bytes = num_kv_heads * head_bytes, ahead = max64(TILE, AHEAD_BYTES / token_bytes);
+    const int64_t token_bytes = num_kv_heads * head_bytes, ahead = stream_ahead(token_bytes);
     int64_t low[QUERY_BLOCK], high[QUERY_BLOCK];          /* each query's visible positions, inclusive */
     float decoded[kind != ROW_F32 ? MAX_DECODED : 1];
     for (int64_t s = first_seq; s < last_seq; s++) {

@@ -92,8 +92,6 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.T
     """`x W^T + b` from W's panels (packed with `halves` where given), x float32 (or bfloat16 rows of even
     width, where the build takes them for these panels) and the result float32 (into `out`, contiguous,
     where given); None where the kernel does not apply."""
-    if out is None:
-        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
     return _run(x, panels, out, bias, out_features, halves, ACT_NONE, build)
 
 
@@ -106,8 +104,9 @@ def gated_gemm(x: torch.Tensor, panels: torch.Tensor, halves: int, bias: torch.T
     return _run(x, panels, out, bias, 2 * halves, halves, act, build)
 
 
-def _run(x: torch.Tensor, panels: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-         halves: int, act: int, build: GemmBuild | None) -> torch.Tensor | None:
+def _run(x: torch.Tensor, panels: torch.Tensor, out: torch.Tensor | None, bias: torch.Tensor | None,
+         out_features: int, halves: int, act: int, build: GemmBuild | None) -> torch.Tensor | None:
+    """The kernel's call (a fresh float32 `out` where none is given, once the kernel is known to apply)."""
     build = build or gemm_build()
     if build is None or x.stride(1) != 1 or torch.is_grad_enabled():
         return None
@@ -120,6 +119,8 @@ def _run(x: torch.Tensor, panels: torch.Tensor, out: torch.Tensor, bias: torch.T
     elif takes_rows:
         x = bf16_rows(x)
     rows, width = x.shape
+    if out is None:
+        out = torch.empty((rows, out_features), dtype=torch.float32)
     split = (rows >= SPLIT_ROWS and rows * out_features * width >= SPLIT_MACS) or panels.nbytes >= SPLIT_BYTES
     units = panels.shape[0] // 2 if halves else panels.shape[0]  # pairs of panels are claimed whole
     args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
