@@ -14,8 +14,11 @@
  * second-level cache while every tile of rows passes over it, and the first PREFETCH_TILES tiles
  * over a panel each prefetch their share of a later one into that cache, every line of it at an
  * even pace: the reads from memory overlap the arithmetic of several passes rather than stalling the
- * first (docs/kernels.md). One or two rows are bound by the reads alone, and there the hardware's own
- * prefetch streams the panels faster without ours (docs/kernels.md). Blocking as BLIS does, rows packed
+ * first (docs/kernels.md). A decode's few rows (3 to STREAM_ROWS) go over a panel in blocks of k that the
+ * first-level cache holds, every tile over a block before the next, the tiles sharing the prefetch of the
+ * block after: a panel then streams from memory at one steady pace (panel_sums). One or two rows are
+ * bound by the reads alone, and there the hardware's own prefetch streams the panels faster without
+ * ours (docs/kernels.md). Blocking as BLIS does, rows packed
  * into micro-panels and K cut so that a panel's block stays in the first-level cache, was faster on one
  * thread at 2,048 rows but not on two sharing a call (docs/kernels.md), so it is not done. A prompt's
  * many rows are cut into blocks of ROW_BLOCK_BYTES of x (half the smallest second-level cache seen),
@@ -79,6 +82,8 @@
 #define ROW_BLOCK_BYTES (256 << 10) /* x of a call's block of rows, held in the second-level cache (gemm) */
 #endif
 #define PREFETCH_MIN_ROWS 3
+#define STREAM_ROWS 32 /* up to this many rows, a panel goes in blocks of k, each block's tiles in turn (panel_sums) */
+#define STREAM_BLOCK_BYTES 8192 /* such a block of a panel */
 #define PREFETCH_TILES 4 /* tiles over a panel that share the prefetch of a later one: more add nothing once the rows are many */
 #define PREFETCH_PANELS 2 /* how far ahead that panel is: a slow read has a whole panel's passes to arrive (even: paired
                            * panels prefetch the pair as far ahead) */
@@ -165,15 +170,13 @@ static inline __attribute__((always_inline)) void prefetch_step(const char *ahea
         __builtin_prefetch(ahead + step * pf_stride + 64, 0, 2);
 }
 
-/* `rows` rows of x against one panel, over its kc values of k. The accumulators are locals that nothing takes the address of, so they stay in registers
- * for the whole block. Where `ahead` is given, each step of k prefetches its part of a later panel (prefetch_step). */
-static inline __attribute__((always_inline)) void tile(
-    const int rows, const int kind, const char *x, int64_t x_stride, const char *w, int64_t kc,
-    const float *bias, float *y, int64_t y_stride, int64_t cols, const char *ahead, int64_t pf_stride)
+/* `rows` rows of x against kc values of k of one panel, added into the accumulators: inlined into its callers, whose
+ * locals nothing takes the address of, so they stay in registers for the whole run. Where `ahead` is given, each step
+ * of k prefetches its part of what comes later (prefetch_step). */
+static inline __attribute__((always_inline)) void tile_steps(
+    const int rows, const int kind, const char *x, int64_t x_stride, const char *w, int64_t kc, vf *acc0, vf *acc1,
+    const char *ahead, int64_t pf_stride)
 {
-    vf acc0[MR], acc1[MR];
-    for (int r = 0; r < rows; r++)
-        acc0[r] = acc1[r] = (vf){0};
     if (kind == W_BF16 && BF16_DOT) {
         const uint32_t *xw = (const uint32_t *)x; /* bfloat16 rows: x_stride counts bfloat16 values */
         for (int64_t p = 0; p < kc / 2; p++) {
@@ -230,8 +233,37 @@ static inline __attribute__((always_inline)) void tile(
             }
         }
     }
+}
+
+/* A tile: `rows` rows of x against one panel over all of k, stored into y with the bias. */
+static inline __attribute__((always_inline)) void tile(
+    const int rows, const int kind, const char *x, int64_t x_stride, const char *w, int64_t K,
+    const float *bias, float *y, int64_t y_stride, int64_t cols, const char *ahead, int64_t pf_stride)
+{
+    vf acc0[MR], acc1[MR];
+    for (int r = 0; r < rows; r++)
+        acc0[r] = acc1[r] = (vf){0};
+    tile_steps(rows, kind, x, x_stride, w, K, acc0, acc1, ahead, pf_stride);
     for (int r = 0; r < rows; r++)
         store_row(acc0[r], acc1[r], bias, y + r * y_stride, cols);
+}
+
+/* A tile over one block of k: its rows' sums so far, rows of `sums` NR floats apart, taken into registers, the block
+ * added, and put back. */
+static inline __attribute__((always_inline)) void tile_block(
+    const int rows, const int kind, const char *x, int64_t x_stride, const char *w, int64_t kc, float *sums,
+    const char *ahead, int64_t pf_stride)
+{
+    vf acc0[MR], acc1[MR];
+    for (int r = 0; r < rows; r++) {
+        acc0[r] = load_floats(sums + r * NR);
+        acc1[r] = load_floats(sums + r * NR + GEMM_VEC);
+    }
+    tile_steps(rows, kind, x, x_stride, w, kc, acc0, acc1, ahead, pf_stride);
+    for (int r = 0; r < rows; r++) {
+        *(vf_unaligned *)(sums + r * NR) = acc0[r];
+        *(vf_unaligned *)(sums + r * NR + GEMM_VEC) = acc1[r];
+    }
 }
 
 #define TILES(KIND)                                                                                     \
@@ -255,6 +287,54 @@ static void tile_of(const int kind, int rows, const char *xm, int64_t x_stride, 
     }
 }
 #undef TILES
+
+#define BLOCKS(KIND)                                                                                    \
+    switch (rows) {                                                                                     \
+    case 6: tile_block(6, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride); break;                    \
+    case 5: tile_block(5, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride); break;                    \
+    case 4: tile_block(4, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride); break;                    \
+    case 3: tile_block(3, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride); break;                    \
+    case 2: tile_block(2, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride); break;                    \
+    default: tile_block(1, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride);                          \
+    }
+
+static void block_of(const int kind, int rows, const char *xm, int64_t x_stride, const char *w, int64_t kc,
+                     float *sums, const char *ahead, int64_t pf_stride)
+{
+    switch (kind) {
+    case W_F32: BLOCKS(W_F32) break;
+    case W_F16: BLOCKS(W_F16) break;
+    default: BLOCKS(W_BF16)
+    }
+}
+#undef BLOCKS
+
+/* The sums of a few rows (M <= STREAM_ROWS) over one panel, plus the bias, into sums [M][NR]. The panel goes in blocks
+ * of k that the first-level cache holds while every tile of rows passes, and the tiles share the prefetch of the next
+ * block: the panel streams from memory at one steady pace, overlapping the arithmetic, where passing whole panels
+ * asked for the first pass's reads in bursts. */
+static void panel_sums(const int kind, const char *x, int64_t x_stride, const char *w, int64_t M, int64_t K,
+                       const float *bias, int64_t cols, float *sums)
+{
+    const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, k_per_step = kind == W_BF16 ? 2 : 1;
+    const int64_t step_bytes = NR * (kind == W_F16 ? 2 : 4); /* a value of k, or a pair of them */
+    const int64_t block = STREAM_BLOCK_BYTES / step_bytes * k_per_step, tiles = (M + MR - 1) / MR;
+    memset(sums, 0, (size_t)M * NR * sizeof *sums);
+    for (int64_t k0 = 0; k0 < K; k0 += block) {
+        const int64_t kc = K - k0 < block ? K - k0 : block, steps = (kc + k_per_step - 1) / k_per_step;
+        const int64_t share = (steps * step_bytes + tiles - 1) / tiles, pf_stride = (share + steps - 1) / steps;
+        const char *w_block = w + k0 / k_per_step * step_bytes, *next = w_block + steps * step_bytes;
+        for (int64_t m = 0, t = 0; m < M; m += MR, t++) {
+            const int rows = M - m < MR ? (int)(M - m) : MR;
+            block_of(kind, rows, x + (m * x_stride + k0) * x_element, x_stride, w_block, kc, sums + m * NR,
+                     next + t * share, pf_stride);
+        }
+    }
+    if (bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t c = 0; c < cols; c++)
+                sums[r * NR + c] += bias[c];
+}
 
 /* The bytes of one panel of K values of k. */
 static inline int64_t panel_bytes(int kind, int64_t K)
@@ -280,6 +360,17 @@ static void gemm_panels(const int kind, const char *x, int64_t x_stride, const c
 {
     const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, whole_panel = panel_bytes(kind, K);
     const struct prefetch_plan plan = plan_prefetch(kind, M, K);
+    if (M >= PREFETCH_MIN_ROWS && M <= STREAM_ROWS) {
+        float sums[STREAM_ROWS * NR];
+        for (int64_t p = first_panel; p < last_panel; p++) {
+            const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
+            panel_sums(kind, x, x_stride, panels + p * whole_panel, M, K, bias ? bias + n : 0, cols, sums);
+            for (int64_t r = 0; r < M; r++)
+                store_row(load_floats(sums + r * NR), load_floats(sums + r * NR + GEMM_VEC), 0, y + r * y_stride + n,
+                          cols);
+        }
+        return;
+    }
     for (int64_t p = first_panel; p < last_panel; p++) {
         const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
         const char *w = panels + p * whole_panel;
@@ -328,6 +419,25 @@ static void gemm_pairs(const int kind, const char *x, int64_t x_stride, const ch
     const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, whole_panel = panel_bytes(kind, K);
     const struct prefetch_plan plan = plan_prefetch(kind, M, K);
     const int64_t y_element = act == ACT_SILU_BF16 ? 2 : 4;
+    if (M >= PREFETCH_MIN_ROWS && M <= STREAM_ROWS) {
+        float gate[STREAM_ROWS * NR], up[STREAM_ROWS * NR];
+        for (int64_t j = first; j < last; j++) {
+            const int64_t n = j * NR, cols = halves - n < NR ? halves - n : NR;
+            const char *wg = panels + 2 * j * whole_panel;
+            panel_sums(kind, x, x_stride, wg, M, K, bias ? bias + n : 0, cols, gate);
+            panel_sums(kind, x, x_stride, wg + whole_panel, M, K, bias ? bias + halves + n : 0, cols, up);
+            if (act != ACT_NONE) {
+                store_gated(gate, up, (int)M, cols, (char *)y + n * y_element, y_stride, act);
+                continue;
+            }
+            for (int64_t r = 0; r < M; r++) {
+                float *row = (float *)y + r * y_stride + n;
+                store_row(load_floats(gate + r * NR), load_floats(gate + r * NR + GEMM_VEC), 0, row, cols);
+                store_row(load_floats(up + r * NR), load_floats(up + r * NR + GEMM_VEC), 0, row + halves, cols);
+            }
+        }
+        return;
+    }
     float gate[MR * NR], up[MR * NR];
     for (int64_t j = first; j < last; j++) {
         const int64_t n = j * NR, cols = halves - n < NR ? halves - n : NR;

@@ -93,7 +93,8 @@ def test_paired_packing_puts_the_gate_and_the_up_panel_of_the_same_columns_side_
     assert not panels[2:, :, 3:].any()  # zeros past each half's columns
 
 
-GATED_SHAPES = [(1, 64, 8), (7, 100, 64), (50, 33, 5), (300, 704, 96)]  # rows, halves, in features
+# rows, halves, in features: a few rows over blocks of k (the last one partial) among them
+GATED_SHAPES = [(1, 64, 8), (7, 100, 64), (16, 40, 300), (50, 33, 5), (300, 704, 96)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -149,6 +150,20 @@ def test_the_tests_reach_the_avx512_layout_and_the_dot_product_on_every_x86_mach
         pytest.skip("not an x86-64 machine with AVX2")
     wide = [gemm_build(v) for v in variants if gemm_build(v).panel_width == 32]
     assert any(build.bf16_rows for build in wide), variants
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_sums_do_not_depend_on_how_many_rows_share_the_call(dtype, threads, monkeypatch):
+    """A decode's few rows pass a panel block of k by block, a prompt's many pass it whole: each row still
+    adds its products in the same order, so every row count gives the same bits (and a batch's tokens do not
+    depend on what runs beside them)."""
+    monkeypatch.setattr(native, "_threads", threads)
+    weight, bias = (torch.randn(70, 600) * 0.1).to(dtype), torch.randn(70)  # a partial panel; k in several blocks
+    x = torch.randn(300, 600)
+    many = gemm(x, pack(weight), 70, bias)
+    for rows in (1, 2, 3, 5, 16, 31, 32, 33, 48):
+        assert torch.equal(gemm(x[:rows], pack(weight), 70, bias), many[:rows]), rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
