@@ -313,18 +313,9 @@ static inline __attribute__((always_inline)) void attend_one_query(
         }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define BF16_DOT 1
-/* One query row's attention over a bfloat16 cache by the bfloat16 dot product (VDPBF16PS, float32 sums), at head
- * sizes of whole 32-value vectors: a decode's row (a prompt's rows go in blocks, block_attention). The query and
- * the softmax's weights are rounded to bfloat16 as the products take them, as a bfloat16 model's own attention
- * holds them; the cached rows are read as they are, nothing widened or stored again. Keys: 16 cached tokens at a
- * time, every KV head's row of each, in memory order; a row's scores for them come as one vector folded from 16
- * sums (fold16); meanwhile the row's stream is asked for AHEAD_BYTES on, a slice per head (prefetch_stream).
- * Values: two tokens' rows are interleaved so that one product adds both tokens' weighted values, into sums held
- * over the whole context. Faster than the float32 walk below at every size measured (docs/kernels.md). */
-#define MAX_BF16_HEADS 64 /* query heads this path serves at most (their queries live on the stack) */
-#define VALUE_HEADS 4     /* heads of a group whose value sums are held in registers together */
+#ifdef __AVX512F__
+#define F32_ROWS 1
+#define VALUE_HEADS 4 /* heads of a group whose value sums are held together */
 
 /* Lane u of the result: the sum of a[u]'s lanes. Four steps each halve the vectors and double the keys per vector;
  * the last leaves key 4j + k in lane 4k + j, which the permutation puts back in order. */
@@ -342,6 +333,122 @@ static inline __attribute__((always_inline)) __m512 fold16(const __m512 a[16])
     const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
 }
+
+/* One query row's attention over a float32 cache at head sizes of whole 16-value vectors (up to 128): a decode's row.
+ * As attend_one_query_bf16 below: keys 16 cached tokens at a time, a row's scores for them one vector folded from 16
+ * sums (fold16), the row's stream asked for AHEAD_BYTES on; values summed for up to VALUE_HEADS heads of a group at
+ * a time over the whole context, each token's weight broadcast to its row. Rather than the walk below, which sums
+ * each key's products across one vector's lanes in turn (docs/kernels.md). */
+static inline __attribute__((always_inline)) void attend_one_query_f32(
+    const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
+    const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
+    const int64_t vectors, int64_t block_size, float scale, float *restrict scores, float *restrict out,
+    const struct next_row *next)
+{
+    const int64_t group = num_heads / num_kv_heads, head_dim = vectors * 16, n = high + 1 - low;
+    const int64_t value_heads = vectors <= 4 ? VALUE_HEADS : VALUE_HEADS / 2; /* sums in registers */
+    const int64_t head_bytes = head_dim * 4, token_bytes = num_kv_heads * head_bytes;
+    const int64_t ahead = stream_ahead(token_bytes);
+    for (int64_t p = low, stop; p <= high;) {
+        const char *run = block_run(key_cache, table, p, high + 1, block_size, token_bytes, &stop);
+        for (int64_t count; p < stop; p += count, run += count * token_bytes) {
+            count = min64(16, stop - p);
+            const int64_t offset = p - low + ahead; /* the stream ahead, spread over the heads */
+            for (int64_t head = 0; head < num_heads; head++) {
+                prefetch_stream(key_cache, table, low, n, value_cache, table, low, n, offset + head * count / num_heads,
+                                offset + (head + 1) * count / num_heads, block_size, token_bytes);
+                const char *rows = run + (head / group) * head_bytes;
+                const float *qh = q + head * head_dim;
+                __m512 sums[16];
+                if (count == 16) { /* a whole tile: bounds the compiler sees, so the sums stay in registers */
+#pragma GCC unroll 16
+                    for (int64_t u = 0; u < 16; u++) {
+                        sums[u] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+                        for (int64_t c = 0; c < vectors; c++)
+                            sums[u] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + u * token_bytes + c * 64),
+                                                      _mm512_loadu_ps(qh + c * 16), sums[u]);
+                    }
+                } else {
+                    for (int64_t u = 0; u < 16; u++) {
+                        sums[u] = _mm512_setzero_ps();
+                        if (u < count)
+                            for (int64_t c = 0; c < vectors; c++)
+                                sums[u] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + u * token_bytes + c * 64),
+                                                          _mm512_loadu_ps(qh + c * 16), sums[u]);
+                    }
+                }
+                _mm512_mask_storeu_ps(scores + head * n + (p - low), (__mmask16)((1u << count) - 1),
+                                      _mm512_mul_ps(fold16(sums), _mm512_set1_ps(scale)));
+            }
+        }
+    }
+    for (int64_t head = 0; head < num_heads; head++)
+        softmax(scores + head * n, 0, n);
+    for (int64_t first = 0, heads; first < num_heads; first += heads) {
+        const int64_t kv = first / group;
+        heads = min64(value_heads, (kv + 1) * group - first);
+        __m512 sums[VALUE_HEADS][8];
+        for (int64_t h = 0; h < value_heads; h++)
+            for (int64_t c = 0; c < vectors; c++)
+                sums[h][c] = _mm512_setzero_ps();
+        for (int64_t p = low, stop; p <= high;) {
+            const char *run =
+                block_run(value_cache, table, p, high + 1, block_size, token_bytes, &stop) + kv * head_bytes;
+            for (int64_t count; p < stop; p += count, run += count * token_bytes) {
+                count = min64(16, stop - p);
+                if (first == 0)
+                    prefetch_stream(value_cache, table, low, n, 0, 0, 0, 0, p - low + ahead, p - low + count + ahead,
+                                    block_size, token_bytes);
+                if (first + heads == num_heads)
+                    prefetch_stream(value_cache, table, low, n, key_cache, next->table, next->low, next->count,
+                                    max64(n, p - low + ahead), p - low + count + ahead, block_size, token_bytes);
+                for (int64_t u = 0; u < count; u++) {
+                    const char *row = run + u * token_bytes;
+                    for (int64_t h = 0; h < heads; h++) {
+                        const __m512 weight = _mm512_set1_ps(scores[(first + h) * n + (p - low) + u]);
+                        for (int64_t c = 0; c < vectors; c++)
+                            sums[h][c] = _mm512_fmadd_ps(_mm512_loadu_ps(row + c * 64), weight, sums[h][c]);
+                    }
+                }
+            }
+        }
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t c = 0; c < vectors; c++)
+                _mm512_storeu_ps(out + (first + h) * head_dim + c * 16, sums[h][c]);
+    }
+}
+
+/* attend_one_query_f32 with the head size known to the compiler where it is a common one, so that every sum stays in
+ * a register. */
+static inline void attend_one_query_f32_sized(
+    const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
+    const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict out,
+    const struct next_row *next)
+{
+#define SIZED(VECTORS) attend_one_query_f32(q, key_cache, value_cache, table, low, high, num_heads, num_kv_heads, \
+                                            VECTORS, block_size, scale, scores, out, next)
+    switch (head_dim) {
+    case 64: SIZED(4); break;
+    case 128: SIZED(8); break;
+    default: SIZED(head_dim / 16);
+    }
+#undef SIZED
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_DOT 1
+#define MAX_BF16_HEADS 64 /* query heads this path serves at most (their queries live on the stack) */
+/* One query row's attention over a bfloat16 cache by the bfloat16 dot product (VDPBF16PS, float32 sums), at head
+ * sizes of whole 32-value vectors: a decode's row (a prompt's rows go in blocks, block_attention). The query and
+ * the softmax's weights are rounded to bfloat16 as the products take them, as a bfloat16 model's own attention
+ * holds them; the cached rows are read as they are, nothing widened or stored again. Keys: 16 cached tokens at a
+ * time, every KV head's row of each, in memory order; a row's scores for them come as one vector folded from 16
+ * sums (fold16); meanwhile the row's stream is asked for AHEAD_BYTES on, a slice per head (prefetch_stream).
+ * Values: two tokens' rows are interleaved so that one product adds both tokens' weighted values, into sums held
+ * over the whole context. Faster than the float32 walk below at every size measured (docs/kernels.md). */
 
 static inline __attribute__((always_inline)) void attend_one_query_bf16(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
@@ -783,6 +890,14 @@ static inline __attribute__((always_inline)) void attend_range(
                     attend_one_query_bf16(query + (first + i0 + b) * query_stride, key_cache, value_cache, table,
                                           low[b], high[b], num_heads, num_kv_heads, head_dim, block_size, scale, scores,
                                           out + (first + i0 + b) * num_heads * head_dim, &next);
+                continue;
+            }
+#endif
+#ifdef F32_ROWS
+            if (block == 1 && kind == ROW_F32 && head_dim % 16 == 0 && head_dim <= 128) {
+                attend_one_query_f32_sized(query + (first + i0) * query_stride, key_cache, value_cache, table, low[0],
+                                           high[0], num_heads, num_kv_heads, head_dim, block_size, scale, scores,
+                                           out + (first + i0) * num_heads * head_dim, &next);
                 continue;
             }
 #endif
