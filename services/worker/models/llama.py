@@ -38,6 +38,9 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual, self.output_slot, bf16_rows)
 
 
+TABLE_POSITIONS = 1024  # the smallest cos/sin table a CPU keeps
+
+
 class RotaryEmbedding:
     """cos/sin tables by position, built with transformers' own RoPE variants (llama3, yarn...)."""
 
@@ -55,13 +58,30 @@ class RotaryEmbedding:
             with torch.device("cpu"):  # real numbers even while the model is built on "meta"
                 inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         self.inv_freq = inv_freq
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.device.type == "cpu" and positions.numel():
+            return self._looked_up(positions, dtype)
         if self.inv_freq.device != positions.device:  # moved once: a copy per step would wait for the device
             self.inv_freq = self.inv_freq.to(positions.device)
+        return self._computed(positions, dtype)
+
+    def _computed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    def _looked_up(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """On a CPU, rows of a table by position (the same values, computed once): a step's handful of small
+        operations was a measurable part of a decode step. The table grows by doubling as positions reach it
+        (on a device, where reading the largest position would wait for it, the values are computed)."""
+        needed = int(positions.max()) + 1
+        table = self._tables.get(dtype)
+        if table is None or table[0].shape[0] < needed:
+            size = max(TABLE_POSITIONS, 1 << (needed - 1).bit_length())
+            table = self._tables[dtype] = self._computed(torch.arange(size), dtype)
+        return table[0][positions], table[1][positions]
 
 
 class Attention(nn.Module):
