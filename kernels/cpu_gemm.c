@@ -18,8 +18,8 @@
  * first-level cache holds, every tile over a block before the next, the tiles sharing the prefetch of the
  * block after: a panel then streams from memory at one steady pace (panel_sums). One or two rows are
  * bound by the reads alone, and there the hardware's own prefetch streams the panels faster without
- * ours (docs/kernels.md). Blocking as BLIS does, rows packed
- * into micro-panels and K cut so that a panel's block stays in the first-level cache, was faster on one
+ * ours (docs/kernels.md). For a prompt's many rows, blocking as BLIS does, rows packed into
+ * micro-panels and K cut so that a panel's block stays in the first-level cache, was faster on one
  * thread at 2,048 rows but not on two sharing a call (docs/kernels.md), so it is not done. A prompt's
  * many rows are cut into blocks of ROW_BLOCK_BYTES of x (half the smallest second-level cache seen),
  * which the threads take in turn, each block's panels shared.
