@@ -197,6 +197,29 @@ static inline void prefetch_stream(const char *cache, const int32_t *table, int6
     }
 }
 
+/* A decode row's keys, a tile of `count` tokens at `offset` on in its stream: head `head`'s slice of the tile's rows
+ * asked for, so that the heads together ask for the whole tile. */
+static inline void ask_for_head_slice(const char *key_cache, const char *value_cache, const int32_t *table, int64_t low,
+                                      int64_t n, int64_t offset, int64_t head, int64_t count, int64_t num_heads,
+                                      int64_t block_size, int64_t token_bytes)
+{
+    prefetch_stream(key_cache, table, low, n, value_cache, table, low, n, offset + head * count / num_heads,
+                    offset + (head + 1) * count / num_heads, block_size, token_bytes);
+}
+
+/* A decode row's values, a tile of `count` tokens at `offset` on in its stream: asked for by the first pass over them,
+ * and by the last the next decode row's keys past them. */
+static inline void ask_for_value_tile(const char *value_cache, const char *key_cache, const int32_t *table, int64_t low,
+                                      int64_t n, int64_t offset, int64_t count, int first_pass, int last_pass,
+                                      const struct next_row *next, int64_t block_size, int64_t token_bytes)
+{
+    if (first_pass)
+        prefetch_stream(value_cache, table, low, n, 0, 0, 0, 0, offset, offset + count, block_size, token_bytes);
+    if (last_pass)
+        prefetch_stream(value_cache, table, low, n, key_cache, next->table, next->low, next->count, max64(n, offset),
+                        offset + count, block_size, token_bytes);
+}
+
 /* One query row's attention over one-byte rows (int8, E4M3) at head size 64, in whole vectors of 8 floats
  * (GCC's vector extensions: AVX on x86-64-v3 and native builds, narrower vectors elsewhere): a decode step's
  * row, and a chunk's row alone in its block of QUERY_BLOCK queries (its ninth, seventeenth, ...). Each cached
@@ -355,8 +378,8 @@ static inline __attribute__((always_inline)) void attend_one_query_f32(
             count = min64(16, stop - p);
             const int64_t offset = p - low + ahead; /* the stream ahead, spread over the heads */
             for (int64_t head = 0; head < num_heads; head++) {
-                prefetch_stream(key_cache, table, low, n, value_cache, table, low, n, offset + head * count / num_heads,
-                                offset + (head + 1) * count / num_heads, block_size, token_bytes);
+                ask_for_head_slice(key_cache, value_cache, table, low, n, offset, head, count, num_heads, block_size,
+                                   token_bytes);
                 const char *rows = run + (head / group) * head_bytes;
                 const float *qh = q + head * head_dim;
                 __m512 sums[16];
@@ -397,12 +420,8 @@ static inline __attribute__((always_inline)) void attend_one_query_f32(
                 block_run(value_cache, table, p, high + 1, block_size, token_bytes, &stop) + kv * head_bytes;
             for (int64_t count; p < stop; p += count, run += count * token_bytes) {
                 count = min64(16, stop - p);
-                if (first == 0)
-                    prefetch_stream(value_cache, table, low, n, 0, 0, 0, 0, p - low + ahead, p - low + count + ahead,
-                                    block_size, token_bytes);
-                if (first + heads == num_heads)
-                    prefetch_stream(value_cache, table, low, n, key_cache, next->table, next->low, next->count,
-                                    max64(n, p - low + ahead), p - low + count + ahead, block_size, token_bytes);
+                ask_for_value_tile(value_cache, key_cache, table, low, n, p - low + ahead, count, first == 0,
+                                   first + heads == num_heads, next, block_size, token_bytes);
                 for (int64_t u = 0; u < count; u++) {
                     const char *row = run + u * token_bytes;
                     for (int64_t h = 0; h < heads; h++) {
@@ -471,8 +490,8 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
             count = min64(16, stop - p);
             const int64_t offset = p - low + ahead; /* the stream ahead, spread over the heads */
             for (int64_t head = 0; head < num_heads; head++) {
-                prefetch_stream(key_cache, table, low, n, value_cache, table, low, n, offset + head * count / num_heads,
-                                offset + (head + 1) * count / num_heads, block_size, token_bytes);
+                ask_for_head_slice(key_cache, value_cache, table, low, n, offset, head, count, num_heads, block_size,
+                                   token_bytes);
                 const char *rows = run + (head / group) * head_bytes;
                 __m512 sums[16];
                 for (int64_t u = 0; u < 16; u++) {
@@ -505,12 +524,8 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
             const char *run = block_run(value_cache, table, p, high + 1, block_size, token_bytes, &stop) + kv * head_bytes;
             for (int64_t count; p < stop; p += count, run += count * token_bytes) {
                 count = min64(16, stop - p);
-                if (first == 0)
-                    prefetch_stream(value_cache, table, low, n, 0, 0, 0, 0, p - low + ahead, p - low + count + ahead,
-                                    block_size, token_bytes);
-                if (first + heads == num_heads)
-                    prefetch_stream(value_cache, table, low, n, key_cache, next->table, next->low, next->count,
-                                    max64(n, p - low + ahead), p - low + count + ahead, block_size, token_bytes);
+                ask_for_value_tile(value_cache, key_cache, table, low, n, p - low + ahead, count, first == 0,
+                                   first + heads == num_heads, next, block_size, token_bytes);
                 const __mmask16 valid = (__mmask16)((1u << count) - 1);
                 __m512i pairs[VALUE_HEADS]; /* word j: the weights of tokens 2j and 2j + 1, two bfloat16 */
                 for (int64_t h = 0; h < heads; h++)
