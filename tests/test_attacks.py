@@ -165,5 +165,6 @@ def test_a_response_of_megabytes_is_built_off_the_loop(server):
         response = _completion(server, prompt=[f"p{i}" for i in range(16)], n=MAX_NUM_SEQS, max_tokens=96,
                                logprobs=20, ignore_eos=True, temperature=1.0)
     assert response.status_code == 200 and len(response.content) > 5 << 20
-    # Built on the loop, this one held /health for 2.7 s on a loaded 2-core machine.
-    assert max(probe.latencies) < 0.5, max(probe.latencies)
+    # Built on the loop, this one held /health for 2.7 s on a loaded 2-core machine; off it, the probe's slowest
+    # answer is a busy machine's scheduling (0.53 s once while the rest of the suite ran beside it).
+    assert max(probe.latencies) < 1.0, max(probe.latencies)
