@@ -266,48 +266,45 @@ static inline __attribute__((always_inline)) void tile_block(
     }
 }
 
-#define TILES(KIND)                                                                                     \
+/* FN(rows, kind, ...) with the row count and the weight kind as constants, so that each of its inlined bodies keeps
+ * its accumulators in registers: the one dispatch both tile_of and block_of go through. */
+#define BY_ROWS(FN, KIND, ...)                                                                          \
     switch (rows) {                                                                                     \
-    case 6: tile(6, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride); break;   \
-    case 5: tile(5, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride); break;   \
-    case 4: tile(4, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride); break;   \
-    case 3: tile(3, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride); break;   \
-    case 2: tile(2, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride); break;   \
-    default: tile(1, KIND, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride);         \
+    case 6: FN(6, KIND, __VA_ARGS__); break;                                                            \
+    case 5: FN(5, KIND, __VA_ARGS__); break;                                                            \
+    case 4: FN(4, KIND, __VA_ARGS__); break;                                                            \
+    case 3: FN(3, KIND, __VA_ARGS__); break;                                                            \
+    case 2: FN(2, KIND, __VA_ARGS__); break;                                                            \
+    default: FN(1, KIND, __VA_ARGS__);                                                                  \
+    }
+#define BY_ROWS_AND_KIND(FN, ...)                                                                       \
+    switch (kind) {                                                                                     \
+    case W_F32: BY_ROWS(FN, W_F32, __VA_ARGS__) break;                                                  \
+    case W_F16: BY_ROWS(FN, W_F16, __VA_ARGS__) break;                                                  \
+    default: BY_ROWS(FN, W_BF16, __VA_ARGS__)                                                           \
     }
 
 static void tile_of(const int kind, int rows, const char *xm, int64_t x_stride, const char *w, int64_t kc,
                     const float *bias, float *ym, int64_t y_stride, int64_t cols, const char *ahead,
                     int64_t pf_stride)
 {
-    switch (kind) {
-    case W_F32: TILES(W_F32) break;
-    case W_F16: TILES(W_F16) break;
-    default: TILES(W_BF16)
-    }
+    BY_ROWS_AND_KIND(tile, xm, x_stride, w, kc, bias, ym, y_stride, cols, ahead, pf_stride)
 }
-#undef TILES
-
-#define BLOCKS(KIND)                                                                                    \
-    switch (rows) {                                                                                     \
-    case 6: tile_block(6, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride); break;                    \
-    case 5: tile_block(5, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride); break;                    \
-    case 4: tile_block(4, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride); break;                    \
-    case 3: tile_block(3, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride); break;                    \
-    case 2: tile_block(2, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride); break;                    \
-    default: tile_block(1, KIND, xm, x_stride, w, kc, sums, ahead, pf_stride);                          \
-    }
 
 static void block_of(const int kind, int rows, const char *xm, int64_t x_stride, const char *w, int64_t kc,
                      float *sums, const char *ahead, int64_t pf_stride)
 {
-    switch (kind) {
-    case W_F32: BLOCKS(W_F32) break;
-    case W_F16: BLOCKS(W_F16) break;
-    default: BLOCKS(W_BF16)
-    }
+    BY_ROWS_AND_KIND(tile_block, xm, x_stride, w, kc, sums, ahead, pf_stride)
 }
-#undef BLOCKS
+#undef BY_ROWS_AND_KIND
+#undef BY_ROWS
+
+/* Rows r < M of a panel's sums (rows NR apart) into `cols` columns of y's rows, y_stride apart. */
+static void store_sums(const float *sums, int64_t M, float *y, int64_t y_stride, int64_t cols)
+{
+    for (int64_t r = 0; r < M; r++)
+        store_row(load_floats(sums + r * NR), load_floats(sums + r * NR + GEMM_VEC), 0, y + r * y_stride, cols);
+}
 
 /* The sums of a few rows (M <= STREAM_ROWS) over one panel, plus the bias, into sums [M][NR]. The panel goes in blocks
  * of k that the first-level cache holds while every tile of rows passes, and the tiles share the prefetch of the next
@@ -358,19 +355,18 @@ static void gemm_panels(const int kind, const char *x, int64_t x_stride, const c
                         float *y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t first_panel,
                         int64_t last_panel)
 {
-    const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, whole_panel = panel_bytes(kind, K);
-    const struct prefetch_plan plan = plan_prefetch(kind, M, K);
+    const int64_t whole_panel = panel_bytes(kind, K);
     if (M >= PREFETCH_MIN_ROWS && M <= STREAM_ROWS) {
         float sums[STREAM_ROWS * NR];
         for (int64_t p = first_panel; p < last_panel; p++) {
             const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
             panel_sums(kind, x, x_stride, panels + p * whole_panel, M, K, bias ? bias + n : 0, cols, sums);
-            for (int64_t r = 0; r < M; r++)
-                store_row(load_floats(sums + r * NR), load_floats(sums + r * NR + GEMM_VEC), 0, y + r * y_stride + n,
-                          cols);
+            store_sums(sums, M, y + n, y_stride, cols);
         }
         return;
     }
+    const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4;
+    const struct prefetch_plan plan = plan_prefetch(kind, M, K);
     for (int64_t p = first_panel; p < last_panel; p++) {
         const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
         const char *w = panels + p * whole_panel;
@@ -416,9 +412,7 @@ static void gemm_pairs(const int kind, const char *x, int64_t x_stride, const ch
                        void *y, int64_t y_stride, int64_t M, int64_t halves, int64_t K, int64_t first, int64_t last,
                        const int act)
 {
-    const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4, whole_panel = panel_bytes(kind, K);
-    const struct prefetch_plan plan = plan_prefetch(kind, M, K);
-    const int64_t y_element = act == ACT_SILU_BF16 ? 2 : 4;
+    const int64_t whole_panel = panel_bytes(kind, K), y_element = act == ACT_SILU_BF16 ? 2 : 4;
     if (M >= PREFETCH_MIN_ROWS && M <= STREAM_ROWS) {
         float gate[STREAM_ROWS * NR], up[STREAM_ROWS * NR];
         for (int64_t j = first; j < last; j++) {
@@ -430,14 +424,13 @@ static void gemm_pairs(const int kind, const char *x, int64_t x_stride, const ch
                 store_gated(gate, up, (int)M, cols, (char *)y + n * y_element, y_stride, act);
                 continue;
             }
-            for (int64_t r = 0; r < M; r++) {
-                float *row = (float *)y + r * y_stride + n;
-                store_row(load_floats(gate + r * NR), load_floats(gate + r * NR + GEMM_VEC), 0, row, cols);
-                store_row(load_floats(up + r * NR), load_floats(up + r * NR + GEMM_VEC), 0, row + halves, cols);
-            }
+            store_sums(gate, M, (float *)y + n, y_stride, cols);
+            store_sums(up, M, (float *)y + halves + n, y_stride, cols);
         }
         return;
     }
+    const int64_t x_element = kind == W_BF16 && BF16_DOT ? 2 : 4;
+    const struct prefetch_plan plan = plan_prefetch(kind, M, K);
     float gate[MR * NR], up[MR * NR];
     for (int64_t j = first; j < last; j++) {
         const int64_t n = j * NR, cols = halves - n < NR ? halves - n : NR;
