@@ -382,24 +382,15 @@ static inline __attribute__((always_inline)) void attend_one_query_f32(
                                    token_bytes);
                 const char *rows = run + (head / group) * head_bytes;
                 const float *qh = q + head * head_dim;
-                __m512 sums[16];
-                if (count == 16) { /* a whole tile: bounds the compiler sees, so the sums stay in registers */
+                __m512 sums[16]; /* both loops unrolled, so that the sums stay in registers */
 #pragma GCC unroll 16
-                    for (int64_t u = 0; u < 16; u++) {
-                        sums[u] = _mm512_setzero_ps();
+                for (int64_t u = 0; u < 16; u++) {
+                    sums[u] = _mm512_setzero_ps();
+                    if (u < count)
 #pragma GCC unroll 8
                         for (int64_t c = 0; c < vectors; c++)
                             sums[u] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + u * token_bytes + c * 64),
                                                       _mm512_loadu_ps(qh + c * 16), sums[u]);
-                    }
-                } else {
-                    for (int64_t u = 0; u < 16; u++) {
-                        sums[u] = _mm512_setzero_ps();
-                        if (u < count)
-                            for (int64_t c = 0; c < vectors; c++)
-                                sums[u] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + u * token_bytes + c * 64),
-                                                          _mm512_loadu_ps(qh + c * 16), sums[u]);
-                    }
                 }
                 _mm512_mask_storeu_ps(scores + head * n + (p - low), (__mmask16)((1u << count) - 1),
                                       _mm512_mul_ps(fold16(sums), _mm512_set1_ps(scale)));
@@ -468,7 +459,6 @@ static inline void attend_one_query_f32_sized(
  * sums (fold16); meanwhile the row's stream is asked for AHEAD_BYTES on, a slice per head (prefetch_stream).
  * Values: two tokens' rows are interleaved so that one product adds both tokens' weighted values, into sums held
  * over the whole context. Faster than the float32 walk below at every size measured (docs/kernels.md). */
-
 static inline __attribute__((always_inline)) void attend_one_query_bf16(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
