@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from kernels import workspace
 from services.worker.loader import ModelLoadError, count_parameters, load_model
 from services.worker.models import ARCHITECTURES
 from tests.conftest import ROOT
@@ -30,6 +31,16 @@ def family_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_each_family_gives_hf_greedy_tokens(family_dirs, family):
+    model_dir = family_dirs[family]
+    got = Engine(model_dir, block_size=4).generate(PROMPTS, max_tokens=10)
+    assert got == [hf_greedy(model_dir, p, 10) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_hf_greedy_tokens_hold_with_every_named_scratch_buffer_reused(family_dirs, family, monkeypatch):
+    """A scratch buffer's name promises that its use ends before the next of that name is taken. Steps
+    large enough reuse them (kernels/workspace.py); here every size does, as a replay's recording does."""
+    monkeypatch.setattr(workspace, "REUSE_BYTES", 0)
     model_dir = family_dirs[family]
     got = Engine(model_dir, block_size=4).generate(PROMPTS, max_tokens=10)
     assert got == [hf_greedy(model_dir, p, 10) for p in PROMPTS]

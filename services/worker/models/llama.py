@@ -116,7 +116,7 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
         # Each output is spent within the layer: q by attention, k and v written to the cache, the
         # o projection's added to the residual stream by the next norm.
-        self.qkv_proj.output_slot, self.o_proj.output_slot = "qkv", "attention output"
+        self.qkv_proj.output_slot, self.o_proj.output_slot = "qkv", "o_proj output"
 
     def forward(
         self,
