@@ -14,6 +14,7 @@ whole context. Both keep the contract of `paged_attention_reference`, which stay
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -102,33 +103,17 @@ def paged_attention_native(
     kernel = native_kernel(_symbol(key_cache))
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    derived = batch.derived.get("native")
     threads = native.threads()
-    if derived is None or derived[4] != threads:  # the same for every layer of the step
-        parts = threads * CHUNKS_PER_THREAD if threads > 1 else 1
-        query_start, context_lens = batch.query_start_list, batch.context_lens_list
-        pieces = _pieces(query_start, context_lens, parts)
-        # Each run as a sequence: its queries from its first, its context ending at its last query.
-        starts = [query_start[s] + first for s, first, _ in pieces] + [query_start[-1]]
-        lens = [context_lens[s] - (query_start[s + 1] - query_start[s]) + end for s, _, end in pieces]
-        bounds = _split(starts, lens, parts)
-        tables = batch.block_tables.to(torch.int32)
-        if len(pieces) > len(batch.context_lens_list):
-            tables = tables[[s for s, _, _ in pieces]]
-        derived = batch.derived["native"] = (
-            tables.contiguous(),
-            torch.tensor(starts, dtype=torch.int32),
-            torch.tensor(lens, dtype=torch.int32),
-            torch.tensor([first for first, _ in bounds] + [bounds[-1][1]], dtype=torch.int64),
-            threads,
-        )
-    tables, starts, lens, bounds, _ = derived
+    layout = batch.derived.get("native")
+    if layout is None or layout.threads != threads:  # the same for every layer of the step
+        layout = batch.derived["native"] = _layout(batch, threads)
+    tables, starts, lens, bounds = layout.tables, layout.starts, layout.lens, layout.bounds
     chunks = len(bounds) - 1
     threads = min(threads, chunks)
     # Spent by the layer's output projection before the next attention: fresh pages each layer cost more.
     out = workspace.take_if_large("attention output", tuple(query.shape), query.dtype, query.device)
     # Each thread's scores of a block's rows and heads, or a prompt block's keys, values and scores.
-    longest = max(batch.context_lens_list) + KEY_PAD
+    longest = layout.longest + KEY_PAD
     scratch = max(QUERY_BLOCK * num_heads, head_dim + BLOCK_HEADS * QUERY_BLOCK) * longest
     scores = workspace.take("scores", (threads, scratch), torch.float32, query.device)  # a row each thread
     # The kernel's arguments before its counters and wait, and those after them up to the scores.
@@ -136,7 +121,7 @@ def paged_attention_native(
               tables.stride(0), starts.data_ptr(), lens.data_ptr(), bounds.data_ptr(), chunks)
     shape = (num_heads, num_kv_heads, head_dim, block_size, scale, window or 0)
     task = getattr(kernel, "task", None)
-    if threads > 1 and task is not None:
+    if task is not None:
         words = (*inputs, *shape, scores.data_ptr(), scratch, out.data_ptr())  # cpu_attention.c's task words
         if native.share_task(task, words, threads, kernel.__name__) is not None:
             return out
@@ -147,6 +132,53 @@ def paged_attention_native(
 
     native.share(run, threads, kernel.__name__)
     return out
+
+
+@dataclass(slots=True)
+class Layout:
+    """How `paged_attention_native` serves a step, the same for each of its layers: the runs of queries it
+    takes as sequences (their block tables, first queries and context lengths), their chunks (runs
+    bounds[c] .. bounds[c + 1] - 1), for how many threads, and the longest context its scratch holds."""
+
+    tables: torch.Tensor
+    starts: torch.Tensor
+    lens: torch.Tensor
+    bounds: torch.Tensor
+    threads: int
+    longest: int
+
+
+def _layout(batch: PagedBatch, threads: int) -> Layout:
+    parts = threads * CHUNKS_PER_THREAD if threads > 1 else 1
+    query_start, context_lens = batch.query_start_list, batch.context_lens_list
+    pieces = _pieces(query_start, context_lens, parts)
+    # Each run as a sequence: its queries from its first, its context ending at its last query.
+    starts = [query_start[s] + first for s, first, _ in pieces] + [query_start[-1]]
+    lens = [context_lens[s] - (query_start[s + 1] - query_start[s]) + end for s, _, end in pieces]
+    bounds = _split(starts, lens, parts)
+    tables = batch.block_tables.to(torch.int32)
+    if len(pieces) > len(context_lens):
+        tables = tables[[s for s, _, _ in pieces]]
+    return Layout(tables.contiguous(), torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                  torch.tensor([first for first, _ in bounds] + [bounds[-1][1]], dtype=torch.int64), threads,
+                  max(context_lens))
+
+
+def decode_chunks(sequences: int, threads: int) -> int:
+    """How many chunks `paged_attention_native` cuts a step of `sequences` one-query sequences into, at most."""
+    return min(threads * CHUNKS_PER_THREAD, sequences) if threads > 1 else 1
+
+
+def pin_decode_layout(batch: PagedBatch, threads: int, bounds: torch.Tensor, longest: int) -> None:
+    """For a step of one query per sequence, the `Layout` `paged_attention_native` would work out, in tensors
+    that stay put: the batch's own, and `bounds` (`decode_chunks` + 1 of them) cut as it would cut them, its last
+    chunks empty where fewer are cut, so that every step has as many; scratch for contexts up to `longest`. A
+    replayed step's calls read these (kernels/replay.py)."""
+    ranges = _split(batch.query_start_list, batch.context_lens_list, len(bounds) - 1)
+    ends = [end for _, end in ranges]
+    bounds.copy_(torch.tensor([0, *ends, *[ends[-1]] * (len(bounds) - 1 - len(ranges))]))
+    batch.derived["native"] = Layout(batch.block_tables, batch.query_start_loc, batch.context_lens, bounds, threads,
+                                     longest)
 
 
 def _pieces(starts: list[int], lens: list[int], parts: int) -> list[tuple[int, int, int]]:

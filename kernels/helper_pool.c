@@ -178,9 +178,25 @@ int64_t pool_share(task_fn task, const int64_t *words, int64_t word_count, int64
     return result;
 }
 
+/* The calls of `plan` one after another, each as pool_share makes it: a call is its task, its thread
+ * count, its word count and its words, and the next follows its last word. Returns 0, or the number
+ * (from 1) of the first call whose result was not 0, after which none runs. */
+int64_t pool_replay(const int64_t *plan, int64_t length)
+{
+    int64_t number = 1;
+    for (int64_t at = 0; at + 3 <= length; number++) {
+        const int64_t word_count = plan[at + 2];
+        if (pool_share((task_fn)(intptr_t)plan[at], plan + at + 3, word_count, plan[at + 1]) != 0)
+            return number;
+        at += 3 + word_count;
+    }
+    return 0;
+}
+
 /* The argument types of these functions, as kernels/native.py checks them before any call: p a
  * pointer, i an int64_t, f a float; after the colon the result (v: none). */
 const char *pool_start_signature(void) { return "i:i"; }
 const char *pool_share_signature(void) { return "ppii:i"; }
+const char *pool_replay_signature(void) { return "pi:i"; }
 const char *pool_hold_signature(void) { return "i:v"; }
 const char *pool_joins_signature(void) { return ":i"; }

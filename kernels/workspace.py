@@ -20,6 +20,9 @@ class Workspace:
 
     def __init__(self):
         self._tensors: dict[str, torch.Tensor] = {}
+        # While set, every named buffer is reused, however small: a recording (kernels/replay.py) keeps
+        # what it was given, one buffer a name rather than one per layer.
+        self.reuse_every_size = False
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialized tensor of `shape`, valid until `name` is taken again."""
@@ -34,7 +37,7 @@ class Workspace:
                       device: torch.device) -> torch.Tensor:
         """The buffer `name` (as `take`) where a name is given and the tensor is worth reusing
         (`reusable`); else a fresh uninitialized tensor."""
-        if name is not None and reusable(shape, dtype):
+        if name is not None and (self.reuse_every_size or reusable(shape, dtype)):
             return self.take(name, shape, dtype, device)
         return torch.empty(shape, dtype=dtype, device=device)
 

@@ -133,10 +133,11 @@ class WorkerConfig:
         1, "worker ranks that split the model's attention heads and MLP among them, one process each (on GPUs: one "
         "GPU each)", short="-tp")
     enforce_eager: bool = option(
-        False, "no CUDA graphs: every step runs eagerly (by default a GPU worker of one rank replays decode steps of "
-        "up to --max-num-seqs sequences from graphs captured at start-up)")
+        False, "every step runs its Python eagerly (by default a worker of one rank replays decode steps of up to "
+        "--max-num-seqs sequences: a GPU from CUDA graphs captured at start-up, a CPU the kernel calls recorded "
+        "from the first step of each size)")
     max_seq_len_to_capture: int = option(
-        8192, "the longest context a decode step on CUDA graphs covers; longer ones run eagerly")
+        8192, "the longest context a replayed decode step covers; longer ones run eagerly")
     cpu_threads: int = option(
         0, "torch threads of a worker on a CPU device (0: every core while other processes leave them nearly idle, "
         "one fewer otherwise; chosen each second)")

@@ -10,18 +10,29 @@ splits are chosen for the longest context a graph takes, and its programs past a
 length end at once. Steps with a prompt chunk or proposals, more sequences than the largest
 size, or a context past `max_context` run eagerly, as every step does under `--enforce-eager`.
 
-On a CPU nothing is captured: `run` calls the model on the same static buffers, so the CPU
-tests of filling, padding and slicing test the path a GPU takes; capture itself is tested on a
-GPU (tests/test_gpu.py).
+On a CPU a step of each size (and thread count) is recorded the first time one runs, and later
+steps of that size replay its kernel calls without the Python between them (kernels/replay.py):
+the model's `embed` runs each step, its output copied into static buffers, and the layers (`run_layers`)
+are replayed. Their attention reads a layout pinned in static tensors (`pin_decode_layout`) and scratch
+sized for `max_context`. A model without that split, or whose layers compute anything in torch (the
+torch kernels, tensor parallelism's reduction), runs each step eagerly on the same buffers. CUDA
+capture itself is tested on a GPU (tests/test_gpu.py).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from kernels import native
 from kernels.batch import PagedBatch
+from kernels.cpu_attention import decode_chunks, pin_decode_layout
+from kernels.replay import Replay, record
 from services.worker.block_tables import StepTensors
 from services.worker.kv_cache import KVCache
+
+log = logging.getLogger("pagedserve.worker")
 
 CAPTURE_SIZES = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # as vLLM captures
 
@@ -42,6 +53,10 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # each graph's output
         self.replays = 0
+        # On a CPU: by (size, threads), each recording's replay and output, or None where it was refused.
+        self.recorded: dict[tuple[int, int], tuple[Replay, torch.Tensor] | None] = {}
+        self.bounds: dict[tuple[int, int], torch.Tensor] = {}
+        self.embedded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # hidden, cos, sin
 
     def covers(self, num_tokens: int, context_lens: list[int]) -> bool:
         """Whether a step of `num_tokens` over sequences seeing `context_lens` runs from a graph."""
@@ -86,9 +101,41 @@ class DecodeGraphs:
         if size in self.graphs:
             self.graphs[size].replay()
             return self.hidden[size][:n]
-        return self._forward(size, batch.context_lens_list + [1] * (size - n))[:n]
+        context_lens = batch.context_lens_list + [1] * (size - n)
+        if self.device.type == "cpu" and hasattr(self.model, "run_layers"):
+            return self._replayed(size, context_lens)[:n]
+        return self._forward(size, context_lens)[:n]
+
+    def _replayed(self, size: int, context_lens: list[int]) -> torch.Tensor:
+        """A CPU step's layers replayed from the first step of its size and thread count, recorded now if
+        none was."""
+        hidden, (cos, sin) = self.model.embed(self.ids[:size], self.positions[:size])
+        if self.embedded is None:
+            self.embedded = tuple(torch.empty((self.sizes[-1], t.shape[1]), dtype=t.dtype) for t in (hidden, cos, sin))
+        embedded, static_cos, static_sin = (buffer[:size] for buffer in self.embedded)
+        embedded.copy_(hidden), static_cos.copy_(cos), static_sin.copy_(sin)
+        threads = native.threads()
+        key = (size, threads)
+        if key not in self.bounds:
+            self.bounds[key] = torch.zeros(decode_chunks(size, threads) + 1, dtype=torch.int64)
+        batch = self._batch(size, context_lens)
+        pin_decode_layout(batch, threads, self.bounds[key], self.max_context)
+        if key in self.recorded:
+            recorded = self.recorded[key]
+            if recorded is None:
+                return self.model.run_layers(embedded, (static_cos, static_sin), self.cache.layers, batch)
+            recorded[0]()
+            return recorded[1]
+        output, replay, refusal = record(self.model.run_layers, embedded, (static_cos, static_sin),
+                                         self.cache.layers, batch)
+        if replay is None:
+            log.info("decode steps of %d sequences run eagerly: %s", size, refusal)
+        self.recorded[key] = None if replay is None else (replay, output)
+        return output
 
     def _forward(self, size: int, context_lens: list[int]) -> torch.Tensor:
-        batch = PagedBatch(self.slots[:size], self.tables[:size], self.starts[: size + 1], self.lens[:size],
-                           list(range(size + 1)), context_lens)
-        return self.model(self.ids[:size], self.positions[:size], self.cache.layers, batch)
+        return self.model(self.ids[:size], self.positions[:size], self.cache.layers, self._batch(size, context_lens))
+
+    def _batch(self, size: int, context_lens: list[int]) -> PagedBatch:
+        return PagedBatch(self.slots[:size], self.tables[:size], self.starts[: size + 1], self.lens[:size],
+                          list(range(size + 1)), context_lens)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from kernels import replay
 from services.worker.cpu_threads import ComputeThreads
 from services.worker.decode_graphs import DecodeGraphs
 from services.worker.disk_tier import DISK_STAGING_BLOCKS, DiskTier, fingerprint, weight_files
@@ -69,13 +70,19 @@ def load_draft_model(model_dir: str, target, dtype: torch.dtype, device: torch.d
 
 def capture_decode_graphs(model, cache: KVCache, device: torch.device, setup: WorkerSetup, config,
                           world_size: int) -> DecodeGraphs | None:
-    """CUDA graphs of decode steps up to --max-num-seqs sequences, or None where steps stay eager."""
+    """CUDA graphs of decode steps up to --max-num-seqs sequences (on a CPU, their kernel calls recorded
+    as steps come), or None where steps stay eager."""
     if world_size > 1:
-        log.info("CUDA graphs: off for tensor-parallel ranks, which run every step eagerly")
+        log.info("decode graphs: off for tensor-parallel ranks, which run every step eagerly")
         return None
     max_model_len = setup.scheduler.max_model_len or config.max_position_embeddings
     context = min(setup.worker.max_seq_len_to_capture, max_model_len)
     graphs = DecodeGraphs(model, cache, device, setup.scheduler.max_num_seqs, context)
+    if device.type == "cpu":
+        replay.prepare()
+        log.info("decode steps up to %d sequences and contexts up to %d replay their kernel calls "
+                 "(--enforce-eager runs each step's Python)", graphs.sizes[-1], graphs.max_context)
+        return graphs
     started = time.perf_counter()
     try:
         graphs.capture()
@@ -186,7 +193,7 @@ class WorkerServer:
         )
         swap_rate = cache.measure_swap_bandwidth()
         prefill_rate = self.runner.measure_prefill_rate()
-        if device.type == "cuda" and not worker.enforce_eager:
+        if device.type in ("cuda", "cpu") and not worker.enforce_eager:
             self.runner.graphs = capture_decode_graphs(model, cache, device, setup, config, world_size)
         log.info(
             "measured: swap %.2f GB/s, prefill %.0f tokens/s%s",

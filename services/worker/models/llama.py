@@ -38,6 +38,7 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual, self.output_slot, bf16_rows)
 
 
+RotaryTables = tuple[torch.Tensor, torch.Tensor]  # cos and sin, [tokens, head_dim]
 TABLE_POSITIONS = 1024  # the smallest cos/sin table a CPU keeps
 
 
@@ -263,8 +264,17 @@ class LlamaForCausalLM(PagedCausalLM):
         batch: PagedBatch,
     ) -> torch.Tensor:
         """Returns the final hidden states, `[num_tokens, hidden_size]`."""
+        return self.run_layers(*self.embed(input_ids, positions), kv_caches, batch)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, RotaryTables]:
+        """What the layers take of a step's tokens: their embeddings, and cos and sin at their positions."""
         hidden = self.model.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        return hidden, self.rotary.cos_sin(positions, hidden.dtype)
+
+    def run_layers(self, hidden: torch.Tensor, cos_sin: RotaryTables, kv_caches: list[torch.Tensor],
+                   batch: PagedBatch) -> torch.Tensor:
+        """The final hidden states from `embed`'s (whose `hidden` serves as the residual stream): each of
+        this stretch's computations is a kernel's, so a CPU may replay it (services/worker/decode_graphs.py)."""
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos_sin, kv_cache, batch)
