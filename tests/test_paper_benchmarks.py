@@ -84,7 +84,7 @@ def test_figure_12_interleaves_systems_rate_by_rate_and_joins_systems_run_apart(
 
 
 def test_figure_2_splits_used_kv_memory_and_reservation_wastes_it(tmp_path):
-    run_script("fig2_memory_breakdown.py", tmp_path, "--plot-dir", str(tmp_path), "--num-prompts", "6",
+    run_script("fig2_memory_breakdown.py", tmp_path, "--plot-dir", str(tmp_path), "--num-prompts", "12",
                "--policies", "paged,max", "--num-blocks", "128", "--max-model-len", "256")
     breakdown = json.loads((tmp_path / "fig2_memory_breakdown.json").read_text())["breakdown_percent"]
     for shares in breakdown.values():
