@@ -12,7 +12,6 @@ tests run each one this CPU can, against the portable one).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -25,9 +24,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from kernels import recordings
 
 log = logging.getLogger("pagedserve.kernels")
 
@@ -136,8 +137,8 @@ def profiled(kernel: Callable, label: str) -> Callable:
     one build serves every torch version; the signature check above is what keeps a call from
     passing the wrong types."""
     def call(*args):
-        if _recording is not None and not _recording.inside:
-            _recording.refuse(f"{label} was called outside share_task")
+        if recordings.current is not None and not recordings.current.inside:
+            recordings.current.refuse(f"{label} was called outside share_task")
         if _profiling():
             with _profiler_range(label):
                 return kernel(*args)
@@ -197,8 +198,8 @@ def share(run: Callable[[int, bool], object], count: int, label: str = "pagedser
     up nothing; it joins later to find nothing left. A kernel called through ctypes lets go of the
     GIL, so the runs compute side by side. torch's profiler records only the thread it started on
     unless told to record them all, so there a shared call shows as one range: `label` and the count."""
-    if _recording is not None:
-        _recording.refuse(f"{label} was shared by Python threads")
+    if recordings.current is not None:
+        recordings.current.refuse(f"{label} was shared by Python threads")
     for helper in range(1, count):
         _helper_queue(helper).put(functools.partial(run, helper, False))
     if count > 1 and _profiling():
@@ -213,7 +214,7 @@ def share_units(kernel: Callable, args: tuple, units: int, worth_sharing: bool, 
     caller's result."""
     count = min(threads(), units) if worth_sharing else 1
     per_chunk = -(-units // (count * per_thread)) if count > 1 else max(units, 1)
-    if count == 1 and _recording is None:
+    if count == 1 and recordings.current is None:
         return kernel(*args, per_chunk, new_counters(), True)
     task = getattr(kernel, "task", None)
     if task is not None:
@@ -238,7 +239,7 @@ def share_task(task: Task, words: tuple[int, ...], count: int, label: str = "pag
         packed = task.array(*words)
     except TypeError:  # a float among them
         packed = task.array(*(float_bits(w) if isinstance(w, float) else w for w in words))
-    recording = _recording
+    recording = recordings.current
     if recording is not None:
         recording.calls.append((task.address, count, len(words), *packed))
         recording.inside = True
@@ -252,40 +253,6 @@ def share_task(task: Task, words: tuple[int, ...], count: int, label: str = "pag
     finally:
         if recording is not None:
             recording.inside = False
-
-
-class Recording:
-    """The kernel calls made while it is open (`recording`), in order: each a task's address, its thread
-    count, its word count and its words, as `pool_replay` takes them, and between them, as callables,
-    whatever else a replay must do again (kernels/replay.py). `refusal` says why the calls cannot be
-    replayed (a kernel called some other way), None if they can."""
-
-    __slots__ = ("calls", "refusal", "inside")
-
-    def __init__(self):
-        self.calls: list[tuple[int, ...] | Callable[[], object]] = []
-        self.refusal: str | None = None
-        self.inside = False  # within share_task, whose own call of the pool is the one recorded
-
-    def refuse(self, why: str) -> None:
-        if self.refusal is None:
-            self.refusal = why
-
-
-_recording: Recording | None = None
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[Recording]:
-    """Every kernel call of this thread's code within, kept (kernels/replay.py)."""
-    global _recording
-    if _recording is not None:
-        raise RuntimeError("a recording is already open")
-    _recording = Recording()
-    try:
-        yield _recording
-    finally:
-        _recording = None
 
 
 def float_bits(value: float) -> int:

@@ -2,7 +2,7 @@
 
 On a CPU a decode step's some sixty kernel calls are a few hundred microseconds apart at most, and
 the Python that works out their arguments between them took a sixth of a step (docs/kernels.md).
-`record` runs a function once, keeping every kernel call it makes (`native.recording`) and every
+`record` runs a function once, keeping every kernel call it makes (kernels/recordings.py) and every
 tensor torch makes or views meanwhile, so that the addresses those calls were given stay valid; a
 `Replay` then makes the same calls on the same addresses in one C loop (helper_pool.c's
 `pool_replay`), with the function's in-place torch operations (a copy, an add) done again between
@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kernels import native
+from kernels import native, recordings
 from kernels.workspace import step_scratch
 
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
@@ -73,7 +73,7 @@ def record(function: Callable[..., Any], *args) -> tuple[Any, Replay | None, str
         return function(*args), None, "the C helpers cannot be built here"
     step_scratch.reuse_every_size = True
     try:
-        with native.recording() as recording, _Watch(recording) as watch:
+        with recordings.recording() as recording, _Watch(recording) as watch:
             result = function(*args)
     finally:
         step_scratch.reuse_every_size = False
@@ -92,7 +92,7 @@ class _Watch(TorchDispatchMode):
     """Sees each torch operation of a recording: keeps the tensors, keeps in-place operations for the
     replay, and refuses any other computation."""
 
-    def __init__(self, recording: native.Recording):
+    def __init__(self, recording: recordings.Recording):
         super().__init__()
         self.recording = recording
         self.held: list[torch.Tensor] = []

@@ -1,0 +1,42 @@
+"""The kernel calls a stretch of code makes, kept as it runs (`recording`) for kernels/replay.py to make
+again: `native.share_task` adds each call it makes while one is open, and the other ways of calling a
+kernel refuse the recording."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+
+class Recording:
+    """The kernel calls made while it is open (`recording`), in order: each a task's address, its thread
+    count, its word count and its words, as `pool_replay` takes them, and between them, as callables,
+    whatever else a replay must do again (kernels/replay.py). `refusal` says why the calls cannot be
+    replayed (a kernel called some other way), None if they can."""
+
+    __slots__ = ("calls", "refusal", "inside")
+
+    def __init__(self):
+        self.calls: list[tuple[int, ...] | Callable[[], object]] = []
+        self.refusal: str | None = None
+        self.inside = False  # within share_task, whose own call of the pool is the one recorded
+
+    def refuse(self, why: str) -> None:
+        if self.refusal is None:
+            self.refusal = why
+
+
+current: Recording | None = None  # the open recording: one at a time, of the thread that runs the model
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recording]:
+    """Every kernel call of this thread's code within, kept."""
+    global current
+    if current is not None:
+        raise RuntimeError("a recording is already open")
+    current = Recording()
+    try:
+        yield current
+    finally:
+        current = None
