@@ -27,8 +27,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kernels import recordings
+if TYPE_CHECKING:
+    from kernels.recordings import Recording
 
 log = logging.getLogger("pagedserve.kernels")
 
@@ -137,8 +139,8 @@ def profiled(kernel: Callable, label: str) -> Callable:
     one build serves every torch version; the signature check above is what keeps a call from
     passing the wrong types."""
     def call(*args):
-        if recordings.current is not None and not recordings.current.inside:
-            recordings.current.refuse(f"{label} was called outside share_task")
+        if open_recording is not None and not open_recording.inside:
+            open_recording.refuse(f"{label} was called outside share_task")
         if _profiling():
             with _profiler_range(label):
                 return kernel(*args)
@@ -165,6 +167,10 @@ def signature(argument_types: list, result_type=None) -> str:
 POINTER, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 _threads = 0  # set_threads; 0: torch's thread count
+# The recording open on the model's thread, if any (kernels/recordings.py): share_task adds each call to it,
+# and any other way of calling a kernel refuses it. An object of its own module, as this one is loaded by
+# setup.py with the standard library alone.
+open_recording: Recording | None = None
 _helpers: list[queue.SimpleQueue] = []
 
 
@@ -198,8 +204,8 @@ def share(run: Callable[[int, bool], object], count: int, label: str = "pagedser
     up nothing; it joins later to find nothing left. A kernel called through ctypes lets go of the
     GIL, so the runs compute side by side. torch's profiler records only the thread it started on
     unless told to record them all, so there a shared call shows as one range: `label` and the count."""
-    if recordings.current is not None:
-        recordings.current.refuse(f"{label} was shared by Python threads")
+    if open_recording is not None:
+        open_recording.refuse(f"{label} was shared by Python threads")
     for helper in range(1, count):
         _helper_queue(helper).put(functools.partial(run, helper, False))
     if count > 1 and _profiling():
@@ -214,7 +220,7 @@ def share_units(kernel: Callable, args: tuple, units: int, worth_sharing: bool, 
     caller's result."""
     count = min(threads(), units) if worth_sharing else 1
     per_chunk = -(-units // (count * per_thread)) if count > 1 else max(units, 1)
-    if count == 1 and recordings.current is None:
+    if count == 1 and open_recording is None:
         return kernel(*args, per_chunk, new_counters(), True)
     task = getattr(kernel, "task", None)
     if task is not None:
@@ -239,7 +245,7 @@ def share_task(task: Task, words: tuple[int, ...], count: int, label: str = "pag
         packed = task.array(*words)
     except TypeError:  # a float among them
         packed = task.array(*(float_bits(w) if isinstance(w, float) else w for w in words))
-    recording = recordings.current
+    recording = open_recording
     if recording is not None:
         recording.calls.append((task.address, count, len(words), *packed))
         recording.inside = True

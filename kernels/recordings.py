@@ -1,11 +1,13 @@
 """The kernel calls a stretch of code makes, kept as it runs (`recording`) for kernels/replay.py to make
-again: `native.share_task` adds each call it makes while one is open, and the other ways of calling a
-kernel refuse the recording."""
+again: while one is open (`native.open_recording`), `native.share_task` adds each call it makes, and the
+other ways of calling a kernel refuse the recording."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+
+from kernels import native
 
 
 class Recording:
@@ -26,17 +28,14 @@ class Recording:
             self.refusal = why
 
 
-current: Recording | None = None  # the open recording: one at a time, of the thread that runs the model
-
-
 @contextlib.contextmanager
 def recording() -> Iterator[Recording]:
-    """Every kernel call of this thread's code within, kept."""
-    global current
-    if current is not None:
+    """Every kernel call of this thread's code within, kept (one recording at a time, on the thread that
+    runs the model)."""
+    if native.open_recording is not None:
         raise RuntimeError("a recording is already open")
-    current = Recording()
+    native.open_recording = opened = Recording()
     try:
-        yield current
+        yield opened
     finally:
-        current = None
+        native.open_recording = None
