@@ -71,12 +71,8 @@ def record(function: Callable[..., Any], *args) -> tuple[Any, Replay | None, str
     """`function(*args)`, run once; with it a `Replay` of its calls, or None and why it cannot be replayed."""
     if native.helper_pool() is None:
         return function(*args), None, "the C helpers cannot be built here"
-    step_scratch.reuse_every_size = True
-    try:
-        with recordings.recording() as recording, _Watch(recording) as watch:
-            result = function(*args)
-    finally:
-        step_scratch.reuse_every_size = False
+    with step_scratch.reusing_every_size(), recordings.recording() as recording, _Watch(recording) as watch:
+        result = function(*args)
     if recording.refusal is not None:
         return result, None, recording.refusal
     return result, Replay(recording.calls, watch.held), None

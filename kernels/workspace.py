@@ -8,7 +8,9 @@ taken (a layer's projection output, consumed within the layer) is taken from her
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -20,9 +22,7 @@ class Workspace:
 
     def __init__(self):
         self._tensors: dict[str, torch.Tensor] = {}
-        # While set, every named buffer is reused, however small: a recording (kernels/replay.py) keeps
-        # what it was given, one buffer a name rather than one per layer.
-        self.reuse_every_size = False
+        self._reuse_every_size = False
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialized tensor of `shape`, valid until `name` is taken again."""
@@ -37,9 +37,19 @@ class Workspace:
                       device: torch.device) -> torch.Tensor:
         """The buffer `name` (as `take`) where a name is given and the tensor is worth reusing
         (`reusable`); else a fresh uninitialized tensor."""
-        if name is not None and (self.reuse_every_size or reusable(shape, dtype)):
+        if name is not None and (self._reuse_every_size or reusable(shape, dtype)):
             return self.take(name, shape, dtype, device)
         return torch.empty(shape, dtype=dtype, device=device)
+
+    @contextlib.contextmanager
+    def reusing_every_size(self) -> Iterator[None]:
+        """Within, every named buffer is taken however small: a recording (kernels/replay.py) keeps what
+        it was given, so it holds one buffer a name rather than a fresh one per layer."""
+        self._reuse_every_size = True
+        try:
+            yield
+        finally:
+            self._reuse_every_size = False
 
 
 def reusable(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
