@@ -1,17 +1,15 @@
-"""The kernel calls a stretch of code makes, kept as it runs (`recording`) for kernels/replay.py to make
-again: while one is open (`native.open_recording`), `native.share_task` adds each call it makes, and the
-other ways of calling a kernel refuse the recording."""
+"""The kernel calls a stretch of code makes, kept as it runs for kernels/replay.py to make again: while
+one is open (`native.open_recording`, set by `replay.record`), `native.share_task` adds each call it
+makes, and the other ways of calling a kernel refuse the recording. A module of its own, which
+native.py (loaded by setup.py with the standard library alone) imports only for type checking."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-
-from kernels import native
+from collections.abc import Callable
 
 
 class Recording:
-    """The kernel calls made while it is open (`recording`), in order: each a task's address, its thread
+    """The kernel calls made while it is open, in order: each a task's address, its thread
     count, its word count and its words, as `pool_replay` takes them, and between them, as callables,
     whatever else a replay must do again (kernels/replay.py). `refusal` says why the calls cannot be
     replayed (a kernel called some other way), None if they can."""
@@ -26,16 +24,3 @@ class Recording:
     def refuse(self, why: str) -> None:
         if self.refusal is None:
             self.refusal = why
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[Recording]:
-    """Every kernel call of this thread's code within, kept (one recording at a time, on the thread that
-    runs the model)."""
-    if native.open_recording is not None:
-        raise RuntimeError("a recording is already open")
-    native.open_recording = opened = Recording()
-    try:
-        yield opened
-    finally:
-        native.open_recording = None

@@ -17,16 +17,18 @@ caller's static inputs), and a result is read from the tensor the recording retu
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kernels import native, recordings
+from kernels import native
+from kernels.recordings import Recording
 from kernels.workspace import step_scratch
 
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
@@ -71,11 +73,24 @@ def record(function: Callable[..., Any], *args) -> tuple[Any, Replay | None, str
     """`function(*args)`, run once; with it a `Replay` of its calls, or None and why it cannot be replayed."""
     if native.helper_pool() is None:
         return function(*args), None, "the C helpers cannot be built here"
-    with step_scratch.reusing_every_size(), recordings.recording() as recording, _Watch(recording) as watch:
+    with step_scratch.reusing_every_size(), _recording() as recording, _Watch(recording) as watch:
         result = function(*args)
     if recording.refusal is not None:
         return result, None, recording.refusal
     return result, Replay(recording.calls, watch.held), None
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[Recording]:
+    """Every kernel call of this thread's code within, kept (one recording at a time, on the thread that
+    runs the model)."""
+    if native.open_recording is not None:
+        raise RuntimeError("a recording is already open")
+    native.open_recording = opened = Recording()
+    try:
+        yield opened
+    finally:
+        native.open_recording = None
 
 
 def prepare() -> None:
@@ -88,7 +103,7 @@ class _Watch(TorchDispatchMode):
     """Sees each torch operation of a recording: keeps the tensors, keeps in-place operations for the
     replay, and refuses any other computation."""
 
-    def __init__(self, recording: recordings.Recording):
+    def __init__(self, recording: Recording):
         super().__init__()
         self.recording = recording
         self.held: list[torch.Tensor] = []
