@@ -3,7 +3,12 @@ kernels of `cpu_gemm.c` in float32, bfloat16 and float16, one thread.
 
 First a probe (`cpu_peak.c`, built for this CPU) measures the core's peak: float32 multiply-adds in its
 widest vectors, the bfloat16 dot product where the CPU has one (without it a bfloat16 weight is widened
-and multiplied in float32, so float32's peak is its peak), and the rate one thread reads memory.
+and multiplied in float32, so float32's peak is its peak), and the rate at which one thread, and every
+core at once, reads memory.
+
+Each product is timed as the worker calls it: into an output made beforehand, and for bfloat16 weights
+from rows already in bfloat16 where the build takes them (the norm and activation kernels before a
+projection write them so); torch's bfloat16 product likewise gets bfloat16 rows.
 
 Then weights of the 12-layer, 768-wide Llama of `ops/configs/llama-12l-768` (fused q/k/v and gate/up,
 the down projection and the LM head) and of the shipped model's MLP, from one row (a decode at
@@ -28,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,7 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.provenance import commit, cpu_model  # noqa: E402
 from kernels import native  # noqa: E402
-from kernels.cpu_linear import gemm, gemm_build, pack  # noqa: E402
+from kernels.cpu_linear import bf16_rows, gemm, gemm_build, pack  # noqa: E402
 
 REPEATS = int(os.environ.get("PAGEDSERVE_BENCH_REPEATS", "15"))
 ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_ROWS", "1,4,16,48,256,2048").split(",")]
@@ -78,8 +84,25 @@ def probe() -> dict:
     dot = 48 * width * rounds / min(_timed(lambda: peak.dot_rounds(rounds)) for _ in range(3)) / 1e9 if has_dot else fma
     data = torch.ones(256 << 18)  # 256 MiB
     read = data.nbytes / min(_timed(lambda: peak.read_all(data.data_ptr(), data.nbytes)) for _ in range(5)) / 1e9
+    every_core = data.nbytes / min(_timed(lambda: read_in_parallel(peak, data)) for _ in range(5)) / 1e9
     return {"vector_floats": width, "f32_gflops": round(fma, 1), "bf16_gflops": round(dot, 1),
-            "bf16_native": has_dot, "read_gb_s": round(read, 1)}
+            "bf16_native": has_dot, "read_gb_s": round(read, 1), "read_all_cores_gb_s": round(every_core, 1),
+            "cores": len(os.sched_getaffinity(0))}
+
+
+def read_in_parallel(peak, data: torch.Tensor) -> None:
+    """`data` read by one thread per core, each its own share (ctypes lets go of the interpreter's lock)."""
+    shares = data.chunk(len(os.sched_getaffinity(0)))
+    threads = [threading.Thread(target=peak.read_all, args=(share.data_ptr(), share.nbytes)) for share in shares]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def as_the_worker_gives(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """`x` as the worker hands it to a `layout` product: bfloat16 rows where the build takes them."""
+    return bf16_rows(x).clone() if layout == "bf16" and gemm_build().bf16_rows else x
 
 
 def _timed(run) -> float:
@@ -110,14 +133,16 @@ def per_weight(peaks: dict) -> list[dict]:
         panels = {layout: pack(weight.to(dtype)) for layout, dtype in LAYOUTS.items()}
         for rows in ROWS:
             x = torch.randn(rows, in_features)
+            x_half, out = x.to(torch.bfloat16), torch.empty(rows, out_features)
             flops = 2 * rows * out_features * in_features / 1e9
             repeats = REPEATS if rows < 256 else max(3, REPEATS // 5)
             row = {"weight": name, "out_features": out_features, "in_features": in_features, "rows": rows,
                    "torch_f32": flops / median_s(lambda x=x, w=weight: F.linear(x, w), repeats),
-                   "torch_bf16": flops / median_s(lambda x=x, w=half: F.linear(x.to(torch.bfloat16), w),
-                                                  max(1, repeats // 3))}
+                   "torch_bf16": flops / median_s(lambda x=x_half, w=half: F.linear(x, w), max(1, repeats // 3))}
             for layout, p in panels.items():
-                row[layout] = flops / median_s(lambda x=x, p=p, n=out_features: gemm(x, p, n, None), repeats)
+                given = as_the_worker_gives(x, layout)
+                row[layout] = flops / median_s(
+                    lambda x=given, p=p, n=out_features, out=out: gemm(x, p, n, None, out=out), repeats)
                 row[f"{layout}_of_peak"] = row[layout] / peaks["bf16_gflops" if layout == "bf16" else "f32_gflops"]
             rows_out.append({k: round(v, 3 if k.endswith("peak") else 1) if isinstance(v, float) else v
                              for k, v in row.items()})
@@ -140,17 +165,20 @@ def whole_step(peaks: dict) -> list[dict]:
     rows_out = []
     print(
         f"\nlinear layers of a whole {STEP_LAYERS}-layer step (weights from memory, on huge pages), ms, "
-        f"and the weights' rate in GB/s (one thread reads {peaks['read_gb_s']} GB/s)"
+        f"and the weights' rate in GB/s (one thread reads {peaks['read_gb_s']} GB/s, "
+        f"{peaks['cores']} at once {peaks['read_all_cores_gb_s']})"
     )
     print(f"{'threads':>7}{'rows':>6}{'torch f32':>11}" + "".join(f"{name:>17}" for name in LAYOUTS))
     for threads in THREADS:
         torch.set_num_threads(threads)
         for rows in STEP_ROWS:
             x = {width: torch.randn(rows, width) for _, width in shapes}
+            outs = {n: torch.empty(rows, n) for n, _ in shapes}
             calls = {"torch_f32": lambda x=x: [F.linear(x[w.shape[1]], w) for w in weights]}
             for layout, ps in panels.items():
-                calls[layout] = lambda x=x, ps=ps: [
-                    gemm(x[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, ps)
+                given = {width: as_the_worker_gives(rows_in, layout) for width, rows_in in x.items()}
+                calls[layout] = lambda x=given, ps=ps, outs=outs: [
+                    gemm(x[w.shape[1]], p, w.shape[0], None, out=outs[w.shape[0]]) for w, p in zip(weights, ps)
                 ]
             times = {name: [] for name in calls}
             for _ in range(max(3, REPEATS // 3)):
@@ -184,7 +212,8 @@ def main() -> None:
     print(
         f"kernels: {build.variant} ({build.description}); this core: float32 {peaks['f32_gflops']} GFLOP/s in "
         f"{peaks['vector_floats']}-float vectors, bfloat16 {peaks['bf16_gflops']} GFLOP/s "
-        f"({'its dot product' if peaks['bf16_native'] else 'widened to float32'}), reads {peaks['read_gb_s']} GB/s"
+        f"({'its dot product' if peaks['bf16_native'] else 'widened to float32'}), reads {peaks['read_gb_s']} GB/s "
+        f"(every core at once: {peaks['read_all_cores_gb_s']})"
     )
     rows = per_weight(peaks)
     step = whole_step(peaks)

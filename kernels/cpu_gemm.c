@@ -16,8 +16,8 @@
  * even pace: the reads from memory overlap the arithmetic of several passes rather than stalling the
  * first (docs/kernels.md). A decode's few rows (3 to STREAM_ROWS) go over a panel in blocks of k that the
  * first-level cache holds, every tile over a block before the next, the tiles sharing the prefetch of the
- * block after: a panel then streams from memory at one steady pace (panel_sums). One or two rows are
- * bound by the reads alone, and there the hardware's own prefetch streams the panels faster without
+ * block after: a panel then streams from memory at one steady pace (panel_sums). Up to MR rows (one tile)
+ * are bound by the reads alone, and there the hardware's own prefetch streams the panels faster without
  * ours (docs/kernels.md). For a prompt's many rows, blocking as BLIS does, rows packed into
  * micro-panels and K cut so that a panel's block stays in the first-level cache, was faster on one
  * thread at 2,048 rows but not on two sharing a call (docs/kernels.md), so it is not done. A prompt's
@@ -323,8 +323,9 @@ static void panel_sums(const int kind, const char *x, int64_t x_stride, const ch
         const char *w_block = w + k0 / k_per_step * step_bytes, *next = w_block + steps * step_bytes;
         for (int64_t m = 0, t = 0; m < M; m += MR, t++) {
             const int rows = M - m < MR ? (int)(M - m) : MR;
+            /* One tile reads each block once, a plain stream the hardware's prefetch follows faster than ours. */
             block_of(kind, rows, x + (m * x_stride + k0) * x_element, x_stride, w_block, kc, sums + m * NR,
-                     next + t * share, pf_stride);
+                     tiles > 1 ? next + t * share : 0, pf_stride);
         }
     }
     if (bias)

@@ -63,6 +63,7 @@ def test_cpu_linear_bench_runs(tmp_path):
     result = json.loads((tmp_path / "cpu_linear_bench.json").read_text())
     peak = result["peak"]
     assert peak["f32_gflops"] > 0 and peak["bf16_gflops"] >= peak["f32_gflops"] * 0.9 and peak["read_gb_s"] > 0
+    assert peak["read_all_cores_gb_s"] > 0
     rows = result["rows"]
     assert len(rows) == 14 and all(row["torch_f32"] > 0 and row[layout] > 0 and row[f"{layout}_of_peak"] > 0
                                    for row in rows for layout in ("f32", "bf16", "f16"))
