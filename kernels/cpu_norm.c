@@ -6,6 +6,9 @@
  * Without: out = x / rms(x) * weight. Rows are `stride` floats apart in x, residual and out alike.
  * Sums of squares run in float32, as HF's RMSNorm computes them for float32 inputs. rms_norm_f32_bf16
  * writes out as bfloat16 rows (stride values apart), the input of a product that takes them.
+ * rms_norm_heads_f32 normalizes each of a row's `heads` runs of `width` values on its own (Qwen3's norm
+ * of every head of q and k), rows `stride` floats apart in x and out alike: out may be x, so a view of
+ * the heads in the q/k/v projection's output is normalized where it lies.
  */
 #include <math.h>
 #include <stdint.h>
@@ -16,11 +19,12 @@
 
 static inline __attribute__((always_inline)) void norm_rows(
     const float *x, float *residual, const float *weight, float eps, void *out, int64_t first, int64_t end,
-    int64_t width, int64_t stride, const int bf16_out)
+    int64_t heads, int64_t width, int64_t stride, const int bf16_out)
 {
-    for (int64_t r = first; r < end; r++) {
-        const float *in = x + r * stride;
-        float *source = residual ? residual + r * stride : (float *)in;
+    for (int64_t run = first * heads; run < end * heads; run++) {
+        const int64_t r = run / heads, at = r * stride + run % heads * width;
+        const float *in = x + at;
+        float *source = residual ? residual + at : (float *)in;
         if (residual)
             for (int64_t i = 0; i < width; i++)
                 source[i] += in[i];
@@ -29,11 +33,11 @@ static inline __attribute__((always_inline)) void norm_rows(
             squares += source[i] * source[i];
         const float scale = 1.0f / sqrtf(squares / (float)width + eps);
         if (bf16_out) {
-            uint16_t *o = (uint16_t *)out + r * stride;
+            uint16_t *o = (uint16_t *)out + at;
             for (int64_t i = 0; i < width; i++)
                 o[i] = bfloat16_of(source[i] * scale * weight[i]);
         } else {
-            float *o = (float *)out + r * stride;
+            float *o = (float *)out + at;
             for (int64_t i = 0; i < width; i++)
                 o[i] = source[i] * scale * weight[i];
         }
@@ -41,16 +45,16 @@ static inline __attribute__((always_inline)) void norm_rows(
 }
 
 static int64_t norm(const float *x, float *residual, const float *weight, float eps, void *out, int64_t rows,
-                    int64_t width, int64_t stride, int64_t rows_per_chunk, int64_t *counters, int64_t wait,
-                    const int bf16_out)
+                    int64_t heads, int64_t width, int64_t stride, int64_t rows_per_chunk, int64_t *counters,
+                    int64_t wait, const int bf16_out)
 {
     const int64_t chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
     for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
         const int64_t end = (c + 1) * rows_per_chunk < rows ? (c + 1) * rows_per_chunk : rows;
         if (bf16_out)
-            norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, width, stride, 1);
+            norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, heads, width, stride, 1);
         else
-            norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, width, stride, 0);
+            norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, heads, width, stride, 0);
     }
     if (wait)
         wait_for_chunks(counters, chunks);
@@ -62,14 +66,20 @@ static int64_t norm(const float *x, float *residual, const float *weight, float 
 int64_t rms_norm_f32(const float *x, float *residual, const float *weight, float eps, float *out, int64_t rows,
                      int64_t width, int64_t stride, int64_t rows_per_chunk, int64_t *counters, int64_t wait)
 {
-    return norm(x, residual, weight, eps, out, rows, width, stride, rows_per_chunk, counters, wait, 0);
+    return norm(x, residual, weight, eps, out, rows, 1, width, stride, rows_per_chunk, counters, wait, 0);
 }
 
 int64_t rms_norm_f32_bf16(const float *x, float *residual, const float *weight, float eps, uint16_t *out,
                           int64_t rows, int64_t width, int64_t stride, int64_t rows_per_chunk, int64_t *counters,
                           int64_t wait)
 {
-    return norm(x, residual, weight, eps, out, rows, width, stride, rows_per_chunk, counters, wait, 1);
+    return norm(x, residual, weight, eps, out, rows, 1, width, stride, rows_per_chunk, counters, wait, 1);
+}
+
+int64_t rms_norm_heads_f32(const float *x, const float *weight, float eps, float *out, int64_t rows, int64_t heads,
+                           int64_t width, int64_t stride, int64_t rows_per_chunk, int64_t *counters, int64_t wait)
+{
+    return norm(x, 0, weight, eps, out, rows, heads, width, stride, rows_per_chunk, counters, wait, 0);
 }
 
 /* The same calls as tasks of helper_pool.c: the arguments before the counters as words, in order (eps
@@ -81,13 +91,24 @@ int64_t rms_norm_f32_bf16(const float *x, float *residual, const float *weight, 
         float eps;                                                                                      \
         const uint32_t eps_bits = (uint32_t)w[3];                                                       \
         memcpy(&eps, &eps_bits, sizeof eps);                                                            \
-        return norm((const float *)w[0], (float *)w[1], (const float *)w[2], eps, (void *)w[4], w[5], w[6], w[7], \
-                    w[8], counters, wait, BF16_OUT);                                                    \
+        return norm((const float *)w[0], (float *)w[1], (const float *)w[2], eps, (void *)w[4], w[5], 1, w[6], \
+                    w[7], w[8], counters, wait, BF16_OUT);                                              \
     }                                                                                                   \
     int64_t NAME##_task_words(void) { return 9; }
 NORM_TASK(rms_norm_f32, 0)
 NORM_TASK(rms_norm_f32_bf16, 1)
 #undef NORM_TASK
+
+int64_t rms_norm_heads_f32_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
+{
+    (void)thread;
+    float eps;
+    const uint32_t eps_bits = (uint32_t)w[2];
+    memcpy(&eps, &eps_bits, sizeof eps);
+    return norm((const float *)w[0], 0, (const float *)w[1], eps, (void *)w[3], w[4], w[5], w[6], w[7], w[8], counters,
+                wait, 0);
+}
+int64_t rms_norm_heads_f32_task_words(void) { return 9; }
 
 /* The argument types of rms_norm_f32, as kernels/native.py checks them before any call: p a pointer,
  * i an int64_t, f a float; after the colon the result (v: none). */
@@ -95,3 +116,5 @@ const char *rms_norm_f32_signature(void) { return "pppfpiiiipi:i"; }
 const char *rms_norm_f32_task_words_signature(void) { return ":i"; }
 const char *rms_norm_f32_bf16_signature(void) { return "pppfpiiiipi:i"; }
 const char *rms_norm_f32_bf16_task_words_signature(void) { return ":i"; }
+const char *rms_norm_heads_f32_signature(void) { return "ppfpiiiiipi:i"; }
+const char *rms_norm_heads_f32_task_words_signature(void) { return ":i"; }

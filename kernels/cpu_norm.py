@@ -57,3 +57,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     dtype = x.dtype  # half types: computed in float32, as HF does
     x = x.to(torch.float32)
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+@functools.cache
+def heads_kernel():
+    p, i = native.POINTER, native.INT64
+    return native.function("cpu_norm", "rms_norm_heads_f32", [p, p, native.FLOAT, p, i, i, i, i, i, p, i], i)
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head of `x` [tokens, heads, head_dim] normalized on its own and scaled by `weight` [head_dim]
+    (Qwen3's norm of q and k). Where the compiled kernel runs, in place: `x` may be a view of the q/k/v
+    projection's rows, whose heads are then normalized where they lie, and `x` is returned; elsewhere a new
+    tensor."""
+    tokens, heads, width = x.shape
+    if (
+        x.dtype is torch.float32
+        and weight.dtype is torch.float32
+        and not x.is_cuda
+        and x.stride(2) == 1
+        and x.stride(1) == width
+        and weight.is_contiguous()
+        and not torch.is_grad_enabled()
+        and (kernel := heads_kernel()) is not None
+    ):
+        args = (x.data_ptr(), weight.data_ptr(), eps, x.data_ptr(), tokens, heads, width, x.stride(0))
+        if native.share_units(kernel, args, tokens, x.numel() >= SPLIT_VALUES, CHUNKS_PER_THREAD) == 0:
+            return x
+    return rms_norm(x, weight, eps)

@@ -56,3 +56,32 @@ def test_bf16_rows_are_the_float32_norm_rounded_as_torch_rounds_it(with_residual
     assert torch.equal(rows.view(torch.int16)[1:], wanted.to(torch.bfloat16).view(torch.int16)[1:])
     if not with_residual:
         assert torch.isnan(rows[0]).all() or torch.equal(rows[0], wanted[0].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_head_of_a_projections_rows_is_normalized_where_it_lies(threads, monkeypatch):
+    """Qwen3's norm of q's and k's heads, on views of the fused q/k/v rows: in place, each head on its own,
+    torch's values; the rest of the rows (v) untouched."""
+    monkeypatch.setattr(native, "_threads", threads)
+    tokens, q_heads, kv_heads, head_dim = 300, 4, 2, 64  # past SPLIT_VALUES: shared
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim) * 3
+    before = qkv.clone()
+    weight = torch.rand(head_dim) + 0.5
+    q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    with torch.no_grad():
+        normalized = [cpu_norm.rms_norm_heads(view, weight, 1e-6) for view in (q, k)]
+    assert [n.data_ptr() for n in normalized] == [q.data_ptr(), k.data_ptr()]  # in place
+    wanted = torch.rms_norm(before[:, : (q_heads + kv_heads) * head_dim].view(tokens, -1, head_dim), (head_dim,),
+                            weight, 1e-6)
+    torch.testing.assert_close(qkv[:, : (q_heads + kv_heads) * head_dim].view(tokens, -1, head_dim), wanted,
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim :], before[:, (q_heads + kv_heads) * head_dim :])
+
+
+def test_heads_that_the_kernel_cannot_take_are_normalized_by_torch_into_a_new_tensor():
+    x, weight = torch.randn(5, 3, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)
+    with torch.no_grad():
+        out = cpu_norm.rms_norm_heads(x, weight, 1e-6)
+    assert out.data_ptr() != x.data_ptr()
+    torch.testing.assert_close(out, torch.rms_norm(x, (8,), weight, 1e-6))

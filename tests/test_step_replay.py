@@ -106,3 +106,12 @@ def test_layers_computed_in_torch_run_each_step_eagerly(llama_dirs, monkeypatch)
     eager, _ = generate(llama_dirs["float32"], 1, False)
     assert replayed == eager
     assert graphs.recorded and all(r is None for r in graphs.recorded.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen3s_norm_of_each_head_runs_in_a_kernel_so_its_decode_steps_replay(tmp_path, dtype):
+    model_dir = build_model(str(tmp_path), "qwen3", dtype=getattr(torch, dtype))
+    replayed, graphs = generate(model_dir, 2, True)
+    eager, _ = generate(model_dir, 2, False)
+    assert replayed == eager
+    assert graphs.recorded and all(r is not None for r in graphs.recorded.values())  # none refused

@@ -12,7 +12,7 @@ from torch import nn
 from kernels.batch import PagedBatch
 from kernels.cpu_activation import silu_and_mul
 from kernels.cpu_linear import Linear
-from kernels.cpu_norm import rms_norm
+from kernels.cpu_norm import rms_norm, rms_norm_heads
 from services.worker.models.activations import activation
 from services.worker.models.base import Embedding, PagedCausalLM, fused
 from services.worker.models.paged import paged_attention
@@ -36,6 +36,10 @@ class RMSNorm(nn.Module):
         """`x` normalized; with `residual`, `residual += x` first (in place) and that is normalized; with
         `bf16_rows`, as bfloat16 rows where the kernel can (for a product that takes them)."""
         return rms_norm(x, self.weight, self.eps, residual, self.output_slot, bf16_rows)
+
+    def each_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Every head of `x` [tokens, heads, size] normalized on its own, in place where the kernel can."""
+        return rms_norm_heads(x, self.weight, self.eps)
 
 
 RotaryTables = tuple[torch.Tensor, torch.Tensor]  # cos and sin, [tokens, head_dim]
@@ -135,7 +139,7 @@ class Attention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.each_head(q), self.k_norm.each_head(k)
         out = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window, rope=cos_sin)
         out = out.reshape(tokens, self.num_heads * self.head_dim)
         adapters = batch.adapters
