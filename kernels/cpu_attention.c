@@ -451,8 +451,32 @@ static inline void attend_one_query_f32_sized(
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BF16_DOT 1
 #define MAX_BF16_HEADS 64 /* query heads this path serves at most (their queries live on the stack) */
+/* Head sizes of whole 16-value halves: vector c of 32 dimensions is whole, or the head's last half (its upper
+ * 16 read as zero, nothing past the head read, and only its lower 16 sums stored). */
+static inline int half_vector(int64_t c, int64_t head_dim) { return (c + 1) * 32 > head_dim; }
+static inline __attribute__((always_inline)) __m512i load_dims(const char *p, int64_t c, int64_t head_dim)
+{
+    return half_vector(c, head_dim) ? _mm512_maskz_loadu_epi16((__mmask32)0xffff, p + c * 64)
+                                    : _mm512_loadu_si512(p + c * 64);
+}
+static inline __attribute__((always_inline)) __m512bh query_dims(const float *q, int64_t c, int64_t head_dim)
+{
+    const __m512 high = half_vector(c, head_dim) ? _mm512_setzero_ps() : _mm512_loadu_ps(q + c * 32 + 16);
+    return _mm512_cvtne2ps_pbh(high, _mm512_loadu_ps(q + c * 32));
+}
+/* A vector's 32 sums, as unpacklo/unpackhi of two tokens' rows left them in `low` and `high`, into o in order:
+ * the lower 16 only for a head's last half. */
+static inline __attribute__((always_inline)) void store_dims(float *o, __m512 low, __m512 high, int64_t c,
+                                                               int64_t head_dim)
+{
+    const __m512i low_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i high_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    _mm512_storeu_ps(o + c * 32, _mm512_permutex2var_ps(low, low_order, high));
+    if (!half_vector(c, head_dim))
+        _mm512_storeu_ps(o + c * 32 + 16, _mm512_permutex2var_ps(low, high_order, high));
+}
 /* One query row's attention over a bfloat16 cache by the bfloat16 dot product (VDPBF16PS, float32 sums), at head
- * sizes of whole 32-value vectors: a decode's row (a prompt's rows go in blocks, block_attention). The query and
+ * sizes of whole 16-value halves: a decode's row (a prompt's rows go in blocks, block_attention). The query and
  * the softmax's weights are rounded to bfloat16 as the products take them, as a bfloat16 model's own attention
  * holds them; the cached rows are read as they are, nothing widened or stored again. Keys: 16 cached tokens at a
  * time, every KV head's row of each, in memory order; a row's scores for them come as one vector folded from 16
@@ -465,14 +489,13 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
     const int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict out,
     const struct next_row *next)
 {
-    const int64_t group = num_heads / num_kv_heads, vectors = head_dim / 32, n = high + 1 - low;
+    const int64_t group = num_heads / num_kv_heads, vectors = (head_dim + 31) / 32, n = high + 1 - low;
     const int64_t head_bytes = head_dim * 2, token_bytes = num_kv_heads * head_bytes;
     const int64_t ahead = stream_ahead(token_bytes);
     __m512bh query[MAX_BF16_HEADS][4];
     for (int64_t head = 0; head < num_heads; head++)
         for (int64_t c = 0; c < vectors; c++)
-            query[head][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + head * head_dim + c * 32 + 16),
-                                                 _mm512_loadu_ps(q + head * head_dim + c * 32));
+            query[head][c] = query_dims(q + head * head_dim, c, head_dim);
     /* Keys, 16 cached tokens at a time (each token's row, every KV head's, read in turn from memory) */
     for (int64_t p = low, stop; p <= high;) {
         const char *run = block_run(key_cache, table, p, high + 1, block_size, token_bytes, &stop);
@@ -488,8 +511,8 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
                     sums[u] = _mm512_setzero_ps();
                     if (u < count)
                         for (int64_t c = 0; c < vectors; c++)
-                            sums[u] = _mm512_dpbf16_ps(
-                                sums[u], (__m512bh)_mm512_loadu_si512(rows + u * token_bytes + c * 64), query[head][c]);
+                            sums[u] = _mm512_dpbf16_ps(sums[u], (__m512bh)load_dims(rows + u * token_bytes, c, head_dim),
+                                                       query[head][c]);
                 }
                 _mm512_mask_storeu_ps(scores + head * n + (p - low), (__mmask16)((1u << count) - 1),
                                       _mm512_mul_ps(fold16(sums), _mm512_set1_ps(scale)));
@@ -501,8 +524,6 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
     /* Values, for up to VALUE_HEADS heads of a group at a time: per head and vector of 32 dimensions, sums[..][0]
      * holds dimensions 8L .. 8L + 3 in lanes 4L .. 4L + 3 and sums[..][1] dimensions 8L + 4 .. 8L + 7, as two
      * tokens' rows interleave (unpacklo, unpackhi); they stay in registers over the whole context. */
-    const __m512i low_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i high_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t first = 0, heads; first < num_heads; first += heads) {
         const int64_t kv = first / group;
         heads = min64(VALUE_HEADS, (kv + 1) * group - first);
@@ -524,8 +545,8 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
                 for (int64_t j = 0; 2 * j < count; j++) {
                     const char *row = run + 2 * j * token_bytes;
                     for (int64_t c = 0; c < vectors; c++) {
-                        const __m512i even = _mm512_loadu_si512(row + c * 64);
-                        const __m512i odd = 2 * j + 1 < count ? _mm512_loadu_si512(row + token_bytes + c * 64)
+                        const __m512i even = load_dims(row, c, head_dim);
+                        const __m512i odd = 2 * j + 1 < count ? load_dims(row + token_bytes, c, head_dim)
                                                               : _mm512_setzero_si512();
                         const __m512bh low_pairs = (__m512bh)_mm512_unpacklo_epi16(even, odd);
                         const __m512bh high_pairs = (__m512bh)_mm512_unpackhi_epi16(even, odd);
@@ -540,11 +561,8 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
             }
         }
         for (int64_t h = 0; h < heads; h++)
-            for (int64_t c = 0; c < vectors; c++) {
-                float *o = out + (first + h) * head_dim + c * 32;
-                _mm512_storeu_ps(o, _mm512_permutex2var_ps(sums[h][c][0], low_order, sums[h][c][1]));
-                _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(sums[h][c][0], high_order, sums[h][c][1]));
-            }
+            for (int64_t c = 0; c < vectors; c++)
+                store_dims(out + (first + h) * head_dim, sums[h][c][0], sums[h][c][1], c, head_dim);
     }
 }
 #endif
@@ -683,13 +701,13 @@ static inline void lay_out_values_bf16(const char *cache, const int32_t *table, 
                                        int64_t block_size, int64_t token_bytes, int64_t offset, int64_t head_dim,
                                        char *values)
 {
-    const int64_t vectors = head_dim / 32;
+    const int64_t vectors = (head_dim + 31) / 32;
     for (int64_t p = from; p < to; p += 2) {
         const char *even = row_at(cache, table, p, block_size, token_bytes) + offset;
         const char *odd = p + 1 < to ? row_at(cache, table, p + 1, block_size, token_bytes) + offset : NULL;
         for (int64_t c = 0; c < vectors; c++) {
-            const __m512i e = _mm512_loadu_si512(even + c * 64);
-            const __m512i o = odd ? _mm512_loadu_si512(odd + c * 64) : _mm512_setzero_si512();
+            const __m512i e = load_dims(even, c, head_dim);
+            const __m512i o = odd ? load_dims(odd, c, head_dim) : _mm512_setzero_si512();
             char *pair = values + ((p / 2 * vectors + c) * 2) * 64;
             _mm512_storeu_si512(pair, _mm512_unpacklo_epi16(e, o));
             _mm512_storeu_si512(pair + 64, _mm512_unpackhi_epi16(e, o));
@@ -705,11 +723,9 @@ static inline __attribute__((always_inline)) void block_scores_bf16(
     uint32_t query[BLOCK_HEADS][QUERY_BLOCK][128]; /* pairs of bfloat16 dimensions, head sizes up to 256 */
     for (int hh = 0; hh < HEADS; hh++)
         for (int b = 0; b < QUERY_BLOCK; b++)
-            for (int64_t c = 0; c < head_dim / 32; c++) {
-                const float *q = rows[b] + (h0 + hh) * head_dim + c * 32;
-                _mm512_storeu_si512(query[hh][b] + c * 16, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16),
-                                                                                      _mm512_loadu_ps(q)));
-            }
+            for (int64_t c = 0; c < head_dim / 16; c++)
+                _mm256_storeu_si256((__m256i *)(query[hh][b] + c * 8),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(rows[b] + (h0 + hh) * head_dim + c * 16)));
     for (int64_t t = base / TILE; t <= last / TILE; t++) {
         __m512 sums[BLOCK_HEADS][QUERY_BLOCK];
         for (int hh = 0; hh < HEADS; hh++)
@@ -740,9 +756,7 @@ static inline __attribute__((always_inline)) void block_values_bf16(
             _mm256_storeu_si256((__m256i *)((uint16_t *)row + t),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + t)));
     }
-    const __m512i low_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i high_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    const int64_t vectors = head_dim / 32;
+    const int64_t vectors = (head_dim + 31) / 32;
     for (int64_t b0 = 0; b0 < block; b0 += VALUE_ROWS)
         for (int64_t c0 = 0; c0 < vectors; c0 += 2) {
             const int64_t count = min64(2, vectors - c0);
@@ -768,11 +782,8 @@ static inline __attribute__((always_inline)) void block_values_bf16(
                     }
             }
             for (int64_t r = 0; r < VALUE_ROWS && b0 + r < block; r++)
-                for (int c = 0; c < count; c++) {
-                    float *o = outs[b0 + r] + (c0 + c) * 32;
-                    _mm512_storeu_ps(o, _mm512_permutex2var_ps(sums[r][c][0], low_order, sums[r][c][1]));
-                    _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(sums[r][c][0], high_order, sums[r][c][1]));
-                }
+                for (int c = 0; c < count; c++)
+                    store_dims(outs[b0 + r], sums[r][c][0], sums[r][c][1], c0 + c, head_dim);
         }
 }
 #endif
@@ -782,13 +793,14 @@ static inline int block_path(int kind, int64_t head_dim)
 {
 #ifdef BF16_DOT
     if (kind == ROW_BF16)
-        return head_dim % 32 == 0 && head_dim <= 256;
+        return head_dim % 16 == 0 && head_dim <= 256;
 #endif
     return kind == ROW_F32 && head_dim % 16 == 0;
 }
 
 /* Every query row of sequence rows first .. first + num_queries - 1 (the last of a context of `context`), block by
- * block, KV head by KV head. scratch: (head_dim + BLOCK_HEADS * QUERY_BLOCK) * (context + KEY_PAD) floats. */
+ * block, KV head by KV head. scratch: (head_dim rounded up to 32 + BLOCK_HEADS * QUERY_BLOCK) * (context + KEY_PAD)
+ * floats. */
 static inline __attribute__((always_inline)) void block_attention(
     const float *restrict query, int64_t query_stride, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t first, int64_t num_queries, int64_t context, int64_t num_heads,
@@ -797,7 +809,7 @@ static inline __attribute__((always_inline)) void block_attention(
 {
     const int64_t group = num_heads / num_kv_heads, head_bytes = head_row_bytes(head_dim, kind);
     const int64_t token_bytes = num_kv_heads * head_bytes, stride = context + KEY_PAD;
-    float *keys = scratch, *scores = scratch + head_dim * stride;
+    float *keys = scratch, *scores = scratch + (head_dim + 31) / 32 * 32 * stride; /* after keys and values */
 #ifdef BF16_DOT
     char *values = (char *)(scratch + head_dim * stride / 2); /* bfloat16 pairs, after bfloat16 keys */
 #endif
@@ -890,7 +902,7 @@ static inline __attribute__((always_inline)) void attend_range(
             }
             const int64_t lowest = low[0], n = high[block - 1] + 1 - lowest; /* span of the block's rows */
 #ifdef BF16_DOT
-            if (kind == ROW_BF16 && head_dim % 32 == 0 && head_dim <= 128 && num_heads <= MAX_BF16_HEADS) {
+            if (kind == ROW_BF16 && head_dim % 16 == 0 && head_dim <= 128 && num_heads <= MAX_BF16_HEADS) {
                 for (int64_t b = 0; b < block; b++)
                     attend_one_query_bf16(query + (first + i0 + b) * query_stride, key_cache, value_cache, table,
                                           low[b], high[b], num_heads, num_kv_heads, head_dim, block_size, scale, scores,

@@ -114,7 +114,7 @@ def paged_attention_native(
     out = workspace.take_if_large("attention output", tuple(query.shape), query.dtype, query.device)
     # Each thread's scores of a block's rows and heads, or a prompt block's keys, values and scores.
     longest = layout.longest + KEY_PAD
-    scratch = max(QUERY_BLOCK * num_heads, head_dim + BLOCK_HEADS * QUERY_BLOCK) * longest
+    scratch = max(QUERY_BLOCK * num_heads, -(-head_dim // 32) * 32 + BLOCK_HEADS * QUERY_BLOCK) * longest
     scores = workspace.take("scores", (threads, scratch), torch.float32, query.device)  # a row each thread
     # The kernel's arguments before its counters and wait, and those after them up to the scores.
     inputs = (query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
