@@ -9,11 +9,16 @@ weights' bytes change with the dtype. A call's panels are shared by the threads 
 `Linear` is `nn.Linear` with that dispatch: the models build their projections from it, so a
 checkpoint loads into it as into `nn.Linear`. Its `weight` stays as loaded; the panels are a
 second copy of it, made only where a kernel runs.
+
+On a CPU with AMX tiles for bfloat16 a prompt's product of bfloat16 weights (PROMPT_ROWS rows or more)
+goes to oneDNN through torch, which multiplies in those tiles; the packed kernel keeps a decode's few
+rows, which reading the weights bounds (`prompt_products`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +34,8 @@ SPLIT_BYTES = 4 << 20  # than this: then a second core reads it faster (docs/ker
 CHUNKS_PER_THREAD = 8  # a shared call's panels come in this many chunks per thread, claimed in turn
 SYMBOLS = {torch.float32: "gemm_f32", torch.float16: "gemm_f16", torch.bfloat16: "gemm_bf16"}
 ACT_NONE, ACT_SILU_F32, ACT_SILU_BF16 = 0, 1, 2  # what a call stores (cpu_gemm.c's enum activation)
+PROMPT_ROWS = 64  # rows from which a bfloat16 product is bound by arithmetic, not by reading the weight
+PROMPT_PRODUCTS = "PAGEDSERVE_PROMPT_PRODUCTS"  # "onednn" or "native": forces who multiplies a prompt's rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +64,25 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     library.gemm_description.restype = native.ctypes.c_char_p
     width, bf16_rows = (fact() for fact in facts.values())
     return GemmBuild(kernels, width, bool(bf16_rows), library.gemm_description().decode(), native.variant_of(library))
+
+
+@functools.cache
+def prompt_products() -> str:
+    """Who multiplies a prompt's rows (PROMPT_ROWS or more) by bfloat16 weights: "onednn" (torch's bfloat16
+    product) where the CPU has AMX tiles for bfloat16, whose multiply rate is several times the dot product's,
+    else "native" (cpu_gemm.c); PAGEDSERVE_PROMPT_PRODUCTS forces one."""
+    forced = os.environ.get(PROMPT_PRODUCTS, "")
+    if forced in ("onednn", "native"):
+        return forced
+    has_tiles = "amx_bf16" in native.cpu_flags() and torch.backends.mkldnn.is_available()
+    return "onednn" if has_tiles else "native"
+
+
+def describe_products(dtype: torch.dtype) -> str:
+    """What the worker's log and info metric add to the build's description for weights of `dtype`."""
+    if dtype is torch.bfloat16 and prompt_products() == "onednn":
+        return f"; bfloat16 products of {PROMPT_ROWS} rows or more by oneDNN (AMX tiles where present)"
+    return ""
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -183,6 +209,10 @@ class Linear(nn.Linear):
         theirs after the all-reduce)."""
         if self.panels is not None and x.dim() == 2:
             shape = (x.shape[0], self.out_features)
+            if self._prompt_by_onednn(x):
+                out = step_scratch.take_if_large(self.output_slot, shape, torch.float32, x.device)
+                out.copy_(F.linear(x.to(torch.bfloat16), self.weight))
+                return out if bias is None else out.add_(bias)
             out = gemm(x, self.panels, self.out_features, bias,
                        out=step_scratch.take_if_large(self.output_slot, shape, torch.float32, x.device),
                        halves=self.halves)
@@ -192,11 +222,16 @@ class Linear(nn.Linear):
             x = x.float()
         return linear(x, self.weight, bias)
 
+    def _prompt_by_onednn(self, x: torch.Tensor) -> bool:
+        panels = self.panels
+        return (panels is not None and panels.dtype is torch.bfloat16 and x.shape[0] >= PROMPT_ROWS
+                and self.weight.dtype is torch.bfloat16 and prompt_products() == "onednn")
+
     def gated(self, x: torch.Tensor, bf16_rows: bool) -> torch.Tensor | None:
         """SiLU(gate) * up of this fused gate and up projection (`halves` set), the activation applied as the
         kernel stores its sums: float32 rows, or bfloat16 rows for a product that takes them. None where the
         kernel does not run here (then `forward`, and the activation apart)."""
-        if self.panels is None or not self.halves or x.dim() != 2:
+        if self.panels is None or not self.halves or x.dim() != 2 or self._prompt_by_onednn(x):
             return None
         shape, dtype = (x.shape[0], self.halves), torch.bfloat16 if bf16_rows else torch.float32
         return gated_gemm(x, self.panels, self.halves, self.bias,

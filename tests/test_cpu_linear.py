@@ -270,3 +270,44 @@ def test_a_layer_with_an_output_slot_writes_large_outputs_into_one_buffer_and_ot
     assert layer(torch.randn(2, 256)).data_ptr() != outputs[1].data_ptr()  # small: its own tensor
     layer.output_slot = None
     assert layer(large[0]).data_ptr() != outputs[1].data_ptr()
+
+
+@pytest.fixture
+def prompt_products(monkeypatch):
+    """Who multiplies a prompt's rows, read afresh from the environment within the test and after it."""
+    def force(route: str) -> None:
+        monkeypatch.setenv(cpu_linear.PROMPT_PRODUCTS, route)
+        cpu_linear.prompt_products.cache_clear()
+
+    cpu_linear.prompt_products.cache_clear()
+    yield force
+    monkeypatch.delenv(cpu_linear.PROMPT_PRODUCTS, raising=False)
+    cpu_linear.prompt_products.cache_clear()
+
+
+def test_prompt_products_go_to_onednn_where_the_cpu_has_amx_tiles_for_bfloat16(prompt_products, monkeypatch):
+    monkeypatch.delenv(cpu_linear.PROMPT_PRODUCTS, raising=False)
+    has_tiles = "amx_bf16" in native.cpu_flags() and torch.backends.mkldnn.is_available()
+    assert cpu_linear.prompt_products() == ("onednn" if has_tiles else "native")
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    cpu_linear.prompt_products.cache_clear()
+    assert cpu_linear.prompt_products() == ("onednn" if torch.backends.mkldnn.is_available() else "native")
+    assert "by oneDNN" in cpu_linear.describe_products(torch.bfloat16) or not torch.backends.mkldnn.is_available()
+    assert cpu_linear.describe_products(torch.float32) == ""
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_prompts_bfloat16_product_by_onednn_is_torchs_and_a_decodes_stays_packed(prompt_products, bias):
+    prompt_products("onednn")
+    layer = Linear(96, 80, bias=bias).to(torch.bfloat16)
+    if bias:
+        layer.bias.data = layer.bias.data.float()
+    pack_weights(layer)
+    rows = cpu_linear.PROMPT_ROWS
+    with torch.no_grad():
+        prompt, decode = torch.randn(rows, 96), torch.randn(rows - 1, 96)
+        wanted = F.linear(prompt.bfloat16(), layer.weight).float() + (layer.bias if bias else 0)
+        assert torch.equal(layer(prompt), wanted)
+        assert layer.gated(prompt, False) is None  # a gated layer's activation then comes apart
+        packed = gemm(decode, layer.panels, 80, layer.bias)
+        assert torch.equal(layer(decode), packed)

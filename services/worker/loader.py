@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kernels.cpu_linear import Linear, gemm_build, pack_weights, packs
+from kernels.cpu_linear import Linear, describe_products, gemm_build, pack_weights, packs
 from services.worker.model_config import read_config
 from services.worker.models import ARCHITECTURES
 from services.worker.models.base import Embedding, PagedCausalLM
@@ -165,6 +165,8 @@ def numerics(model: PagedCausalLM, device: torch.device) -> Numerics:
     weights = model.lm_head.weight.dtype
     build = gemm_build() if device.type == "cpu" else None
     kernels = "triton" if device.type == "cuda" else f"{build.variant} ({build.description})" if build else "torch"
+    if build is not None:
+        kernels += describe_products(weights)
     return Numerics(
         device.type,
         str(weights).removeprefix("torch."),
