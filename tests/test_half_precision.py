@@ -133,3 +133,11 @@ def test_bf16_stays_close_with_prompt_products_by_onednn(half_models, family, mo
         cpu_linear.prompt_products.cache_clear()
     assert calls and min(calls) >= 8  # prompt steps by oneDNN, decode steps (3 rows) packed
     check_logprobs_close(ours, [hf_greedy_with_logprobs(directory, p, MAX_TOKENS, torch.bfloat16) for p in PROMPTS])
+
+
+def test_bf16_heads_of_80_dimensions_are_close_to_hf(tmp_path):
+    # Two and a half vectors of 32 per head: the bf16 attention reads the last half masked, in decode and prompt rows.
+    needs_kernels()
+    directory = build_model(str(tmp_path), "llama", dtype=torch.bfloat16, head_dim=80)
+    ours = Engine(directory, dtype="auto").generate_with_logprobs(PROMPTS, max_tokens=MAX_TOKENS)
+    check_logprobs_close(ours, [hf_greedy_with_logprobs(directory, p, MAX_TOKENS, torch.bfloat16) for p in PROMPTS])
