@@ -17,8 +17,10 @@ rows, which reading the weights bounds (`prompt_products`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +78,20 @@ def prompt_products() -> str:
         return forced
     has_tiles = "amx_bf16" in native.cpu_flags() and torch.backends.mkldnn.is_available()
     return "onednn" if has_tiles else "native"
+
+
+@contextlib.contextmanager
+def every_kernel_thread() -> Iterator[None]:
+    """Within, torch's operations get as many threads as the compiled kernels (one per core), which the
+    worker gives torch only while other processes leave the cores idle (services/worker/cpu_threads.py)."""
+    kept = torch.get_num_threads()
+    if kept != native.threads():
+        torch.set_num_threads(native.threads())
+    try:
+        yield
+    finally:
+        if kept != torch.get_num_threads():
+            torch.set_num_threads(kept)
 
 
 def describe_products(dtype: torch.dtype) -> str:
@@ -211,7 +227,8 @@ class Linear(nn.Linear):
             shape = (x.shape[0], self.out_features)
             if self._prompt_by_onednn(x):
                 out = step_scratch.take_if_large(self.output_slot, shape, torch.float32, x.device)
-                out.copy_(F.linear(x.to(torch.bfloat16), self.weight))
+                with every_kernel_thread():
+                    out.copy_(F.linear(x.to(torch.bfloat16), self.weight))
                 return out if bias is None else out.add_(bias)
             out = gemm(x, self.panels, self.out_features, bias,
                        out=step_scratch.take_if_large(self.output_slot, shape, torch.float32, x.device),
