@@ -311,3 +311,22 @@ def test_a_prompts_bfloat16_product_by_onednn_is_torchs_and_a_decodes_stays_pack
         assert layer.gated(prompt, False) is None  # a gated layer's activation then comes apart
         packed = gemm(decode, layer.panels, 80, layer.bias)
         assert torch.equal(layer(decode), packed)
+
+
+def test_a_product_by_onednn_gets_a_torch_thread_per_kernel_thread_for_its_duration(prompt_products, monkeypatch):
+    # The worker keeps torch at one thread while other processes use the cores; the packed kernel's helpers
+    # and a prompt's product by oneDNN take every core.
+    prompt_products("onednn")
+    monkeypatch.setattr(native, "_threads", 2)
+    layer = Linear(32, 16, bias=False).to(torch.bfloat16)
+    pack_weights(layer)
+    seen = []
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append(torch.get_num_threads()) or linear(x, w, b))
+    kept = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        layer(torch.randn(cpu_linear.PROMPT_ROWS, 32))
+        assert seen == [2] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(kept)
