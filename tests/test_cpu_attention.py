@@ -1,6 +1,8 @@
 """The CPU attention paths, the compiled C kernel and vectorized torch, against the per-sequence
 reference over the kernel tests' shapes."""
 
+import math
+
 import pytest
 import torch
 
@@ -378,3 +380,29 @@ def test_compiled_rotary_writes_a_half_cache_rounded_as_torch_rounds(storage):
     slots = torch.tensor([3, 9, -1, 0, 17, 12])
     caches = [torch.zeros(5, 4, kv_heads, head_dim, dtype=storage) for _ in range(4)]
     assert_rotary_and_write_are_the_reference(query, key, value, cos, sin, caches, slots)
+
+
+class GuardedOutput(Workspace):
+    """A workspace whose attention output is followed by a run of sentinel values."""
+
+    SENTINEL, GUARD = 12345.0, 4096
+
+    def take_if_large(self, name, shape, dtype, device):
+        if name != "attention output":
+            return super().take_if_large(name, shape, dtype, device)
+        size = math.prod(shape)
+        self.whole = torch.full((size + self.GUARD,), self.SENTINEL, dtype=dtype, device=device)
+        return self.whole[:size].view(shape)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 80), (6, 3, 48), (4, 1, 112), (3, 3, 16)])
+def test_bf16_rows_at_head_sizes_of_half_vectors_write_nothing_past_their_output(heads, kv_heads, head_dim):
+    # A head's last 16 dimensions are half a vector: the kernel stores 16 sums there, not 32.
+    compiled_kernel()
+    shapes = [(1, 17), (1, 300), (19, 19), (11, 40)]
+    query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, 32, torch.float32)
+    workspace = GuardedOutput()
+    out = paged_attention_native(query, key_cache.bfloat16(), value_cache.bfloat16(), batch, head_dim**-0.5,
+                                 workspace=workspace)
+    assert torch.isfinite(out).all()
+    assert (workspace.whole[out.numel():] == GuardedOutput.SENTINEL).all()
