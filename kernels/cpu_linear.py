@@ -224,16 +224,13 @@ class Linear(nn.Linear):
         """`x W^T`, plus `bias` where given (the row-parallel projections of tensor parallelism add
         theirs after the all-reduce)."""
         if self.panels is not None and x.dim() == 2:
-            shape = (x.shape[0], self.out_features)
+            out = step_scratch.take_if_large(self.output_slot, (x.shape[0], self.out_features), torch.float32,
+                                             x.device)
             if self._prompt_by_onednn(x):
-                out = step_scratch.take_if_large(self.output_slot, shape, torch.float32, x.device)
                 with every_kernel_thread():
                     out.copy_(F.linear(x.to(torch.bfloat16), self.weight))
                 return out if bias is None else out.add_(bias)
-            out = gemm(x, self.panels, self.out_features, bias,
-                       out=step_scratch.take_if_large(self.output_slot, shape, torch.float32, x.device),
-                       halves=self.halves)
-            if out is not None:
+            if gemm(x, self.panels, self.out_features, bias, out=out, halves=self.halves) is not None:
                 return out
         if x.dtype is torch.bfloat16 and self.weight.dtype is not torch.bfloat16:
             x = x.float()

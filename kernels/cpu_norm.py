@@ -22,6 +22,13 @@ def native_kernel(symbol: str = "rms_norm_f32"):
     return native.function("cpu_norm", symbol, [p, p, p, native.FLOAT, p, i, i, i, i, p, i], i)
 
 
+def compiled_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a compiled norm may take `x` and `weight` as far as their dtypes and device go (the caller
+    checks the layout it needs)."""
+    return (x.dtype is torch.float32 and weight.dtype is torch.float32 and not x.is_cuda and weight.is_contiguous()
+            and not torch.is_grad_enabled())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              output_slot: str | None = None, bf16_rows: bool = False) -> torch.Tensor:
     """`x` normalized over its last dimension and scaled by `weight`; with `residual`, first
@@ -34,13 +41,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         return rms_norm_triton(x, weight, eps, residual)
     width = x.shape[-1]
     if (
-        x.dtype is torch.float32
-        and weight.dtype is torch.float32
-        and not x.is_cuda
+        compiled_takes(x, weight)
         and x.is_contiguous()
-        and weight.is_contiguous()
         and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))
-        and not torch.is_grad_enabled()
         and (kernel := native_kernel("rms_norm_f32_bf16" if bf16_rows else "rms_norm_f32")) is not None
     ):
         out = step_scratch.take_if_large(output_slot, tuple(x.shape), torch.bfloat16 if bf16_rows else x.dtype,
@@ -72,13 +75,9 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     tensor."""
     tokens, heads, width = x.shape
     if (
-        x.dtype is torch.float32
-        and weight.dtype is torch.float32
-        and not x.is_cuda
+        compiled_takes(x, weight)
         and x.stride(2) == 1
         and x.stride(1) == width
-        and weight.is_contiguous()
-        and not torch.is_grad_enabled()
         and (kernel := heads_kernel()) is not None
     ):
         args = (x.data_ptr(), weight.data_ptr(), eps, x.data_ptr(), tokens, heads, width, x.stride(0))

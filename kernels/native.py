@@ -220,10 +220,8 @@ def share_units(kernel: Callable, args: tuple, units: int, worth_sharing: bool, 
     caller's result."""
     count = min(threads(), units) if worth_sharing else 1
     per_chunk = -(-units // (count * per_thread)) if count > 1 else max(units, 1)
-    if count == 1 and open_recording is None:
-        return kernel(*args, per_chunk, new_counters(), True)
     task = getattr(kernel, "task", None)
-    if task is not None:
+    if task is not None and (count > 1 or open_recording is not None):  # a recording keeps share_task's calls
         done = share_task(task, (*args, per_chunk), count, kernel.__name__)
         if done is not None:
             return done
