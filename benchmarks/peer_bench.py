@@ -93,8 +93,11 @@ SCENARIOS = {
     ),
     # A model past toy size, where the step is matmuls (ops/configs/llama-12l-768 with dummy weights).
     "mid_c16": Scenario(
-        256, 96, 64, max_concurrency=16, metrics=("output_throughput", "mean_tpot_ms", "median_ttft_ms")
+        256, 96, 64, max_concurrency=16,
+        metrics=("output_throughput", "mean_tpot_ms", "median_ttft_ms", "mean_ttft_ms"),
     ),
+    # 16 prompts sent at once to an idle server: first tokens with no earlier requests' waves to wait behind.
+    "mid_burst16": Scenario(256, 1, 16, max_concurrency=16, metrics=("median_ttft_ms", "mean_ttft_ms")),
     "mid_c1": Scenario(
         256,
         96,
