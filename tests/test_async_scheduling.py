@@ -7,6 +7,8 @@ waits for its result, and nothing is preempted while a step is in flight.
 
 from __future__ import annotations
 
+from collections import deque
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -119,3 +121,33 @@ def test_planning_ahead_gives_the_tokens_of_planning_after_each_result(config, s
         assert {r for r, _ in tokens} == {f"r{i}" for i in admitted}
         results.append(tokens)
     assert results[0] == results[1]
+
+
+
+def test_prompts_arriving_one_by_one_while_a_step_computes_start_together_in_the_next_step():
+    """A burst reaches the scheduler a request at a time. A step planned ahead leaves prompts that do not fill
+    its budget for the step after the one computing, however many plans their arrivals prompt meanwhile; so
+    they run in one full step instead of a small one queued ahead of the rest."""
+    scheduler, worker = make_scheduler(block_size=4, max_tokens_per_step=64), StandInWorker()
+    scheduler.add(request(prompt_len=16, max_tokens=1))
+    computing = scheduler.schedule()  # nothing computes: the first prompt starts at once, alone
+    assert [e.num_tokens for e in computing.scheduled] == [16]
+    for _ in range(3):  # each arrival prompts a plan while that step computes
+        scheduler.add(request(prompt_len=16, max_tokens=1))
+        assert scheduler.schedule() is None
+    scheduler.update(worker.run(computing))
+    together = scheduler.schedule()
+    assert [e.num_tokens for e in together.scheduled] == [16, 16, 16]
+
+
+def test_a_prompt_left_out_of_a_step_planned_ahead_waits_no_longer_than_the_step_then_computing():
+    scheduler, worker = make_scheduler(block_size=4, max_tokens_per_step=64), StandInWorker()
+    scheduler.add(request(prompt_len=4, max_tokens=50))
+    in_flight = deque([scheduler.schedule(), scheduler.schedule()])  # its prompt, and its first decode ahead
+    scheduler.add(request(prompt_len=4, max_tokens=2))  # far from filling a step
+    scheduler.update(worker.run(in_flight.popleft()))
+    left_out = scheduler.schedule()  # planned ahead of the decode computing: the prompt waits for it
+    assert [e.num_tokens for e in left_out.scheduled] == [1]
+    in_flight.append(left_out)
+    scheduler.update(worker.run(in_flight.popleft()))  # the decode it waited for is done
+    assert sorted(e.num_tokens for e in scheduler.schedule().scheduled) == [1, 4]

@@ -84,7 +84,7 @@ class Request:
     __slots__ = ("request_id", "cache_root", "prompt_token_ids", "sampling", "arrival_time", "order", "forked",
                  "status", "seqs", "finished_seqs", "beam", "beam_pending", "num_cached_prompt_tokens", "looked_up",
                  "received", "first_scheduled", "prompt_logprobs", "prompt_top_logprobs", "prompt_logprobs_sent",
-                 "left_for_companions", "priority", "tenant", "waited_for_disk", "lora")
+                 "left_out_at", "priority", "tenant", "waited_for_disk", "lora")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_time: float,
                  order: int = 0, cache_salt: str = "", priority: int = 0, tenant: str = "",
@@ -108,7 +108,8 @@ class Request:
         self.num_cached_prompt_tokens = 0
         self.looked_up = False  # in the prefix cache: counted once, however often it is recomputed
         self.received = time.monotonic() if received is None else received  # at the scheduler: queue time, aging
-        self.left_for_companions = False  # a step planned ahead left it out, to start with later arrivals
+        # Results in when a step planned ahead first left it out, to start with later arrivals in the next step.
+        self.left_out_at: int | None = None
         self.waited_for_disk = False  # once: blocks it read from disk and lost again before it started are computed
         self.first_scheduled: float | None = None
         # With sampling.prompt_logprobs: per prompt position from 1 on, filled as steps compute them.

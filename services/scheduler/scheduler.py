@@ -175,6 +175,7 @@ class Scheduler:
         self.swapped: list[Request] = []  # in arrival order
         self.counters = Counters()
         self.in_flight: dict[int, _InFlight] = {}
+        self.results_in = 0  # steps whose results were applied
         self.needs_drain = False  # the last plan stopped short of a preemption
         # (seconds, tenant label, priority class) of requests started since the server last took them
         self.queue_times: list[tuple[float, str, str]] = []
@@ -415,21 +416,25 @@ class Scheduler:
         """Whether the waiting requests' prompts fill `budget` tokens.
 
         A step planned while another computes starts waiting requests only where they fill its budget,
-        or where the first of them was left out of a step planned so before: otherwise it leaves them to
-        the next step, which takes the requests that arrive meanwhile too. A burst of prompts (clients
-        that all send at once) then runs in full steps rather than in one with the first few and more
-        with the rest, each such step seconds long on a CPU; and no request waits more than one step so."""
+        or where the first of them was left out while a step now done computed: otherwise it leaves them
+        to the next step, which takes the requests that arrive meanwhile too. A burst of prompts (clients
+        that all send at once, reaching the scheduler one by one) then runs in full steps rather than in
+        one with the first few and more with the rest, each such step seconds long on a CPU; and no
+        request waits more than one step so."""
         tokens = 0
         for request in self.waiting:
             tokens += sum(seq.num_tokens for seq in request.seqs)
             if tokens >= budget:
                 return True
-        if self.waiting:
-            self.waiting[0].left_for_companions = True
+        if self.waiting and self.waiting[0].left_out_at is None:
+            self.waiting[0].left_out_at = self.results_in
         return False
 
     def _deferred(self) -> bool:
-        return bool(self.waiting) and self.waiting[0].left_for_companions
+        """Whether the first waiting request was left out by a step planned ahead and a result came in since:
+        left out until then, not only until the next plan, which the next arrival alone may prompt."""
+        left_out_at = self.waiting[0].left_out_at if self.waiting else None
+        return left_out_at is not None and self.results_in > left_out_at
 
     def _resume(self, plan: _Plan, starts_prompts: bool = True, only_head: bool = False) -> None:
         """Bring back swapped requests and start waiting ones (where `starts_prompts`), strictly in rank
@@ -686,6 +691,7 @@ class Scheduler:
         step = self.in_flight.pop(result.step_id, None)
         if step is None:
             return []
+        self.results_in += 1
         if step.reads:
             self.kv_cache.finish_reads(step.reads, set(result.failed_reads))
         for seq in step.sampled:
