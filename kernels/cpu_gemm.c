@@ -41,6 +41,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bfloat16.h"
@@ -513,6 +514,301 @@ int64_t gemm_bf16(const void *x, int64_t x_stride, const uint32_t *panels, const
     return gemm(W_BF16, x, x_stride, panels, bias, y, y_stride, M, N, K, halves, act, units_per_chunk, counters, wait);
 }
 
+/* Weights quantized by groups of k (W4A16, W8A16 and FP8 W8A16 checkpoints): each weight a code in a 32-bit word of
+ * consecutive k of one column, panels of [K / codes a word][NR] words; its value is code x scale + offset, with a
+ * scale and an offset per column and group of `group` k ([K / group][NR] of each a panel), the offset holding
+ * the zero point (-zero x scale). A word holds four bytes (k in the low byte), or eight 4-bit codes: k, k + 2,
+ * k + 4, k + 6 in the low half's nibbles and k + 1, k + 3, ... in the high half's, so that one shift and one mask
+ * put a pair of them where the bfloat16 dot product takes a pair (code_pairs). FP8 codes (e4m3) are their own
+ * value times the scale, the offset zero.
+ *
+ * x comes as float32 rows, or (x_bf16, in a build with the bfloat16 dot product) as bfloat16 rows.
+ * A decode's rows (up to STREAM_ROWS) take each word's values in registers, so only the codes stream from
+ * memory: for bfloat16 rows, 4-bit codes c become the bfloat16 numbers 128 + c (exact, and made by
+ * bit operations alone), each group's sums of (128 + c) x are scaled once, and the 128 and the offset come back
+ * through the group's sum of x; elsewhere each value is code x scale + offset in float32. A prompt's many rows
+ * take each panel's values once into a buffer in the layout of the float32 or bfloat16 panels above (as x's
+ * rows are), and the float kernel runs over it. */
+enum code_kind { CODE_U4, CODE_U8, CODE_FP8 };
+
+static inline __attribute__((always_inline)) int codes_per_word(const int code) { return code == CODE_U4 ? 8 : 4; }
+
+/* Code j of each lane of `words`, as a float (not yet scaled). */
+static inline __attribute__((always_inline)) vf code_value(const int code, vu words, int j)
+{
+    if (code == CODE_U4)
+        return __builtin_convertvector((words >> ((j & 1) * 16 + (j >> 1) * 4)) & 0xfu, vf);
+    const vu byte = (words >> (8 * j)) & 0xffu;
+    if (code == CODE_U8)
+        return __builtin_convertvector(byte, vf);
+    /* e4m3: its exponent and mantissa moved into float32's, then 2^120 rebiases 7 -> 127 (subnormals too) */
+    const vf magnitude = as_floats((byte & 0x7fu) << 20) * 0x1p120f;
+    return as_floats((vu)magnitude | ((byte & 0x80u) << 24));
+}
+
+/* A row's k-th value of x: a float, or a bfloat16 (x_bf16). */
+static inline __attribute__((always_inline)) float x_value(const int x_bf16, const char *x, int64_t index)
+{
+    if (x_bf16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)x)[index] << 16;
+        float value;
+        memcpy(&value, &bits, sizeof value);
+        return value;
+    }
+    return ((const float *)x)[index];
+}
+
+/* `rows` rows of x against one panel of codes over all of K, stored into y with the bias. */
+static inline __attribute__((always_inline)) void code_tile(
+    const int rows, const int code, const int x_bf16, const char *x, int64_t x_stride, const uint32_t *w, const float *scales,
+    const float *offsets, int64_t group, int64_t K, const float *bias, float *y, int64_t y_stride, int64_t cols)
+{
+    const int per_word = codes_per_word(code);
+    vf acc0[MR], acc1[MR];
+    for (int r = 0; r < rows; r++)
+        acc0[r] = acc1[r] = (vf){0};
+    for (int64_t g = 0, k = 0; k < K; g++) {
+        const vf s0 = load_floats(scales + g * NR), s1 = load_floats(scales + g * NR + GEMM_VEC);
+        const vf o0 = load_floats(offsets + g * NR), o1 = load_floats(offsets + g * NR + GEMM_VEC);
+        for (const int64_t end = k + group; k < end; k += per_word) {
+            const uint32_t *word = w + k / per_word * NR;
+            const vu w0 = load_words(word), w1 = load_words(word + GEMM_VEC);
+            for (int j = 0; j < per_word; j++) {
+                const vf v0 = code_value(code, w0, j) * s0 + o0, v1 = code_value(code, w1, j) * s1 + o1;
+                for (int r = 0; r < rows; r++) {
+                    const vf xv = splat(x_value(x_bf16, x, r * x_stride + k + j));
+                    acc0[r] += xv * v0;
+                    acc1[r] += xv * v1;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        store_row(acc0[r], acc1[r], bias, y + r * y_stride, cols);
+}
+
+#if BF16_DOT
+/* Pair j of each lane's eight 4-bit codes (k + 2j in the low half, k + 2j + 1 in the high) as the bfloat16 pair
+ * (128 + c, 128 + c'): 128 + c is 2^7 with c in the low bits of the seven-bit mantissa, its unit there 1. */
+static inline __attribute__((always_inline)) vu code_pairs(vu words, int j)
+{
+    return ((words >> (4 * j)) & 0x000f000fu) | 0x43004300u;
+}
+
+/* code_tile for 4-bit codes by the bfloat16 dot product: each group's sums of (128 + c) x, then
+ * sums += scale x those + (offset - 128 scale) x the group's sum of x (x_sums [rows][groups]). */
+static inline __attribute__((always_inline)) void code_tile_pairs(
+    const int rows, const char *x, int64_t x_stride, const uint32_t *w, const float *scales, const float *offsets,
+    const float *x_sums, int64_t groups, int64_t group, const float *bias, float *y, int64_t y_stride, int64_t cols)
+{
+    const uint32_t *xw = (const uint32_t *)x; /* bfloat16 pairs of x */
+    float sums[MR * NR];
+    memset(sums, 0, sizeof sums);
+    for (int64_t g = 0; g < groups; g++) {
+        vf part0[MR], part1[MR];
+        for (int r = 0; r < rows; r++)
+            part0[r] = part1[r] = (vf){0};
+        for (int64_t k = g * group, end = k + group; k < end; k += 8) {
+            const uint32_t *word = w + k / 8 * NR;
+            const vu w0 = load_words(word), w1 = load_words(word + GEMM_VEC);
+            for (int j = 0; j < 4; j++) {
+                const vu b0 = code_pairs(w0, j), b1 = code_pairs(w1, j);
+                for (int r = 0; r < rows; r++) {
+                    const uint32_t pair = xw[r * x_stride / 2 + k / 2 + j];
+                    part0[r] = dot_pairs(part0[r], pair, b0);
+                    part1[r] = dot_pairs(part1[r], pair, b1);
+                }
+            }
+        }
+        const vf s0 = load_floats(scales + g * NR), s1 = load_floats(scales + g * NR + GEMM_VEC);
+        const vf o0 = load_floats(offsets + g * NR) - 128.0f * s0, o1 = load_floats(offsets + g * NR + GEMM_VEC) - 128.0f * s1;
+        for (int r = 0; r < rows; r++) {
+            const vf xs = splat(x_sums[r * groups + g]);
+            *(vf_unaligned *)(sums + r * NR) = load_floats(sums + r * NR) + part0[r] * s0 + xs * o0;
+            *(vf_unaligned *)(sums + r * NR + GEMM_VEC) = load_floats(sums + r * NR + GEMM_VEC) + part1[r] * s1 + xs * o1;
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        store_row(load_floats(sums + r * NR), load_floats(sums + r * NR + GEMM_VEC), bias, y + r * y_stride, cols);
+}
+
+static void code_pairs_tile_of(int rows, const char *x, int64_t x_stride, const uint32_t *w, const float *scales,
+                               const float *offsets, const float *x_sums, int64_t groups, int64_t group,
+                               const float *bias, float *y, int64_t y_stride, int64_t cols)
+{
+#define PAIRS(ROWS) code_tile_pairs(ROWS, x, x_stride, w, scales, offsets, x_sums, groups, group, bias, y, y_stride, cols)
+    switch (rows) {
+    case 6: PAIRS(6); break;
+    case 5: PAIRS(5); break;
+    case 4: PAIRS(4); break;
+    case 3: PAIRS(3); break;
+    case 2: PAIRS(2); break;
+    default: PAIRS(1);
+    }
+#undef PAIRS
+}
+
+/* Each row's sum of its bfloat16 x over each group of k, into sums [rows][groups]. */
+static void group_sums(const char *x, int64_t x_stride, int64_t rows, int64_t K, int64_t group, float *sums)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < K / group; g++) {
+            float total = 0;
+            for (int64_t k = g * group; k < (g + 1) * group; k++)
+                total += x_value(1, x, r * x_stride + k);
+            sums[r * (K / group) + g] = total;
+        }
+}
+#endif
+
+#define CODE_ROWS(CODE, XB)                                                                             \
+    switch (rows) {                                                                                     \
+    case 6: code_tile(6, CODE, XB, x, x_stride, w, scales, offsets, group, K, bias, y, y_stride, cols); break; \
+    case 5: code_tile(5, CODE, XB, x, x_stride, w, scales, offsets, group, K, bias, y, y_stride, cols); break; \
+    case 4: code_tile(4, CODE, XB, x, x_stride, w, scales, offsets, group, K, bias, y, y_stride, cols); break; \
+    case 3: code_tile(3, CODE, XB, x, x_stride, w, scales, offsets, group, K, bias, y, y_stride, cols); break; \
+    case 2: code_tile(2, CODE, XB, x, x_stride, w, scales, offsets, group, K, bias, y, y_stride, cols); break; \
+    default: code_tile(1, CODE, XB, x, x_stride, w, scales, offsets, group, K, bias, y, y_stride, cols);   \
+    }
+#define CODE_ROWS_X(CODE)                                                                               \
+    if (x_bf16) {                                                                                       \
+        CODE_ROWS(CODE, 1)                                                                              \
+    } else {                                                                                            \
+        CODE_ROWS(CODE, 0)                                                                              \
+    }
+
+static void code_tile_of(const int code, const int x_bf16, int rows, const char *x, int64_t x_stride,
+                         const uint32_t *w, const float *scales, const float *offsets, int64_t group, int64_t K,
+                         const float *bias, float *y, int64_t y_stride, int64_t cols)
+{
+    switch (code) {
+    case CODE_U4: CODE_ROWS_X(CODE_U4) break;
+    case CODE_U8: CODE_ROWS_X(CODE_U8) break;
+    default: CODE_ROWS_X(CODE_FP8)
+    }
+}
+#undef CODE_ROWS_X
+#undef CODE_ROWS
+
+/* One panel's values into `out`: bfloat16 pairs (rounded to nearest even) for bfloat16 rows of x, else floats,
+ * laid out as the float kernel's panels. */
+static void dequantize_panel(const int code, const int to_bf16, const uint32_t *w, const float *scales,
+                             const float *offsets, int64_t group, int64_t K, void *out)
+{
+    const int per_word = codes_per_word(code);
+    for (int64_t g = 0, k = 0; k < K; g++) {
+        const vf s0 = load_floats(scales + g * NR), s1 = load_floats(scales + g * NR + GEMM_VEC);
+        const vf o0 = load_floats(offsets + g * NR), o1 = load_floats(offsets + g * NR + GEMM_VEC);
+        for (const int64_t end = k + group; k < end; k += per_word) {
+            const uint32_t *word = w + k / per_word * NR;
+            const vu w0 = load_words(word), w1 = load_words(word + GEMM_VEC);
+            for (int j = 0; j < per_word; j += 2) {
+                const vf a0 = code_value(code, w0, j) * s0 + o0, a1 = code_value(code, w1, j) * s1 + o1;
+                const vf b0 = code_value(code, w0, j + 1) * s0 + o0, b1 = code_value(code, w1, j + 1) * s1 + o1;
+                if (to_bf16) {
+                    /* pair (k + j, k + j + 1) of each column: low half k + j, rounded as bfloat16_of rounds */
+                    const vu ra0 = (vu)a0, ra1 = (vu)a1, rb0 = (vu)b0, rb1 = (vu)b1;
+                    const vu low0 = (ra0 + 0x7fffu + ((ra0 >> 16) & 1u)) >> 16;
+                    const vu low1 = (ra1 + 0x7fffu + ((ra1 >> 16) & 1u)) >> 16;
+                    const vu high0 = (rb0 + 0x7fffu + ((rb0 >> 16) & 1u)) & 0xffff0000u;
+                    const vu high1 = (rb1 + 0x7fffu + ((rb1 >> 16) & 1u)) & 0xffff0000u;
+                    uint32_t *pair = (uint32_t *)out + (k + j) / 2 * NR;
+                    *(vu_unaligned *)pair = low0 | high0;
+                    *(vu_unaligned *)(pair + GEMM_VEC) = low1 | high1;
+                } else {
+                    float *row = (float *)out + (k + j) * NR;
+                    *(vf_unaligned *)row = a0;
+                    *(vf_unaligned *)(row + GEMM_VEC) = a1;
+                    *(vf_unaligned *)(row + NR) = b0;
+                    *(vf_unaligned *)(row + NR + GEMM_VEC) = b1;
+                }
+            }
+        }
+    }
+}
+
+/* This thread's buffer `which` (a dequantized panel, or sums of x), grown as needed (helpers live as long as the
+ * process). */
+static void *thread_buffer(int which, size_t bytes)
+{
+    static __thread void *buffers[2];
+    static __thread size_t capacities[2];
+    if (bytes > capacities[which]) {
+        free(buffers[which]);
+        capacities[which] = (bytes + 4095) / 4096 * 4096;
+        buffers[which] = aligned_alloc(64, capacities[which]);
+        if (!buffers[which])
+            capacities[which] = 0;
+    }
+    return buffers[which];
+}
+
+int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32_t *panels, const float *scales,
+                   const float *offsets, int64_t group, int64_t code, const float *bias, float *y, int64_t y_stride,
+                   int64_t M, int64_t N, int64_t K, int64_t units_per_chunk, int64_t *counters, int64_t wait)
+{
+    if (x_bf16 && !BF16_DOT)
+        return -1;
+    const int kind = x_bf16 ? W_BF16 : W_F32, prompt = M > STREAM_ROWS;
+    const int64_t x_element = x_bf16 ? 2 : 4, words = K / codes_per_word((int)code), groups = K / group;
+    /* a prompt's blocks of rows are larger than the float kernel's: each block dequantizes every panel again */
+    const int64_t fit = K > 0 ? 4 * ROW_BLOCK_BYTES / (K * x_element) / MC * MC : 0;
+    const int64_t row_block = M > fit && fit ? fit : (M > 0 ? M : 1);
+    const int64_t count = (N + NR - 1) / NR, unit_chunks = (count + units_per_chunk - 1) / units_per_chunk;
+    const int64_t chunks = unit_chunks * ((M + row_block - 1) / row_block);
+    const int pairs = x_bf16 && code == CODE_U4 && !prompt;
+    void *values = prompt ? thread_buffer(0, (size_t)panel_bytes(kind, K)) : 0;
+    float *x_sums = pairs ? thread_buffer(1, (size_t)(M * groups) * sizeof(float)) : 0;
+    if ((prompt && !values) || (pairs && !x_sums))
+        return -1;
+#if BF16_DOT
+    if (pairs)
+        group_sums((const char *)x, x_stride, M, K, group, x_sums);
+#endif
+    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+        const int64_t first = c % unit_chunks * units_per_chunk, m0 = c / unit_chunks * row_block;
+        const int64_t last = first + units_per_chunk < count ? first + units_per_chunk : count;
+        const int64_t rows = M - m0 < row_block ? M - m0 : row_block;
+        const char *xm = (const char *)x + m0 * x_stride * x_element;
+        float *ym = y + m0 * y_stride;
+        for (int64_t p = first; p < last; p++) {
+            const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
+            const uint32_t *w = panels + p * words * NR;
+            const float *sc = scales + p * groups * NR, *of = offsets + p * groups * NR, *b = bias ? bias + n : 0;
+            if (prompt) {
+                dequantize_panel((int)code, (int)x_bf16, w, sc, of, group, K, values);
+                gemm_panels(kind, xm, x_stride, (const char *)values, b, ym + n, y_stride, rows, N - n, K, 0, 1);
+                continue;
+            }
+            for (int64_t m = 0; m < rows; m += MR) {
+                const int tile_rows = rows - m < MR ? (int)(rows - m) : MR;
+                const char *xt = xm + m * x_stride * x_element;
+                float *yt = ym + m * y_stride + n;
+#if BF16_DOT
+                if (pairs) {
+                    code_pairs_tile_of(tile_rows, xt, x_stride, w, sc, of, x_sums + (m0 + m) * groups, groups, group,
+                                       b, yt, y_stride, cols);
+                    continue;
+                }
+#endif
+                code_tile_of((int)code, (int)x_bf16, tile_rows, xt, x_stride, w, sc, of, group, K, b, yt, y_stride,
+                             cols);
+            }
+        }
+    }
+    if (wait)
+        wait_for_chunks(counters, chunks);
+    return 0;
+}
+
+int64_t gemm_codes_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
+{
+    (void)thread;
+    return gemm_codes((const void *)w[0], w[1], w[2], (const uint32_t *)w[3], (const float *)w[4], (const float *)w[5],
+                      w[6], w[7], (const float *)w[8], (float *)w[9], w[10], w[11], w[12], w[13], w[14], counters, wait);
+}
+int64_t gemm_codes_task_words(void) { return 15; }
+
 /* The same calls as tasks of helper_pool.c: the arguments before the counters as words, in order. */
 #define GEMM_TASK(NAME, KIND)                                                                           \
     int64_t NAME##_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)               \
@@ -551,6 +847,8 @@ const char *gemm_description(void)
 const char *gemm_f32_signature(void) { return "pipppiiiiiiipi:i"; }
 const char *gemm_f16_signature(void) { return "pipppiiiiiiipi:i"; }
 const char *gemm_bf16_signature(void) { return "pipppiiiiiiipi:i"; }
+const char *gemm_codes_signature(void) { return "piipppiippiiiiipi:i"; }
+const char *gemm_codes_task_words_signature(void) { return ":i"; }
 const char *gemm_f32_task_words_signature(void) { return ":i"; }
 const char *gemm_f16_task_words_signature(void) { return ":i"; }
 const char *gemm_bf16_task_words_signature(void) { return ":i"; }

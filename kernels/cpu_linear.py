@@ -6,9 +6,8 @@ Weights are packed into panels when the model loads (`pack`), in the layout of t
 dot product or float32 rows converted in registers). x and y are float32 in every format, so only the
 weights' bytes change with the dtype. A call's panels are shared by the threads (`native.share_units`).
 
-`Linear` is `nn.Linear` with that dispatch: the models build their projections from it, so a
-checkpoint loads into it as into `nn.Linear`. Its `weight` stays as loaded; the panels are a
-second copy of it, made only where a kernel runs.
+A model's `Linear` layer (services/worker/models/linear.py) calls these through its method: float panels
+(`gemm`, `gated_gemm`) or, for weights quantized by groups of inputs, codes (`gemm_codes`).
 
 On a CPU with AMX tiles for bfloat16 a prompt's product of bfloat16 weights (PROMPT_ROWS rows or more)
 goes to oneDNN through torch, which multiplies in those tiles; the packed kernel keeps a decode's few
@@ -19,15 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from kernels import native
+from kernels import choice, native
 from kernels.workspace import step_scratch
 
 SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth sharing between threads
@@ -37,7 +34,6 @@ CHUNKS_PER_THREAD = 8  # a shared call's panels come in this many chunks per thr
 SYMBOLS = {torch.float32: "gemm_f32", torch.float16: "gemm_f16", torch.bfloat16: "gemm_bf16"}
 ACT_NONE, ACT_SILU_F32, ACT_SILU_BF16 = 0, 1, 2  # what a call stores (cpu_gemm.c's enum activation)
 PROMPT_ROWS = 64  # rows from which a bfloat16 product is bound by arithmetic, not by reading the weight
-PROMPT_PRODUCTS = "PAGEDSERVE_PROMPT_PRODUCTS"  # "onednn" or "native": forces who multiplies a prompt's rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +41,7 @@ class GemmBuild:
     """One build of cpu_gemm.c: its kernel per weight dtype and what packing and calling them needs."""
 
     kernels: dict[torch.dtype, object]
+    codes: object  # gemm_codes: weights quantized by groups of k
     panel_width: int
     bf16_rows: bool  # bfloat16 weights take x rounded to bfloat16 (the dot product), not float32
     description: str
@@ -58,26 +55,30 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     arguments = [p, i, p, p, p, i, i, i, i, i, i, i, p, i]
     kernels = {dtype: native.function("cpu_gemm", symbol, arguments, i, variant=variant)
                for dtype, symbol in SYMBOLS.items()}
+    codes = native.function("cpu_gemm", "gemm_codes", [p, i, i, p, p, p, i, i, p, p, i, i, i, i, i, p, i], i,
+                            variant=variant)
     facts = {name: native.function("cpu_gemm", f"gemm_{name}", [], i, variant=variant)
              for name in ("panel_width", "bf16_reads_bf16_rows")}
-    if None in facts.values() or None in kernels.values():
+    if None in facts.values() or None in kernels.values() or codes is None:
         return None
     library = native.load("cpu_gemm", variant)
     library.gemm_description.restype = native.ctypes.c_char_p
     width, bf16_rows = (fact() for fact in facts.values())
-    return GemmBuild(kernels, width, bool(bf16_rows), library.gemm_description().decode(), native.variant_of(library))
+    return GemmBuild(kernels, codes, width, bool(bf16_rows), library.gemm_description().decode(),
+                     native.variant_of(library))
+
+
+def prompt_products(tiles: str = "amx_bf16") -> str:
+    """Who multiplies a prompt's rows (PROMPT_ROWS or more): "onednn" (torch's product) where the CPU has AMX
+    `tiles` (amx_bf16 for bfloat16 weights, amx_int8 for int8), whose multiply rate is several times the dot
+    product's, else "native" (the packed kernels); `--prompt-products` forces one (kernels/choice.py)."""
+    forced = choice.current().prompt_products
+    return forced if forced != "auto" else _by_tiles(tiles)
 
 
 @functools.cache
-def prompt_products() -> str:
-    """Who multiplies a prompt's rows (PROMPT_ROWS or more) by bfloat16 weights: "onednn" (torch's bfloat16
-    product) where the CPU has AMX tiles for bfloat16, whose multiply rate is several times the dot product's,
-    else "native" (cpu_gemm.c); PAGEDSERVE_PROMPT_PRODUCTS forces one."""
-    forced = os.environ.get(PROMPT_PRODUCTS, "")
-    if forced in ("onednn", "native"):
-        return forced
-    has_tiles = "amx_bf16" in native.cpu_flags() and torch.backends.mkldnn.is_available()
-    return "onednn" if has_tiles else "native"
+def _by_tiles(tiles: str) -> str:
+    return "onednn" if tiles in native.cpu_flags() and torch.backends.mkldnn.is_available() else "native"
 
 
 @contextlib.contextmanager
@@ -171,6 +172,84 @@ def _run(x: torch.Tensor, panels: torch.Tensor, out: torch.Tensor | None, bias: 
     return out if done == 0 else None
 
 
+CODE_KINDS = {"uint4": 0, "uint8": 1, "fp8": 2}  # cpu_gemm.c's enum code_kind
+CODES_PER_WORD = {"uint4": 8, "uint8": 4, "fp8": 4}
+# Where code j of a word lies: bytes in order; 4-bit codes of even j in the low half, of odd j in the high.
+_BYTES = torch.tensor([0, 8, 16, 24], dtype=torch.int32)
+CODE_SHIFTS = {"uint4": torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int32), "uint8": _BYTES, "fp8": _BYTES}
+
+
+@dataclass(frozen=True, slots=True)
+class CodePanels:
+    """A weight quantized by groups of k, packed for `gemm_codes` (cpu_gemm.c): codes [panels, K / per word, width]
+    words, and a scale and an offset per column and group, [panels, K / group, width] each."""
+
+    panels: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    kind: str
+    group: int
+    out_features: int
+    in_features: int
+
+
+def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: str,
+               build: GemmBuild | None = None) -> CodePanels:
+    """`codes` [N, K] (uint8: a 4-bit code, a byte, or an e4m3 number's bits) whose values are code x scale + offset
+    with `scales` and `offsets` [N, K / group] float32, as the build's panels."""
+    width = (build or gemm_build()).panel_width
+    n, k = codes.shape
+    groups = scales.shape[1]
+    panels, per_word = -(-n // width), CODES_PER_WORD[kind]
+    padded = torch.zeros(panels * width, k, dtype=torch.int32)
+    padded[:n] = codes.to(torch.int32)
+    shifted = padded.view(panels * width, k // per_word, per_word) << CODE_SHIFTS[kind]
+    words = shifted.sum(2, dtype=torch.int32)  # the codes' bits do not overlap: their sum is their union
+    words = words.view(panels, width, -1).transpose(1, 2).contiguous()
+
+    def by_panel(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(panels * width, groups, dtype=torch.float32)
+        out[:n] = values
+        return out.view(panels, width, groups).transpose(1, 2).contiguous()
+
+    return CodePanels(words, by_panel(scales), by_panel(offsets), kind, k // groups, n, k)
+
+
+def gemm_codes(x: torch.Tensor, packed: CodePanels, bias: torch.Tensor | None, out: torch.Tensor | None = None,
+               build: GemmBuild | None = None, bf16_x: bool = False) -> torch.Tensor | None:
+    """`x W^T + b` from W's codes, x float32 (rounded to bfloat16 rows first with `bf16_x`, where the build takes
+    them; or given as such, of even width) and the result float32 (into `out` where given); None where the kernel
+    does not apply."""
+    build = build or gemm_build()
+    if build is None or x.stride(1) != 1 or torch.is_grad_enabled():
+        return None
+    if x.dtype is torch.bfloat16:
+        if not build.bf16_rows or x.shape[1] % 2:
+            return None
+    elif x.dtype is not torch.float32:
+        return None
+    elif bf16_x and build.bf16_rows and x.shape[1] % 2 == 0:
+        x = bf16_rows(x)
+    rows, width = x.shape
+    if out is None:
+        out = torch.empty((rows, packed.out_features), dtype=torch.float32)
+    # Unpacking codes costs arithmetic as well as reads: a weight is shared by its count of values, as bfloat16's is.
+    weights = packed.out_features * width
+    split = rows >= SPLIT_ROWS and rows * weights >= SPLIT_MACS or 2 * weights >= SPLIT_BYTES
+    args = (x.data_ptr(), x.stride(0), int(x.dtype is torch.bfloat16), packed.panels.data_ptr(),
+            packed.scales.data_ptr(), packed.offsets.data_ptr(), packed.group, CODE_KINDS[packed.kind],
+            0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), rows, packed.out_features, width)
+    done = native.share_units(build.codes, args, packed.panels.shape[0], split, CHUNKS_PER_THREAD)
+    return out if done == 0 else None
+
+
+def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: str) -> torch.Tensor:
+    """The float32 weight [N, K] that `codes` stand for (the reference for `gemm_codes`)."""
+    group = codes.shape[1] // scales.shape[1]
+    values = codes.view(torch.float8_e4m3fn).float() if kind == "fp8" else codes.float()
+    return values * scales.repeat_interleave(group, 1) + offsets.repeat_interleave(group, 1)
+
+
 def bf16_rows(x: torch.Tensor) -> torch.Tensor:
     """x rounded to bfloat16, its rows padded with a zero to an even length (the dot product takes
     pairs); a large copy in scratch memory, which the call that takes it is done with on return."""
@@ -190,70 +269,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         weight = weight.to(x.dtype)
         bias = None if bias is None else bias.to(x.dtype)
     return F.linear(x, weight, bias)
-
-
-class Linear(nn.Linear):
-    panels: torch.Tensor | None = None
-    halves = 0  # a gated MLP's fused gate and up projection: each half's width, its panels packed in pairs (gated)
-    # Where a model's use of this layer's output ends before the next layer of the same role runs
-    # (within one decoder layer), a large output is written into a buffer of that name, reused
-    # (kernels/workspace.py); None: a fresh tensor, for outputs that live on (the logits).
-    output_slot: str | None = None
-
-    def pack(self) -> None:
-        """Pack the weight for `cpu_gemm.c`, where it will run: a CPU, a kernel for its dtype at hand."""
-        weight = self.weight
-        if (weight.device.type == "cpu" and packs(weight.dtype)
-                and (self.bias is None or (self.bias.is_contiguous() and self.bias.dtype is torch.float32))):
-            self.panels = pack(weight.detach(), halves=self.halves)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.bias)
-
-    @property
-    def takes_bf16_rows(self) -> bool:
-        """Whether this layer's kernel multiplies bfloat16 rows of x: its input may be written as such
-        by the kernel before it (norm, activation), saving a pass that rounds float32 rows."""
-        panels = self.panels
-        if panels is None or panels.dtype is not torch.bfloat16 or self.in_features % 2:
-            return False
-        build = gemm_build()
-        return build is not None and build.bf16_rows
-
-    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x W^T`, plus `bias` where given (the row-parallel projections of tensor parallelism add
-        theirs after the all-reduce)."""
-        if self.panels is not None and x.dim() == 2:
-            out = step_scratch.take_if_large(self.output_slot, (x.shape[0], self.out_features), torch.float32,
-                                             x.device)
-            if self._prompt_by_onednn(x):
-                with every_kernel_thread():
-                    out.copy_(F.linear(x.to(torch.bfloat16), self.weight))
-                return out if bias is None else out.add_(bias)
-            if gemm(x, self.panels, self.out_features, bias, out=out, halves=self.halves) is not None:
-                return out
-        if x.dtype is torch.bfloat16 and self.weight.dtype is not torch.bfloat16:
-            x = x.float()
-        return linear(x, self.weight, bias)
-
-    def _prompt_by_onednn(self, x: torch.Tensor) -> bool:
-        panels = self.panels
-        return (panels is not None and panels.dtype is torch.bfloat16 and x.shape[0] >= PROMPT_ROWS
-                and self.weight.dtype is torch.bfloat16 and prompt_products() == "onednn")
-
-    def gated(self, x: torch.Tensor, bf16_rows: bool) -> torch.Tensor | None:
-        """SiLU(gate) * up of this fused gate and up projection (`halves` set), the activation applied as the
-        kernel stores its sums: float32 rows, or bfloat16 rows for a product that takes them. None where the
-        kernel does not run here (then `forward`, and the activation apart)."""
-        if self.panels is None or not self.halves or x.dim() != 2 or self._prompt_by_onednn(x):
-            return None
-        shape, dtype = (x.shape[0], self.halves), torch.bfloat16 if bf16_rows else torch.float32
-        return gated_gemm(x, self.panels, self.halves, self.bias,
-                          step_scratch.take_if_large("activation rows", shape, dtype, x.device))
-
-
-def pack_weights(model: nn.Module) -> None:
-    """Every `Linear` of `model` packed for the CPU kernel, where it applies."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.pack()

@@ -1,29 +1,24 @@
 """The kernel boundary the model calls: Triton on CUDA; on a CPU, the compiled C kernel where it
 builds, vectorized torch elsewhere.
 
-`PAGEDSERVE_KERNELS=reference` forces the per-sequence references (on any device), the oracle the
-others are tested against; `PAGEDSERVE_KERNELS=torch` keeps the CPU in torch (no C compiler
-needed); `PAGEDSERVE_KERNELS=triton` forces Triton (on CPU that needs `TRITON_INTERPRET=1`, as
-the tests use).
+`--kernels reference` forces the per-sequence references (on any device), the oracle the others are
+tested against; `--kernels torch` keeps the CPU in torch (no C compiler needed); `--kernels triton`
+forces Triton (on CPU that needs `TRITON_INTERPRET=1`, as the tests use). kernels/choice.py holds the
+choice.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels import block_copy, kv_quant, kv_write, rotary
+from kernels import block_copy, choice, kv_quant, kv_write, rotary
 from kernels import paged_attention as attention
 from kernels.batch import PagedBatch
 from kernels.cpu_attention import native_accepts, paged_attention_cpu, paged_attention_torch
 
 
 def _mode() -> str:
-    mode = os.environ.get("PAGEDSERVE_KERNELS", "auto")
-    if mode not in ("auto", "reference", "torch", "triton"):
-        raise ValueError(f"PAGEDSERVE_KERNELS={mode!r}: expected auto, reference, torch or triton")
-    return mode
+    return choice.current().backend
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -32,7 +27,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
         return False
     if attention.triton is None:
         if mode == "triton":
-            raise RuntimeError("PAGEDSERVE_KERNELS=triton, but triton is not installed")
+            raise RuntimeError("--kernels triton, but triton is not installed")
         return False
     return mode == "triton" or tensor.is_cuda
 

@@ -6,8 +6,8 @@ an image built on one host runs on another and needs no compiler. A source tree,
 with no variant for this CPU, is compiled for this CPU (`-march=native`) on first use into a
 private cache directory, named by a digest of the source, the flags, the compiler and the CPU,
 so a changed source or a different machine gets a fresh build. With neither, `load` returns
-None and callers use torch. PAGEDSERVE_CPU_KERNELS=<variant> runs one variant's build instead (the
-tests run each one this CPU can, against the portable one).
+None and callers use torch. A worker's `--cpu-kernels` (kernels/choice.py) runs one variant's build instead, and
+the tests run each one this CPU can against the portable one.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ PREBUILT = SOURCES / "prebuilt"
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 # Prebuilt variants, best first, with the CPU flags each needs (as /proc/cpuinfo names them).
 VARIANTS = {
-    "x86-64-v4-bf16": (["-O3", "-march=x86-64-v4", "-mavx512bf16", "-ffast-math", "-fopenmp-simd", "-fPIC"],
-                       _AVX512 | {"avx512_bf16"}),
+    "x86-64-v4-bf16": (["-O3", "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-ffast-math", "-fopenmp-simd",
+                        "-fPIC"], _AVX512 | {"avx512_bf16", "avx512_vnni"}),
     "x86-64-v4": (["-O3", "-march=x86-64-v4", "-ffast-math", "-fopenmp-simd", "-fPIC"], _AVX512),
     "x86-64-v3": (["-O3", "-march=x86-64-v3", "-ffast-math", "-fopenmp-simd", "-fPIC"], {"avx2", "fma", "f16c"}),
     "portable": (["-O3", "-ffast-math", "-fPIC"], set()),
@@ -56,16 +56,18 @@ EMULATED = {
     "x86-64-v3-as-v4-bf16": (VARIANTS["x86-64-v3"][0] + ["-DGEMM_VEC=16", "-DGEMM_BF16_DOT_EMULATED"],
                              VARIANTS["x86-64-v3"][1]),
 }
-FORCE = "PAGEDSERVE_CPU_KERNELS"  # a variant's name: every kernel in that build (from source if need be)
+# A variant's name (kernels/choice.py sets it): every kernel from that build (from source if need be). A plain
+# attribute, as setup.py loads this module with the standard library alone.
+forced_build: str | None = None
 _loaded: dict[tuple[str, str | None], ctypes.CDLL | None] = {}
 _variant_of: dict[str, str] = {}  # the variant each loaded library is, by its path
 
 
 def load(name: str, variant: str | None = None) -> ctypes.CDLL | None:
     """The compiled `kernels/<name>.c`, or None where it cannot be built here: the best prebuilt
-    variant this CPU runs, else a build for this CPU; with `variant` (or the PAGEDSERVE_CPU_KERNELS
-    environment variable), that variant's build, or None where this CPU cannot run it."""
-    variant = variant or os.environ.get(FORCE) or None
+    variant this CPU runs, else a build for this CPU; with `variant` (or the chosen `forced_build`), that
+    variant's build, or None where this CPU cannot run it."""
+    variant = variant or forced_build
     if (name, variant) not in _loaded:
         _loaded[name, variant] = _build_and_load(name) if variant is None else _load_variant(name, variant)
     return _loaded[name, variant]
@@ -318,7 +320,7 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
 
 def _load_variant(name: str, variant: str) -> ctypes.CDLL | None:
     if variant not in VARIANTS and variant not in EMULATED:
-        raise ValueError(f"{FORCE}={variant!r}: expected one of {', '.join([*VARIANTS, *EMULATED])}")
+        raise ValueError(f"CPU kernels {variant!r}: expected one of {', '.join([*VARIANTS, *EMULATED])}")
     flags, needs = (VARIANTS | EMULATED)[variant]
     if not needs <= cpu_flags():
         log.warning("this CPU lacks %s for the %s kernels: %s runs in torch", ", ".join(sorted(needs - cpu_flags())),

@@ -38,6 +38,10 @@ def _tenant_weights(text: str) -> dict[str, float]:
     return weights
 
 
+# kernels/native.py's builds (VARIANTS and the tests' EMULATED), named here without importing the kernels
+CPU_KERNEL_BUILDS = ("auto", "x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "portable", "x86-64-v3-as-v4-bf16")
+
+
 def _dtype(name: str) -> str:
     """vLLM's dtype names too: half and float."""
     return {"half": "float16", "float": "float32"}.get(name, name)
@@ -121,6 +125,10 @@ class WorkerConfig:
         choices=("auto", "int8", "fp8"))
     load_format: str = option("auto", "dummy: random weights from config.json alone, for benchmarks",
                               choices=("auto", "dummy"))
+    quantization: str | None = option(
+        None, "the checkpoint's quantization method, as vLLM names it: compressed-tensors (W8A8 int8, W4A16, W8A16, "
+        "FP8), gptq, awq or fp8 (None: what config.json's quantization_config says; a method that contradicts it "
+        "is refused)", short="-q", choices=("compressed-tensors", "gptq", "awq", "fp8", "gptq_marlin", "awq_marlin"))
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory for weights, activations and KV cache")
     kv_cache_memory: float = option(1.0, "GiB of KV cache on CPU")
     swap_space: float = option(4.0, "GiB of CPU swap space for KV blocks")
@@ -141,6 +149,17 @@ class WorkerConfig:
     cpu_threads: int = option(
         0, "torch threads of a worker on a CPU device (0: every core while other processes leave them nearly idle, "
         "one fewer otherwise; chosen each second)")
+    kernels: str = option(
+        "auto", "the kernels a worker runs: Triton on CUDA and the compiled kernels on a CPU (auto), the per-sequence "
+        "torch references (reference: the oracle, slow), torch alone on a CPU (torch: no compiler needed), or Triton "
+        "(triton; on a CPU with TRITON_INTERPRET=1)", choices=("auto", "reference", "torch", "triton"))
+    cpu_kernels: str = option(
+        "auto", "the build of the compiled CPU kernels that runs: the best this CPU runs (auto), or a named "
+        "instruction set, for comparing them", choices=CPU_KERNEL_BUILDS)
+    prompt_products: str = option(
+        "auto", "who multiplies a prompt's rows (64 or more) of bfloat16 and int8 weights on a CPU: oneDNN through "
+        "torch where the CPU has AMX tiles for the type, else the packed kernels (auto), or either, forced",
+        choices=("auto", "onednn", "native"))
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -93,6 +94,25 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         family: build_model(str(tmp_path_factory.mktemp(family)), family)
         for family in ("llama", "qwen2")
     }
+
+
+@pytest.fixture
+def kernels_chosen():
+    """Which kernels run (kernels/choice.py: a worker's --kernels, --cpu-kernels, --prompt-products), changed by
+    the test's calls and restored after it."""
+    from kernels import choice
+
+    kept = choice.current()
+    yield lambda **changes: choice.choose(dataclasses.replace(choice.current(), **changes))
+    choice.choose(kept)
+
+
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory):
+    """The tiny families' quantized checkpoints (tests/quantized_models.py), each written once a session."""
+    from tests.quantized_models import QuantizedCheckpoints
+
+    return QuantizedCheckpoints(str(tmp_path_factory.mktemp("quantized")))
 
 
 @pytest.fixture(scope="session")

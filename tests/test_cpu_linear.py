@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from kernels import cpu_linear, native
 from kernels.cpu_activation import silu_and_mul
-from kernels.cpu_linear import Linear, gated_gemm, gemm, gemm_build, pack, pack_weights
+from kernels.cpu_linear import gated_gemm, gemm, gemm_build, pack
+from services.worker.models.linear import Linear, prepare_layers
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(37, 100), (64, 256), (50, 13), (33, 1), (40, 7)]  # partial panels; odd K, down to one
@@ -219,7 +220,7 @@ def test_a_call_is_shared_when_its_rows_are_many_enough_or_its_weight_large_enou
 def test_a_layer_packs_its_weight_on_a_cpu_and_computes_in_float32(dtype):
     layer = Linear(32, 24).to(dtype)
     layer.bias.data = layer.bias.data.float()  # as the loader leaves a half model's biases
-    pack_weights(layer)
+    prepare_layers(layer, torch.float32)
     assert layer.panels is not None and layer.panels.dtype is dtype
     x = torch.randn(5, 32)
     out = layer(x)
@@ -231,10 +232,10 @@ def test_a_layer_packs_its_weight_on_a_cpu_and_computes_in_float32(dtype):
 def test_a_layer_takes_bf16_rows_exactly_where_its_kernel_rounds_x_to_them_and_gives_the_same_result(dtype):
     layer = Linear(32, 24).to(dtype)
     layer.bias.data = layer.bias.data.float()
-    pack_weights(layer)
+    prepare_layers(layer, torch.float32)
     assert layer.takes_bf16_rows == (dtype is torch.bfloat16 and gemm_build().bf16_rows)
     odd = Linear(31, 24).to(dtype)
-    pack_weights(odd)
+    prepare_layers(odd, torch.float32)
     assert not odd.takes_bf16_rows  # the dot product takes pairs: an odd width is padded by the kernel's caller
     x = torch.randn(7, 32)
     if layer.takes_bf16_rows:
@@ -243,7 +244,7 @@ def test_a_layer_takes_bf16_rows_exactly_where_its_kernel_rounds_x_to_them_and_g
 
 def test_a_row_parallel_product_leaves_the_bias_to_be_added_after_the_all_reduce():
     layer = Linear(32, 24)
-    pack_weights(layer)
+    prepare_layers(layer, torch.float32)
     x = torch.randn(3, 32)
     torch.testing.assert_close(layer.product(x, None), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
 
@@ -251,7 +252,7 @@ def test_a_row_parallel_product_leaves_the_bias_to_be_added_after_the_all_reduce
 def test_without_a_kernel_a_half_weight_still_serves_float32_rows(monkeypatch):
     monkeypatch.setattr(cpu_linear, "gemm_build", lambda variant=None: None)
     layer = Linear(16, 8).to(torch.bfloat16)
-    pack_weights(layer)
+    prepare_layers(layer, torch.float32)
     assert layer.panels is None
     x = torch.randn(2, 16)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight.float(), layer.bias.float()))
@@ -260,7 +261,7 @@ def test_without_a_kernel_a_half_weight_still_serves_float32_rows(monkeypatch):
 
 def test_a_layer_with_an_output_slot_writes_large_outputs_into_one_buffer_and_others_afresh():
     layer = Linear(256, 1024)
-    layer.pack()
+    layer.prepare(torch.float32)
     layer.output_slot = "a test's projection"
     large = [torch.randn(300, 256) for _ in range(2)]  # 300 x 1,024 floats: past the reuse threshold
     outputs = [layer(x) for x in large]
@@ -273,25 +274,20 @@ def test_a_layer_with_an_output_slot_writes_large_outputs_into_one_buffer_and_ot
 
 
 @pytest.fixture
-def prompt_products(monkeypatch):
-    """Who multiplies a prompt's rows, read afresh from the environment within the test and after it."""
-    def force(route: str) -> None:
-        monkeypatch.setenv(cpu_linear.PROMPT_PRODUCTS, route)
-        cpu_linear.prompt_products.cache_clear()
-
-    cpu_linear.prompt_products.cache_clear()
-    yield force
-    monkeypatch.delenv(cpu_linear.PROMPT_PRODUCTS, raising=False)
-    cpu_linear.prompt_products.cache_clear()
+def prompt_products(kernels_chosen):
+    """Who multiplies a prompt's rows, forced within the test (a worker's --prompt-products)."""
+    cpu_linear._by_tiles.cache_clear()
+    yield lambda route: kernels_chosen(prompt_products=route)
+    cpu_linear._by_tiles.cache_clear()
 
 
 def test_prompt_products_go_to_onednn_where_the_cpu_has_amx_tiles_for_bfloat16(prompt_products, monkeypatch):
-    monkeypatch.delenv(cpu_linear.PROMPT_PRODUCTS, raising=False)
     has_tiles = "amx_bf16" in native.cpu_flags() and torch.backends.mkldnn.is_available()
     assert cpu_linear.prompt_products() == ("onednn" if has_tiles else "native")
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
-    cpu_linear.prompt_products.cache_clear()
+    cpu_linear._by_tiles.cache_clear()
     assert cpu_linear.prompt_products() == ("onednn" if torch.backends.mkldnn.is_available() else "native")
+    assert cpu_linear.prompt_products("amx_int8") == "native"  # int8 has tiles of its own
     assert "by oneDNN" in cpu_linear.describe_products(torch.bfloat16) or not torch.backends.mkldnn.is_available()
     assert cpu_linear.describe_products(torch.float32) == ""
 
@@ -302,7 +298,7 @@ def test_a_prompts_bfloat16_product_by_onednn_is_torchs_and_a_decodes_stays_pack
     layer = Linear(96, 80, bias=bias).to(torch.bfloat16)
     if bias:
         layer.bias.data = layer.bias.data.float()
-    pack_weights(layer)
+    prepare_layers(layer, torch.float32)
     rows = cpu_linear.PROMPT_ROWS
     with torch.no_grad():
         prompt, decode = torch.randn(rows, 96), torch.randn(rows - 1, 96)
@@ -319,7 +315,7 @@ def test_a_product_by_onednn_gets_a_torch_thread_per_kernel_thread_for_its_durat
     prompt_products("onednn")
     monkeypatch.setattr(native, "_threads", 2)
     layer = Linear(32, 16, bias=False).to(torch.bfloat16)
-    pack_weights(layer)
+    prepare_layers(layer, torch.float32)
     seen = []
     linear = F.linear
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append(torch.get_num_threads()) or linear(x, w, b))

@@ -114,13 +114,12 @@ def test_bf16_with_speculation_gives_the_tokens_of_bf16_without_it(half_models, 
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_bf16_stays_close_with_prompt_products_by_onednn(half_models, family, monkeypatch):
+def test_bf16_stays_close_with_prompt_products_by_onednn(half_models, family, monkeypatch, kernels_chosen):
     # Where the CPU has AMX tiles a prompt's bf16 products go to oneDNN (cpu_linear.prompt_products): forced
     # here, from 8 rows, so that the test's short prompts take that route.
     needs_kernels()
-    monkeypatch.setenv(cpu_linear.PROMPT_PRODUCTS, "onednn")
+    kernels_chosen(prompt_products="onednn")
     monkeypatch.setattr(cpu_linear, "PROMPT_ROWS", 8)
-    cpu_linear.prompt_products.cache_clear()
     calls = []
     linear = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear",
@@ -130,7 +129,6 @@ def test_bf16_stays_close_with_prompt_products_by_onednn(half_models, family, mo
         ours = Engine(directory, dtype="auto").generate_with_logprobs(PROMPTS, max_tokens=MAX_TOKENS)
     finally:
         monkeypatch.undo()
-        cpu_linear.prompt_products.cache_clear()
     assert calls and min(calls) >= 8  # prompt steps by oneDNN, decode steps (3 rows) packed
     check_logprobs_close(ours, [hf_greedy_with_logprobs(directory, p, MAX_TOKENS, torch.bfloat16) for p in PROMPTS])
 

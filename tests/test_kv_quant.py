@@ -53,8 +53,9 @@ def test_an_int8_block_holds_its_rows_in_a_quarter_of_the_bytes_and_its_scales_b
 
 @pytest.mark.parametrize("storage", [torch.int8, torch.uint8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("mode", ["auto", "torch", "reference", "triton"])
-def test_attention_over_a_quantized_cache_is_attention_over_its_dequantized_values(mode, storage, monkeypatch):
-    monkeypatch.setenv("PAGEDSERVE_KERNELS", mode)
+def test_attention_over_a_quantized_cache_is_attention_over_its_dequantized_values(mode, storage, monkeypatch,
+                                                                                   kernels_chosen):
+    kernels_chosen(backend=mode)
     generator = torch.Generator().manual_seed(0)
     block_size, kv_heads, heads, head_dim, num_blocks = 4, 2, 4, 64, 24
     lengths, queries = [9, 1, 14], [1, 1, 5]  # two decoding sequences and a chunk of a prompt

@@ -60,8 +60,8 @@ def test_paged_greedy_equals_hf_generate(model_dirs, family, block_size):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_with_the_triton_kernels_equals_hf_generate(model_dirs, family, monkeypatch):
-    monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")  # interpreted on a CPU, compiled on a GPU
+def test_greedy_with_the_triton_kernels_equals_hf_generate(model_dirs, family, kernels_chosen):
+    kernels_chosen(backend="triton")  # interpreted on a CPU, compiled on a GPU
     model_dir = model_dirs[family]
     got = greedy_through_runner(model_dir, block_size=8, num_new_tokens=6, shuffle_seed=5)
     assert got == [hf_greedy(model_dir, p, 6) for p in PROMPTS]

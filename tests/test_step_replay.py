@@ -100,8 +100,8 @@ def test_replayed_decode_steps_give_the_tokens_and_logprobs_of_eager_ones(llama_
     assert graphs.replays > 2 * len(graphs.recorded)  # most steps replayed, not recorded
 
 
-def test_layers_computed_in_torch_run_each_step_eagerly(llama_dirs, monkeypatch):
-    monkeypatch.setenv("PAGEDSERVE_KERNELS", "torch")
+def test_layers_computed_in_torch_run_each_step_eagerly(llama_dirs, kernels_chosen):
+    kernels_chosen(backend="torch")
     replayed, graphs = generate(llama_dirs["float32"], 1, True)
     eager, _ = generate(llama_dirs["float32"], 1, False)
     assert replayed == eager

@@ -161,7 +161,12 @@ def hf_greedy_with_logprobs(
 ) -> tuple[list[int], list[dict[int, float]]]:
     """HF's greedy generate with the model in `dtype` (bf16 on a CPU: what the closeness rule compares
     against), and each position's `top` log-probabilities by token id, up to and including EOS."""
-    model = _hf_model(directory, dtype)
+    return greedy_with_logprobs(_hf_model(directory, dtype), prompt_ids, max_new_tokens, top)
+
+
+def greedy_with_logprobs(model, prompt_ids: list[int], max_new_tokens: int, top: int = 5
+                         ) -> tuple[list[int], list[dict[int, float]]]:
+    """`model`'s greedy generate (an HF model), with each position's `top` log-probabilities by token id."""
     out = _greedy(model, prompt_ids, max_new_tokens, output_logits=True, return_dict_in_generate=True)
     tokens = _through_eos(out.sequences[0, len(prompt_ids) :].tolist(), model.generation_config.eos_token_id)
     tops = []

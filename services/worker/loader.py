@@ -13,10 +13,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kernels.cpu_linear import Linear, describe_products, gemm_build, pack_weights, packs
+from kernels.cpu_linear import describe_products, gemm_build, packs
 from services.worker.model_config import read_config
 from services.worker.models import ARCHITECTURES
 from services.worker.models.base import Embedding, PagedCausalLM
+from services.worker.models.linear import Linear, prepare_layers
+from services.worker.quantization.loading import load_quantized, quantized_layers
+from services.worker.quantization.schemes import QuantizationConfig, QuantizationError, read_quantization
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel
 
 log = logging.getLogger(__name__)
@@ -116,31 +119,63 @@ def count_parameters(model_dir: str) -> int:
 
 
 def load_model(model_dir: str, dtype_name: str, device: torch.device, load_format: str = "auto", seed: int = 0,
-               tp: TensorParallel = SINGLE):
+               tp: TensorParallel = SINGLE, quantization: str | None = None):
+    """The model of `model_dir` on `device`, this rank's share of it, and its config. A quantized checkpoint's
+    linear layers (config.json's quantization_config, or `quantization`, vLLM's --quantization) get its methods."""
     started = time.monotonic()
     config = load_config(model_dir)
+    quant = quantization_of(config, quantization)
     dtype = resolve_dtype(config, dtype_name, device)
     model = build_on_meta(config, tp)
-    log.info("loading %s (%.1fM parameters, %s weights) from %s", type(model).__name__,
-             sum(p.numel() for p in model.parameters()) / 1e6, load_format, model_dir)
+    if quant is not None and not model.quantizable:
+        raise ModelLoadError(f"{type(model).__name__} is not served quantized (Llama, Mistral, Qwen2 and Qwen3 are)")
+    try:
+        quantized = quantized_layers(model, quant) if quant is not None else {}
+    except QuantizationError as exc:
+        raise ModelLoadError(f"{model_dir}: {exc}") from None
+    log.info("loading %s (%.1fM parameters, %s weights%s) from %s", type(model).__name__,
+             sum(p.numel() for p in model.parameters()) / 1e6, load_format,
+             f", quantized: {quant.describe()}" if quant is not None else "", model_dir)
     if load_format == "dummy":
+        if quantized:
+            raise ModelLoadError("--load-format dummy makes float weights; a quantized checkpoint needs its own")
         state = random_weights(model, config, seed, device, dtype)
     else:
         shards = model.shards() if tp.world_size > 1 else {}
-        weights = read_weights(model_dir, getattr(model, "ignored_weights", ()), shards)
+        # A quantized layer is read whole and split once it is read: its tensors split along other lines
+        whole = {f"{name}.weight" for name in quantized}
+        weights = read_weights(model_dir, getattr(model, "ignored_weights", ()),
+                               {key: shard for key, shard in shards.items() if key not in whole})
+        try:
+            load_quantized(quantized, quant, weights, shards)  # type: ignore[arg-type]
+        except QuantizationError as exc:
+            raise ModelLoadError(f"{model_dir}: {exc}") from None
         state = checked_weights(model, weights, model_dir)
         state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+        for layer in quantized.values():
+            layer.method.to(device)
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     del state  # the fused projections below then replace the loaded ones rather than add to them
-    model.fuse_projections()
+    try:
+        model.fuse_projections()
+    except QuantizationError as exc:
+        raise ModelLoadError(f"{model_dir}: {exc}") from None
     compute = activation_dtype(dtype, device)
     if compute != dtype:
         store_half_only_where_read(model, compute)
-    pack_weights(model)
+    prepare_layers(model, dtype)
     model.eval()
     log.info("loaded %s in %.1f s: %s", type(model).__name__, time.monotonic() - started, numerics(model, device))
     return model, config
+
+
+def quantization_of(config, flag: str | None) -> QuantizationConfig | None:
+    """The checkpoint's quantization, as its config.json declares it and --quantization names it."""
+    try:
+        return read_quantization(getattr(config, "quantization_config", None), flag)
+    except QuantizationError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,13 +186,15 @@ class Numerics:
     weights: str  # the weights' and the KV cache's dtype
     activations: str
     kernels: str  # on a CPU the compiled kernels' build, or "torch" without one
+    quantization: str = "none"  # the quantized layers' methods and their kernels
 
     def __str__(self) -> str:
+        quantized = f"; quantized layers: {self.quantization}" if self.quantization != "none" else ""
         if self.weights == self.activations:
-            return f"{self.weights} on {self.device}, kernels: {self.kernels}"
+            return f"{self.weights} on {self.device}, kernels: {self.kernels}{quantized}"
         return (
             f"{self.weights} weights and KV cache, {self.activations} activations, on {self.device}, "
-            f"kernels: {self.kernels}"
+            f"kernels: {self.kernels}{quantized}"
         )
 
 
@@ -167,11 +204,14 @@ def numerics(model: PagedCausalLM, device: torch.device) -> Numerics:
     kernels = "triton" if device.type == "cuda" else f"{build.variant} ({build.description})" if build else "torch"
     if build is not None:
         kernels += describe_products(weights)
+    methods = sorted({module.method.describe() for module in model.modules()
+                      if isinstance(module, Linear) and module.weight is None})
     return Numerics(
         device.type,
         str(weights).removeprefix("torch."),
         str(activation_dtype(weights, device)).removeprefix("torch."),
         kernels,
+        "; ".join(methods) or "none",
     )
 
 

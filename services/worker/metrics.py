@@ -27,7 +27,8 @@ class WorkerMetrics:
     def describe_compute(self, numerics) -> None:
         """`numerics`: the loader's `Numerics` of the model this rank serves."""
         self.compute.info({"device": numerics.device, "weights": numerics.weights,
-                           "activations": numerics.activations, "kernels": numerics.kernels})
+                           "activations": numerics.activations, "kernels": numerics.kernels,
+                           "quantization": numerics.quantization})
 
     def observe(self, result: StepResult) -> None:
         if result.error is None:

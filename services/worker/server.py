@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from kernels import replay
+from kernels import choice, replay
+from kernels.choice import KernelChoice
 from services.worker.cpu_threads import ComputeThreads
 from services.worker.decode_graphs import DecodeGraphs
 from services.worker.disk_tier import DISK_STAGING_BLOCKS, DiskTier, fingerprint, weight_files
@@ -117,13 +118,16 @@ class WorkerServer:
                  metrics: WorkerMetrics | None = None):
         worker, scheduler, model_dir = setup.worker, setup.scheduler, setup.model.model
         self.rank, self.world_size = rank, world_size
+        choice.choose(KernelChoice(worker.kernels, None if worker.cpu_kernels == "auto" else worker.cpu_kernels,
+                                   worker.prompt_products))
         device = pick_device(worker.device, rank)
         threads = ComputeThreads(worker.cpu_threads, world_size) if device.type == "cpu" else None
         if threads is not None:
             threads.use(threads.for_step())
         tp = join_rank_group(rank, world_size, setup.dist_init_method, device)
         torch.manual_seed(worker.seed)  # the same on every rank: they sample the same tokens
-        model, config = load_model(model_dir, worker.dtype, device, worker.load_format, worker.seed, tp)
+        model, config = load_model(model_dir, worker.dtype, device, worker.load_format, worker.seed, tp,
+                                   worker.quantization)
         dtype = model.lm_head.weight.dtype
         models = [(model, config)]
         speculative = scheduler.speculative

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from kernels.cpu_linear import Linear, linear
+from kernels.cpu_linear import linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,16 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
+class Projection(Protocol):
+    """What a row-parallel projection needs of a linear layer (services/worker/models/linear.py)."""
+
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 def row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel,
                  transposed: bool = False) -> torch.Tensor:
     """A projection whose input is split over the ranks: partial sums, all-reduced, then the bias
@@ -56,7 +67,7 @@ def row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out + bias if bias is not None else out
 
 
-def row_parallel_linear(projection: Linear, x: torch.Tensor, tp: TensorParallel,
+def row_parallel_linear(projection: Projection, x: torch.Tensor, tp: TensorParallel,
                         partial: Callable[[torch.Tensor], object] | None = None) -> torch.Tensor:
     """`partial`: called with this rank's partial sums before they are all-reduced, to add to them in place
     (a LoRA adapter's share of the projection, from this rank's part of its input)."""

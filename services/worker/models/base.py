@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu_linear import Linear
+from services.worker.models.linear import Linear
+from services.worker.quantization.methods import FloatMethod, joined
 from services.worker.tensor_parallel import Shard
 
 
@@ -22,12 +23,15 @@ class Embedding(nn.Embedding):
 
 def fused(*projections: Linear) -> Linear:
     """One projection of the same input whose output is `projections`' outputs side by side: one
-    matmul where there were several. It takes over their weights (concatenated) as they are loaded."""
-    weights = [p.weight for p in projections]
+    matmul where there were several. It takes over their weights (concatenated) as they are loaded,
+    float or quantized alike."""
     has_bias = projections[0].bias is not None
     with torch.device("meta"):
-        combined = Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=has_bias)
-    combined.weight = nn.Parameter(torch.cat(weights), requires_grad=False)
+        combined = Linear(projections[0].in_features, sum(p.out_features for p in projections), bias=has_bias)
+    if all(isinstance(p.method, FloatMethod) for p in projections):
+        combined.weight = nn.Parameter(torch.cat([p.weight for p in projections]), requires_grad=False)
+    else:
+        combined.use(joined([p.method for p in projections]))
     if has_bias:
         combined.bias = nn.Parameter(torch.cat([p.bias for p in projections]), requires_grad=False)
     return combined
@@ -35,6 +39,7 @@ def fused(*projections: Linear) -> Linear:
 
 class PagedCausalLM(nn.Module):
     embedding_weight = ""  # the parameter the LM head shares when embeddings are tied
+    quantizable = False  # whether a quantized checkpoint of this family is served
 
     def init_head(self, config, head_input_size: int, num_kv_heads: int, head_dim: int) -> None:
         self.config = config

@@ -11,10 +11,10 @@ from torch import nn
 
 from kernels.batch import PagedBatch
 from kernels.cpu_activation import silu_and_mul
-from kernels.cpu_linear import Linear
 from kernels.cpu_norm import rms_norm, rms_norm_heads
 from services.worker.models.activations import activation
 from services.worker.models.base import Embedding, PagedCausalLM, fused
+from services.worker.models.linear import Linear
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
 from shared.lora import PROJECTION_GROUPS
@@ -248,6 +248,7 @@ class LlamaForCausalLM(PagedCausalLM):
     """Llama and its close relatives, which differ in where the attention projections have biases."""
 
     embedding_weight = "model.embed_tokens.weight"
+    quantizable = True
 
     def __init__(self, config, tp: TensorParallel = SINGLE):
         super().__init__()

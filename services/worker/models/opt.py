@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from kernels.batch import PagedBatch
-from kernels.cpu_linear import Linear
 from services.worker.models.activations import activation
 from services.worker.models.base import Embedding, PagedCausalLM, fused
+from services.worker.models.linear import Linear
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
 

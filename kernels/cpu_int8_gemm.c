@@ -1,0 +1,270 @@
+/* W8A8 products on a CPU: y = (x_q W_q^T) * x_scale * w_scale (+ b), x quantized to int8 per row (each token
+ * its own scale) and W int8 per output channel, the sums in int32 and so exact: every build below gives the
+ * same y, bit for bit.
+ *
+ * W is packed once when the model loads into panels of I8_NR output columns, [ceil(K / 4)][I8_NR] 32-bit
+ * words, each word holding four consecutive k of one column (k in its low byte): the operand layout of
+ * AVX512-VNNI's vpdpbusd, which multiplies four unsigned bytes by four signed bytes and adds the four products
+ * into an int32 lane. Its first operand is unsigned, so x goes in as x + 128 and each column's sums lose
+ * 128 x (the column's sum of weights), which the packing computes (`colsums`). Without VNNI (AVX2, AVX-512
+ * without it) the bytes are widened to int16 and multiplied in pairs (vpmaddwd), which, unlike the byte
+ * product vpmaddubsw, cannot saturate: a checkpoint's weights and x's codes both reach -128. The portable
+ * build is plain C in int32.
+ *
+ * x: [M][K] int8 codes with rows x_stride apart, K padded to a multiple of 4 with zeros; x_scales [M];
+ * w_scales [N]; bias [N] or NULL; y: [M][N] float32 with rows y_stride apart. Threads share a call by
+ * claiming chunks of units_per_chunk panels of one block of rows (claims.h), as cpu_gemm.c's do.
+ *
+ * quantize_rows turns float32 rows into those codes: per row, scale = max|x| / 127.5 and code =
+ * round-to-even(x * (127.5 / max|x|)) clamped to [-128, 127], the symmetric dynamic quantization of
+ * compressed-tensors' int8 activations; with static_scale > 0, one scale for every row (a checkpoint's
+ * input_scale) and code = round(x / static_scale).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "claims.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define I8_KIND 2 /* vpdpbusd */
+#define I8_NR 32
+#define I8_MR 6
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define I8_KIND 1 /* widened to int16, vpmaddwd */
+#define I8_NR 16
+#define I8_MR 3
+#else
+#define I8_KIND 0 /* plain C */
+#define I8_NR 16
+#define I8_MR 4
+#endif
+#define I8_MC 48 /* rows of a block whose codes stay in the second-level cache while a chunk's panels pass */
+#define I8_ROW_BLOCK_BYTES (256 << 10)
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+/* Column c's int32 sum of a tile's row r, in sums[r][c]: the tile's loop is the build's. */
+static inline __attribute__((always_inline)) void tile_sums(const int rows, const int8_t *x, int64_t x_stride,
+                                                              const int32_t *w, int64_t words, int32_t *sums)
+{
+#if I8_KIND == 2
+    __m512i acc0[I8_MR], acc1[I8_MR];
+    for (int r = 0; r < rows; r++)
+        acc0[r] = acc1[r] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < words; q++) {
+        const __m512i w0 = _mm512_loadu_si512(w + q * I8_NR), w1 = _mm512_loadu_si512(w + q * I8_NR + 16);
+        for (int r = 0; r < rows; r++) {
+            uint32_t quad;
+            memcpy(&quad, x + r * x_stride + 4 * q, 4);
+            const __m512i xb = _mm512_set1_epi32((int)(quad ^ 0x80808080u)); /* x + 128, unsigned */
+            acc0[r] = _mm512_dpbusd_epi32(acc0[r], xb, w0);
+            acc1[r] = _mm512_dpbusd_epi32(acc1[r], xb, w1);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_si512(sums + r * I8_NR, acc0[r]);
+        _mm512_storeu_si512(sums + r * I8_NR + 16, acc1[r]);
+    }
+#elif I8_KIND == 1
+    /* Four columns a vector: lanes 2c and 2c + 1 hold column c's sums of k, k + 1 and of k + 2, k + 3. */
+    __m256i acc[I8_MR][4];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < 4; v++)
+            acc[r][v] = _mm256_setzero_si256();
+    for (int64_t q = 0; q < words; q++) {
+        const __m128i *wq = (const __m128i *)(w + q * I8_NR);
+        __m256i wv[4];
+        for (int v = 0; v < 4; v++)
+            wv[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(wq + v));
+        for (int r = 0; r < rows; r++) {
+            int32_t quad;
+            memcpy(&quad, x + r * x_stride + 4 * q, 4);
+            const __m128i wide = _mm_cvtepi8_epi16(_mm_cvtsi32_si128(quad));
+            const __m256i xb = _mm256_broadcastq_epi64(wide);
+            for (int v = 0; v < 4; v++)
+                acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(wv[v], xb));
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < 4; v++) {
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, acc[r][v]);
+            for (int c = 0; c < 4; c++)
+                sums[r * I8_NR + 4 * v + c] = lanes[2 * c] + lanes[2 * c + 1];
+        }
+#else
+    int32_t acc[I8_MR][I8_NR];
+    memset(acc, 0, sizeof acc);
+    for (int64_t q = 0; q < words; q++) {
+        const int8_t *wq = (const int8_t *)(w + q * I8_NR);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xq = x + r * x_stride + 4 * q;
+            for (int c = 0; c < I8_NR; c++)
+                acc[r][c] += xq[0] * wq[4 * c] + xq[1] * wq[4 * c + 1] + xq[2] * wq[4 * c + 2] + xq[3] * wq[4 * c + 3];
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        memcpy(sums + r * I8_NR, acc[r], sizeof acc[r]);
+#endif
+}
+
+/* Row r's sums as floats: (sum - the x + 128 correction) x (x_scale x w_scale), then plus the bias, in that
+ * order in every build: the bias is added in a pass of its own, so no build fuses it into a multiply-add that
+ * others do not have. */
+__attribute__((optimize("no-fast-math"))) static void store_rows(const int rows, const int32_t *sums, const int32_t *colsums, const float *x_scales,
+                       const float *w_scales, const float *bias, float *y, int64_t y_stride, int64_t cols)
+{
+    for (int r = 0; r < rows; r++) {
+        const float xs = x_scales[r];
+        float *yr = y + r * y_stride;
+        for (int64_t c = 0; c < cols; c++) {
+            const int32_t sum = I8_KIND == 2 ? sums[r * I8_NR + c] - 128 * colsums[c] : sums[r * I8_NR + c];
+            yr[c] = (float)sum * (xs * w_scales[c]);
+        }
+        if (bias)
+            for (int64_t c = 0; c < cols; c++)
+                yr[c] += bias[c];
+    }
+}
+
+#define BY_ROWS(FN, ...)                                                                                \
+    switch (rows) {                                                                                     \
+    case 6: FN(6 <= I8_MR ? 6 : 1, __VA_ARGS__); break;                                                 \
+    case 5: FN(5 <= I8_MR ? 5 : 1, __VA_ARGS__); break;                                                 \
+    case 4: FN(4 <= I8_MR ? 4 : 1, __VA_ARGS__); break;                                                 \
+    case 3: FN(3, __VA_ARGS__); break;                                                                  \
+    case 2: FN(2, __VA_ARGS__); break;                                                                  \
+    default: FN(1, __VA_ARGS__);                                                                        \
+    }
+
+static void tile_of(int rows, const int8_t *x, int64_t x_stride, const int32_t *w, int64_t words, int32_t *sums)
+{
+    BY_ROWS(tile_sums, x, x_stride, w, words, sums)
+}
+#undef BY_ROWS
+
+int64_t int8_gemm(const int8_t *x, int64_t x_stride, const float *x_scales, const int32_t *panels,
+                  const int32_t *colsums, const float *w_scales, const float *bias, float *y, int64_t y_stride,
+                  int64_t M, int64_t N, int64_t K, int64_t units_per_chunk, int64_t *counters, int64_t wait)
+{
+    const int64_t words = (K + 3) / 4, count = (N + I8_NR - 1) / I8_NR;
+    const int64_t fit = K > 0 ? I8_ROW_BLOCK_BYTES / K / I8_MC * I8_MC : 0;
+    const int64_t row_block = M > fit && fit ? fit : (M > 0 ? M : 1);
+    const int64_t unit_chunks = (count + units_per_chunk - 1) / units_per_chunk;
+    const int64_t chunks = unit_chunks * ((M + row_block - 1) / row_block);
+    int32_t sums[I8_MR * I8_NR];
+    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+        const int64_t first = c % unit_chunks * units_per_chunk, m0 = c / unit_chunks * row_block;
+        const int64_t last = first + units_per_chunk < count ? first + units_per_chunk : count;
+        const int64_t m_end = M - m0 < row_block ? M : m0 + row_block;
+        for (int64_t p = first; p < last; p++) {
+            const int64_t n = p * I8_NR, cols = N - n < I8_NR ? N - n : I8_NR;
+            const int32_t *w = panels + p * words * I8_NR;
+            for (int64_t m = m0; m < m_end; m += I8_MR) {
+                const int rows = m_end - m < I8_MR ? (int)(m_end - m) : I8_MR;
+                tile_of(rows, x + m * x_stride, x_stride, w, words, sums);
+                store_rows(rows, sums, colsums + n, x_scales + m, w_scales + n, bias ? bias + n : 0,
+                           y + m * y_stride + n, y_stride, cols);
+            }
+        }
+    }
+    if (wait)
+        wait_for_chunks(counters, chunks);
+    return 0;
+}
+
+/* A row's scale and its inverse from its largest magnitude, as IEEE division gives them (the build's fast math
+ * may not turn either into a product by a rounded reciprocal: the torch reference divides). */
+__attribute__((noinline, optimize("no-fast-math"))) static void row_scale(float top, float static_scale, float *scale,
+                                                                         float *inverse)
+{
+    if (static_scale > 0) {
+        *scale = static_scale;
+        *inverse = 1.0f / static_scale;
+        return;
+    }
+    *scale = top > 0 ? top / 127.5f : 1.0f;
+    *inverse = top > 0 ? 127.5f / top : 0.0f;
+}
+
+/* Rows first .. last - 1 of x as codes (see the top of the file); a row's codes past K, up to padded, zero. */
+static void quantize_range(const float *x, int64_t x_stride, int64_t K, int64_t padded, int8_t *codes,
+                           int64_t code_stride, float *scales, float static_scale, int64_t first, int64_t last)
+{
+    for (int64_t r = first; r < last; r++) {
+        const float *xr = x + r * x_stride;
+        int8_t *out = codes + r * code_stride;
+        float top = 0, inverse, scale;
+        if (static_scale <= 0) {
+#pragma omp simd reduction(max : top)
+            for (int64_t k = 0; k < K; k++)
+                top = fmaxf(top, fabsf(xr[k]));
+        }
+        row_scale(top, static_scale, &scale, &inverse);
+        scales[r] = scale;
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) {
+            const float q = rintf(xr[k] * inverse);
+            out[k] = (int8_t)(q > 127.0f ? 127.0f : q < -128.0f ? -128.0f : q);
+        }
+        for (int64_t k = K; k < padded; k++)
+            out[k] = 0;
+    }
+}
+
+int64_t quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t K, int64_t padded, int8_t *codes,
+                      int64_t code_stride, float *scales, float static_scale, int64_t units_per_chunk,
+                      int64_t *counters, int64_t wait)
+{
+    const int64_t chunks = (M + units_per_chunk - 1) / units_per_chunk;
+    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+        const int64_t first = c * units_per_chunk, last = first + units_per_chunk < M ? first + units_per_chunk : M;
+        quantize_range(x, x_stride, K, padded, codes, code_stride, scales, static_scale, first, last);
+    }
+    if (wait)
+        wait_for_chunks(counters, chunks);
+    return 0;
+}
+
+/* The calls as tasks of helper_pool.c: the arguments before the counters as words, in order (a float as its
+ * bits). */
+int64_t int8_gemm_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
+{
+    (void)thread;
+    return int8_gemm((const int8_t *)w[0], w[1], (const float *)w[2], (const int32_t *)w[3], (const int32_t *)w[4],
+                     (const float *)w[5], (const float *)w[6], (float *)w[7], w[8], w[9], w[10], w[11], w[12],
+                     counters, wait);
+}
+int64_t int8_gemm_task_words(void) { return 13; }
+
+int64_t quantize_rows_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
+{
+    (void)thread;
+    float static_scale;
+    const uint32_t bits = (uint32_t)w[8];
+    memcpy(&static_scale, &bits, sizeof static_scale);
+    return quantize_rows((const float *)w[0], w[1], w[2], w[3], w[4], (int8_t *)w[5], w[6], (float *)w[7],
+                         static_scale, w[9], counters, wait);
+}
+int64_t quantize_rows_task_words(void) { return 10; }
+
+int64_t int8_panel_width(void) { return I8_NR; }
+const char *int8_description(void)
+{
+#if I8_KIND == 2
+    return "AVX512-VNNI";
+#elif I8_KIND == 1
+    return "AVX2, int16 pairs";
+#else
+    return "portable";
+#endif
+}
+
+const char *int8_gemm_signature(void) { return "pippppppiiiiipi:i"; }
+const char *quantize_rows_signature(void) { return "piiiipipfipi:i"; }
+const char *int8_gemm_task_words_signature(void) { return ":i"; }
+const char *quantize_rows_task_words_signature(void) { return ":i"; }
+const char *int8_panel_width_signature(void) { return ":i"; }

@@ -1,0 +1,233 @@
+"""How a linear layer computes x W^T + b: a method per kind of weight (float, W8A8 int8, weights as codes),
+each owning its prepared weight and its kernels. The models never name a kernel: they call their `Linear` layers
+(services/worker/models/linear.py), and each layer asks its method.
+
+A method's life: the loader reads the checkpoint into it (`FloatMethod` through the layer's `weight` parameter, a
+quantized one from the tensors of `layouts.py`, split for this tensor-parallel rank), projections of one input are
+joined (`joined`), and once loaded it is `prepare`d for the device (packed into the compiled kernels' panels on a
+CPU). Then `apply` runs the product. A layer whose kernel cannot run here (no compiler, a GPU) computes with
+torch from the dequantized weight, the same numbers at the precision of a float product.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_int8_linear, cpu_linear
+from kernels.cpu_linear import every_kernel_thread, linear
+from kernels.workspace import step_scratch
+from services.worker.quantization.schemes import QuantizationError
+from services.worker.quantization.weights import CodedWeight, Int8Weight
+
+if TYPE_CHECKING:
+    from services.worker.models.linear import Linear
+
+
+class LinearMethod:
+    """The float method's defaults; a quantized method overrides what differs."""
+
+    name = "float"
+
+    def to(self, device: torch.device) -> None:
+        """Its weight moved to `device` (as loaded, before `prepare`)."""
+
+    def prepare(self, layer: Linear, dtype: torch.dtype) -> None:
+        """Once its weight is loaded and joined: ready it for the device the weight is on, in a model served in
+        `dtype` (float32: x's rows stay float32; bfloat16: a product may take them rounded to bfloat16)."""
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def gated(self, layer: Linear, x: torch.Tensor, bf16_rows: bool) -> torch.Tensor | None:
+        """SiLU(gate) * up of a fused gate and up projection, the activation applied as the kernel stores its
+        sums; None where this method has no such kernel (the caller applies the activation apart)."""
+        return None
+
+    def takes_bf16_rows(self, layer: Linear) -> bool:
+        """Whether the product takes bfloat16 rows of x, which the kernel before it may then write."""
+        return False
+
+    def describe(self) -> str:
+        """The kernel that runs, for the worker's log and info metric."""
+        return self.name
+
+
+class FloatMethod(LinearMethod):
+    """Float weights (float32, bfloat16, float16): on a CPU the packed panels of `cpu_gemm.c`, and, where the CPU
+    has AMX tiles for bfloat16, oneDNN for a prompt's bfloat16 products (`cpu_linear.prompt_products`)."""
+
+    def __init__(self) -> None:
+        self.panels: torch.Tensor | None = None
+
+    def prepare(self, layer: Linear, dtype: torch.dtype) -> None:
+        weight, bias = layer.weight, layer.bias
+        if (weight.device.type == "cpu" and cpu_linear.packs(weight.dtype)
+                and (bias is None or (bias.is_contiguous() and bias.dtype is torch.float32))):
+            self.panels = cpu_linear.pack(weight.detach(), halves=layer.halves)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.panels is not None and x.dim() == 2:
+            out = step_scratch.take_if_large(layer.output_slot, (x.shape[0], layer.out_features), torch.float32,
+                                             x.device)
+            if self._prompt_by_onednn(layer, x):
+                with every_kernel_thread():
+                    out.copy_(F.linear(x.to(torch.bfloat16), layer.weight))
+                return out if bias is None else out.add_(bias)
+            if cpu_linear.gemm(x, self.panels, layer.out_features, bias, out=out, halves=layer.halves) is not None:
+                return out
+        if x.dtype is torch.bfloat16 and layer.weight.dtype is not torch.bfloat16:
+            x = x.float()
+        return linear(x, layer.weight, bias)
+
+    def _prompt_by_onednn(self, layer: Linear, x: torch.Tensor) -> bool:
+        panels = self.panels
+        return (panels is not None and panels.dtype is torch.bfloat16 and x.shape[0] >= cpu_linear.PROMPT_ROWS
+                and layer.weight.dtype is torch.bfloat16 and cpu_linear.prompt_products() == "onednn")
+
+    def gated(self, layer: Linear, x: torch.Tensor, bf16_rows: bool) -> torch.Tensor | None:
+        if self.panels is None or not layer.halves or x.dim() != 2 or self._prompt_by_onednn(layer, x):
+            return None
+        shape, dtype = (x.shape[0], layer.halves), torch.bfloat16 if bf16_rows else torch.float32
+        return cpu_linear.gated_gemm(x, self.panels, layer.halves, layer.bias,
+                                     step_scratch.take_if_large("activation rows", shape, dtype, x.device))
+
+    def takes_bf16_rows(self, layer: Linear) -> bool:
+        panels = self.panels
+        if panels is None or panels.dtype is not torch.bfloat16 or layer.in_features % 2:
+            return False
+        build = cpu_linear.gemm_build()
+        return build is not None and build.bf16_rows
+
+    def describe(self) -> str:
+        return f"float ({str(self.panels.dtype).removeprefix('torch.')} panels)" if self.panels is not None \
+            else "float (torch)"
+
+
+class Int8Method(LinearMethod):
+    """W8A8: int8 weights per output channel, x quantized to int8 per token (or by the checkpoint's static scale)
+    as the product starts, the sums in int32 (`cpu_int8_gemm.c`). Where the CPU has AMX tiles for int8, a prompt's
+    rows are multiplied by oneDNN through torch (`torch._int_mm`), the same integer sums."""
+
+    name = "W8A8-int8"
+
+    def __init__(self, weight: Int8Weight) -> None:
+        self.weight = weight
+        self.packed: cpu_int8_linear.Int8Panels | None = None
+        self.dense: torch.Tensor | None = None  # the weight as floats, where no compiled kernel runs
+
+    def to(self, device: torch.device) -> None:
+        self.weight = self.weight.to(device)
+
+    def prepare(self, layer: Linear, dtype: torch.dtype) -> None:
+        self.weight.scales = self.weight.scales.float().contiguous()
+        if self.weight.weight.device.type == "cpu" and cpu_int8_linear.int8_build() is not None:
+            self.packed = cpu_int8_linear.pack_int8(self.weight.weight)
+        else:
+            self.dense = self.weight.weight.float()
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None and x.dim() == 2:
+            rows = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+            quantized = cpu_int8_linear.quantize_rows(rows, self.weight.input_scale)
+            if quantized is not None:
+                codes, scales = quantized
+                if x.shape[0] >= cpu_linear.PROMPT_ROWS and cpu_linear.prompt_products("amx_int8") == "onednn":
+                    return self._by_onednn(codes, scales, bias)
+                out = step_scratch.take_if_large(layer.output_slot, (x.shape[0], layer.out_features),
+                                                 torch.float32, x.device)
+                if cpu_int8_linear.int8_gemm(codes, scales, self.packed, self.weight.scales, bias, out) is not None:
+                    return out
+        return self._in_torch(x, bias)
+
+    def _by_onednn(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weight = self.weight.weight
+        with every_kernel_thread():
+            sums = torch._int_mm(codes[:, : weight.shape[1]].contiguous(), weight.T)
+        out = sums.float() * (scales[:, None] * self.weight.scales[None, :])
+        return out if bias is None else out.add_(bias)
+
+    def _in_torch(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x quantized as the kernel quantizes it, and its sums as floats (exact while they stay below 2^24)."""
+        rows = x.reshape(-1, x.shape[-1]).float()
+        codes, scales = cpu_int8_linear.quantize_rows_reference(rows, self.weight.input_scale)
+        weight = self.dense if self.dense is not None else self.weight.weight.float()
+        out = (codes.float() @ weight.T) * (scales[:, None] * self.weight.scales[None, :])
+        if bias is not None:
+            out = out + bias.float()
+        return out.reshape(*x.shape[:-1], -1)
+
+    def describe(self) -> str:
+        build = cpu_int8_linear.int8_build()
+        kernel = f"int8 {build.variant} ({build.description})" if self.packed is not None and build else "torch"
+        if self.packed is not None and cpu_linear.prompt_products("amx_int8") == "onednn":
+            kernel += f"; prompts of {cpu_linear.PROMPT_ROWS} rows or more by oneDNN (AMX tiles)"
+        return f"{self.name}, {'static' if self.weight.input_scale else 'dynamic per-token'} activations: {kernel}"
+
+
+class CodedMethod(LinearMethod):
+    """Weights as codes by groups of inputs (W4A16, W8A16, FP8 W8A16), x as it is: on a CPU `cpu_gemm.c`'s
+    `gemm_codes`, which streams only the codes for a decode's rows and unpacks them in registers."""
+
+    def __init__(self, weight: CodedWeight) -> None:
+        self.weight = weight
+        self.packed: cpu_linear.CodePanels | None = None
+        self.dense: torch.Tensor | None = None
+        self.bf16_x = False  # x's rows rounded to bfloat16 (a bfloat16 model's, where the build takes them)
+
+    def to(self, device: torch.device) -> None:
+        self.weight = self.weight.to(device)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        bits = {"uint4": "W4A16", "uint8": "W8A16", "fp8": "FP8-W8A16"}[self.weight.kind]
+        return f"{bits}, group {self.weight.group}" if self.weight.scales.shape[1] > 1 else f"{bits}, per channel"
+
+    def prepare(self, layer: Linear, dtype: torch.dtype) -> None:
+        weight = self.weight
+        build = cpu_linear.gemm_build()
+        self.bf16_x = dtype is torch.bfloat16 and build is not None and build.bf16_rows and weight.order is None
+        if weight.codes.device.type == "cpu" and build is not None:
+            self.packed = cpu_linear.pack_codes(weight.codes, weight.scales.float(), weight.offsets.float(),
+                                                weight.kind)
+        else:
+            dtype = layer.bias.dtype if layer.bias is not None else torch.float32
+            self.dense = weight.dequantized().to(device=weight.codes.device, dtype=dtype)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        order = self.weight.order
+        if self.packed is not None and x.dim() == 2:
+            rows = x if order is None else x[:, order]
+            out = step_scratch.take_if_large(layer.output_slot, (x.shape[0], layer.out_features), torch.float32,
+                                             x.device)
+            if cpu_linear.gemm_codes(rows, self.packed, bias, out, bf16_x=self.bf16_x) is not None:
+                return out
+        dense = self.dense if self.dense is not None else self.weight.dequantized()
+        if x.dtype is torch.bfloat16 and dense.dtype is not torch.bfloat16:
+            x = x.float()
+        return linear(x, dense, bias)
+
+    def takes_bf16_rows(self, layer: Linear) -> bool:
+        return self.packed is not None and self.bf16_x and layer.in_features % 2 == 0
+
+    def describe(self) -> str:
+        build = cpu_linear.gemm_build()
+        kernel = f"codes {build.variant} ({build.description})" if self.packed is not None and build else "torch"
+        rows = "bfloat16" if self.bf16_x else "float32"
+        return f"{self.name}: {kernel}, {rows} rows of x"
+
+
+def quantized_method(weight: Int8Weight | CodedWeight) -> LinearMethod:
+    return Int8Method(weight) if isinstance(weight, Int8Weight) else CodedMethod(weight)
+
+
+def joined(methods: list[LinearMethod]) -> LinearMethod:
+    """The method of projections of one input side by side (q, k and v; gate and up), all quantized alike."""
+    if all(isinstance(m, Int8Method) for m in methods):
+        return Int8Method(Int8Weight.joined([m.weight for m in methods]))  # type: ignore[attr-defined]
+    if all(isinstance(m, CodedMethod) for m in methods):
+        return CodedMethod(CodedWeight.joined([m.weight for m in methods], "a fused projection"))  # type: ignore[attr-defined]
+    raise QuantizationError("projections of one input (q, k and v; gate and up) must be quantized alike, found "
+                            f"{', '.join(m.name for m in methods)}")

@@ -1,0 +1,159 @@
+"""The quantized products' kernels on every build this CPU runs, against the portable build and torch:
+
+- W8A8 (`cpu_int8_gemm.c`): x quantized per row and multiplied in int32, so every build (AVX512-VNNI's byte dot
+  product, AVX2's int16 pairs, plain C) gives the same floats bit for bit, and the torch reference does too;
+- weights as codes (`gemm_codes` of cpu_gemm.c: 4-bit, 8-bit and FP8 codes by groups): float sums in another
+  order per build, so within a bound: 1e-5 of the sum of |x| |w| for float32 rows; for a build that takes
+  bfloat16 rows, the reference on the same bfloat16 rows, and for a prompt's rows (weights rounded to bfloat16
+  before the dot product) 2^-8 of that sum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_int8_linear, cpu_linear, native
+
+BUILDS = native.runnable_variants()
+SHAPES = [(1, 70, 100), (3, 33, 64), (6, 40, 36), (7, 100, 13), (37, 96, 256), (130, 64, 516)]  # rows, N, K
+STREAM_ROWS = 32  # cpu_gemm.c's: up to this many rows the codes are unpacked in registers
+CODE_SHAPES = [(1, 70, 128, 32), (5, 33, 64, 64), (9, 64, 256, 256), (33, 100, 256, 128), (70, 40, 96, 32)]
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def build_or_skip(loader, variant: str):
+    build = loader(variant)
+    if build is None:
+        pytest.skip(f"no {variant} build here (no compiler)")
+    return build
+
+
+@pytest.mark.parametrize("variant", BUILDS)
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_every_int8_build_quantizes_and_multiplies_as_the_portable_build_bit_for_bit(variant, static):
+    build = build_or_skip(cpu_int8_linear.int8_build, variant)
+    portable = build_or_skip(cpu_int8_linear.int8_build, "portable")
+    generator = torch.Generator().manual_seed(0)
+    for rows, n, k in SHAPES:
+        x = torch.randn(rows, k, generator=generator) * 3
+        x[0, 0] = -x[0].abs().max()  # a row's largest magnitude negative: its code is -128
+        weight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+        weight[0, :4] = -128  # weights reach -128 too: no product of two may saturate
+        w_scales, bias = torch.rand(n, generator=generator) + 0.01, torch.randn(n, generator=generator)
+        scale = 0.05 if static else 0.0
+        codes, scales = cpu_int8_linear.quantize_rows(x, scale, build, name=None)
+        reference_codes, reference_scales = cpu_int8_linear.quantize_rows_reference(x, scale)
+        assert torch.equal(codes[:, :k], reference_codes) and torch.equal(scales, reference_scales)
+        assert not codes[:, k:].any()  # the padding of a row's last word
+        for with_bias in (bias, None):
+            want = cpu_int8_linear.int8_linear_reference(codes, scales, weight, w_scales, with_bias)
+            for b in (build, portable):
+                got = cpu_int8_linear.int8_gemm(codes, scales, cpu_int8_linear.pack_int8(weight, b), w_scales,
+                                                with_bias, build=b)
+                assert torch.equal(got, want), (variant, b.variant, rows, n, k)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_int8_product_shared_by_threads_is_the_same(threads, monkeypatch):
+    build = build_or_skip(cpu_int8_linear.int8_build, None)
+    monkeypatch.setattr(cpu_int8_linear, "SPLIT_MACS", 0)
+    native.set_threads(threads)
+    x, weight = torch.randn(50, 300), torch.randint(-128, 128, (200, 300), dtype=torch.int8)
+    codes, scales = cpu_int8_linear.quantize_rows(x, build=build, name=None)
+    got = cpu_int8_linear.int8_gemm(codes, scales, cpu_int8_linear.pack_int8(weight, build), torch.ones(200), None)
+    assert torch.equal(got, cpu_int8_linear.int8_linear_reference(codes, scales, weight, torch.ones(200), None))
+
+
+def codes_of(kind: str, n: int, k: int, group: int, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if kind == "fp8":
+        codes = (torch.randn(n, k, generator=generator) * 4).to(torch.float8_e4m3fn).view(torch.uint8)
+        codes[0, :3] = torch.tensor([0x01, 0x81, 0x07], dtype=torch.uint8)  # subnormal numbers, both signs
+        offsets = torch.zeros(n, k // group)
+    else:
+        top = 16 if kind == "uint4" else 256
+        codes = torch.randint(0, top, (n, k), dtype=torch.uint8, generator=generator)
+        offsets = -torch.randint(0, top, (n, k // group), generator=generator).float()
+    scales = torch.rand(n, k // group, generator=generator) * 0.1 + 0.01
+    return codes, scales, offsets * scales
+
+
+def relative_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> float:
+    exact = x.double() @ weight.double().T + bias.double()
+    magnitude = x.double().abs() @ weight.double().abs().T + 1
+    return ((got.double() - exact).abs() / magnitude).max().item()
+
+
+@pytest.mark.parametrize("variant", BUILDS)
+@pytest.mark.parametrize("kind", ["uint4", "uint8", "fp8"])
+def test_every_codes_build_multiplies_as_the_portable_build_within_its_bound(variant, kind):
+    build = build_or_skip(cpu_linear.gemm_build, variant)
+    portable = build_or_skip(cpu_linear.gemm_build, "portable")
+    generator = torch.Generator().manual_seed(1)
+    for rows, n, k, group in CODE_SHAPES:
+        codes, scales, offsets = codes_of(kind, n, k, group, generator)
+        weight = cpu_linear.dequantize_codes(codes, scales, offsets, kind)
+        x, bias = torch.randn(rows, k, generator=generator), torch.randn(n, generator=generator)
+        ours = cpu_linear.gemm_codes(x, cpu_linear.pack_codes(codes, scales, offsets, kind, build), bias, build=build)
+        theirs = cpu_linear.gemm_codes(x, cpu_linear.pack_codes(codes, scales, offsets, kind, portable), bias,
+                                       build=portable)
+        assert relative_error(theirs, x, weight, bias) < 1e-5
+        assert relative_error(ours, x, weight, bias) < 1e-5
+        assert ((ours - theirs).abs() / (x.abs() @ weight.abs().T + 1)).max() < 2e-5
+        if build.bf16_rows:  # the same rows rounded to bfloat16: decode rows exact codes, prompt rows bf16 weights
+            rounded = x.bfloat16().float()
+            got = cpu_linear.gemm_codes(x, cpu_linear.pack_codes(codes, scales, offsets, kind, build), bias,
+                                        build=build, bf16_x=True)
+            bound = 2**-8 if rows > STREAM_ROWS else 1e-5
+            assert relative_error(got, rounded, weight, bias) < bound, (variant, kind, rows, n, k)
+
+
+def test_codes_shared_by_threads_give_the_same_product(monkeypatch):
+    build = build_or_skip(cpu_linear.gemm_build, None)
+    monkeypatch.setattr(cpu_linear, "SPLIT_MACS", 0)
+    generator = torch.Generator().manual_seed(2)
+    codes, scales, offsets = codes_of("uint4", 300, 512, 128, generator)
+    packed = cpu_linear.pack_codes(codes, scales, offsets, "uint4", build)
+    for rows in (1, 4, 40):
+        x = torch.randn(rows, 512, generator=generator)
+        native.set_threads(1)
+        alone = cpu_linear.gemm_codes(x, packed, None, build=build, bf16_x=build.bf16_rows)
+        native.set_threads(2)
+        assert torch.equal(cpu_linear.gemm_codes(x, packed, None, build=build, bf16_x=build.bf16_rows), alone)
+
+
+def test_four_bit_codes_lie_in_words_as_the_kernel_takes_them():
+    build = build_or_skip(cpu_linear.gemm_build, None)
+    codes = torch.arange(16, dtype=torch.uint8).repeat(build.panel_width, 1)  # every column codes 0..15
+    packed = cpu_linear.pack_codes(codes, torch.ones(build.panel_width, 1), torch.zeros(build.panel_width, 1),
+                                   "uint4", build)
+    first = int(packed.panels[0, 0, 0]) & 0xFFFFFFFF
+    # inputs 0, 2, 4, 6 in the low half's nibbles, 1, 3, 5, 7 in the high half's
+    assert [(first >> shift) & 15 for shift in (0, 4, 8, 12, 16, 20, 24, 28)] == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def test_a_prompts_int8_product_by_onednn_is_the_packed_kernels_bit_for_bit(kernels_chosen, monkeypatch):
+    """Where the CPU has AMX tiles for int8, a prompt's rows go to torch's integer product (forced here)."""
+    build_or_skip(cpu_int8_linear.int8_build, None)
+    from services.worker.models.linear import Linear
+    from services.worker.quantization.methods import Int8Method
+    from services.worker.quantization.weights import Int8Weight
+
+    generator = torch.Generator().manual_seed(3)
+    layer = Linear(256, 96)
+    layer.use(Int8Method(Int8Weight(torch.randint(-128, 128, (96, 256), dtype=torch.int8, generator=generator),
+                                    torch.rand(96, generator=generator) + 0.01)))
+    layer.bias.data = torch.randn(96, generator=generator)
+    layer.prepare(torch.float32)
+    prompt, decode = torch.randn(cpu_linear.PROMPT_ROWS + 3, 256), torch.randn(3, 256)
+    packed = layer(prompt).clone(), layer(decode).clone()
+    calls = []
+    int_mm = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape[0]) or int_mm(a, b))
+    kernels_chosen(prompt_products="onednn")
+    assert torch.equal(layer(prompt), packed[0]) and torch.equal(layer(decode), packed[1])
+    assert calls == [cpu_linear.PROMPT_ROWS + 3]  # the prompt's rows by oneDNN, the decode's packed
