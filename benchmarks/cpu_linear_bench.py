@@ -1,10 +1,13 @@
 """CPU linear layers against what the core can do: torch's own (its BLAS, or oneDNN) against the packed
-kernels of `cpu_gemm.c` in float32, bfloat16 and float16, one thread.
+kernels of `cpu_gemm.c` in float32, bfloat16 and float16, W8A8 int8 (`cpu_int8_gemm.c`, x quantized per row
+as the worker does) and 4-bit codes by groups of 128 (W4A16, `gemm_codes`), one thread.
 
 First a probe (`cpu_peak.c`, built for this CPU) measures the core's peak: float32 multiply-adds in its
 widest vectors, the bfloat16 dot product where the CPU has one (without it a bfloat16 weight is widened
-and multiplied in float32, so float32's peak is its peak), and the rate at which one thread, and every
-core at once, reads memory.
+and multiplied in float32, so float32's peak is its peak), int8 products as the W8A8 kernel makes them
+(AVX512-VNNI's byte dot product, else int16 pairs), and the rate at which one thread, and every core at
+once, reads memory. 4-bit codes feed the bfloat16 dot product (or float32 multiply-adds): bfloat16's peak
+is theirs.
 
 Each product is timed as the worker calls it: into an output made beforehand, and for bfloat16 weights
 from rows already in bfloat16 where the build takes them (the norm and activation kernels before a
@@ -25,6 +28,7 @@ rate at which they stream (GB/s) against the probe's. Writes benchmarks/results/
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import mmap
 import os
@@ -43,7 +47,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.provenance import commit, cpu_model  # noqa: E402
 from kernels import native  # noqa: E402
-from kernels.cpu_linear import bf16_rows, gemm, gemm_build, pack  # noqa: E402
+from kernels.cpu_int8_linear import int8_build, int8_linear, pack_int8  # noqa: E402
+from kernels.cpu_linear import bf16_rows, gemm, gemm_build, gemm_codes, pack, pack_codes  # noqa: E402
 
 REPEATS = int(os.environ.get("PAGEDSERVE_BENCH_REPEATS", "15"))
 ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_ROWS", "1,4,16,48,256,2048").split(",")]
@@ -56,7 +61,9 @@ WEIGHTS = {  # name: (out features, in features)
     "12-layer down": (768, 2048), "12-layer lm_head": (4096, 768),
     "shipped gate_up": (1408, 256), "shipped down": (256, 704),
 }
-LAYOUTS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+LAYOUTS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "int8": torch.int8, "int4": torch.uint8}
+GROUP = 128  # the W4A16 checkpoints' group of inputs
+PEAK_OF = {"f32": "f32_gflops", "f16": "f32_gflops", "bf16": "bf16_gflops", "int8": "int8_gops", "int4": "bf16_gflops"}
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_peak.c")
 
 
@@ -77,17 +84,22 @@ def probe() -> dict:
         peak = ctypes.CDLL(library)
     for name in ("fma_rounds", "dot_rounds"):
         getattr(peak, name).argtypes, getattr(peak, name).restype = [ctypes.c_int64], ctypes.c_float
+    peak.int8_rounds.argtypes, peak.int8_rounds.restype = [ctypes.c_int64], ctypes.c_int64
+    peak.int8_ops_per_round.restype = ctypes.c_int64
     peak.read_all.argtypes, peak.read_all.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_float
     width, rounds = peak.vector_width(), 20_000_000
     fma = 24 * width * rounds / min(_timed(lambda: peak.fma_rounds(rounds)) for _ in range(3)) / 1e9
     has_dot = peak.dot_rounds(1) != -1.0
     dot = 48 * width * rounds / min(_timed(lambda: peak.dot_rounds(rounds)) for _ in range(3)) / 1e9 if has_dot else fma
+    int8_ops = peak.int8_ops_per_round()
+    int8 = int8_ops * rounds / min(_timed(lambda: peak.int8_rounds(rounds)) for _ in range(3)) / 1e9 if int8_ops > 0 \
+        else fma
     data = torch.ones(256 << 18)  # 256 MiB
     read = data.nbytes / min(_timed(lambda: peak.read_all(data.data_ptr(), data.nbytes)) for _ in range(5)) / 1e9
     every_core = data.nbytes / min(_timed(lambda: read_in_parallel(peak, data)) for _ in range(5)) / 1e9
     return {"vector_floats": width, "f32_gflops": round(fma, 1), "bf16_gflops": round(dot, 1),
-            "bf16_native": has_dot, "read_gb_s": round(read, 1), "read_all_cores_gb_s": round(every_core, 1),
-            "cores": len(os.sched_getaffinity(0))}
+            "bf16_native": has_dot, "int8_gops": round(int8, 1), "read_gb_s": round(read, 1),
+            "read_all_cores_gb_s": round(every_core, 1), "cores": len(os.sched_getaffinity(0))}
 
 
 def read_in_parallel(peak, data: torch.Tensor) -> None:
@@ -100,9 +112,34 @@ def read_in_parallel(peak, data: torch.Tensor) -> None:
         thread.join()
 
 
+def packed(weight: torch.Tensor, layout: str):
+    """`weight` as the layout's kernel takes it: float panels, int8 panels (per-channel codes), or 4-bit codes
+    by groups with their scales and offsets."""
+    if layout == "int8":
+        return pack_int8(torch.randint(-128, 128, weight.shape, dtype=torch.int8))
+    if layout == "int4":
+        codes = torch.randint(0, 16, weight.shape, dtype=torch.uint8)
+        scales = torch.rand(weight.shape[0], weight.shape[1] // GROUP) * 0.01
+        return pack_codes(codes, scales, -8 * scales, "uint4")
+    return pack(weight.to(LAYOUTS[layout]))
+
+
+def product(layout: str):
+    """The layout's call as the worker makes it, on x as `as_the_worker_gives` hands it, into `out`."""
+    if layout == "int8":
+        scales = {}
+
+        def int8(x, p, n, out):
+            return int8_linear(x, p, scales.setdefault(n, torch.ones(n)), None, out=out)
+        return int8
+    if layout == "int4":
+        return lambda x, p, n, out: gemm_codes(x, p, None, out, bf16_x=True)
+    return lambda x, p, n, out: gemm(x, p, n, None, out=out)
+
+
 def as_the_worker_gives(x: torch.Tensor, layout: str) -> torch.Tensor:
     """`x` as the worker hands it to a `layout` product: bfloat16 rows where the build takes them."""
-    return bf16_rows(x).clone() if layout == "bf16" and gemm_build().bf16_rows else x
+    return bf16_rows(x).clone() if layout in ("bf16", "int4") and gemm_build().bf16_rows else x
 
 
 def _timed(run) -> float:
@@ -121,16 +158,31 @@ def on_huge_pages(tensor: torch.Tensor, mappings: list[mmap.mmap]) -> torch.Tens
     return whole[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
+def huge(weight, mappings: list[mmap.mmap]):
+    """A packed weight with its largest tensor (the panels or codes) on huge pages."""
+    if isinstance(weight, torch.Tensor):
+        return on_huge_pages(weight, mappings)
+    return dataclasses.replace(weight, panels=on_huge_pages(weight.panels, mappings))
+
+
+def nbytes(weight) -> int:
+    """What a step reads of a packed weight: its panels, and a quantized one's scales (and offsets)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.nbytes
+    return sum(getattr(weight, name).nbytes for name in ("panels", "colsums", "scales", "offsets")
+               if hasattr(weight, name))
+
+
 def per_weight(peaks: dict) -> list[dict]:
     print(f"\nGFLOP/s, one thread (% of the dtype's peak: float32 {peaks['f32_gflops']}, "
-          f"bfloat16 {peaks['bf16_gflops']})")
+          f"bfloat16 {peaks['bf16_gflops']}, int8 {peaks['int8_gops']} GOP/s; 4-bit codes: bfloat16's)")
     print(f"{'weight (out x in)':<30}{'rows':>5}{'torch f32':>10}{'torch bf16':>11}"
           + "".join(f"{'ours ' + name:>15}" for name in LAYOUTS))
     rows_out = []
     for name, (out_features, in_features) in WEIGHTS.items():
         weight = torch.randn(out_features, in_features) * 0.02
         half = weight.to(torch.bfloat16)
-        panels = {layout: pack(weight.to(dtype)) for layout, dtype in LAYOUTS.items()}
+        panels = {layout: packed(weight, layout) for layout in LAYOUTS}
         for rows in ROWS:
             x = torch.randn(rows, in_features)
             x_half, out = x.to(torch.bfloat16), torch.empty(rows, out_features)
@@ -141,9 +193,10 @@ def per_weight(peaks: dict) -> list[dict]:
                    "torch_bf16": flops / median_s(lambda x=x_half, w=half: F.linear(x, w), max(1, repeats // 3))}
             for layout, p in panels.items():
                 given = as_the_worker_gives(x, layout)
+                call = product(layout)
                 row[layout] = flops / median_s(
-                    lambda x=given, p=p, n=out_features, out=out: gemm(x, p, n, None, out=out), repeats)
-                row[f"{layout}_of_peak"] = row[layout] / peaks["bf16_gflops" if layout == "bf16" else "f32_gflops"]
+                    lambda x=given, p=p, n=out_features, out=out, call=call: call(x, p, n, out), repeats)
+                row[f"{layout}_of_peak"] = row[layout] / peaks[PEAK_OF[layout]]
             rows_out.append({k: round(v, 3 if k.endswith("peak") else 1) if isinstance(v, float) else v
                              for k, v in row.items()})
             print(f"{name + f' ({out_features} x {in_features})':<30}{rows:>5}{row['torch_f32']:>10.1f}"
@@ -159,9 +212,8 @@ def whole_step(peaks: dict) -> list[dict]:
     shapes.append(WEIGHTS["12-layer lm_head"])
     weights = [torch.randn(out_features, in_features) * 0.02 for out_features, in_features in shapes]
     mappings: list[mmap.mmap] = []
-    panels = {layout: [on_huge_pages(pack(w.to(dtype)), mappings) for w in weights]
-              for layout, dtype in LAYOUTS.items()}
-    sizes = {layout: sum(p.nbytes for p in ps) for layout, ps in panels.items()}
+    panels = {layout: [huge(packed(w, layout), mappings) for w in weights] for layout in LAYOUTS}
+    sizes = {layout: sum(nbytes(p) for p in ps) for layout, ps in panels.items()}
     rows_out = []
     print(
         f"\nlinear layers of a whole {STEP_LAYERS}-layer step (weights from memory, on huge pages), ms, "
@@ -177,8 +229,9 @@ def whole_step(peaks: dict) -> list[dict]:
             calls = {"torch_f32": lambda x=x: [F.linear(x[w.shape[1]], w) for w in weights]}
             for layout, ps in panels.items():
                 given = {width: as_the_worker_gives(rows_in, layout) for width, rows_in in x.items()}
-                calls[layout] = lambda x=given, ps=ps, outs=outs: [
-                    gemm(x[w.shape[1]], p, w.shape[0], None, out=outs[w.shape[0]]) for w, p in zip(weights, ps)
+                call = product(layout)
+                calls[layout] = lambda x=given, ps=ps, outs=outs, call=call: [
+                    call(x[w.shape[1]], p, w.shape[0], outs[w.shape[0]]) for w, p in zip(weights, ps)
                 ]
             times = {name: [] for name in calls}
             for _ in range(max(3, REPEATS // 3)):
@@ -206,7 +259,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     build = gemm_build()
-    if build is None:
+    if build is None or int8_build() is None:
         sys.exit("no C compiler: the packed kernels cannot be built here")
     peaks = probe()
     print(
@@ -222,7 +275,7 @@ def main() -> None:
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {cpu_model()}",
         "cpu_flags": cpu_features(),
-        "kernels": f"{build.variant} ({build.description})",
+        "kernels": f"{build.variant} ({build.description}); int8: {int8_build().description}",
         "threads": 1,
         "repeats": REPEATS,
         "commit": commit(),
@@ -238,7 +291,8 @@ def main() -> None:
 
 def cpu_features() -> list[str]:
     """The flags that choose a kernel build (kernels/native.py)."""
-    wanted = {"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
+    wanted = {"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8",
+              "amx_tile"}
     return sorted(native.cpu_flags() & wanted)
 
 

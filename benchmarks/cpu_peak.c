@@ -1,6 +1,7 @@
 /* What one core of this CPU can do at most, for benchmarks/cpu_linear_bench.py to measure the linear
  * layers against: float32 multiply-adds in the widest vectors the build has, bfloat16 pairs by the
- * AVX512-BF16 dot product where the build has it, and reads from memory.
+ * AVX512-BF16 dot product where the build has it, int8 products as the W8A8 kernel makes them, and reads
+ * from memory.
  *
  * Built with -O3 -march=native by the bench. Each loop keeps 12 independent accumulators, enough to hide
  * the multiply-add's latency on every core seen (4-5 cycles, 2 a cycle).
@@ -13,7 +14,7 @@
 #else
 #define WIDTH 8
 #endif
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -58,6 +59,52 @@ float dot_rounds(int64_t iterations)
 #else
     (void)iterations;
     return -1.0f;
+#endif
+}
+
+/* int8 products as the W8A8 kernel (kernels/cpu_int8_gemm.c) makes them: AVX512-VNNI's byte dot product (four
+ * multiply-adds a 32-bit lane) where the build has it, else int16 pairs (vpmaddwd, then an add) in AVX2 vectors.
+ * int8_ops_per_round() operations (a multiply and an add each) a round; -1 without AVX2. */
+int64_t int8_ops_per_round(void)
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 12 * 64 * 2;
+#elif defined(__AVX2__)
+    return 12 * 16 * 2;
+#else
+    return -1;
+#endif
+}
+
+int64_t int8_rounds(int64_t iterations)
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const __m512i x = _mm512_set1_epi32(0x01020304), y = _mm512_set1_epi32(0x01010101);
+#define I8_START(i) __m512i d##i = _mm512_set1_epi32(i);
+    TWELVE(I8_START)
+    for (int64_t n = 0; n < iterations; n++) {
+#define I8_ROUND(i) d##i = _mm512_dpbusd_epi32(d##i, x, y);
+        TWELVE(I8_ROUND)
+    }
+    int64_t sum = 0;
+#define I8_ADD(i) sum += _mm512_reduce_add_epi32(d##i);
+    TWELVE(I8_ADD)
+    return sum;
+#elif defined(__AVX2__)
+    const __m256i x = _mm256_set1_epi32(0x00010002), y = _mm256_set1_epi32(0x00010001);
+#define W_START(i) __m256i d##i = _mm256_set1_epi32(i);
+    TWELVE(W_START)
+    for (int64_t n = 0; n < iterations; n++) {
+#define W_ROUND(i) d##i = _mm256_add_epi32(d##i, _mm256_madd_epi16(x, y));
+        TWELVE(W_ROUND)
+    }
+    int64_t sum = 0;
+#define W_ADD(i) { int32_t lanes[8]; _mm256_storeu_si256((__m256i *)lanes, d##i); sum += lanes[0]; }
+    TWELVE(W_ADD)
+    return sum;
+#else
+    (void)iterations;
+    return -1;
 #endif
 }
 

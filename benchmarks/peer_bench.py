@@ -98,6 +98,12 @@ SCENARIOS = {
     ),
     # 16 prompts sent at once to an idle server: first tokens with no earlier requests' waves to wait behind.
     "mid_burst16": Scenario(256, 1, 16, max_concurrency=16, metrics=("median_ttft_ms", "mean_ttft_ms")),
+    # Quantized against float on the same shape (--baseline-model): many short prompts decoding long, and long
+    # prompts with few tokens out, where the first token is the figure.
+    "decode_c32": Scenario(64, 256, 96, max_concurrency=32,
+                           metrics=("output_throughput", "mean_tpot_ms", "median_ttft_ms")),
+    "prefill_1k": Scenario(1024, 16, 16, max_concurrency=4,
+                           metrics=("median_ttft_ms", "mean_ttft_ms", "output_throughput")),
     "mid_c1": Scenario(
         256,
         96,
@@ -218,8 +224,14 @@ def vllm_all_cores_command(args, port: int, speculative: bool = False) -> tuple[
     return command, env | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{len(os.sched_getaffinity(0)) - 1}"}
 
 
+def baseline_command(args, port: int, speculative: bool = False) -> tuple[list[str], dict[str, str]]:
+    """pagedserve on --baseline-model (the float checkpoint of a quantized model's shape, say)."""
+    return pagedserve_command(argparse.Namespace(**{**vars(args), "model": args.baseline_model}), port, speculative)
+
+
 SYSTEMS = {  # name: (command, whether it speculates)
     "pagedserve": (pagedserve_command, False),
+    "pagedserve-baseline": (baseline_command, False),
     "vllm": (vllm_command, False),
     "vllm-all-cores": (vllm_all_cores_command, False),
     "pagedserve+spec": (pagedserve_command, True),
@@ -494,6 +506,12 @@ def main() -> None:
         help="start every system at once and run each scenario on each in turn (no --sweep)",
     )
     parser.add_argument(
+        "--baseline-model",
+        default=None,
+        help="also run pagedserve on this model (a float checkpoint of the same shape) and report --model's "
+        "advantage over it",
+    )
+    parser.add_argument(
         "--speculative-config",
         default=None,
         help="run pagedserve without and with this config, and vLLM with it (JSON, vLLM's form)",
@@ -523,6 +541,7 @@ def main() -> None:
     else:
         systems = ["pagedserve"] + (["vllm"] if args.vllm_venv else [])
         systems += ["vllm-all-cores"] if args.vllm_venv and args.vllm_all_cores else []
+        systems += ["pagedserve-baseline"] if args.baseline_model else []
     rates = [float(r) for r in args.sweep.split(",") if r]
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     sweeps: dict[str, dict[float, dict]] = {}
@@ -570,6 +589,7 @@ def main() -> None:
                 "interleave",
                 "load_format",
                 "tokenizer",
+                "baseline_model",
             )
         },
         "scenarios": {

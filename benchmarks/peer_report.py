@@ -32,6 +32,9 @@ def table(runs: dict[str, list[dict]], scenarios: dict) -> list[dict]:
                     theirs = [r[scenario_name][metric] for r in runs.get(peer, [])]
                     row[peer] = theirs
                     row[key] = [advantage(metric, a, b) for a, b in zip(ours, theirs) if a and b]
+            if "pagedserve-baseline" in runs:  # the same server on another checkpoint of the shape (bf16, say)
+                row["baseline"] = [r[scenario_name][metric] for r in runs["pagedserve-baseline"]]
+                row["ratio_baseline"] = [advantage(metric, a, b) for a, b in zip(ours, row["baseline"]) if a and b]
             if "vllm-all-cores" in runs:  # vLLM at its best: the better of its two settings, repetition by repetition
                 pick = max if metric in HIGHER_IS_BETTER else min
                 row["vllm-best"] = [pick(a, b) for a, b in zip(row["vllm"], row["vllm-all-cores"])]
@@ -82,24 +85,29 @@ def print_spec_table(rows: list[dict], systems: list[str]) -> None:
 
 def print_table(rows: list[dict]) -> None:
     all_cores = any("vllm-all-cores" in row for row in rows)
+    baseline = any("baseline" in row for row in rows)
     extra = " vLLM, all cores | advantage over it (×) | over vLLM at its best (×) |" if all_cores else ""
+    extra += " baseline model | advantage over it (×) |" if baseline else ""
     print("\n| scenario | metric | pagedserve | vLLM | pagedserve advantage (×) |" + extra)
-    print("| --- | --- | --- | --- | --- |" + (" --- | --- | --- |" if all_cores else ""))
+    print("| --- | --- | --- | --- | --- |" + (" --- | --- | --- |" if all_cores else "")
+          + (" --- | --- |" if baseline else ""))
     for row in rows:
         if "share" in row:
             share = spread([100 * s for s in row["share"]])
             print(
                 f"| {row['scenario']} ({row['system']}) | {row['metric']} | {share} % | | |"
-                + (" | | |" if all_cores else "")
+                + (" | | |" if all_cores else "") + (" | |" if baseline else "")
             )
         else:
-            cells = [spread(row["pagedserve"]), spread(row["vllm"]), spread(row["ratio"], 2)]
+            cells = [spread(row["pagedserve"]), spread(row.get("vllm", [])), spread(row.get("ratio", []), 2)]
             if all_cores:
                 cells += [
                     spread(row["vllm-all-cores"]),
                     spread(row["ratio_all_cores"], 2),
                     spread(row["ratio_best"], 2),
                 ]
+            if baseline:
+                cells += [spread(row.get("baseline", [])), spread(row.get("ratio_baseline", []), 2)]
             print(f"| {row['scenario']} | {row['metric']} | " + " | ".join(cells) + " |")
     print(
         "advantage: throughput ratio, or vLLM's time over ours; above 1 means pagedserve is better. vLLM at its "

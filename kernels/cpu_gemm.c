@@ -353,9 +353,10 @@ static struct prefetch_plan plan_prefetch(const int kind, int64_t M, int64_t K)
     return (struct prefetch_plan){sharing, share, (share + steps - 1) / steps};
 }
 
+/* With `later` panels after these in memory, which the first tiles prefetch; without (a panel in a buffer), none. */
 static void gemm_panels(const int kind, const char *x, int64_t x_stride, const char *panels, const float *bias,
                         float *y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t first_panel,
-                        int64_t last_panel)
+                        int64_t last_panel, const int later)
 {
     const int64_t whole_panel = panel_bytes(kind, K);
     if (M >= PREFETCH_MIN_ROWS && M <= STREAM_ROWS) {
@@ -378,7 +379,7 @@ static void gemm_panels(const int kind, const char *x, int64_t x_stride, const c
             const int64_t m_end = m0 + MC < M ? m0 + MC : M;
             for (int64_t m = m0; m < m_end; m += MR, t++) {
                 const int rows = m_end - m < MR ? (int)(m_end - m) : MR;
-                const char *ahead = t < plan.sharing ? w + PREFETCH_PANELS * whole_panel + t * plan.share : 0;
+                const char *ahead = later && t < plan.sharing ? w + PREFETCH_PANELS * whole_panel + t * plan.share : 0;
                 tile_of(kind, rows, x + m * x_stride * x_element, x_stride, w, K, bias ? bias + n : 0,
                         y + m * y_stride + n, y_stride, cols, ahead, plan.stride);
             }
@@ -486,7 +487,8 @@ static int64_t gemm(const int kind, const void *x, int64_t x_stride, const void 
             gemm_pairs(kind, xm, x_stride, (const char *)panels, bias, ym, y_stride, rows, halves, K, first, last,
                        (int)act);
         else
-            gemm_panels(kind, xm, x_stride, (const char *)panels, bias, (float *)ym, y_stride, rows, N, K, first, last);
+            gemm_panels(kind, xm, x_stride, (const char *)panels, bias, (float *)ym, y_stride, rows, N, K, first, last,
+                        1);
     }
     if (wait)
         wait_for_chunks(counters, chunks);
@@ -602,30 +604,40 @@ static inline __attribute__((always_inline)) void code_tile_pairs(
     const float *x_sums, int64_t groups, int64_t group, const float *bias, float *y, int64_t y_stride, int64_t cols)
 {
     const uint32_t *xw = (const uint32_t *)x; /* bfloat16 pairs of x */
+    /* Sums in chains of their own for a few rows, so that the dot product's latency, not its rate, does not bound
+     * a decode of one or two rows: pair j goes to chain j % chains. */
+    const int chains = rows == 1 ? 4 : rows == 2 ? 2 : 1;
     float sums[MR * NR];
     memset(sums, 0, sizeof sums);
     for (int64_t g = 0; g < groups; g++) {
-        vf part0[MR], part1[MR];
+        vf part0[MR][4], part1[MR][4];
         for (int r = 0; r < rows; r++)
-            part0[r] = part1[r] = (vf){0};
-        for (int64_t k = g * group, end = k + group; k < end; k += 8) {
-            const uint32_t *word = w + k / 8 * NR;
-            const vu w0 = load_words(word), w1 = load_words(word + GEMM_VEC);
+            for (int c = 0; c < chains; c++)
+                part0[r][c] = part1[r][c] = (vf){0};
+        /* word q of the group: the codes of inputs 8q .. 8q + 7, and pairs 4q .. 4q + 3 of each row of x */
+        const uint32_t *words = w + (size_t)(g * group / 8) * NR, *pairs = xw + (size_t)(g * group / 2);
+        for (size_t q = 0; q < (size_t)group / 8; q++) {
+            const vu w0 = load_words(words + q * NR), w1 = load_words(words + q * NR + GEMM_VEC);
             for (int j = 0; j < 4; j++) {
                 const vu b0 = code_pairs(w0, j), b1 = code_pairs(w1, j);
                 for (int r = 0; r < rows; r++) {
-                    const uint32_t pair = xw[r * x_stride / 2 + k / 2 + j];
-                    part0[r] = dot_pairs(part0[r], pair, b0);
-                    part1[r] = dot_pairs(part1[r], pair, b1);
+                    const uint32_t pair = pairs[(size_t)r * (size_t)(x_stride / 2) + 4 * q + (size_t)j];
+                    part0[r][j % chains] = dot_pairs(part0[r][j % chains], pair, b0);
+                    part1[r][j % chains] = dot_pairs(part1[r][j % chains], pair, b1);
                 }
             }
         }
         const vf s0 = load_floats(scales + g * NR), s1 = load_floats(scales + g * NR + GEMM_VEC);
         const vf o0 = load_floats(offsets + g * NR) - 128.0f * s0, o1 = load_floats(offsets + g * NR + GEMM_VEC) - 128.0f * s1;
         for (int r = 0; r < rows; r++) {
+            vf total0 = part0[r][0], total1 = part1[r][0];
+            for (int c = 1; c < chains; c++) {
+                total0 += part0[r][c];
+                total1 += part1[r][c];
+            }
             const vf xs = splat(x_sums[r * groups + g]);
-            *(vf_unaligned *)(sums + r * NR) = load_floats(sums + r * NR) + part0[r] * s0 + xs * o0;
-            *(vf_unaligned *)(sums + r * NR + GEMM_VEC) = load_floats(sums + r * NR + GEMM_VEC) + part1[r] * s1 + xs * o1;
+            *(vf_unaligned *)(sums + r * NR) = load_floats(sums + r * NR) + total0 * s0 + xs * o0;
+            *(vf_unaligned *)(sums + r * NR + GEMM_VEC) = load_floats(sums + r * NR + GEMM_VEC) + total1 * s1 + xs * o1;
         }
     }
     for (int r = 0; r < rows; r++)
@@ -651,13 +663,20 @@ static void code_pairs_tile_of(int rows, const char *x, int64_t x_stride, const 
 /* Each row's sum of its bfloat16 x over each group of k, into sums [rows][groups]. */
 static void group_sums(const char *x, int64_t x_stride, int64_t rows, int64_t K, int64_t group, float *sums)
 {
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = (const uint16_t *)x + r * x_stride;
         for (int64_t g = 0; g < K / group; g++) {
             float total = 0;
-            for (int64_t k = g * group; k < (g + 1) * group; k++)
-                total += x_value(1, x, r * x_stride + k);
+#pragma omp simd reduction(+ : total)
+            for (int64_t k = g * group; k < (g + 1) * group; k++) {
+                const uint32_t bits = (uint32_t)row[k] << 16;
+                float value;
+                memcpy(&value, &bits, sizeof value);
+                total += value;
+            }
             sums[r * (K / group) + g] = total;
         }
+    }
 }
 #endif
 
@@ -777,7 +796,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
             const float *sc = scales + p * groups * NR, *of = offsets + p * groups * NR, *b = bias ? bias + n : 0;
             if (prompt) {
                 dequantize_panel((int)code, (int)x_bf16, w, sc, of, group, K, values);
-                gemm_panels(kind, xm, x_stride, (const char *)values, b, ym + n, y_stride, rows, N - n, K, 0, 1);
+                gemm_panels(kind, xm, x_stride, (const char *)values, b, ym + n, y_stride, rows, N - n, K, 0, 1, 0);
                 continue;
             }
             for (int64_t m = 0; m < rows; m += MR) {

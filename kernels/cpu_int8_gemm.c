@@ -11,17 +11,20 @@
  * product vpmaddubsw, cannot saturate: a checkpoint's weights and x's codes both reach -128. The portable
  * build is plain C in int32.
  *
- * x: [M][K] int8 codes with rows x_stride apart, K padded to a multiple of 4 with zeros; x_scales [M];
- * w_scales [N]; bias [N] or NULL; y: [M][N] float32 with rows y_stride apart. Threads share a call by
- * claiming chunks of units_per_chunk panels of one block of rows (claims.h), as cpu_gemm.c's do.
+ * int8_linear takes x as float32 rows ([M][K], rows x_stride apart) and quantizes each block of rows it works
+ * on into a buffer of its thread (as x + 128 for VNNI's unsigned bytes, K padded to a multiple of 4 with
+ * zeros): one call per product, and no pass of its own over x. w_scales [N]; bias [N] or NULL; y: [M][N]
+ * float32 with rows y_stride apart. Threads share a call by claiming chunks of units_per_chunk panels of one
+ * block of rows (claims.h), as cpu_gemm.c's do; each quantizes the blocks of rows it meets.
  *
- * quantize_rows turns float32 rows into those codes: per row, scale = max|x| / 127.5 and code =
- * round-to-even(x * (127.5 / max|x|)) clamped to [-128, 127], the symmetric dynamic quantization of
- * compressed-tensors' int8 activations; with static_scale > 0, one scale for every row (a checkpoint's
- * input_scale) and code = round(x / static_scale).
+ * A row's quantization (quantize_rows gives it on its own, for oneDNN's product on AMX CPUs and the tests):
+ * scale = max|x| / 127.5 and code = round-to-even(x * (127.5 / max|x|)) clamped to [-128, 127], the symmetric
+ * dynamic quantization of compressed-tensors' int8 activations; with static_scale > 0, one scale for every
+ * row (a checkpoint's input_scale) and code = round(x / static_scale).
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "claims.h"
@@ -30,7 +33,7 @@
 #include <immintrin.h>
 #define I8_KIND 2 /* vpdpbusd */
 #define I8_NR 32
-#define I8_MR 6
+#define I8_MR 8
 #elif defined(__AVX2__)
 #include <immintrin.h>
 #define I8_KIND 1 /* widened to int16, vpmaddwd */
@@ -57,9 +60,9 @@ static inline __attribute__((always_inline)) void tile_sums(const int rows, cons
     for (int64_t q = 0; q < words; q++) {
         const __m512i w0 = _mm512_loadu_si512(w + q * I8_NR), w1 = _mm512_loadu_si512(w + q * I8_NR + 16);
         for (int r = 0; r < rows; r++) {
-            uint32_t quad;
+            int32_t quad; /* x + 128, unsigned */
             memcpy(&quad, x + r * x_stride + 4 * q, 4);
-            const __m512i xb = _mm512_set1_epi32((int)(quad ^ 0x80808080u)); /* x + 128, unsigned */
+            const __m512i xb = _mm512_set1_epi32(quad);
             acc0[r] = _mm512_dpbusd_epi32(acc0[r], xb, w0);
             acc1[r] = _mm512_dpbusd_epi32(acc1[r], xb, w1);
         }
@@ -132,6 +135,8 @@ __attribute__((optimize("no-fast-math"))) static void store_rows(const int rows,
 
 #define BY_ROWS(FN, ...)                                                                                \
     switch (rows) {                                                                                     \
+    case 8: FN(8 <= I8_MR ? 8 : 1, __VA_ARGS__); break;                                                 \
+    case 7: FN(7 <= I8_MR ? 7 : 1, __VA_ARGS__); break;                                                 \
     case 6: FN(6 <= I8_MR ? 6 : 1, __VA_ARGS__); break;                                                 \
     case 5: FN(5 <= I8_MR ? 5 : 1, __VA_ARGS__); break;                                                 \
     case 4: FN(4 <= I8_MR ? 4 : 1, __VA_ARGS__); break;                                                 \
@@ -145,36 +150,6 @@ static void tile_of(int rows, const int8_t *x, int64_t x_stride, const int32_t *
     BY_ROWS(tile_sums, x, x_stride, w, words, sums)
 }
 #undef BY_ROWS
-
-int64_t int8_gemm(const int8_t *x, int64_t x_stride, const float *x_scales, const int32_t *panels,
-                  const int32_t *colsums, const float *w_scales, const float *bias, float *y, int64_t y_stride,
-                  int64_t M, int64_t N, int64_t K, int64_t units_per_chunk, int64_t *counters, int64_t wait)
-{
-    const int64_t words = (K + 3) / 4, count = (N + I8_NR - 1) / I8_NR;
-    const int64_t fit = K > 0 ? I8_ROW_BLOCK_BYTES / K / I8_MC * I8_MC : 0;
-    const int64_t row_block = M > fit && fit ? fit : (M > 0 ? M : 1);
-    const int64_t unit_chunks = (count + units_per_chunk - 1) / units_per_chunk;
-    const int64_t chunks = unit_chunks * ((M + row_block - 1) / row_block);
-    int32_t sums[I8_MR * I8_NR];
-    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
-        const int64_t first = c % unit_chunks * units_per_chunk, m0 = c / unit_chunks * row_block;
-        const int64_t last = first + units_per_chunk < count ? first + units_per_chunk : count;
-        const int64_t m_end = M - m0 < row_block ? M : m0 + row_block;
-        for (int64_t p = first; p < last; p++) {
-            const int64_t n = p * I8_NR, cols = N - n < I8_NR ? N - n : I8_NR;
-            const int32_t *w = panels + p * words * I8_NR;
-            for (int64_t m = m0; m < m_end; m += I8_MR) {
-                const int rows = m_end - m < I8_MR ? (int)(m_end - m) : I8_MR;
-                tile_of(rows, x + m * x_stride, x_stride, w, words, sums);
-                store_rows(rows, sums, colsums + n, x_scales + m, w_scales + n, bias ? bias + n : 0,
-                           y + m * y_stride + n, y_stride, cols);
-            }
-        }
-    }
-    if (wait)
-        wait_for_chunks(counters, chunks);
-    return 0;
-}
 
 /* A row's scale and its inverse from its largest magnitude, as IEEE division gives them (the build's fast math
  * may not turn either into a product by a rounded reciprocal: the torch reference divides). */
@@ -192,7 +167,8 @@ __attribute__((noinline, optimize("no-fast-math"))) static void row_scale(float 
 
 /* Rows first .. last - 1 of x as codes (see the top of the file); a row's codes past K, up to padded, zero. */
 static void quantize_range(const float *x, int64_t x_stride, int64_t K, int64_t padded, int8_t *codes,
-                           int64_t code_stride, float *scales, float static_scale, int64_t first, int64_t last)
+                           int64_t code_stride, float *scales, float static_scale, int64_t first, int64_t last,
+                           const int unsigned_codes)
 {
     for (int64_t r = first; r < last; r++) {
         const float *xr = x + r * x_stride;
@@ -205,14 +181,71 @@ static void quantize_range(const float *x, int64_t x_stride, int64_t K, int64_t 
         }
         row_scale(top, static_scale, &scale, &inverse);
         scales[r] = scale;
+        const int bias = unsigned_codes ? 128 : 0; /* x + 128 as an unsigned byte: the same bits as x ^ 0x80 */
 #pragma omp simd
         for (int64_t k = 0; k < K; k++) {
             const float q = rintf(xr[k] * inverse);
-            out[k] = (int8_t)(q > 127.0f ? 127.0f : q < -128.0f ? -128.0f : q);
+            out[k] = (int8_t)((int)(q > 127.0f ? 127.0f : q < -128.0f ? -128.0f : q) + bias);
         }
         for (int64_t k = K; k < padded; k++)
-            out[k] = 0;
+            out[k] = (int8_t)bias;
     }
+}
+
+/* This thread's buffer for a block of rows' codes and scales, grown as needed (helpers live as long as the
+ * process). */
+static void *codes_buffer(size_t bytes)
+{
+    static __thread void *buffer;
+    static __thread size_t capacity;
+    if (bytes > capacity) {
+        free(buffer);
+        capacity = (bytes + 4095) / 4096 * 4096;
+        buffer = aligned_alloc(64, capacity);
+        if (!buffer)
+            capacity = 0;
+    }
+    return buffer;
+}
+
+int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const int32_t *panels,
+                    const int32_t *colsums, const float *w_scales, const float *bias, float *y, int64_t y_stride,
+                    int64_t M, int64_t N, int64_t K, int64_t units_per_chunk, int64_t *counters, int64_t wait)
+{
+    const int64_t words = (K + 3) / 4, padded = 4 * words, count = (N + I8_NR - 1) / I8_NR;
+    const int64_t fit = K > 0 ? I8_ROW_BLOCK_BYTES / padded / I8_MC * I8_MC : 0;
+    const int64_t row_block = M > fit && fit ? fit : (M > 0 ? M : 1);
+    const int64_t unit_chunks = (count + units_per_chunk - 1) / units_per_chunk;
+    const int64_t chunks = unit_chunks * ((M + row_block - 1) / row_block);
+    int8_t *codes = codes_buffer((size_t)(row_block * padded + 4 * row_block + 64));
+    if (!codes)
+        return -1;
+    float *scales = (float *)(codes + (row_block * padded + 63) / 64 * 64);
+    int32_t sums[I8_MR * I8_NR];
+    int64_t quantized = -1; /* the first row of the block in this thread's buffer */
+    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+        const int64_t first = c % unit_chunks * units_per_chunk, m0 = c / unit_chunks * row_block;
+        const int64_t last = first + units_per_chunk < count ? first + units_per_chunk : count;
+        const int64_t rows = M - m0 < row_block ? M - m0 : row_block;
+        if (quantized != m0) {
+            quantize_range(x + m0 * x_stride, x_stride, K, padded, codes, padded, scales, static_scale, 0, rows,
+                           I8_KIND == 2);
+            quantized = m0;
+        }
+        for (int64_t p = first; p < last; p++) {
+            const int64_t n = p * I8_NR, cols = N - n < I8_NR ? N - n : I8_NR;
+            const int32_t *w = panels + p * words * I8_NR;
+            for (int64_t m = 0; m < rows; m += I8_MR) {
+                const int tile_rows = rows - m < I8_MR ? (int)(rows - m) : I8_MR;
+                tile_of(tile_rows, codes + m * padded, padded, w, words, sums);
+                store_rows(tile_rows, sums, colsums + n, scales + m, w_scales + n, bias ? bias + n : 0,
+                           y + (m0 + m) * y_stride + n, y_stride, cols);
+            }
+        }
+    }
+    if (wait)
+        wait_for_chunks(counters, chunks);
+    return 0;
 }
 
 int64_t quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t K, int64_t padded, int8_t *codes,
@@ -222,7 +255,7 @@ int64_t quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t K, in
     const int64_t chunks = (M + units_per_chunk - 1) / units_per_chunk;
     for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
         const int64_t first = c * units_per_chunk, last = first + units_per_chunk < M ? first + units_per_chunk : M;
-        quantize_range(x, x_stride, K, padded, codes, code_stride, scales, static_scale, first, last);
+        quantize_range(x, x_stride, K, padded, codes, code_stride, scales, static_scale, first, last, 0);
     }
     if (wait)
         wait_for_chunks(counters, chunks);
@@ -231,23 +264,28 @@ int64_t quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t K, in
 
 /* The calls as tasks of helper_pool.c: the arguments before the counters as words, in order (a float as its
  * bits). */
-int64_t int8_gemm_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
+static float float_of_bits(int64_t word)
+{
+    const uint32_t bits = (uint32_t)word;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+int64_t int8_linear_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
 {
     (void)thread;
-    return int8_gemm((const int8_t *)w[0], w[1], (const float *)w[2], (const int32_t *)w[3], (const int32_t *)w[4],
-                     (const float *)w[5], (const float *)w[6], (float *)w[7], w[8], w[9], w[10], w[11], w[12],
-                     counters, wait);
+    return int8_linear((const float *)w[0], w[1], float_of_bits(w[2]), (const int32_t *)w[3], (const int32_t *)w[4],
+                       (const float *)w[5], (const float *)w[6], (float *)w[7], w[8], w[9], w[10], w[11], w[12],
+                       counters, wait);
 }
-int64_t int8_gemm_task_words(void) { return 13; }
+int64_t int8_linear_task_words(void) { return 13; }
 
 int64_t quantize_rows_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
 {
     (void)thread;
-    float static_scale;
-    const uint32_t bits = (uint32_t)w[8];
-    memcpy(&static_scale, &bits, sizeof static_scale);
     return quantize_rows((const float *)w[0], w[1], w[2], w[3], w[4], (int8_t *)w[5], w[6], (float *)w[7],
-                         static_scale, w[9], counters, wait);
+                         float_of_bits(w[8]), w[9], counters, wait);
 }
 int64_t quantize_rows_task_words(void) { return 10; }
 
@@ -263,8 +301,8 @@ const char *int8_description(void)
 #endif
 }
 
-const char *int8_gemm_signature(void) { return "pippppppiiiiipi:i"; }
+const char *int8_linear_signature(void) { return "pifpppppiiiiipi:i"; }
 const char *quantize_rows_signature(void) { return "piiiipipfipi:i"; }
-const char *int8_gemm_task_words_signature(void) { return ":i"; }
+const char *int8_linear_task_words_signature(void) { return ":i"; }
 const char *quantize_rows_task_words_signature(void) { return ":i"; }
 const char *int8_panel_width_signature(void) { return ":i"; }

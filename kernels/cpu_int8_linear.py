@@ -1,9 +1,10 @@
-"""W8A8 products on a CPU: the compiled kernels of `cpu_int8_gemm.c` (int8 rows of x times int8 weights, summed
-in int32) and the quantization of x's rows that feeds them, with a torch reference for each that gives the same
-numbers (the tests hold every build to it, and it serves where no build loads).
+"""W8A8 products on a CPU: the compiled kernels of `cpu_int8_gemm.c` (x's rows quantized to int8 per token, times
+int8 weights, summed in int32), with a torch reference that gives the same numbers (the tests hold every build to
+it, and it serves where no build loads).
 
-Weights are packed once into panels of the build's width (`pack_int8`); a call quantizes x's float32 rows per
-token (`quantize_rows`), then multiplies (`int8_gemm`), each kernel shared by the threads as `cpu_linear`'s are.
+Weights are packed once into panels of the build's width (`pack_int8`); a call (`int8_linear`) takes x's float32
+rows, which each thread quantizes as it goes, and is shared by the threads as `cpu_linear`'s calls are.
+`quantize_rows` quantizes rows alone, for oneDNN's product on a CPU with AMX tiles.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kernels import native
 from kernels.workspace import step_scratch
 
 SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth sharing between threads
-SPLIT_BYTES = 2 << 20  # unless its weight is larger than this (a second core then reads it faster)
+SPLIT_BYTES = 1 << 19  # unless its weight is larger than this: one core reads it at a share of the memory's rate
 CHUNKS_PER_THREAD = 8
 QUANTIZE_SPLIT_VALUES = 1 << 16  # values of x below which its quantization stays on one thread
 CODE_RANGE = 127.5  # a row's largest magnitude maps here: compressed-tensors' symmetric int8 range
@@ -27,7 +28,7 @@ CODE_RANGE = 127.5  # a row's largest magnitude maps here: compressed-tensors' s
 class Int8Build:
     """One build of cpu_int8_gemm.c: its two kernels and what packing for them needs."""
 
-    gemm: object
+    linear: object
     quantize: object
     panel_width: int
     description: str
@@ -36,7 +37,7 @@ class Int8Build:
 
 @dataclass(frozen=True, slots=True)
 class Int8Panels:
-    """A weight packed for `int8_gemm`: [panels, ceil(K / 4), width] words of four int8 of one column, and each
+    """A weight packed for `int8_linear`: [panels, ceil(K / 4), width] words of four int8 of one column, and each
     column's sum of weights (the kernel's correction for taking x + 128 as unsigned bytes)."""
 
     panels: torch.Tensor
@@ -49,16 +50,16 @@ class Int8Panels:
 def int8_build(variant: str | None = None) -> Int8Build | None:
     """The build that runs here (or `variant`'s), None where none loads."""
     p, i, f = native.POINTER, native.INT64, native.FLOAT
-    gemm = native.function("cpu_int8_gemm", "int8_gemm", [p, i, p, p, p, p, p, p, i, i, i, i, i, p, i], i,
-                           variant=variant)
+    linear = native.function("cpu_int8_gemm", "int8_linear", [p, i, f, p, p, p, p, p, i, i, i, i, i, p, i], i,
+                             variant=variant)
     quantize = native.function("cpu_int8_gemm", "quantize_rows", [p, i, i, i, i, p, i, p, f, i, p, i], i,
                                variant=variant)
     width = native.function("cpu_int8_gemm", "int8_panel_width", [], i, variant=variant)
-    if gemm is None or quantize is None or width is None:
+    if linear is None or quantize is None or width is None:
         return None
     library = native.load("cpu_int8_gemm", variant)
     library.int8_description.restype = native.ctypes.c_char_p
-    return Int8Build(gemm, quantize, width(), library.int8_description().decode(), native.variant_of(library))
+    return Int8Build(linear, quantize, width(), library.int8_description().decode(), native.variant_of(library))
 
 
 def padded_width(in_features: int) -> int:
@@ -97,22 +98,23 @@ def quantize_rows(x: torch.Tensor, static_scale: float = 0.0, build: Int8Build |
     return (codes, scales) if done == 0 else None
 
 
-def int8_gemm(codes: torch.Tensor, scales: torch.Tensor, packed: Int8Panels, w_scales: torch.Tensor,
-              bias: torch.Tensor | None, out: torch.Tensor | None = None,
-              build: Int8Build | None = None) -> torch.Tensor | None:
-    """(codes W^T) * scales * w_scales + bias, float32 [M, N] (into `out` where given); None where the kernel
-    does not apply."""
+def int8_linear(x: torch.Tensor, packed: Int8Panels, w_scales: torch.Tensor, bias: torch.Tensor | None,
+                static_scale: float = 0.0, out: torch.Tensor | None = None,
+                build: Int8Build | None = None) -> torch.Tensor | None:
+    """x's float32 rows quantized per row (or by `static_scale` where positive), times W, scaled back by each row's
+    scale and `w_scales`, plus `bias`: float32 [M, N] (into `out` where given); None where the kernel does not
+    apply."""
     build = build or int8_build()
-    if build is None or torch.is_grad_enabled():
+    if build is None or torch.is_grad_enabled() or x.dtype is not torch.float32 or x.dim() != 2 or x.stride(1) != 1:
         return None
-    rows = codes.shape[0]
+    rows = x.shape[0]
     n, k = packed.out_features, packed.in_features
     if out is None:
         out = torch.empty((rows, n), dtype=torch.float32)
     split = rows * n * k >= SPLIT_MACS or packed.panels.nbytes >= SPLIT_BYTES
-    args = (codes.data_ptr(), codes.stride(0), scales.data_ptr(), packed.panels.data_ptr(), packed.colsums.data_ptr(),
+    args = (x.data_ptr(), x.stride(0), float(static_scale), packed.panels.data_ptr(), packed.colsums.data_ptr(),
             w_scales.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), rows, n, k)
-    done = native.share_units(build.gemm, args, packed.panels.shape[0], split, CHUNKS_PER_THREAD)
+    done = native.share_units(build.linear, args, packed.panels.shape[0], split, CHUNKS_PER_THREAD)
     return out if done == 0 else None
 
 
@@ -131,10 +133,17 @@ def quantize_rows_reference(x: torch.Tensor, static_scale: float = 0.0) -> tuple
     return codes, scales
 
 
-def int8_linear_reference(codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
-                          bias: torch.Tensor | None) -> torch.Tensor:
-    """`int8_gemm` in torch from the unpacked int8 weight [N, K]: int32 sums exactly, then the same float steps."""
+def int8_linear_reference(x: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None,
+                          static_scale: float = 0.0) -> torch.Tensor:
+    """`int8_linear` in torch from the unpacked int8 weight [N, K]: the same codes, their sums exactly, then the
+    same float steps."""
+    return scaled_sums(*quantize_rows_reference(x, static_scale), weight, w_scales, bias)
+
+
+def scaled_sums(codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """Codes [M, >= K] times the int8 weight [N, K], exactly, then times each row's scale and w_scales, plus bias."""
     k = weight.shape[1]
-    sums = codes[:, :k].to(torch.int64) @ weight.to(torch.int64).T  # exact; int32 in the kernel cannot overflow
+    sums = codes[:, :k].to(torch.int64) @ weight.to(torch.int64).T  # exact, as the kernel's int32 sums are
     out = sums.to(torch.float32) * (scales[:, None] * w_scales.float()[None, :])
     return out if bias is None else out + bias.float()

@@ -30,6 +30,7 @@ from kernels.workspace import step_scratch
 SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth sharing between threads
 SPLIT_ROWS = 4  # nor below this many rows, where reading the weight bounds it, unless the weight is larger
 SPLIT_BYTES = 4 << 20  # than this: then a second core reads it faster (docs/kernels.md)
+SPLIT_CODES = 1 << 19  # values of a weight as codes from which one row's product is shared (gemm_codes)
 CHUNKS_PER_THREAD = 8  # a shared call's panels come in this many chunks per thread, claimed in turn
 SYMBOLS = {torch.float32: "gemm_f32", torch.float16: "gemm_f16", torch.bfloat16: "gemm_bf16"}
 ACT_NONE, ACT_SILU_F32, ACT_SILU_BF16 = 0, 1, 2  # what a call stores (cpu_gemm.c's enum activation)
@@ -233,9 +234,10 @@ def gemm_codes(x: torch.Tensor, packed: CodePanels, bias: torch.Tensor | None, o
     rows, width = x.shape
     if out is None:
         out = torch.empty((rows, packed.out_features), dtype=torch.float32)
-    # Unpacking codes costs arithmetic as well as reads: a weight is shared by its count of values, as bfloat16's is.
+    # Unpacking codes costs arithmetic as well as reads: even one row's product is shared once its weight has
+    # SPLIT_CODES values (some fifteen microseconds of one core), where a second core's start costs a few.
     weights = packed.out_features * width
-    split = rows >= SPLIT_ROWS and rows * weights >= SPLIT_MACS or 2 * weights >= SPLIT_BYTES
+    split = rows >= SPLIT_ROWS and rows * weights >= SPLIT_MACS or weights >= SPLIT_CODES
     args = (x.data_ptr(), x.stride(0), int(x.dtype is torch.bfloat16), packed.panels.data_ptr(),
             packed.scales.data_ptr(), packed.offsets.data_ptr(), packed.group, CODE_KINDS[packed.kind],
             0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), rows, packed.out_features, width)

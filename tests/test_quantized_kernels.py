@@ -51,10 +51,10 @@ def test_every_int8_build_quantizes_and_multiplies_as_the_portable_build_bit_for
         assert torch.equal(codes[:, :k], reference_codes) and torch.equal(scales, reference_scales)
         assert not codes[:, k:].any()  # the padding of a row's last word
         for with_bias in (bias, None):
-            want = cpu_int8_linear.int8_linear_reference(codes, scales, weight, w_scales, with_bias)
+            want = cpu_int8_linear.int8_linear_reference(x, weight, w_scales, with_bias, scale)
             for b in (build, portable):
-                got = cpu_int8_linear.int8_gemm(codes, scales, cpu_int8_linear.pack_int8(weight, b), w_scales,
-                                                with_bias, build=b)
+                got = cpu_int8_linear.int8_linear(x, cpu_int8_linear.pack_int8(weight, b), w_scales, with_bias,
+                                                  scale, build=b)
                 assert torch.equal(got, want), (variant, b.variant, rows, n, k)
 
 
@@ -63,10 +63,10 @@ def test_an_int8_product_shared_by_threads_is_the_same(threads, monkeypatch):
     build = build_or_skip(cpu_int8_linear.int8_build, None)
     monkeypatch.setattr(cpu_int8_linear, "SPLIT_MACS", 0)
     native.set_threads(threads)
-    x, weight = torch.randn(50, 300), torch.randint(-128, 128, (200, 300), dtype=torch.int8)
-    codes, scales = cpu_int8_linear.quantize_rows(x, build=build, name=None)
-    got = cpu_int8_linear.int8_gemm(codes, scales, cpu_int8_linear.pack_int8(weight, build), torch.ones(200), None)
-    assert torch.equal(got, cpu_int8_linear.int8_linear_reference(codes, scales, weight, torch.ones(200), None))
+    for rows in (1, 50, 700):  # 700 rows of 300 codes: several blocks of rows, each quantized by the thread at it
+        x, weight = torch.randn(rows, 300), torch.randint(-128, 128, (200, 300), dtype=torch.int8)
+        got = cpu_int8_linear.int8_linear(x, cpu_int8_linear.pack_int8(weight, build), torch.ones(200), None)
+        assert torch.equal(got, cpu_int8_linear.int8_linear_reference(x, weight, torch.ones(200), None))
 
 
 def codes_of(kind: str, n: int, k: int, group: int, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

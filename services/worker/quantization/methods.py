@@ -131,22 +131,25 @@ class Int8Method(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2:
             rows = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()
-            quantized = cpu_int8_linear.quantize_rows(rows, self.weight.input_scale)
-            if quantized is not None:
-                codes, scales = quantized
-                if x.shape[0] >= cpu_linear.PROMPT_ROWS and cpu_linear.prompt_products("amx_int8") == "onednn":
-                    return self._by_onednn(codes, scales, bias)
-                out = step_scratch.take_if_large(layer.output_slot, (x.shape[0], layer.out_features),
-                                                 torch.float32, x.device)
-                if cpu_int8_linear.int8_gemm(codes, scales, self.packed, self.weight.scales, bias, out) is not None:
-                    return out
+            if x.shape[0] >= cpu_linear.PROMPT_ROWS and cpu_linear.prompt_products("amx_int8") == "onednn":
+                return self._by_onednn(rows, bias)
+            out = step_scratch.take_if_large(layer.output_slot, (x.shape[0], layer.out_features), torch.float32,
+                                             x.device)
+            weight = self.weight
+            if cpu_int8_linear.int8_linear(rows, self.packed, weight.scales, bias, weight.input_scale, out) is not None:
+                return out
         return self._in_torch(x, bias)
 
-    def _by_onednn(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        weight = self.weight.weight
+    def _by_onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same codes and integer sums, by torch's integer product (oneDNN, in AMX tiles)."""
+        weight = self.weight
+        quantized = cpu_int8_linear.quantize_rows(x, weight.input_scale)
+        if quantized is None:
+            return self._in_torch(x, bias)
+        codes, scales = quantized
         with every_kernel_thread():
-            sums = torch._int_mm(codes[:, : weight.shape[1]].contiguous(), weight.T)
-        out = sums.float() * (scales[:, None] * self.weight.scales[None, :])
+            sums = torch._int_mm(codes[:, : weight.weight.shape[1]].contiguous(), weight.weight.T)
+        out = sums.float() * (scales[:, None] * weight.scales[None, :])
         return out if bias is None else out.add_(bias)
 
     def _in_torch(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
