@@ -46,18 +46,29 @@
 #endif
 #define I8_MC 48 /* rows of a block whose codes stay in the second-level cache while a chunk's panels pass */
 #define I8_ROW_BLOCK_BYTES (256 << 10)
+#define PREFETCH_PANELS 2
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-/* Column c's int32 sum of a tile's row r, in sums[r][c]: the tile's loop is the build's. */
+/* Column c's int32 sum of a tile's row r over `words` words of k, in sums[r][c] (rows I8_NR apart), added to
+ * what sums holds with `accumulate`: the tile's loop is the build's. With `ahead` (VNNI), step q of k asks for
+ * the two lines at ahead + q x pf_stride: a later panel, as much of it as this tile reads of its own. */
 static inline __attribute__((always_inline)) void tile_sums(const int rows, const int8_t *x, int64_t x_stride,
-                                                              const int32_t *w, int64_t words, int32_t *sums)
+                                                              const int32_t *w, int64_t words, int32_t *sums,
+                                                              const int accumulate, const char *ahead,
+                                                              int64_t pf_stride)
 {
 #if I8_KIND == 2
     __m512i acc0[I8_MR], acc1[I8_MR];
-    for (int r = 0; r < rows; r++)
-        acc0[r] = acc1[r] = _mm512_setzero_si512();
+    for (int r = 0; r < rows; r++) {
+        acc0[r] = accumulate ? _mm512_loadu_si512(sums + r * I8_NR) : _mm512_setzero_si512();
+        acc1[r] = accumulate ? _mm512_loadu_si512(sums + r * I8_NR + 16) : _mm512_setzero_si512();
+    }
     for (int64_t q = 0; q < words; q++) {
+        if (ahead) {
+            __builtin_prefetch(ahead + q * pf_stride, 0, 2);
+            __builtin_prefetch(ahead + q * pf_stride + 64, 0, 2);
+        }
         const __m512i w0 = _mm512_loadu_si512(w + q * I8_NR), w1 = _mm512_loadu_si512(w + q * I8_NR + 16);
         for (int r = 0; r < rows; r++) {
             int32_t quad; /* x + 128, unsigned */
@@ -77,6 +88,7 @@ static inline __attribute__((always_inline)) void tile_sums(const int rows, cons
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < 4; v++)
             acc[r][v] = _mm256_setzero_si256();
+    (void)accumulate, (void)ahead, (void)pf_stride; /* whole panels only (int8_linear) */
     for (int64_t q = 0; q < words; q++) {
         const __m128i *wq = (const __m128i *)(w + q * I8_NR);
         __m256i wv[4];
@@ -101,6 +113,7 @@ static inline __attribute__((always_inline)) void tile_sums(const int rows, cons
 #else
     int32_t acc[I8_MR][I8_NR];
     memset(acc, 0, sizeof acc);
+    (void)accumulate, (void)ahead, (void)pf_stride; /* whole panels only (int8_linear) */
     for (int64_t q = 0; q < words; q++) {
         const int8_t *wq = (const int8_t *)(w + q * I8_NR);
         for (int r = 0; r < rows; r++) {
@@ -145,9 +158,10 @@ __attribute__((optimize("no-fast-math"))) static void store_rows(const int rows,
     default: FN(1, __VA_ARGS__);                                                                        \
     }
 
-static void tile_of(int rows, const int8_t *x, int64_t x_stride, const int32_t *w, int64_t words, int32_t *sums)
+static void tile_of(int rows, const int8_t *x, int64_t x_stride, const int32_t *w, int64_t words, int32_t *sums,
+                    const int accumulate, const char *ahead, int64_t pf_stride)
 {
-    BY_ROWS(tile_sums, x, x_stride, w, words, sums)
+    BY_ROWS(tile_sums, x, x_stride, w, words, sums, accumulate, ahead, pf_stride)
 }
 #undef BY_ROWS
 
@@ -235,9 +249,12 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
         for (int64_t p = first; p < last; p++) {
             const int64_t n = p * I8_NR, cols = N - n < I8_NR ? N - n : I8_NR;
             const int32_t *w = panels + p * words * I8_NR;
+            /* With more tiles than one, the first asks for the panel PREFETCH_PANELS on, a line a step (one or
+             * two rows stream faster by the hardware's prefetch alone, as in cpu_gemm.c). */
+            const char *ahead = rows >= 3 ? (const char *)(w + PREFETCH_PANELS * words * I8_NR) : 0;
             for (int64_t m = 0; m < rows; m += I8_MR) {
                 const int tile_rows = rows - m < I8_MR ? (int)(rows - m) : I8_MR;
-                tile_of(tile_rows, codes + m * padded, padded, w, words, sums);
+                tile_of(tile_rows, codes + m * padded, padded, w, words, sums, 0, m == 0 ? ahead : 0, I8_NR * 4);
                 store_rows(tile_rows, sums, colsums + n, scales + m, w_scales + n, bias ? bias + n : 0,
                            y + (m0 + m) * y_stride + n, y_stride, cols);
             }

@@ -1,9 +1,9 @@
 """Quantized checkpoints of the tiny test models, written by the formats' own code, and their oracles.
 
-compressed-tensors checkpoints are written by the compressed-tensors library itself (what llmcompressor calls to
-save: its scales from min and max, as llmcompressor's round-to-nearest modifier gives them byte for byte), and HF
-transformers loads them back as the oracle, dequantized, with each quantized layer's input quantized and
-dequantized per token by compressed-tensors' own functions where the scheme quantizes activations.
+compressed-tensors checkpoints are written by ops/quantize.py through the compressed-tensors library itself (what
+llmcompressor calls to save: its scales from min and max, as llmcompressor's round-to-nearest modifier gives them
+byte for byte), and HF transformers loads them back as the oracle, dequantized, with each quantized layer's input
+quantized and dequantized per token by compressed-tensors' own functions where the scheme quantizes activations.
 
 GPTQ and AWQ checkpoints are packed here in the layouts of gptqmodel and AutoAWQ; tests/fixtures holds one layer
 packed and dequantized by each library (tests/fixtures/make_quantized_layers.py), which the packing here must
@@ -19,6 +19,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
+from ops.quantize import copy_tokenizer, write_compressed_tensors
 from tests.tiny_models import build_model
 
 # Wide enough for groups of 128 inputs; two layers as the other tiny models.
@@ -28,91 +29,6 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 def dense_model(directory: str, family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> str:
     return build_model(directory, family, seed=seed, dtype=dtype, **SHAPE)
-
-
-def _scheme(preset: str):
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
-
-    if preset == "W8A8-static":  # int8 weights per channel, int8 activations by one calibrated scale per layer
-        return QuantizationScheme(
-            targets=["Linear"],
-            weights=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"),
-            input_activations=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor",
-                                               dynamic=False))
-    if preset == "W4A16-channel":
-        return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int",
-                                                                               symmetric=True, strategy="channel"))
-    return preset_name_to_scheme(preset, ["Linear"])
-
-
-def write_compressed_tensors(dense_dir: str, preset: str, out_dir: str, calibration: list[list[int]] = ()) -> str:
-    """`dense_dir`'s model quantized by a compressed-tensors preset (W8A8, W4A16, W4A16_ASYM, W8A16, FP8_DYNAMIC,
-    FP8_BLOCK, W3A16, or W8A8-static and W4A16-channel) and saved compressed, lm_head left as it is. A static
-    scheme's input scales come from running `calibration` prompts."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.bfloat16)
-    tops = _calibrated_inputs(model, calibration) if preset == "W8A8-static" else {}  # before quantization hooks
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": _scheme(preset)},
-                                                        ignore=["lm_head"]))
-    for name, module in model.named_modules():
-        scheme = getattr(module, "quantization_scheme", None)
-        if scheme is None:
-            continue
-        args, weight = scheme.weights, module.weight.float()
-        if args.strategy == "group":
-            grouped = weight.unflatten(1, (-1, args.group_size))
-            low, high = grouped.amin(2), grouped.amax(2)
-        elif args.strategy == "block":
-            rows, columns = args.block_structure
-            blocks = weight.unflatten(0, (-1, rows)).unflatten(2, (-1, columns))
-            low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
-        elif args.strategy == "tensor":
-            low, high = weight.amin().reshape(1), weight.amax().reshape(1)
-        else:
-            low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
-        scale, zero = calculate_qparams(low, high, args)
-        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-        if hasattr(module, "weight_zero_point"):
-            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-        if name in tops:
-            top = tops[name].reshape(1)
-            scale, _ = calculate_qparams(-top, top, scheme.input_activations)
-            module.input_scale.data.copy_(scale.reshape(module.input_scale.shape))
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(out_dir)
-    compressor.update_config(out_dir)
-    _copy_tokenizer(dense_dir, out_dir)
-    return out_dir
-
-
-def _calibrated_inputs(model, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Each linear layer's largest input magnitude over `prompts` (a static scheme's calibration)."""
-    tops: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            def observe(_, inputs, name=name):
-                top = inputs[0].detach().abs().amax().float()
-                tops[name] = torch.maximum(tops.get(name, top), top)
-            hooks.append(module.register_forward_pre_hook(observe))
-    with torch.no_grad():
-        for prompt in prompts:
-            model(torch.tensor([prompt]))
-    for hook in hooks:
-        hook.remove()
-    return tops
-
-
-def _copy_tokenizer(source: str, target: str) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                 "chat_template.jinja"):
-        if os.path.exists(os.path.join(source, name)):
-            shutil.copy(os.path.join(source, name), target)
 
 
 def hf_compressed_tensors_model(directory: str, dtype: torch.dtype):
@@ -250,7 +166,7 @@ def write_gptq_or_awq(dense_dir: str, method: str, out_dir: str, act_order: bool
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f)
-    _copy_tokenizer(dense_dir, out_dir)
+    copy_tokenizer(dense_dir, out_dir)
     return out_dir, dense_out
 
 
