@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a session with a lent GPU runs, from the repository root; logs and results go to $OUT.
 #   bash benchmarks/run_on_gpu.sh checks           compiled Triton kernel tests, the three processes
-#                                                  on CUDA, the kernel benchmarks (paged attention, LoRA)
+#                                                  on CUDA, the kernel benchmarks (paged attention, LoRA,
+#                                                  quantized products at 8B shapes against float16)
 #   bash benchmarks/run_on_gpu.sh fig12 POLICIES RATES [NUM_PROMPTS]   (context $MAX_MODEL_LEN, default 2048 as OPT)
 #                                                  Figure 12 on a dummy-weight OPT-13B
 #   bash benchmarks/run_on_gpu.sh graphs8b [CONCURRENCY]   a dummy Llama-3.1-8B in float16 served with CUDA
@@ -32,6 +33,8 @@ checks)
     cp benchmarks/results/kernel_bench.json "$OUT/" 2>/dev/null
     timeout 90 python3 benchmarks/lora_kernel_bench.py 2>&1 | tee "$OUT/lora_kernel_bench.log"
     cp benchmarks/results/lora_kernel_bench.json "$OUT/" 2>/dev/null
+    timeout 120 python3 benchmarks/quant_gpu_bench.py 2>&1 | tee "$OUT/quant_gpu_bench.log"
+    cp benchmarks/results/quant_gpu_bench.json "$OUT/" 2>/dev/null
     find /tmp/pt -name 'server-*.log' -print0 2>/dev/null | tar czf "$OUT/server_logs.tgz" --null -T - 2>/dev/null
     ;;
 fig12)

@@ -226,3 +226,50 @@ def test_lora_rows_read_each_adapter_through_its_scattered_pages(dtype):
                     layer * 2 * blocks * half, half, max_rank=8, max_width=24)
     torch.testing.assert_close(out.float().cpu(), expected, atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
     assert torch.equal(out[[1, 4]].cpu(), expected[[1, 4]].to(dtype))  # rows under no adapter are untouched
+
+
+CODE_CASES = [  # (rows, outputs, inputs, group, kind, dtype)
+    (3, 70, 64, 32, "uint4", torch.float32),
+    (17, 64, 128, 64, "uint8", torch.float32),
+    (5, 40, 96, 96, "fp8", torch.float32),
+    (33, 128, 256, 128, "uint4", torch.float16),
+] + ([(64, 4096, 4096, 128, "uint4", torch.float16), (1, 4096, 4096, 128, "uint4", torch.bfloat16),
+      (128, 2048, 4096, 128, "fp8", torch.bfloat16)] if CUDA else [])
+
+
+@pytest.mark.parametrize("rows, outputs, inputs, group, kind, dtype", CODE_CASES)
+def test_codes_gemm_matches_the_dequantized_weight(rows, outputs, inputs, group, kind, dtype):
+    from kernels.cpu_linear import dequantize_codes
+    from kernels.quant_triton import codes_gemm_triton, pack_codes_gpu
+
+    generator = torch.Generator().manual_seed(rows)
+    if kind == "fp8":
+        codes = (torch.randn(outputs, inputs, generator=generator) * 3).to(torch.float8_e4m3fn).view(torch.uint8)
+        offsets = torch.zeros(outputs, inputs // group)
+    else:
+        top = 16 if kind == "uint4" else 256
+        codes = torch.randint(0, top, (outputs, inputs), dtype=torch.uint8, generator=generator)
+        offsets = -torch.randint(0, top, (outputs, inputs // group), generator=generator).float()
+    scales = torch.rand(outputs, inputs // group, generator=generator) * 0.02 + 0.001
+    offsets = offsets * scales
+    x = torch.randn(rows, inputs, generator=generator)
+    bias = torch.randn(outputs, generator=generator)
+    packed = pack_codes_gpu(codes.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), kind)
+    got = codes_gemm_triton(x.to(dtype).to(DEVICE), *packed, kind, bias.to(DEVICE))
+    weight = dequantize_codes(codes, scales, offsets, kind)
+    expected = x.to(dtype).float() @ weight.T + bias
+    scale = (x.abs() @ weight.abs().T).max().item()
+    assert (got.float().cpu() - expected).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+def test_int8_products_by_torchs_integer_product_equal_the_cpu_kernels_numbers():
+    from kernels.cpu_int8_linear import int8_linear_reference
+    from kernels.quant_triton import int8_linear_torch
+
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 16, 40):
+        x = torch.randn(rows, 96, generator=generator)
+        weight = torch.randint(-128, 128, (64, 96), dtype=torch.int8, generator=generator)
+        w_scales, bias = torch.rand(64, generator=generator), torch.randn(64, generator=generator)
+        got = int8_linear_torch(x.to(DEVICE), weight.T.contiguous().to(DEVICE), w_scales.to(DEVICE), bias.to(DEVICE))
+        assert torch.equal(got.cpu(), int8_linear_reference(x, weight, w_scales, bias))

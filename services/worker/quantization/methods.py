@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_int8_linear, cpu_linear
+from kernels import cpu_int8_linear, cpu_linear, dispatch, quant_triton
 from kernels.cpu_linear import every_kernel_thread, linear
 from kernels.workspace import step_scratch
 from services.worker.quantization.schemes import QuantizationError
@@ -116,19 +116,28 @@ class Int8Method(LinearMethod):
     def __init__(self, weight: Int8Weight) -> None:
         self.weight = weight
         self.packed: cpu_int8_linear.Int8Panels | None = None
+        self.transposed: torch.Tensor | None = None  # [K, N] int8, for torch's integer product (a GPU's)
         self.dense: torch.Tensor | None = None  # the weight as floats, where no compiled kernel runs
 
     def to(self, device: torch.device) -> None:
         self.weight = self.weight.to(device)
 
     def prepare(self, layer: Linear, dtype: torch.dtype) -> None:
+        weight = self.weight.weight
         self.weight.scales = self.weight.scales.float().contiguous()
-        if self.weight.weight.device.type == "cpu" and cpu_int8_linear.int8_build() is not None:
-            self.packed = cpu_int8_linear.pack_int8(self.weight.weight)
+        if dispatch.use_triton(weight):  # a GPU (or Triton chosen): cuBLAS's int8 product through torch
+            self.transposed = weight.T.contiguous()
+        elif weight.device.type == "cpu" and cpu_int8_linear.int8_build() is not None:
+            self.packed = cpu_int8_linear.pack_int8(weight)
         else:
-            self.dense = self.weight.weight.float()
+            self.dense = weight.float()
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.transposed is not None:
+            shape = x.shape
+            out = quant_triton.int8_linear_torch(x.reshape(-1, shape[-1]), self.transposed, self.weight.scales, bias,
+                                                 self.weight.input_scale)
+            return out.reshape(*shape[:-1], -1).to(x.dtype)
         if self.packed is not None and x.dim() == 2:
             rows = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()
             if x.shape[0] >= cpu_linear.PROMPT_ROWS and cpu_linear.prompt_products("amx_int8") == "onednn":
@@ -164,7 +173,8 @@ class Int8Method(LinearMethod):
 
     def describe(self) -> str:
         build = cpu_int8_linear.int8_build()
-        kernel = f"int8 {build.variant} ({build.description})" if self.packed is not None and build else "torch"
+        kernel = f"int8 {build.variant} ({build.description})" if self.packed is not None and build else \
+            "torch._int_mm" if self.transposed is not None else "torch"
         if self.packed is not None and cpu_linear.prompt_products("amx_int8") == "onednn":
             kernel += f"; prompts of {cpu_linear.PROMPT_ROWS} rows or more by oneDNN (AMX tiles)"
         return f"{self.name}, {'static' if self.weight.input_scale else 'dynamic per-token'} activations: {kernel}"
@@ -177,6 +187,7 @@ class CodedMethod(LinearMethod):
     def __init__(self, weight: CodedWeight) -> None:
         self.weight = weight
         self.packed: cpu_linear.CodePanels | None = None
+        self.gpu: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # quant_triton's words, scales, offsets
         self.dense: torch.Tensor | None = None
         self.bf16_x = False  # x's rows rounded to bfloat16 (a bfloat16 model's, where the build takes them)
 
@@ -192,7 +203,11 @@ class CodedMethod(LinearMethod):
         weight = self.weight
         build = cpu_linear.gemm_build()
         self.bf16_x = dtype is torch.bfloat16 and build is not None and build.bf16_rows and weight.order is None
-        if weight.codes.device.type == "cpu" and build is not None:
+        k = weight.codes.shape[1]
+        if dispatch.use_triton(weight.codes) and k % quant_triton.BLOCK_K == 0 \
+                and weight.group % quant_triton.BLOCK_K == 0:
+            self.gpu = quant_triton.pack_codes_gpu(weight.codes, weight.scales, weight.offsets, weight.kind)
+        elif weight.codes.device.type == "cpu" and build is not None:
             self.packed = cpu_linear.pack_codes(weight.codes, weight.scales.float(), weight.offsets.float(),
                                                 weight.kind)
         else:
@@ -201,6 +216,11 @@ class CodedMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         order = self.weight.order
+        if self.gpu is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            rows = flat if order is None else flat[:, order]
+            out = quant_triton.codes_gemm_triton(rows.contiguous(), *self.gpu, self.weight.kind, bias)
+            return out.reshape(*x.shape[:-1], -1)
         if self.packed is not None and x.dim() == 2:
             rows = x if order is None else x[:, order]
             out = step_scratch.take_if_large(layer.output_slot, (x.shape[0], layer.out_features), torch.float32,
@@ -217,7 +237,8 @@ class CodedMethod(LinearMethod):
 
     def describe(self) -> str:
         build = cpu_linear.gemm_build()
-        kernel = f"codes {build.variant} ({build.description})" if self.packed is not None and build else "torch"
+        kernel = f"codes {build.variant} ({build.description})" if self.packed is not None and build else \
+            "triton" if self.gpu is not None else "torch"
         rows = "bfloat16" if self.bf16_x else "float32"
         return f"{self.name}: {kernel}, {rows} rows of x"
 
