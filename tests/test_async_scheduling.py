@@ -63,7 +63,7 @@ def test_a_stop_token_wastes_one_position_and_frees_everything():
     assert [t for o in outputs for d in o.sequences for t in d.token_ids] == [104, EOS]
     assert not scheduler.has_work()
     check_block_accounting(scheduler)
-    assert scheduler.kv_cache.gpu.num_referenced == 0
+    assert scheduler.kv_cache.device_pool.num_referenced == 0
 
 
 def test_nothing_is_preempted_while_a_step_is_in_flight():
@@ -111,7 +111,7 @@ def test_planning_ahead_gives_the_tokens_of_planning_after_each_result(config, s
         admitted = [i for i, (prompt, sampling) in enumerate(specs) if scheduler.add(
             AddRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, **sampling), float(i))) is None]
         outputs = run_to_completion(scheduler, StandInWorker(_positional), depth=depth)
-        assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0
+        assert not scheduler.has_work() and scheduler.kv_cache.device_pool.num_referenced == 0
         tokens = {}
         for request_id, updates in outputs.items():
             assert updates[-1].finished and updates[-1].error is None

@@ -85,7 +85,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             hits = self.manager.match_prefix(seq, disk=False)
         remaining = seq.num_tokens - hits.num_blocks * BLOCK_SIZE
         needed = -(-seq.num_tokens // BLOCK_SIZE) - hits.num_blocks + hits.num_loads
-        if needed + self.manager.revives(hits) > self.manager.gpu.num_available:
+        if needed + self.manager.revives(hits) > self.manager.device_pool.num_available:
             return
         self.manager.start(seq, hits)
         self._carry_out_transfers()
@@ -104,14 +104,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not self.manager.can_append([(seq, len(new))]):
             return
         index = len(seq.kv.block_table) - 1
-        shared = seq.kv.num_computed % BLOCK_SIZE and self.manager.gpu.ref_count(seq.kv.block_table[index]) > 1
+        shared = seq.kv.num_computed % BLOCK_SIZE and self.manager.device_pool.ref_count(seq.kv.block_table[index]) > 1
         before = seq.kv.block_table[index]
         seq.output_token_ids.extend(new)
         self._compute(seq, len(new))
         if shared:  # the write went to a private copy; the other holders keep the original
             assert seq.kv.block_table[index] != before
-            assert self.manager.gpu.ref_count(seq.kv.block_table[index]) == 1
-            assert self.manager.gpu.ref_count(before) >= 1
+            assert self.manager.device_pool.ref_count(seq.kv.block_table[index]) == 1
+            assert self.manager.device_pool.ref_count(before) >= 1
 
     @precondition(lambda self: self._running_seqs())
     @rule(data=st.data())
@@ -157,7 +157,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def start_a_request_under_an_adapter(self, which, rank):
         adapters, lora = self.manager.adapters, LoraRef(f"adapter-{which}-{rank}", "/nowhere", rank,
                                                         ["q_proj", "down_proj"])
-        if not adapters.can_start(lora) or adapters.blocks_to_start(lora) > self.manager.gpu.num_available:
+        if not adapters.can_start(lora) or adapters.blocks_to_start(lora) > self.manager.device_pool.num_available:
             return
         request_id = f"a{next(self.ids)}"
         adapters.acquire(request_id, lora)
@@ -181,7 +181,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert len(held.pages) == len(set(held.pages))
             if held.users:
                 assert not set(held.pages) & tables
-                assert all(self.manager.gpu.ref_count(page) == 1 for page in held.pages)
+                assert all(self.manager.device_pool.ref_count(page) == 1 for page in held.pages)
         assert len(adapters.on_device) <= adapters.max_loras
         for lora in self.adapter_users.values():
             assert self.adapter_users and lora.name in adapters.on_device
@@ -192,8 +192,9 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def reference_counts_match_the_block_tables(self):
-        for pool, status in ((self.manager.gpu, RequestStatus.RUNNING), (self.manager.cpu, RequestStatus.SWAPPED)):
-            counts = dict(self.manager.adapters.held_pages()) if pool is self.manager.gpu else {}
+        manager = self.manager
+        for pool, status in ((manager.device_pool, RequestStatus.RUNNING), (manager.swap_pool, RequestStatus.SWAPPED)):
+            counts = dict(self.manager.adapters.held_pages()) if pool is self.manager.device_pool else {}
             for request in self.requests:
                 if request.status is status:
                     for seq in request.seqs:

@@ -52,7 +52,7 @@ def test_greedy_output_equals_hf_with_the_host_cache_under_forced_eviction(llama
 def test_a_block_loaded_from_the_host_cache_holds_exactly_what_was_computed(llama_dir, write_through):
     engine = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True,
                     num_host_cache_blocks=64, write_through=write_through)
-    device = engine.scheduler.kv_cache.gpu
+    device = engine.scheduler.kv_cache.device_pool
     computed: dict[bytes, torch.Tensor] = {}
 
     def remember(engine):
@@ -66,7 +66,7 @@ def test_a_block_loaded_from_the_host_cache_holds_exactly_what_was_computed(llam
     for prompt in OTHERS:
         engine.generate([prompt], max_tokens=MAX_TOKENS)
     evicted = first_keys - set(device._by_hash)
-    assert evicted and all(engine.scheduler.kv_cache.host.holds(key) for key in evicted)
+    assert evicted and all(engine.scheduler.kv_cache.host_cache.holds(key) for key in evicted)
     loaded_before = engine.stats().blocks_loaded
     engine.generate(FIRST, max_tokens=MAX_TOKENS)
     assert engine.stats().blocks_loaded > loaded_before
@@ -94,7 +94,7 @@ def test_a_full_host_cache_keeps_the_latest_blocks_and_still_gives_hf_tokens(lla
                     num_host_cache_blocks=6)
     expected = [hf_greedy(llama_dir, p, MAX_TOKENS) for p in FIRST + OTHERS + FIRST]
     assert rounds(engine) == expected
-    host = engine.scheduler.kv_cache.host
+    host = engine.scheduler.kv_cache.host_cache
     assert host.num_evictable == host.num_blocks == 6
     assert engine.stats().blocks_offloaded > 6  # more went in than it holds: the oldest made room
 

@@ -160,5 +160,5 @@ def test_every_admitted_request_finishes_within_the_bound(policy, config, specs)
         step_index += 1
     assert set(admitted) <= finished
     manager = scheduler.kv_cache
-    assert manager.gpu.num_referenced == 0 and manager.cpu.num_referenced == 0
+    assert manager.device_pool.num_referenced == 0 and manager.swap_pool.num_referenced == 0
     assert all(r.status is RequestStatus.FINISHED for r in scheduler.requests.values())

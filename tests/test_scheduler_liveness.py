@@ -66,7 +66,7 @@ def test_a_swapped_request_that_cannot_come_back_is_recomputed():
             break
         _step(scheduler, worker)
     assert not scheduler.has_work()
-    assert scheduler.kv_cache.cpu.num_referenced == 0
+    assert scheduler.kv_cache.swap_pool.num_referenced == 0
 
 
 def test_a_request_alone_that_cannot_copy_its_shared_block_is_recomputed_at_once():
@@ -143,7 +143,7 @@ def test_a_sequence_the_worker_refuses_fails_only_its_own_request():
     assert not outputs[good.request_id].finished
     while scheduler.has_work():
         _step(scheduler, worker)
-    assert scheduler.kv_cache.gpu.num_referenced == 0
+    assert scheduler.kv_cache.device_pool.num_referenced == 0
 
 
 def test_beam_search_keeps_only_live_beams():

@@ -11,9 +11,17 @@ import pytest
 
 from services.api.errors import ApiError
 from services.api.requests import parse_chat, parse_completion
-from services.scheduler.policy import FairPolicy, PriorityPolicy, SchedulingPolicy, TenantLabels, make_policy
+from services.scheduler.policy import (
+    MAX_TENANT_LABELS,
+    USER_LABEL_CHARS,
+    FairPolicy,
+    PriorityPolicy,
+    SchedulingPolicy,
+    TenantLabels,
+    make_policy,
+)
 from services.scheduler.request import RequestStatus
-from tests.conftest import metric_total, serve, wait_until
+from tests.conftest import metric_total, serve, wait_until, wait_until_async
 from tests.scheduler_harness import StandInWorker, check_block_accounting, make_scheduler, request
 
 TENANT_A, TENANT_B = "tenant-aaaaaaaaaaaaaaaa", "tenant-bbbbbbbbbbbbbbbb"
@@ -208,15 +216,19 @@ def test_an_idle_tenant_banks_no_credit():
 def test_every_policy_counts_served_tokens_and_queue_time_under_bounded_labels():
     labels = TenantLabels()
     assert [labels(t) for t in ("", "user:alice", "user:bob", TENANT_A, "tenant-xyz")] == \
-        ["none", "user", "user", TENANT_A, "other"]
+        ["none", "user:alice", "user:bob", TENANT_A, "other"]
+    assert labels("user:" + "x" * 1000) == "user:" + "x" * USER_LABEL_CHARS
+    many = [labels(f"user:u{i}") for i in range(2 * MAX_TENANT_LABELS)]
+    assert len(set(many)) == MAX_TENANT_LABELS - 3 + 1 and many[-1] == "user:other"  # alice, bob and the long one
+    assert labels("user:alice") == "user:alice" and labels(TENANT_B) == TENANT_B
     for name in ("fcfs", "priority", "fair"):
         scheduler, worker = make_scheduler(policy=make_policy(name, 60.0)), StandInWorker()
         scheduler.add(request(prompt_len=6, max_tokens=3, tenant="user:carol",
                               priority=-2 if name == "priority" else 0))
         _run_to_end(scheduler, worker)
         priority = "high" if name == "priority" else "default"
-        assert scheduler.counters.served == {("user", priority): [6, 3]}
-        assert [(tenant, cls) for _, tenant, cls in scheduler.queue_times] == [("user", priority)]
+        assert scheduler.counters.served == {("user:carol", priority): [6, 3]}
+        assert [(tenant, cls) for _, tenant, cls in scheduler.queue_times] == [("user:carol", priority)]
 
 
 def test_priority_is_refused_where_the_policy_does_not_use_it_and_out_of_range_everywhere():
@@ -282,8 +294,7 @@ def test_a_priority_server_runs_the_urgent_request_first_and_labels_its_metrics(
             finished.append(name)
 
         async def until(predicate) -> None:
-            while not predicate(await asyncio.to_thread(server.metrics, "scheduler")):
-                await asyncio.sleep(0.05)
+            assert await wait_until_async(lambda: predicate(server.metrics("scheduler")), 60)
 
         async def scenario() -> None:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:

@@ -76,7 +76,7 @@ def test_a_step_planned_behind_a_speculating_one_starts_where_the_worker_says():
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # some proposals were rejected
     want = [999 if p == 12 else 100 + p % 3 for p in range(6, 36)]
     assert tokens_of(outputs, req.request_id) == want
-    assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0
+    assert not scheduler.has_work() and scheduler.kv_cache.device_pool.num_referenced == 0
 
 
 def test_rejected_proposals_give_back_their_positions_and_blocks():
@@ -105,7 +105,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there():
     assert tokens[-1] == 7 and len(tokens) == stop_at - 6 + 1  # nothing after the stop token
     assert outputs[req.request_id][-1].sequences[0].finish_reason == "stop"
     assert any(proposals > 1 for _, proposals in worker.verified)
-    assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0
+    assert not scheduler.has_work() and scheduler.kv_cache.device_pool.num_referenced == 0
 
 
 def test_proposals_never_run_past_max_tokens_or_the_context():
@@ -190,11 +190,11 @@ def test_speculation_gives_the_tokens_of_plain_decoding_and_keeps_the_invariants
                 prompts[f"r{i}"] = prompt
         worker = StandInWorker(drifting, block_size=scheduler.kv_cache.block_size)
         outputs = run_to_completion(scheduler, worker, depth=depth)
-        assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0
+        assert not scheduler.has_work() and scheduler.kv_cache.device_pool.num_referenced == 0
         check_block_accounting(scheduler)
         beams = any(sampling.get("use_beam_search") for _, sampling in specs)  # pruned beams hash blocks too
-        if scheduler.kv_cache.gpu.enable_caching and not beams:  # no rejected token was ever hashed
-            cached = set(scheduler.kv_cache.gpu._by_hash)
+        if scheduler.kv_cache.device_pool.enable_caching and not beams:  # no rejected token was ever hashed
+            cached = set(scheduler.kv_cache.device_pool._by_hash)
             assert cached <= _cache_keys_of_true_tokens(outputs, prompts, scheduler.kv_cache.block_size)
         results.append(
             {
@@ -226,7 +226,7 @@ def test_checking_blocks_after_every_step_of_a_speculating_batch_under_preemptio
         preempted = getattr(scheduler.counters, f"preemptions_{preemption}")
         assert preempted > 0, "the pool was meant to be too small for all four"
         assert any(n for _, n in worker.verified) and scheduler.speculation.stats.num_accepted_tokens > 0
-        assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0
+        assert not scheduler.has_work() and scheduler.kv_cache.device_pool.num_referenced == 0
 
 
 def test_no_proposals_while_more_sequences_decode_than_disable_by_batch_size():
@@ -284,4 +284,4 @@ def test_no_proposals_for_the_step_that_forks_a_prompt_into_n_samples():
     assert (last_prompt_token.start, last_prompt_token.num_tokens) == (8, 1)
     assert last_prompt_token.num_draft_tokens == 0
     assert {i: len(tokens_of(outputs, "forks", i)) for i in (0, 1)} == {0: 6, 1: 6}
-    assert not scheduler.has_work() and scheduler.kv_cache.gpu.num_referenced == 0
+    assert not scheduler.has_work() and scheduler.kv_cache.device_pool.num_referenced == 0

@@ -11,10 +11,11 @@ from shared.cli import (
     EXIT_PORT_TAKEN,
     RUNTIME_DIR_ENV,
     HelpFormatter,
-    add_endpoint_args,
+    add_link_args,
     add_lora_args,
     add_metrics_args,
     add_scheduler_args,
+    add_wire_args,
     setup_logging,
     stop_on_signals,
 )
@@ -29,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.scheduler", formatter_class=HelpFormatter)
     add_scheduler_args(parser)
     add_lora_args(parser)
-    add_endpoint_args(parser)
-    parser.add_argument("--world-size", type=int, default=1, help="worker ranks to wait for")
+    add_link_args(parser, "scheduler_endpoint", "worker_endpoint", "world_size")
+    add_wire_args(parser)
     add_metrics_args(parser, SCHEDULER_METRICS_PORT)
     return parser
 
@@ -41,7 +42,9 @@ def main() -> None:
     signals = stop_on_signals()
     setup_logging("scheduler")
     map_large_allocations()  # what keyless peers make it hold goes back when they are dropped
-    endpoints = Endpoints(scheduler=args.scheduler_endpoint, workers=args.worker_endpoint)
+    if len(args.scheduler_endpoint) != 1:
+        sys.exit("scheduler: --scheduler-endpoint names the one endpoint this scheduler listens on")
+    endpoints = Endpoints(scheduler=args.scheduler_endpoint[0], workers=args.worker_endpoint)
     try:
         keys = keys_for(args, "scheduler", [endpoints.scheduler, endpoints.workers])
     except WireSecurityError as exc:

@@ -51,6 +51,12 @@ class AdapterPages:
     def num_pages(self) -> int:
         return sum(len(held.pages) for held in self.on_device.values())
 
+    def problem(self, lora: LoraRef) -> str | None:
+        """Why the adapter cannot run on this model, or None."""
+        if not lora.name or any(p not in self.dims for p in lora.targets):
+            return f"adapter {lora.name!r} changes projections this model has not"
+        return None
+
     def pages_for(self, lora: LoraRef) -> int:
         return page_layout(lora.rank, lora.targets, self.dims, self.half_elements)[0]
 

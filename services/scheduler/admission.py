@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.reservation import Reservation
 from shared.protocol import MAX_CACHE_SALT_CHARS, MAX_TENANT_CHARS, PRIORITY_LIMIT, AddRequest
 from shared.sampling import SamplingParams
@@ -40,9 +41,9 @@ class Budgets:
 
 class Admission:
     def __init__(self, budgets: Budgets, kv_cache: KVCacheManager, reservation: Reservation,
-                 vocab_size: int | None, scheduling_policy: str = "fcfs"):
+                 vocab_size: int | None, policy: SchedulingPolicy | None = None):
         self.budgets = budgets
-        self.scheduling_policy = scheduling_policy
+        self.policy = policy or SchedulingPolicy()
         self.kv_cache = kv_cache
         self.reservation = reservation
         self.vocab_size = vocab_size
@@ -56,9 +57,9 @@ class Admission:
             return f"a tenant is at most {MAX_TENANT_CHARS} characters"
         if not -PRIORITY_LIMIT <= message.priority < PRIORITY_LIMIT:
             return f"priority must be in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT})"
-        if message.priority and self.scheduling_policy != "priority":
+        if message.priority and not self.policy.ranks_by_priority:
             return (f"priority is used only with --scheduling-policy priority (this server's is "
-                    f"{self.scheduling_policy})")
+                    f"{self.policy.name})")
         num_prompt = len(message.prompt_token_ids)
         if num_prompt == 0:
             return "the prompt is empty"
@@ -77,14 +78,12 @@ class Admission:
             )
         if message.sampling.num_samples > self.budgets.max_num_seqs:
             return f"best_of/n exceeds max_num_seqs ({self.budgets.max_num_seqs})"
-        adapters = self.kv_cache.adapters
         pages = 0
         if message.lora is not None:
-            if adapters is None:
-                return "this server serves no LoRA adapters (start it with --enable-lora)"
-            if not message.lora.name or any(p not in adapters.dims for p in message.lora.targets):
-                return f"adapter {message.lora.name!r} changes projections this model has not"
-            pages = adapters.pages_for(message.lora)
+            refused = self.kv_cache.adapter_problem(message.lora)
+            if refused is not None:
+                return refused
+            pages = self.kv_cache.adapter_pages(message.lora)
         if message.sampling.num_samples > 1 and not self.reservation.paged:
             return f"this server reserves KV memory per request ({self.reservation.policy}): one sample only"
         worst = self.worst_case_blocks(num_prompt, message.sampling) + pages  # its adapter's pages too

@@ -14,69 +14,32 @@ first write into a shared, partly filled block copies it (copy-on-write). With p
 each full block is keyed by a hash chained from its parent's (the first from its request's
 `cache_salt`), and a new sequence starts from every cached block its prompt matches.
 
-Tiers: the device pool, the worker's host memory, and files. Host memory holds the swap pool (whole
-preempted requests) and, with `--kv-offloading-size`, a host cache: each block is copied there with its
-key as soon as it is cached on the device (write-through), or, write-back, as the device evicts it; a
-later prompt that matches it loads it back to the
-device instead of computing it again. With `--kv-cache-dir` each full block is also written to a
-file as soon as it is cached on the device (so a restart finds it); a prompt that matches files
-first has them read into the host cache, and starts once a step has done so, on the blocks whose
-files the workers found whole.
+Tiers: the device pool; in the worker's host memory the swap pool (whole preempted requests) and, with
+`--kv-offloading-size`, a host cache of prefix-cache blocks; and files (`--kv-cache-dir`). The host cache and
+the files are `PrefixTiers` (services/scheduler/prefix_tiers.py). Starting a request (its prefix hits, reads
+from disk, its adapter's pages) is planned here too (`plan_start`, services/scheduler/starts.py), so that the
+scheduler asks questions of this manager and never reaches into its pools.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.scheduler.adapter_pages import AdapterPages
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.disk_index import DiskIndex
+from services.scheduler.kv_audit import audit
+from services.scheduler.kv_records import PrefixMatch, TransferCounts
+from services.scheduler.prefix_tiers import PrefixTiers
 from services.scheduler.sequence_kv import SequenceKV
+from services.scheduler.starts import StartPlan, plan_start
+from services.scheduler.stats import LoraStats
 from shared.prefix_keys import chain_key
-from shared.protocol import DEVICE, DISK, HOST, BlockTransfer, LoraLoad
+from shared.protocol import DEVICE, HOST, BlockTransfer, LoraLoad, LoraRef
 
 if TYPE_CHECKING:
     from services.scheduler.request import Request, Sequence
-
-
-@dataclass(slots=True)
-class PrefixMatch:
-    """The cached blocks a prompt starts with, in order: (tier, block), a host block to be loaded; then
-    the blocks after them that are only on disk, as (key, tokens), to read before it starts, and
-    whether some of its blocks are being read already."""
-
-    blocks: list[tuple[int, int]] = field(default_factory=list)
-    reads: list[tuple[bytes, tuple[int, ...]]] = field(default_factory=list)
-    waiting: bool = False
-
-    @classmethod
-    def on_device(cls, blocks: Iterable[int]) -> PrefixMatch:
-        return cls([(DEVICE, block) for block in blocks])
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def num_loads(self) -> int:
-        """Blocks that come from host memory: each takes a device block."""
-        return sum(1 for tier, _ in self.blocks if tier == HOST)
-
-
-@dataclass(slots=True)
-class TransferCounts:
-    """Blocks moved since the start, by why."""
-
-    swapped_out: int = 0
-    swapped_in: int = 0
-    copied: int = 0  # copy-on-write
-    offloaded: int = 0  # device -> host cache, as the device evicted them
-    loaded: int = 0  # host cache -> device, for a prefix hit
-    written: int = 0  # device -> disk, as they were cached
-    read: int = 0  # disk -> host cache, found whole
-    refused: int = 0  # disk reads that found no whole file for their key
 
 
 class KVCacheManager:
@@ -92,45 +55,47 @@ class KVCacheManager:
         write_through: bool = False,
     ):
         self.block_size = block_size
-        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
-        self.cpu = BlockPool(num_cpu_blocks)  # the swap pool: host ids [0, num_cpu_blocks)
+        self.device_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.swap_pool = BlockPool(num_cpu_blocks)  # the swap pool: host ids [0, num_cpu_blocks)
         # The host cache: host ids from num_cpu_blocks on. Its blocks are never referenced, only cached.
-        self.host = BlockPool(num_host_cache_blocks if enable_prefix_caching else 0, enable_caching=True)
+        self.host_cache = BlockPool(num_host_cache_blocks if enable_prefix_caching else 0, enable_caching=True)
         self._host_offset = num_cpu_blocks
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.moved = TransferCounts()
         self._transfers: list[BlockTransfer] = []
-        self.disk = disk if enable_prefix_caching and self.host.num_blocks else None
-        self._reading: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # key -> (host block, tokens) being read
-        self.write_through = write_through and bool(self.host.num_blocks)
+        self.tiers = PrefixTiers(self.device_pool, self.host_cache, num_cpu_blocks, disk if enable_prefix_caching
+                                 else None, write_through, self._transfers, self.moved)
         self.adapters: AdapterPages | None = None  # with LoRA adapters: their pages in the device pool
-        self.gpu.on_evict = self._evicted
+        self.device_pool.on_evict = self._evicted
 
     def enable_adapters(self, max_loras: int, half_elements: int, dims: dict[str, list[int]],
                         label_limit: int = 0) -> None:
-        self.adapters = AdapterPages(self.gpu, max_loras, half_elements, dims, label_limit)
+        self.adapters = AdapterPages(self.device_pool, max_loras, half_elements, dims, label_limit)
 
     def _evicted(self, block: int, key: bytes, tokens: tuple[int, ...]) -> None:
         if self.adapters is not None and self.adapters.evicted(key):
             return
-        if self.host.num_blocks and not self.write_through:
-            self._offload(block, key, tokens)
+        self.tiers.evicted(block, key, tokens)
+
+    @property
+    def disk(self) -> DiskIndex | None:
+        return self.tiers.disk
 
     @property
     def num_blocks(self) -> int:
-        return self.gpu.num_blocks
+        return self.device_pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return self.gpu.num_available
+        return self.device_pool.num_available
 
     @property
     def caching(self) -> bool:
-        return self.gpu.enable_caching
+        return self.device_pool.enable_caching
 
     def _pool(self, tier: int) -> BlockPool:
         """The pool a sequence's blocks are in: the device's, or the swap pool in host memory."""
-        return self.cpu if tier == HOST else self.gpu
+        return self.swap_pool if tier == HOST else self.device_pool
 
     # --- the transfers for the next step ---------------------------------------------------
 
@@ -140,7 +105,8 @@ class KVCacheManager:
 
     def take_transfers(self) -> list[BlockTransfer]:
         """The transfers queued since the last call, in order, for the step being built."""
-        transfers, self._transfers = self._transfers, []
+        transfers = list(self._transfers)
+        self._transfers.clear()  # the list the prefix tiers queue on too
         return transfers
 
     def take_lora_loads(self) -> list[LoraLoad]:
@@ -160,8 +126,8 @@ class KVCacheManager:
 
     def can_append(self, seqs: list[tuple[Sequence, int]]) -> bool:
         if len(seqs) == 1:  # the common case, on the hot path
-            return self.blocks_needed(*seqs[0]) <= self.gpu.num_available
-        return sum(self.blocks_needed(seq, n) for seq, n in seqs) <= self.gpu.num_available
+            return self.blocks_needed(*seqs[0]) <= self.device_pool.num_available
+        return sum(self.blocks_needed(seq, n) for seq, n in seqs) <= self.device_pool.num_available
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make room for `num_new_tokens`, copying the last block first if the next write hits a shared one."""
@@ -169,15 +135,15 @@ class KVCacheManager:
         if num_new_tokens and self._write_hits_shared_block(kv):
             index = len(kv._blocks) - 1
             shared = kv._blocks[index]
-            fresh = self.gpu.allocate()
-            self.gpu.release(shared)
+            fresh = self.device_pool.allocate()
+            self.device_pool.release(shared)
             kv._blocks[index] = fresh
             kv._synced = min(kv._synced, index)
             self._transfers.append(BlockTransfer(DEVICE, shared, DEVICE, fresh))
             self.moved.copied += 1
         total = kv._computed + num_new_tokens
         while len(kv._blocks) * self.block_size < total:
-            kv._blocks.append(self.gpu.allocate())
+            kv._blocks.append(self.device_pool.allocate())
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
         """A step computes `num_tokens` more positions of the sequence (into slots already appended)."""
@@ -190,107 +156,54 @@ class KVCacheManager:
         kv._computed -= num_rejected
         keep = -(-kv._computed // self.block_size)
         while len(kv._blocks) > keep:
-            self.gpu.release(kv._blocks.pop())
+            self.device_pool.release(kv._blocks.pop())
         kv._synced = min(kv._synced, len(kv._blocks))
 
     def can_reserve(self, num_blocks: int) -> bool:
-        return any(length >= num_blocks for _, length in self.gpu.free_runs())
+        return any(length >= num_blocks for _, length in self.device_pool.free_runs())
 
     def reserve(self, seq: Sequence, num_blocks: int) -> None:
         """`num_blocks` blocks at once, with consecutive ids: how a baseline with contiguous KV memory
         holds them."""
         kv = seq.kv
         if num_blocks > len(kv._blocks):
-            kv._blocks.extend(self.gpu.allocate_run(num_blocks - len(kv._blocks)))
+            kv._blocks.extend(self.device_pool.allocate_run(num_blocks - len(kv._blocks)))
 
     def fragmented_blocks(self, num_blocks: int) -> int:
         """Free blocks in runs too short for a reservation of `num_blocks`: external fragmentation."""
-        return sum(length for _, length in self.gpu.free_runs() if length < num_blocks)
+        return sum(length for _, length in self.device_pool.free_runs() if length < num_blocks)
 
     def _write_hits_shared_block(self, kv: SequenceKV) -> bool:
-        return kv._computed % self.block_size != 0 and self.gpu.ref_count(kv._blocks[-1]) > 1
+        return kv._computed % self.block_size != 0 and self.device_pool.ref_count(kv._blocks[-1]) > 1
 
     # --- starting a sequence -------------------------------------------------------------
 
     def match_prefix(self, seq: Sequence, disk: bool = True) -> PrefixMatch:
         """Cached blocks, on the device or in the host cache (and with `disk`, then on disk), holding the
-        start of the sequence's tokens (never all of them: the last token must be computed to give the
-        next token's logits)."""
+        start of the sequence's tokens (never all of them: the last token must be computed)."""
         match = PrefixMatch()
-        if not self.gpu.enable_caching:
-            return match
-        tokens = seq.token_ids()
-        parent = seq.request.cache_root
-        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
-            chunk = tuple(tokens[start : start + self.block_size])
-            parent = chain_key(parent, chunk)
-            if not match.reads:  # after a block to read from disk, only more of those: no gap in the table
-                block = self.gpu.lookup(parent, chunk)
-                if block is not None:
-                    match.blocks.append((DEVICE, block))
-                    continue
-                slot = self.host.lookup(parent, chunk) if self.host.num_blocks else None
-                if slot is not None:
-                    match.blocks.append((HOST, slot))
-                    continue
-            if not disk or not self._on_disk(match, parent, chunk):
-                break
+        if self.device_pool.enable_caching:
+            self.tiers.match(seq, self.block_size, disk, match)
         return match
 
-    def _on_disk(self, match: PrefixMatch, key: bytes, chunk: tuple[int, ...]) -> bool:
-        """Whether the match goes on with a block only on disk (to be read first)."""
-        if self.disk is None or match.waiting:
-            return False
-        if key in self._reading:
-            match.waiting = True
-            return False
-        if not self.disk.holds(key):
-            return False
-        match.reads.append((key, chunk))
-        return True
-
     def read_from_disk(self, match: PrefixMatch) -> bool:
-        """Queue reads of the match's blocks on disk into the host cache, as far as it has room. True if some
-        are read (the request waits for the step that reads them); False if none can be, so that the
-        request computes them instead."""
-        held = [block for tier, block in match.blocks if tier == HOST]
-        for block in held:  # its hits in the host cache are not what the reads make room by
-            self.host.share(block)
-        for key, tokens in match.reads:
-            if key in self._reading:
-                continue
-            if not self.host.num_available:
-                break
-            slot = self.host.allocate()  # held until the read is done
-            self._reading[key] = (slot, tokens)
-            self._transfers.append(BlockTransfer(DISK, 0, HOST, self._host_offset + slot, key))
-            assert self.disk is not None
-            self.disk.touch(key)
-        for block in held:
-            self.host.release(block)
-        return any(key in self._reading for key, _ in match.reads)
+        """Queue reads of the match's blocks on disk (PrefixTiers.read_from_disk): True if the request waits."""
+        return self.tiers.read_from_disk(match)
 
     def finish_reads(self, keys: list[bytes], failed: set[bytes]) -> None:
-        """A step read these files: the whole ones are in the host cache from now on, the others are
-        forgotten (their blocks will be computed)."""
-        for key in keys:
-            slot, tokens = self._reading.pop(key)
-            if key in failed:
-                self.moved.refused += 1
-                assert self.disk is not None
-                self.disk.drop(key)
-            else:
-                self.moved.read += 1
-                self.host.cache(slot, key, tokens)
-            self.host.release(slot)
+        self.tiers.finish_reads(keys, failed)
 
     def abandon_reads(self) -> None:
-        """The steps that were to read files failed: their host blocks go back."""
-        self.finish_reads(list(self._reading), set())
+        self.tiers.abandon_reads()
+
+    def plan_start(self, request: Request, budget: int, chunked_prefill: bool, reserved: int, watermark: bool,
+                   disk: bool = True) -> StartPlan | None:
+        """How a waiting request starts, or None if it does not fit now (services/scheduler/starts.py)."""
+        return plan_start(self, request, budget, chunked_prefill, reserved, watermark, disk)
 
     def revives(self, match: PrefixMatch) -> int:
         """Device blocks of the match that nobody references: starting on them takes them from the available ones."""
-        return sum(1 for tier, block in match.blocks if tier == DEVICE and self.gpu.is_evictable(block))
+        return sum(1 for tier, block in match.blocks if tier == DEVICE and self.device_pool.is_evictable(block))
 
     def start(self, seq: Sequence, match: PrefixMatch) -> None:
         """Start a sequence on cached blocks (prefix-cache hits, or the blocks of a leader it shares);
@@ -299,21 +212,21 @@ class KVCacheManager:
         kv = seq.kv
         pinned = [block for tier, block in match.blocks if tier == HOST]
         for tier, block in match.blocks:  # held first, so that no allocation below evicts one of them
-            (self.host if tier == HOST else self.gpu).share(block)
+            (self.host_cache if tier == HOST else self.device_pool).share(block)
         kv._hashes = self._chain(seq, match.num_blocks)
         table = []
         for index, (tier, block) in enumerate(match.blocks):
             if tier == HOST:
-                loaded = self.gpu.allocate()
+                loaded = self.device_pool.allocate()
                 self._transfers.append(BlockTransfer(HOST, self._host_offset + block, DEVICE, loaded))
                 self.moved.loaded += 1
                 size = self.block_size
-                self.gpu.cache(loaded, kv._hashes[index], tuple(seq.token_at(p) for p in
+                self.device_pool.cache(loaded, kv._hashes[index], tuple(seq.token_at(p) for p in
                                                                 range(index * size, (index + 1) * size)))
                 block = loaded
             table.append(block)
         for slot in pinned:
-            self.host.release(slot)
+            self.host_cache.release(slot)
         kv._blocks = table
         kv._computed = len(table) * self.block_size
         kv._synced = 0
@@ -321,7 +234,7 @@ class KVCacheManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that computation has filled since the last call."""
-        if not self.gpu.enable_caching:
+        if not self.device_pool.enable_caching:
             return
         kv = seq.kv
         # A step planned ahead may have scheduled the position of a token not sampled yet.
@@ -331,13 +244,8 @@ class KVCacheManager:
             chunk = tuple(seq.token_at(p) for p in range(index * self.block_size, (index + 1) * self.block_size))
             block_hash = chain_key(parent, chunk)
             kv._hashes.append(block_hash)
-            self.gpu.cache(kv._blocks[index], block_hash, chunk)
-            if self.write_through:
-                self._offload(kv._blocks[index], block_hash, chunk)
-            if self.disk is not None and not self.disk.holds(block_hash) and block_hash not in self._reading:
-                self._transfers.append(BlockTransfer(DEVICE, kv._blocks[index], DISK, 0, block_hash))
-                self.disk.add(block_hash)
-                self.moved.written += 1
+            self.device_pool.cache(kv._blocks[index], block_hash, chunk)
+            self.tiers.cached(kv._blocks[index], block_hash, chunk)
 
     def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         hashes, parent, tokens = [], seq.request.cache_root, seq.token_ids()
@@ -346,21 +254,9 @@ class KVCacheManager:
             hashes.append(parent)
         return hashes
 
-    def _offload(self, block: int, key: bytes, tokens: tuple[int, ...]) -> None:
-        """Copy a cached device block to the host cache (unless that holds it already), in place of the host
-        cache's least recently offloaded block when it is full: as the device evicts it, or write-through as
-        soon as it is cached."""
-        if self.host.holds(key) or not self.host.num_available:
-            return
-        slot = self.host.allocate()
-        self.host.cache(slot, key, tokens)
-        self.host.release(slot)
-        self._transfers.append(BlockTransfer(DEVICE, block, HOST, self._host_offset + slot))
-        self.moved.offloaded += 1
-
     def holds(self, key: bytes) -> bool:
         """Whether a block of this prefix-cache key is cached in any tier."""
-        return self.gpu.holds(key) or self.host.holds(key) or (self.disk is not None and self.disk.holds(key))
+        return self.device_pool.holds(key) or self.tiers.holds(key)
 
     # --- forking and freeing -------------------------------------------------------------
 
@@ -413,27 +309,54 @@ class KVCacheManager:
         return len(self._unique_blocks(request))
 
     def can_swap_out(self, request: Request) -> bool:
-        return len(self._unique_blocks(request)) <= self.cpu.num_available
+        return len(self._unique_blocks(request)) <= self.swap_pool.num_available
 
     def swap_out(self, request: Request) -> None:
         """Move the request's blocks to the swap pool in host memory; its adapter's pages it no longer holds."""
         self.moved.swapped_out += self._move(request, DEVICE, HOST)
-        if self.adapters is not None:
-            self.adapters.release(request.request_id, request.lora)
+        self.release_adapter(request)
 
     def can_swap_in(self, request: Request) -> bool:
-        needed = len(self._unique_blocks(request)) + len(request.seqs)  # and room to grow
-        if self.adapters is not None:
-            if not self.adapters.can_start(request.lora):
-                return False
-            needed += self.adapters.blocks_to_start(request.lora)
-        return self.gpu.num_available - needed >= self.watermark_blocks
+        if not self.adapter_can_start(request):
+            return False
+        needed = len(self._unique_blocks(request)) + len(request.seqs) + self.adapter_blocks_to_start(request)
+        return self.device_pool.num_available - needed >= self.watermark_blocks  # and room to grow
 
     def swap_in(self, request: Request) -> None:
         """Move the request's blocks back to the device, its adapter's pages first (loaded again if need be)."""
+        self.acquire_adapter(request)
+        self.moved.swapped_in += self._move(request, HOST, DEVICE)
+
+    # --- LoRA adapters' pages in the device pool -----------------------------------------
+
+    def adapter_problem(self, lora: LoraRef) -> str | None:
+        """Why the adapter cannot run here, or None (then `adapter_pages` says what it takes)."""
+        if self.adapters is None:
+            return "this server serves no LoRA adapters (start it with --enable-lora)"
+        return self.adapters.problem(lora)
+
+    def adapter_pages(self, lora: LoraRef) -> int:
+        return self.adapters.pages_for(lora) if self.adapters is not None else 0
+
+    def count_request(self, request: Request) -> None:
+        if self.adapters is not None:
+            self.adapters.count_request(request.lora)
+
+    def adapter_can_start(self, request: Request) -> bool:
+        """Whether the request's adapter (if any) has a slot: not every one held by running requests."""
+        return self.adapters is None or self.adapters.can_start(request.lora)
+
+    def adapter_blocks_to_start(self, request: Request) -> int:
+        return self.adapters.blocks_to_start(request.lora) if self.adapters is not None else 0
+
+    def acquire_adapter(self, request: Request) -> None:
+        """The request's adapter's pages, held while it runs (loaded into pages of the pool if need be)."""
         if self.adapters is not None and request.lora is not None:
             self.adapters.acquire(request.request_id, request.lora)
-        self.moved.swapped_in += self._move(request, HOST, DEVICE)
+
+    def release_adapter(self, request: Request) -> None:
+        if self.adapters is not None:
+            self.adapters.release(request.request_id, request.lora)
 
     def _move(self, request: Request, source_tier: int, target_tier: int) -> int:
         source, target = self._pool(source_tier), self._pool(target_tier)
@@ -454,26 +377,35 @@ class KVCacheManager:
             kv._tier = target_tier
         return len(mapping)
 
+    # --- what the metrics read ------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """The pools' and the transfers' counts, by the names of the scheduler's `Stats` fields."""
+        device, swap, host, moved, disk = self.device_pool, self.swap_pool, self.host_cache, self.moved, self.disk
+        return dict(
+            num_gpu_blocks=device.num_blocks, num_free_gpu_blocks=device.num_free,
+            num_cached_gpu_blocks=device.num_evictable, num_cpu_blocks=swap.num_blocks,
+            num_free_cpu_blocks=swap.num_available, blocks_swapped_out=moved.swapped_out,
+            blocks_swapped_in=moved.swapped_in, blocks_copied=moved.copied, blocks_offloaded=moved.offloaded,
+            blocks_loaded=moved.loaded, blocks_written_to_disk=moved.written, blocks_read_from_disk=moved.read,
+            disk_reads_refused=moved.refused, num_disk_blocks=len(disk) if disk is not None else 0,
+            disk_capacity_blocks=disk.capacity if disk is not None else 0, num_host_cache_blocks=host.num_blocks,
+            num_cached_host_blocks=host.num_evictable, block_size=self.block_size)
+
+    def lora_stats(self) -> LoraStats | None:
+        adapters = self.adapters
+        if adapters is None:
+            return None
+        return LoraStats(len(adapters.on_device), adapters.num_pages, adapters.loads, adapters.evictions,
+                         dict(adapters.requests))
+
+    def device_use(self) -> float:
+        """The share of device blocks in use."""
+        return self.device_pool.num_referenced / max(self.device_pool.num_blocks, 1)
+
     # --- checking ------------------------------------------------------------------------
 
     def audit(self, handles: Iterable[SequenceKV]) -> None:
-        """Raise AssertionError unless, in every tier, each block is exactly one of free, referenced or
-        cached, and each block's reference count is the number of block tables that hold it (and one for each
-        page of an adapter a request holds; in the host cache, whose blocks only wait to be loaded, one for a
-        block a file is being read into)."""
-        counts: dict[int, dict[int, int]] = {DEVICE: {}, HOST: {}}
-        for kv in handles:
-            held = counts[kv._tier]
-            for block in kv._blocks:
-                held[block] = held.get(block, 0) + 1
-        if self.adapters is not None:
-            for page, count in self.adapters.held_pages().items():
-                counts[DEVICE][page] = counts[DEVICE].get(page, 0) + count
-        reading = {slot: 1 for slot, _ in self._reading.values()}
-        for name, pool, held in (("device", self.gpu, counts[DEVICE]), ("swap", self.cpu, counts[HOST]),
-                                 ("host cache", self.host, reading)):
-            pool.audit()
-            for block in range(pool.num_blocks):
-                if pool.ref_count(block) != held.get(block, 0):
-                    raise AssertionError(f"{name}: block {block} is referenced {pool.ref_count(block)} "
-                                         f"times, held by {held.get(block, 0)} block tables")
+        """Raise AssertionError unless every pool's counts add up (services/scheduler/kv_audit.py)."""
+        held_pages = self.adapters.held_pages() if self.adapters is not None else {}
+        audit(handles, self.device_pool, self.swap_pool, self.host_cache, held_pages, self.tiers.reading_slots())

@@ -37,7 +37,8 @@ Rank = tuple[float, ...]
 # OpenAI's per-token prices make output dearer than prompt; the paper weighs them 1 and 2 likewise.
 PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
-MAX_TENANT_LABELS = 64
+MAX_TENANT_LABELS = 64  # api keys' tenants, and as many `user` tenants, labelled by name; the rest are "other"
+USER_LABEL_CHARS = 48
 MAX_IDLE_TENANTS = 4096  # counters kept of tenants with no request present; the lowest go first
 # Under fair: a tenant whose last request left this recently is still active (a client sending one request
 # after another has none present for a moment between them), and while more than one tenant is active a step
@@ -53,6 +54,7 @@ class SchedulingPolicy:
     name: ClassVar[str] = "fcfs"
     reorders: ClassVar[bool] = False  # whether ranks change between steps, so the queues need sorting
     ranks_by_service: ClassVar[bool] = False  # whether `served` changes ranks, so admissions re-sort the queue
+    ranks_by_priority: ClassVar[bool] = False  # whether a request's `priority` field counts
 
     def __init__(self, max_queue_delay: float = float("inf")):
         self.max_queue_delay = max_queue_delay
@@ -92,6 +94,7 @@ class SchedulingPolicy:
 class PriorityPolicy(SchedulingPolicy):
     name = "priority"
     reorders = True
+    ranks_by_priority = True
 
     def preempts(self, head: Request, running: list[Request]) -> bool:
         return True
@@ -182,20 +185,28 @@ def priority_class(priority: int) -> str:
 
 
 class TenantLabels:
-    """Metric labels for tenants: an api key's tenant id by name (a configured key, so a bounded set;
-    at most MAX_TENANT_LABELS all the same), every `user` tenant as "user", none as "none"."""
+    """Metric labels for tenants, a bounded set: an api key's tenant by its id, a `user` tenant as "user:" and
+    its name (cut to USER_LABEL_CHARS), each of the first MAX_TENANT_LABELS of either kind seen; later ones
+    as "other" and "user:other"; no tenant as "none"."""
 
     def __init__(self) -> None:
-        self.named: set[str] = set()
+        self.keys: set[str] = set()
+        self.users: set[str] = set()
 
     def __call__(self, tenant: str) -> str:
         if not tenant:
             return "none"
         if tenant.startswith("user:"):
-            return "user"
-        if tenant in self.named:
-            return tenant
-        if _KEY_TENANT.fullmatch(tenant) and len(self.named) < MAX_TENANT_LABELS:
-            self.named.add(tenant)
-            return tenant
+            return self._bounded(self.users, tenant[:len("user:") + USER_LABEL_CHARS], "user:other")
+        if _KEY_TENANT.fullmatch(tenant):
+            return self._bounded(self.keys, tenant, "other")
         return "other"
+
+    @staticmethod
+    def _bounded(seen: set[str], label: str, beyond: str) -> str:
+        if label in seen:
+            return label
+        if len(seen) < MAX_TENANT_LABELS:
+            seen.add(label)
+            return label
+        return beyond

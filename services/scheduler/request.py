@@ -11,6 +11,7 @@ import enum
 import time
 
 from services.scheduler.beam_search import BeamSearch
+from services.scheduler.in_flight import Flight
 from services.scheduler.sequence_kv import SequenceKV
 from shared.prefix_keys import salted_root
 from shared.protocol import LoraRef, SampledTokens
@@ -28,8 +29,7 @@ class Sequence:
     """Tokens and sampling state. Its KV state is the handle `kv`, which the KV cache manager owns."""
 
     __slots__ = ("seq_id", "request", "num_prompt_tokens", "index", "output_token_ids", "output_logprobs",
-                 "output_top_logprobs", "cumulative_logprob", "num_pending", "kv", "num_tokens_known_to_worker",
-                 "finish_reason", "num_drafts", "num_speculative")
+                 "output_top_logprobs", "cumulative_logprob", "kv", "flight", "finish_reason")
 
     def __init__(self, seq_id: int, request: Request, index: int, output_token_ids: list[int] | None = None):
         self.seq_id = seq_id
@@ -40,16 +40,10 @@ class Sequence:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
-        self.num_pending = 0  # samples that steps in flight will bring: their positions may be scheduled
-        # Its computed positions may run one token past num_tokens: see num_pending.
+        # Its computed positions may run past num_tokens, by what the steps in flight will bring (`flight`).
         self.kv = SequenceKV()
-        self.num_tokens_known_to_worker = 0  # 0: the worker holds no copy of this sequence
+        self.flight = Flight()
         self.finish_reason: str | None = None
-        # Speculation: the proposals the worker is to make in the step being planned, and how many
-        # positions of the steps in flight are proposals. Those count in num_computed_tokens, as if
-        # every one will be kept, until each step's result settles them.
-        self.num_drafts = 0
-        self.num_speculative = 0
 
     @property
     def num_tokens(self) -> int:
@@ -57,9 +51,24 @@ class Sequence:
 
     @property
     def num_coming(self) -> int:
-        """Tokens the steps in flight may still give it: its pending samples, and its proposals as if
-        every one will be kept."""
-        return self.num_pending + self.num_speculative
+        """Tokens the steps in flight may still give it (services/scheduler/in_flight.py)."""
+        return self.flight.coming
+
+    @property
+    def num_pending(self) -> int:
+        return self.flight.pending
+
+    @property
+    def num_drafts(self) -> int:
+        return self.flight.drafts
+
+    @property
+    def num_speculative(self) -> int:
+        return self.flight.speculative
+
+    @property
+    def num_tokens_known_to_worker(self) -> int:
+        return self.flight.known_to_worker
 
     @property
     def finished(self) -> bool:
@@ -72,12 +81,6 @@ class Sequence:
         if position < self.num_prompt_tokens:
             return self.request.prompt_token_ids[position]
         return self.output_token_ids[position - self.num_prompt_tokens]
-
-    def forget_worker_copy(self) -> None:
-        """After a recompute preemption (the KV cache manager has reset its KV state): nothing is in flight."""
-        self.num_pending = 0
-        self.num_speculative = 0
-        self.num_tokens_known_to_worker = 0
 
 
 class Request:

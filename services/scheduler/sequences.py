@@ -45,7 +45,7 @@ class SequenceRegistry:
         child.output_top_logprobs = list(parent.output_top_logprobs)
         child.cumulative_logprob = parent.cumulative_logprob
         self.kv_cache.fork(parent, child)
-        child.num_tokens_known_to_worker = parent.num_tokens_known_to_worker
+        child.flight.forked_from(parent.flight)
         if parent.num_tokens_known_to_worker:
             self._forks.append(Fork(child.seq_id, parent.seq_id, index))
         return child
@@ -72,7 +72,7 @@ class SequenceRegistry:
         self.kv_cache.reset(seq)
         if seq.num_tokens_known_to_worker:
             self._preempted.append(seq.seq_id)
-        seq.forget_worker_copy()
+        seq.flight.forget_worker_copy()
 
     # --- tokens --------------------------------------------------------------------------
 
@@ -92,8 +92,8 @@ class SequenceRegistry:
             reason = self.stop.reason(sampling, token_id, len(seq.output_token_ids), seq.num_tokens)
             if reason is not None:
                 break
-        if kept_by_worker and seq.num_tokens_known_to_worker:
-            seq.num_tokens_known_to_worker += kept
+        if kept_by_worker:
+            seq.flight.kept_by_worker(kept)
         return kept, reason
 
     def settle_proposals(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
@@ -102,7 +102,7 @@ class SequenceRegistry:
         back to the pool, before any block is hashed, copied or swapped. A step planned after it
         that is still in flight keeps what it needs: the worker starts it where this one ended."""
         rejected = num_proposed - num_accepted
-        seq.num_speculative -= num_proposed
+        seq.flight.settled(num_proposed)
         if rejected > 0:
             self.kv_cache.take_back(seq, rejected)
 
@@ -121,14 +121,13 @@ class SequenceRegistry:
             appended: list[int] = []
         else:
             appended = seq.output_token_ids[known - num_prompt:]
-        seq.num_tokens_known_to_worker = num_prompt + len(seq.output_token_ids)
         table_start, blocks = self.kv_cache.unsynced_blocks(seq, worker_has_table=known > 0)
         # Where the proposals of a step in flight are not settled yet, neither is this entry's start.
         keeps = seq.request.sampling.worker_keeps_samples(len(seq.output_token_ids))
+        unsettled = seq.num_speculative > 0
+        drafts = seq.flight.sent(num_prompt + len(seq.output_token_ids))
         entry = ScheduledSequence(seq.seq_id, seq.kv.num_computed, num_tokens, appended, table_start, blocks,
-                                  seq.num_drafts, start_at_end=seq.num_speculative > 0, worker_keeps_samples=keeps)
-        seq.num_speculative += seq.num_drafts
-        seq.num_drafts = 0
+                                  drafts, start_at_end=unsettled, worker_keeps_samples=keeps)
         return new, entry
 
     def take_worker_notices(self) -> tuple[list[Fork], list[int], list[int]]:

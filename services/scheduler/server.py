@@ -30,15 +30,11 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from services.scheduler.assembly import build_scheduler
 from services.scheduler.cached_prefixes import CachedPrefixes
-from services.scheduler.disk_index import DiskIndex
-from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.metrics import SchedulerMetrics, Snapshots
-from services.scheduler.policy import make_policy
-from services.scheduler.reservation import Reservation
 from services.scheduler.results import error_output
-from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy, Scheduler
-from services.scheduler.speculation import Speculation
+from services.scheduler.scheduler import ConfigError, Scheduler
 from services.scheduler.stats import Stats
 from services.scheduler.stats_log import StatsLog
 from shared import sockets
@@ -336,54 +332,8 @@ class SchedulerServer:
             self._start_scheduling()
 
     def _start_scheduling(self) -> None:
-        first = self.ready[0]
-        if first.block_size != self.config.block_size:
-            raise ConfigError(f"worker block size {first.block_size} != scheduler's {self.config.block_size}")
-        config = self.config
-        num_blocks = config.num_gpu_blocks_override or min(r.num_gpu_blocks for r in self.ready)
-        num_cpu_blocks = min(r.num_cpu_blocks for r in self.ready)
-        num_host_cache_blocks = min(r.num_host_cache_blocks for r in self.ready)
-        if num_host_cache_blocks and not config.enable_prefix_caching:
-            log.warning("the workers keep a host cache (--kv-offloading-size), which holds prefix-cache blocks: "
-                        "without --enable-prefix-caching it stays empty")
-        disk = None
-        if config.kv_cache_dir and first.disk_fingerprint:
-            if not config.enable_prefix_caching:
-                log.warning("--kv-cache-dir keeps prefix-cache blocks: without --enable-prefix-caching it stays unused")
-            disk = DiskIndex(config.kv_cache_dir, first.disk_fingerprint, self.world_size,
-                             int(config.kv_cache_dir_size * 2**30 // max(first.block_bytes, 1)))
-            log.info("KV blocks on disk: %d found under %s, room for %d", len(disk), config.kv_cache_dir,
-                     disk.capacity)
-        kv_cache = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark,
-                                  config.enable_prefix_caching, num_host_cache_blocks, disk,
-                                  write_through=config.kv_offloading_policy == "write-through")
-        if self.lora.enable_lora:
-            if not first.lora_half_elements:
-                raise ConfigError("--enable-lora: the workers serve no adapters (start them with --enable-lora)")
-            kv_cache.enable_adapters(self.lora.max_loras, first.lora_half_elements, first.lora_dims,
-                                     self.lora.max_cpu_loras or self.lora.max_loras)
-        usable_tokens = (num_blocks - kv_cache.watermark_blocks) * config.block_size
-        max_model_len = min(config.max_model_len or first.max_model_len, usable_tokens)
-        default_batched = 2048 if config.enable_chunked_prefill else max(max_model_len, 2048)
-        max_batched = config.max_num_batched_tokens or default_batched
-        budgets = Budgets(config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill)
-        preemption = PreemptionPolicy(
-            config.preemption_mode, first.block_bytes, first.swap_bytes_per_second,
-            first.prefill_tokens_per_second,
-        )
-        speculative = config.speculative
-        if speculative is not None and any(r.drafts != speculative.method for r in self.ready):
-            raise ConfigError(f"--speculative-config asks for {speculative.method} proposals, which the workers make, "
-                              "but a worker rank makes none or others (start the workers with the same "
-                              "--speculative-config)")
-        speculation = Speculation(speculative, max_model_len) if speculative is not None else None
-        self.scheduler = Scheduler(kv_cache, budgets, first.eos_token_ids, preemption, first.vocab_size,
-                                   Reservation(config.kv_reservation), speculation,
-                                   make_policy(config.scheduling_policy, config.max_queue_delay, config.tenant_weights))
-        self.cached_prefixes = CachedPrefixes(kv_cache, config.block_size)
-        self.info = SchedulerInfo(config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids,
-                                  config.max_num_seqs)
-        log.info("scheduling with %d device KV blocks, context %d tokens", num_blocks, max_model_len)
+        self.scheduler, self.info = build_scheduler(self.config, self.lora, self.ready, self.world_size)
+        self.cached_prefixes = CachedPrefixes(self.scheduler.kv_cache, self.config.block_size)
         for api in list(self.apis):
             self._send_api(api, self.info)
 

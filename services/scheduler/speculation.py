@@ -163,7 +163,7 @@ class Speculation:
                 sampling.max_tokens - len(seq.output_token_ids) - seq.num_coming - 1,
                 self.max_model_len - seq.num_tokens - seq.num_coming - 1)
         speculates = sampling.can_speculate and not seq.request.forks_at_next_sample
-        seq.num_drafts = k if k > 0 and speculates else 0
+        seq.flight.propose(k if speculates else 0)
 
     def verified(self, outcomes: list[tuple[int, int]]) -> None:
         """(proposals, accepted) of each sequence a step verified."""
