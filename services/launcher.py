@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
+from types import FrameType
 
 from shared.cli import (
     API_KEY_ENV,
@@ -214,7 +216,7 @@ def socket_directory(engines: int) -> str | None:
     return None
 
 
-def _exited(children: dict[str, subprocess.Popen]) -> dict[str, int]:
+def _exited(children: dict[str, subprocess.Popen[bytes]]) -> dict[str, int]:
     return {name: child.returncode for name, child in children.items() if child.poll() is not None}
 
 
@@ -229,7 +231,7 @@ def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
     schedulers = {engine_names(args, engine)[0] for engine in range(args.data_parallel_size)}
     engine_of = {name: engine for engine in range(args.data_parallel_size) for name in engine_names(args, engine)}
 
-    def start(name: str) -> subprocess.Popen:
+    def start(name: str) -> subprocess.Popen[bytes]:
         service_env = api_env if name == "api" else scheduler_env if name in schedulers else env
         if name in engine_of and args.data_parallel_size > 1:
             service_env = {**service_env, ENGINE_ENV: str(engine_of[name])}
@@ -240,7 +242,7 @@ def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
     stopping = False
     failed = False
 
-    def stop(signum, frame):
+    def stop(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
         for child in children.values():
@@ -304,7 +306,8 @@ class Restarts:
 
     LIMIT = 3
 
-    def __init__(self, args: argparse.Namespace, children: dict[str, subprocess.Popen], start):
+    def __init__(self, args: argparse.Namespace, children: dict[str, subprocess.Popen[bytes]],
+                 start: Callable[[str], subprocess.Popen[bytes]]):
         self.children = children
         self.start = start
         self.parts: dict[str, tuple[str, ...]] = {"the api": ("api",)}
@@ -401,12 +404,12 @@ def _healthy(url: str) -> bool:
     """Every engine serves (a degraded api answers 200 too, with status "degraded")."""
     try:
         with urllib.request.urlopen(url, timeout=1) as response:
-            return response.status == 200 and json.loads(response.read()).get("status") == "ok"
+            return bool(response.status == 200 and json.loads(response.read()).get("status") == "ok")
     except (OSError, ValueError):
         return False
 
 
-def _reap(child: subprocess.Popen, grace: float = 10.0) -> int:
+def _reap(child: subprocess.Popen[bytes], grace: float = 10.0) -> int:
     try:
         return child.wait(grace)
     except subprocess.TimeoutExpired:

@@ -14,10 +14,18 @@ import socket
 import sys
 from collections.abc import Iterator
 
-from shared.config import ApiConfig, LoraConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from shared.config import (
+    ApiConfig,
+    LinkConfig,
+    LoraConfig,
+    MetricsConfig,
+    ModelConfig,
+    SchedulerConfig,
+    WireConfig,
+    WorkerConfig,
+)
 from shared.options import add_options
-from shared.sockets import MAX_MESSAGE_BYTES
-from shared.wire_security import add_wire_security_args
+from shared.wire_security import KEYS_DIR_ENV
 
 RUNTIME_DIR_ENV = "PAGEDSERVE_RUNTIME_DIR"  # the launcher's socket directory, for the scheduler to remove if orphaned
 ENGINE_ENV = "PAGEDSERVE_ENGINE"  # with several engines, the launcher names each one's processes in their logs
@@ -97,34 +105,21 @@ def api_keys(args: argparse.Namespace) -> list[str]:
     return keys
 
 
-def add_endpoint_args(parser: argparse.ArgumentParser, required: bool = True, worker: bool = True) -> None:
-    group = parser.add_argument_group("endpoints")
-    group.add_argument("--scheduler-endpoint", required=required, help="e.g. tcp://0.0.0.0:5555")
-    if worker:
-        group.add_argument("--worker-endpoint", required=required, help="e.g. tcp://0.0.0.0:5556")
-    add_wire_args(parser)
+def add_link_args(parser: argparse.ArgumentParser, *flags: str) -> None:
+    """The engine's links this process takes (by field name of LinkConfig), the endpoints required."""
+    fields = set(flags)
+    add_options(parser, LinkConfig, "links", exclude=[f for f in LinkConfig.__dataclass_fields__ if f not in fields])
+    for action in parser._actions:
+        if action.dest in ("scheduler_endpoint", "worker_endpoint"):
+            action.required = True
 
 
 def add_wire_args(parser: argparse.ArgumentParser) -> None:
-    add_wire_security_args(parser)
-    parser.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=MAX_MESSAGE_BYTES,
-        help="larger frames on the internal wire drop their sender's connection "
-        f"({MAX_MESSAGE_BYTES >> 20} MiB by default)",
-    )
+    add_options(parser, WireConfig, "wire", defaults={"keys_dir": os.environ.get(KEYS_DIR_ENV) or None})
 
 
-def add_metrics_args(parser: argparse.ArgumentParser, default_port: int, what: str = "") -> None:
-    group = parser.add_argument_group("metrics")
-    group.add_argument("--metrics-host", default="127.0.0.1", help="address of this service's /metrics")
-    group.add_argument(
-        "--metrics-port",
-        type=int,
-        default=default_port,
-        help=f"port of this service's Prometheus /metrics{what} (0: none)",
-    )
+def add_metrics_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    add_options(parser, MetricsConfig, "metrics", defaults={"metrics_port": default_port})
 
 
 def stop_on_signals() -> socket.socket:

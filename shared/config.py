@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from shared.options import option
 from shared.sampling import MAX_LOGPROBS
+from shared.sockets import MAX_MESSAGE_BYTES
 
 SCHEDULER_METRICS_PORT = 8001  # each service's own /metrics; the api's is on its HTTP port
 WORKER_METRICS_PORT = 8002  # rank r: this + r
@@ -242,6 +243,53 @@ class LauncherConfig:
     worker_metrics_port: int = option(
         WORKER_METRICS_PORT, "port of the worker's Prometheus /metrics, on --host (0: none); rank r of engine i: "
         f"this + {ENGINE_PORT_STRIDE} * i + r")
+
+
+def _endpoint_list(text: str) -> list[str]:
+    """argparse's type for --scheduler-endpoint: one endpoint, or several comma-separated (the api's engines)."""
+    endpoints = [e.strip() for e in text.split(",") if e.strip()]
+    if not endpoints:
+        raise argparse.ArgumentTypeError("give at least one endpoint")
+    if len(set(endpoints)) < len(endpoints):
+        raise argparse.ArgumentTypeError("an endpoint is given twice")
+    return endpoints
+
+
+@dataclass(slots=True)
+class LinkConfig:
+    """How the processes of an engine find each other when each runs alone (`python -m services.scheduler`,
+    `services.worker`, `services.api`); the launcher sets these for the processes it starts."""
+
+    scheduler_endpoint: list[str] | None = option(
+        None, "where the scheduler listens for the apis, e.g. tcp://0.0.0.0:5555; an api may name several engines' "
+        "schedulers, comma-separated (data parallelism: each request goes to one, chosen by --routing)",
+        parse=_endpoint_list, render=",".join)
+    worker_endpoint: str | None = option(None, "where the scheduler listens for its worker ranks, e.g. "
+                                         "tcp://0.0.0.0:5556")
+    world_size: int = option(1, "worker ranks in the engine's tensor-parallel group (the scheduler waits for them all)")
+    rank: int = option(0, "this worker's rank in its group, to start a group's ranks by hand")
+    dist_init_method: str = option("tcp://127.0.0.1:29500", "where the ranks of a group started by hand meet "
+                                   "(torch.distributed's init_method)")
+
+
+@dataclass(slots=True)
+class MetricsConfig:
+    """Where a process serves its own Prometheus /metrics."""
+
+    metrics_host: str = option("127.0.0.1", "address of this service's /metrics")
+    metrics_port: int = option(0, "port of this service's Prometheus /metrics (0: none); worker rank r serves on "
+                               "this port + r")
+
+
+@dataclass(slots=True)
+class WireConfig:
+    """The internal wire's protection and limits."""
+
+    keys_dir: str | None = option(None, "this service's CURVE keys for tcp:// endpoints (default: "
+                                  "$PAGEDSERVE_KEYS_DIR)")
+    insecure_wire: bool = option(False, "no CURVE on tcp:// endpoints: anyone who reaches the ports can use them")
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, "larger frames on the internal wire drop their sender's "
+                                    "connection")
 
 
 @dataclass(slots=True)

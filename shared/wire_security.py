@@ -100,14 +100,6 @@ def load_keys(directory: str | os.PathLike[str], role: str) -> WireKeys:
     return keys
 
 
-def add_wire_security_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("wire security")
-    group.add_argument("--keys-dir", default=os.environ.get(KEYS_DIR_ENV) or None,
-                       help=f"this service's CURVE keys for tcp:// endpoints (default: ${KEYS_DIR_ENV})")
-    group.add_argument("--insecure-wire", action="store_true",
-                       help="no CURVE on tcp:// endpoints: anyone who reaches the ports can use them")
-
-
 def keys_for(args: argparse.Namespace, role: str, endpoints: list[str]) -> WireKeys | None:
     """The keys this service uses, or None where its endpoints need none."""
     if not any(e.startswith("tcp://") for e in endpoints):

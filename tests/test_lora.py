@@ -245,6 +245,7 @@ def test_a_server_serves_adapters_by_name_and_loads_and_unloads_them_at_run_time
             response = post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
                                                 "temperature": 0, "return_token_ids": True})
             assert response.status_code == 200, response.text
+            assert response.json()["model"] == model  # the response names the adapter, as vLLM's does
             return response.json()["choices"][0]["token_ids"]
 
         models = httpx.get(f"{server.base_url}/v1/models", headers=headers, timeout=10).json()["data"]
@@ -342,6 +343,7 @@ def test_tensor_parallel_ranks_apply_their_shard_of_each_adapter(llama_dir, adap
                     "return_token_ids": True}
             response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
             assert response.status_code == 200, response.text
+            assert response.json()["model"] == model  # the response names the adapter, as vLLM's does
             return response.json()["choices"][0]["token_ids"]
 
         with ThreadPoolExecutor(6) as pool:  # at once: mixed steps

@@ -55,3 +55,38 @@ def test_each_service_gets_from_the_launcher_the_configs_the_launcher_parsed(tmp
             assert from_namespace(config_class, parsed[name]) == expected, (name, config_class)
     api = from_namespace(ApiConfig, parsed["api"], api_key=None)
     assert api == from_namespace(ApiConfig, args, api_key=None) and "secret" not in " ".join(lines["api"])
+
+
+def every_parser() -> dict[str, argparse.ArgumentParser]:
+    """`pagedserve up` and each service's own parser."""
+    import importlib
+
+    [subcommands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    parsers = {"pagedserve up": subcommands.choices["up"]}
+    for service in ("services.scheduler", "services.worker", "services.api"):
+        parsers[service] = importlib.import_module(f"{service}.__main__").build_parser()
+    return parsers
+
+
+def test_every_flag_of_every_process_is_a_config_field_named_once_and_on_the_flags_page():
+    import dataclasses
+
+    from ops.docs.flags_page import page
+    from shared import config
+
+    fields: dict[str, str] = {}
+    for name in dir(config):
+        cls = getattr(config, name)
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+            for field in dataclasses.fields(cls):
+                if "option" in field.metadata:
+                    assert field.name not in fields, f"{field.name} is a flag of {fields[field.name]} and {name}"
+                    fields[field.name] = name
+    launcher_only = {"help", "version", "model"}  # argparse's, and the launcher's own (`serve MODEL`, --version)
+    on_page = page()
+    for process, parser in every_parser().items():
+        for action in parser._actions:
+            if not action.option_strings or action.dest in launcher_only:
+                continue
+            assert action.dest in fields, f"{process}: {action.option_strings} is not a config field"
+            assert f"`{action.option_strings[0]}`" in on_page, f"{process}: {action.option_strings} is not on the page"

@@ -76,8 +76,8 @@ def test_prefix_cache_keys_are_a_sha256_chain_over_the_whole_prefix():
     manager.mark_computed(first, 9)
     manager.cache_full_blocks(first)
     root = hashlib.sha256(array("q", [1, 2, 3, 4]).tobytes()).digest()
-    assert manager.gpu.holds(root)
-    assert manager.gpu.holds(hashlib.sha256(root + array("q", [5, 6, 7, 8]).tobytes()).digest())
+    assert manager.device_pool.holds(root)
+    assert manager.device_pool.holds(hashlib.sha256(root + array("q", [5, 6, 7, 8]).tobytes()).digest())
     hits = manager.match_prefix(_sequence([1, 2, 3, 4, 5, 6, 7, 8, 0]))
     assert hits == PrefixMatch.on_device(first.kv.block_table[:2])
     # The same second block after another first block is another key: no hit.

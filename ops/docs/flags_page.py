@@ -14,12 +14,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from services.launcher import SHIPPED_MODEL, build_parser  # noqa: E402
 
+SERVICES = ("services.scheduler", "services.worker", "services.api")
+
 HEADER = """# Flags
 
-`pagedserve up` (and `pagedserve serve MODEL`) takes every flag below; each process also runs alone
-(`python -m services.scheduler`, `services.worker`, `services.api`, see
-[Architecture](../design/architecture.md)) with its own group and its endpoints. This page is
-generated from the command's definitions (`python ops/docs/flags_page.py`).
+`pagedserve up` (and `pagedserve serve MODEL`) takes every flag below but the last sections'; each
+process also runs alone (`python -m services.scheduler`, `services.worker`, `services.api`, see
+[Architecture](../design/architecture.md)) with the flags of its part and those of the last sections,
+which the launcher sets for the processes it starts. This page is generated from the flags'
+definitions (`python ops/docs/flags_page.py`).
 """
 
 
@@ -35,7 +38,22 @@ def page() -> str:
         title = {"options": "launcher", "optional arguments": "launcher"}.get(group.title, group.title)
         lines += [f"\n## {title}\n", "| flag | default | meaning |", "| --- | --- | --- |"]
         lines += [row(action) for action in actions]
+    on_up = {flag for action in up._actions for flag in action.option_strings}
+    for service in SERVICES:
+        parser = service_parser(service)
+        actions = [a for a in parser._actions if a.option_strings and a.dest != "help"
+                   and not set(a.option_strings) <= on_up]
+        if actions:
+            lines += [f"\n## `python -m {service}` alone\n", "| flag | default | meaning |", "| --- | --- | --- |"]
+            lines += [row(action) for action in actions]
     return "\n".join(lines) + "\n"
+
+
+def service_parser(service: str) -> argparse.ArgumentParser:
+    """A service's own parser (its __main__ imports torch only once its flags are parsed)."""
+    import importlib
+
+    return importlib.import_module(f"{service}.__main__").build_parser()
 
 
 def row(action: argparse.Action) -> str:

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import sys
+from types import FrameType
 
 import uvicorn
 
@@ -20,6 +21,7 @@ from shared.cli import (
     EXIT_PORT_TAKEN,
     HelpFormatter,
     add_api_args,
+    add_link_args,
     add_lora_args,
     add_model_args,
     add_wire_args,
@@ -28,7 +30,7 @@ from shared.cli import (
     keep_api_key_off_the_command_line,
     setup_logging,
 )
-from shared.config import LoraConfig
+from shared.config import ApiConfig, LoraConfig
 from shared.lora import LoraError
 from shared.options import from_namespace
 from shared.sampling import MAX_LOGPROBS
@@ -38,9 +40,7 @@ from shared.wire_security import WireSecurityError, keys_for
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.api", formatter_class=HelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--scheduler-endpoint", required=True, type=_endpoints,
-                        help="where the scheduler listens, e.g. tcp://scheduler:5555; several engines' schedulers "
-                             "comma-separated (data parallelism: each request goes to one, chosen by --routing)")
+    add_link_args(parser, "scheduler_endpoint")
     add_api_args(parser)
     add_lora_args(parser)
     add_wire_args(parser)
@@ -91,11 +91,7 @@ def main() -> None:
         sys.exit(2)
     client = EngineGroup([EngineClient(endpoint, keys, args.max_message_bytes, args.scheduler_timeout)
                           for endpoint in args.scheduler_endpoint], Router(args.routing))
-    app = build_app(client, tokenizer, name, vocab_size,
-                    args.max_request_body_bytes, api_keys(args),
-                    args.tool_call_parser if args.enable_auto_tool_choice else None, args.max_logprobs,
-                    args.report_cached_tokens, args.request_body_timeout,
-                    max_prompts=args.max_prompts_per_request, adapters=adapters,
+    app = build_app(client, tokenizer, name, vocab_size, from_namespace(ApiConfig, args), api_keys(args), adapters,
                     runtime_lora_updating=lora.enable_lora and lora.allow_runtime_lora_updating)
     # uvicorn annotates the grace as int seconds; it takes a float
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
@@ -125,15 +121,6 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _endpoints(value: str) -> list[str]:
-    endpoints = [e.strip() for e in value.split(",") if e.strip()]
-    if not endpoints:
-        raise argparse.ArgumentTypeError("give at least one endpoint")
-    if len(set(endpoints)) < len(endpoints):
-        raise argparse.ArgumentTypeError("an endpoint is given twice")
-    return endpoints
-
-
 def _tokenizers_only() -> None:
     """transformers imports torch wherever it is installed, though the api needs only its
     tokenizers: torch is hidden, as on a machine without it (three seconds less at start-up, and
@@ -156,7 +143,7 @@ class OnceStoppedServer(uvicorn.Server):
     signal changes nothing: a Ctrl-C in a terminal reaches the api twice (from the terminal and
     from the launcher), and uvicorn would abandon its shutdown halfway, with a traceback."""
 
-    def handle_exit(self, sig, frame) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.should_exit = True
 
 

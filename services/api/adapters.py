@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from services.api.errors import ApiError
 from shared.config import LoraConfig
@@ -66,7 +67,7 @@ class Adapters:
         spec = held[0]
         return LoraRef(spec.name, spec.path, spec.rank, list(spec.targets))
 
-    def cards(self, max_model_len: int | None) -> list[dict]:
+    def cards(self, max_model_len: int | None) -> list[dict[str, Any]]:
         """/v1/models entries of the adapters, each naming its parent as vLLM's do."""
         return [{"id": name, "object": "model", "created": created, "owned_by": "pagedserve", "root": spec.path,
                  "parent": parent, "max_model_len": max_model_len}

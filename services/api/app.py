@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -24,8 +24,8 @@ from services.api.detokenizer import IncrementalDetokenizer
 from services.api.engine_client import EngineClient
 from services.api.engine_group import EngineGroup
 from services.api.errors import ApiError
-from services.api.formats import ChatFormat, Chunk, CompletionFormat
-from services.api.json_body import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, JsonBodies
+from services.api.formats import ChatFormat, Chunk, CompletionFormat, ResponseFormat
+from services.api.json_body import JsonBodies
 from services.api.memory_return import ReturnMemoryAfterLargeBodies
 from services.api.metrics import ApiMetrics
 from services.api.requests import (
@@ -36,12 +36,14 @@ from services.api.requests import (
     parse_unload_lora_adapter,
 )
 from services.api.routing import Router
+from services.api.streams import DISCONNECTED, collect_chunks, first_chunk, merged_streams, prepend, unless_disconnected
 from services.api.structured import GrammarCompiler
 from services.api.tools import TOOL_CALL_PARSERS
 from services.api.utility import utility_routes
-from shared.config import DEFAULT_MAX_PROMPTS, LoraConfig
+from shared.config import ApiConfig, LoraConfig
 from shared.lora import LoraError
-from shared.sampling import MAX_LOGPROBS, InvalidParameter
+from shared.protocol import RequestOutput
+from shared.sampling import InvalidParameter
 
 LARGE_RESPONSE_ENTRIES = 2048  # tokens and top logprobs: about a millisecond to encode
 TOKENIZE_OFF_LOOP_CHARS = 4096  # about a millisecond to tokenize; longer texts go to a thread
@@ -51,23 +53,21 @@ access_log = logging.getLogger("pagedserve.access")
 
 
 class OpenAIServer:
-    def __init__(self, client: EngineGroup, tokenizer, model_name: str, vocab_size: int,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
-                 max_logprobs: int = MAX_LOGPROBS, report_cached_tokens: bool = True,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT, max_prompts: int = DEFAULT_MAX_PROMPTS,
+    def __init__(self, client: EngineGroup, tokenizer: Any, model_name: str, vocab_size: int, config: ApiConfig,
                  adapters: Adapters | None = None):
         self.client = client
         self.adapters = adapters or Adapters(model_name, "", LoraConfig())
-        self.max_prompts = max_prompts
+        self.max_prompts = config.max_prompts_per_request
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = vocab_size
-        self.bodies = JsonBodies(max_body_bytes, body_timeout)
+        self.bodies = JsonBodies(config.max_request_body_bytes, config.request_body_timeout)
         self.metrics = ApiMetrics(client)
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
-        self.tool_parser = TOOL_CALL_PARSERS[tool_call_parser]() if tool_call_parser else None
-        self.max_logprobs = max_logprobs
-        self.report_cached_tokens = report_cached_tokens
+        parser = config.tool_call_parser if config.enable_auto_tool_choice else None
+        self.tool_parser = TOOL_CALL_PARSERS[parser]() if parser else None
+        self.max_logprobs = config.max_logprobs
+        self.report_cached_tokens = config.report_cached_tokens
         self.created = int(time.time())
         self.longest_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
 
@@ -90,13 +90,17 @@ class OpenAIServer:
         echo = ""
         if generation.echo:
             echo = generation.prompt if generation.prompt is not None else self.tokenizer.decode(prompts[0])
-        fmt = CompletionFormat(self.model_name, self.tokenizer, generation, echo, prompts[0] if echo else [],
-                               num_choices=len(prompts) * generation.sampling.n)
+        fmt = CompletionFormat(self._answering(generation), self.tokenizer, generation, echo,
+                               prompts[0] if echo else [], num_choices=len(prompts) * generation.sampling.n)
         fmt.report_cached_tokens = self.report_cached_tokens
         chunks = [self._generate(each, prompt_ids, fmt.endpoint) for each, prompt_ids in zip(batch, prompts)]
-        merged = chunks[0] if len(chunks) == 1 else _merged(chunks, generation.sampling.n,
-                                                            self._prompts_at_once(generation))
+        merged = chunks[0] if len(chunks) == 1 else merged_streams(chunks, generation.sampling.n,
+                                                                   self._prompts_at_once(generation))
         return await self._respond(request, generation, merged, sum(map(len, prompts)), fmt)
+
+    def _answering(self, generation: GenerationRequest) -> str:
+        """The `model` a response names: the adapter the request ran under, as vLLM answers, or the base model."""
+        return generation.lora.name if generation.lora is not None else self.model_name
 
     def _prompts_at_once(self, generation: GenerationRequest) -> int:
         """How many of a batch's prompts are queued at the scheduler at once: what one step can run, so
@@ -134,7 +138,7 @@ class OpenAIServer:
             raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
         prompt_ids = await self._tokenize(self.tokenizer.encode, text, add_special_tokens=False)
         self._fit_to_context(generation, prompt_ids)
-        fmt = ChatFormat(self.model_name, self.tokenizer, generation, self.tool_parser)
+        fmt = ChatFormat(self._answering(generation), self.tokenizer, generation, self.tool_parser)
         fmt.report_cached_tokens = self.report_cached_tokens
         return await self._respond(request, generation, self._generate(generation, prompt_ids, fmt.endpoint),
                                    len(prompt_ids), fmt)
@@ -161,7 +165,7 @@ class OpenAIServer:
         log.info("LoRA adapter %r removed", name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-    def model_card(self) -> dict:
+    def model_card(self) -> dict[str, Any]:
         info = self.client.info
         return {
             "id": self.model_name,
@@ -187,7 +191,7 @@ class OpenAIServer:
 
     # --- input ---------------------------------------------------------------------------
 
-    async def _tokenize(self, encode, text: str, **kwargs) -> list[int]:
+    async def _tokenize(self, encode: Callable[..., list[int]], text: str, **kwargs: Any) -> list[int]:
         self.check_could_fit(text)
         if len(text) <= TOKENIZE_OFF_LOOP_CHARS:
             # On the loop, so the request reaches the scheduler before the next one is read: a burst's first
@@ -249,17 +253,18 @@ class OpenAIServer:
         except InvalidParameter as exc:
             raise ApiError(str(exc), param=exc.param) from None
 
-    async def _respond(self, request, generation, chunks: AsyncIterator[Chunk], num_prompt: int, fmt) -> Response:
+    async def _respond(self, request: Request, generation: GenerationRequest, chunks: AsyncIterator[Chunk],
+                       num_prompt: int, fmt: ResponseFormat) -> Response:
         if generation.stream:
             # The first chunk comes before the status line, so a request the scheduler rejects
             # gets a 4xx, never a 200 followed by an error event.
-            first = await _unless_disconnected(request, _first(chunks))
-            if first is _DISCONNECTED:
+            first = await unless_disconnected(request, first_chunk(chunks))
+            if first is DISCONNECTED:
                 return Response(status_code=499)
-            return StreamingResponse(fmt.stream(_prepend(first, chunks), num_prompt),
+            return StreamingResponse(fmt.stream(prepend(first, chunks), num_prompt),
                                      media_type="text/event-stream")
-        collected = await _unless_disconnected(request, _collect(chunks))
-        if collected is _DISCONNECTED:
+        collected = await unless_disconnected(request, collect_chunks(chunks))
+        if collected is DISCONNECTED:
             return Response(status_code=499)
         # Logprobs and many choices make bodies of megabytes: seconds of the loop's time, so off it.
         sampling = generation.sampling
@@ -339,97 +344,26 @@ class OpenAIServer:
                             "-" if first_token is None else f"{first_token:.3f} s", time.monotonic() - arrival)
 
 
-def _engine_error(output, ready: bool) -> ApiError:
+def _engine_error(output: RequestOutput, ready: bool) -> ApiError:
     rejected = bool(output.sequences) and output.sequences[0].finish_reason == "rejected"
+    message = output.error or "the request failed"
     if rejected:
-        return ApiError(output.error)
+        return ApiError(message)
     if not ready:
-        return ApiError(output.error, status=503, type="server_error", code="not_ready")
-    return ApiError(output.error, status=500, type="server_error")
+        return ApiError(message, status=503, type="server_error", code="not_ready")
+    return ApiError(message, status=500, type="server_error")
 
 
-async def _merged(streams: list[AsyncIterator[Chunk]], n: int, at_once: int) -> AsyncIterator[Chunk]:
-    """The chunks of several requests as they come, request i's choice j renumbered i * n + j, with at
-    most `at_once` of them started and unfinished. Closing it early, or a failure of any, aborts them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-    turns = asyncio.Semaphore(at_once)
-
-    async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
-        try:
-            async with turns:
-                async for chunk in stream:
-                    chunk.index += i * n
-                    await queue.put(chunk)
-            await queue.put(None)
-        except Exception as exc:
-            await queue.put(exc)
-
-    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        for _ in range(len(tasks)):
-            while (item := await queue.get()) is not None:
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
-    return [chunk async for chunk in chunks]
-
-
-async def _first(chunks: AsyncIterator[Chunk]) -> Chunk | None:
-    try:
-        return await chunks.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def _prepend(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    if first is not None:
-        yield first
-    async for chunk in rest:
-        yield chunk
-
-
-_DISCONNECTED = object()
-
-
-async def _unless_disconnected(request: Request, work):
-    """`work`'s result, or _DISCONNECTED (with `work` cancelled) if the client leaves first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if not task.done():
-        task.cancel()  # the client left: closing the generator aborts the request
-        return _DISCONNECTED
-    return task.result()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
-
-
-def build_app(client: EngineGroup | EngineClient, tokenizer, model_name: str, vocab_size: int,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_keys: Sequence[str] = (),
-              tool_call_parser: str | None = None, max_logprobs: int = MAX_LOGPROBS,
-              report_cached_tokens: bool = True, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-              max_prompts: int = DEFAULT_MAX_PROMPTS, adapters: Adapters | None = None,
+def build_app(client: EngineGroup | EngineClient, tokenizer: Any, model_name: str, vocab_size: int,
+              config: ApiConfig | None = None, api_keys: Sequence[str] = (), adapters: Adapters | None = None,
               runtime_lora_updating: bool = False) -> Starlette:
+    """The api's Starlette app, configured by `config` (the api's flags; their defaults where None)."""
     if isinstance(client, EngineClient):
         client = EngineGroup([client], Router("round_robin"))
-    server = OpenAIServer(client, tokenizer, model_name, vocab_size, max_body_bytes, tool_call_parser, max_logprobs,
-                          report_cached_tokens, body_timeout, max_prompts, adapters)
+    server = OpenAIServer(client, tokenizer, model_name, vocab_size, config or ApiConfig(), adapters)
 
     @asynccontextmanager
-    async def lifespan(app):
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await client.start()  # /health answers 503 until the scheduler's workers are ready
         log.info("serving %s once the scheduler is ready", model_name)
         yield

@@ -10,18 +10,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from services.api.errors import ApiError
 
 
 class RequireApiKey:
     """ASGI middleware answering 401, with an OpenAI-style error, to requests without the key."""
 
-    def __init__(self, app, api_keys: list[str]):
+    def __init__(self, app: ASGIApp, api_keys: list[str]):
         self.app = app
         # Each key's expected header, and its tenant: none with one key, a digest of the key with several.
         self.expected = [(f"Bearer {key}".encode(), tenant_of(key) if len(api_keys) > 1 else "") for key in api_keys]
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _guarded(scope["path"]):
             tenant = self._tenant(scope["headers"])
             if tenant is None:

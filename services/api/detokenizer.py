@@ -7,11 +7,13 @@ reaches the client, unless it asks for it (`include_stop_str_in_output`).
 
 from __future__ import annotations
 
+from typing import Any
+
 CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading spaces come out right
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool,
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool,
                  min_tokens: int = 0, include_stop: bool = False):
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens  # stop strings count from this many generated tokens on
@@ -61,7 +63,7 @@ class IncrementalDetokenizer:
         if len(after) <= len(before) or (after.endswith("\ufffd") and not allow_partial):
             return ""  # an incomplete character, or a token that decodes to nothing
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return after[len(before) :]
+        return str(after[len(before) :])
 
     def _flush(self) -> None:
         """At the end, release tokens still waiting for the rest of a character."""

@@ -54,10 +54,10 @@ class EngineClient:
         self.info: SchedulerInfo | None = None
         self.has_served = False  # ready at least once: a later loss is an outage, not a start
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._receiver: asyncio.Task | None = None
-        self._watcher: asyncio.Task | None = None
-        self._heart: asyncio.Task | None = None
-        self._aborter: asyncio.Task | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._heart: asyncio.Task[None] | None = None
+        self._aborter: asyncio.Task[None] | None = None
         self._to_abort: dict[str, None] = {}  # request ids waiting to be sent in an Abort, in order
         self._abort_ready = asyncio.Event()
         self.stall_timeout = stall_timeout

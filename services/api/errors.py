@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.responses import JSONResponse
 
 
@@ -20,7 +22,7 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {
             "error": {
                 "message": self.message,

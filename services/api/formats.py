@@ -7,10 +7,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from services.api.errors import ApiError
 from services.api.requests import GenerationRequest
-from services.api.tools import ToolCallStream, whole_message
+from services.api.tools import ToolCallParser, ToolCallStream, whole_message
 
 
 @dataclass(slots=True)
@@ -36,7 +37,7 @@ def by_choice(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
     return choices
 
 
-class _Format:
+class ResponseFormat:
     """Shared by both endpoints: ids, envelopes, usage and the SSE framing."""
 
     endpoint = ""
@@ -45,13 +46,14 @@ class _Format:
     object_chunk = ""
     id_prefix = ""
 
-    def __init__(self, model_name: str, tokenizer, generation: GenerationRequest, num_choices: int = 0):
+    def __init__(self, model_name: str, tokenizer: Any, generation: GenerationRequest, num_choices: int = 0):
         self.model_name, self.tokenizer, self.generation = model_name, tokenizer, generation
         self.num_choices = num_choices or generation.sampling.n  # n per prompt, for every prompt
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def envelope(self, kind: str, choices: list, usage: dict | None = None, usage_field: bool = False) -> dict:
+    def envelope(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                 usage_field: bool = False) -> dict[str, Any]:
         """A response or chunk; `usage` where given, and `"usage": null` where `usage_field` asks for the field
         without one (a stream with stream_options.include_usage has it in every chunk, as OpenAI's does)."""
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.model_name,
@@ -60,7 +62,7 @@ class _Format:
             body["usage"] = usage
         return body
 
-    def whole(self, chunks: list[Chunk], num_prompt: int) -> dict:
+    def whole(self, chunks: list[Chunk], num_prompt: int) -> dict[str, Any]:
         choices = [self.whole_choice(i, c) for i, c in enumerate(by_choice(chunks, self.num_choices))]
         return self.envelope(self.object_whole, choices, self.usage(num_prompt, chunks))
 
@@ -84,7 +86,7 @@ class _Format:
             yield event(self.envelope(self.object_chunk, [], self._usage(num_prompt, generated, cached)))
         yield "data: [DONE]\n\n"
 
-    def stream_openings(self) -> list[dict]:
+    def stream_openings(self) -> list[dict[str, Any]]:
         return []
 
     def usage(self, num_prompt: int, chunks: list[Chunk]) -> dict[str, object]:
@@ -98,29 +100,29 @@ class _Format:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
-    def add_token_ids(self, choice: dict, chunks: list[Chunk]) -> dict:
+    def add_token_ids(self, choice: dict[str, Any], chunks: list[Chunk]) -> dict[str, Any]:
         if self.generation.return_token_ids:
             choice["token_ids"] = [t for c in chunks for t in c.token_ids]
         return choice
 
-    def whole_choice(self, index: int, chunks: list[Chunk]) -> dict:
+    def whole_choice(self, index: int, chunks: list[Chunk]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk_choice(self, chunk: Chunk, offset: int) -> dict:
+    def chunk_choice(self, chunk: Chunk, offset: int) -> dict[str, Any]:
         raise NotImplementedError
 
 
-class CompletionFormat(_Format):
+class CompletionFormat(ResponseFormat):
     endpoint = "completions"
     object_whole = object_chunk = "text_completion"
     id_prefix = "cmpl"
-    def __init__(self, model_name: str, tokenizer, generation: GenerationRequest, echo: str = "",
+    def __init__(self, model_name: str, tokenizer: Any, generation: GenerationRequest, echo: str = "",
                  echo_token_ids: Sequence[int] = (), num_choices: int = 0):
         super().__init__(model_name, tokenizer, generation, num_choices)
         self.echo, self.echo_token_ids = echo, echo_token_ids  # the prompt, when the request asks it back
         self.echoed: set[int] = set()  # choices whose stream carried the prompt already
 
-    def whole_choice(self, index: int, chunks: list[Chunk]) -> dict:
+    def whole_choice(self, index: int, chunks: list[Chunk]) -> dict[str, Any]:
         choice = {
             "index": index,
             "text": self.echo + "".join(c.text for c in chunks),
@@ -130,7 +132,7 @@ class CompletionFormat(_Format):
         }
         return self.add_token_ids(choice, chunks)
 
-    def chunk_choice(self, chunk: Chunk, offset: int) -> dict:
+    def chunk_choice(self, chunk: Chunk, offset: int) -> dict[str, Any]:
         text, first = chunk.text, bool(self.echo) and chunk.index not in self.echoed
         if first:  # a choice's first chunk carries the prompt
             self.echoed.add(chunk.index)
@@ -140,7 +142,7 @@ class CompletionFormat(_Format):
                   "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason}
         return self.add_token_ids(choice, [chunk])
 
-    def _logprobs(self, chunks: list[Chunk], offset: int, with_prompt: bool = False) -> dict | None:
+    def _logprobs(self, chunks: list[Chunk], offset: int, with_prompt: bool = False) -> dict[str, Any] | None:
         if self.generation.sampling.logprobs is None:
             return None
         entries: list[tuple[int, float | None, dict[int, float] | None]] = []  # (token id, logprob, alternatives)
@@ -161,26 +163,27 @@ class CompletionFormat(_Format):
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-class ChatFormat(_Format):
+class ChatFormat(ResponseFormat):
     endpoint = "chat"
     object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, model_name: str, tokenizer, generation: GenerationRequest, tool_parser=None):
+    def __init__(self, model_name: str, tokenizer: Any, generation: GenerationRequest,
+                 tool_parser: ToolCallParser | None = None):
         super().__init__(model_name, tokenizer, generation)
         use = generation.tools
         self.tool_use = use if use is not None and use.choice != "none" else None
         self.tool_parser = tool_parser  # the model's call format, for tool_choice "auto"
         self.tool_streams: dict[int, ToolCallStream] = {}
 
-    def stream_openings(self) -> list[dict]:
+    def stream_openings(self) -> list[dict[str, Any]]:
         return [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             for i in range(self.num_choices)
         ]
 
-    def whole_choice(self, index: int, chunks: list[Chunk]) -> dict:
+    def whole_choice(self, index: int, chunks: list[Chunk]) -> dict[str, Any]:
         text = "".join(c.text for c in chunks)
         finish = chunks[-1].finish_reason if chunks else None
         message: dict[str, object] = {"role": "assistant", "content": text}
@@ -193,7 +196,7 @@ class ChatFormat(_Format):
                   "stop_reason": chunks[-1].stop_reason if chunks else None}
         return self.add_token_ids(choice, chunks)
 
-    def chunk_choice(self, chunk: Chunk, offset: int) -> dict:
+    def chunk_choice(self, chunk: Chunk, offset: int) -> dict[str, Any]:
         text, finish = chunk.text, chunk.finish_reason
         delta: dict[str, object] = {}
         if self.tool_use is not None:  # content until a call may begin; the calls when the choice ends
@@ -213,12 +216,12 @@ class ChatFormat(_Format):
         named = self.tool_use is not None and self.tool_use.choice == "named"
         return "tool_calls" if finish == "stop" and not named else finish
 
-    def _logprobs(self, chunks: list[Chunk]) -> dict | None:
+    def _logprobs(self, chunks: list[Chunk]) -> dict[str, Any] | None:
         if self.generation.sampling.logprobs is None:
             return None
         decode = self.tokenizer.decode
 
-        def entry(token_id: int, logprob: float) -> dict:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = decode([token_id])
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
@@ -234,7 +237,7 @@ class ChatFormat(_Format):
 _LINE_BREAKS_ESCAPED = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def event(body: dict) -> str:
+def event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS_ESCAPED)}\n\n"
 
 

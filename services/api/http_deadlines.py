@@ -18,7 +18,7 @@ def with_header_deadline(seconds: float) -> type[H11Protocol]:
 
         _deadline: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport) -> None:
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
 
@@ -26,7 +26,7 @@ def with_header_deadline(seconds: float) -> type[H11Protocol]:
             super().on_response_complete()
             self._arm()
 
-        def connection_lost(self, exc) -> None:
+        def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 

@@ -15,8 +15,6 @@ from services.api.errors import ApiError
 
 T = TypeVar("T")
 
-DEFAULT_BODY_TIMEOUT = 60.0
-DEFAULT_MAX_BODY_BYTES = 8 << 20  # vLLM sets none; 8 MiB holds any prompt a context can take
 # Arrays and objects a body may open: a request needs a handful (messages, tools, token ids), and
 # parsing millions of them holds the event loop for seconds (a 7 MiB body of empty lists: 1.6 s).
 MAX_BODY_CONTAINERS = 16_384
@@ -24,7 +22,7 @@ PARSE_OFF_LOOP_BYTES = 64 << 10  # parses in about a millisecond; larger ones go
 
 
 class JsonBodies:
-    def __init__(self, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT):
+    def __init__(self, max_body_bytes: int, body_timeout: float):
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
 

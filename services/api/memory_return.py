@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from shared import glibc_heap
 
 LARGE_BODY_BYTES = 1 << 20
@@ -17,10 +19,10 @@ class ReturnMemoryAfterLargeBodies:
     """ASGI middleware: after a request whose declared body is over LARGE_BODY_BYTES, trim the heap
     (in a thread: it takes milliseconds)."""
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp):
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _declares_large_body(scope):
             await self.app(scope, receive, send)
             return
@@ -30,7 +32,7 @@ class ReturnMemoryAfterLargeBodies:
             await asyncio.to_thread(glibc_heap.trim)
 
 
-def _declares_large_body(scope) -> bool:
+def _declares_large_body(scope: Scope) -> bool:
     for name, value in scope["headers"]:
         if name == b"content-length":
             return value.isdigit() and int(value) > LARGE_BODY_BYTES

@@ -3,6 +3,13 @@ each worker rank serve their own on ports of their own, so api replicas count no
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import Metric
+
+if TYPE_CHECKING:
+    from services.api.engine_group import EngineGroup
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -14,7 +21,7 @@ REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 
 
 
 class ApiMetrics:
-    def __init__(self, engines=None):
+    def __init__(self, engines: EngineGroup | None = None):
         self.registry = CollectorRegistry()
         if engines is not None:
             self.registry.register(EngineCollector(engines))
@@ -47,10 +54,10 @@ class EngineCollector:
     """Each engine behind this api, labelled by its index in --scheduler-endpoint: whether it is up,
     the requests this api routed to it, and the load it last reported."""
 
-    def __init__(self, engines):
-        self.engines = engines  # an EngineGroup
+    def __init__(self, engines: EngineGroup):
+        self.engines = engines
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         families = {
             "up": GaugeMetricFamily("pagedserve_engine_up", "1 while the engine serves", labels=["engine"]),
             "in_flight": GaugeMetricFamily("pagedserve_engine_requests_in_flight",

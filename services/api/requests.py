@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.api.errors import ApiError
 from services.api.json_body import json_value
@@ -46,7 +47,7 @@ class GenerationRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     more_prompts: list[str | list[int]] = field(default_factory=list)  # completions: OpenAI's batch, after the first
-    messages: list[dict] | None = None
+    messages: list[dict[str, Any]] | None = None
     max_tokens: int | None = None  # None: whatever context is left after the prompt
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -73,7 +74,7 @@ class _Body:
             raise ApiError("the request body must be a JSON object")
         self.body = body
 
-    def get(self, name: str, types: type | tuple, default=None, what: str = ""):
+    def get(self, name: str, types: type | tuple[type, ...], default: Any = None, what: str = "") -> Any:
         value = self.body.get(name, default)
         if value is None:
             return default
@@ -142,7 +143,7 @@ def parse_unload_lora_adapter(body: object) -> str:
 
 
 def _required_string(fields: _Body, name: str) -> str:
-    value = fields.get(name, str, what="a string")
+    value: str = fields.get(name, str, what="a string")
     if not value:
         raise ApiError(f"'{name}' is required", param=name)
     return value
@@ -238,7 +239,7 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
 
 
 def _cache_salt(fields: _Body) -> str:
-    salt = fields.get("cache_salt", str, "", what="a string")
+    salt: str = fields.get("cache_salt", str, "", what="a string")
     if "cache_salt" in fields.body and not salt:
         raise ApiError("cache_salt must be a non-empty string", param="cache_salt")
     if len(salt) > MAX_CACHE_SALT_CHARS // 2:
@@ -247,14 +248,14 @@ def _cache_salt(fields: _Body) -> str:
 
 
 def _user(fields: _Body) -> str:
-    user = fields.get("user", str, "", what="a string")
+    user: str = fields.get("user", str, "", what="a string")
     if len(user) > MAX_USER_CHARS:
         raise ApiError(f"user must be at most {MAX_USER_CHARS} characters", param="user")
     return user
 
 
 def _priority(fields: _Body) -> int:
-    priority = fields.get("priority", int, 0, what="an integer")
+    priority: int = fields.get("priority", int, 0, what="an integer")
     if not -PRIORITY_LIMIT <= priority < PRIORITY_LIMIT:
         raise ApiError(f"priority must be an integer in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT})", param="priority")
     return priority
@@ -289,7 +290,7 @@ def _validate(request: GenerationRequest) -> None:
         raise ApiError("structured outputs are not supported with beam search", param=request.structured.param)
 
 
-def _message(message: object, index: int) -> dict:
+def _message(message: object, index: int) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise _type_error(where, "an object with a 'role' string")
@@ -315,7 +316,7 @@ def _message(message: object, index: int) -> dict:
     return kept
 
 
-def _tool_calls(calls: object, where: str) -> list[dict]:
+def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
     """An assistant message's earlier calls, their arguments as objects: chat templates index into them."""
     if not isinstance(calls, list):
         raise _type_error(f"{where}.tool_calls", "a list of tool calls")
@@ -345,11 +346,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _as_tuple(types) -> tuple:
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
-def _describe(types) -> str:
+def _describe(types: type | tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in _as_tuple(types))
 
 

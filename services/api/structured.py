@@ -37,7 +37,7 @@ class GrammarSpec:
     param: str  # the request field it came from, for errors
 
 
-def parse_structured(body: dict) -> GrammarSpec | None:
+def parse_structured(body: dict[str, Any]) -> GrammarSpec | None:
     """The one constraint a request body asks for, or None."""
     found = [spec for spec in (_response_format(body.get("response_format")),
                                _structured_outputs(body.get("structured_outputs")),
@@ -111,7 +111,7 @@ class GrammarCompiler:
     """Compiles on the api's behalf, off the event loop, keeping compiled grammars by content;
     its llguidance tokenizer is built on first use."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: Any, vocab_size: int):
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._tokenizer: Any = None  # llguidance's view of the tokenizer, made at the first grammar
@@ -148,7 +148,7 @@ def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int) -> Any:
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
 
 
-def compile_grammar(spec: GrammarSpec, tokenizer) -> str:
+def compile_grammar(spec: GrammarSpec, tokenizer: Any) -> str:
     """llguidance grammar text for `spec`, checked against `tokenizer`; `ApiError` if it is invalid."""
     import llguidance
 

@@ -18,6 +18,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from services.api.errors import ApiError
 from services.api.json_body import json_value
@@ -32,7 +33,7 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI sends it
     id: str = ""
 
-    def as_openai(self, index: int | None = None) -> dict:
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
         call = {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
         return call if index is None else {"index": index, **call}
@@ -42,12 +43,12 @@ class ToolCall:
 class ToolUse:
     """What a chat request asks about tools."""
 
-    tools: list[dict]  # as the request gave them, for the chat template
+    tools: list[dict[str, Any]]  # as the request gave them, for the chat template
     choice: str  # none | auto | required | named
     name: str = ""  # the function, with choice "named"
     parallel: bool = True
 
-    def schema_of(self, name: str) -> dict:
+    def schema_of(self, name: str) -> dict[str, Any]:
         function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
         return function.get("parameters") or {"type": "object"}
 
@@ -66,7 +67,7 @@ class ToolUse:
         return GrammarSpec("json", json.dumps(schema), "tools")
 
 
-def parse_tool_use(body: dict) -> ToolUse | None:
+def parse_tool_use(body: dict[str, Any]) -> ToolUse | None:
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None:
@@ -159,7 +160,8 @@ class Llama3JsonParser:
         return "", calls
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+ToolCallParser = HermesParser | Llama3JsonParser
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
 
 
 def calls_from_forced(use: ToolUse, text: str) -> list[ToolCall]:
@@ -195,7 +197,7 @@ class ToolCallStream:
     """One choice's text as it streams: content goes out until a call could be starting; calls go
     out whole when the choice ends."""
 
-    def __init__(self, use: ToolUse, parser):
+    def __init__(self, use: ToolUse, parser: ToolCallParser | None):
         self.use, self.parser = use, parser
         self.text = ""
         self.sent = 0
@@ -205,6 +207,7 @@ class ToolCallStream:
         self.text += text
         if self.use.choice in ("required", "named"):
             return "", calls_from_forced(self.use, self.text) if final else []
+        assert self.parser is not None, "tool_choice auto is refused without a parser"
         if not final:
             safe = min(self.parser.start(self.text), len(self.text))
             content, self.sent = self.text[self.sent:max(safe, self.sent)], max(safe, self.sent)
@@ -213,10 +216,11 @@ class ToolCallStream:
         return content[self.sent:], calls
 
 
-def whole_message(use: ToolUse, parser, text: str) -> tuple[str | None, list[ToolCall]]:
+def whole_message(use: ToolUse, parser: ToolCallParser | None, text: str) -> tuple[str | None, list[ToolCall]]:
     """A finished choice's (content, calls)."""
     if use.choice in ("required", "named"):
         return None, calls_from_forced(use, text)
+    assert parser is not None, "tool_choice auto is refused without a parser"
     content, calls = parser.parse(text)
     return (content or None) if calls else text, calls
 

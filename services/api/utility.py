@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -50,7 +50,7 @@ def utility_routes(server: OpenAIServer) -> list[Route]:
     ]
 
 
-def _tokenized(server: OpenAIServer, body: dict) -> Response:
+def _tokenized(server: OpenAIServer, body: dict[str, Any]) -> Response:
     if "model" in body:
         server.adapters.resolve(body["model"])
     special = _flag(body, "add_special_tokens", True)
@@ -76,7 +76,7 @@ def _tokenized(server: OpenAIServer, body: dict) -> Response:
     return JSONResponse(answer)
 
 
-def _detokenized(server: OpenAIServer, body: dict) -> Response:
+def _detokenized(server: OpenAIServer, body: dict[str, Any]) -> Response:
     if "model" in body:
         server.adapters.resolve(body["model"])
     tokens = body.get("tokens")
@@ -89,14 +89,14 @@ def _detokenized(server: OpenAIServer, body: dict) -> Response:
     return JSONResponse({"prompt": server.tokenizer.decode(tokens)})
 
 
-async def _object(server, request: Request) -> dict:
+async def _object(server: OpenAIServer, request: Request) -> dict[str, Any]:
     body = await server.bodies.read(request)
     if not isinstance(body, dict):
         raise ApiError("the body must be a JSON object")
     return body
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     value = body.get(name, default)
     if type(value) is not bool:
         raise ApiError(f"{name} must be true or false", param=name)

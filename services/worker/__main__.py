@@ -9,6 +9,7 @@ import sys
 from shared.cli import (
     EXIT_PORT_TAKEN,
     HelpFormatter,
+    add_link_args,
     add_lora_args,
     add_metrics_args,
     add_model_args,
@@ -28,17 +29,12 @@ from shared.wire_security import WireSecurityError, keys_for
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.worker", formatter_class=HelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--worker-endpoint", required=True, help="the scheduler's worker endpoint")
-    parser.add_argument("--rank", type=int, default=0,
-                        help="this worker's rank among the tensor-parallel workers, to join a group by hand")
-    parser.add_argument("--world-size", type=int, default=1, help="tensor-parallel workers in all, with --rank")
-    parser.add_argument("--dist-init-method", default="tcp://127.0.0.1:29500",
-                        help="where the ranks of a group started by hand meet (torch.distributed's init_method)")
+    add_link_args(parser, "worker_endpoint", "rank", "world_size", "dist_init_method")
     add_worker_args(parser)
     add_scheduler_args(parser)
     add_lora_args(parser)
     add_wire_args(parser)
-    add_metrics_args(parser, WORKER_METRICS_PORT, "; rank r serves on this port + r")
+    add_metrics_args(parser, WORKER_METRICS_PORT)
     return parser
 
 
@@ -48,7 +44,7 @@ def main() -> None:
     # operation, on the cores the compiled kernels' threads need (services/worker/cpu_threads.py).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # And before torch allocates: its buffers of 2 MiB and more (weights, cache, swap space) then ask
-    # the kernel for huge pages, on which one core streams the weights 1.3x as fast (docs/kernels.md).
+    # the kernel for huge pages, on which one core streams the weights 1.3x as fast (docs/kernel-measurements.md).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if args.tensor_parallel_size > 1:
         setup_logging("worker")
