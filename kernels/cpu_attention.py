@@ -218,7 +218,8 @@ def _split(starts: list[int], lens: list[int], parts: int) -> list[tuple[int, in
     parts = min(parts, len(lens))
     if parts <= 1:
         return [(0, len(lens))]
-    share, ranges, first, running = sum(costs) / parts, [], 0, 0
+    ranges: list[tuple[int, int]] = []
+    share, first, running = sum(costs) / parts, 0, 0
     for s, cost in enumerate(costs):
         running += cost
         if running >= share * (len(ranges) + 1) and len(ranges) < parts - 1:

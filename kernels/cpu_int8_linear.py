@@ -10,7 +10,9 @@ rows, which each thread quantizes as it goes, and is shared by the threads as `c
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,8 +30,8 @@ CODE_RANGE = 127.5  # a row's largest magnitude maps here: compressed-tensors' s
 class Int8Build:
     """One build of cpu_int8_gemm.c: its two kernels and what packing for them needs."""
 
-    linear: object
-    quantize: object
+    linear: Callable[..., Any]
+    quantize: Callable[..., Any]
     panel_width: int
     description: str
     variant: str
@@ -58,6 +60,7 @@ def int8_build(variant: str | None = None) -> Int8Build | None:
     if linear is None or quantize is None or width is None:
         return None
     library = native.load("cpu_int8_gemm", variant)
+    assert library is not None  # its functions loaded
     library.int8_description.restype = native.ctypes.c_char_p
     return Int8Build(linear, quantize, width(), library.int8_description().decode(), native.variant_of(library))
 
@@ -70,6 +73,7 @@ def padded_width(in_features: int) -> int:
 def pack_int8(weight: torch.Tensor, build: Int8Build | None = None) -> Int8Panels:
     """`weight` [N, K] int8 as the build's panels."""
     build = build or int8_build()
+    assert build is not None, "no int8 kernel builds here"
     width = build.panel_width
     n, k = weight.shape
     panels, words = -(-n // width), padded_width(k) // 4

@@ -1,5 +1,5 @@
 """Linear layers on a CPU: the packed kernels of `cpu_gemm.c`, where torch's own are slow (its BLAS on
-AMD CPUs, and any bfloat16 or float16 weight on a CPU without their instructions; docs/kernels.md).
+AMD CPUs, and any bfloat16 or float16 weight on a CPU without their instructions; docs/kernel-measurements.md).
 
 Weights are packed into panels when the model loads (`pack`), in the layout of the build that runs
 (`GemmBuild`: its panel width, and whether bfloat16 weights meet bfloat16 rows of x in the AVX512-BF16
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from kernels.workspace import step_scratch
 
 SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth sharing between threads
 SPLIT_ROWS = 4  # nor below this many rows, where reading the weight bounds it, unless the weight is larger
-SPLIT_BYTES = 4 << 20  # than this: then a second core reads it faster (docs/kernels.md)
+SPLIT_BYTES = 4 << 20  # than this: then a second core reads it faster (docs/kernel-measurements.md)
 SPLIT_CODES = 1 << 19  # values of a weight as codes from which one row's product is shared (gemm_codes)
 CHUNKS_PER_THREAD = 8  # a shared call's panels come in this many chunks per thread, claimed in turn
 SYMBOLS = {torch.float32: "gemm_f32", torch.float16: "gemm_f16", torch.bfloat16: "gemm_bf16"}
@@ -41,8 +42,8 @@ PROMPT_ROWS = 64  # rows from which a bfloat16 product is bound by arithmetic, n
 class GemmBuild:
     """One build of cpu_gemm.c: its kernel per weight dtype and what packing and calling them needs."""
 
-    kernels: dict[torch.dtype, object]
-    codes: object  # gemm_codes: weights quantized by groups of k
+    kernels: dict[torch.dtype, Callable[..., Any]]
+    codes: Callable[..., Any]  # gemm_codes: weights quantized by groups of k
     panel_width: int
     bf16_rows: bool  # bfloat16 weights take x rounded to bfloat16 (the dot product), not float32
     description: str
@@ -63,6 +64,7 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     if None in facts.values() or None in kernels.values() or codes is None:
         return None
     library = native.load("cpu_gemm", variant)
+    assert library is not None  # its functions loaded
     library.gemm_description.restype = native.ctypes.c_char_p
     width, bf16_rows = (fact() for fact in facts.values())
     return GemmBuild(kernels, codes, width, bool(bf16_rows), library.gemm_description().decode(),
@@ -114,6 +116,7 @@ def pack(weight: torch.Tensor, build: GemmBuild | None = None, halves: int = 0) 
     each column's k and k + 1 side by side (cpu_gemm.c). With `halves` (a gated MLP's gate rows, then as
     many up rows), the panels come in pairs: the gate panel of some columns, then the up panel of the same."""
     build = build or gemm_build()
+    assert build is not None, "no gemm kernel builds here"
     width = build.panel_width
     if halves:
         count, k = -(-halves // width), weight.shape[1]
@@ -198,7 +201,9 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                build: GemmBuild | None = None) -> CodePanels:
     """`codes` [N, K] (uint8: a 4-bit code, a byte, or an e4m3 number's bits) whose values are code x scale + offset
     with `scales` and `offsets` [N, K / group] float32, as the build's panels."""
-    width = (build or gemm_build()).panel_width
+    build = build or gemm_build()
+    assert build is not None, "no gemm kernel builds here"
+    width = build.panel_width
     n, k = codes.shape
     groups = scales.shape[1]
     panels, per_word = -(-n // width), CODES_PER_WORD[kind]

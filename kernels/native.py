@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from kernels.recordings import Recording
@@ -107,7 +107,7 @@ def function(name: str, symbol: str, argument_types: list, result_type=None, var
     kernel = getattr(library, symbol)
     kernel.argtypes, kernel.restype = argument_types, result_type
     call = profiled(kernel, f"pagedserve::{name}.{symbol}")
-    call.task = _task(library, symbol)
+    setattr(call, "task", _task(library, symbol))  # noqa: B010 (a function's attribute: read with getattr)
     return call
 
 
@@ -131,7 +131,8 @@ def _task(library: ctypes.CDLL, symbol: str) -> Task | None:
     if described().decode() != ":i":
         return None
     words.restype = ctypes.c_int64
-    return Task(ctypes.cast(getattr(library, f"{symbol}_task"), ctypes.c_void_p).value, words())
+    address = ctypes.cast(getattr(library, f"{symbol}_task"), ctypes.c_void_p).value
+    return Task(address, words()) if address is not None else None
 
 
 def profiled(kernel: Callable, label: str) -> Callable:
@@ -233,7 +234,7 @@ def share_units(kernel: Callable, args: tuple, units: int, worth_sharing: bool, 
     return share(lambda _, wait: kernel(*whole, wait), count, kernel.__name__)
 
 
-def share_task(task: Task, words: tuple[int, ...], count: int, label: str = "pagedserve::kernel") -> int | None:
+def share_task(task: Task, words: tuple[int | float, ...], count: int, label: str = "pagedserve::kernel") -> int | None:
     """`task` on this thread and on count - 1 of the C helpers (helper_pool.c), which, unlike the
     Python helpers of `share`, need no lock of Python's to start; its result, or None where the
     helpers cannot be built here (the caller then shares the call through `share`). A float among
@@ -242,7 +243,7 @@ def share_task(task: Task, words: tuple[int, ...], count: int, label: str = "pag
     if pool is None or len(words) != task.words:
         return None
     try:
-        packed = task.array(*words)
+        packed = task.array(*cast(tuple[int, ...], words))
     except TypeError:  # a float among them
         packed = task.array(*(float_bits(w) if isinstance(w, float) else w for w in words))
     recording = open_recording
@@ -290,9 +291,9 @@ def helper_pool() -> HelperPool | None:
     return HelperPool(*parts)
 
 
-def _helper_queue(index: int) -> queue.SimpleQueue:
+def _helper_queue(index: int) -> queue.SimpleQueue[Any]:
     while len(_helpers) < index:
-        jobs = queue.SimpleQueue()
+        jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         name = f"kernel-helper-{len(_helpers) + 1}"
         threading.Thread(target=_help, args=(jobs,), name=name, daemon=True).start()
         _helpers.append(jobs)

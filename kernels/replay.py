@@ -1,7 +1,7 @@
 """A stretch of the model's Python, its kernel calls kept and replayed without it.
 
 On a CPU a decode step's some sixty kernel calls are a few hundred microseconds apart at most, and
-the Python that works out their arguments between them took a sixth of a step (docs/kernels.md).
+the Python that works out their arguments between them took a sixth of a step (docs/kernel-measurements.md).
 `record` runs a function once, keeping every kernel call it makes (kernels/recordings.py) and every
 tensor torch makes or views meanwhile, so that the addresses those calls were given stay valid; a
 `Replay` then makes the same calls on the same addresses in one C loop (helper_pool.c's
@@ -59,7 +59,9 @@ class Replay:
             self.parts.append(((ctypes.c_int64 * len(run))(*run), len(run)))
 
     def __call__(self) -> None:
-        replay = native.helper_pool().replay
+        pool = native.helper_pool()
+        assert pool is not None, "a recording is made only where the C helpers run"
+        replay = pool.replay
         for part in self.parts:
             if isinstance(part, tuple):
                 failed = replay(*part)

@@ -2,7 +2,7 @@
 
 On a CPU a large tensor allocated afresh comes as new pages that the kernel zeroes on first touch:
 a prefill step of 2,048 tokens allocated over a GiB of them, layer after layer, at a cost of a
-tenth of its time (docs/kernels.md). A buffer whose use ends before the next one of its name is
+tenth of its time (docs/kernel-measurements.md). A buffer whose use ends before the next one of its name is
 taken (a layer's projection output, consumed within the layer) is taken from here instead.
 """
 

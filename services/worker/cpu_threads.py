@@ -24,7 +24,7 @@ docs/benchmarks-archive.md).
 
 A step of few tokens (decodes) gives torch one thread whatever the cores: its own operations there
 (rotary tables, sampling, small copies) are too small to gain from a second thread, and waking a
-sleeping one costs more than they take (docs/kernels.md).
+sleeping one costs more than they take (docs/kernel-measurements.md).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ capture itself is tested on a GPU (tests/test_gpu.py).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,13 +33,16 @@ from kernels.replay import Replay, record
 from services.worker.block_tables import StepTensors
 from services.worker.kv_cache import KVCache
 
+if TYPE_CHECKING:
+    from services.worker.models.base import PagedCausalLM
+
 log = logging.getLogger("pagedserve.worker")
 
 CAPTURE_SIZES = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # as vLLM captures
 
 
 class DecodeGraphs:
-    def __init__(self, model, cache: KVCache, device: torch.device, max_batch: int = 512, max_context: int = 8192):
+    def __init__(self, model: PagedCausalLM, cache: KVCache, device: torch.device, max_batch: int = 512, max_context: int = 8192) -> None:
         self.model, self.cache, self.device = model, cache, device
         self.sizes = [size for size in CAPTURE_SIZES if size <= max_batch] or [1]
         self.width = -(-max_context // cache.block_size)  # block table columns
@@ -63,7 +67,7 @@ class DecodeGraphs:
         return num_tokens == len(context_lens) <= self.sizes[-1] and max(context_lens) <= self.max_context
 
     def size_for(self, num_seqs: int) -> int:
-        return next(size for size in self.sizes if size >= num_seqs)
+        return int(next(size for size in self.sizes if size >= num_seqs))
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -13,6 +13,8 @@ later pass needed its keys); the next step computes it first.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from services.worker.block_tables import BlockTables
@@ -20,15 +22,19 @@ from services.worker.kv_cache import KVCache
 from services.worker.step_inputs import StepInputs
 from shared.protocol import ScheduledSequence
 
+if TYPE_CHECKING:
+    from services.worker.model_runner import SequenceMirror
+    from services.worker.models.base import PagedCausalLM
+
 
 class Drafter:
-    def __init__(self, model, cache: KVCache, device: torch.device):
+    def __init__(self, model: PagedCausalLM, cache: KVCache, device: torch.device) -> None:
         self.model = model
         self.cache = cache
         self.device = device
         self.inputs = StepInputs(device)
 
-    def draft(self, scheduled: list[ScheduledSequence], mirrors: dict, tables: BlockTables) -> dict[int, list[int]]:
+    def draft(self, scheduled: list[ScheduledSequence], mirrors: dict[int, SequenceMirror], tables: BlockTables) -> dict[int, list[int]]:
         """Compute the step's known positions in the draft's cache and propose each entry's drafts."""
         tokens: list[int] = []
         positions: list[int] = []
@@ -61,12 +67,12 @@ class Drafter:
                 mirrors[seq_id].num_drafted_positions = last + j + 1
         return drafts
 
-    def settle(self, mirror, num_known: int, num_accepted: int) -> None:
+    def settle(self, mirror: SequenceMirror, num_known: int, num_accepted: int) -> None:
         """After verification: of the drafted positions past the `num_known` tokens the step started
         from, only those the target accepted hold the sequence's tokens."""
         mirror.num_drafted_positions = min(mirror.num_drafted_positions, num_known + num_accepted)
 
-    def _forward(self, tokens, positions, starts, context_lens, rows, tables: BlockTables,
+    def _forward(self, tokens: list[int], positions: list[int], starts: list[int], context_lens: list[int], rows: list[int], tables: BlockTables,
                  logit_rows: list[int]) -> list[int]:
         """One pass of the draft model; the most likely next token at each of `logit_rows`."""
         inputs = tables.step(self.inputs, tokens, positions, rows, starts, context_lens, logit_rows,
@@ -74,4 +80,5 @@ class Drafter:
         hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
         if not logit_rows:
             return []
-        return self.model.logits(hidden[inputs.logit_rows]).argmax(dim=-1).tolist()  # for the next pass
+        drafts: list[int] = self.model.logits(hidden[inputs.logit_rows]).argmax(dim=-1).tolist()
+        return drafts  # for the next pass

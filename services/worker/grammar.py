@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 TEMPLATE_BYTES = 256 << 20  # heap held by compiled grammars kept for reuse (a 20,000-value enum: 7 MB)
 
 
-def grammar_tokenizer(tokenizer_dir: str, vocab_size: int, eos_token: int | None):
+def grammar_tokenizer(tokenizer_dir: str, vocab_size: int, eos_token: int | None) -> Any:
     """llguidance's view of the model's tokenizer, read from tokenizer.json with the `tokenizers`
     library. transformers (seconds of import at every worker start) is needed only where
     tokenizer_config.json adds tokens that tokenizer.json lacks."""
@@ -54,7 +54,7 @@ def grammar_tokenizer(tokenizer_dir: str, vocab_size: int, eos_token: int | None
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token)
 
 
-def _tokens_added_elsewhere(tokenizer_dir: str, backend) -> bool:
+def _tokens_added_elsewhere(tokenizer_dir: str, backend: Any) -> bool:
     config_path = os.path.join(tokenizer_dir, "tokenizer_config.json")
     if not os.path.isfile(config_path):
         return False
@@ -69,7 +69,7 @@ class GrammarState:
 
     __slots__ = ("matcher", "consumed")
 
-    def __init__(self, matcher, consumed: int = 0):
+    def __init__(self, matcher: Any, consumed: int = 0) -> None:
         self.matcher = matcher
         self.consumed = consumed
 
@@ -89,7 +89,7 @@ class GrammarState:
 class GrammarEngine:
     """The worker's llguidance tokenizer and its cache of compiled grammars."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], threads: int = 0):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], threads: int = 0) -> None:
         import llguidance
 
         self.tokenizer = tokenizer  # an llguidance LLTokenizer
@@ -157,7 +157,7 @@ class GrammarEngine:
         return rows
 
 
-def _compiled(tokenizer, grammar: str) -> tuple[Any, int]:
+def _compiled(tokenizer: Any, grammar: str) -> tuple[Any, int]:
     """llguidance's matcher for `grammar`, and the heap it took (the grammar text where that cannot be measured)."""
     import llguidance
 

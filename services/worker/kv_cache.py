@@ -20,10 +20,10 @@ from shared.protocol import DEVICE, DISK, HOST, BlockTransfer
 GIB = 1 << 30
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype,
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     kv_cache_dtype: str = "auto") -> int:
     storage, width = cache_layout(head_dim, dtype, kv_cache_dtype)
-    return 2 * num_layers * block_size * num_kv_heads * width * torch.empty((), dtype=storage).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * width * int(torch.empty((), dtype=storage).element_size())
 
 
 def num_blocks_that_fit(
@@ -45,8 +45,8 @@ class KVCache:
     """One tensor `[layers, 2, blocks, block_size, kv_heads, head_dim]` on the device (each
     layer's view is what attention reads), and the swap space of the same layout on the host."""
 
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
-                 num_cpu_blocks: int = 0, kv_cache_dtype: str = "auto"):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 num_cpu_blocks: int = 0, kv_cache_dtype: str = "auto") -> None:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
@@ -170,7 +170,7 @@ class KVCache:
         self._sync()
         seconds = time.perf_counter() - started
         moved = 2 * num_blocks * self.cache[:, :, 0].numel() * self.cache.element_size()
-        return moved / max(seconds, 1e-9)
+        return float(moved / max(seconds, 1e-9))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -7,7 +7,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -22,6 +24,9 @@ from services.worker.quantization.loading import load_quantized, quantized_layer
 from services.worker.quantization.schemes import QuantizationConfig, QuantizationError, read_quantization
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -31,7 +36,7 @@ class ModelLoadError(RuntimeError):
     pass
 
 
-def load_config(model_dir: str):
+def load_config(model_dir: str) -> PretrainedConfig:
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ModelLoadError(f"{model_dir} has no config.json")
     try:
@@ -40,7 +45,7 @@ def load_config(model_dir: str):
         raise ModelLoadError(f"{model_dir}/config.json is not a usable model config: {exc}") from None
 
 
-def resolve_dtype(config, name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(config: PretrainedConfig, name: str, device: torch.device) -> torch.dtype:
     """The dtype of the weights and the KV cache. `auto` follows the checkpoint's declared dtype: on a
     GPU its half type (float16 for a float32 checkpoint, as vLLM downcasts it); on a CPU its half type
     where a compiled kernel reads it (`cpu_linear.packs`), else, and for a float32 checkpoint, float32."""
@@ -74,7 +79,7 @@ def store_half_only_where_read(model: nn.Module, compute: torch.dtype) -> None:
             module.out_dtype = compute
 
 
-def model_class_for(config):
+def model_class_for(config: PretrainedConfig) -> type[PagedCausalLM]:
     architecture = (getattr(config, "architectures", None) or ["?"])[0]
     model_class = ARCHITECTURES.get(architecture)
     if model_class is None:
@@ -85,7 +90,7 @@ def model_class_for(config):
 
 
 @contextlib.contextmanager
-def _no_parameter_init():
+def _no_parameter_init() -> Iterator[None]:
     """Modules built on "meta" skip their random initialisation: there is no memory to fill, and
     on meta it imports torch's compiler, over a second of every worker's start-up."""
     saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
@@ -102,7 +107,7 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
                    "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
 
 
-def build_on_meta(config, tp: TensorParallel = SINGLE):
+def build_on_meta(config: PretrainedConfig, tp: TensorParallel = SINGLE) -> PagedCausalLM:
     """The model's structure (this rank's share of it) without memory: enough to count or describe it."""
     model_class = model_class_for(config)
     try:
@@ -119,7 +124,7 @@ def count_parameters(model_dir: str) -> int:
 
 
 def load_model(model_dir: str, dtype_name: str, device: torch.device, load_format: str = "auto", seed: int = 0,
-               tp: TensorParallel = SINGLE, quantization: str | None = None):
+               tp: TensorParallel = SINGLE, quantization: str | None = None) -> tuple[PagedCausalLM, PretrainedConfig]:
     """The model of `model_dir` on `device`, this rank's share of it, and its config. A quantized checkpoint's
     linear layers (config.json's quantization_config, or `quantization`, vLLM's --quantization) get its methods."""
     started = time.monotonic()
@@ -170,7 +175,7 @@ def load_model(model_dir: str, dtype_name: str, device: torch.device, load_forma
     return model, config
 
 
-def quantization_of(config, flag: str | None) -> QuantizationConfig | None:
+def quantization_of(config: PretrainedConfig, flag: str | None) -> QuantizationConfig | None:
     """The checkpoint's quantization, as its config.json declares it and --quantization names it."""
     try:
         return read_quantization(getattr(config, "quantization_config", None), flag)
@@ -215,7 +220,7 @@ def numerics(model: PagedCausalLM, device: torch.device) -> Numerics:
     )
 
 
-def checked_weights(model, state: dict[str, torch.Tensor], model_dir: str) -> dict[str, torch.Tensor]:
+def checked_weights(model: PagedCausalLM, state: dict[str, torch.Tensor], model_dir: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, once every name and shape matches what config.json implies."""
     expected = model.state_dict()
     if model.tie_word_embeddings:
@@ -237,7 +242,7 @@ def checked_weights(model, state: dict[str, torch.Tensor], model_dir: str) -> di
     return state
 
 
-def random_weights(model, config, seed: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_weights(model: PagedCausalLM, config: PretrainedConfig, seed: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """`--load-format dummy`: weights of the right shapes from a seeded normal distribution, drawn
     on the device in the serving dtype (a 13B model never passes through host memory)."""
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -288,7 +293,7 @@ def read_weights(
     return state
 
 
-def eos_token_ids(model_dir: str, config) -> list[int]:
+def eos_token_ids(model_dir: str, config: PretrainedConfig) -> list[int]:
     """EOS ids from generation_config.json, falling back to config.json."""
     candidates = [getattr(config, "eos_token_id", None)]
     path = os.path.join(model_dir, "generation_config.json")

@@ -12,17 +12,20 @@ Log-probabilities are reported from the processed logits, as HF's processed scor
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from services.worker.sampler import SampleRow
+
 
 class LogitsProcessor(Protocol):
-    def wants(self, row) -> bool:
+    def wants(self, row: SampleRow) -> bool:
         """Whether this `SampleRow` asks anything of this processor."""
 
-    def apply(self, logits: torch.Tensor, rows: list, which: list[int]) -> None:
+    def apply(self, logits: torch.Tensor, rows: list[SampleRow], which: list[int]) -> None:
         """Change `logits` in place, at the rows `which` (indices into `rows`; never empty)."""
 
 
@@ -30,7 +33,7 @@ def processors(stop_ids: frozenset[int]) -> list[LogitsProcessor]:
     return [LogitBias(), MinTokens(stop_ids), Penalties(), GrammarMask()]
 
 
-def process_logits(logits: torch.Tensor, rows: list, chain: list[LogitsProcessor]) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, rows: list[SampleRow], chain: list[LogitsProcessor]) -> torch.Tensor:
     """`logits` holds one row per entry of `rows` (each a `SampleRow`); changed in place."""
     for processor in chain:
         which = [i for i, row in enumerate(rows) if processor.wants(row)]
@@ -40,10 +43,10 @@ def process_logits(logits: torch.Tensor, rows: list, chain: list[LogitsProcessor
 
 
 class LogitBias:
-    def wants(self, row) -> bool:
+    def wants(self, row: SampleRow) -> bool:
         return bool(row.params.logit_bias)
 
-    def apply(self, logits: torch.Tensor, rows: list, which: list[int]) -> None:
+    def apply(self, logits: torch.Tensor, rows: list[SampleRow], which: list[int]) -> None:
         owners, tokens, biases = [], [], []
         for i in which:
             for token, bias in rows[i].params.logit_bias.items():
@@ -61,10 +64,10 @@ class MinTokens:
     def __init__(self, stop_ids: frozenset[int]):
         self.stop_ids = stop_ids  # the model's EOS ids
 
-    def wants(self, row) -> bool:
-        return row.num_generated < row.params.min_tokens
+    def wants(self, row: SampleRow) -> bool:
+        return bool(row.num_generated < row.params.min_tokens)
 
-    def apply(self, logits: torch.Tensor, rows: list, which: list[int]) -> None:
+    def apply(self, logits: torch.Tensor, rows: list[SampleRow], which: list[int]) -> None:
         owners, tokens = [], []
         for i in which:
             params = rows[i].params
@@ -77,10 +80,10 @@ class MinTokens:
 
 
 class Penalties:
-    def wants(self, row) -> bool:
-        return row.params.penalized
+    def wants(self, row: SampleRow) -> bool:
+        return bool(row.params.penalized)
 
-    def apply(self, logits: torch.Tensor, rows: list, which: list[int]) -> None:
+    def apply(self, logits: torch.Tensor, rows: list[SampleRow], which: list[int]) -> None:
         device, vocab = logits.device, logits.shape[-1]
         outputs = [rows[i].token_ids[rows[i].num_prompt_tokens:] for i in which]
         prompts = [rows[i].token_ids[:rows[i].num_prompt_tokens] for i in which]
@@ -105,10 +108,10 @@ class GrammarMask:
     words, bit i of word w for token 32 w + i). Where `min_tokens` has already removed every
     token the grammar allows, the grammar wins: its tokens are drawn alike."""
 
-    def wants(self, row) -> bool:
+    def wants(self, row: SampleRow) -> bool:
         return row.allowed is not None
 
-    def apply(self, logits: torch.Tensor, rows: list, which: list[int]) -> None:
+    def apply(self, logits: torch.Tensor, rows: list[SampleRow], which: list[int]) -> None:
         device, vocab = logits.device, logits.shape[-1]
         allowed = _unpack(torch.stack([rows[i].allowed for i in which]), device)[:, :vocab]
         every_row = len(which) == len(rows)
@@ -135,7 +138,7 @@ def _unpack(words: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (on_device[:, :, None] & masks).ne(0).flatten(1)
 
 
-def _token_counts(sequences: list[list[int]], vocab: int, device, dtype) -> torch.Tensor:
+def _token_counts(sequences: list[list[int]], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """How often each token id occurs in each sequence: [len(sequences), vocab]."""
     width = max((len(s) for s in sequences), default=0)
     padded = torch.full((len(sequences), width), vocab, dtype=torch.int64)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -23,6 +25,11 @@ from kernels import lora_triton, native
 from services.worker.kv_cache import KVCache
 from shared.lora import PROJECTION_GROUPS, AdapterSpec, BaseShape, Part, check_adapter, lora_tensor, page_layout
 from shared.protocol import LoraLoad
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from services.worker.models.base import PagedCausalLM
 
 
 class AdapterLayout:
@@ -132,7 +139,9 @@ class _CompiledKernel:
     """`cpu_lora.c` over the adapters of a step's few rows, one call per group and layer."""
 
     def __init__(self, few: list[tuple[Adapter, list[int]]], widths: dict[str, tuple[int, int]]):
-        self.function = lora_kernel()
+        function = lora_kernel()
+        assert function is not None, "built only where the kernel loads"
+        self.function = function
         self.units = torch.tensor([(row, index) for index, (_, rows) in enumerate(few) for row in rows],
                                   dtype=torch.int64)
         self.tables = _kernel_tables([adapter for adapter, _ in few], widths)
@@ -209,9 +218,10 @@ _ADDRESSES = torch.tensor([1, 0, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0], dtype=torch.i
 
 
 @functools.cache
-def lora_kernel():
+def lora_kernel() -> Callable[..., int] | None:
     p, i = native.POINTER, native.INT64
-    return native.function("cpu_lora", "lora_rows", [p, i, p, i, i, p, i, p, i, i, p, i], i)
+    kernel: Callable[..., int] | None = native.function("cpu_lora", "lora_rows", [p, i, p, i, i, p, i, p, i, i, p, i], i)
+    return kernel
 
 
 def _kernel_for(device: torch.device) -> str | None:
@@ -234,7 +244,7 @@ def _kernel_reads(adapter: Adapter, kernel: str) -> bool:
 def _address(adapter: Adapter, part: Part) -> int:
     """Where the part starts in the first layer of the adapter's regions."""
     regions = adapter.regions
-    return regions.data_ptr() + (part.region * regions.stride(1) + part.offset) * regions.element_size()
+    return int(regions.data_ptr() + (part.region * regions.stride(1) + part.offset) * regions.element_size())
 
 
 def _kernel_tables(adapters: list[Adapter], widths: dict[str, tuple[int, int]]) -> torch.Tensor:
@@ -245,7 +255,7 @@ def _kernel_tables(adapters: list[Adapter], widths: dict[str, tuple[int, int]]) 
     return first_rows[None] + steps * (layer_bytes[None, None, :, None] * _ADDRESSES)
 
 
-_ROWS_MEMO: dict[tuple, torch.Tensor] = {}  # the same pages in place give the same addresses step after step
+_ROWS_MEMO: dict[tuple[object, ...], torch.Tensor] = {}  # the same pages in place give the same addresses step after step
 
 
 def _first_layer_rows(adapter: Adapter, widths: dict[str, tuple[int, int]]) -> torch.Tensor:
@@ -276,8 +286,8 @@ def _first_layer_rows(adapter: Adapter, widths: dict[str, tuple[int, int]]) -> t
 class LoraAdapters:
     """The adapters this rank has loaded into pages of its KV cache."""
 
-    def __init__(self, cache: KVCache, config, dtype: torch.dtype, max_rank: int, max_cpu_loras: int,
-                 shards: dict[str, tuple[str, int, int]] | None = None):
+    def __init__(self, cache: KVCache, config: PretrainedConfig, dtype: torch.dtype, max_rank: int, max_cpu_loras: int,
+                 shards: dict[str, tuple[str, int, int]] | None = None) -> None:
         self.base = BaseShape.from_config(config.to_dict() if hasattr(config, "to_dict") else vars(config))
         # With tensor parallelism, this rank's part of each projection: ("B", first output, outputs) where the
         # base layer's outputs are split (B's rows with them), ("A", first input, inputs) where its inputs are.
@@ -361,7 +371,7 @@ class LoraAdapters:
         return LoraBatch(adapters, self.widths, self.cache.device, self.kernel, paged)
 
 
-def tensor_parallel_shards(model) -> dict[str, tuple[str, int, int]]:
+def tensor_parallel_shards(model: PagedCausalLM) -> dict[str, tuple[str, int, int]]:
     """This rank's part of each projection an adapter may change, as the model's layers split them."""
     layer = model.model.layers[0]
     attention, mlp, head = layer.self_attn, layer.mlp, layer.self_attn.head_dim

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Histogram, Info
 
 from shared.protocol import StepResult
+
+if TYPE_CHECKING:
+    from services.worker.loader import Numerics
 
 PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -24,7 +29,7 @@ class WorkerMetrics:
                             "activations' dtypes, and which build of the kernels runs", ["rank"],
                             registry=self.registry).labels(str(rank))
 
-    def describe_compute(self, numerics) -> None:
+    def describe_compute(self, numerics: Numerics) -> None:
         """`numerics`: the loader's `Numerics` of the model this rank serves."""
         self.compute.info({"device": numerics.device, "weights": numerics.weights,
                            "activations": numerics.activations, "kernels": numerics.kernels,

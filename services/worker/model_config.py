@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from types import SimpleNamespace
+from typing import Any
 
 _LLAMA_LIKE = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
                "rope_theta": 10000.0, "initializer_range": 0.02}
@@ -37,7 +38,7 @@ REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_si
 REQUIRED_OF = {"opt": ("ffn_dim",), "gpt2": ()}  # llama-like families: intermediate_size
 
 
-def read_config(model_dir: str):
+def read_config(model_dir: str) -> Any:
     """config.json as an object with the attributes transformers' config would have for them."""
     with open(os.path.join(model_dir, "config.json")) as f:
         raw = json.load(f)
@@ -49,7 +50,7 @@ def read_config(model_dir: str):
     return AutoConfig.from_pretrained(model_dir, local_files_only=True)
 
 
-def light_config(raw: dict) -> SimpleNamespace | None:
+def light_config(raw: dict[str, Any]) -> SimpleNamespace | None:
     """None where only transformers knows what the JSON means."""
     family = raw.get("model_type")
     if family not in DEFAULTS or _scaled_rope(raw) or raw.get("rope_scaling"):
@@ -75,6 +76,6 @@ def light_config(raw: dict) -> SimpleNamespace | None:
     return SimpleNamespace(**values)
 
 
-def _scaled_rope(raw: dict) -> bool:
+def _scaled_rope(raw: dict[str, Any]) -> bool:
     rope = raw.get("rope_parameters")
     return isinstance(rope, dict) and rope.get("rope_type", "default") != "default"

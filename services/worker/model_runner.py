@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +48,9 @@ from shared.protocol import (
 )
 from shared.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from services.worker.models.base import PagedCausalLM
+
 
 @dataclass(slots=True)
 class SequenceMirror:
@@ -73,7 +77,7 @@ class StepError(RuntimeError):
     pass
 
 
-def _rows_by_adapter(scheduled, starts: list[int], mirrors: dict[int, SequenceMirror]) -> list[tuple[str, list[int]]]:
+def _rows_by_adapter(scheduled: list[ScheduledSequence], starts: list[int], mirrors: dict[int, SequenceMirror]) -> list[tuple[str, list[int]]]:
     """The step's token rows of each adapter its sequences run under."""
     rows: dict[str, list[int]] = {}
     for i, entry in enumerate(scheduled):
@@ -88,11 +92,11 @@ _TRANSFERS = {(DEVICE, DEVICE), (DEVICE, HOST), (HOST, DEVICE), (DEVICE, DISK), 
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None,
+    def __init__(self, model: PagedCausalLM, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None,
                  eos_token_ids: Sequence[int] = (), drafter: Drafter | None = None,
                  threads: ComputeThreads | None = None,
                  grammars: GrammarEngine | None = None, ngram: NgramProposer | None = None,
-                 graphs: DecodeGraphs | None = None, adapters: LoraAdapters | None = None):
+                 graphs: DecodeGraphs | None = None, adapters: LoraAdapters | None = None) -> None:
         self.model = model
         self.adapters = adapters  # with --enable-lora: the adapters loaded into pages of the KV cache
         self.cache = cache
@@ -238,7 +242,7 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs, failed_reads=failed_reads, transfer_ms=transfer_ms,
         )
 
-    def _prompt_logprobs(self, entry, first_row: int, hidden: torch.Tensor) -> PromptLogprobs:
+    def _prompt_logprobs(self, entry: ScheduledSequence, first_row: int, hidden: torch.Tensor) -> PromptLogprobs:
         """How likely each prompt token this step computed for `entry` was (its hidden rows start at `first_row`)."""
         mirror = self.mirrors[entry.seq_id]
         wanted = mirror.sampling.prompt_logprobs
@@ -368,7 +372,8 @@ class ModelRunner:
                                   mirror.num_prompt_tokens))
         return rows
 
-    def _start_grammar_masks(self, sequences: list[tuple[SequenceMirror, list[int]]]):
+    def _start_grammar_masks(self, sequences: list[tuple[SequenceMirror, list[int]]]
+                             ) -> tuple[list[int], list[int], Future[Any]] | None:
         """For the sequences that sample this step (in order, each with its proposals): None if none
         has a grammar, else where their sample rows start and the masks being computed."""
         constrained, firsts, first = [], [], 0

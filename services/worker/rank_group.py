@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import FrameType
 
 from shared.cli import EXIT_PORT_TAKEN
 
@@ -29,7 +30,7 @@ FINAL = (2, EXIT_PORT_TAKEN)  # exit statuses that a restart would only repeat
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        return int(probe.getsockname()[1])
 
 
 def rank_commands(worker_args: list[str], size: int) -> list[list[str]]:
@@ -40,9 +41,9 @@ def rank_commands(worker_args: list[str], size: int) -> list[list[str]]:
 
 def run_group(worker_args: list[str], size: int) -> int:
     stopping = False
-    ranks: list[subprocess.Popen] = []
+    ranks: list[subprocess.Popen[bytes]] = []
 
-    def stop(signum, frame):
+    def stop(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
         for rank in ranks:

@@ -9,7 +9,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,11 @@ from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
 from shared.sockets import MAX_MESSAGE_BYTES
 from shared.wire_security import WireKeys, connect_securely
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from services.worker.models.base import PagedCausalLM
+
 log = logging.getLogger(__name__)
 
 
@@ -58,8 +63,8 @@ def join_rank_group(rank: int, world_size: int, init_method: str, device: torch.
     return TensorParallel(rank, world_size)
 
 
-def load_draft_model(model_dir: str, target, dtype: torch.dtype, device: torch.device, worker: WorkerConfig,
-                     tp: TensorParallel):
+def load_draft_model(model_dir: str, target: PagedCausalLM, dtype: torch.dtype, device: torch.device, worker: WorkerConfig,
+                     tp: TensorParallel) -> tuple[PagedCausalLM, PretrainedConfig]:
     """The draft model of `--speculative-config`, in the target's dtype and tensor-parallel split."""
     dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
     draft, config = load_model(model_dir, dtype_name, device, worker.load_format, worker.seed, tp)
@@ -69,7 +74,7 @@ def load_draft_model(model_dir: str, target, dtype: torch.dtype, device: torch.d
     return draft, config
 
 
-def capture_decode_graphs(model, cache: KVCache, device: torch.device, setup: WorkerSetup, config,
+def capture_decode_graphs(model: PagedCausalLM, cache: KVCache, device: torch.device, setup: WorkerSetup, config: PretrainedConfig,
                           world_size: int) -> DecodeGraphs | None:
     """CUDA graphs of decode steps up to --max-num-seqs sequences (on a CPU, their kernel calls recorded
     as steps come), or None where steps stay eager."""
@@ -252,7 +257,7 @@ class WorkerServer:
         self.handlers: dict[type, Callable[[Any], None]] = {Step: self.on_step, Reset: self.on_reset,
                                                              Shutdown: self.on_shutdown}
 
-    def _enable_adapters(self, lora: LoraConfig, cache: KVCache, model, config, dtype: torch.dtype) -> None:
+    def _enable_adapters(self, lora: LoraConfig, cache: KVCache, model: PagedCausalLM, config: PretrainedConfig, dtype: torch.dtype) -> None:
         try:
             adapters = LoraAdapters(cache, config, dtype, lora.max_lora_rank, lora.max_cpu_loras or lora.max_loras,
                                     tensor_parallel_shards(model) if self.world_size > 1 else None)

@@ -9,7 +9,7 @@ valid until the next `load` on the same object, which first waits for the previo
 long ended by then, as every step ends by reading its sampled ids. On a CPU the host buffer is the
 device's and nothing is copied, so the tests of this path on a CPU are tests of the CUDA path.
 Each user (the step, the block tables' writes, the draft model, the sampler, copy-on-write) owns
-one. On a CPU it also spares a step its allocations (docs/kernels.md, "Step inputs").
+one. On a CPU it also spares a step its allocations (docs/kernel-measurements.md, "Step inputs").
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class StepInputs:
         self.host_values = self.host.numpy()  # numpy fills a slice from a list at C speed
         self.on_device = torch.empty(capacity, dtype=self.dtype, device=self.device) if pinned else self.host
 
-    def load(self, *fields: Sequence | torch.Tensor) -> list[torch.Tensor]:
+    def load(self, *fields: Sequence[int] | Sequence[float] | torch.Tensor) -> list[torch.Tensor]:
         """Each field (a list of numbers, or a CPU tensor) as a 1-D tensor of this dtype on the device."""
         sizes = [len(field) for field in fields]
         total = sum(sizes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -94,7 +94,7 @@ class Shard:
     parts: int = 1
     stride: int = 0
 
-    def take(self, tensor_slice) -> torch.Tensor:
+    def take(self, tensor_slice: Any) -> torch.Tensor:
         """From a safetensors slice, reading only this part."""
         runs = []
         for part in range(self.parts):

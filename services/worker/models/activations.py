@@ -7,6 +7,7 @@ transformers runs for that name, so greedy tokens stay equal to its `generate`."
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
     "relu": F.relu,
@@ -32,7 +33,7 @@ ACTIVATIONS = {
 }
 
 
-def activation(name: str):
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return ACTIVATIONS[name]
     except KeyError:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from services.worker.models.linear import Linear
 from services.worker.quantization.methods import FloatMethod, joined
 from services.worker.tensor_parallel import Shard
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Embedding(nn.Embedding):
@@ -41,7 +46,7 @@ class PagedCausalLM(nn.Module):
     embedding_weight = ""  # the parameter the LM head shares when embeddings are tied
     quantizable = False  # whether a quantized checkpoint of this family is served
 
-    def init_head(self, config, head_input_size: int, num_kv_heads: int, head_dim: int) -> None:
+    def init_head(self, config: PretrainedConfig, head_input_size: int, num_kv_heads: int, head_dim: int) -> None:
         self.config = config
         self.lm_head = Linear(head_input_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -10,6 +12,9 @@ from services.worker.models.activations import activation
 from services.worker.models.base import Embedding, PagedCausalLM
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Conv1D(nn.Module):
@@ -31,7 +36,7 @@ class Conv1D(nn.Module):
 class GPT2Attention(nn.Module):
     """This rank's heads: all of them on one rank."""
 
-    def __init__(self, config, layer_index: int, tp: TensorParallel):
+    def __init__(self, config: PretrainedConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.head_dim = hidden // config.num_attention_heads
@@ -44,7 +49,7 @@ class GPT2Attention(nn.Module):
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             self.scale /= layer_index + 1
 
-    def forward(self, hidden, kv_cache, batch: PagedBatch):
+    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v = self.c_attn(hidden).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
         out = paged_attention(q, k, v, kv_cache, batch, self.scale)
@@ -59,7 +64,7 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config, tp: TensorParallel):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.first, inner = tp.split(config.n_inner or 4 * config.hidden_size, "the MLP's inner width")
         self.c_fc = Conv1D(config.hidden_size, inner)
@@ -67,7 +72,7 @@ class GPT2MLP(nn.Module):
         self.act = activation(config.activation_function)
         self.tp = tp
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj.row_parallel(self.act(self.c_fc(x)), self.tp)
 
     def shards(self, prefix: str) -> dict[str, Shard]:
@@ -80,20 +85,20 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config, layer_index: int, tp: TensorParallel):
+    def __init__(self, config: PretrainedConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.attn = GPT2Attention(config, layer_index, tp)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(config, tp)
 
-    def forward(self, hidden, kv_cache, batch):
+    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         hidden = hidden + self.attn(self.ln_1(hidden), kv_cache, batch)
         return hidden + self.mlp(self.ln_2(hidden))
 
 
 class _GPT2Model(nn.Module):
-    def __init__(self, config, tp: TensorParallel):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.wte = Embedding(config.vocab_size, config.hidden_size)
         self.wpe = Embedding(config.max_position_embeddings, config.hidden_size)
@@ -106,13 +111,13 @@ class GPT2LMHeadModel(PagedCausalLM):
     # Older checkpoints carry the causal mask as buffers; they are not weights.
     ignored_weights = (".attn.bias", ".attn.masked_bias")
 
-    def __init__(self, config, tp: TensorParallel = SINGLE):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.transformer = _GPT2Model(config, tp)
         attention: GPT2Attention = self.transformer.h[0].attn
         self.init_head(config, config.hidden_size, attention.num_heads, attention.head_dim)
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], batch: PagedBatch):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], batch: PagedBatch) -> torch.Tensor:
         hidden = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
         for block, kv_cache in zip(self.transformer.h, kv_caches):
             hidden = block(hidden, kv_cache, batch)

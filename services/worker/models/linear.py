@@ -7,6 +7,8 @@ loader gives a quantized layer its quantized method instead, and its `weight` is
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -20,7 +22,7 @@ class Linear(nn.Linear):
     # (kernels/workspace.py); None: a fresh tensor, for outputs that live on (the logits).
     output_slot: str | None = None
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs: Any) -> None:
         super().__init__(in_features, out_features, bias, **kwargs)
         self.method: LinearMethod = FloatMethod()
 

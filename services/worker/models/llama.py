@@ -6,6 +6,8 @@ All tokens of a step come in one flattened batch: `[num_tokens]` ids and positio
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 
@@ -18,6 +20,9 @@ from services.worker.models.linear import Linear
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
 from shared.lora import PROJECTION_GROUPS
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 QKV, OUT, GATE_UP, DOWN = PROJECTION_GROUPS  # what a LoRA adapter adds to, by the projections' names
 
@@ -49,7 +54,7 @@ TABLE_POSITIONS = 1024  # the smallest cos/sin table a CPU keeps
 class RotaryEmbedding:
     """cos/sin tables by position, built with transformers' own RoPE variants (llama3, yarn...)."""
 
-    def __init__(self, config, head_dim: int):
+    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
         rope = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
         rope_type = rope.get("rope_type", "default")
         if rope_type == "default":
@@ -92,8 +97,8 @@ class RotaryEmbedding:
 class Attention(nn.Module):
     """This rank's heads: all of them on one rank."""
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool = False, tp: TensorParallel = SINGLE,
-                 index: int = 0):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool = False, tp: TensorParallel = SINGLE,
+                 index: int = 0) -> None:
         super().__init__()
         self.index = index  # of its layer: where a LoRA adapter keeps this layer's matrices
         total_heads = config.num_attention_heads
@@ -164,7 +169,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, tp: TensorParallel = SINGLE, index: int = 0):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE, index: int = 0) -> None:
         super().__init__()
         self.index = index
         bias = getattr(config, "mlp_bias", False)
@@ -185,7 +190,7 @@ class MLP(nn.Module):
         if self.silu:
             self.gate_up_proj.halves = self.width
 
-    def forward(self, x: torch.Tensor, adapters=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapters: Any = None) -> torch.Tensor:
         inner = None if adapters is not None else self.gate_up_proj.gated(x, self.down_proj.takes_bf16_rows)
         if inner is not None:  # the activation applied as the projection stores its sums
             return row_parallel_linear(self.down_proj, inner, self.tp, None)
@@ -209,7 +214,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel, index: int = 0):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm, tp, index)
         self.mlp = MLP(config, tp, index)
@@ -219,7 +224,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm.output_slot = "attention input"
         self.post_attention_layernorm.output_slot = "mlp input"
 
-    def forward(self, hidden, residual, cos_sin, kv_cache, batch):
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it): each residual add is done by the
         next norm, in place, in the same pass."""
         # The norms write the projections' bfloat16 rows where those take them (an adapter takes float32).
@@ -235,7 +240,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -250,12 +255,12 @@ class LlamaForCausalLM(PagedCausalLM):
     embedding_weight = "model.embed_tokens.weight"
     quantizable = True
 
-    def __init__(self, config, tp: TensorParallel = SINGLE):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         bias = bool(getattr(config, "attention_bias", False))
         self._build(config, tp, qkv_bias=bias, o_bias=bias)
 
-    def _build(self, config, tp: TensorParallel, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
+    def _build(self, config: PretrainedConfig, tp: TensorParallel, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
         self.model = DecoderModel(config, qkv_bias, o_bias, qk_norm, tp)
         attention: Attention = self.model.layers[0].self_attn
         self.init_head(config, config.hidden_size, attention.num_kv_heads, attention.head_dim)
@@ -287,13 +292,13 @@ class LlamaForCausalLM(PagedCausalLM):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config, tp: TensorParallel = SINGLE):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE) -> None:
         PagedCausalLM.__init__(self)
         self._build(config, tp, qkv_bias=True, o_bias=False)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config, tp: TensorParallel = SINGLE):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE) -> None:
         PagedCausalLM.__init__(self)
         bias = bool(getattr(config, "attention_bias", False))
         self._build(config, tp, qkv_bias=bias, o_bias=bias, qk_norm=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -12,13 +14,16 @@ from services.worker.models.linear import Linear
 from services.worker.models.paged import paged_attention
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel, row_parallel_linear
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 POSITION_OFFSET = 2  # OPT's position table starts two rows in
 
 
 class OPTAttention(nn.Module):
     """This rank's heads: all of them on one rank."""
 
-    def __init__(self, config, tp: TensorParallel):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, getattr(config, "enable_bias", True)
         self.head_dim = hidden // config.num_attention_heads
@@ -35,7 +40,7 @@ class OPTAttention(nn.Module):
         self.qkv_proj = fused(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, hidden, kv_cache, batch: PagedBatch):
+    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         tokens = hidden.shape[0]
         shape = (tokens, self.num_heads, self.head_dim)
         q, k, v = (part.view(shape) for part in self.qkv_proj(hidden).split(self.width, dim=-1))
@@ -50,7 +55,7 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, config, tp: TensorParallel):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, getattr(config, "enable_bias", True)
         affine = getattr(config, "layer_norm_elementwise_affine", True)
@@ -64,7 +69,7 @@ class OPTDecoderLayer(nn.Module):
         self.activation = activation(config.activation_function)
         self.pre_norm = config.do_layer_norm_before
 
-    def forward(self, hidden, kv_cache, batch):
+    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         residual = hidden
         if self.pre_norm:
             hidden = self.self_attn_layer_norm(hidden)
@@ -87,7 +92,7 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, config, tp: TensorParallel):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         projected = config.word_embed_proj_dim
         self.embed_tokens = Embedding(config.vocab_size, projected)
@@ -102,7 +107,7 @@ class OPTDecoder(nn.Module):
 
 
 class _OPTModel(nn.Module):
-    def __init__(self, config, tp: TensorParallel):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.decoder = OPTDecoder(config, tp)
 
@@ -110,13 +115,13 @@ class _OPTModel(nn.Module):
 class OPTForCausalLM(PagedCausalLM):
     embedding_weight = "model.decoder.embed_tokens.weight"
 
-    def __init__(self, config, tp: TensorParallel = SINGLE):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.model = _OPTModel(config, tp)
         attention: OPTAttention = self.model.decoder.layers[0].self_attn
         self.init_head(config, config.word_embed_proj_dim, attention.num_heads, attention.head_dim)
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], batch: PagedBatch):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], batch: PagedBatch) -> torch.Tensor:
         decoder = self.model.decoder
         hidden = decoder.embed_tokens(input_ids)
         if hasattr(decoder, "project_in"):

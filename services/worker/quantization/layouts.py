@@ -95,7 +95,7 @@ def _act_order(weight: CodedWeight, g_idx: torch.Tensor | None, group: int, name
     return weight
 
 
-def _ct_int(scheme: Scheme, t: dict[str, torch.Tensor], name: str):
+def _ct_int(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Weight | CodedWeight:
     weight = t["weight"]
     _check(weight.dtype is torch.int8 and weight.dim() == 2, name, f"weight is {weight.dtype} {tuple(weight.shape)}; "
            "int8 [outputs, inputs] was expected")
@@ -118,7 +118,7 @@ def _ct_int(scheme: Scheme, t: dict[str, torch.Tensor], name: str):
     return _act_order(coded, t.get("weight_g_idx"), scheme.group_size or inputs, name)
 
 
-def _ct_packed(scheme: Scheme, t: dict[str, torch.Tensor], name: str):
+def _ct_packed(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Weight | CodedWeight:
     packed, bits = t["weight_packed"], scheme.bits
     _check(packed.dtype is torch.int32 and packed.dim() == 2, name, "weight_packed is not int32 [outputs, words]")
     per_word = 32 // bits
@@ -164,7 +164,7 @@ def _block_scales(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int,
     return scale.float().repeat_interleave(rows, 0)[:outputs].contiguous()
 
 
-def _ct_float(scheme: Scheme, t: dict[str, torch.Tensor], name: str):
+def _ct_float(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Weight | CodedWeight:
     codes = _fp8_codes(t["weight"], name)
     outputs, inputs = codes.shape
     if scheme.block is not None:
@@ -174,7 +174,7 @@ def _ct_float(scheme: Scheme, t: dict[str, torch.Tensor], name: str):
     return CodedWeight(codes, scales, torch.zeros_like(scales), "fp8")
 
 
-def _fp8(scheme: Scheme, t: dict[str, torch.Tensor], name: str):
+def _fp8(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Weight | CodedWeight:
     codes = _fp8_codes(t["weight"], name)
     if scheme.block is not None:
         _check("weight_scale_inv" in t, name, "block-quantized FP8 needs weight_scale_inv")
@@ -185,7 +185,7 @@ def _fp8(scheme: Scheme, t: dict[str, torch.Tensor], name: str):
     return CodedWeight(codes, scales, torch.zeros_like(scales), "fp8")
 
 
-def _gptq(scheme: Scheme, t: dict[str, torch.Tensor], name: str):
+def _gptq(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Weight | CodedWeight:
     bits = scheme.bits
     per_word = 32 // bits
     _check(t["qweight"].dim() == 2, name, "qweight is not [inputs / codes a word, outputs]")
@@ -207,7 +207,7 @@ def _gptq(scheme: Scheme, t: dict[str, torch.Tensor], name: str):
     return _act_order(coded, t.get("g_idx") if scheme.group_size else None, scheme.group_size or inputs, name)
 
 
-def _awq(scheme: Scheme, t: dict[str, torch.Tensor], name: str):
+def _awq(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Weight | CodedWeight:
     _check(t["qweight"].dim() == 2, name, "qweight is not [inputs, outputs / 8]")
     inputs, outputs = t["qweight"].shape[0], t["qweight"].shape[1] * 8
     _check(outputs % 8 == 0, name, f"{outputs} outputs do not fill whole words of 8 codes")

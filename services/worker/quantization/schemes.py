@@ -79,7 +79,7 @@ def _matches(pattern: str, module: str) -> bool:
     return module == pattern or module.endswith("." + pattern)
 
 
-def read_quantization(declared: dict | None, flag: str | None) -> QuantizationConfig | None:
+def read_quantization(declared: dict[str, Any] | None, flag: str | None) -> QuantizationConfig | None:
     """The quantization of a checkpoint whose config.json declares `declared` (its `quantization_config`), served
     with `--quantization flag`: None for a float checkpoint served as such."""
     flag = ALIASES.get(flag, flag) if flag else None
@@ -104,7 +104,7 @@ def read_quantization(declared: dict | None, flag: str | None) -> QuantizationCo
     return read(declared)
 
 
-def _field(config: dict, name: str, where: str, types: type | tuple[type, ...], default: Any = None) -> Any:
+def _field(config: dict[str, Any], name: str, where: str, types: type | tuple[type, ...], default: Any = None) -> Any:
     value = config.get(name, default)
     if value is not None and not isinstance(value, types):
         raise QuantizationError(f"{where}.{name} is {value!r}, which is not a {getattr(types, '__name__', types)}")
@@ -126,7 +126,7 @@ def _group_size(value: object, where: str) -> int:
     return value
 
 
-def _gptq(config: dict) -> QuantizationConfig:
+def _gptq(config: dict[str, Any]) -> QuantizationConfig:
     where = "quantization_config"
     bits = _bits(config.get("bits"), f"{where}.bits", (4, 8))
     group = _group_size(config.get("group_size", 128), f"{where}.group_size")
@@ -140,7 +140,7 @@ def _gptq(config: dict) -> QuantizationConfig:
     return QuantizationConfig("gptq", ((("Linear",), scheme),), ("lm_head", *ignore))
 
 
-def _awq(config: dict) -> QuantizationConfig:
+def _awq(config: dict[str, Any]) -> QuantizationConfig:
     where = "quantization_config"
     bits = _bits(config.get("bits", config.get("w_bit")), f"{where}.bits", (4,))
     group = _group_size(config.get("group_size", config.get("q_group_size", 128)), f"{where}.group_size")
@@ -156,7 +156,7 @@ def _awq(config: dict) -> QuantizationConfig:
                               ("lm_head", *ignore))
 
 
-def _fp8(config: dict) -> QuantizationConfig:
+def _fp8(config: dict[str, Any]) -> QuantizationConfig:
     """vLLM's own FP8 checkpoints: e4m3 weights with `weight_scale_inv` by blocks, or `weight_scale` per tensor."""
     where = "quantization_config"
     block = _field(config, "weight_block_size", where, list)
@@ -167,7 +167,7 @@ def _fp8(config: dict) -> QuantizationConfig:
     return QuantizationConfig("fp8", ((("Linear",), scheme),), ("lm_head", *ignore))
 
 
-def _compressed_tensors(config: dict) -> QuantizationConfig:
+def _compressed_tensors(config: dict[str, Any]) -> QuantizationConfig:
     where = "quantization_config"
     groups_raw = _field(config, "config_groups", where, dict)
     if not groups_raw:
@@ -187,7 +187,7 @@ def _compressed_tensors(config: dict) -> QuantizationConfig:
     return QuantizationConfig("compressed-tensors", tuple(groups), tuple(str(i) for i in ignore))
 
 
-def _ct_scheme(group: dict, fmt: object, here: str) -> Scheme:
+def _ct_scheme(group: dict[str, Any], fmt: object, here: str) -> Scheme:
     if fmt not in CT_FORMATS:
         raise QuantizationError(f"{here}.format is {fmt!r}; supported compressed-tensors formats: "
                                 f"{', '.join(CT_FORMATS)}")

@@ -61,7 +61,7 @@ class CodedWeight:
 
     @property
     def group(self) -> int:
-        return self.codes.shape[1] // self.scales.shape[1]
+        return int(self.codes.shape[1] // self.scales.shape[1])
 
     def sharded(self, shard: Shard, name: str) -> CodedWeight:
         if shard.parts != 1:
