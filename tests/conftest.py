@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -136,6 +137,16 @@ def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:
         if predicate():
             return True
         time.sleep(interval)
+    return False
+
+
+async def wait_until_async(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """wait_until for a coroutine: `predicate` runs on a thread, so it may block."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(predicate):
+            return True
+        await asyncio.sleep(interval)
     return False
 
 

@@ -58,13 +58,15 @@ def test_a_large_batch_takes_turns_with_another_clients_request(server):
     a batch keeps only what one step can run at the scheduler."""
     batch_done = threading.Event()
     batch_status: list[int] = []
+    batch_chunks = [0]
 
     def batch():
         body = {"model": server.model, "prompt": ["x"] * 2048, "max_tokens": 16, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=300) as response:
             batch_status.append(response.status_code)
-            for _ in response.iter_lines():
+            for line in response.iter_lines():
+                batch_chunks[0] += line.startswith("data: {")
                 if batch_done.is_set():
                     break  # closing the stream aborts what is left of the batch
 
@@ -73,8 +75,7 @@ def test_a_large_batch_takes_turns_with_another_clients_request(server):
     thread = threading.Thread(target=batch)
     thread.start()
     try:
-        assert wait_until(lambda: batch_status, 30)
-        time.sleep(1.0)  # the batch is running
+        assert wait_until(lambda: batch_chunks[0] >= 8, 60)  # the batch is running
         waits = [_time_to_first_token(server) for _ in range(3)]
     finally:
         batch_done.set()
@@ -129,11 +130,11 @@ class HealthProbe:
                 started = time.monotonic()
                 assert client.get(f"{self.base}/health").status_code == 200
                 self.latencies.append(time.monotonic() - started)
-                time.sleep(0.02)
+                self.done.wait(0.02)
 
     def __enter__(self):
         self.thread.start()
-        time.sleep(0.2)
+        assert wait_until(lambda: self.latencies, 30)
         return self
 
     def __exit__(self, *exc):

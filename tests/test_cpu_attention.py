@@ -130,6 +130,7 @@ def test_prompt_rows_in_blocks_of_any_length_and_offset_are_the_reference(storag
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.slow  # compiles every build afresh: `make test`, not the inner loop
 @pytest.mark.parametrize("variant", native.runnable_variants())
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.float16, torch.int8], ids=str)
 def test_every_build_this_cpu_runs_attends_as_the_portable_build_does(variant, storage, monkeypatch):

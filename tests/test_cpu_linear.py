@@ -62,6 +62,7 @@ def test_the_packed_kernel_matches_f_linear(dtype, rows, out_features, in_featur
     torch.testing.assert_close(out, expected(x, weight, b, build), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # compiles every build afresh: `make test`, not the inner loop
 @pytest.mark.parametrize("variant", native.runnable_variants())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_build_this_cpu_runs_gives_the_portable_builds_results(variant, dtype):
@@ -130,6 +131,7 @@ def test_the_gated_product_is_the_product_then_the_activation(dtype, out_dtype, 
     torch.testing.assert_close(gated, apart, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow  # compiles every build afresh: `make test`, not the inner loop
 @pytest.mark.parametrize("variant", native.runnable_variants())
 def test_every_build_gates_as_the_portable_one(variant):
     portable, build = gemm_build("portable"), gemm_build(variant)

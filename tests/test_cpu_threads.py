@@ -147,7 +147,7 @@ def test_busy_seconds_come_from_this_workers_cores_in_proc_stat(tmp_path, monkey
 
 
 def test_the_worker_asks_for_huge_pages_for_its_large_buffers(llama_server):
-    # On huge pages one core streamed the weights of a 12-layer model 1.3x as fast (docs/kernels.md).
+    # On huge pages one core streamed the weights of a 12-layer model 1.3x as fast (docs/kernel-measurements.md).
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             mode = f.read()

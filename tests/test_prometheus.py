@@ -108,7 +108,9 @@ def test_every_dashboard_query_returns_data_and_histograms_count_every_request(l
             assert recomputing.metrics()['pagedserve_lora_requests_total{adapter="tuned"}'] == (count + 2) // 2
             sent = 2 * (count + 2)
             assert wait_until(lambda: scraped_count(base) == sent, 30, 0.5), f"{scraped_count(base)} of {sent} requests"
-            time.sleep(2)  # one more scrape, so every rate has two points after the load
+            loaded = time.time()  # one more scrape of each target, so every rate has two points after the load
+            assert wait_until(lambda: len(scrapes := query(base, "timestamp(up)")) == 6
+                              and all(float(s["value"][1]) > loaded for s in scrapes), 30, 0.5)
             up = query(base, "up")
             assert len(up) == 6 and all(series["value"][1] == "1" for series in up)
             empty = [expr for expr in dashboard_queries() if not query(base, expr)]

@@ -33,6 +33,7 @@ def build_or_skip(loader, variant: str):
     return build
 
 
+@pytest.mark.slow  # compiles every build afresh: `make test`, not the inner loop
 @pytest.mark.parametrize("variant", BUILDS)
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
 def test_every_int8_build_quantizes_and_multiplies_as_the_portable_build_bit_for_bit(variant, static):
@@ -88,6 +89,7 @@ def relative_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
     return ((got.double() - exact).abs() / magnitude).max().item()
 
 
+@pytest.mark.slow  # compiles every build afresh: `make test`, not the inner loop
 @pytest.mark.parametrize("variant", BUILDS)
 @pytest.mark.parametrize("kind", ["uint4", "uint8", "fp8"])
 def test_every_codes_build_multiplies_as_the_portable_build_within_its_bound(variant, kind):

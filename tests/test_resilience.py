@@ -81,15 +81,15 @@ def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir
         assert lost.status_code == 503 and lost.json()["error"]["code"] == "not_ready"
 
         processes.append(start(*worker_args, log=str(tmp_path / "worker2.log")))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            again = httpx.post(
-                f"{base}/v1/completions", timeout=60, json={"model": model, "prompt": "import os", "max_tokens": 4}
-            )
-            if again.status_code == 200:
-                break
-            time.sleep(0.5)
-        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
+        answers: list[httpx.Response] = []
+
+        def served_again() -> bool:
+            answers.append(httpx.post(f"{base}/v1/completions", timeout=60,
+                                      json={"model": model, "prompt": "import os", "max_tokens": 4}))
+            return answers[-1].status_code == 200
+
+        assert wait_until(served_again, 60, 0.5), answers[-1].text
+        assert answers[-1].json()["usage"]["completion_tokens"] >= 1
         # Its OpenMP threads sleep when idle rather than spin on the kernel threads' cores.
         assert "OMP_WAIT_POLICY=PASSIVE" in (tmp_path / "worker2.log").read_text()
     finally:

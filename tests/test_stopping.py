@@ -32,6 +32,12 @@ def start(cmd: list[str], log_path, tmp_dir) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def asleep(pid: int) -> bool:
+    """Whether the process's main thread is asleep (in a poll, say), not running."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
+
+
 def stop_and_time(process: subprocess.Popen, signum: int, whole_group: bool) -> float:
     started = time.monotonic()
     if whole_group:
@@ -46,12 +52,13 @@ def stop_and_time(process: subprocess.Popen, signum: int, whole_group: bool) -> 
     return time.monotonic() - started
 
 
-def stream_forever(base_url: str, model: str) -> None:
+def stream_forever(base_url: str, model: str, streaming: threading.Event) -> None:
     body = {"model": model, "prompt": "import os", "max_tokens": 480, "ignore_eos": True, "stream": True}
     try:
         with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as response:
-            for _ in response.iter_lines():
-                pass
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    streaming.set()
     except httpx.HTTPError:
         pass  # the server went away mid-stream, as it should
 
@@ -69,9 +76,11 @@ def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, socket_dir,
     # `serve` takes the model as its first argument.
     models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == os.path.basename(llama_dir)
-    client = threading.Thread(target=stream_forever, args=(f"http://127.0.0.1:{port}", os.path.basename(llama_dir)))
+    streaming = threading.Event()
+    client = threading.Thread(target=stream_forever,
+                              args=(f"http://127.0.0.1:{port}", os.path.basename(llama_dir), streaming))
     client.start()
-    time.sleep(0.15)
+    assert streaming.wait(60), "the stream never started"
     took = stop_and_time(process, signum, whole_group)
     client.join(30)
     output = (tmp_path / "launcher.log").read_text()
@@ -168,7 +177,7 @@ def test_a_signal_taken_by_a_helper_thread_still_stops_the_scheduler_and_the_wor
         try:
             assert wait_until(lambda line=line, log=log, process=process: line in log.read_text()
                               or process.poll() is not None, 60), log.read_text()
-            time.sleep(0.5)  # idle in its poll
+            assert wait_until(lambda process=process: asleep(process.pid), 10)  # idle in its poll
             started = time.monotonic()
             assert syscall(TGKILL, process.pid, helper_thread_taking(process.pid, signal.SIGTERM),
                            signal.SIGTERM) == 0, ctypes.get_errno()

@@ -431,8 +431,9 @@ def test_keyless_peers_reconnecting_flat_out_from_the_honest_peers_address_and_f
     results: list[object] = []
     try:
         before = memory_mib(scheduler.pid, "VmRSS")
+        descriptors = len(os.listdir(f"/proc/{scheduler.pid}/fd"))
         flooding.start()
-        time.sleep(2)  # the flood is on
+        assert wait_until(lambda: len(os.listdir(f"/proc/{scheduler.pid}/fd")) >= descriptors + 10, 10)  # it is on
         waits = []
         while flooding.is_alive() and len(waits) < 8:
             waits += [new_api_answered_in(), restarted_worker_connected_in()]
