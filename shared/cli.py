@@ -105,6 +105,21 @@ def api_keys(args: argparse.Namespace) -> list[str]:
     return keys
 
 
+def admin_key(args: argparse.Namespace) -> str | None:
+    """The key of --admin-api-key-file, or None; SystemExit for a file that cannot be read or holds no key."""
+    path = getattr(args, "admin_api_key_file", None)
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            key = f.read().strip()
+    except OSError as exc:
+        sys.exit(f"cannot read --admin-api-key-file: {exc}")
+    if not key or not key.isprintable() or " " in key or "," in key:
+        sys.exit("--admin-api-key-file must hold one key: printable, without spaces or commas")
+    return key
+
+
 def add_link_args(parser: argparse.ArgumentParser, *flags: str) -> None:
     """The engine's links this process takes (by field name of LinkConfig), the endpoints required."""
     fields = set(flags)

@@ -224,6 +224,9 @@ class ApiConfig:
         "comma-separated, are tenants of their own (default: $PAGEDSERVE_API_KEY; never shown)")
     api_key_file: str | None = option(
         None, "keys as for --api-key, one a line, from a file (keeps them off the command line)")
+    admin_api_key_file: str | None = option(
+        None, "a file holding the admin key: an API key (its own tenant) that may also unload the adapters every "
+        "tenant shares (--lora-modules)")
     report_cached_tokens: bool = option(
         True, "usage.prompt_tokens_details.cached_tokens in responses (always from the request's own tenant and "
         "cache_salt); --no-report-cached-tokens leaves it out", negatable=True)

@@ -8,6 +8,7 @@ and `lora_B.weight` (`[out, r]`) add `scaling * B @ A @ x` to the base projectio
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -25,6 +26,10 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 MAX_ADAPTER_NAME_CHARS = 128
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 _HEADER_LIMIT = 64 << 20
+MAX_ADAPTER_BYTES = 2 << 30  # an adapter's weights file; ranks up to 64 on a 70B model's projections fit
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+# Exponent bits all set: infinity or NaN, by the format's integer view.
+_NOT_FINITE = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
 
 
 class LoraError(ValueError):
@@ -68,6 +73,7 @@ class AdapterSpec:
     rank: int
     scaling: float
     targets: tuple[str, ...]  # in PROJECTIONS order
+    digest: str = ""  # of its files' bytes: its identity wherever it is held
 
 
 def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
@@ -97,12 +103,14 @@ def lora_tensor(name: str) -> tuple[int, str, str]:
     return int(match[1]), match[2], match[3]
 
 
-def check_adapter(name: str, path: str, base: BaseShape, max_rank: int) -> AdapterSpec:
-    """The adapter at `path`, checked against the base model and the largest rank served; raises LoraError."""
+def read_adapter(name: str, path: str, roots: Sequence[str] = ()) -> tuple[str, bytes, bytes]:
+    """(its real path, adapter_config.json's bytes, adapter_model.safetensors's bytes) of the adapter at `path`; with
+    `roots`, the folder and each file must resolve inside one of them (a link out of them is refused)."""
     if not name or len(name) > MAX_ADAPTER_NAME_CHARS or any(c.isspace() for c in name):
         raise LoraError(f"an adapter's name is 1 to {MAX_ADAPTER_NAME_CHARS} characters without spaces: {name!r}")
     if not os.path.isdir(path):
         raise LoraError(f"adapter {name!r}: {path} is not a directory")
+    real = os.path.realpath(path)
     config_path = os.path.join(path, "adapter_config.json")
     weights_path = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(config_path):
@@ -111,10 +119,45 @@ def check_adapter(name: str, path: str, base: BaseShape, max_rank: int) -> Adapt
         pickled = os.path.isfile(os.path.join(path, "adapter_model.bin"))
         raise LoraError(f"adapter {name!r}: {path} has no adapter_model.safetensors"
                         + (" (adapter_model.bin is a pickle, which is never loaded)" if pickled else ""))
+    files = []
+    for file in (config_path, weights_path):
+        resolved = os.path.realpath(file)
+        if roots and not any(os.path.commonpath([resolved, root]) == root for root in roots):
+            raise LoraError(f"adapter {name!r}: {os.path.basename(file)} leads outside the folders adapters may be "
+                            "loaded from")
+        try:
+            with open(resolved, "rb") as f:
+                data = f.read(MAX_ADAPTER_BYTES + 1)
+        except OSError as exc:
+            raise LoraError(f"adapter {name!r}: {os.path.basename(file)} cannot be read ({exc})") from None
+        if len(data) > MAX_ADAPTER_BYTES:
+            raise LoraError(f"adapter {name!r}: {os.path.basename(file)} is over {MAX_ADAPTER_BYTES >> 30} GiB")
+        files.append(data)
+    return real, files[0], files[1]
+
+
+def adapter_digest(config: bytes, weights: bytes) -> str:
+    """What an adapter's files hold, as one key: another file, another adapter."""
+    digest = hashlib.sha256()
+    for part in (config, weights):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()[:32]
+
+
+def check_adapter(name: str, path: str, base: BaseShape, max_rank: int, roots: Sequence[str] = ()) -> AdapterSpec:
+    """The adapter at `path`, read whole and checked against the base model and the largest rank served; raises
+    LoraError."""
+    real, config, weights = read_adapter(name, path, roots)
+    return check_adapter_files(name, real, config, weights, base, max_rank)
+
+
+def check_adapter_files(name: str, path: str, config_bytes: bytes, weights: bytes, base: BaseShape,
+                        max_rank: int) -> AdapterSpec:
+    """An adapter from its files' bytes: its config, and every tensor's place, size and values (finite)."""
     try:
-        with open(config_path) as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        config = json.loads(config_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise LoraError(f"adapter {name!r}: adapter_config.json is not JSON ({exc})") from None
     if not isinstance(config, dict):
         raise LoraError(f"adapter {name!r}: adapter_config.json is not a JSON object")
@@ -135,7 +178,7 @@ def check_adapter(name: str, path: str, base: BaseShape, max_rank: int) -> Adapt
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
     found: dict[tuple[int, str], dict[str, list[int]]] = {}
-    for tensor, info in read_safetensors_header(weights_path).items():
+    for tensor, info in _checked_tensors(name, weights).items():
         try:
             layer, projection, which = lora_tensor(tensor)
         except LoraError as exc:
@@ -157,8 +200,51 @@ def check_adapter(name: str, path: str, base: BaseShape, max_rank: int) -> Adapt
             if pair.get(which) != expected[which]:
                 raise LoraError(f"adapter {name!r}: layer {layer} {projection} lora_{which} has shape "
                                 f"{pair.get(which)}, this base model needs {expected[which]}")
-    return AdapterSpec(name, os.path.realpath(path), rank, float(scaling),
-                       tuple(p for p in PROJECTIONS if p in targets))
+    return AdapterSpec(name, path, rank, float(scaling), tuple(p for p in PROJECTIONS if p in targets),
+                       adapter_digest(config_bytes, weights))
+
+
+def _checked_tensors(name: str, data: bytes) -> dict[str, dict[str, Any]]:
+    """A safetensors file's tensors (name -> dtype, shape), each checked to lie within the file, to take the bytes
+    its shape says, to overlap no other, and to hold finite values."""
+    import numpy as np  # the api's tokenizer brings it; never torch here
+
+    if len(data) < 8:
+        raise LoraError(f"adapter {name!r}: adapter_model.safetensors is not a safetensors file (too short)")
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > min(_HEADER_LIMIT, len(data) - 8):
+        raise LoraError(f"adapter {name!r}: adapter_model.safetensors has a header of {length} bytes")
+    try:
+        header = json.loads(data[8:8 + length])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LoraError(f"adapter {name!r}: adapter_model.safetensors's header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise LoraError(f"adapter {name!r}: adapter_model.safetensors's header is not an object")
+    header.pop("__metadata__", None)
+    body = memoryview(data)[8 + length:]
+    spans = []
+    for tensor, info in header.items():
+        dtype, shape, offsets = (info.get(k) if isinstance(info, dict) else None
+                                 for k in ("dtype", "shape", "data_offsets"))
+        if dtype not in _DTYPE_BYTES:
+            raise LoraError(f"adapter {name!r}: {tensor} is {dtype}; F32, F16 or BF16 are served")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and isinstance(offsets, list)
+                and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise LoraError(f"adapter {name!r}: {tensor} has no valid shape and data_offsets")
+        start, end = offsets
+        if not 0 <= start <= end <= len(body) or end - start != math.prod(shape) * _DTYPE_BYTES[dtype]:
+            raise LoraError(f"adapter {name!r}: {tensor}'s data_offsets {offsets} do not hold its "
+                            f"{dtype} {shape} within the file")
+        spans.append((start, end, tensor))
+        view, exponent = _NOT_FINITE[dtype]
+        values = np.frombuffer(body[start:end], dtype=view)
+        if values.size and bool(((values & exponent) == exponent).any()):
+            raise LoraError(f"adapter {name!r}: {tensor} holds values that are not finite (NaN or infinity)")
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise LoraError(f"adapter {name!r}: {first} and {second} overlap in the file")
+    return header
 
 
 def parse_lora_modules(values: list[str]) -> dict[str, tuple[str, str | None]]:

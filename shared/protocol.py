@@ -23,8 +23,9 @@ from shared.sampling import SamplingParams
 # 2: a step verifies proposed tokens, a result lists the tokens each sequence keeps; 3: grammars;
 # 4: the worker makes every proposal, and may settle where an entry starts; 5: the scheduler says
 # whether the worker keeps a sequence's samples; 6: a request's priority and tenant; 7: a step's block
-# moves are one list of transfers between tiers; 8: a disk tier
-PROTOCOL_VERSION = 9
+# moves are one list of transfers between tiers; 8: a disk tier; 9: a result times its transfers; 10: a failed
+# step's result names the sequences whose inputs failed it, and an adapter is known by its files' digest
+PROTOCOL_VERSION = 10
 
 
 # --- api <-> scheduler -------------------------------------------------------------------
@@ -83,13 +84,20 @@ PRIORITY_LIMIT = 2**31  # a request's priority is in [-PRIORITY_LIMIT, PRIORITY_
 
 @dataclass(slots=True)
 class LoraRef:
-    """The LoRA adapter a request runs under, as the api checked it (shared/lora.py): its name (its identity:
-    the prefix cache is salted by it), its directory, and what sizes its pages."""
+    """The LoRA adapter a request runs under, as the api checked it (shared/lora.py): its name (what clients call
+    it), its directory, what sizes its pages, and the digest of its files. The digest is its identity: the
+    worker's copy, its pages and the prefix cache's salt are keyed by it, so that a name loaded again with other
+    files is another adapter, sharing nothing with the first."""
 
     name: str
     path: str
     rank: int
     targets: list[str]  # projections it changes, in shared.lora.PROJECTIONS order
+    digest: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.digest or self.name
 
 
 @dataclass(slots=True)
@@ -177,16 +185,18 @@ class NewSequence:
     num_prompt_tokens: int
     sampling: SamplingParams
     index: int  # which sample of its request (seeds its draws)
-    lora: str = ""  # the adapter it runs under (loaded by a LoraLoad of this step or an earlier one); "": none
+    lora: str = ""  # the key of the adapter it runs under (loaded by a LoraLoad of this or an earlier step); "": none
 
 
 @dataclass(slots=True)
 class LoraLoad:
-    """Read an adapter from its directory into these device blocks (its pages), in their order."""
+    """Read an adapter from its directory into these device blocks (its pages), in their order; the files must
+    still be those of `key` (LoraRef.key)."""
 
     name: str
     path: str
     pages: list[int]
+    key: str = ""
 
 
 @dataclass(slots=True)
@@ -294,6 +304,7 @@ class StepResult:
     # must be computed again. With tensor parallelism rank 0 checks every rank's file.
     failed_reads: list[bytes] = field(default_factory=list)
     transfer_ms: float = 0.0  # of forward_ms (or alone, in a step that computes nothing): the block transfers
+    culprits: list[int] = field(default_factory=list)  # with `error`: the sequences whose inputs failed the step
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ def test_the_scheduler_reaches_into_no_pool_of_the_kv_cache_manager():
 
 
 def test_each_in_flight_count_is_written_in_one_module():
-    counts = ("pending|drafts|speculative|known_to_worker|num_pending|num_drafts|num_speculative|"
+    counts = ("pending|drafts|speculative|known_to_worker|computing|num_pending|num_drafts|num_speculative|"
               "num_tokens_known_to_worker")
     written = re.compile(rf"(?<!stats)\.({counts})\s*(\+|-)?=[^=]")
     writers = {str(path.relative_to(ROOT)) for path in SERVICES.rglob("*.py") if written.search(path.read_text())}

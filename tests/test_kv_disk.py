@@ -5,14 +5,20 @@ served: its block is computed again."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from services.scheduler.disk_index import DiskIndex
 from services.worker.disk_tier import DiskTier
+from shared.kv_folder import KVFolderError, let_go
 from shared.prefix_keys import ROOT, chain_key
+from tests.conftest import ROOT as ROOT_DIR
 from tests.conftest import serve
 from tests.engine_harness import Engine
 from tests.tiny_models import hf_greedy
@@ -111,6 +117,71 @@ def test_a_block_file_reads_back_only_whole_and_for_its_own_key_and_fingerprint(
         assert not tier.read(key, into)
     for leftover in os.listdir(tier.folder):  # a write interrupted before its rename leaves no block file
         assert not leftover.endswith(".tmp")
+
+
+def _written(tmp_path) -> tuple[DiskTier, bytes, torch.Tensor, str]:
+    tier = DiskTier(str(tmp_path), "print", 0, 1)
+    block, key = torch.randn(2, 2, 4, 2, 8), bytes(range(32))
+    tier.write_many([key], block.unsqueeze(2))
+    tier.flush()
+    return tier, key, block, os.path.join(tier.folder, key.hex() + ".kv")
+
+
+def test_a_fifo_in_place_of_a_block_file_is_refused_at_once_and_the_worker_goes_on(tmp_path):
+    tier, key, block, path = _written(tmp_path)
+    os.unlink(path)
+    os.mkfifo(path)  # open() on a FIFO with no writer waits for one forever
+    reader = threading.Thread(target=lambda: results.append(tier.read(key, torch.empty_like(block))))
+    results: list[bool] = []
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive() and results == [False]
+
+
+def test_a_huge_sparse_file_or_a_link_in_place_of_a_block_file_is_refused_unread(tmp_path):
+    tier, key, block, path = _written(tmp_path)
+    whole = Path(path).read_bytes()
+    os.unlink(path)
+    with open(path, "wb") as f:
+        f.truncate(2 << 30)  # 2 GiB of nothing, read whole before
+    assert not tier.read(key, torch.empty_like(block))
+    os.unlink(path)
+    elsewhere = tmp_path / "elsewhere.kv"
+    elsewhere.write_bytes(whole)
+    os.symlink(elsewhere, path)  # the right bytes, through a link: refused all the same
+    assert not tier.read(key, torch.empty_like(block))
+    os.unlink(path)
+    Path(path).write_bytes(whole)
+    assert tier.read(key, into := torch.empty_like(block)) and torch.equal(into, block)
+
+
+@pytest.mark.parametrize("level", ["folder", "rank folder"])
+def test_a_kv_folder_others_may_write_is_refused_at_start_with_the_reason(tmp_path, level):
+    folder = tmp_path / "kv"
+    made = folder if level == "folder" else folder / "print" / "rank0"
+    made.mkdir(parents=True)
+    for path in (folder, folder / "print", made):
+        if path.exists():
+            path.chmod(0o700)
+    made.chmod(0o777)
+    with pytest.raises(KVFolderError, match="may be written by others"):
+        DiskTier(str(folder), "print", 0, 1)
+    made.chmod(0o700)
+    DiskTier(str(folder), "print", 0, 1)
+
+
+def test_two_servers_cannot_share_one_kv_folder_and_its_size_bound(tmp_path):
+    holding = subprocess.Popen([sys.executable, "-c", "import sys; from shared.kv_folder import hold; "
+                                f"hold({str(tmp_path)!r}); print('held', flush=True); sys.stdin.read()"],
+                               cwd=ROOT_DIR, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holding.stdout.readline() == "held\n"  # another server's scheduler
+        with pytest.raises(KVFolderError, match="another server uses"):
+            DiskIndex(str(tmp_path), "print", 1, 100)
+    finally:
+        holding.communicate("")  # it ends: a restart takes the folder again
+    DiskIndex(str(tmp_path), "print", 1, 100)
+    let_go(str(tmp_path))
 
 
 @pytest.mark.slow

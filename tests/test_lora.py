@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from shared.config import SpeculativeConfig
 from shared.lora import BaseShape, LoraError, check_adapter
-from shared.protocol import LoraRef
-from tests.conftest import serve
+from shared.protocol import LoraLoad, LoraRef
+from tests.conftest import serve, wait_until
 from tests.engine_harness import Engine
 from tests.tiny_models import hf_greedy, hf_lora_generate, hf_lora_greedy, make_lora_adapter
 
@@ -38,7 +39,7 @@ def adapters(llama_dir, tmp_path_factory) -> dict[str, str]:
 
 def ref(llama_dir: str, name: str, path: str) -> LoraRef:
     spec = check_adapter(name, path, BaseShape.of_model_dir(llama_dir), max_rank=16)
-    return LoraRef(spec.name, spec.path, spec.rank, list(spec.targets))
+    return LoraRef(spec.name, spec.path, spec.rank, list(spec.targets), spec.digest)
 
 
 def test_every_adapter_changes_the_tokens_as_peft_does(llama_dir, adapters):
@@ -90,7 +91,7 @@ def test_an_idle_adapters_pages_are_evicted_for_kv_blocks_and_loaded_again(llama
     assert pages.loads == 1 and held < 40
     long_prompt = list(range(3, 3 + 4 * (40 - held)))[:120]  # takes the blocks the idle adapter holds
     engine.generate([long_prompt], max_tokens=2)
-    assert "all-rank8" not in pages.on_device and pages.evictions == 1
+    assert lora.key not in pages.on_device and pages.evictions == 1
     assert engine.generate([PROMPTS[0]], lora=lora, max_tokens=MAX_TOKENS) == first
     assert pages.loads == 2
 
@@ -175,7 +176,7 @@ def test_the_host_cache_and_the_disk_tier_keep_each_adapters_blocks_apart(llama_
     assert len({tuple(e) for e in expected}) == 3
 
     def tiered() -> Engine:
-        return Engine(llama_dir, block_size=4, num_gpu_blocks=64, max_loras=1, prefix_caching=True,
+        return Engine(llama_dir, block_size=4, num_gpu_blocks=40, max_loras=1, prefix_caching=True,
                       num_host_cache_blocks=64, kv_cache_dir=str(tmp_path), write_through=True)
 
     def rounds(engine: Engine) -> list[list[int]]:
@@ -213,18 +214,74 @@ def broken_adapter(tmp_path, llama_dir, kind: str) -> str:
         config["peft_type"] = "PREFIX_TUNING"
         with open(config_path, "w") as f:
             json.dump(config, f)
+    elif kind == "offsets-that-lie":  # the header passes; the data it points at is not there
+        weights = os.path.join(path, "adapter_model.safetensors")
+        data = Path(weights).read_bytes()
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + length])
+        name = next(n for n in header if n != "__metadata__")
+        header[name]["data_offsets"][1] = header[name]["data_offsets"][0]  # no bytes for its shape
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        assert len(encoded) <= length
+        with open(weights, "wb") as f:
+            f.write(data[:8] + encoded.ljust(length) + data[8 + length:])
+    elif kind == "not-finite":
+        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+        name = next(iter(tensors))
+        tensors[name][0, 0] = float("nan")
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     return path
 
 
 BAD_ADAPTERS = {"missing-weights": "no adapter_model.safetensors", "rank-over-maximum": "over this server's",
                 "unknown-target": "target module qkv_proj", "shapes-of-another-model": "this base model needs",
-                "not-lora": "only LORA adapters"}
+                "not-lora": "only LORA adapters", "offsets-that-lie": "do not hold its",
+                "not-finite": "not finite"}
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_ADAPTERS))
 def test_each_bad_adapter_is_refused_with_its_reason(llama_dir, tmp_path, kind):
     with pytest.raises(LoraError, match=BAD_ADAPTERS[kind]):
         check_adapter("bad", broken_adapter(tmp_path, llama_dir, kind), BaseShape.of_model_dir(llama_dir), 16)
+
+
+def test_a_file_linked_out_of_the_lora_roots_is_refused(llama_dir, tmp_path):
+    outside = make_lora_adapter(llama_dir, str(tmp_path / "outside"), rank=4, seed=5)
+    inside = tmp_path / "roots" / "looks-fine"
+    inside.mkdir(parents=True)
+    os.symlink(os.path.join(outside, "adapter_model.safetensors"), inside / "adapter_model.safetensors")
+    os.symlink(os.path.join(outside, "adapter_config.json"), inside / "adapter_config.json")
+    base = BaseShape.of_model_dir(llama_dir)
+    with pytest.raises(LoraError, match="leads outside the folders"):
+        check_adapter("linked", str(inside), base, 16, roots=[str(tmp_path / "roots")])
+    assert check_adapter("linked", str(inside), base, 16).digest  # where no roots bound it, the link is read
+
+
+def test_an_adapter_is_known_by_its_files_so_a_name_loaded_again_with_others_shares_nothing(llama_dir, tmp_path):
+    engine = Engine(llama_dir, block_size=4, prefix_caching=True, max_loras=2)
+    prompt = [7 + j for j in range(16)]
+    first = ref(llama_dir, "same-name", make_lora_adapter(llama_dir, str(tmp_path / "one"), rank=4, seed=11))
+    engine.generate([prompt], lora=first, max_tokens=MAX_TOKENS)
+    again = ref(llama_dir, "same-name", make_lora_adapter(llama_dir, str(tmp_path / "one"), rank=8, seed=12))
+    assert first.name == again.name and first.key != again.key
+    cached_before = engine.stats().prefix_hits_device_tokens
+    assert engine.generate([prompt], lora=again, max_tokens=MAX_TOKENS) == [
+        hf_lora_greedy(llama_dir, str(tmp_path / "one"), prompt, MAX_TOKENS)]  # the second files' weights
+    pages = engine.scheduler.kv_cache.adapters
+    assert set(pages.on_device) == {first.key, again.key} and pages.loads == 2
+    assert engine.stats().prefix_hits_device_tokens == cached_before  # nothing the first computed is found
+    with pytest.raises(LoraError, match="files changed since it was loaded"):  # the worker checks them again
+        engine.runner.adapters.load(LoraLoad(first.name, first.path, list(range(40, 40 + pages.pages_for(first))),
+                                             first.key))
+
+
+def test_idle_adapters_keep_their_pages_while_the_pool_has_room(llama_dir, adapters):
+    engine = Engine(llama_dir, block_size=4, num_gpu_blocks=256, max_loras=4)
+    sql, chat = ref(llama_dir, "sql", adapters["all-rank8"]), ref(llama_dir, "chat", adapters["attention-rank4"])
+    for lora in (sql, chat, sql, chat, sql):
+        engine.generate([PROMPTS[0]], lora=lora, max_tokens=MAX_TOKENS)
+    pages = engine.scheduler.kv_cache.adapters
+    assert (pages.loads, pages.evictions, len(pages.on_device)) == (2, 0, 2)
 
 
 @pytest.mark.slow
@@ -288,6 +345,83 @@ def test_a_server_serves_adapters_by_name_and_loads_and_unloads_them_at_run_time
         assert metrics["pagedserve_lora_adapters"] <= 2 and metrics["pagedserve_lora_pages"] > 0
 
 
+@pytest.mark.slow
+def test_a_tenant_sees_uses_and_unloads_only_its_own_adapters_and_the_shared_ones_need_the_admin(
+        llama_dir, adapters, tmp_path):
+    roots = tmp_path / "allowed"
+    roots.mkdir()
+    ones = make_lora_adapter(llama_dir, str(roots / "a-mine"), rank=4, seed=21, targets=("q_proj", "v_proj"))
+    others = make_lora_adapter(llama_dir, str(roots / "b-mine"), rank=8, seed=22, targets=("o_proj", "up_proj"))
+    (tmp_path / "admin").write_text("the-admin-key\n")
+    flags = ["--block-size", "4", "--enable-lora", "--max-loras", "3",
+             "--lora-modules", f"tuned={adapters['all-rank8']}", "--allow-runtime-lora-updating", "--lora-roots", str(roots), "--api-key", "key-a,key-b",
+             "--admin-api-key-file", str(tmp_path / "admin")]
+    with serve(llama_dir, str(tmp_path), *flags) as server:
+        def call(key, route, body=None):
+            headers = {"Authorization": f"Bearer {key}"}
+            if body is None:
+                return httpx.get(f"{server.base_url}{route}", headers=headers, timeout=60)
+            return httpx.post(f"{server.base_url}{route}", json=body, headers=headers, timeout=60)
+
+        def complete(key, model):
+            return call(key, "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                                                 "temperature": 0, "return_token_ids": True})
+
+        def models(key):
+            return sorted(m["id"] for m in call(key, "/v1/models").json()["data"])
+
+        assert call("key-a", "/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": ones}).status_code == 200
+        assert models("key-a") == sorted([server.model, "tuned", "mine"]) and "mine" not in models("key-b")
+        assert complete("key-b", "mine").status_code == 404  # A's adapter is not B's to use
+        assert call("key-b", "/v1/unload_lora_adapter", {"lora_name": "mine"}).status_code == 404
+        assert call("key-b", "/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": others}).status_code == 200
+        tokens = {key: complete(key, "mine").json()["choices"][0]["token_ids"] for key in ("key-a", "key-b")}
+        assert tokens == {"key-a": hf_lora_greedy(llama_dir, ones, PROMPTS[0], MAX_TOKENS),
+                          "key-b": hf_lora_greedy(llama_dir, others, PROMPTS[0], MAX_TOKENS)}
+        assert call("key-b", "/v1/unload_lora_adapter", {"lora_name": "mine"}).status_code == 200
+        assert complete("key-a", "mine").json()["choices"][0]["token_ids"] == tokens["key-a"]
+        refused = call("key-a", "/v1/unload_lora_adapter", {"lora_name": "tuned"})
+        assert refused.status_code == 403 and "admin" in refused.json()["error"]["message"]
+        assert complete("key-b", "tuned").status_code == 200
+        assert call("the-admin-key", "/v1/unload_lora_adapter", {"lora_name": "tuned"}).status_code == 200
+        assert complete("key-b", "tuned").status_code == 404
+
+
+@pytest.mark.slow
+def test_an_adapter_whose_files_went_away_fails_its_request_alone_and_another_stream_goes_on(llama_dir, tmp_path):
+    roots = tmp_path / "allowed"
+    roots.mkdir()
+    gone = make_lora_adapter(llama_dir, str(roots / "gone"), rank=4, seed=3, targets=("q_proj", "v_proj"))
+    flags = ["--block-size", "4", "--enable-lora", "--allow-runtime-lora-updating", "--lora-roots", str(roots)]
+    with serve(llama_dir, str(tmp_path), *flags) as server:
+        base = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+        expected = httpx.post(f"{server.base_url}/v1/completions", json=base, timeout=120).json()["choices"][0]["text"]
+        loaded = httpx.post(f"{server.base_url}/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": gone},
+                            timeout=60)
+        assert loaded.status_code == 200, loaded.text
+        for name in os.listdir(gone):  # checked when loaded, gone when the worker reads it
+            os.unlink(os.path.join(gone, name))
+        streamed: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**base, "stream": True},
+                              timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        streamed.append(json.loads(line.removeprefix("data: "))["choices"][0]["text"])
+
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(stream)
+            assert wait_until(lambda: len(streamed) >= 5, 60)
+            failed = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                                json={"model": "gone", "prompt": PROMPTS[1], "max_tokens": 4})
+            streaming.result(120)
+        assert failed.status_code == 400 and "could not be loaded" in failed.json()["error"]["message"], failed.text
+        assert "".join(streamed) == expected  # computed again where the failed step left it: the same text
+        after = httpx.post(f"{server.base_url}/v1/completions", json=base, timeout=120)
+        assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected
+
+
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 # Triton's kernel reads every adapter through its page table, consecutive pages being no special case for it.
 @pytest.mark.parametrize("kernel, scattered", [("c", False), ("c", True), ("triton", True)],
@@ -312,7 +446,7 @@ def test_each_kernel_adds_what_torchs_products_add(llama_dir, adapters, weights,
         if scattered:
             load.pages = load.pages[1::2] + load.pages[::2]
         runner.load(load)
-        segments.append((name, [3 * i + j for j in range(i + 1)]))  # 1, 2 and 3 rows
+        segments.append((load.key, [3 * i + j for j in range(i + 1)]))  # 1, 2 and 3 rows
     torch.manual_seed(0)
     for group in worker_lora.GROUPS:
         x = torch.randn(9, runner.dims[group[0]][0])

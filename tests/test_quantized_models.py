@@ -135,7 +135,7 @@ def test_a_lora_adapter_on_a_quantized_base_stays_close_to_peft_on_its_dense_mod
     directory, dense = quantized.get("llama", fmt), quantized.oracle_dir("llama", fmt)
     adapter = make_lora_adapter(dense, str(tmp_path / "adapter"), rank=8, seed=1)
     spec = check_adapter("tuned", adapter, BaseShape.of_model_dir(directory), max_rank=16)
-    lora = LoraRef(spec.name, spec.path, spec.rank, list(spec.targets))
+    lora = LoraRef(spec.name, spec.path, spec.rank, list(spec.targets), spec.digest)
     engine = Engine(directory, dtype="float32", block_size=4, max_loras=1)
     tuned = engine.generate_with_logprobs(PROMPTS, max_tokens=MAX_TOKENS, lora=lora)
     oracle = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32), adapter)

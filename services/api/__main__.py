@@ -25,6 +25,7 @@ from shared.cli import (
     add_lora_args,
     add_model_args,
     add_wire_args,
+    admin_key,
     api_keys,
     exit_at_once,
     keep_api_key_off_the_command_line,
@@ -92,7 +93,8 @@ def main() -> None:
     client = EngineGroup([EngineClient(endpoint, keys, args.max_message_bytes, args.scheduler_timeout)
                           for endpoint in args.scheduler_endpoint], Router(args.routing))
     app = build_app(client, tokenizer, name, vocab_size, from_namespace(ApiConfig, args), api_keys(args), adapters,
-                    runtime_lora_updating=lora.enable_lora and lora.allow_runtime_lora_updating)
+                    runtime_lora_updating=lora.enable_lora and lora.allow_runtime_lora_updating,
+                    admin_key=admin_key(args))
     # uvicorn annotates the grace as int seconds; it takes a float
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=0.5,  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ from services.api.routing import Router
 from services.api.streams import DISCONNECTED, collect_chunks, first_chunk, merged_streams, prepend, unless_disconnected
 from services.api.structured import GrammarCompiler
 from services.api.tools import TOOL_CALL_PARSERS
-from services.api.utility import utility_routes
+from services.api.utility import tenant_of_request, utility_routes
 from shared.config import ApiConfig, LoraConfig
 from shared.lora import LoraError
 from shared.protocol import RequestOutput
@@ -145,13 +145,13 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         info = self.client.info
-        cards = self.adapters.cards(info.max_model_len if info else None)
+        cards = self.adapters.cards(info.max_model_len if info else None, tenant_of_request(request))
         return JSONResponse({"object": "list", "data": [self.model_card(), *cards]})
 
     async def load_lora_adapter(self, request: Request) -> Response:
         name, path = await self.bodies.read(request, parse_load_lora_adapter)
-        try:
-            self.adapters.add_at_run_time(name, path)
+        try:  # its files are read whole and checked: off the loop
+            await asyncio.to_thread(self.adapters.add_at_run_time, name, path, tenant_of_request(request))
         except LoraError as exc:
             raise ApiError(str(exc), param="lora_path") from None
         log.info("LoRA adapter %r added from %s", name, path)
@@ -159,7 +159,8 @@ class OpenAIServer:
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         name = await self.bodies.read(request, parse_unload_lora_adapter)
-        if not self.adapters.remove(name):
+        admin = bool(request.scope.get("state", {}).get("admin", False))
+        if not self.adapters.remove(name, tenant_of_request(request), admin):
             raise ApiError(f"the LoRA adapter '{name}' cannot be found", status=404, param="lora_name",
                            code="model_not_found")
         log.info("LoRA adapter %r removed", name)
@@ -213,8 +214,8 @@ class OpenAIServer:
 
     def _admit(self, request: Request, generation: GenerationRequest) -> None:
         """What both generation routes check first; and whose request it is (its key's tenant)."""
-        generation.tenant = request.scope.get("state", {}).get("tenant", "")
-        generation.lora = self.adapters.resolve(generation.model)
+        generation.tenant = tenant_of_request(request)
+        generation.lora = self.adapters.resolve(generation.model, generation.tenant)
         self._check_logprobs(generation)
 
     def _check_logprobs(self, generation: GenerationRequest) -> None:
@@ -356,7 +357,7 @@ def _engine_error(output: RequestOutput, ready: bool) -> ApiError:
 
 def build_app(client: EngineGroup | EngineClient, tokenizer: Any, model_name: str, vocab_size: int,
               config: ApiConfig | None = None, api_keys: Sequence[str] = (), adapters: Adapters | None = None,
-              runtime_lora_updating: bool = False) -> Starlette:
+              runtime_lora_updating: bool = False, admin_key: str | None = None) -> Starlette:
     """The api's Starlette app, configured by `config` (the api's flags; their defaults where None)."""
     if isinstance(client, EngineClient):
         client = EngineGroup([client], Router("round_robin"))
@@ -394,8 +395,8 @@ def build_app(client: EngineGroup | EngineClient, tokenizer: Any, model_name: st
                    Route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"])]
     handlers: dict[Any, Any] = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected}
     middleware = [Middleware(ReturnMemoryAfterLargeBodies)]
-    if api_keys:
-        middleware.append(Middleware(RequireApiKey, api_keys=list(api_keys)))
+    if api_keys or admin_key:
+        middleware.append(Middleware(RequireApiKey, api_keys=list(api_keys), admin_key=admin_key))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)
     app.state.server = server
     return app

@@ -18,29 +18,34 @@ from services.api.errors import ApiError
 class RequireApiKey:
     """ASGI middleware answering 401, with an OpenAI-style error, to requests without the key."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str]):
+    def __init__(self, app: ASGIApp, api_keys: list[str], admin_key: str | None = None):
         self.app = app
-        # Each key's expected header, and its tenant: none with one key, a digest of the key with several.
-        self.expected = [(f"Bearer {key}".encode(), tenant_of(key) if len(api_keys) > 1 else "") for key in api_keys]
+        keys = [*api_keys, *([admin_key] if admin_key else [])]
+        # Each key's expected header, its tenant (none with one key, a digest of the key with several), and
+        # whether it is the admin's.
+        self.expected = [(f"Bearer {key}".encode(), tenant_of(key) if len(keys) > 1 else "", key == admin_key)
+                         for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _guarded(scope["path"]):
-            tenant = self._tenant(scope["headers"])
-            if tenant is None:
+            found = self._tenant(scope["headers"])
+            if found is None:
                 error = ApiError("a valid API key is needed: send it as 'Authorization: Bearer <key>'", status=401,
                                  code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
-            scope.setdefault("state", {})["tenant"] = tenant
+            state = scope.setdefault("state", {})
+            state["tenant"], state["admin"] = found
         await self.app(scope, receive, send)
 
-    def _tenant(self, headers: list[tuple[bytes, bytes]]) -> str | None:
-        """The tenant of the request's key, or None without a valid one (every key is compared)."""
+    def _tenant(self, headers: list[tuple[bytes, bytes]]) -> tuple[str, bool] | None:
+        """The tenant of the request's key and whether it is the admin's, or None without a valid key (every key
+        is compared)."""
         sent = [value for name, value in headers if name == b"authorization"]
         found = None
-        for expected, tenant in self.expected:
+        for expected, tenant, admin in self.expected:
             if len(sent) == 1 and hmac.compare_digest(sent[0], expected):
-                found = tenant
+                found = (tenant, admin)
         return found
 
 

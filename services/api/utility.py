@@ -17,16 +17,21 @@ if TYPE_CHECKING:
     from services.api.app import OpenAIServer
 
 
+def tenant_of_request(request: Request) -> str:
+    """The tenant of the request's API key ("" with one key or none: every client is the same tenant)."""
+    return str(request.scope.get("state", {}).get("tenant", ""))
+
+
 def utility_routes(server: OpenAIServer) -> list[Route]:
     """`server` is the api's OpenAIServer: its tokenizer, model name and scheduler link."""
 
     async def tokenize(request: Request) -> Response:
         body = await _object(server, request)
-        return await asyncio.to_thread(_tokenized, server, body)  # a long text takes seconds
+        return await asyncio.to_thread(_tokenized, server, body, tenant_of_request(request))  # a long text: seconds
 
     async def detokenize(request: Request) -> Response:
         body = await _object(server, request)
-        return await asyncio.to_thread(_detokenized, server, body)
+        return await asyncio.to_thread(_detokenized, server, body, tenant_of_request(request))
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": metadata.version("pagedserve")})
@@ -36,9 +41,10 @@ def utility_routes(server: OpenAIServer) -> list[Route]:
 
     async def model(request: Request) -> Response:
         name = request.path_params["model"]
-        server.adapters.resolve(name)  # a 404 for a name served neither as the base model nor as an adapter
+        tenant = tenant_of_request(request)
+        server.adapters.resolve(name, tenant)  # a 404 for a name served neither as the base model nor as an adapter
         info = server.client.info
-        cards = [server.model_card(), *server.adapters.cards(info.max_model_len if info else None)]
+        cards = [server.model_card(), *server.adapters.cards(info.max_model_len if info else None, tenant)]
         return JSONResponse(next(card for card in cards if card["id"] == name))
 
     return [
@@ -50,9 +56,9 @@ def utility_routes(server: OpenAIServer) -> list[Route]:
     ]
 
 
-def _tokenized(server: OpenAIServer, body: dict[str, Any]) -> Response:
+def _tokenized(server: OpenAIServer, body: dict[str, Any], tenant: str) -> Response:
     if "model" in body:
-        server.adapters.resolve(body["model"])
+        server.adapters.resolve(body["model"], tenant)
     special = _flag(body, "add_special_tokens", True)
     if "messages" in body:
         if not isinstance(body["messages"], list):
@@ -76,9 +82,9 @@ def _tokenized(server: OpenAIServer, body: dict[str, Any]) -> Response:
     return JSONResponse(answer)
 
 
-def _detokenized(server: OpenAIServer, body: dict[str, Any]) -> Response:
+def _detokenized(server: OpenAIServer, body: dict[str, Any], tenant: str) -> Response:
     if "model" in body:
-        server.adapters.resolve(body["model"])
+        server.adapters.resolve(body["model"], tenant)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < server.vocab_size for t in tokens):
         raise ApiError(f"tokens must be a list of token ids in [0, {server.vocab_size})", param="tokens")

@@ -65,18 +65,18 @@ class AdapterPages:
         request already holds them."""
         if lora is None:
             return 0
-        held = self.on_device.get(lora.name)
+        held = self.on_device.get(lora.key)
         return 0 if held is not None and held.users else self.pages_for(lora)
 
     def can_start(self, lora: LoraRef | None) -> bool:
         """Whether the adapter is on the device, or may be loaded without evicting one a request holds."""
-        if lora is None or lora.name in self.on_device or len(self.on_device) < self.max_loras:
+        if lora is None or lora.key in self.on_device or len(self.on_device) < self.max_loras:
             return True
         return any(not held.users for held in self.on_device.values())
 
     def acquire(self, request_id: str, lora: LoraRef) -> None:
         """The request starts under the adapter: its pages are referenced, loaded first if need be."""
-        held = self.on_device.get(lora.name)
+        held = self.on_device.get(lora.key)
         if held is not None and not held.users:  # idle: every page still cached (`evicted` drops it at the first)
             for page in held.pages:
                 self.pool.share(page)
@@ -84,31 +84,32 @@ class AdapterPages:
             while len(self.on_device) >= self.max_loras:
                 idle = next(name for name, other in self.on_device.items() if not other.users)
                 self._drop(idle)
-            held = self.on_device[lora.name] = _OnDevice([], set())
+            held = self.on_device[lora.key] = _OnDevice([], set())
             held.pages = self._allocate(self.pages_for(lora))
-            self._loads.append(LoraLoad(lora.name, lora.path, list(held.pages)))
+            self._loads.append(LoraLoad(lora.name, lora.path, list(held.pages), lora.key))
             self.loads += 1
         held.users.add(request_id)
-        self.on_device.move_to_end(lora.name)
+        self.on_device.move_to_end(lora.key)
 
     def _allocate(self, count: int) -> list[int]:
-        """Consecutive blocks where the pool has such a run (the workers then read the adapter in place),
-        else any."""
-        if any(length >= count for _, length in self.pool.free_runs()):
-            return self.pool.allocate_run(count)
+        """Consecutive blocks where the pool has such a run (the workers then read the adapter in place), of
+        free blocks before any that would evict cached ones (an idle adapter's pages among them), else any."""
+        for uncached in (True, False):
+            if any(length >= count for _, length in self.pool.free_runs(uncached)):
+                return self.pool.allocate_run(count, uncached)
         return [self.pool.allocate() for _ in range(count)]
 
     def release(self, request_id: str, lora: LoraRef | None) -> None:
         """The request no longer runs under the adapter (finished, or preempted by recompute); the last one
         to go leaves its pages cached in the pool."""
-        held = self.on_device.get(lora.name) if lora is not None else None
+        held = self.on_device.get(lora.key) if lora is not None else None
         if held is None or request_id not in held.users:
             return
         held.users.discard(request_id)
         if not held.users:
             assert lora is not None
             for i, page in enumerate(held.pages):
-                self.pool.keep(page, self._key(lora.name, i))
+                self.pool.keep(page, self._key(lora.key, i))
                 self.pool.release(page)
 
     def evicted(self, key: bytes) -> bool:

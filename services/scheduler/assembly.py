@@ -12,6 +12,7 @@ from services.scheduler.reservation import Reservation
 from services.scheduler.scheduler import Budgets, ConfigError, PreemptionPolicy, Scheduler
 from services.scheduler.speculation import Speculation
 from shared.config import LoraConfig, SchedulerConfig
+from shared.kv_folder import KVFolderError
 from shared.protocol import Ready, SchedulerInfo
 
 log = logging.getLogger("services.scheduler.server")
@@ -33,8 +34,11 @@ def build_scheduler(config: SchedulerConfig, lora: LoraConfig, ready: list[Ready
     if config.kv_cache_dir and first.disk_fingerprint:
         if not config.enable_prefix_caching:
             log.warning("--kv-cache-dir keeps prefix-cache blocks: without --enable-prefix-caching it stays unused")
-        disk = DiskIndex(config.kv_cache_dir, first.disk_fingerprint, world_size,
-                         int(config.kv_cache_dir_size * 2**30 // max(first.block_bytes, 1)))
+        try:
+            disk = DiskIndex(config.kv_cache_dir, first.disk_fingerprint, world_size,
+                             int(config.kv_cache_dir_size * 2**30 // max(first.block_bytes, 1)))
+        except KVFolderError as exc:
+            raise ConfigError(str(exc)) from None
         log.info("KV blocks on disk: %d found under %s, room for %d more (%d in all)", len(disk),
                  config.kv_cache_dir, max(0, disk.capacity - len(disk)), disk.capacity)
     kv_cache = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks, config.watermark,

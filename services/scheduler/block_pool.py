@@ -86,23 +86,25 @@ class BlockPool:
 
     # --- contiguous runs, for the reservation baselines -------------------------------
 
-    def free_runs(self) -> list[tuple[int, int]]:
-        """(first block, length) of each maximal run of unreferenced blocks with consecutive ids."""
+    def free_runs(self, uncached: bool = False) -> list[tuple[int, int]]:
+        """(first block, length) of each maximal run of unreferenced blocks with consecutive ids (with `uncached`,
+        of blocks no cache holds either)."""
         runs, start = [], None
         for block, count in enumerate(self._ref_counts):
-            if count == 0 and start is None:
+            taken = count or (uncached and block in self._key_of)
+            if not taken and start is None:
                 start = block
-            elif count and start is not None:
+            elif taken and start is not None:
                 runs.append((start, block - start))
                 start = None
         if start is not None:
             runs.append((start, self.num_blocks - start))
         return runs
 
-    def allocate_run(self, count: int) -> list[int]:
+    def allocate_run(self, count: int, uncached: bool = False) -> list[int]:
         """`count` blocks with consecutive ids from the first free run long enough (first fit), as an
-        allocator of contiguous memory hands them out."""
-        start = next((first for first, length in self.free_runs() if length >= count), None)
+        allocator of contiguous memory hands them out; with `uncached`, a run that evicts no cached block."""
+        start = next((first for first, length in self.free_runs(uncached) if length >= count), None)
         if start is None:
             raise OutOfBlocks(f"no run of {count} free blocks")
         run = range(start, start + count)

@@ -3,8 +3,9 @@
 The workers write and read the files (services/worker/disk_tier.py); the scheduler keeps their keys,
 least recently used first, within `--kv-cache-dir-size`, and removes the files it drops. At start it
 lists the folder the workers named (their fingerprint) and takes each key every rank has a file
-for, oldest first: that is what makes a restart warm. Only names are read here; whether a file is
-whole is the worker's to check when it reads it.
+for, oldest first: that is what makes a restart warm. It holds the folder for as long as it runs, so
+that a second server on the same folder is refused rather than doubling its size bound. Only names are
+read here; whether a file is whole is the worker's to check when it reads it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import contextlib
 import os
 from collections import OrderedDict
 
+from shared.kv_folder import hold
+
 SUFFIX = ".kv"
 
 
 class DiskIndex:
     def __init__(self, directory: str, fingerprint: str, world_size: int, capacity: int):
+        self.lock = hold(directory)  # one server's size bound per folder; KVFolderError where another holds it
         self.folders = [os.path.join(directory, fingerprint, f"rank{rank}") for rank in range(world_size)]
         self.capacity = capacity  # blocks
         self._keys: OrderedDict[bytes, None] = OrderedDict()

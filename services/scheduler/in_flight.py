@@ -7,19 +7,22 @@ each event that changes them.
 - speculative: positions of the steps in flight that are proposals. They count as computed, as if every one
   will be kept, until each step's result settles them.
 - known_to_worker: the tokens the workers' copy holds (0: they hold none).
+- computing: positions the steps in flight compute for it. Until their results are in, those positions count
+  as computed for planning but their blocks are not cached: a step that fails leaves them unwritten.
 """
 
 from __future__ import annotations
 
 
 class Flight:
-    __slots__ = ("pending", "drafts", "speculative", "known_to_worker")
+    __slots__ = ("pending", "drafts", "speculative", "known_to_worker", "computing")
 
     def __init__(self) -> None:
         self.pending = 0
         self.drafts = 0
         self.speculative = 0
         self.known_to_worker = 0
+        self.computing = 0
 
     @property
     def coming(self) -> int:
@@ -46,10 +49,16 @@ class Flight:
     def will_sample(self) -> None:
         self.pending += 1
 
+    def computes(self, positions: int) -> None:
+        self.computing += positions
+
     # --- a step's result ---
 
     def sampled(self) -> None:
         self.pending = max(0, self.pending - 1)  # 0 already if preempted meanwhile
+
+    def computed(self, positions: int) -> None:
+        self.computing = max(0, self.computing - positions)  # 0 already if preempted meanwhile
 
     def settled(self, num_proposed: int) -> None:
         self.speculative -= num_proposed
@@ -63,7 +72,8 @@ class Flight:
 
     def forked_from(self, parent: Flight) -> None:
         self.known_to_worker = parent.known_to_worker
+        self.computing = parent.computing  # its blocks past them wait for them as the parent's do
 
     def forget_worker_copy(self) -> None:
         """After a recompute preemption: nothing is in flight, and the workers hold no copy."""
-        self.pending = self.speculative = self.known_to_worker = 0
+        self.pending = self.speculative = self.known_to_worker = self.computing = 0

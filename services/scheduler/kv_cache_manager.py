@@ -237,8 +237,9 @@ class KVCacheManager:
         if not self.device_pool.enable_caching:
             return
         kv = seq.kv
-        # A step planned ahead may have scheduled the position of a token not sampled yet.
-        num_full = min(kv._computed, seq.num_tokens) // self.block_size
+        # Only positions whose step is done: a step planned ahead may have scheduled the position of a token not
+        # sampled yet, and one that fails leaves what it was to compute unwritten.
+        num_full = min(kv._computed - seq.flight.computing, seq.num_tokens) // self.block_size
         for index in range(len(kv._hashes), num_full):
             parent = kv._hashes[-1] if kv._hashes else seq.request.cache_root
             chunk = tuple(seq.token_at(p) for p in range(index * self.block_size, (index + 1) * self.block_size))

@@ -69,6 +69,10 @@ class Preemption:
         self.queues.swapped.remove(request)
         self._recompute(request, release_adapter=False)  # a swapped request holds none
 
+    def recompute(self, request: Request) -> None:
+        """A running request (already off the running queue) computed again from its tokens: its step failed."""
+        self._recompute(request)
+
     def _recompute(self, request: Request, release_adapter: bool = True) -> None:
         if release_adapter:
             self.kv_cache.release_adapter(request)

@@ -22,6 +22,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # not yet started, or preempted by recompute
     RUNNING = "running"
     SWAPPED = "swapped"  # its blocks are in the worker's CPU swap space
+    HELD = "held"  # a suspect of failing steps, waiting for its turn to run (services/scheduler/quarantine.py)
     FINISHED = "finished"
 
 
@@ -95,7 +96,7 @@ class Request:
         self.request_id = request_id
         self.lora = lora  # the adapter it runs under; None: the base model
         # The parent key of its first block in the prefix cache: no block is shared across salts or adapters.
-        self.cache_root = salted_root(cache_salt, lora.name if lora is not None else "")
+        self.cache_root = salted_root(cache_salt, lora.key if lora is not None else "")
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self.arrival_time = arrival_time

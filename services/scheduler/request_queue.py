@@ -23,6 +23,7 @@ class RequestQueues:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        self.held: list[Request] = []  # off the queues while others are tested for failing steps
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -66,10 +67,20 @@ class RequestQueues:
             return waiting
         return swapped
 
+    def hold(self, request: Request) -> None:
+        """A waiting request kept back until `release`."""
+        self.waiting.remove(request)
+        request.status = RequestStatus.HELD
+        self.held.append(request)
+
+    def release(self, request: Request) -> None:
+        self.held.remove(request)
+        self.wait(request)
+
     def take(self, request: Request) -> None:
         """Off whichever queue holds it (its status says which); a finished request is on none."""
         queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
-                 RequestStatus.SWAPPED: self.swapped}.get(request.status)
+                 RequestStatus.SWAPPED: self.swapped, RequestStatus.HELD: self.held}.get(request.status)
         if queue is not None:
             queue.remove(request)
 

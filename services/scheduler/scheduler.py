@@ -16,10 +16,8 @@ cannot come back even then is recomputed instead. Under the other policies a req
 arrival once it is older than the policy's queue delay, and a waiting request that outranks a
 running one may preempt it to start: once every request present is that old, this is FCFS.
 
-Planning ahead and speculation: services/scheduler/planner.py. The parts: the queues
-(request_queue.py), starts (the KV cache manager's plan_start, starts.py), preemption (preemption.py),
-the step planner (planner.py), the steps in flight (steps_in_flight.py) and the statistics
-(statistics.py).
+The parts: request_queue.py, starts.py (behind the KV cache manager), preemption.py, planner.py (budgets,
+planning ahead, speculation), steps_in_flight.py, quarantine.py (failed steps) and statistics.py.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ from services.scheduler.kv_records import PrefixMatch
 from services.scheduler.planner import StepPlan, StepPlanner, in_prompt
 from services.scheduler.policy import Rank, SchedulingPolicy
 from services.scheduler.preemption import Preemption, PreemptionPolicy
+from services.scheduler.quarantine import MAX_FAILURES, StepFailures
 from services.scheduler.request import Request, RequestStatus, Sequence
 from services.scheduler.request_queue import RequestQueues
 from services.scheduler.reservation import Reservation
@@ -88,6 +87,7 @@ class Scheduler:
                                      self.statistics.counters)
         self.planner = StepPlanner(budgets, kv_cache, self.queues, speculation)
         self.in_flight = StepsInFlight(kv_cache, self.registry, self.policy, self.statistics)
+        self.failures = StepFailures(self.registry, self.queues, self.preemption)
         self.needs_drain = False  # the last plan stopped short of a preemption
         self._next_order = 0
         # Views for the server and the tests (each object is its owner's, changed in place only)
@@ -289,6 +289,7 @@ class Scheduler:
     def finish_request(self, request: Request) -> None:
         self.registry.release(request)
         self._dequeue(request)
+        self.failures.ended(request)
 
     def _dequeue(self, request: Request) -> None:
         self.kv_cache.release_adapter(request)
@@ -296,6 +297,20 @@ class Scheduler:
         if request.status is not RequestStatus.FINISHED:
             self.policy.left(request)
         request.status = RequestStatus.FINISHED
+
+    def recover(self, step_id: int, error: str, culprits: list[int]) -> list[RequestOutput]:
+        """A step failed on the worker, which forgot every sequence: the requests that made it fail end, every
+        other request is recomputed (services/scheduler/quarantine.py)."""
+        failed = self.in_flight.take(step_id)
+        self.in_flight.forget()
+        ending = self.failures.failed(failed.scheduled if failed is not None else [], culprits)
+        if ending is None:
+            return self.fail_all(f"the worker failed {MAX_FAILURES} steps in a row, the last with: {error}")
+        for request in ending:
+            self.finish_request(request)
+        self.failures.recompute_the_rest()
+        return [error_output(r.request_id, r.num_prompt_tokens, f"the worker failed on this request: {error}",
+                             "rejected") for r in ending]  # its own inputs: a 4xx, not a server error
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request: the worker could not run a step."""
@@ -314,6 +329,7 @@ class Scheduler:
             return []
         if step.reads:
             self.kv_cache.finish_reads(step.reads, set(result.failed_reads))
+        self.failures.ran(step.scheduled)
         applied = self.results.apply(result, step.scheduled, step.drafts)
         for request in applied.ended:
             self._dequeue(request)

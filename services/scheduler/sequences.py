@@ -117,7 +117,7 @@ class SequenceRegistry:
         if known == 0:
             lora = seq.request.lora
             new = NewSequence(seq.seq_id, seq.token_ids(), num_prompt, seq.request.sampling, seq.index,
-                              lora.name if lora is not None else "")
+                              lora.key if lora is not None else "")
             appended: list[int] = []
         else:
             appended = seq.output_token_ids[known - num_prompt:]

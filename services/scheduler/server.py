@@ -386,7 +386,8 @@ class SchedulerServer:
         if message.error is not None:
             log.error("step %d failed on the worker: %s", message.step_id, message.error)
             self.in_flight.clear()  # a step after it finds its sequences gone; its result is ignored
-            self._route(self.scheduler.fail_all(f"the worker failed: {message.error}"))
+            self._route(self.scheduler.recover(message.step_id, message.error, message.culprits))
+            self._send_steps(back_to_back=True)
             return
         self.worker_busy += (message.forward_ms + message.sample_ms) / 1e3
         self.stats_log.count(sum(len(s.token_ids) for s in message.sampled))

@@ -18,6 +18,7 @@ class InFlight:
     """What the scheduler remembers of a step until its result is in."""
 
     scheduled: list[Sequence]
+    positions: list[int]  # what it computes of each of `scheduled`
     sampled: list[Sequence]  # those the step samples
     num_decoding: int  # sequences that decode in it (not a prompt's chunk)
     speculated: bool
@@ -54,6 +55,7 @@ class StepsInFlight:
                 new_sequences.append(new)
             entries.append(entry)
             self.kv_cache.mark_computed(seq, num_tokens)  # proposals included, until the result settles them
+            seq.flight.computes(num_tokens)
             if entry.num_draft_tokens:
                 drafts[seq.seq_id] = entry.num_draft_tokens
             samples = computed + num_tokens - entry.num_draft_tokens == coming
@@ -70,8 +72,8 @@ class StepsInFlight:
         step = Step(self.statistics.counters.steps, forks, dropped, preempted, new_sequences, entries, transfers,
                     self.kv_cache.take_lora_loads())
         reads = [t.key for t in transfers if t.src_tier == DISK]
-        self._steps[step.step_id] = InFlight([seq for seq, _ in scheduled], sampled, num_decoding, speculated,
-                                             prompt_tokens_computed > 0, drafts, reads)
+        self._steps[step.step_id] = InFlight([seq for seq, _ in scheduled], [n for _, n in scheduled], sampled,
+                                             num_decoding, speculated, prompt_tokens_computed > 0, drafts, reads)
         self.statistics.stepped(prompt_tokens_computed, sum(n for _, n in scheduled))
         return step
 
@@ -84,7 +86,13 @@ class StepsInFlight:
         self.results_in += 1
         for seq in step.sampled:
             seq.flight.sampled()
+        for seq, positions in zip(step.scheduled, step.positions):
+            seq.flight.computed(positions)
         return step
+
+    def take(self, step_id: int) -> InFlight | None:
+        """The step that failed, unsettled: nothing it computed is kept."""
+        return self._steps.pop(step_id, None)
 
     def forget(self) -> None:
         """Every step in flight failed: none of their results will come."""

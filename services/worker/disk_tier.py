@@ -5,7 +5,9 @@ model's.
 
 A file is written to a temporary name and renamed, so it is whole or absent; it carries its key, its
 fingerprint, its length and a SHA-256 of all of it, so a torn, truncated, corrupted or foreign file
-is refused when read, and the block is computed again. Writes run on a thread of their own: the step
+is refused when read, and the block is computed again. The folder is data, not trusted
+(shared/kv_folder.py): it must be this user's alone, and a file is read only if it is a regular file of
+a block file's size, opened without following links or waiting. Writes run on a thread of their own: the step
 that asks for one only gathers the block's bytes.
 """
 
@@ -20,6 +22,8 @@ import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from shared.kv_folder import check_folder, make_folder, read_file
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,8 @@ class DiskTier:
     def __init__(self, directory: str, print_: str, rank: int, world_size: int):
         self.directory, self.fingerprint, self.rank, self.world_size = directory, print_, rank, world_size
         self.folder = os.path.join(directory, print_, f"rank{rank}")
-        os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        check_folder(directory)  # KVFolderError: the worker does not start
+        make_folder(self.folder)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk")
         self._writes: dict[bytes, Future[None]] = {}  # by key, until done
 
@@ -64,7 +69,7 @@ class DiskTier:
             self._writes[key] = self._writer.submit(self._write, key, payload)
 
     def _write(self, key: bytes, payload: bytes) -> None:
-        header = json.dumps({"key": key.hex(), "fingerprint": self.fingerprint, "bytes": len(payload)}).encode()
+        header = self._header(key, len(payload))
         body = MAGIC + len(header).to_bytes(4, "little") + header + payload
         descriptor, temporary = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
         try:
@@ -89,12 +94,14 @@ class DiskTier:
         others = range(1, self.world_size) if self.rank == 0 else ()
         return all(self._payload(rank, key, len(payload)) is not None for rank in others)
 
+    def _header(self, key: bytes, payload_bytes: int) -> bytes:
+        return json.dumps({"key": key.hex(), "fingerprint": self.fingerprint, "bytes": payload_bytes}).encode()
+
     def _payload(self, rank: int, key: bytes, expected: int) -> bytes | None:
         path = block_path(self.directory, self.fingerprint, rank, key)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError:
+        # Only a regular file of exactly a block file's size is read, and nothing waits on it.
+        data = read_file(path, len(MAGIC) + 4 + len(self._header(key, expected)) + expected + 32)
+        if data is None:
             return None
         body, digest = data[:-32], data[-32:]
         if len(data) < len(MAGIC) + 36 or not body.startswith(MAGIC) or hashlib.sha256(body).digest() != digest:

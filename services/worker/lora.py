@@ -19,11 +19,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as safetensors_load
 
 from kernels import lora_triton, native
 from services.worker.kv_cache import KVCache
-from shared.lora import PROJECTION_GROUPS, AdapterSpec, BaseShape, Part, check_adapter, lora_tensor, page_layout
+from shared.lora import (
+    PROJECTION_GROUPS,
+    AdapterSpec,
+    BaseShape,
+    LoraError,
+    Part,
+    check_adapter_files,
+    lora_tensor,
+    page_layout,
+    read_adapter,
+)
 from shared.protocol import LoraLoad
 
 if TYPE_CHECKING:
@@ -220,7 +230,8 @@ _ADDRESSES = torch.tensor([1, 0, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0], dtype=torch.i
 @functools.cache
 def lora_kernel() -> Callable[..., int] | None:
     p, i = native.POINTER, native.INT64
-    kernel: Callable[..., int] | None = native.function("cpu_lora", "lora_rows", [p, i, p, i, i, p, i, p, i, i, p, i], i)
+    kernel: Callable[..., int] | None = native.function("cpu_lora", "lora_rows", [p, i, p, i, i, p, i, p, i, i, p, i],
+                                                        i)
     return kernel
 
 
@@ -255,7 +266,8 @@ def _kernel_tables(adapters: list[Adapter], widths: dict[str, tuple[int, int]]) 
     return first_rows[None] + steps * (layer_bytes[None, None, :, None] * _ADDRESSES)
 
 
-_ROWS_MEMO: dict[tuple[object, ...], torch.Tensor] = {}  # the same pages in place give the same addresses step after step
+# The same pages in place give the same addresses step after step.
+_ROWS_MEMO: dict[tuple[object, ...], torch.Tensor] = {}
 
 
 def _first_layer_rows(adapter: Adapter, widths: dict[str, tuple[int, int]]) -> torch.Tensor:
@@ -319,27 +331,32 @@ class LoraAdapters:
 
     def load(self, load: LoraLoad) -> None:
         """Write the adapter into its pages (read from its files unless host memory has it)."""
-        layout, regions = self._read(load.name, load.path)
+        layout, regions = self._read(load)
         if len(load.pages) != layout.pages:
             raise ValueError(f"adapter {load.name!r} takes {layout.pages} pages, got {len(load.pages)}")
         pages = torch.tensor(load.pages, dtype=torch.int64, device=self.cache.device)
         as_bytes = regions.view(torch.uint8).view(self.num_layers, 2, layout.pages, self.half_bytes)
         self._pages_view()[:, :, pages] = as_bytes.to(self.cache.device)
-        self.loaded[load.name] = (layout, load.pages)
+        self.loaded[load.key or load.name] = (layout, load.pages)
 
     def _pages_view(self) -> torch.Tensor:
         """The KV cache as bytes: [layers, 2, blocks, bytes of one layer's half of a block]."""
         cache = self.cache.cache
         return cache.view(torch.uint8).view(cache.shape[0], 2, cache.shape[2], self.half_bytes)
 
-    def _read(self, name: str, path: str) -> tuple[AdapterLayout, torch.Tensor]:
-        held = self._host.get(name)
+    def _read(self, load: LoraLoad) -> tuple[AdapterLayout, torch.Tensor]:
+        key = load.key or load.name
+        held = self._host.get(key)
         if held is not None:
-            self._host.move_to_end(name)
+            self._host.move_to_end(key)
             return held
-        spec = check_adapter(name, path, self.base, self.max_rank)
+        # Read once and checked whole: the files must still be those the api checked (their digest is the key).
+        real, config, weights = read_adapter(load.name, load.path)
+        spec = check_adapter_files(load.name, real, config, weights, self.base, self.max_rank)
+        if load.key and spec.digest != load.key:
+            raise LoraError(f"adapter {load.name!r}: its files changed since it was loaded")
         layout = AdapterLayout(spec, self.dims, self.half_elements)
-        tensors = load_file(f"{spec.path}/adapter_model.safetensors")
+        tensors = safetensors_load(weights)
         regions = torch.zeros((self.num_layers, 2, layout.pages * self.half_elements), dtype=self.dtype)
         for key, tensor in tensors.items():
             layer, projection, which = lora_tensor(key)
@@ -354,7 +371,7 @@ class LoraAdapters:
                 value = value.t() * spec.scaling  # transposed, [r, out]: an expand reads rows
             regions[layer, part.region, part.offset : part.offset + part.rows * part.cols] = value.reshape(-1).to(
                 self.dtype)
-        self._host[name] = (layout, regions)
+        self._host[key] = (layout, regions)
         while len(self._host) > self.max_cpu_loras:
             self._host.popitem(last=False)
         return layout, regions

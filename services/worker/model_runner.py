@@ -77,6 +77,14 @@ class StepError(RuntimeError):
     pass
 
 
+class SequenceFault(StepError):
+    """A step failed on some sequences' own inputs (their adapter, say): the scheduler fails them alone."""
+
+    def __init__(self, message: str, seq_ids: list[int]):
+        super().__init__(message)
+        self.seq_ids = seq_ids
+
+
 def _rows_by_adapter(scheduled: list[ScheduledSequence], starts: list[int], mirrors: dict[int, SequenceMirror]) -> list[tuple[str, list[int]]]:
     """The step's token rows of each adapter its sequences run under."""
     rows: dict[str, list[int]] = {}
@@ -154,7 +162,12 @@ class ModelRunner:
             failed_reads += cache.transfer(step.transfers)
         for load in step.lora_loads:  # into blocks the transfers above may have written back first
             assert self.adapters is not None  # _check_transfers refused loads without adapters
-            self.adapters.load(load)
+            try:
+                self.adapters.load(load)
+            except Exception as exc:  # its files changed or lie: the requests under it fail, not the step's others
+                key = load.key or load.name
+                users = [seq_id for seq_id, mirror in self.mirrors.items() if mirror.lora == key]
+                raise SequenceFault(f"adapter {load.name!r} could not be loaded: {exc}", users) from exc
         transfer_ms = (time.perf_counter() - transfers_started) * 1e3
         scheduled = [resolved for entry in step.scheduled if (resolved := self._accepts(entry, failures)) is not None]
         if not scheduled:
@@ -262,7 +275,8 @@ class ModelRunner:
         if not 0 < new.num_prompt_tokens <= len(new.token_ids):
             return "a prompt length that does not match its tokens"
         if new.lora and (self.adapters is None or (new.lora not in self.adapters.loaded
-                                                   and all(load.name != new.lora for load in step.lora_loads))):
+                                                   and all((load.key or load.name) != new.lora
+                                                           for load in step.lora_loads))):
             return f"adapter {new.lora!r} is not loaded"
         return None  # its sampling parameters: the scheduler checked them (docs/design/checks.md)
 

@@ -26,12 +26,13 @@ from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_t
 from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model, numerics
 from services.worker.lora import LoraAdapters, tensor_parallel_shards
 from services.worker.metrics import WorkerMetrics
-from services.worker.model_runner import ModelRunner
+from services.worker.model_runner import ModelRunner, SequenceFault
 from services.worker.ngram import NgramProposer
 from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
 from shared.cli import drain_wakeups, stops_deferred
 from shared.config import LoraConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from shared.kv_folder import KVFolderError
 from shared.lora import LoraError
 from shared.protocol import Ready, Reset, Shutdown, Step, StepResult
 from shared.sockets import MAX_MESSAGE_BYTES
@@ -239,7 +240,10 @@ class WorkerServer:
                                   "seed": worker.seed if worker.load_format == "dummy" else None,
                                   "dtype": str(dtype), "kv_cache_dtype": kv_dtype, "block_size": scheduler.block_size,
                                   "world_size": world_size, "block_bytes": block_bytes})
-            cache.disk = DiskTier(scheduler.kv_cache_dir, print_, rank, world_size)
+            try:
+                cache.disk = DiskTier(scheduler.kv_cache_dir, print_, rank, world_size)
+            except KVFolderError as exc:
+                raise ModelLoadError(str(exc)) from None
             self.ready.disk_fingerprint = print_
             log.info("KV blocks on disk: %s", cache.disk.folder)
         self.metrics = metrics or WorkerMetrics(rank)
@@ -315,7 +319,11 @@ class WorkerServer:
         try:
             with stops_deferred():  # a stop waits for the step: its transfers, block files included, complete
                 result = self.runner.execute(step)
-        except Exception as exc:  # report it; the scheduler ends the affected requests
+        except SequenceFault as exc:  # some requests' inputs: the scheduler fails them and recomputes the rest
+            log.warning("step %d failed on sequences %s: %s", step.step_id, exc.seq_ids, exc)
+            self.runner.reset()
+            result = StepResult(step.step_id, [], 0.0, 0.0, error=str(exc), culprits=exc.seq_ids)
+        except Exception as exc:  # report it; the scheduler looks for the request that causes it
             log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
             self.runner.reset()
             result = StepResult(step.step_id, [], 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
