@@ -39,6 +39,7 @@ lint: ruff types
 
 ruff: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 types: $(VENV)/.installed-test
 	$(VENV)/bin/mypy

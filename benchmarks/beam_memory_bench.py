@@ -41,8 +41,16 @@ def run(length: int) -> dict:
     context = length + 64
     blocks = WIDTH * (context // 16 + 2) + 64
     scheduler = Scheduler(KVCacheManager(blocks, 16), Budgets(WIDTH, 4096, context), eos_token_ids=[0])
-    params = SamplingParams(n=1, best_of=WIDTH, use_beam_search=True, temperature=0.0, max_tokens=length,
-                            ignore_eos=True, early_stopping="never", length_penalty=0.0)
+    params = SamplingParams(
+        n=1,
+        best_of=WIDTH,
+        use_beam_search=True,
+        temperature=0.0,
+        max_tokens=length,
+        ignore_eos=True,
+        early_stopping="never",
+        length_penalty=0.0,
+    )
     tracemalloc.start()
     scheduler.add(AddRequest("beam", list(range(10, 42)), params, time.time()))
     tokens: dict[int, int] = {}
@@ -77,8 +85,17 @@ def main() -> None:
     out_dir = os.environ.get("PAGEDSERVE_BENCH_OUT", os.path.join(os.path.dirname(__file__), "results"))
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "beam_memory_bench.json"), "w") as f:
-        json.dump({"width": WIDTH, "rows": rows, "machine": platform.platform(), "python": platform.python_version(),
-                   "date": time.strftime("%Y-%m-%d")}, f, indent=2)
+        json.dump(
+            {
+                "width": WIDTH,
+                "rows": rows,
+                "machine": platform.platform(),
+                "python": platform.python_version(),
+                "date": time.strftime("%Y-%m-%d"),
+            },
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def setup(kind: str, seqs: int, context: int):
     num_blocks = seqs * blocks_per_seq + 1
     cache = [torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2)]
     order = torch.randperm(num_blocks, generator=generator).tolist()
-    tables = [order[s * blocks_per_seq:(s + 1) * blocks_per_seq] for s in range(seqs)]
+    tables = [order[s * blocks_per_seq : (s + 1) * blocks_per_seq] for s in range(seqs)]
     queries = 1 if kind == "decode" else context
     starts = [s * queries for s in range(seqs + 1)]
     batch = PagedBatch.build([0] * starts[-1], tables, starts, [context] * seqs, torch.device("cpu"))
@@ -67,18 +67,38 @@ def main() -> None:
         query, key_cache, value_cache, batch = args
         int8_ms = median_ms(paged_attention_native, query, quantize(key_cache), quantize(value_cache), batch)
         kv_bytes = 2 * seqs * context * KV_HEADS * HEAD_DIM * 4
-        row = {"kind": kind, "seqs": seqs, "context": context, "torch_ms": round(torch_ms, 3),
-               "compiled_ms": round(native_ms, 3), "speedup": round(torch_ms / native_ms, 2),
-               "compiled_gb_per_s": round(kv_bytes / native_ms / 1e6, 1), "compiled_int8_ms": round(int8_ms, 3)}
+        row = {
+            "kind": kind,
+            "seqs": seqs,
+            "context": context,
+            "torch_ms": round(torch_ms, 3),
+            "compiled_ms": round(native_ms, 3),
+            "speedup": round(torch_ms / native_ms, 2),
+            "compiled_gb_per_s": round(kv_bytes / native_ms / 1e6, 1),
+            "compiled_int8_ms": round(int8_ms, 3),
+        }
         rows.append(row)
         name = f"{kind} {seqs} x {context}"
-        print(f"{name:<26}{torch_ms:>10.3f}{native_ms:>13.3f}{row['speedup']:>8.2f}x"
-              f"{row['compiled_gb_per_s']:>11.1f}{int8_ms:>10.3f}")
+        print(
+            f"{name:<26}{torch_ms:>10.3f}{native_ms:>13.3f}{row['speedup']:>8.2f}x"
+            f"{row['compiled_gb_per_s']:>11.1f}{int8_ms:>10.3f}"
+        )
     out_dir = os.environ.get("PAGEDSERVE_BENCH_OUT", os.path.join(os.path.dirname(__file__), "results"))
     os.makedirs(out_dir, exist_ok=True)
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": 1, "repeats": REPEATS,
-              "date": time.strftime("%Y-%m-%d"), "shapes": {"heads": HEADS, "kv_heads": KV_HEADS,
-              "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": "float32"}, "rows": rows}
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "threads": 1,
+        "repeats": REPEATS,
+        "date": time.strftime("%Y-%m-%d"),
+        "shapes": {
+            "heads": HEADS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "dtype": "float32",
+        },
+        "rows": rows,
+    }
     with open(os.path.join(out_dir, "cpu_attention_bench.json"), "w") as f:
         json.dump(result, f, indent=2)
 

@@ -57,9 +57,13 @@ THREADS = [int(t) for t in os.environ.get("PAGEDSERVE_BENCH_THREADS", "1,2").spl
 STEP_LAYERS = 12
 HUGE_PAGE = 2 << 20
 WEIGHTS = {  # name: (out features, in features)
-    "12-layer qkv": (1280, 768), "12-layer o": (768, 768), "12-layer gate_up": (4096, 768),
-    "12-layer down": (768, 2048), "12-layer lm_head": (4096, 768),
-    "shipped gate_up": (1408, 256), "shipped down": (256, 704),
+    "12-layer qkv": (1280, 768),
+    "12-layer o": (768, 768),
+    "12-layer gate_up": (4096, 768),
+    "12-layer down": (768, 2048),
+    "12-layer lm_head": (4096, 768),
+    "shipped gate_up": (1408, 256),
+    "shipped down": (256, 704),
 }
 LAYOUTS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "int8": torch.int8, "int4": torch.uint8}
 GROUP = 128  # the W4A16 checkpoints' group of inputs
@@ -92,14 +96,24 @@ def probe() -> dict:
     has_dot = peak.dot_rounds(1) != -1.0
     dot = 48 * width * rounds / min(_timed(lambda: peak.dot_rounds(rounds)) for _ in range(3)) / 1e9 if has_dot else fma
     int8_ops = peak.int8_ops_per_round()
-    int8 = int8_ops * rounds / min(_timed(lambda: peak.int8_rounds(rounds)) for _ in range(3)) / 1e9 if int8_ops > 0 \
+    int8 = (
+        int8_ops * rounds / min(_timed(lambda: peak.int8_rounds(rounds)) for _ in range(3)) / 1e9
+        if int8_ops > 0
         else fma
+    )
     data = torch.ones(256 << 18)  # 256 MiB
     read = data.nbytes / min(_timed(lambda: peak.read_all(data.data_ptr(), data.nbytes)) for _ in range(5)) / 1e9
     every_core = data.nbytes / min(_timed(lambda: read_in_parallel(peak, data)) for _ in range(5)) / 1e9
-    return {"vector_floats": width, "f32_gflops": round(fma, 1), "bf16_gflops": round(dot, 1),
-            "bf16_native": has_dot, "int8_gops": round(int8, 1), "read_gb_s": round(read, 1),
-            "read_all_cores_gb_s": round(every_core, 1), "cores": len(os.sched_getaffinity(0))}
+    return {
+        "vector_floats": width,
+        "f32_gflops": round(fma, 1),
+        "bf16_gflops": round(dot, 1),
+        "bf16_native": has_dot,
+        "int8_gops": round(int8, 1),
+        "read_gb_s": round(read, 1),
+        "read_all_cores_gb_s": round(every_core, 1),
+        "cores": len(os.sched_getaffinity(0)),
+    }
 
 
 def read_in_parallel(peak, data: torch.Tensor) -> None:
@@ -131,6 +145,7 @@ def product(layout: str):
 
         def int8(x, p, n, out):
             return int8_linear(x, p, scales.setdefault(n, torch.ones(n)), None, out=out)
+
         return int8
     if layout == "int4":
         return lambda x, p, n, out: gemm_codes(x, p, None, out, bf16_x=True)
@@ -155,7 +170,7 @@ def on_huge_pages(tensor: torch.Tensor, mappings: list[mmap.mmap]) -> torch.Tens
     mappings.append(mapping)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
-    return whole[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    return whole[start : start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
 def huge(weight, mappings: list[mmap.mmap]):
@@ -169,15 +184,20 @@ def nbytes(weight) -> int:
     """What a step reads of a packed weight: its panels, and a quantized one's scales (and offsets)."""
     if isinstance(weight, torch.Tensor):
         return weight.nbytes
-    return sum(getattr(weight, name).nbytes for name in ("panels", "colsums", "scales", "offsets")
-               if hasattr(weight, name))
+    return sum(
+        getattr(weight, name).nbytes for name in ("panels", "colsums", "scales", "offsets") if hasattr(weight, name)
+    )
 
 
 def per_weight(peaks: dict) -> list[dict]:
-    print(f"\nGFLOP/s, one thread (% of the dtype's peak: float32 {peaks['f32_gflops']}, "
-          f"bfloat16 {peaks['bf16_gflops']}, int8 {peaks['int8_gops']} GOP/s; 4-bit codes: bfloat16's)")
-    print(f"{'weight (out x in)':<30}{'rows':>5}{'torch f32':>10}{'torch bf16':>11}"
-          + "".join(f"{'ours ' + name:>15}" for name in LAYOUTS))
+    print(
+        f"\nGFLOP/s, one thread (% of the dtype's peak: float32 {peaks['f32_gflops']}, "
+        f"bfloat16 {peaks['bf16_gflops']}, int8 {peaks['int8_gops']} GOP/s; 4-bit codes: bfloat16's)"
+    )
+    print(
+        f"{'weight (out x in)':<30}{'rows':>5}{'torch f32':>10}{'torch bf16':>11}"
+        + "".join(f"{'ours ' + name:>15}" for name in LAYOUTS)
+    )
     rows_out = []
     for name, (out_features, in_features) in WEIGHTS.items():
         weight = torch.randn(out_features, in_features) * 0.02
@@ -188,20 +208,29 @@ def per_weight(peaks: dict) -> list[dict]:
             x_half, out = x.to(torch.bfloat16), torch.empty(rows, out_features)
             flops = 2 * rows * out_features * in_features / 1e9
             repeats = REPEATS if rows < 256 else max(3, REPEATS // 5)
-            row = {"weight": name, "out_features": out_features, "in_features": in_features, "rows": rows,
-                   "torch_f32": flops / median_s(lambda x=x, w=weight: F.linear(x, w), repeats),
-                   "torch_bf16": flops / median_s(lambda x=x_half, w=half: F.linear(x, w), max(1, repeats // 3))}
+            row = {
+                "weight": name,
+                "out_features": out_features,
+                "in_features": in_features,
+                "rows": rows,
+                "torch_f32": flops / median_s(lambda x=x, w=weight: F.linear(x, w), repeats),
+                "torch_bf16": flops / median_s(lambda x=x_half, w=half: F.linear(x, w), max(1, repeats // 3)),
+            }
             for layout, p in panels.items():
                 given = as_the_worker_gives(x, layout)
                 call = product(layout)
                 row[layout] = flops / median_s(
-                    lambda x=given, p=p, n=out_features, out=out, call=call: call(x, p, n, out), repeats)
+                    lambda x=given, p=p, n=out_features, out=out, call=call: call(x, p, n, out), repeats
+                )
                 row[f"{layout}_of_peak"] = row[layout] / peaks[PEAK_OF[layout]]
-            rows_out.append({k: round(v, 3 if k.endswith("peak") else 1) if isinstance(v, float) else v
-                             for k, v in row.items()})
-            print(f"{name + f' ({out_features} x {in_features})':<30}{rows:>5}{row['torch_f32']:>10.1f}"
-                  f"{row['torch_bf16']:>11.1f}"
-                  + "".join(f"{row[layout]:>8.1f} ({row[layout + '_of_peak']:>3.0%})" for layout in LAYOUTS))
+            rows_out.append(
+                {k: round(v, 3 if k.endswith("peak") else 1) if isinstance(v, float) else v for k, v in row.items()}
+            )
+            print(
+                f"{name + f' ({out_features} x {in_features})':<30}{rows:>5}{row['torch_f32']:>10.1f}"
+                f"{row['torch_bf16']:>11.1f}"
+                + "".join(f"{row[layout]:>8.1f} ({row[layout + '_of_peak']:>3.0%})" for layout in LAYOUTS)
+            )
     return rows_out
 
 
@@ -291,8 +320,18 @@ def main() -> None:
 
 def cpu_features() -> list[str]:
     """The flags that choose a kernel build (kernels/native.py)."""
-    wanted = {"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8",
-              "amx_tile"}
+    wanted = {
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512_bf16",
+        "avx512_vnni",
+        "avx_vnni",
+        "amx_bf16",
+        "amx_int8",
+        "amx_tile",
+    }
     return sorted(native.cpu_flags() & wanted)
 
 

@@ -39,35 +39,76 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/cuda_graphs_8b.json")
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    flags = ["--device", args.device, "--dtype", args.dtype, "--load-format", "dummy", "--tokenizer", args.tokenizer,
-             "--max-model-len", str(args.max_model_len), *args.server_args.split()]
+    flags = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--load-format",
+        "dummy",
+        "--tokenizer",
+        args.tokenizer,
+        "--max-model-len",
+        str(args.max_model_len),
+        *args.server_args.split(),
+    ]
     runs: dict[str, dict[int, list[dict]]] = {mode: {c: [] for c in concurrencies} for mode in MODES}
     for repeat in range(args.repeats):
         for mode, extra in MODES.items():
             with pagedserve(*flags, *extra, model=args.model) as (url, _):
                 for c in concurrencies:
-                    result = asyncio.run(serve_client.run(url, SERVED_NAME, args.input_len, args.output_len,
-                                                          max(8, args.prompts_per_stream * c), max_concurrency=c,
-                                                          seed=repeat))
+                    result = asyncio.run(
+                        serve_client.run(
+                            url,
+                            SERVED_NAME,
+                            args.input_len,
+                            args.output_len,
+                            max(8, args.prompts_per_stream * c),
+                            max_concurrency=c,
+                            seed=repeat,
+                        )
+                    )
                     runs[mode][c].append(result)
-                    print(f"repeat {repeat} {mode:11s} c={c:3d}: {result['output_throughput']:8.1f} tok/s, "
-                          f"TPOT {result['mean_tpot_ms']:.2f} ms, failed {result['failed']}", flush=True)
-    print(f"\n{'concurrency':>11s} {'graphs tok/s':>13s} {'eager tok/s':>12s} {'ratio':>6s} "
-          f"{'graphs TPOT':>12s} {'eager TPOT':>11s}")
+                    print(
+                        f"repeat {repeat} {mode:11s} c={c:3d}: {result['output_throughput']:8.1f} tok/s, "
+                        f"TPOT {result['mean_tpot_ms']:.2f} ms, failed {result['failed']}",
+                        flush=True,
+                    )
+    print(
+        f"\n{'concurrency':>11s} {'graphs tok/s':>13s} {'eager tok/s':>12s} {'ratio':>6s} "
+        f"{'graphs TPOT':>12s} {'eager TPOT':>11s}"
+    )
     table = []
     for c in concurrencies:
         graphs = [r["output_throughput"] for r in runs["cuda_graphs"][c]]
         eager = [r["output_throughput"] for r in runs["eager"][c]]
         graphs_tpot = [r["mean_tpot_ms"] for r in runs["cuda_graphs"][c]]
         eager_tpot = [r["mean_tpot_ms"] for r in runs["eager"][c]]
-        row = {"concurrency": c, "graphs_tok_s": graphs, "eager_tok_s": eager, "graphs_tpot_ms": graphs_tpot,
-               "eager_tpot_ms": eager_tpot, "ratio": statistics.median(graphs) / statistics.median(eager)}
+        row = {
+            "concurrency": c,
+            "graphs_tok_s": graphs,
+            "eager_tok_s": eager,
+            "graphs_tpot_ms": graphs_tpot,
+            "eager_tpot_ms": eager_tpot,
+            "ratio": statistics.median(graphs) / statistics.median(eager),
+        }
         table.append(row)
-        print(f"{c:11d} {statistics.median(graphs):13.1f} {statistics.median(eager):12.1f} {row['ratio']:6.2f} "
-              f"{statistics.median(graphs_tpot):10.2f}ms {statistics.median(eager_tpot):9.2f}ms")
-    write_json(Path(args.out), {"machine": machine(), "commit": commit(), "model": args.model,
-                                "input_len": args.input_len, "output_len": args.output_len, "table": table,
-                                "runs": runs})
+        print(
+            f"{c:11d} {statistics.median(graphs):13.1f} {statistics.median(eager):12.1f} {row['ratio']:6.2f} "
+            f"{statistics.median(graphs_tpot):10.2f}ms {statistics.median(eager_tpot):9.2f}ms"
+        )
+    write_json(
+        Path(args.out),
+        {
+            "machine": machine(),
+            "commit": commit(),
+            "model": args.model,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "table": table,
+            "runs": runs,
+        },
+    )
     print(f"wrote {args.out}")
 
 

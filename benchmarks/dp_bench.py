@@ -39,8 +39,11 @@ ENGINE_PORT_STRIDE = 10  # as shared.config: engine i's scheduler metrics on the
 def scheduler_counters(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    wanted = ("pagedserve_prefix_cache_hits_total", "pagedserve_prefix_cache_queries_total",
-              "pagedserve_prompt_tokens_computed_total")
+    wanted = (
+        "pagedserve_prefix_cache_hits_total",
+        "pagedserve_prefix_cache_queries_total",
+        "pagedserve_prompt_tokens_computed_total",
+    )
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] in wanted}
 
 
@@ -85,8 +88,17 @@ def _bindable(port: int) -> bool:
 def run_policy(policy: str, args, jobs) -> dict:
     base = metrics_base_port(args.engines)
     urls = [f"http://127.0.0.1:{base + ENGINE_PORT_STRIDE * i}/metrics" for i in range(args.engines)]
-    flags = ["--data-parallel-size", str(args.engines), "--routing", policy, "--enable-prefix-caching",
-             "--num-gpu-blocks-override", str(args.num_blocks), "--scheduler-metrics-port", str(base)]
+    flags = [
+        "--data-parallel-size",
+        str(args.engines),
+        "--routing",
+        policy,
+        "--enable-prefix-caching",
+        "--num-gpu-blocks-override",
+        str(args.num_blocks),
+        "--scheduler-metrics-port",
+        str(base),
+    ]
     with pagedserve(*flags, model=args.model) as (api_url, _):
         wait_all_engines(api_url)
         before = [scheduler_counters(url) for url in urls]
@@ -100,7 +112,8 @@ def run_policy(policy: str, args, jobs) -> dict:
     result["hit_rate_by_engine"] = [
         (a["pagedserve_prefix_cache_hits_total"] - b["pagedserve_prefix_cache_hits_total"])
         / max(1.0, a["pagedserve_prefix_cache_queries_total"] - b["pagedserve_prefix_cache_queries_total"])
-        for a, b in zip(after, before)]
+        for a, b in zip(after, before)
+    ]
     return result
 
 
@@ -122,27 +135,37 @@ def main() -> None:
     prompts = system_prompts(args.prefixes, seed=args.seed)
     jobs = tenants(args.num_prompts, prompts, output_len=args.output_len, seed=args.seed + 1)
     prompt_blocks = sum(len(p) // 16 for p in prompts)
-    print(f"{args.prefixes} system prompts, {prompt_blocks} full blocks in all; each engine's KV cache "
-          f"{args.num_blocks} blocks ({args.num_blocks / prompt_blocks:.2f} of them)", flush=True)
+    print(
+        f"{args.prefixes} system prompts, {prompt_blocks} full blocks in all; each engine's KV cache "
+        f"{args.num_blocks} blocks ({args.num_blocks / prompt_blocks:.2f} of them)",
+        flush=True,
+    )
     runs: dict[str, list[dict]] = {policy: [] for policy in policies}
     for repeat in range(args.repeats):
         for policy in policies:
             result = run_policy(policy, args, jobs)
             runs[policy].append(result)
-            print(f"run {repeat + 1} {policy:<12} hit rate {result['prefix_cache_hit_rate']:.3f} "
-                  f"(by engine {', '.join(f'{h:.3f}' for h in result['hit_rate_by_engine'])}; requests "
-                  f"{'/'.join(map(str, result['requests_by_engine']))})  "
-                  f"output {result['output_throughput']:.1f} tok/s  mean TTFT {result['mean_ttft_ms']:.0f} ms  "
-                  f"failed {result['failed']}", flush=True)
-    print(f"\n{args.engines} engines, {args.num_prompts} requests over {args.prefixes} system prompts, "
-          f"concurrency {args.concurrency}, {args.num_blocks} KV blocks per engine; median [min-max] of "
-          f"{args.repeats} runs")
+            print(
+                f"run {repeat + 1} {policy:<12} hit rate {result['prefix_cache_hit_rate']:.3f} "
+                f"(by engine {', '.join(f'{h:.3f}' for h in result['hit_rate_by_engine'])}; requests "
+                f"{'/'.join(map(str, result['requests_by_engine']))})  "
+                f"output {result['output_throughput']:.1f} tok/s  mean TTFT {result['mean_ttft_ms']:.0f} ms  "
+                f"failed {result['failed']}",
+                flush=True,
+            )
+    print(
+        f"\n{args.engines} engines, {args.num_prompts} requests over {args.prefixes} system prompts, "
+        f"concurrency {args.concurrency}, {args.num_blocks} KV blocks per engine; median [min-max] of "
+        f"{args.repeats} runs"
+    )
     print(f"{'policy':<12} {'hit rate':<22} {'output tok/s':<28} {'mean TTFT ms':<28}")
     for policy in policies:
         rows = runs[policy]
-        print(f"{policy:<12} {spread([r['prefix_cache_hit_rate'] for r in rows], 3):<22} "
-              f"{spread([r['output_throughput'] for r in rows], 3):<28} "
-              f"{spread([r['mean_ttft_ms'] for r in rows], 3):<28}")
+        print(
+            f"{policy:<12} {spread([r['prefix_cache_hit_rate'] for r in rows], 3):<22} "
+            f"{spread([r['output_throughput'] for r in rows], 3):<28} "
+            f"{spread([r['mean_ttft_ms'] for r in rows], 3):<28}"
+        )
     ratios = {}
     if "prefix" in runs and "round_robin" in runs:
         pairs = list(zip(runs["prefix"], runs["round_robin"]))
@@ -151,12 +174,22 @@ def main() -> None:
             "output_throughput": [p["output_throughput"] / r["output_throughput"] for p, r in pairs],
             "mean_ttft": [p["mean_ttft_ms"] / r["mean_ttft_ms"] for p, r in pairs],
         }
-        print("prefix / round_robin, per repeat: " + "; ".join(
-            f"{name} {', '.join(f'{v:.2f}' for v in values)}" for name, values in ratios.items()))
+        print(
+            "prefix / round_robin, per repeat: "
+            + "; ".join(f"{name} {', '.join(f'{v:.2f}' for v in values)}" for name, values in ratios.items())
+        )
     if args.out:
-        write_json(args.out, {"machine": machine(), "commit": commit(), "args": vars(args) | {"out": str(args.out)},
-                              "system_prompt_blocks": prompt_blocks,
-                              "runs": runs, "prefix_over_round_robin": ratios})
+        write_json(
+            args.out,
+            {
+                "machine": machine(),
+                "commit": commit(),
+                "args": vars(args) | {"out": str(args.out)},
+                "system_prompt_blocks": prompt_blocks,
+                "runs": runs,
+                "prefix_over_round_robin": ratios,
+            },
+        )
         print(f"wrote {args.out}")
 
 

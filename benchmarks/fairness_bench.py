@@ -52,8 +52,15 @@ class Tenant:
     async def one(self, client: httpx.AsyncClient) -> None:
         prompt = self.prompts[self.sent % len(self.prompts)]
         self.sent += 1
-        payload = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": self.output_len, "stream": self.stream,
-                   "ignore_eos": True, "temperature": 0, "user": self.name}
+        payload = {
+            "model": SERVED_NAME,
+            "prompt": prompt,
+            "max_tokens": self.output_len,
+            "stream": self.stream,
+            "ignore_eos": True,
+            "temperature": 0,
+            "user": self.name,
+        }
         started = time.perf_counter()
         if not self.stream:
             response = await client.post("/v1/completions", json=payload)
@@ -130,8 +137,12 @@ def main() -> None:
     parser.add_argument("--b-input", type=int, default=64)
     parser.add_argument("--b-output", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=32, help="the server's seats: A's flood queues for them")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="the server's step budget: a step of A's prompts that B arrives during is that long")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="the server's step budget: a step of A's prompts that B arrives during is that long",
+    )
     parser.add_argument("--alone", type=int, default=20, help="B's requests on the idle server")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of the contended phase")
     parser.add_argument("--settle", type=float, default=10.0, help="seconds of A alone before B starts")
@@ -142,21 +153,34 @@ def main() -> None:
     runs: dict[str, list[dict]] = {policy: [] for policy in policies}
     for repeat in range(args.repeats):
         for policy in policies:
-            flags = ["--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs),
-                     "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+            flags = [
+                "--scheduling-policy",
+                policy,
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+                "--max-num-batched-tokens",
+                str(args.max_num_batched_tokens),
+            ]
             with pagedserve(*flags, model=args.model) as (api_url, _):
                 result = asyncio.run(measure(api_url, args))
             runs[policy].append(result)
-            print(f"run {repeat + 1} {policy:<5} B TTFT median {result['b_ttft_median_ms']:.0f} ms, p99 "
-                  f"{result['b_ttft_p99_ms']:.0f} ms ({result['b_requests']} requests; alone "
-                  f"{result['b_alone_ttft_median_ms']:.0f} / {result['b_alone_ttft_p99_ms']:.0f} ms)  "
-                  f"output {result['output_throughput']:.1f} tok/s", flush=True)
+            print(
+                f"run {repeat + 1} {policy:<5} B TTFT median {result['b_ttft_median_ms']:.0f} ms, p99 "
+                f"{result['b_ttft_p99_ms']:.0f} ms ({result['b_requests']} requests; alone "
+                f"{result['b_alone_ttft_median_ms']:.0f} / {result['b_alone_ttft_p99_ms']:.0f} ms)  "
+                f"output {result['output_throughput']:.1f} tok/s",
+                flush=True,
+            )
     summary: dict[str, dict[str, list[float]]] = {}
-    print(f"\nA: {args.flood} requests of {args.a_input} in / {args.a_output} out in flight; B: one request of "
-          f"{args.b_input} in / {args.b_output} out at a time; --max-num-seqs {args.max_num_seqs}; median "
-          f"[min-max] of {args.repeats} runs")
-    print(f"{'policy':<8} {'B TTFT / alone, median':<26} {'B TTFT / alone, p99':<26} {'output tok/s':<24}"
-          f"{'throughput / fcfs':<20}")
+    print(
+        f"\nA: {args.flood} requests of {args.a_input} in / {args.a_output} out in flight; B: one request of "
+        f"{args.b_input} in / {args.b_output} out at a time; --max-num-seqs {args.max_num_seqs}; median "
+        f"[min-max] of {args.repeats} runs"
+    )
+    print(
+        f"{'policy':<8} {'B TTFT / alone, median':<26} {'B TTFT / alone, p99':<26} {'output tok/s':<24}"
+        f"{'throughput / fcfs':<20}"
+    )
     for policy in policies:
         rows = runs[policy]
         ratios = {
@@ -164,16 +188,27 @@ def main() -> None:
             "b_ttft_p99_over_alone": [r["b_ttft_p99_ms"] / r["b_alone_ttft_median_ms"] for r in rows],
         }
         if "fcfs" in runs:
-            ratios["throughput_over_fcfs"] = [r["output_throughput"] / f["output_throughput"]
-                                              for r, f in zip(rows, runs["fcfs"])]
+            ratios["throughput_over_fcfs"] = [
+                r["output_throughput"] / f["output_throughput"] for r, f in zip(rows, runs["fcfs"])
+            ]
         summary[policy] = ratios
         over_fcfs = spread(ratios["throughput_over_fcfs"], 2) if "throughput_over_fcfs" in ratios else "-"
-        print(f"{policy:<8} {spread(ratios['b_ttft_median_over_alone'], 2):<26} "
-              f"{spread(ratios['b_ttft_p99_over_alone'], 2):<26} "
-              f"{spread([r['output_throughput'] for r in rows], 1):<24}{over_fcfs:<20}")
+        print(
+            f"{policy:<8} {spread(ratios['b_ttft_median_over_alone'], 2):<26} "
+            f"{spread(ratios['b_ttft_p99_over_alone'], 2):<26} "
+            f"{spread([r['output_throughput'] for r in rows], 1):<24}{over_fcfs:<20}"
+        )
     if args.out:
-        write_json(args.out, {"machine": machine(), "commit": commit(), "args": vars(args) | {"out": str(args.out)},
-                              "runs": runs, "summary": summary})
+        write_json(
+            args.out,
+            {
+                "machine": machine(),
+                "commit": commit(),
+                "args": vars(args) | {"out": str(args.out)},
+                "runs": runs,
+                "summary": summary,
+            },
+        )
         print(f"wrote {args.out}")
 
 

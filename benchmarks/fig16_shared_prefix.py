@@ -58,8 +58,11 @@ def main() -> None:
             with pagedserve(*flags, model=args.model) as (api, metrics):
                 result = run_at_rate(api, metrics, jobs, float("inf"), seed=args.seed)
             results.setdefault(workload, {})[system] = result
-            print(f"{workload:<8} {system:<28} {result['request_throughput']:7.2f} req/s  "
-                  f"{result['output_throughput']:8.1f} output tok/s", flush=True)
+            print(
+                f"{workload:<8} {system:<28} {result['request_throughput']:7.2f} req/s  "
+                f"{result['output_throughput']:8.1f} output tok/s",
+                flush=True,
+            )
     for workload, by_system in results.items():
         shared, alone = by_system["pagedserve, prefix caching"], by_system["pagedserve, no sharing"]
         print(

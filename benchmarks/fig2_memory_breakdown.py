@@ -32,8 +32,12 @@ from benchmarks.paper_harness import (  # noqa: E402
 from benchmarks.provenance import commit  # noqa: E402
 from benchmarks.workloads import WORKLOADS, describe  # noqa: E402
 
-STATES = (("tokens", "token states"), ("reserved", "reserved"), ("unused", "internal fragmentation"),
-          ("fragmented", "external fragmentation"))
+STATES = (
+    ("tokens", "token states"),
+    ("reserved", "reserved"),
+    ("unused", "internal fragmentation"),
+    ("fragmented", "external fragmentation"),
+)
 
 
 def main() -> None:
@@ -58,10 +62,20 @@ def main() -> None:
             result = run_at_rate(api, metrics, jobs, float("inf"), seed=args.seed)
         shares = result["kv_slots_percent"]
         breakdown[policy] = {**shares, "request_throughput": result["request_throughput"]}
-        print(f"{LABELS[policy]:<14} {shares['tokens']:12.1f}% {shares['reserved']:8.1f}% {shares['unused']:14.1f}% "
-              f"{shares['fragmented']:8.1f}%  {shares['samples']}", flush=True)
-    payload = {"figure": "2", "workload": args.workload, "trace": describe(jobs[2:]), "args": vars(args),
-               "commit": commit(), **machine(), "breakdown_percent": breakdown}
+        print(
+            f"{LABELS[policy]:<14} {shares['tokens']:12.1f}% {shares['reserved']:8.1f}% {shares['unused']:14.1f}% "
+            f"{shares['fragmented']:8.1f}%  {shares['samples']}",
+            flush=True,
+        )
+    payload = {
+        "figure": "2",
+        "workload": args.workload,
+        "trace": describe(jobs[2:]),
+        "args": vars(args),
+        "commit": commit(),
+        **machine(),
+        "breakdown_percent": breakdown,
+    }
     write_json(Path(args.out_dir) / "fig2_memory_breakdown.json", payload)
     plot(breakdown, Path(args.plot_dir) / "fig2_memory_breakdown.png")
 

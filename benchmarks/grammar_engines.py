@@ -24,9 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.structured_bench import RECORDS, new_schema  # noqa: E402
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                           "tags": {"type": "array", "items": {"type": "string"}}},
-          "required": ["name", "age", "tags"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 
 
 def documents() -> list[tuple[str, dict, str]]:
@@ -34,9 +41,11 @@ def documents() -> list[tuple[str, dict, str]]:
 
     wide = new_schema(random.Random(0))
     wide_doc = {name: _example(spec) for name, spec in wide["properties"].items()}
-    return [("person", PERSON, json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "engines"]})),
-            ("records", RECORDS, json.dumps([{"id": i, "name": f"item {i}", "tags": ["a", "b"]} for i in range(64)])),
-            ("40 properties", wide, json.dumps(wide_doc))]
+    return [
+        ("person", PERSON, json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "engines"]})),
+        ("records", RECORDS, json.dumps([{"id": i, "name": f"item {i}", "tags": ["a", "b"]} for i in range(64)])),
+        ("40 properties", wide, json.dumps(wide_doc)),
+    ]
 
 
 def _example(spec: dict):

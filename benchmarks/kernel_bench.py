@@ -87,8 +87,9 @@ def decode_row(batch: int, context: int, peak: float | None) -> dict:
     sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(q4, k4, v4, scale=scale, enable_gqa=True))
     row = {"batch": batch, "context": context, "paged_ms": paged_ms, "sdpa_ms": sdpa_ms}
     if flash_attn_func is not None:
-        row["flash_ms"] = time_ms(lambda: flash_attn_func(query.view(batch, 1, HEADS, HEAD_DIM), k, v,
-                                                            softmax_scale=scale))
+        row["flash_ms"] = time_ms(
+            lambda: flash_attn_func(query.view(batch, 1, HEADS, HEAD_DIM), k, v, softmax_scale=scale)
+        )
     moved = 2 * batch * context * KV_HEADS * HEAD_DIM * torch.finfo(DTYPE).bits // 8
     row["gbps"] = moved / paged_ms / 1e6
     row["peak_percent"] = 100 * row["gbps"] / peak if peak else None
@@ -104,8 +105,14 @@ def quantized_decode_row(batch: int, context: int, kv_cache_dtype: str, peak: fl
     paged_ms = time_ms(lambda: paged_attention_triton(query, key_cache, value_cache, paged, HEAD_DIM**-0.5))
     moved = 2 * batch * context * KV_HEADS * (HEAD_DIM + kv_quant.SCALE_BYTES)
     gbps = moved / paged_ms / 1e6
-    return {"batch": batch, "context": context, "kv_cache_dtype": kv_cache_dtype, "paged_ms": paged_ms,
-            "gbps": gbps, "peak_percent": 100 * gbps / peak if peak else None}
+    return {
+        "batch": batch,
+        "context": context,
+        "kv_cache_dtype": kv_cache_dtype,
+        "paged_ms": paged_ms,
+        "gbps": gbps,
+        "peak_percent": 100 * gbps / peak if peak else None,
+    }
 
 
 def prefill_row(prompt: int, batch: int) -> dict:
@@ -113,11 +120,20 @@ def prefill_row(prompt: int, batch: int) -> dict:
     scale = HEAD_DIM**-0.5
     paged_ms = time_ms(lambda: paged_attention_triton(query, key_cache, value_cache, paged, scale), repeats=10)
     q4 = query.view(batch, prompt, HEADS, HEAD_DIM).transpose(1, 2)
-    sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(q4, k.transpose(1, 2), v.transpose(1, 2),
-                                                             is_causal=True, scale=scale, enable_gqa=True), repeats=10)
+    sdpa_ms = time_ms(
+        lambda: F.scaled_dot_product_attention(
+            q4, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+        ),
+        repeats=10,
+    )
     flops = 4 * batch * HEADS * prompt * prompt * HEAD_DIM / 2  # causal: half of QK^T and PV
-    return {"prompt": prompt, "batch": batch, "paged_ms": paged_ms, "sdpa_ms": sdpa_ms,
-            "tflops": flops / paged_ms / 1e9}
+    return {
+        "prompt": prompt,
+        "batch": batch,
+        "paged_ms": paged_ms,
+        "sdpa_ms": sdpa_ms,
+        "tflops": flops / paged_ms / 1e9,
+    }
 
 
 def main() -> None:
@@ -129,26 +145,43 @@ def main() -> None:
     prefill = [prefill_row(p, b) for p, b in ((512, 8), (2048, 2))]
     quantized = [quantized_decode_row(64, 2048, kind, peak) for kind in ("int8", "fp8")]
     print(f"{torch.cuda.get_device_name()}; peak HBM {peak} GB/s; heads {HEADS}/{KV_HEADS}, d {HEAD_DIM}, fp16")
-    print(f"{'batch':>6}{'context':>8}{'paged ms':>10}{'GB/s':>9}{'% peak':>8}{'sdpa ms':>9}{'paged/sdpa':>11}"
-          f"{'flash ms':>10}")
+    print(
+        f"{'batch':>6}{'context':>8}{'paged ms':>10}{'GB/s':>9}{'% peak':>8}{'sdpa ms':>9}{'paged/sdpa':>11}"
+        f"{'flash ms':>10}"
+    )
     for r in decode:
         flash = f"{r['flash_ms']:>10.3f}" if "flash_ms" in r else f"{'-':>10}"
         pct = f"{r['peak_percent']:>8.1f}" if r["peak_percent"] is not None else f"{'-':>8}"
-        print(f"{r['batch']:>6}{r['context']:>8}{r['paged_ms']:>10.3f}{r['gbps']:>9.0f}{pct}"
-              f"{r['sdpa_ms']:>9.3f}{r['paged_ms'] / r['sdpa_ms']:>11.2f}{flash}")
+        print(
+            f"{r['batch']:>6}{r['context']:>8}{r['paged_ms']:>10.3f}{r['gbps']:>9.0f}{pct}"
+            f"{r['sdpa_ms']:>9.3f}{r['paged_ms'] / r['sdpa_ms']:>11.2f}{flash}"
+        )
     print(f"{'prompt':>6}{'batch':>8}{'paged ms':>10}{'TFLOP/s':>9}{'sdpa ms':>9}{'paged/sdpa':>11}")
     for r in prefill:
-        print(f"{r['prompt']:>6}{r['batch']:>8}{r['paged_ms']:>10.3f}{r['tflops']:>9.1f}{r['sdpa_ms']:>9.3f}"
-              f"{r['paged_ms'] / r['sdpa_ms']:>11.2f}")
+        print(
+            f"{r['prompt']:>6}{r['batch']:>8}{r['paged_ms']:>10.3f}{r['tflops']:>9.1f}{r['sdpa_ms']:>9.3f}"
+            f"{r['paged_ms'] / r['sdpa_ms']:>11.2f}"
+        )
     for r in quantized:
         pct = f"{r['peak_percent']:.1f} % of peak" if r["peak_percent"] is not None else ""
-        print(f"{r['kv_cache_dtype']} cache, batch {r['batch']}, context {r['context']}: {r['paged_ms']:.3f} ms, "
-              f"{r['gbps']:.0f} GB/s {pct}")
+        print(
+            f"{r['kv_cache_dtype']} cache, batch {r['batch']}, context {r['context']}: {r['paged_ms']:.3f} ms, "
+            f"{r['gbps']:.0f} GB/s {pct}"
+        )
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "kernel_bench.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                   "decode": decode, "prefill": prefill, "quantized_decode": quantized}, f, indent=2)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(),
+                "date": time.strftime("%Y-%m-%d"),
+                "decode": decode,
+                "prefill": prefill,
+                "quantized_decode": quantized,
+            },
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

@@ -81,8 +81,13 @@ def case(adapters: int, rows: int, device: str = "cuda", timing: bool = True) ->
     if not timing:
         return {}
     kernel_ms, loop_ms = time_ms(kernel, 50), time_ms(loop, 50)
-    return {"adapters": adapters, "rows": rows, "kernel_ms": round(kernel_ms, 4), "loop_ms": round(loop_ms, 4),
-            "speedup": round(loop_ms / kernel_ms, 2)}
+    return {
+        "adapters": adapters,
+        "rows": rows,
+        "kernel_ms": round(kernel_ms, 4),
+        "loop_ms": round(loop_ms, 4),
+        "speedup": round(loop_ms / kernel_ms, 2),
+    }
 
 
 def main() -> None:
@@ -92,8 +97,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: q/k/v of an 8B model, rank {RANK}, float16")
     print("adapters  rows  kernel ms  loop ms  loop/kernel")
     for r in results:
-        print(f"{r['adapters']:>8}  {r['rows']:>4}  {r['kernel_ms']:>9.4f}  {r['loop_ms']:>7.4f}  "
-              f"{r['speedup']:>10.2f}")
+        print(
+            f"{r['adapters']:>8}  {r['rows']:>4}  {r['kernel_ms']:>9.4f}  {r['loop_ms']:>7.4f}  {r['speedup']:>10.2f}"
+        )
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "lora_kernel_bench.json")
     with open(path, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "cases": results}, f, indent=1)

@@ -56,6 +56,7 @@ async def run_users(base_url: str, args, seed: int) -> dict:
     url = f"{base_url}/v1/completions"
     limits = httpx.Limits(max_connections=args.users + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
         async def user(index: int) -> list[dict]:
             think = random.Random(seed * 7919 + index)
             turns = []
@@ -85,15 +86,24 @@ async def run_users(base_url: str, args, seed: int) -> dict:
 def scheduler_counters(port: int) -> dict[str, float]:
     """pagedserve's host-cache counters from its scheduler's /metrics (one port above the api's), and the time its
     worker spent on block transfers and whole forward passes (two above)."""
-    wanted = ("pagedserve_blocks_offloaded_total", "pagedserve_prefix_cache_tier_hits_total",
-              "pagedserve_prompt_tokens_computed_total", "pagedserve_preemptions_total",
-              'pagedserve_step_phase_seconds_sum{phase="transfer"', 'pagedserve_step_phase_seconds_sum{phase="forward"')
+    wanted = (
+        "pagedserve_blocks_offloaded_total",
+        "pagedserve_prefix_cache_tier_hits_total",
+        "pagedserve_prompt_tokens_computed_total",
+        "pagedserve_preemptions_total",
+        'pagedserve_step_phase_seconds_sum{phase="transfer"',
+        'pagedserve_step_phase_seconds_sum{phase="forward"',
+    )
     counters = {}
     for offset in (1, 2):
         with urllib.request.urlopen(f"http://127.0.0.1:{port + offset}/metrics", timeout=10) as response:
             text = response.read().decode()
-        counters.update({name: float(value) for name, value in (line.rsplit(" ", 1) for line in text.splitlines()
-                                                                 if line.startswith(wanted))})
+        counters.update(
+            {
+                name: float(value)
+                for name, value in (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(wanted))
+            }
+        )
     return counters
 
 
@@ -107,8 +117,14 @@ def command(args, name: str, port: int) -> tuple[list[str], dict[str, str]]:
         built, env = peer_bench.pagedserve_command(args, port)
         offload = args.offload_gib if name.startswith("pagedserve+host") else 0.0
         policy = "write-through" if name.endswith("write-through") else "write-back"
-        return built + shared + ["--kv-offloading-size", f"{offload:g}", "--kv-offloading-policy", policy,
-                                 "--worker-metrics-port", str(port + 2)], env
+        return built + shared + [
+            "--kv-offloading-size",
+            f"{offload:g}",
+            "--kv-offloading-policy",
+            policy,
+            "--worker-metrics-port",
+            str(port + 2),
+        ], env
     build = peer_bench.vllm_all_cores_command if name == "vllm-all-cores" else peer_bench.vllm_command
     built, env = build(args, port)
     return built + shared, env
@@ -117,8 +133,14 @@ def command(args, name: str, port: int) -> tuple[list[str], dict[str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     peer_bench.add_system_args(parser)
-    parser.set_defaults(model=str(ROOT / "ops" / "configs" / "tiny-python-4k"), load_format="dummy", block_size=32,
-                        max_num_seqs=8, max_num_batched_tokens=2048, repeats=3)
+    parser.set_defaults(
+        model=str(ROOT / "ops" / "configs" / "tiny-python-4k"),
+        load_format="dummy",
+        block_size=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        repeats=3,
+    )
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--document", type=int, default=700, help="tokens of each user's opening document")
@@ -126,11 +148,16 @@ def main() -> None:
     parser.add_argument("--answer", type=int, default=100, help="tokens of each answer sent back in the history")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--think", type=float, default=1.0, help="mean seconds between a user's turns")
-    parser.add_argument("--device-blocks", type=int, default=0,
-                        help="device KV blocks on every system (0: a quarter of the users' final histories)")
+    parser.add_argument(
+        "--device-blocks",
+        type=int,
+        default=0,
+        help="device KV blocks on every system (0: a quarter of the users' final histories)",
+    )
     parser.add_argument("--offload-gib", type=float, default=1.0, help="pagedserve's --kv-offloading-size")
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="which of them to run, comma-separated (vLLM's need --vllm-venv)")
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="which of them to run, comma-separated (vLLM's need --vllm-venv)"
+    )
     parser.add_argument("--port", type=int, default=8400)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -138,8 +165,7 @@ def main() -> None:
     final = args.document + args.question + (args.turns - 1) * (args.answer + args.question) + args.max_tokens
     working_set = args.users * -(-final // args.block_size)
     args.device_blocks = args.device_blocks or working_set // 4
-    print(f"working set {working_set} blocks of {args.block_size} tokens; device pool {args.device_blocks}",
-          flush=True)
+    print(f"working set {working_set} blocks of {args.block_size} tokens; device pool {args.device_blocks}", flush=True)
 
     chosen = args.systems.split(",")
     if unknown := set(chosen) - set(SYSTEMS):
@@ -162,17 +188,24 @@ def main() -> None:
                         after = scheduler_counters(ports[name])
                         result["counters"] = {key: after[key] - before.get(key, 0.0) for key in after}
                     runs[name].append(result)
-                    print(f"repetition {repeat + 1} {name}: median TTFT {result['median_ttft_ms']:.0f} ms "
-                          f"(later turns {result['median_ttft_later_turns_ms']:.0f}), "
-                          f"{result['output_throughput']:.1f} tok/s, longest prompt {result['longest_prompt']}",
-                          flush=True)
+                    print(
+                        f"repetition {repeat + 1} {name}: median TTFT {result['median_ttft_ms']:.0f} ms "
+                        f"(later turns {result['median_ttft_later_turns_ms']:.0f}), "
+                        f"{result['output_throughput']:.1f} tok/s, longest prompt {result['longest_prompt']}",
+                        flush=True,
+                    )
         finally:
             for server in servers:
                 server.stop()
 
-    record = {"cpu": cpu_model(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
-              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "working_set_blocks": working_set, "runs": runs}
+    record = {
+        "cpu": cpu_model(),
+        "commit": commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "working_set_blocks": working_set,
+        "runs": runs,
+    }
     print_summary(record)
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
@@ -182,24 +215,30 @@ def print_summary(record: dict) -> None:
     runs = record["runs"]
     print(f"\n{record['cpu']}, {record['date']}, {record['commit']}; median (range) over repetitions")
     for name, results in runs.items():
-        print(f"{name:>16}: TTFT {spread([r['median_ttft_ms'] for r in results], 0)} ms, "
-              f"later turns {spread([r['median_ttft_later_turns_ms'] for r in results], 0)} ms, "
-              f"{spread([r['output_throughput'] for r in results])} tok/s")
+        print(
+            f"{name:>16}: TTFT {spread([r['median_ttft_ms'] for r in results], 0)} ms, "
+            f"later turns {spread([r['median_ttft_later_turns_ms'] for r in results], 0)} ms, "
+            f"{spread([r['output_throughput'] for r in results])} tok/s"
+        )
     for name, results in runs.items():
         counters = [r["counters"] for r in results if r.get("counters")]
         if counters:
-            share = [c.get('pagedserve_step_phase_seconds_sum{phase="transfer",rank="0"}', 0.0)
-                     / max(c.get('pagedserve_step_phase_seconds_sum{phase="forward",rank="0"}', 0.0), 1e-9)
-                     for c in counters]
+            share = [
+                c.get('pagedserve_step_phase_seconds_sum{phase="transfer",rank="0"}', 0.0)
+                / max(c.get('pagedserve_step_phase_seconds_sum{phase="forward",rank="0"}', 0.0), 1e-9)
+                for c in counters
+            ]
             print(f"{name:>16}: block transfers {spread([100 * x for x in share], 2)}% of the worker's step time")
 
     def ratios(a_name: str, b_name: str) -> None:
         if a_name in runs and b_name in runs:
             a_runs, b_runs = runs[a_name], runs[b_name]
-            print(f"{a_name} / {b_name}: TTFT "
-                  + spread([a["median_ttft_ms"] / b["median_ttft_ms"] for a, b in zip(a_runs, b_runs)], 2)
-                  + ", throughput "
-                  + spread([a["output_throughput"] / b["output_throughput"] for a, b in zip(a_runs, b_runs)], 2))
+            print(
+                f"{a_name} / {b_name}: TTFT "
+                + spread([a["median_ttft_ms"] / b["median_ttft_ms"] for a, b in zip(a_runs, b_runs)], 2)
+                + ", throughput "
+                + spread([a["output_throughput"] / b["output_throughput"] for a, b in zip(a_runs, b_runs)], 2)
+            )
 
     ratios("pagedserve+host", "pagedserve")
     ratios("pagedserve+host-write-through", "pagedserve+host")
@@ -209,10 +248,12 @@ def print_summary(record: dict) -> None:
     peers = [name for name in ("vllm", "vllm-all-cores") if name in runs]
     if peers:
         best = [min((runs[p][i] for p in peers), key=lambda r: r["median_ttft_ms"]) for i in range(len(host))]
-        print("host cache / vLLM at its best: TTFT "
-              + spread([a["median_ttft_ms"] / b["median_ttft_ms"] for a, b in zip(host, best)], 2)
-              + ", throughput " + spread([a["output_throughput"] / b["output_throughput"] for a, b in zip(host, best)],
-                                         2))
+        print(
+            "host cache / vLLM at its best: TTFT "
+            + spread([a["median_ttft_ms"] / b["median_ttft_ms"] for a, b in zip(host, best)], 2)
+            + ", throughput "
+            + spread([a["output_throughput"] / b["output_throughput"] for a, b in zip(host, best)], 2)
+        )
 
 
 if __name__ == "__main__":

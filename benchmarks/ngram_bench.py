@@ -27,7 +27,7 @@ def source_tokens(rng: random.Random, length: int, files: list[Path]) -> list[in
     """A window of a source file as byte values: enough of code's repetition for the lookup."""
     data = rng.choice(files).read_bytes()
     start = rng.randrange(0, max(1, len(data) - length))
-    return list(data[start:start + length]) or [0]
+    return list(data[start : start + length]) or [0]
 
 
 def main() -> None:
@@ -59,19 +59,29 @@ def main() -> None:
             proposed += len(proposer.propose(tokens, index, args.k))
         per_step.append((time.perf_counter() - started) / len(seqs) * 1e6)
     result = {
-        "sequences": args.sequences, "steps": args.steps, "prompt_len": args.prompt_len, "k": args.k,
-        "prompt_lookup": [args.min_n, args.max_n], "first_call_us_per_sequence": round(first, 1),
-        "us_per_sequence_per_step": {"median": round(statistics.median(per_step), 2),
-                                     "p99": round(sorted(per_step)[int(0.99 * len(per_step))], 2),
-                                     "max": round(max(per_step), 2)},
+        "sequences": args.sequences,
+        "steps": args.steps,
+        "prompt_len": args.prompt_len,
+        "k": args.k,
+        "prompt_lookup": [args.min_n, args.max_n],
+        "first_call_us_per_sequence": round(first, 1),
+        "us_per_sequence_per_step": {
+            "median": round(statistics.median(per_step), 2),
+            "p99": round(sorted(per_step)[int(0.99 * len(per_step))], 2),
+            "max": round(max(per_step), 2),
+        },
         "proposals_per_call": round(proposed / (args.steps * args.sequences), 2),
     }
-    print(f"{args.sequences} sequences, prompts of {args.prompt_len} tokens, k={args.k}, "
-          f"n in [{args.min_n}, {args.max_n}]")
+    print(
+        f"{args.sequences} sequences, prompts of {args.prompt_len} tokens, k={args.k}, "
+        f"n in [{args.min_n}, {args.max_n}]"
+    )
     print(f"first call (indexes the prompt): {first:.1f} us per sequence")
-    print(f"later steps: median {result['us_per_sequence_per_step']['median']} us, p99 "
-          f"{result['us_per_sequence_per_step']['p99']} us per sequence per step "
-          f"({result['proposals_per_call']} tokens proposed per call)")
+    print(
+        f"later steps: median {result['us_per_sequence_per_step']['median']} us, p99 "
+        f"{result['us_per_sequence_per_step']['p99']} us per sequence per step "
+        f"({result['proposals_per_call']} tokens proposed per call)"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

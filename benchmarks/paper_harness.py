@@ -49,8 +49,16 @@ def free_ports(count: int) -> list[int]:
 def budget_flags(args) -> list[str]:
     """The KV budget every system compared shares (`args.num_blocks` blocks of `args.block_size`,
     context `args.max_model_len`), and recompute preemption."""
-    return ["--num-gpu-blocks-override", str(args.num_blocks), "--block-size", str(args.block_size),
-            "--max-model-len", str(args.max_model_len), "--preemption-mode", "recompute"]
+    return [
+        "--num-gpu-blocks-override",
+        str(args.num_blocks),
+        "--block-size",
+        str(args.block_size),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--preemption-mode",
+        "recompute",
+    ]
 
 
 @contextmanager
@@ -59,10 +67,26 @@ def pagedserve(*flags: str, model: str | None = None):
     scheduler /metrics url). Its log goes to $BENCH_LOG_DIR when set, else to a directory that goes
     with it."""
     port, metrics_port = free_ports(2)
-    command = [sys.executable, "-m", "services.launcher", "up", "--port", str(port), "--served-model-name",
-               SERVED_NAME, "--device", "cpu", "--scheduler-metrics-port", str(metrics_port),
-               "--worker-metrics-port", "0", "--log-stats-interval", "0", *(["--model", model] if model else []),
-               *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "services.launcher",
+        "up",
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_NAME,
+        "--device",
+        "cpu",
+        "--scheduler-metrics-port",
+        str(metrics_port),
+        "--worker-metrics-port",
+        "0",
+        "--log-stats-interval",
+        "0",
+        *(["--model", model] if model else []),
+        *flags,
+    ]
     kept = os.environ.get("BENCH_LOG_DIR")
     with nullcontext(kept) if kept else tempfile.TemporaryDirectory() as logs:
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -117,8 +141,7 @@ class SlotSampler:
         return {**shares, "samples": len(self.samples)}
 
 
-def run_at_rate(api_url: str, metrics_url: str, jobs: list[Job], rate: float, seed: int = 0,
-                warmup: int = 2) -> dict:
+def run_at_rate(api_url: str, metrics_url: str, jobs: list[Job], rate: float, seed: int = 0, warmup: int = 2) -> dict:
     """One run of `jobs` (the first `warmup` sent alone first) at a Poisson `rate`, with the KV slot
     breakdown over it."""
     with SlotSampler(metrics_url) as sampler:
@@ -144,15 +167,21 @@ def save_figure(figure, path: Path) -> None:
 
 
 def machine() -> dict:
-    return {"machine": platform.machine(), "processor": cpu_model(),
-            "cores": os.cpu_count(), "gpu": gpu_name(), "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return {
+        "machine": platform.machine(),
+        "processor": cpu_model(),
+        "cores": os.cpu_count(),
+        "gpu": gpu_name(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def gpu_name() -> str | None:
     try:
-        listing = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=30).stdout.strip()
+        listing = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return None
     return listing.splitlines()[0] if listing else None
@@ -161,5 +190,3 @@ def gpu_name() -> str | None:
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
-
-

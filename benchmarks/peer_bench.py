@@ -93,17 +93,18 @@ SCENARIOS = {
     ),
     # A model past toy size, where the step is matmuls (ops/configs/llama-12l-768 with dummy weights).
     "mid_c16": Scenario(
-        256, 96, 64, max_concurrency=16,
-        metrics=("output_throughput", "mean_tpot_ms", "median_ttft_ms", "mean_ttft_ms"),
+        256, 96, 64, max_concurrency=16, metrics=("output_throughput", "mean_tpot_ms", "median_ttft_ms", "mean_ttft_ms")
     ),
     # 16 prompts sent at once to an idle server: first tokens with no earlier requests' waves to wait behind.
     "mid_burst16": Scenario(256, 1, 16, max_concurrency=16, metrics=("median_ttft_ms", "mean_ttft_ms")),
     # Quantized against float on the same shape (--baseline-model): many short prompts decoding long, and long
     # prompts with few tokens out, where the first token is the figure.
-    "decode_c32": Scenario(64, 256, 96, max_concurrency=32,
-                           metrics=("output_throughput", "mean_tpot_ms", "median_ttft_ms")),
-    "prefill_1k": Scenario(1024, 16, 16, max_concurrency=4,
-                           metrics=("median_ttft_ms", "mean_ttft_ms", "output_throughput")),
+    "decode_c32": Scenario(
+        64, 256, 96, max_concurrency=32, metrics=("output_throughput", "mean_tpot_ms", "median_ttft_ms")
+    ),
+    "prefill_1k": Scenario(
+        1024, 16, 16, max_concurrency=4, metrics=("median_ttft_ms", "mean_ttft_ms", "output_throughput")
+    ),
     "mid_c1": Scenario(
         256,
         96,
@@ -479,9 +480,11 @@ def settle_system_args(parser: argparse.ArgumentParser, args: argparse.Namespace
 def provenance_line(record: dict) -> str:
     """What a saved run was: model and dtype, CPU, date and commit (older files lack the last two)."""
     settings = record.get("settings", {})
-    return (f"{record.get('model') or 'shipped model'} at --dtype {settings.get('dtype', 'auto')}; "
-            f"{record.get('cpu', record.get('machine', '?'))}; {record.get('date', '?')}; "
-            f"commit {record.get('commit', 'not recorded')}")
+    return (
+        f"{record.get('model') or 'shipped model'} at --dtype {settings.get('dtype', 'auto')}; "
+        f"{record.get('cpu', record.get('machine', '?'))}; {record.get('date', '?')}; "
+        f"commit {record.get('commit', 'not recorded')}"
+    )
 
 
 def main() -> None:

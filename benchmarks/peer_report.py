@@ -42,14 +42,17 @@ def table(runs: dict[str, list[dict]], scenarios: dict) -> list[dict]:
             rows.append(row)
     for scenario_name in scenarios:  # pagedserve's worker waiting on the scheduler, as a share of its busy time
         shares = [r[scenario_name]["worker_waiting_share"] for r in runs.get("pagedserve", [])]
-        rows.append({"scenario": scenario_name, "metric": "worker waiting / busy", "system": "pagedserve",
-                     "share": shares})
+        rows.append(
+            {"scenario": scenario_name, "metric": "worker waiting / busy", "system": "pagedserve", "share": shares}
+        )
     for system, system_runs in runs.items():  # saturation under load as a share of the quiet figure
         if "throughput" in scenarios and "throughput_loaded" in scenarios:
-            shares = [r["throughput_loaded"]["output_throughput"] / r["throughput"]["output_throughput"]
-                      for r in system_runs]
-            rows.append({"scenario": "loaded / quiet", "metric": "output_throughput share", "system": system,
-                         "share": shares})
+            shares = [
+                r["throughput_loaded"]["output_throughput"] / r["throughput"]["output_throughput"] for r in system_runs
+            ]
+            rows.append(
+                {"scenario": "loaded / quiet", "metric": "output_throughput share", "system": system, "share": shares}
+            )
     return rows
 
 
@@ -62,11 +65,15 @@ def spec_table(runs: dict[str, list[dict]], scenarios: dict) -> list[dict]:
     rows = []
     for scenario_name, scenario in scenarios.items():
         for metric in (*scenario.metrics, "acceptance_length"):
-            values = {system: [r[scenario_name].get(metric) for r in system_runs]
-                      for system, system_runs in runs.items()}
+            values = {
+                system: [r[scenario_name].get(metric) for r in system_runs] for system, system_runs in runs.items()
+            }
             values = {system: v for system, v in values.items() if all(x is not None for x in v)}
-            ratios = {f"{a} / {b}": [x / y for x, y in zip(values[a], values[b]) if y]
-                      for a, b in SPEC_RATIOS if a in values and b in values}
+            ratios = {
+                f"{a} / {b}": [x / y for x, y in zip(values[a], values[b]) if y]
+                for a, b in SPEC_RATIOS
+                if a in values and b in values
+            }
             rows.append({"scenario": scenario_name, "metric": metric, "values": values, "ratios": ratios})
     return rows
 
@@ -76,8 +83,10 @@ def print_spec_table(rows: list[dict], systems: list[str]) -> None:
     print("\n| scenario | metric | " + " | ".join(systems) + " | " + " | ".join(f"{p} (×)" for p in pairs) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in systems + pairs) + " |")
     for row in rows:
-        cells = [spread(row["values"][s], 2 if row["metric"] == "acceptance_length" else 1) if s in row["values"]
-                 else "" for s in systems]
+        cells = [
+            spread(row["values"][s], 2 if row["metric"] == "acceptance_length" else 1) if s in row["values"] else ""
+            for s in systems
+        ]
         cells += [spread(row["ratios"].get(p, []), 2) for p in pairs]
         print(f"| {row['scenario']} | {row['metric']} | " + " | ".join(cells) + " |")
     print("a / b: the figure of a over that of b, per repetition (for TPOT lower is better, for throughput higher)")
@@ -89,14 +98,18 @@ def print_table(rows: list[dict]) -> None:
     extra = " vLLM, all cores | advantage over it (×) | over vLLM at its best (×) |" if all_cores else ""
     extra += " baseline model | advantage over it (×) |" if baseline else ""
     print("\n| scenario | metric | pagedserve | vLLM | pagedserve advantage (×) |" + extra)
-    print("| --- | --- | --- | --- | --- |" + (" --- | --- | --- |" if all_cores else "")
-          + (" --- | --- |" if baseline else ""))
+    print(
+        "| --- | --- | --- | --- | --- |"
+        + (" --- | --- | --- |" if all_cores else "")
+        + (" --- | --- |" if baseline else "")
+    )
     for row in rows:
         if "share" in row:
             share = spread([100 * s for s in row["share"]])
             print(
                 f"| {row['scenario']} ({row['system']}) | {row['metric']} | {share} % | | |"
-                + (" | | |" if all_cores else "") + (" | |" if baseline else "")
+                + (" | | |" if all_cores else "")
+                + (" | |" if baseline else "")
             )
         else:
             cells = [spread(row["pagedserve"]), spread(row.get("vllm", [])), spread(row.get("ratio", []), 2)]

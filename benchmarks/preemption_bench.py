@@ -29,8 +29,15 @@ REPEATS = 5
 
 
 def build_model(device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-                         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)
+    config = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.tie_weights()
@@ -56,15 +63,24 @@ def main() -> None:
     rows = []
     for block_size in (8, 16, 32, 64):
         num_blocks = NUM_TOKENS // block_size
-        cache = KVCache(model.config.num_hidden_layers, num_blocks * 2, block_size, model.num_kv_heads,
-                        model.head_dim, dtype, device, num_cpu_blocks=num_blocks)
+        cache = KVCache(
+            model.config.num_hidden_layers,
+            num_blocks * 2,
+            block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            dtype,
+            device,
+            num_cpu_blocks=num_blocks,
+        )
         runner = ModelRunner(model, cache, device, seed=0)
         pairs = [(i, i) for i in range(num_blocks)]
         swap_ms = timed(lambda cache=cache, pairs=pairs: (cache.swap_out(pairs), cache.swap_in(pairs)), sync)
         recompute_ms = 1e3 * NUM_TOKENS / runner.measure_prefill_rate(NUM_TOKENS)
         kv_mib = num_blocks * sum(layer[:, 0].numel() * layer.element_size() for layer in cache.layers) / 2**20
-        rows.append({"block_size": block_size, "kv_mib": kv_mib, "swap_out_and_in_ms": swap_ms,
-                     "recompute_ms": recompute_ms})
+        rows.append(
+            {"block_size": block_size, "kv_mib": kv_mib, "swap_out_and_in_ms": swap_ms, "recompute_ms": recompute_ms}
+        )
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(f"one request of {NUM_TOKENS} tokens, 8-layer 1024-wide Llama, {dtype}, on {name}")
     print(f"{'block size':>10}{'KV MiB':>10}{'swap out+in ms':>16}{'recompute ms':>14}")
@@ -73,8 +89,17 @@ def main() -> None:
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "preemption_bench.json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "device": name, "dtype": str(dtype),
-                   "tokens": NUM_TOKENS, "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "device": name,
+                "dtype": str(dtype),
+                "tokens": NUM_TOKENS,
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     plot(rows, name, os.path.join(os.path.dirname(out), "..", "docs", "fig19_preemption.png"))
 
 

@@ -27,17 +27,25 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
     flags = set(fields.get("flags", "").split())
     present = " ".join(flag for flag in VECTOR_FLAGS if flag in flags) or "no AVX2"
-    return (f"{fields.get('model name', platform.machine())} (family {fields.get('cpu family', '?')} "
-            f"model {fields.get('model', '?')}; {present})")
+    return (
+        f"{fields.get('model name', platform.machine())} (family {fields.get('cpu family', '?')} "
+        f"model {fields.get('model', '?')}; {present})"
+    )
 
 
 def commit() -> str:
     """The short commit, marked `-dirty` when the tree differs from it (the figure is then not that commit's)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")

@@ -53,21 +53,30 @@ def main() -> None:
         offsets = -8 * scales
         int4 = pack_codes_gpu(codes, scales, offsets, "uint4")
         fp8_codes = weight.to(torch.float8_e4m3fn).view(torch.uint8)
-        fp8 = pack_codes_gpu(fp8_codes, torch.ones(n, k // GROUP, device=device), torch.zeros(n, k // GROUP,
-                                                                                               device=device), "fp8")
+        fp8 = pack_codes_gpu(
+            fp8_codes, torch.ones(n, k // GROUP, device=device), torch.zeros(n, k // GROUP, device=device), "fp8"
+        )
         int8_weight = torch.randint(-128, 128, (k, n), dtype=torch.int8, device=device)
         w_scales = torch.rand(n, device=device) * 0.01
         for rows in ROWS:
             x = torch.randn(rows, k, device=device, dtype=torch.float16)
-            row = {"weight": name, "n": n, "k": k, "rows": rows,
-                   "fp16_ms": timed(lambda x=x, weight=weight: x @ weight.T),
-                   "w4a16_ms": timed(lambda x=x, int4=int4: codes_gemm_triton(x, *int4, "uint4")),
-                   "fp8_w8a16_ms": timed(lambda x=x, fp8=fp8: codes_gemm_triton(x, *fp8, "fp8")),
-                   "w8a8_ms": timed(lambda x=x, w=int8_weight, s=w_scales: int8_linear_torch(x.float(), w, s, None))}
+            row = {
+                "weight": name,
+                "n": n,
+                "k": k,
+                "rows": rows,
+                "fp16_ms": timed(lambda x=x, weight=weight: x @ weight.T),
+                "w4a16_ms": timed(lambda x=x, int4=int4: codes_gemm_triton(x, *int4, "uint4")),
+                "fp8_w8a16_ms": timed(lambda x=x, fp8=fp8: codes_gemm_triton(x, *fp8, "fp8")),
+                "w8a8_ms": timed(lambda x=x, w=int8_weight, s=w_scales: int8_linear_torch(x.float(), w, s, None)),
+            }
             rows_out.append(row)
-            print(f"{name:>8} {rows:>4} rows: fp16 {row['fp16_ms']:.3f} ms, W4A16 {row['w4a16_ms']:.3f} "
-                  f"({row['fp16_ms'] / row['w4a16_ms']:.2f}x), FP8 {row['fp8_w8a16_ms']:.3f}, "
-                  f"W8A8 {row['w8a8_ms']:.3f} ({row['fp16_ms'] / row['w8a8_ms']:.2f}x)", flush=True)
+            print(
+                f"{name:>8} {rows:>4} rows: fp16 {row['fp16_ms']:.3f} ms, W4A16 {row['w4a16_ms']:.3f} "
+                f"({row['fp16_ms'] / row['w4a16_ms']:.2f}x), FP8 {row['fp8_w8a16_ms']:.3f}, "
+                f"W8A8 {row['w8a8_ms']:.3f} ({row['fp16_ms'] / row['w8a8_ms']:.2f}x)",
+                flush=True,
+            )
     out = ROOT / "benchmarks" / "results" / "quant_gpu_bench.json"
     out.write_text(json.dumps({**machine(), "commit": commit(), "group": GROUP, "rows": rows_out}, indent=2))
     print(f"wrote {out}")

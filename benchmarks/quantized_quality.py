@@ -33,9 +33,15 @@ from benchmarks.provenance import commit, cpu_model  # noqa: E402
 
 SHIPPED = ROOT / "ops" / "models" / "tiny-python"
 # name: (ops/quantize.py scheme, group size); None: the checkpoint as shipped
-SCHEMES = {"bf16 (as shipped)": None, "W8A8 int8": ("W8A8", None), "W8A16 int8": ("W8A16", 64),
-           "W4A16 (groups of 64)": ("W4A16", 64), "W4A16 asymmetric (groups of 64)": ("W4A16_ASYM", 64),
-           "W4A16 per channel": ("W4A16-channel", None), "FP8 W8A16 (per channel)": ("FP8_DYNAMIC", None)}
+SCHEMES = {
+    "bf16 (as shipped)": None,
+    "W8A8 int8": ("W8A8", None),
+    "W8A16 int8": ("W8A16", 64),
+    "W4A16 (groups of 64)": ("W4A16", 64),
+    "W4A16 asymmetric (groups of 64)": ("W4A16_ASYM", 64),
+    "W4A16 per channel": ("W4A16-channel", None),
+    "FP8 W8A16 (per channel)": ("FP8_DYNAMIC", None),
+}
 
 
 def held_out(files: int, tokens: int, tokenizer) -> list[list[int]]:
@@ -61,9 +67,26 @@ def free_port() -> int:
 def perplexity(model_dir: str, texts: list[list[int]], scratch: str) -> float:
     port = free_port()
     log = open(os.path.join(scratch, f"server-{port}.log"), "w")  # noqa: SIM115 (the child keeps it open)
-    server = subprocess.Popen([sys.executable, "-m", "services.launcher", "serve", model_dir, "--port", str(port),
-                               "--device", "cpu", "--scheduler-metrics-port", "0", "--worker-metrics-port", "0"],
-                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "serve",
+            model_dir,
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--scheduler-metrics-port",
+            "0",
+            "--worker-metrics-port",
+            "0",
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -78,13 +101,22 @@ def perplexity(model_dir: str, texts: list[list[int]], scratch: str) -> float:
             time.sleep(0.5)
         total, count = 0.0, 0
         for ids in texts:
-            body = json.dumps({"model": os.path.basename(model_dir.rstrip("/")), "prompt": ids, "max_tokens": 1,
-                               "echo": True, "logprobs": 0, "temperature": 0}).encode()
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                             {"content-type": "application/json"})
+            body = json.dumps(
+                {
+                    "model": os.path.basename(model_dir.rstrip("/")),
+                    "prompt": ids,
+                    "max_tokens": 1,
+                    "echo": True,
+                    "logprobs": 0,
+                    "temperature": 0,
+                }
+            ).encode()
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions", body, {"content-type": "application/json"}
+            )
             with urllib.request.urlopen(request, timeout=300) as response:
                 logprobs = json.load(response)["choices"][0]["logprobs"]["token_logprobs"]
-            prompt = logprobs[1:len(ids)]  # the first token has none
+            prompt = logprobs[1 : len(ids)]  # the first token has none
             total -= sum(prompt)
             count += len(prompt)
         return math.exp(total / count)
@@ -110,16 +142,23 @@ def main() -> None:
         for name, scheme in SCHEMES.items():
             directory = str(SHIPPED)
             if scheme is not None:
-                directory = write_compressed_tensors(str(SHIPPED), scheme[0], os.path.join(scratch, scheme[0]),
-                                                     group_size=scheme[1])
+                directory = write_compressed_tensors(
+                    str(SHIPPED), scheme[0], os.path.join(scratch, scheme[0]), group_size=scheme[1]
+                )
             results[name] = round(perplexity(directory, texts, scratch), 3)
             print(f"{name:<34} perplexity {results[name]:.3f}", flush=True)
     base = results["bf16 (as shipped)"]
     print("\n| checkpoint | perplexity | against bf16 |\n| --- | --- | --- |")
     for name, value in results.items():
         print(f"| {name} | {value:.3f} | {value / base - 1:+.1%} |")
-    record = {"cpu": cpu_model(), "commit": commit(), "date": time.strftime("%Y-%m-%d"), "files": len(texts),
-              "tokens_per_file": args.tokens, "perplexity": results}
+    record = {
+        "cpu": cpu_model(),
+        "commit": commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "files": len(texts),
+        "tokens_per_file": args.tokens,
+        "perplexity": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")

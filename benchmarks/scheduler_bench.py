@@ -100,8 +100,7 @@ def bench_round_trip(num_seqs: int, transport: str = "ipc") -> dict:
     authenticator = start_authenticator(context, keys)
     router = sockets.bind(context, zmq.ROUTER, endpoint, keys, "worker")
     endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
-    worker = multiprocessing.get_context("spawn").Process(target=empty_worker, args=(endpoint, keys_dir),
-                                                          daemon=True)
+    worker = multiprocessing.get_context("spawn").Process(target=empty_worker, args=(endpoint, keys_dir), daemon=True)
     worker.start()
     identity, _ = router.recv_multipart()
     scheduler = decoding_scheduler() if num_seqs else None
@@ -143,20 +142,25 @@ def main() -> None:
     }
     # The empty step isolates the wire: the 256-decode round trip adds milliseconds of decoding
     # and bookkeeping whose noise hides a difference this small.
-    results["curve_cost_per_step_ms"] = (results["round_trip_empty_step_tcp_curve"]["median_ms"]
-                                         - results["round_trip_empty_step_tcp"]["median_ms"])
+    results["curve_cost_per_step_ms"] = (
+        results["round_trip_empty_step_tcp_curve"]["median_ms"] - results["round_trip_empty_step_tcp"]["median_ms"]
+    )
     print(f"{'measure':<48}{'median':>10}{'p99':>10}")
     s = results["schedule"]
-    print(f"{'schedule()+encode, 256 decoding seqs (ms)':<48}{s['schedule_plus_encode_ms_median']:>10.3f}"
-          f"{s['schedule_plus_encode_ms_p99']:>10.3f}")
+    print(
+        f"{'schedule()+encode, 256 decoding seqs (ms)':<48}{s['schedule_plus_encode_ms_median']:>10.3f}"
+        f"{s['schedule_plus_encode_ms_p99']:>10.3f}"
+    )
     print(f"{'update() with 256 sampled tokens (ms)':<48}{s['update_ms_median']:>10.3f}{'':>10}")
     print(f"{'step frame for 256 decodes (bytes)':<48}{s['step_frame_bytes_median']:>10.0f}{'':>10}")
-    for key, label in [("round_trip_empty_step", "round trip, empty step (ms)"),
-                       ("round_trip_empty_step_tcp", "  the same over tcp:// (ms)"),
-                       ("round_trip_empty_step_tcp_curve", "  the same over tcp:// with CURVE (ms)"),
-                       ("round_trip_256_decodes", "round trip, 256 decodes, no forward (ms)"),
-                       ("round_trip_256_decodes_tcp", "  the same over tcp:// (ms)"),
-                       ("round_trip_256_decodes_tcp_curve", "  the same over tcp:// with CURVE (ms)")]:
+    for key, label in [
+        ("round_trip_empty_step", "round trip, empty step (ms)"),
+        ("round_trip_empty_step_tcp", "  the same over tcp:// (ms)"),
+        ("round_trip_empty_step_tcp_curve", "  the same over tcp:// with CURVE (ms)"),
+        ("round_trip_256_decodes", "round trip, 256 decodes, no forward (ms)"),
+        ("round_trip_256_decodes_tcp", "  the same over tcp:// (ms)"),
+        ("round_trip_256_decodes_tcp_curve", "  the same over tcp:// with CURVE (ms)"),
+    ]:
         r = results[key]
         print(f"{label:<48}{r['median_ms']:>10.3f}{r['p99_ms']:>10.3f}")
     print(f"{'CURVE cost per step, empty step (ms)':<48}{results['curve_cost_per_step_ms']:>10.3f}")

@@ -53,12 +53,20 @@ async def _event_stream_lines(response: httpx.Response):
         yield pending
 
 
-async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                            max_tokens: int) -> dict:
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+) -> dict:
     """One greedy streamed completion of `max_tokens` (`ignore_eos`): its time to the first text and its
     output tokens. A status other than 200 raises, so that a benchmark never counts a refusal."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     ttft, tokens = None, 0
     async with client.stream("POST", url, json=body) as response:
@@ -96,17 +104,33 @@ async def _one(client: httpx.AsyncClient, url: str, payload: dict) -> Outcome:
     return outcome
 
 
-async def run(base_url: str, model: str, input_len: int, output_len: int, num_prompts: int,
-              request_rate: float = float("inf"), max_concurrency: int | None = None, seed: int = 0,
-              vocab_size: int = 4096, params: dict | None = None) -> dict:
+async def run(
+    base_url: str,
+    model: str,
+    input_len: int,
+    output_len: int,
+    num_prompts: int,
+    request_rate: float = float("inf"),
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    vocab_size: int = 4096,
+    params: dict | None = None,
+) -> dict:
     jobs = fixed(num_prompts, input_len, output_len, seed=seed, vocab_size=vocab_size)
     for job in jobs:
         job.params.update(params or {})
     return await run_jobs(base_url, model, jobs, request_rate, max_concurrency, seed)
 
 
-async def run_jobs(base_url: str, model: str, jobs: list[Job], request_rate: float = float("inf"),
-                   max_concurrency: int | None = None, seed: int = 0, warmup: int = 0) -> dict:
+async def run_jobs(
+    base_url: str,
+    model: str,
+    jobs: list[Job],
+    request_rate: float = float("inf"),
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    warmup: int = 0,
+) -> dict:
     """Send `jobs` and summarize; the first `warmup` of them run one at a time before, not counted."""
     rng = random.Random(seed)
     url = base_url.rstrip("/") + "/v1/completions"
@@ -114,10 +138,18 @@ async def run_jobs(base_url: str, model: str, jobs: list[Job], request_rate: flo
     limits = httpx.Limits(max_connections=max_concurrency or max(1, len(jobs)))
 
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+
         async def limited(job: Job) -> Outcome:
             async with limit:
-                payload = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "stream": True,
-                           "ignore_eos": True, "stream_options": {"include_usage": True}, **job.params}
+                payload = {
+                    "model": model,
+                    "prompt": job.prompt,
+                    "max_tokens": job.output_len,
+                    "stream": True,
+                    "ignore_eos": True,
+                    "stream_options": {"include_usage": True},
+                    **job.params,
+                }
                 return await _one(client, url, payload)
 
         for job in jobs[:warmup]:
@@ -171,14 +203,20 @@ def summarize(outcomes: list[Outcome], duration: float) -> dict:
 
 
 def print_table(result: dict) -> None:
-    rows = [("requests completed / failed", f"{result['completed']} / {result['failed']}"),
-            ("duration s", f"{result['duration']:.2f}"),
-            ("request throughput req/s", f"{result['request_throughput']:.2f}"),
-            ("output throughput tok/s", f"{result['output_throughput']:.1f}"),
-            ("normalized latency s/token", f"{result['normalized_latency_s_per_token']:.4f}")]
+    rows = [
+        ("requests completed / failed", f"{result['completed']} / {result['failed']}"),
+        ("duration s", f"{result['duration']:.2f}"),
+        ("request throughput req/s", f"{result['request_throughput']:.2f}"),
+        ("output throughput tok/s", f"{result['output_throughput']:.1f}"),
+        ("normalized latency s/token", f"{result['normalized_latency_s_per_token']:.4f}"),
+    ]
     for metric in ("ttft", "tpot", "itl", "e2el"):
-        rows.append((f"{metric.upper()} ms mean / median / p99", " / ".join(
-            f"{result.get(f'{how}_{metric}_ms', 0.0):.1f}" for how in ("mean", "median", "p99"))))
+        rows.append(
+            (
+                f"{metric.upper()} ms mean / median / p99",
+                " / ".join(f"{result.get(f'{how}_{metric}_ms', 0.0):.1f}" for how in ("mean", "median", "p99")),
+            )
+        )
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
@@ -202,8 +240,9 @@ def main() -> None:
     if args.workload == "fixed":
         jobs = fixed(args.num_prompts + args.warmup, args.input_len, args.output_len, seed=args.seed)
     else:
-        jobs = WORKLOADS[args.workload](args.num_prompts + args.warmup, seed=args.seed,
-                                        max_model_len=args.max_model_len)
+        jobs = WORKLOADS[args.workload](
+            args.num_prompts + args.warmup, seed=args.seed, max_model_len=args.max_model_len
+        )
     result = asyncio.run(
         run_jobs(
             args.base_url, args.model, jobs, args.request_rate, args.max_concurrency, args.seed, warmup=args.warmup

@@ -94,8 +94,12 @@ def run(mode: str, width: int, seed: int = 0) -> dict:
         output = lognormal_length(rng, MEAN_OUTPUT)
         clock += arrivals[i]
         sampling = SamplingParams(
-            n=width, best_of=width, temperature=0.0 if beam else 1.0, use_beam_search=beam,
-            max_tokens=output if beam else 4096, ignore_eos=beam,
+            n=width,
+            best_of=width,
+            temperature=0.0 if beam else 1.0,
+            use_beam_search=beam,
+            max_tokens=output if beam else 4096,
+            ignore_eos=beam,
         )
         arrivals[i] = (clock, AddRequest(f"r{i}", prompt, sampling, clock))
     logical = physical = 0
@@ -115,8 +119,13 @@ def run(mode: str, width: int, seed: int = 0) -> dict:
         for request in scheduler.running:
             logical += sum(len(seq.kv.block_table) for seq in request.seqs)
             physical += len({b for seq in request.seqs for b in seq.kv.block_table})
-    return {"mode": mode, "width": width, "saving_percent": 100.0 * (1 - physical / logical),
-            "logical_block_steps": logical, "physical_block_steps": physical}
+    return {
+        "mode": mode,
+        "width": width,
+        "saving_percent": 100.0 * (1 - physical / logical),
+        "logical_block_steps": logical,
+        "physical_block_steps": physical,
+    }
 
 
 def main() -> None:
@@ -129,13 +138,25 @@ def main() -> None:
     print(f"{'sharing':<20}{'width':>6}{'saved %':>10}{'paper %':>10}")
     for row in rows:
         reference = paper.get((row["mode"], row["width"]))
-        print(f"{row['mode'] + ' sampling' if row['mode'] == 'parallel' else 'beam search':<20}"
-              f"{row['width']:>6}{row['saving_percent']:>10.1f}{reference if reference else '':>10}")
+        print(
+            f"{row['mode'] + ' sampling' if row['mode'] == 'parallel' else 'beam search':<20}"
+            f"{row['width']:>6}{row['saving_percent']:>10.1f}{reference if reference else '':>10}"
+        )
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "sharing_bench.json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "sigma": SIGMA,
-                   "block_size": BLOCK_SIZE, "requests": NUM_REQUESTS, "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": platform.machine(),
+                "sigma": SIGMA,
+                "block_size": BLOCK_SIZE,
+                "requests": NUM_REQUESTS,
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     plot(rows, os.path.join(os.path.dirname(out), "..", "docs", "fig15_sharing.png"))
 
 

@@ -44,30 +44,39 @@ RECORDS = {
     "type": "array",
     "items": {
         "type": "object",
-        "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
-                       "tags": {"type": "array", "items": {"type": "string"}}},
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
         "required": ["id", "name", "tags"],
     },
     "minItems": 64,  # more than 128 tokens can hold: no system's grammar ends early and leaves it free
 }
-SCHEMA_BODY = json.dumps({"response_format": {"type": "json_schema",
-                                              "json_schema": {"name": "records", "schema": RECORDS}}})
+SCHEMA_BODY = json.dumps(
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "records", "schema": RECORDS}}}
+)
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
 
 
 def scenarios(num_prompts: int, output_len: int) -> dict[str, Scenario]:
-    return {"free_c32": Scenario(128, output_len, num_prompts, max_concurrency=32, metrics=METRICS),
-            "schema_c32": Scenario(128, output_len, num_prompts, max_concurrency=32, metrics=METRICS,
-                                   body=SCHEMA_BODY)}
+    return {
+        "free_c32": Scenario(128, output_len, num_prompts, max_concurrency=32, metrics=METRICS),
+        "schema_c32": Scenario(128, output_len, num_prompts, max_concurrency=32, metrics=METRICS, body=SCHEMA_BODY),
+    }
 
 
 def new_schema(rng: random.Random) -> dict:
     """A schema no server has seen: 40 properties of every kind under fresh names."""
-    kinds = [{"type": "integer", "minimum": 0, "maximum": 10_000}, {"type": "string", "maxLength": 20},
-             {"enum": [f"v{rng.randrange(10**6)}" for _ in range(8)]}, {"type": "boolean"},
-             {"type": "string", "pattern": "^[a-z]{2,6}-[0-9]{3}$"},
-             {"type": "array", "items": {"type": "number"}, "maxItems": 4},
-             {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}}}]
+    kinds = [
+        {"type": "integer", "minimum": 0, "maximum": 10_000},
+        {"type": "string", "maxLength": 20},
+        {"enum": [f"v{rng.randrange(10**6)}" for _ in range(8)]},
+        {"type": "boolean"},
+        {"type": "string", "pattern": "^[a-z]{2,6}-[0-9]{3}$"},
+        {"type": "array", "items": {"type": "number"}, "maxItems": 4},
+        {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}}},
+    ]
     properties = {f"p{rng.randrange(10**9)}": rng.choice(kinds) for _ in range(40)}
     return {"type": "object", "properties": properties, "required": list(properties)[:20]}
 
@@ -81,9 +90,12 @@ async def ttft_while_compiling(base_url: str, seed: int, num_prompts: int, compi
     async with httpx.AsyncClient(timeout=None) as client:
         for _ in range(compiles):
             await asyncio.sleep(0.2)
-            body = {"model": SERVED_NAME, "prompt": [rng.randrange(4096) for _ in range(16)], "max_tokens": 8,
-                    "response_format": {"type": "json_schema",
-                                        "json_schema": {"name": "new", "schema": new_schema(rng)}}}
+            body = {
+                "model": SERVED_NAME,
+                "prompt": [rng.randrange(4096) for _ in range(16)],
+                "max_tokens": 8,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "new", "schema": new_schema(rng)}},
+            }
             statuses.append(asyncio.create_task(client.post(f"{base_url}/v1/completions", json=body)))
         answers = await asyncio.gather(*statuses)
         result = await measured
@@ -115,17 +127,26 @@ def main() -> None:
                     seed = 100 * repeat + compiles  # fresh prompts and fresh schemas every time
                     result = asyncio.run(ttft_while_compiling(base_url, seed, args.ttft_prompts, compiles))
                     ttft[case].append(result)
-                    print(f"  ttft {case}: mean {result['mean_ttft_ms']:.1f} ms, "
-                          f"median {result['median_ttft_ms']:.1f} ms", flush=True)
+                    print(
+                        f"  ttft {case}: mean {result['mean_ttft_ms']:.1f} ms, "
+                        f"median {result['median_ttft_ms']:.1f} ms",
+                        flush=True,
+                    )
         finally:
             server.stop()
 
     def figures(system: str, scenario: str, metric: str) -> list[float]:
         return [run[scenario][metric] for run in runs[system]]
 
-    rows = {"schema / free throughput, pagedserve": [s / f for s, f in zip(
-        figures("pagedserve", "schema_c32", "output_throughput"),
-        figures("pagedserve", "free_c32", "output_throughput"))]}
+    rows = {
+        "schema / free throughput, pagedserve": [
+            s / f
+            for s, f in zip(
+                figures("pagedserve", "schema_c32", "output_throughput"),
+                figures("pagedserve", "free_c32", "output_throughput"),
+            )
+        ]
+    }
     if "vllm" in runs:
         rows["schema / free throughput, vLLM"] = [
             s / f

@@ -24,10 +24,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def llama_config(args) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.hidden,
-            "intermediate_size": 4 * args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-            "num_key_value_heads": args.heads // 2, "vocab_size": args.vocab, "max_position_embeddings": 2048,
-            "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.hidden,
+        "intermediate_size": 4 * args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.heads // 2,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "eos_token_id": 0,
+    }
 
 
 def rss_mib(pid: int) -> float:
@@ -45,10 +56,29 @@ def rank_pids(supervisor: int) -> list[int]:
 
 def measure(model_dir: str, size: int, scratch: str) -> list[float]:
     log_path = os.path.join(scratch, f"worker-tp{size}.log")
-    command = [sys.executable, "-m", "services.worker", "--model", model_dir, "--load-format", "dummy",
-               "--device", "cpu", "--worker-endpoint", f"ipc://{scratch}/none.sock", "--kv-cache-memory", "0.01",
-               "--swap-space", "0", "--metrics-port", "0", "--tensor-parallel-size", str(size),
-               "--dist-init-method", f"file://{scratch}/init-{size}"]
+    command = [
+        sys.executable,
+        "-m",
+        "services.worker",
+        "--model",
+        model_dir,
+        "--load-format",
+        "dummy",
+        "--device",
+        "cpu",
+        "--worker-endpoint",
+        f"ipc://{scratch}/none.sock",
+        "--kv-cache-memory",
+        "0.01",
+        "--swap-space",
+        "0",
+        "--metrics-port",
+        "0",
+        "--tensor-parallel-size",
+        str(size),
+        "--dist-init-method",
+        f"file://{scratch}/init-{size}",
+    ]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -87,8 +117,13 @@ def main() -> None:
         baseline = torch_baseline()
         per_rank = {size: measure(model_dir, size, scratch) for size in (1, 2)}
     one, two = per_rank[1][0], max(per_rank[2])
-    results = {"config": llama_config(args), "baseline_mib": baseline, "rss_mib": per_rank,
-               "ratio": two / one, "ratio_above_baseline": (two - baseline) / (one - baseline)}
+    results = {
+        "config": llama_config(args),
+        "baseline_mib": baseline,
+        "rss_mib": per_rank,
+        "ratio": two / one,
+        "ratio_above_baseline": (two - baseline) / (one - baseline),
+    }
     print(f"{'tensor-parallel size':>22} {'rank':>5} {'RSS MiB':>9}")
     for size, values in per_rank.items():
         for rank, value in enumerate(values):

@@ -51,18 +51,32 @@ def one_run(args, seed: int, scratch: Path) -> dict:
         finally:
             server.stop()
     (cold, _), (warm, cached) = timings
-    run = {"cold_ttft_ms": 1000 * cold, "warm_ttft_ms": 1000 * warm, "cached_tokens": cached,
-           "cached_share": cached / len(prompt), "ttft_ratio": warm / cold}
-    print(f"run {seed + 1}: cold {run['cold_ttft_ms']:.0f} ms, warm {run['warm_ttft_ms']:.0f} ms "
-          f"({run['ttft_ratio']:.2f}x), {cached} of {len(prompt)} prompt tokens cached", flush=True)
+    run = {
+        "cold_ttft_ms": 1000 * cold,
+        "warm_ttft_ms": 1000 * warm,
+        "cached_tokens": cached,
+        "cached_share": cached / len(prompt),
+        "ttft_ratio": warm / cold,
+    }
+    print(
+        f"run {seed + 1}: cold {run['cold_ttft_ms']:.0f} ms, warm {run['warm_ttft_ms']:.0f} ms "
+        f"({run['ttft_ratio']:.2f}x), {cached} of {len(prompt)} prompt tokens cached",
+        flush=True,
+    )
     return run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     peer_bench.add_system_args(parser)
-    parser.set_defaults(model=str(ROOT / "ops" / "configs" / "llama-12l-768"), load_format="dummy", block_size=16,
-                        max_num_batched_tokens=2048, max_num_seqs=8, repeats=3)
+    parser.set_defaults(
+        model=str(ROOT / "ops" / "configs" / "llama-12l-768"),
+        load_format="dummy",
+        block_size=16,
+        max_num_batched_tokens=2048,
+        max_num_seqs=8,
+        repeats=3,
+    )
     # The longest prompt that leaves the 12-layer model's 2,048 positions room for one output token.
     parser.add_argument("--prompt-tokens", type=int, default=2047)
     parser.add_argument("--port", type=int, default=8600)
@@ -71,12 +85,19 @@ def main() -> None:
     peer_bench.settle_system_args(parser, args)
     with tempfile.TemporaryDirectory(prefix="warm-restart-") as scratch:
         runs = [one_run(args, seed, Path(scratch)) for seed in range(args.repeats)]
-    record = {"cpu": cpu_model(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
-              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": runs}
+    record = {
+        "cpu": cpu_model(),
+        "commit": commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "runs": runs,
+    }
     cold, warm = spread([r["cold_ttft_ms"] for r in runs], 0), spread([r["warm_ttft_ms"] for r in runs], 0)
-    print(f"\n{record['cpu']}, {record['date']}, {record['commit']}: warm / cold TTFT "
-          f"{spread([r['ttft_ratio'] for r in runs], 2)}, cached share {spread([r['cached_share'] for r in runs], 3)}, "
-          f"cold {cold} ms, warm {warm} ms")
+    print(
+        f"\n{record['cpu']}, {record['date']}, {record['commit']}: warm / cold TTFT "
+        f"{spread([r['ttft_ratio'] for r in runs], 2)}, cached share {spread([r['cached_share'] for r in runs], 3)}, "
+        f"cold {cold} ms, warm {warm} ms"
+    )
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
 

@@ -40,8 +40,9 @@ def _tokens(rng: random.Random, count: int, vocab_size: int) -> list[int]:
     return [rng.randrange(1, vocab_size) for _ in range(count)]
 
 
-def _traced(count: int, means: tuple[float, float], sigma: float, seed: int, max_model_len: int,
-            vocab_size: int) -> list[Job]:
+def _traced(
+    count: int, means: tuple[float, float], sigma: float, seed: int, max_model_len: int, vocab_size: int
+) -> list[Job]:
     rng = random.Random(seed)
     jobs = []
     for _ in range(count):
@@ -51,8 +52,14 @@ def _traced(count: int, means: tuple[float, float], sigma: float, seed: int, max
     return jobs
 
 
-def fixed(count: int, input_len: int = 128, output_len: int = 128, seed: int = 0, vocab_size: int = 4096,
-          max_model_len: int = 1 << 30) -> list[Job]:
+def fixed(
+    count: int,
+    input_len: int = 128,
+    output_len: int = 128,
+    seed: int = 0,
+    vocab_size: int = 4096,
+    max_model_len: int = 1 << 30,
+) -> list[Job]:
     rng = random.Random(seed)
     return [Job(_tokens(rng, input_len, vocab_size), output_len) for _ in range(count)]
 
@@ -65,8 +72,9 @@ def alpaca(count: int, seed: int = 0, max_model_len: int = 1024, vocab_size: int
     return _traced(count, ALPACA_MEANS, 0.8, seed, max_model_len, vocab_size)
 
 
-def shared_prefix(count: int, shots: int = 1, seed: int = 0, max_model_len: int = 1024,
-                  vocab_size: int = 4096) -> list[Job]:
+def shared_prefix(
+    count: int, shots: int = 1, seed: int = 0, max_model_len: int = 1024, vocab_size: int = 4096
+) -> list[Job]:
     rng = random.Random(seed)
     prefix = _tokens(rng, PREFIX_LENGTHS[shots], vocab_size)
     jobs = []
@@ -78,23 +86,33 @@ def shared_prefix(count: int, shots: int = 1, seed: int = 0, max_model_len: int 
     return jobs
 
 
-def system_prompts(count: int = 16, length_range: tuple[int, int] = (400, 800), seed: int = 0,
-                   vocab_size: int = 4096) -> list[list[int]]:
+def system_prompts(
+    count: int = 16, length_range: tuple[int, int] = (400, 800), seed: int = 0, vocab_size: int = 4096
+) -> list[list[int]]:
     rng = random.Random(seed)
     return [_tokens(rng, rng.randint(*length_range), vocab_size) for _ in range(count)]
 
 
-def tenants(count: int, prefixes: list[list[int]], suffix_range: tuple[int, int] = (16, 48), output_len: int = 16,
-            seed: int = 0, vocab_size: int = 4096) -> list[Job]:
+def tenants(
+    count: int,
+    prefixes: list[list[int]],
+    suffix_range: tuple[int, int] = (16, 48),
+    output_len: int = 16,
+    seed: int = 0,
+    vocab_size: int = 4096,
+) -> list[Job]:
     """Multi-tenant traffic: system prompts (`system_prompts`), each shared by many requests
     (chosen uniformly), each request with a short suffix of its own."""
     rng = random.Random(seed)
-    return [Job(rng.choice(prefixes) + _tokens(rng, rng.randint(*suffix_range), vocab_size), output_len)
-            for _ in range(count)]
+    return [
+        Job(rng.choice(prefixes) + _tokens(rng, rng.randint(*suffix_range), vocab_size), output_len)
+        for _ in range(count)
+    ]
 
 
-def parallel_samples(count: int, n: int = 2, seed: int = 0, max_model_len: int = 1024,
-                     vocab_size: int = 4096) -> list[Job]:
+def parallel_samples(
+    count: int, n: int = 2, seed: int = 0, max_model_len: int = 1024, vocab_size: int = 4096
+) -> list[Job]:
     jobs = alpaca(count, seed, max_model_len, vocab_size)
     for job in jobs:
         job.params = {"n": n, "temperature": 1.0, "seed": seed}
@@ -122,8 +140,12 @@ def code_sources(revision: str = CODE_REVISION, root: Path = ROOT) -> tuple[str,
     differ from other commits')."""
     try:
         git = ["git", "-C", str(root)]
-        listed = subprocess.run([*git, "ls-tree", "-r", "--name-only", revision, "--", *CODE_FOLDERS],
-                                capture_output=True, text=True, check=True).stdout.split()
+        listed = subprocess.run(
+            [*git, "ls-tree", "-r", "--name-only", revision, "--", *CODE_FOLDERS],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         paths = sorted((path for path in listed if path.endswith(".py")), key=PurePosixPath)
         batch = subprocess.run(
             [*git, "cat-file", "--batch"],

@@ -36,8 +36,9 @@ class PagedBatch:
         return max(self.context_lens_list)
 
     @staticmethod
-    def build(slots: list[int], tables: list[list[int]], query_start: list[int], context_lens: list[int],
-              device: torch.device) -> PagedBatch:
+    def build(
+        slots: list[int], tables: list[list[int]], query_start: list[int], context_lens: list[int], device: torch.device
+    ) -> PagedBatch:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         return PagedBatch(

@@ -37,15 +37,31 @@ def copy_blocks_triton(cache: torch.Tensor, pairs: torch.Tensor) -> None:
     block_elems = cache[0, 0, 0].numel()
     planes = cache.shape[0] * cache.shape[1]
     grid = (len(pairs), planes, triton.cdiv(block_elems, TILE))
-    _copy_kernel[grid](cache, pairs, cache.stride(1), cache.stride(2), cache.shape[1],
-                       cache.stride(0), BLOCK_ELEMS=block_elems, TILE=TILE)
+    _copy_kernel[grid](
+        cache,
+        pairs,
+        cache.stride(1),
+        cache.stride(2),
+        cache.shape[1],
+        cache.stride(0),
+        BLOCK_ELEMS=block_elems,
+        TILE=TILE,
+    )
 
 
 if triton is not None:
 
     @triton.jit
-    def _copy_kernel(cache_ptr, pairs_ptr, stride_plane, stride_block, planes_per_layer, stride_layer,
-                     BLOCK_ELEMS: tl.constexpr, TILE: tl.constexpr):
+    def _copy_kernel(
+        cache_ptr,
+        pairs_ptr,
+        stride_plane,
+        stride_block,
+        planes_per_layer,
+        stride_layer,
+        BLOCK_ELEMS: tl.constexpr,
+        TILE: tl.constexpr,
+    ):
         pair = tl.program_id(0)
         plane = tl.program_id(1)
         tile = tl.program_id(2)

@@ -37,8 +37,9 @@ class KernelChoice:
         if self.prompt_products not in PROMPT_PRODUCTS:
             raise ValueError(f"prompt products {self.prompt_products!r}: expected one of {', '.join(PROMPT_PRODUCTS)}")
         if self.cpu_build is not None and self.cpu_build not in {**native.VARIANTS, **native.EMULATED}:
-            raise ValueError(f"CPU kernels {self.cpu_build!r}: expected one of "
-                             f"{', '.join([*native.VARIANTS, *native.EMULATED])}")
+            raise ValueError(
+                f"CPU kernels {self.cpu_build!r}: expected one of {', '.join([*native.VARIANTS, *native.EMULATED])}"
+            )
 
 
 _current = KernelChoice()

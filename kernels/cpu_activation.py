@@ -28,9 +28,15 @@ def silu_and_mul(gate_up: torch.Tensor, width: int, bf16_rows: bool = False) -> 
     With `bf16_rows`, into bfloat16 rows in the step's scratch where the compiled kernel runs (the
     rounding a product taking bfloat16 rows would do), and as without it elsewhere."""
     rows = gate_up.shape[0]
-    if (gate_up.dtype is torch.float32 and not gate_up.is_cuda and gate_up.dim() == 2
-            and gate_up.stride(1) == 1 and gate_up.shape[1] == 2 * width and not torch.is_grad_enabled()
-            and (kernel := native_kernel("silu_mul_f32_bf16" if bf16_rows else "silu_mul_f32")) is not None):
+    if (
+        gate_up.dtype is torch.float32
+        and not gate_up.is_cuda
+        and gate_up.dim() == 2
+        and gate_up.stride(1) == 1
+        and gate_up.shape[1] == 2 * width
+        and not torch.is_grad_enabled()
+        and (kernel := native_kernel("silu_mul_f32_bf16" if bf16_rows else "silu_mul_f32")) is not None
+    ):
         if bf16_rows:
             out = step_scratch.take_if_large("activation rows", (rows, width), torch.bfloat16, gate_up.device)
             args = (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width, rows, width)

@@ -44,7 +44,10 @@ def native_kernel(symbol: str = "paged_attention_f32", variant: str | None = Non
     bfloat16 (or float16, int8, E4M3) one; the build that runs here, or `variant`'s."""
     p, i = native.POINTER, native.INT64
     return native.function(
-        "cpu_attention", symbol, [p, i, p, p, p, i, p, p, p, i, p, i, i, i, i, i, native.FLOAT, i, p, p], None,
+        "cpu_attention",
+        symbol,
+        [p, i, p, p, p, i, p, p, p, i, p, i, i, i, i, i, native.FLOAT, i, p, p],
+        None,
         variant=variant,
     )
 
@@ -117,8 +120,18 @@ def paged_attention_native(
     scratch = max(QUERY_BLOCK * num_heads, -(-head_dim // 32) * 32 + BLOCK_HEADS * QUERY_BLOCK) * longest
     scores = workspace.take("scores", (threads, scratch), torch.float32, query.device)  # a row each thread
     # The kernel's arguments before its counters and wait, and those after them up to the scores.
-    inputs = (query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
-              tables.stride(0), starts.data_ptr(), lens.data_ptr(), bounds.data_ptr(), chunks)
+    inputs = (
+        query.data_ptr(),
+        query.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        starts.data_ptr(),
+        lens.data_ptr(),
+        bounds.data_ptr(),
+        chunks,
+    )
     shape = (num_heads, num_kv_heads, head_dim, block_size, scale, window or 0)
     task = getattr(kernel, "task", None)
     if task is not None:
@@ -159,9 +172,14 @@ def _layout(batch: PagedBatch, threads: int) -> Layout:
     tables = batch.block_tables.to(torch.int32)
     if len(pieces) > len(context_lens):
         tables = tables[[s for s, _, _ in pieces]]
-    return Layout(tables.contiguous(), torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-                  torch.tensor([first for first, _ in bounds] + [bounds[-1][1]], dtype=torch.int64), threads,
-                  max(context_lens))
+    return Layout(
+        tables.contiguous(),
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        torch.tensor([first for first, _ in bounds] + [bounds[-1][1]], dtype=torch.int64),
+        threads,
+        max(context_lens),
+    )
 
 
 def decode_chunks(sequences: int, threads: int) -> int:
@@ -177,8 +195,9 @@ def pin_decode_layout(batch: PagedBatch, threads: int, bounds: torch.Tensor, lon
     ranges = _split(batch.query_start_list, batch.context_lens_list, len(bounds) - 1)
     ends = [end for _, end in ranges]
     bounds.copy_(torch.tensor([0, *ends, *[ends[-1]] * (len(bounds) - 1 - len(ranges))]))
-    batch.derived["native"] = Layout(batch.block_tables, batch.query_start_loc, batch.context_lens, bounds, threads,
-                                     longest)
+    batch.derived["native"] = Layout(
+        batch.block_tables, batch.query_start_loc, batch.context_lens, bounds, threads, longest
+    )
 
 
 def _pieces(starts: list[int], lens: list[int], parts: int) -> list[tuple[int, int, int]]:

@@ -52,10 +52,12 @@ class Int8Panels:
 def int8_build(variant: str | None = None) -> Int8Build | None:
     """The build that runs here (or `variant`'s), None where none loads."""
     p, i, f = native.POINTER, native.INT64, native.FLOAT
-    linear = native.function("cpu_int8_gemm", "int8_linear", [p, i, f, p, p, p, p, p, i, i, i, i, i, p, i], i,
-                             variant=variant)
-    quantize = native.function("cpu_int8_gemm", "quantize_rows", [p, i, i, i, i, p, i, p, f, i, p, i], i,
-                               variant=variant)
+    linear = native.function(
+        "cpu_int8_gemm", "int8_linear", [p, i, f, p, p, p, p, p, i, i, i, i, i, p, i], i, variant=variant
+    )
+    quantize = native.function(
+        "cpu_int8_gemm", "quantize_rows", [p, i, i, i, i, p, i, p, f, i, p, i], i, variant=variant
+    )
     width = native.function("cpu_int8_gemm", "int8_panel_width", [], i, variant=variant)
     if linear is None or quantize is None or width is None:
         return None
@@ -84,8 +86,9 @@ def pack_int8(weight: torch.Tensor, build: Int8Build | None = None) -> Int8Panel
     return Int8Panels(columns.view(torch.int32).view(panels, words, width), colsums, n, k)
 
 
-def quantize_rows(x: torch.Tensor, static_scale: float = 0.0, build: Int8Build | None = None,
-                  name: str | None = "int8 rows") -> tuple[torch.Tensor, torch.Tensor] | None:
+def quantize_rows(
+    x: torch.Tensor, static_scale: float = 0.0, build: Int8Build | None = None, name: str | None = "int8 rows"
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """x's float32 rows [M, K] as int8 codes [M, padded_width(K)] and a scale per row (see cpu_int8_gemm.c): per
     token, or `static_scale` for every row where it is positive. In the step's buffers of `name`; None where the
     kernel does not apply."""
@@ -94,17 +97,31 @@ def quantize_rows(x: torch.Tensor, static_scale: float = 0.0, build: Int8Build |
         return None
     rows, width = x.shape
     codes = step_scratch.take_if_large(name, (rows, padded_width(width)), torch.int8, x.device)
-    scales = step_scratch.take_if_large(None if name is None else f"{name} scales", (rows,), torch.float32,
-                                        x.device)
-    args = (x.data_ptr(), x.stride(0), rows, width, codes.shape[1], codes.data_ptr(), codes.stride(0),
-            scales.data_ptr(), float(static_scale))
+    scales = step_scratch.take_if_large(None if name is None else f"{name} scales", (rows,), torch.float32, x.device)
+    args = (
+        x.data_ptr(),
+        x.stride(0),
+        rows,
+        width,
+        codes.shape[1],
+        codes.data_ptr(),
+        codes.stride(0),
+        scales.data_ptr(),
+        float(static_scale),
+    )
     done = native.share_units(build.quantize, args, rows, rows * width >= QUANTIZE_SPLIT_VALUES, 1)
     return (codes, scales) if done == 0 else None
 
 
-def int8_linear(x: torch.Tensor, packed: Int8Panels, w_scales: torch.Tensor, bias: torch.Tensor | None,
-                static_scale: float = 0.0, out: torch.Tensor | None = None,
-                build: Int8Build | None = None) -> torch.Tensor | None:
+def int8_linear(
+    x: torch.Tensor,
+    packed: Int8Panels,
+    w_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    static_scale: float = 0.0,
+    out: torch.Tensor | None = None,
+    build: Int8Build | None = None,
+) -> torch.Tensor | None:
     """x's float32 rows quantized per row (or by `static_scale` where positive), times W, scaled back by each row's
     scale and `w_scales`, plus `bias`: float32 [M, N] (into `out` where given); None where the kernel does not
     apply."""
@@ -116,8 +133,20 @@ def int8_linear(x: torch.Tensor, packed: Int8Panels, w_scales: torch.Tensor, bia
     if out is None:
         out = torch.empty((rows, n), dtype=torch.float32)
     split = rows * n * k >= SPLIT_MACS or packed.panels.nbytes >= SPLIT_BYTES
-    args = (x.data_ptr(), x.stride(0), float(static_scale), packed.panels.data_ptr(), packed.colsums.data_ptr(),
-            w_scales.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), rows, n, k)
+    args = (
+        x.data_ptr(),
+        x.stride(0),
+        float(static_scale),
+        packed.panels.data_ptr(),
+        packed.colsums.data_ptr(),
+        w_scales.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        n,
+        k,
+    )
     done = native.share_units(build.linear, args, packed.panels.shape[0], split, CHUNKS_PER_THREAD)
     return out if done == 0 else None
 
@@ -137,15 +166,17 @@ def quantize_rows_reference(x: torch.Tensor, static_scale: float = 0.0) -> tuple
     return codes, scales
 
 
-def int8_linear_reference(x: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None,
-                          static_scale: float = 0.0) -> torch.Tensor:
+def int8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None, static_scale: float = 0.0
+) -> torch.Tensor:
     """`int8_linear` in torch from the unpacked int8 weight [N, K]: the same codes, their sums exactly, then the
     same float steps."""
     return scaled_sums(*quantize_rows_reference(x, static_scale), weight, w_scales, bias)
 
 
-def scaled_sums(codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+def scaled_sums(
+    codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """Codes [M, >= K] times the int8 weight [N, K], exactly, then times each row's scale and w_scales, plus bias."""
     k = weight.shape[1]
     sums = codes[:, :k].to(torch.int64) @ weight.to(torch.int64).T  # exact, as the kernel's int32 sums are

@@ -55,20 +55,25 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     """The build that runs here (or `variant`'s), None where none loads."""
     p, i = native.POINTER, native.INT64
     arguments = [p, i, p, p, p, i, i, i, i, i, i, i, p, i]
-    kernels = {dtype: native.function("cpu_gemm", symbol, arguments, i, variant=variant)
-               for dtype, symbol in SYMBOLS.items()}
-    codes = native.function("cpu_gemm", "gemm_codes", [p, i, i, p, p, p, i, i, p, p, i, i, i, i, i, p, i], i,
-                            variant=variant)
-    facts = {name: native.function("cpu_gemm", f"gemm_{name}", [], i, variant=variant)
-             for name in ("panel_width", "bf16_reads_bf16_rows")}
+    kernels = {
+        dtype: native.function("cpu_gemm", symbol, arguments, i, variant=variant) for dtype, symbol in SYMBOLS.items()
+    }
+    codes = native.function(
+        "cpu_gemm", "gemm_codes", [p, i, i, p, p, p, i, i, p, p, i, i, i, i, i, p, i], i, variant=variant
+    )
+    facts = {
+        name: native.function("cpu_gemm", f"gemm_{name}", [], i, variant=variant)
+        for name in ("panel_width", "bf16_reads_bf16_rows")
+    }
     if None in facts.values() or None in kernels.values() or codes is None:
         return None
     library = native.load("cpu_gemm", variant)
     assert library is not None  # its functions loaded
     library.gemm_description.restype = native.ctypes.c_char_p
     width, bf16_rows = (fact() for fact in facts.values())
-    return GemmBuild(kernels, codes, width, bool(bf16_rows), library.gemm_description().decode(),
-                     native.variant_of(library))
+    return GemmBuild(
+        kernels, codes, width, bool(bf16_rows), library.gemm_description().decode(), native.variant_of(library)
+    )
 
 
 def prompt_products(tiles: str = "amx_bf16") -> str:
@@ -134,16 +139,29 @@ def pack(weight: torch.Tensor, build: GemmBuild | None = None, halves: int = 0) 
     return columns.contiguous()
 
 
-def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-         build: GemmBuild | None = None, out: torch.Tensor | None = None, halves: int = 0) -> torch.Tensor | None:
+def gemm(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    build: GemmBuild | None = None,
+    out: torch.Tensor | None = None,
+    halves: int = 0,
+) -> torch.Tensor | None:
     """`x W^T + b` from W's panels (packed with `halves` where given), x float32 (or bfloat16 rows of even
     width, where the build takes them for these panels) and the result float32 (into `out`, contiguous,
     where given); None where the kernel does not apply."""
     return _run(x, panels, out, bias, out_features, halves, ACT_NONE, build)
 
 
-def gated_gemm(x: torch.Tensor, panels: torch.Tensor, halves: int, bias: torch.Tensor | None, out: torch.Tensor,
-               build: GemmBuild | None = None) -> torch.Tensor | None:
+def gated_gemm(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    halves: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    build: GemmBuild | None = None,
+) -> torch.Tensor | None:
     """SiLU(x G^T + b_G) * (x U^T + b_U) from the panels of a gated MLP's gate and up weights packed with
     `halves` (their width), into `out` [rows, halves]: float32, or bfloat16 rows for a product that takes
     them. The sums meet the activation as they are stored, so neither half is written out first."""
@@ -151,8 +169,16 @@ def gated_gemm(x: torch.Tensor, panels: torch.Tensor, halves: int, bias: torch.T
     return _run(x, panels, out, bias, 2 * halves, halves, act, build)
 
 
-def _run(x: torch.Tensor, panels: torch.Tensor, out: torch.Tensor | None, bias: torch.Tensor | None,
-         out_features: int, halves: int, act: int, build: GemmBuild | None) -> torch.Tensor | None:
+def _run(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
+    halves: int,
+    act: int,
+    build: GemmBuild | None,
+) -> torch.Tensor | None:
     """The kernel's call (a fresh float32 `out` where none is given, once the kernel is known to apply)."""
     build = build or gemm_build()
     if build is None or x.stride(1) != 1 or torch.is_grad_enabled():
@@ -170,8 +196,19 @@ def _run(x: torch.Tensor, panels: torch.Tensor, out: torch.Tensor | None, bias: 
         out = torch.empty((rows, out_features), dtype=torch.float32)
     split = (rows >= SPLIT_ROWS and rows * out_features * width >= SPLIT_MACS) or panels.nbytes >= SPLIT_BYTES
     units = panels.shape[0] // 2 if halves else panels.shape[0]  # pairs of panels are claimed whole
-    args = (x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-            out.data_ptr(), out.stride(0), rows, out_features, width, halves, act)
+    args = (
+        x.data_ptr(),
+        x.stride(0),
+        panels.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        out_features,
+        width,
+        halves,
+        act,
+    )
     done = native.share_units(build.kernels[panels.dtype], args, units, split, CHUNKS_PER_THREAD)
     return out if done == 0 else None
 
@@ -197,8 +234,9 @@ class CodePanels:
     in_features: int
 
 
-def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: str,
-               build: GemmBuild | None = None) -> CodePanels:
+def pack_codes(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: str, build: GemmBuild | None = None
+) -> CodePanels:
     """`codes` [N, K] (uint8: a 4-bit code, a byte, or an e4m3 number's bits) whose values are code x scale + offset
     with `scales` and `offsets` [N, K / group] float32, as the build's panels."""
     build = build or gemm_build()
@@ -221,8 +259,14 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
     return CodePanels(words, by_panel(scales), by_panel(offsets), kind, k // groups, n, k)
 
 
-def gemm_codes(x: torch.Tensor, packed: CodePanels, bias: torch.Tensor | None, out: torch.Tensor | None = None,
-               build: GemmBuild | None = None, bf16_x: bool = False) -> torch.Tensor | None:
+def gemm_codes(
+    x: torch.Tensor,
+    packed: CodePanels,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    build: GemmBuild | None = None,
+    bf16_x: bool = False,
+) -> torch.Tensor | None:
     """`x W^T + b` from W's codes, x float32 (rounded to bfloat16 rows first with `bf16_x`, where the build takes
     them; or given as such, of even width) and the result float32 (into `out` where given); None where the kernel
     does not apply."""
@@ -243,9 +287,22 @@ def gemm_codes(x: torch.Tensor, packed: CodePanels, bias: torch.Tensor | None, o
     # SPLIT_CODES values (some fifteen microseconds of one core), where a second core's start costs a few.
     weights = packed.out_features * width
     split = rows >= SPLIT_ROWS and rows * weights >= SPLIT_MACS or weights >= SPLIT_CODES
-    args = (x.data_ptr(), x.stride(0), int(x.dtype is torch.bfloat16), packed.panels.data_ptr(),
-            packed.scales.data_ptr(), packed.offsets.data_ptr(), packed.group, CODE_KINDS[packed.kind],
-            0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), rows, packed.out_features, width)
+    args = (
+        x.data_ptr(),
+        x.stride(0),
+        int(x.dtype is torch.bfloat16),
+        packed.panels.data_ptr(),
+        packed.scales.data_ptr(),
+        packed.offsets.data_ptr(),
+        packed.group,
+        CODE_KINDS[packed.kind],
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        packed.out_features,
+        width,
+    )
     done = native.share_units(build.codes, args, packed.panels.shape[0], split, CHUNKS_PER_THREAD)
     return out if done == 0 else None
 

@@ -25,12 +25,23 @@ def native_kernel(symbol: str = "rms_norm_f32"):
 def compiled_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a compiled norm may take `x` and `weight` as far as their dtypes and device go (the caller
     checks the layout it needs)."""
-    return (x.dtype is torch.float32 and weight.dtype is torch.float32 and not x.is_cuda and weight.is_contiguous()
-            and not torch.is_grad_enabled())
+    return (
+        x.dtype is torch.float32
+        and weight.dtype is torch.float32
+        and not x.is_cuda
+        and weight.is_contiguous()
+        and not torch.is_grad_enabled()
+    )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             output_slot: str | None = None, bf16_rows: bool = False) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    output_slot: str | None = None,
+    bf16_rows: bool = False,
+) -> torch.Tensor:
     """`x` normalized over its last dimension and scaled by `weight`; with `residual`, first
     `residual += x` (in place), and then `residual` is what is normalized. With `output_slot`, a large
     result is written into the step's buffer of that name (kernels/workspace.py), for a caller whose use
@@ -46,11 +57,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))
         and (kernel := native_kernel("rms_norm_f32_bf16" if bf16_rows else "rms_norm_f32")) is not None
     ):
-        out = step_scratch.take_if_large(output_slot, tuple(x.shape), torch.bfloat16 if bf16_rows else x.dtype,
-                                         x.device)
+        out = step_scratch.take_if_large(
+            output_slot, tuple(x.shape), torch.bfloat16 if bf16_rows else x.dtype, x.device
+        )
         rows = x.numel() // width
-        args = (x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
-                rows, width, width)
+        args = (
+            x.data_ptr(),
+            0 if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            eps,
+            out.data_ptr(),
+            rows,
+            width,
+            width,
+        )
         if native.share_units(kernel, args, rows, rows * width >= SPLIT_VALUES, CHUNKS_PER_THREAD) == 0:
             return out
     if residual is not None:

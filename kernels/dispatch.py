@@ -33,8 +33,11 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 def paged_attention(query, key_cache, value_cache, batch: PagedBatch, scale: float, window: int | None = None):
-    if kv_quant.is_quantized(key_cache) and not use_triton(query) and not (
-            _mode() == "auto" and native_accepts(query, key_cache, value_cache)):
+    if (
+        kv_quant.is_quantized(key_cache)
+        and not use_triton(query)
+        and not (_mode() == "auto" and native_accepts(query, key_cache, value_cache))
+    ):
         # Triton and the C kernel read quantized rows themselves; the others get the blocks in use, dequantized
         key_cache, value_cache, batch = kv_quant.compact(key_cache, value_cache, batch, query.dtype)
     if use_triton(query):

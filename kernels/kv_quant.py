@@ -74,8 +74,14 @@ def compact(key_cache: torch.Tensor, value_cache: torch.Tensor, batch: PagedBatc
         read = torch.arange(tables.shape[1], device=tables.device)[None, :] < needed[:, None]
         used = torch.unique(tables[read])
         tables = torch.where(read, torch.searchsorted(used, tables), torch.zeros_like(tables))
-        compacted = PagedBatch(batch.slot_mapping, tables.to(torch.int32), batch.query_start_loc, batch.context_lens,
-                               batch.query_start_list, batch.context_lens_list)
+        compacted = PagedBatch(
+            batch.slot_mapping,
+            tables.to(torch.int32),
+            batch.query_start_loc,
+            batch.context_lens,
+            batch.query_start_list,
+            batch.context_lens_list,
+        )
         renumbered = batch.derived["dequantized_blocks"] = (used, compacted)
     used, compacted = renumbered
     return dequantize(key_cache[used], dtype), dequantize(value_cache[used], dtype), compacted

@@ -54,12 +54,26 @@ def write_kv_triton(key, value, key_cache, value_cache, slot_mapping) -> None:
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        BLOCK_SIZE=key_cache.shape[1], HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        BLOCK_SIZE=key_cache.shape[1],
+        HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
     )
 
 
@@ -67,11 +81,26 @@ if triton is not None:
 
     @triton.jit
     def _write_kv_kernel(
-        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-        BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+        k_ptr,
+        v_ptr,
+        kc_ptr,
+        vc_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
+        BLOCK_SIZE: tl.constexpr,
+        HEADS: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + token)
@@ -83,7 +112,13 @@ if triton is not None:
         offset = slot % BLOCK_SIZE
         k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-        tl.store(kc_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + dims,
-                 k.to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims,
-                 v.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            kc_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + dims,
+            k.to(kc_ptr.dtype.element_ty),
+            mask=mask,
+        )
+        tl.store(
+            vc_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims,
+            v.to(vc_ptr.dtype.element_ty),
+            mask=mask,
+        )

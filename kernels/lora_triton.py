@@ -30,9 +30,18 @@ BLOCK_RANK = 16  # rows of A a shrink program computes, rows of B an expand prog
 BLOCK_OUT = 64  # output columns an expand program writes
 
 
-def lora_add_triton(x: torch.Tensor, out: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
-                    page_table: torch.Tensor, weights: torch.Tensor, layer_start: int, half: int,
-                    max_rank: int, max_width: int) -> None:
+def lora_add_triton(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    units: torch.Tensor,
+    table: torch.Tensor,
+    page_table: torch.Tensor,
+    weights: torch.Tensor,
+    layer_start: int,
+    half: int,
+    max_rank: int,
+    max_width: int,
+) -> None:
     """`out[row] += B @ (A @ x[row])` for each `(row, adapter)` of `units` (`[n, 2]` int64) and each projection
     the adapter changes, its matrices read through `page_table[adapter]` from `weights` (the cache's values,
     flat) from `layer_start`. `max_rank`/`max_width`: the largest r and widest projection in `table`."""
@@ -43,11 +52,38 @@ def lora_add_triton(x: torch.Tensor, out: torch.Tensor, units: torch.Tensor, tab
         return
     shrunk = torch.empty((count, 3, max_rank), dtype=torch.float32, device=x.device)
     _shrink[(count, 3, triton.cdiv(max_rank, BLOCK_RANK))](
-        x, shrunk, units, table, page_table, weights, x.stride(0), x.shape[1], layer_start, half,
-        page_table.stride(0), max_rank, FIELDS=FIELDS, BLOCK_IN=BLOCK_IN, BLOCK_RANK=BLOCK_RANK)
+        x,
+        shrunk,
+        units,
+        table,
+        page_table,
+        weights,
+        x.stride(0),
+        x.shape[1],
+        layer_start,
+        half,
+        page_table.stride(0),
+        max_rank,
+        FIELDS=FIELDS,
+        BLOCK_IN=BLOCK_IN,
+        BLOCK_RANK=BLOCK_RANK,
+    )
     _expand[(count, 3, triton.cdiv(max_width, BLOCK_OUT))](
-        shrunk, out, units, table, page_table, weights, out.stride(0), layer_start, half, page_table.stride(0),
-        max_rank, FIELDS=FIELDS, BLOCK_RANK=BLOCK_RANK, BLOCK_OUT=BLOCK_OUT)
+        shrunk,
+        out,
+        units,
+        table,
+        page_table,
+        weights,
+        out.stride(0),
+        layer_start,
+        half,
+        page_table.stride(0),
+        max_rank,
+        FIELDS=FIELDS,
+        BLOCK_RANK=BLOCK_RANK,
+        BLOCK_OUT=BLOCK_OUT,
+    )
 
 
 if triton is not None:
@@ -69,9 +105,23 @@ if triton is not None:
         return row, adapter, fields, rank
 
     @triton.jit
-    def _shrink(x_ptr, shrunk_ptr, units_ptr, table_ptr, page_table_ptr, weights_ptr, stride_x, width_in,
-                layer_start, half, pages_stride, max_rank,
-                FIELDS: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_RANK: tl.constexpr):
+    def _shrink(
+        x_ptr,
+        shrunk_ptr,
+        units_ptr,
+        table_ptr,
+        page_table_ptr,
+        weights_ptr,
+        stride_x,
+        width_in,
+        layer_start,
+        half,
+        pages_stride,
+        max_rank,
+        FIELDS: tl.constexpr,
+        BLOCK_IN: tl.constexpr,
+        BLOCK_RANK: tl.constexpr,
+    ):
         unit = tl.program_id(0).to(tl.int64)
         which = tl.program_id(1)  # the adapter's which-th projection of the group
         row, adapter, fields, rank = _unit(units_ptr, table_ptr, unit, which, FIELDS)
@@ -90,9 +140,22 @@ if triton is not None:
         tl.store(shrunk_ptr + (unit * 3 + which) * max_rank + ranks, total, mask=ranks_inside)
 
     @triton.jit
-    def _expand(shrunk_ptr, out_ptr, units_ptr, table_ptr, page_table_ptr, weights_ptr, stride_out, layer_start,
-                half, pages_stride, max_rank,
-                FIELDS: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_OUT: tl.constexpr):
+    def _expand(
+        shrunk_ptr,
+        out_ptr,
+        units_ptr,
+        table_ptr,
+        page_table_ptr,
+        weights_ptr,
+        stride_out,
+        layer_start,
+        half,
+        pages_stride,
+        max_rank,
+        FIELDS: tl.constexpr,
+        BLOCK_RANK: tl.constexpr,
+        BLOCK_OUT: tl.constexpr,
+    ):
         unit = tl.program_id(0).to(tl.int64)
         which = tl.program_id(1)
         row, adapter, fields, rank = _unit(units_ptr, table_ptr, unit, which, FIELDS)

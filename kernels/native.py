@@ -44,8 +44,10 @@ PREBUILT = SOURCES / "prebuilt"
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 # Prebuilt variants, best first, with the CPU flags each needs (as /proc/cpuinfo names them).
 VARIANTS = {
-    "x86-64-v4-bf16": (["-O3", "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-ffast-math", "-fopenmp-simd",
-                        "-fPIC"], _AVX512 | {"avx512_bf16", "avx512_vnni"}),
+    "x86-64-v4-bf16": (
+        ["-O3", "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-ffast-math", "-fopenmp-simd", "-fPIC"],
+        _AVX512 | {"avx512_bf16", "avx512_vnni"},
+    ),
     "x86-64-v4": (["-O3", "-march=x86-64-v4", "-ffast-math", "-fopenmp-simd", "-fPIC"], _AVX512),
     "x86-64-v3": (["-O3", "-march=x86-64-v3", "-ffast-math", "-fopenmp-simd", "-fPIC"], {"avx2", "fma", "f16c"}),
     "portable": (["-O3", "-ffast-math", "-fPIC"], set()),
@@ -53,8 +55,10 @@ VARIANTS = {
 # Builds for the tests only: the AVX-512 kernels' layout, and the arithmetic of the bfloat16 dot
 # product, in AVX2 code, so that a machine without AVX-512 runs them against the others.
 EMULATED = {
-    "x86-64-v3-as-v4-bf16": (VARIANTS["x86-64-v3"][0] + ["-DGEMM_VEC=16", "-DGEMM_BF16_DOT_EMULATED"],
-                             VARIANTS["x86-64-v3"][1]),
+    "x86-64-v3-as-v4-bf16": (
+        VARIANTS["x86-64-v3"][0] + ["-DGEMM_VEC=16", "-DGEMM_BF16_DOT_EMULATED"],
+        VARIANTS["x86-64-v3"][1],
+    )
 }
 # A variant's name (kernels/choice.py sets it): every kernel from that build (from source if need be). A plain
 # attribute, as setup.py loads this module with the standard library alone.
@@ -101,8 +105,13 @@ def function(name: str, symbol: str, argument_types: list, result_type=None, var
     described = getattr(library, f"{symbol}_signature")
     described.restype = ctypes.c_char_p
     if described().decode() != wanted:
-        log.error("%s.c's %s takes %s, where its caller passes %s: it runs in torch", name, symbol,
-                  described().decode(), wanted)
+        log.error(
+            "%s.c's %s takes %s, where its caller passes %s: it runs in torch",
+            name,
+            symbol,
+            described().decode(),
+            wanted,
+        )
         return None
     kernel = getattr(library, symbol)
     kernel.argtypes, kernel.restype = argument_types, result_type
@@ -141,6 +150,7 @@ def profiled(kernel: Callable, label: str) -> Callable:
     would otherwise fold it into its caller). The libraries are plain C, not torch extensions, so
     one build serves every torch version; the signature check above is what keeps a call from
     passing the wrong types."""
+
     def call(*args):
         if open_recording is not None and not open_recording.inside:
             open_recording.refuse(f"{label} was called outside share_task")
@@ -283,9 +293,16 @@ _pool_helpers = [0]  # C helpers started in this process
 def helper_pool() -> HelperPool | None:
     """helper_pool.c's functions, or None where it cannot be built."""
     p, i = POINTER, INT64
-    parts = [function("helper_pool", symbol, types, result)
-             for symbol, types, result in (("pool_start", [i], i), ("pool_share", [p, p, i, i], i),
-                                           ("pool_replay", [p, i], i), ("pool_hold", [i], None), ("pool_joins", [], i))]
+    parts = [
+        function("helper_pool", symbol, types, result)
+        for symbol, types, result in (
+            ("pool_start", [i], i),
+            ("pool_share", [p, p, i, i], i),
+            ("pool_replay", [p, i], i),
+            ("pool_hold", [i], None),
+            ("pool_joins", [], i),
+        )
+    ]
     if None in parts:
         return None
     return HelperPool(*parts)
@@ -324,8 +341,12 @@ def _load_variant(name: str, variant: str) -> ctypes.CDLL | None:
         raise ValueError(f"CPU kernels {variant!r}: expected one of {', '.join([*VARIANTS, *EMULATED])}")
     flags, needs = (VARIANTS | EMULATED)[variant]
     if not needs <= cpu_flags():
-        log.warning("this CPU lacks %s for the %s kernels: %s runs in torch", ", ".join(sorted(needs - cpu_flags())),
-                    variant, name)
+        log.warning(
+            "this CPU lacks %s for the %s kernels: %s runs in torch",
+            ", ".join(sorted(needs - cpu_flags())),
+            variant,
+            name,
+        )
         return None
     path = PREBUILT / f"{name}-{variant}.so"
     library = _open(path) if path.exists() else _build(name, [(flags, libraries) for libraries in LIBRARIES])
@@ -357,8 +378,9 @@ def _build(name: str, attempts: list[tuple[list[str], list[str]]]) -> ctypes.CDL
         directory = scratch = Path(tempfile.mkdtemp(prefix="pagedserve-kernels-"))
     try:
         for flags, libraries in attempts:
-            digest = hashlib.sha256(b"\0".join([*_source_bytes(source), " ".join(flags + libraries).encode(),
-                                                identity])).hexdigest()[:16]
+            digest = hashlib.sha256(
+                b"\0".join([*_source_bytes(source), " ".join(flags + libraries).encode(), identity])
+            ).hexdigest()[:16]
             target = directory / f"{name}-{digest}.so"
             if not target.exists() and not _compile(compiler, source, flags, libraries, target):
                 continue
@@ -395,8 +417,9 @@ def build_prebuilt(target: Path, compiler: str) -> list[Path]:
         path = target / f"{source.stem}-{variant}.so"
         return path if any(_compile(compiler, source, flags, libraries, path) for libraries in LIBRARIES) else None
 
-    jobs = [(source, variant, flags) for source in sorted(SOURCES.glob("*.c"))
-            for variant, (flags, _) in VARIANTS.items()]
+    jobs = [
+        (source, variant, flags) for source in sorted(SOURCES.glob("*.c")) for variant, (flags, _) in VARIANTS.items()
+    ]
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # each compiler is a process of its own
         return [path for path in pool.map(lambda job: build(*job), jobs) if path is not None]
 
@@ -415,8 +438,10 @@ def _compile(compiler: str, source: Path, flags: list[str], libraries: list[str]
     partial = target.with_suffix(f".{os.getpid()}.tmp")
     objects = target.with_suffix(f".{os.getpid()}.o")
     try:
-        for command in ([compiler, *flags, "-c", "-o", str(objects), str(source)],
-                        [compiler, "-shared", "-o", str(partial), str(objects), *libraries]):
+        for command in (
+            [compiler, *flags, "-c", "-o", str(objects), str(source)],
+            [compiler, "-shared", "-o", str(partial), str(objects), *libraries],
+        ):
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 log.debug("%s failed: %s", " ".join(command), done.stderr.strip())

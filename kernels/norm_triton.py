@@ -17,8 +17,9 @@ except ImportError:
     triton = None
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """`x` normalized over its last dimension and scaled by `weight`; with `residual`, first
     `residual += x` (in place), and then `residual` is what is normalized."""
     width = x.shape[-1]
@@ -31,8 +32,16 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty((rows.shape[0], width), dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, sums, weight, out, rows.stride(0), sums.stride(0), width, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(width),
+            rows,
+            sums,
+            weight,
+            out,
+            rows.stride(0),
+            sums.stride(0),
+            width,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(width),
         )
     return out.view(x.shape)
 
@@ -40,8 +49,18 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_residual, width, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr,
+        residual_ptr,
+        weight_ptr,
+        out_ptr,
+        stride_x,
+        stride_residual,
+        width,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         columns = tl.arange(0, BLOCK)
         inside = columns < width

@@ -79,8 +79,9 @@ def paged_attention_triton(
     _check(query, key_cache, value_cache, batch)
     quant = QUANTIZED.get(key_cache.dtype, 0)
     # a quantized row's scale, as a float32 word of the same cache (rows are head_dim + 4 bytes)
-    key_words, value_words = ((key_cache.view(torch.float32), value_cache.view(torch.float32)) if quant
-                              else (key_cache, value_cache))
+    key_words, value_words = (
+        (key_cache.view(torch.float32), value_cache.view(torch.float32)) if quant else (key_cache, value_cache)
+    )
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -97,29 +98,62 @@ def paged_attention_triton(
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     out = torch.empty_like(query)
     if num_splits > 1:
-        partial = torch.empty((batch.num_seqs, num_splits, num_heads, head_pad), dtype=torch.float32,
-                              device=query.device)
+        partial = torch.empty(
+            (batch.num_seqs, num_splits, num_heads, head_pad), dtype=torch.float32, device=query.device
+        )
         lse = torch.empty((batch.num_seqs, num_splits, num_heads), dtype=torch.float32, device=query.device)
     else:
         partial, lse = out, out  # unused
     grid = (batch.num_seqs, num_splits if num_splits > 1 else triton.cdiv(max_query_len, block_q), num_kv_heads)
     _attention_kernel[grid](
-        out, partial, lse, query, key_cache, value_cache, key_words, value_words,
-        batch.block_tables, batch.query_start_loc, batch.context_lens, scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out,
+        partial,
+        lse,
+        query,
+        key_cache,
+        value_cache,
+        key_words,
+        value_words,
+        batch.block_tables,
+        batch.query_start_loc,
+        batch.context_lens,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         batch.block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_Q=block_q, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits, QUANT=quant,
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        WINDOW=window or 0,
+        NUM_SPLITS=num_splits,
+        QUANT=quant,
         FP32_DOT=interpreted,
         # float32 serving gets float32 products, as the model's own matmuls do; never TF32's 10-bit mantissa.
         DOT_PRECISION="ieee" if interpreted or query.dtype == torch.float32 else "tf32",
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch.num_seqs, num_heads)](
-            out, partial, lse, batch.query_start_loc, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            out,
+            partial,
+            lse,
+            batch.query_start_loc,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
             HEAD_PAD=head_pad,
         )
     return out
@@ -138,13 +172,17 @@ def _pick_splits(batch: PagedBatch, num_kv_heads: int, device: torch.device) -> 
 
 def _check(query, key_cache, value_cache, batch: PagedBatch) -> None:
     if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(f"expected query [T, H, D] and caches [N, B, KVH, D]; got {tuple(query.shape)}, "
-                         f"{tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+        raise ValueError(
+            f"expected query [T, H, D] and caches [N, B, KVH, D]; got {tuple(query.shape)}, "
+            f"{tuple(key_cache.shape)}, {tuple(value_cache.shape)}"
+        )
     quantized = key_cache.dtype in QUANTIZED
     row = query.shape[2] + (SCALE_BYTES if quantized else 0)  # a quantized row ends in its scale
     if row != key_cache.shape[3]:
-        raise ValueError(f"head_dim {query.shape[2]} of the query does not fit rows of {key_cache.shape[3]} "
-                         f"{key_cache.dtype} in the cache")
+        raise ValueError(
+            f"head_dim {query.shape[2]} of the query does not fit rows of {key_cache.shape[3]} "
+            f"{key_cache.dtype} in the cache"
+        )
     if quantized and query.shape[2] % SCALE_BYTES:
         raise ValueError(f"a quantized cache needs head_dim a multiple of 4, not {query.shape[2]}")
     if query.shape[1] % key_cache.shape[2]:
@@ -178,14 +216,41 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(
-        out_ptr, partial_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, k_words_ptr, v_words_ptr,
-        block_tables_ptr, query_start_ptr, context_lens_ptr, scale,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        out_ptr,
+        partial_ptr,
+        lse_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        k_words_ptr,
+        v_words_ptr,
+        block_tables_ptr,
+        query_start_ptr,
+        context_lens_ptr,
+        scale,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
         stride_table,
-        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, QUANT: tl.constexpr, FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        WINDOW: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        QUANT: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
         tile = tl.program_id(1)  # a query tile, or the key split of a decode
@@ -202,8 +267,11 @@ if triton is not None:
         dims = tl.arange(0, HEAD_PAD)
         dim_valid = dims < HEAD_DIM
         q_rows = (q_start + token).to(tl.int64)
-        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                    mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+            mask=row_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
         if FP32_DOT:
             q = q.to(tl.float32)
         q_pos = context_len - q_len + token
@@ -225,8 +293,9 @@ if triton is not None:
         for start in range(kv_begin, kv_end, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             pos_valid = pos < kv_end
-            block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_table + pos // BLOCK_SIZE,
-                            mask=pos_valid, other=0).to(tl.int64)
+            block = tl.load(
+                block_tables_ptr + seq.to(tl.int64) * stride_table + pos // BLOCK_SIZE, mask=pos_valid, other=0
+            ).to(tl.int64)
             offset = (pos % BLOCK_SIZE).to(tl.int64)
             kv_mask = pos_valid[:, None] & dim_valid[None, :]
             k_rows = block * stride_kb + offset * stride_ks + kv_head * stride_kh
@@ -258,20 +327,30 @@ if triton is not None:
         result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         if NUM_SPLITS == 1:
             o_rows = (q_start + token).to(tl.int64)
-            tl.store(out_ptr + o_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                     result.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+            tl.store(
+                out_ptr + o_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                result.to(out_ptr.dtype.element_ty),
+                mask=row_valid[:, None] & dim_valid[None, :],
+            )
         else:
             num_heads = tl.num_programs(2) * GROUP
             base = (seq.to(tl.int64) * NUM_SPLITS + tile) * num_heads + head
-            tl.store(partial_ptr + base[:, None] * HEAD_PAD + dims[None, :], result,
-                     mask=row_valid[:, None])
+            tl.store(partial_ptr + base[:, None] * HEAD_PAD + dims[None, :], result, mask=row_valid[:, None])
             log_sum = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + base, log_sum, mask=row_valid)
 
     @triton.jit
     def _merge_splits_kernel(
-        out_ptr, partial_ptr, lse_ptr, query_start_ptr, stride_ot, stride_oh,
-        NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+        out_ptr,
+        partial_ptr,
+        lse_ptr,
+        query_start_ptr,
+        stride_ot,
+        stride_oh,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
     ):
         seq = tl.program_id(0)
         head = tl.program_id(1)
@@ -282,9 +361,15 @@ if triton is not None:
         lse = tl.load(lse_ptr + base, mask=splits < NUM_SPLITS, other=float("-inf"))
         top = tl.max(lse, 0)
         weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))  # empty splits count for nothing
-        parts = tl.load(partial_ptr + base[:, None] * HEAD_PAD + dims[None, :],
-                        mask=(splits < NUM_SPLITS)[:, None] & (weight > 0)[:, None], other=0.0)
+        parts = tl.load(
+            partial_ptr + base[:, None] * HEAD_PAD + dims[None, :],
+            mask=(splits < NUM_SPLITS)[:, None] & (weight > 0)[:, None],
+            other=0.0,
+        )
         merged = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
         row = tl.load(query_start_ptr + seq).to(tl.int64)
-        tl.store(out_ptr + row * stride_ot + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty),
-                 mask=dims < HEAD_DIM)
+        tl.store(
+            out_ptr + row * stride_ot + head * stride_oh + dims,
+            merged.to(out_ptr.dtype.element_ty),
+            mask=dims < HEAD_DIM,
+        )

@@ -33,8 +33,9 @@ class Workspace:
             self._tensors[name] = tensor
         return tensor[:size].view(shape)
 
-    def take_if_large(self, name: str | None, shape: tuple[int, ...], dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
+    def take_if_large(
+        self, name: str | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """The buffer `name` (as `take`) where a name is given and the tensor is worth reusing
         (`reusable`); else a fresh uninitialized tensor."""
         if name is not None and (self._reuse_every_size or reusable(shape, dtype)):

@@ -50,8 +50,21 @@ def pip_arguments(cuda: bool) -> tuple[list[str], str]:
 def dry_run(arguments: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         report = f"{directory}/report.json"
-        subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
-                        "--report", report, *arguments], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "-q",
+                "--report",
+                report,
+                *arguments,
+            ],
+            check=True,
+        )
         with open(report) as f:
             return json.load(f)
 

@@ -23,8 +23,7 @@ import sys
 
 import torch
 
-SCHEMES = ("W8A8", "W8A8-static", "W8A16", "W4A16", "W4A16_ASYM", "W4A16-channel", "FP8_DYNAMIC", "FP8_BLOCK",
-           "W3A16")
+SCHEMES = ("W8A8", "W8A8-static", "W8A16", "W4A16", "W4A16_ASYM", "W4A16-channel", "FP8_DYNAMIC", "FP8_BLOCK", "W3A16")
 
 
 def _scheme(preset: str, group_size: int | None = None):
@@ -34,19 +33,23 @@ def _scheme(preset: str, group_size: int | None = None):
         return QuantizationScheme(
             targets=["Linear"],
             weights=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"),
-            input_activations=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor",
-                                               dynamic=False))
+            input_activations=QuantizationArgs(
+                num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False
+            ),
+        )
     if preset == "W4A16-channel":
-        return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int",
-                                                                               symmetric=True, strategy="channel"))
+        return QuantizationScheme(
+            targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="channel")
+        )
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if group_size is not None and scheme.weights.strategy == "group":
         scheme.weights.group_size = group_size
     return scheme
 
 
-def write_compressed_tensors(dense_dir: str, preset: str, out_dir: str, calibration: list[list[int]] = (),
-                             group_size: int | None = None) -> str:
+def write_compressed_tensors(
+    dense_dir: str, preset: str, out_dir: str, calibration: list[list[int]] = (), group_size: int | None = None
+) -> str:
     """`dense_dir`'s model quantized by a compressed-tensors preset (W8A8, W4A16, W4A16_ASYM, W8A16, FP8_DYNAMIC,
     FP8_BLOCK, W3A16, or W8A8-static and W4A16-channel) and saved compressed, lm_head left as it is. A static
     scheme's input scales come from running `calibration` prompts."""
@@ -57,8 +60,9 @@ def write_compressed_tensors(dense_dir: str, preset: str, out_dir: str, calibrat
 
     model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.bfloat16)
     tops = _calibrated_inputs(model, calibration) if preset == "W8A8-static" else {}  # before quantization hooks
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": _scheme(preset, group_size)},
-                                                        ignore=["lm_head"]))
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": _scheme(preset, group_size)}, ignore=["lm_head"])
+    )
     for name, module in model.named_modules():
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
@@ -97,9 +101,11 @@ def _calibrated_inputs(model, prompts: list[list[int]]) -> dict[str, torch.Tenso
     hooks = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
+
             def observe(_, inputs, name=name):
                 top = inputs[0].detach().abs().amax().float()
                 tops[name] = torch.maximum(tops.get(name, top), top)
+
             hooks.append(module.register_forward_pre_hook(observe))
     with torch.no_grad():
         for prompt in prompts:
@@ -110,8 +116,13 @@ def _calibrated_inputs(model, prompts: list[list[int]]) -> dict[str, torch.Tenso
 
 
 def copy_tokenizer(source: str, target: str) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                 "chat_template.jinja"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    ):
         if os.path.exists(os.path.join(source, name)):
             shutil.copy(os.path.join(source, name), target)
 
@@ -122,8 +133,11 @@ def main() -> None:
     parser.add_argument("scheme", choices=SCHEMES)
     parser.add_argument("out", help="where the quantized checkpoint goes")
     parser.add_argument("--group-size", type=int, default=None, help="inputs per group of the W4A16 schemes")
-    parser.add_argument("--calibration", default=None,
-                        help="W8A8-static: a text file whose lines are the prompts that calibrate the input scales")
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        help="W8A8-static: a text file whose lines are the prompts that calibrate the input scales",
+    )
     args = parser.parse_args()
     prompts: list[list[int]] = []
     if args.scheme == "W8A8-static":

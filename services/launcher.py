@@ -23,9 +23,9 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
 from types import FrameType
 
+from services.restarts import Restarts, reap
 from shared.cli import (
     API_KEY_ENV,
     ENGINE_ENV,
@@ -139,19 +139,46 @@ def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
         scheduler, worker = engine_names(args, engine)
         scheduler_port, worker_port = metrics_ports(args, engine)
         services[scheduler] = [
-            *python, "services.scheduler", "--scheduler-endpoint", endpoints.scheduler,
-            "--worker-endpoint", endpoints.workers, "--world-size", str(args.tensor_parallel_size),
-            *scheduler_flags, *lora_flags, "--metrics-host", args.host, "--metrics-port", str(scheduler_port),
+            *python,
+            "services.scheduler",
+            "--scheduler-endpoint",
+            endpoints.scheduler,
+            "--worker-endpoint",
+            endpoints.workers,
+            "--world-size",
+            str(args.tensor_parallel_size),
+            *scheduler_flags,
+            *lora_flags,
+            "--metrics-host",
+            args.host,
+            "--metrics-port",
+            str(scheduler_port),
         ]
         services[worker] = [
-            *python, "services.worker", "--worker-endpoint", endpoints.workers, *model,
-            *to_flags(from_namespace(WorkerConfig, args)), *scheduler_flags, *lora_flags,
-            "--metrics-host", args.host, "--metrics-port", str(worker_port),
+            *python,
+            "services.worker",
+            "--worker-endpoint",
+            endpoints.workers,
+            *model,
+            *to_flags(from_namespace(WorkerConfig, args)),
+            *scheduler_flags,
+            *lora_flags,
+            "--metrics-host",
+            args.host,
+            "--metrics-port",
+            str(worker_port),
         ]
     # The key goes to the api in its environment, never on a command line.
     api = from_namespace(ApiConfig, args, api_key=None, api_key_file=None)
-    services["api"] = [*python, "services.api", "--scheduler-endpoint", ",".join(e.scheduler for e in engines),
-                       *model, *to_flags(api), *lora_flags]
+    services["api"] = [
+        *python,
+        "services.api",
+        "--scheduler-endpoint",
+        ",".join(e.scheduler for e in engines),
+        *model,
+        *to_flags(api),
+        *lora_flags,
+    ]
     return services
 
 
@@ -195,8 +222,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     directory = socket_directory(args.data_parallel_size)
     if directory is None:
-        print(f"pagedserve: the temporary directory {tempfile.gettempdir()} is too deep for Unix socket paths "
-              f"({SOCKET_PATH_MAX} bytes at most), and so is /tmp: set TMPDIR to a shorter one", file=sys.stderr)
+        print(
+            f"pagedserve: the temporary directory {tempfile.gettempdir()} is too deep for Unix socket paths "
+            f"({SOCKET_PATH_MAX} bytes at most), and so is /tmp: set TMPDIR to a shorter one",
+            file=sys.stderr,
+        )
         return 2
     try:
         return _supervise(args, directory)
@@ -238,7 +268,7 @@ def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
         return subprocess.Popen(services[name], env=service_env, preexec_fn=lambda: _die_with(launcher))
 
     children = {name: start(name) for name in services}
-    restarts = Restarts(args, children, start)
+    restarts = Restarts(restart_parts(args), children, start)
     stopping = False
     failed = False
 
@@ -259,8 +289,11 @@ def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
         taken = [name for name, code in dead.items() if code == EXIT_PORT_TAKEN]
         if taken:  # a port taken since the check above: a restart would only fail again
             for name in taken:
-                print(f"pagedserve: {name} could not listen on its port, taken since start-up (choose another "
-                      f"with {port_flag(args, name)}); stopping", file=sys.stderr)
+                print(
+                    f"pagedserve: {name} could not listen on its port, taken since start-up (choose another "
+                    f"with {port_flag(args, name)}); stopping",
+                    file=sys.stderr,
+                )
             failed = True
             stop(signal.SIGTERM, None)
             break
@@ -293,51 +326,17 @@ def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
                 break
         time.sleep(0.2)
     for child in children.values():
-        _reap(child)
+        reap(child)
     return 1 if failed else 0
 
 
-class Restarts:
-    """Once the service has been ready, a process that dies is started again while the rest serve:
-    the api alone, or its engine (scheduler and worker together, so the worker reports to a fresh
-    scheduler). Requests in flight on a dead engine end with an error from the api; a dead api's
-    clients see their connection close. A part that dies more than `LIMIT` times a minute is not
-    started again, and one that dies before the first ready (a bad flag or model) is not either."""
-
-    LIMIT = 3
-
-    def __init__(self, args: argparse.Namespace, children: dict[str, subprocess.Popen[bytes]],
-                 start: Callable[[str], subprocess.Popen[bytes]]):
-        self.children = children
-        self.start = start
-        self.parts: dict[str, tuple[str, ...]] = {"the api": ("api",)}
-        for engine in range(args.data_parallel_size):
-            label = f"engine {engine}" if args.data_parallel_size > 1 else "the scheduler and the worker"
-            self.parts[label] = engine_names(args, engine)
-        self.times: dict[str, list[float]] = {label: [] for label in self.parts}
-
-    def restart(self, dead: dict[str, int]) -> bool:
-        """Start the dead processes' parts again; False where that is not the thing to do."""
-        parts = [label for label, names in self.parts.items() if any(name in dead for name in names)]
-        now = time.monotonic()
-        for label in parts:
-            self.times[label] = [t for t in self.times[label] if now - t < 60.0] + [now]
-            if len(self.times[label]) > self.LIMIT:
-                print(f"pagedserve: {label.removeprefix('the ')} died {self.LIMIT + 1} times in a minute",
-                      file=sys.stderr)
-                return False
-        for label in parts:
-            names = self.parts[label]
-            for name in names:
-                if name in dead:
-                    print(f"pagedserve: {name} exited with code {dead[name]}; restarting {label}", file=sys.stderr,
-                          flush=True)
-                elif self.children[name].poll() is None:
-                    self.children[name].terminate()
-            for name in names:
-                _reap(self.children[name])
-                self.children[name] = self.start(name)
-        return True
+def restart_parts(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """What restarts together: the api alone, each engine's scheduler and worker together."""
+    parts: dict[str, tuple[str, ...]] = {"the api": ("api",)}
+    for engine in range(args.data_parallel_size):
+        label = f"engine {engine}" if args.data_parallel_size > 1 else "the scheduler and the worker"
+        parts[label] = engine_names(args, engine)
+    return parts
 
 
 def port_flag(args: argparse.Namespace, name: str) -> str:
@@ -407,14 +406,6 @@ def _healthy(url: str) -> bool:
             return bool(response.status == 200 and json.loads(response.read()).get("status") == "ok")
     except (OSError, ValueError):
         return False
-
-
-def _reap(child: subprocess.Popen[bytes], grace: float = 10.0) -> int:
-    try:
-        return child.wait(grace)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        return child.wait()
 
 
 def main_entry() -> None:

@@ -84,8 +84,11 @@ def keep_api_key_off_the_command_line() -> None:
             break
     else:
         return
-    print(f"pagedserve: --api-key on a command line is readable by every user of this machine while the process "
-          f"starts; set {API_KEY_ENV} or use --api-key-file instead", file=sys.stderr)
+    print(
+        f"pagedserve: --api-key on a command line is readable by every user of this machine while the process "
+        f"starts; set {API_KEY_ENV} or use --api-key-file instead",
+        file=sys.stderr,
+    )
     os.environ[API_KEY_ENV] = key
     os.execv(sys.executable, [sys.executable, *rest[1:]])
 
@@ -219,7 +222,4 @@ def setup_logging(name: str) -> None:
     engine = os.environ.get(ENGINE_ENV)
     if engine:
         name = f"{name}@engine{engine}"
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")

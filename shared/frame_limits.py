@@ -31,8 +31,15 @@ class ContainerBudget:
 # The largest frame an honest peer ever sends of each type, checked before anything is decoded
 # (the socket's frame limit bounds the rest: Step, StepResult and RequestOutputs grow with the batch).
 MAX_FRAME_BYTES: dict[str, int] = {
-    "Hello": 4 << 10, "Ping": 256, "Pong": 16 << 10, "Shutdown": 256, "Reset": 256, "Unavailable": 64 << 10,
-    "SchedulerInfo": 64 << 10, "Ready": 1 << 20, "Abort": 1 << 20,
+    "Hello": 4 << 10,
+    "Ping": 256,
+    "Pong": 16 << 10,
+    "Shutdown": 256,
+    "Reset": 256,
+    "Unavailable": 64 << 10,
+    "SchedulerInfo": 64 << 10,
+    "Ready": 1 << 20,
+    "Abort": 1 << 20,
     "AddRequest": 16 << 20,  # a prompt of a million tokens, and an 8 MiB request body's grammar
 }
 # Decoding any frame within these limits costs at most this many times its bytes in memory, and
@@ -68,6 +75,6 @@ def frame_tag(frame: bytes) -> str | None:
     if size > 32 or at + size > len(frame):  # no message type's name is that long
         return None
     try:
-        return frame[at:at + size].decode()
+        return frame[at : at + size].decode()
     except UnicodeDecodeError:
         return None

@@ -24,8 +24,21 @@ def _function(name: str) -> Any:
 
 
 class _MallocInfo(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 _MALLOPT, _MALLOC_TRIM, _MALLINFO2 = _function("mallopt"), _function("malloc_trim"), _function("mallinfo2")

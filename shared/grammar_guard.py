@@ -47,8 +47,10 @@ def unbounded_reason(text: str) -> str | None:
     """Why llguidance must not see `text`, or None."""
     links = grammar_links(text)
     if links > MAX_GRAMMAR_LINKS:
-        return (f"it holds {links} references and rule definitions; at most {MAX_GRAMMAR_LINKS} are accepted "
-                "(the compiler follows them by recursion)")
+        return (
+            f"it holds {links} references and rule definitions; at most {MAX_GRAMMAR_LINKS} are accepted "
+            "(the compiler follows them by recursion)"
+        )
     return None
 
 

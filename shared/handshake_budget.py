@@ -52,8 +52,12 @@ class HandshakeBudget:
             source = source_of(peer.getpeername()[0])
             held = self.from_source.get(source, 0)
             if held >= self.per_address:
-                peer_log.warning("cut a connection from %s to the %s socket: %d connections from it are still "
-                                 "in their handshake", source, self.role, held)
+                peer_log.warning(
+                    "cut a connection from %s to the %s socket: %d connections from it are still in their handshake",
+                    source,
+                    self.role,
+                    held,
+                )
                 peer.shutdown(socket.SHUT_RDWR)  # libzmq sees the end of the stream and drops it
             else:
                 self.pending[descriptor] = source

@@ -32,11 +32,14 @@ def check_folder(path: str) -> None:
     if not stat.S_ISDIR(info.st_mode):
         raise KVFolderError(f"--kv-cache-dir: {path} is not a folder (a link or a file is refused)")
     if info.st_uid != os.geteuid():
-        raise KVFolderError(f"--kv-cache-dir: {path} belongs to another user (uid {info.st_uid}); give the "
-                            "server a folder of its own")
+        raise KVFolderError(
+            f"--kv-cache-dir: {path} belongs to another user (uid {info.st_uid}); give the server a folder of its own"
+        )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise KVFolderError(f"--kv-cache-dir: {path} may be written by others (mode {stat.S_IMODE(info.st_mode):o}); "
-                            f"chmod go-w {path}, or give the server a folder of its own")
+        raise KVFolderError(
+            f"--kv-cache-dir: {path} may be written by others (mode {stat.S_IMODE(info.st_mode):o}); "
+            f"chmod go-w {path}, or give the server a folder of its own"
+        )
 
 
 def make_folder(path: str) -> None:
@@ -56,15 +59,16 @@ def hold(folder: str) -> int:
     real = os.path.realpath(folder)
     if real in _held:
         return _held[real]
-    descriptor = os.open(os.path.join(folder, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
+    descriptor = os.open(os.path.join(folder, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         os.close(descriptor)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise KVFolderError(f"--kv-cache-dir: another server uses {folder}; two servers would hold twice its "
-                                "size bound between them: give each its own folder") from None
+            raise KVFolderError(
+                f"--kv-cache-dir: another server uses {folder}; two servers would hold twice its "
+                "size bound between them: give each its own folder"
+            ) from None
         raise
     _held[real] = descriptor
     return descriptor

@@ -47,16 +47,27 @@ class BaseShape:
     def from_config(config: dict[str, Any]) -> BaseShape:
         model_type = config.get("model_type", "")
         if model_type not in LLAMA_FAMILY:
-            raise LoraError(f"LoRA adapters are served on {', '.join(LLAMA_FAMILY)} models; this one is "
-                            f"{model_type or 'of no model_type'}")
+            raise LoraError(
+                f"LoRA adapters are served on {', '.join(LLAMA_FAMILY)} models; this one is "
+                f"{model_type or 'of no model_type'}"
+            )
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         kv_heads = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or hidden // heads
         inner = config["intermediate_size"]
         q, kv = heads * head_dim, kv_heads * head_dim
-        return BaseShape(config["num_hidden_layers"], {
-            "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inner), "up_proj": (hidden, inner), "down_proj": (inner, hidden)})
+        return BaseShape(
+            config["num_hidden_layers"],
+            {
+                "q_proj": (hidden, q),
+                "k_proj": (hidden, kv),
+                "v_proj": (hidden, kv),
+                "o_proj": (q, hidden),
+                "gate_proj": (hidden, inner),
+                "up_proj": (hidden, inner),
+                "down_proj": (inner, hidden),
+            },
+        )
 
     @staticmethod
     def of_model_dir(model_dir: str) -> BaseShape:
@@ -117,14 +128,17 @@ def read_adapter(name: str, path: str, roots: Sequence[str] = ()) -> tuple[str, 
         raise LoraError(f"adapter {name!r}: {path} has no adapter_config.json")
     if not os.path.isfile(weights_path):
         pickled = os.path.isfile(os.path.join(path, "adapter_model.bin"))
-        raise LoraError(f"adapter {name!r}: {path} has no adapter_model.safetensors"
-                        + (" (adapter_model.bin is a pickle, which is never loaded)" if pickled else ""))
+        raise LoraError(
+            f"adapter {name!r}: {path} has no adapter_model.safetensors"
+            + (" (adapter_model.bin is a pickle, which is never loaded)" if pickled else "")
+        )
     files = []
     for file in (config_path, weights_path):
         resolved = os.path.realpath(file)
         if roots and not any(os.path.commonpath([resolved, root]) == root for root in roots):
-            raise LoraError(f"adapter {name!r}: {os.path.basename(file)} leads outside the folders adapters may be "
-                            "loaded from")
+            raise LoraError(
+                f"adapter {name!r}: {os.path.basename(file)} leads outside the folders adapters may be loaded from"
+            )
         try:
             with open(resolved, "rb") as f:
                 data = f.read(MAX_ADAPTER_BYTES + 1)
@@ -152,8 +166,9 @@ def check_adapter(name: str, path: str, base: BaseShape, max_rank: int, roots: S
     return check_adapter_files(name, real, config, weights, base, max_rank)
 
 
-def check_adapter_files(name: str, path: str, config_bytes: bytes, weights: bytes, base: BaseShape,
-                        max_rank: int) -> AdapterSpec:
+def check_adapter_files(
+    name: str, path: str, config_bytes: bytes, weights: bytes, base: BaseShape, max_rank: int
+) -> AdapterSpec:
     """An adapter from its files' bytes: its config, and every tensor's place, size and values (finite)."""
     try:
         config = json.loads(config_bytes)
@@ -198,10 +213,18 @@ def check_adapter_files(name: str, path: str, config_bytes: bytes, weights: byte
         expected = {"A": [rank, size_in], "B": [size_out, rank]}
         for which in "AB":
             if pair.get(which) != expected[which]:
-                raise LoraError(f"adapter {name!r}: layer {layer} {projection} lora_{which} has shape "
-                                f"{pair.get(which)}, this base model needs {expected[which]}")
-    return AdapterSpec(name, path, rank, float(scaling), tuple(p for p in PROJECTIONS if p in targets),
-                       adapter_digest(config_bytes, weights))
+                raise LoraError(
+                    f"adapter {name!r}: layer {layer} {projection} lora_{which} has shape "
+                    f"{pair.get(which)}, this base model needs {expected[which]}"
+                )
+    return AdapterSpec(
+        name,
+        path,
+        rank,
+        float(scaling),
+        tuple(p for p in PROJECTIONS if p in targets),
+        adapter_digest(config_bytes, weights),
+    )
 
 
 def _checked_tensors(name: str, data: bytes) -> dict[str, dict[str, Any]]:
@@ -215,26 +238,33 @@ def _checked_tensors(name: str, data: bytes) -> dict[str, dict[str, Any]]:
     if length > min(_HEADER_LIMIT, len(data) - 8):
         raise LoraError(f"adapter {name!r}: adapter_model.safetensors has a header of {length} bytes")
     try:
-        header = json.loads(data[8:8 + length])
+        header = json.loads(data[8 : 8 + length])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise LoraError(f"adapter {name!r}: adapter_model.safetensors's header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise LoraError(f"adapter {name!r}: adapter_model.safetensors's header is not an object")
     header.pop("__metadata__", None)
-    body = memoryview(data)[8 + length:]
+    body = memoryview(data)[8 + length :]
     spans = []
     for tensor, info in header.items():
-        dtype, shape, offsets = (info.get(k) if isinstance(info, dict) else None
-                                 for k in ("dtype", "shape", "data_offsets"))
+        dtype, shape, offsets = (
+            info.get(k) if isinstance(info, dict) else None for k in ("dtype", "shape", "data_offsets")
+        )
         if dtype not in _DTYPE_BYTES:
             raise LoraError(f"adapter {name!r}: {tensor} is {dtype}; F32, F16 or BF16 are served")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and isinstance(offsets, list)
-                and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        if not (
+            isinstance(shape, list)
+            and all(type(d) is int and d >= 0 for d in shape)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+        ):
             raise LoraError(f"adapter {name!r}: {tensor} has no valid shape and data_offsets")
         start, end = offsets
         if not 0 <= start <= end <= len(body) or end - start != math.prod(shape) * _DTYPE_BYTES[dtype]:
-            raise LoraError(f"adapter {name!r}: {tensor}'s data_offsets {offsets} do not hold its "
-                            f"{dtype} {shape} within the file")
+            raise LoraError(
+                f"adapter {name!r}: {tensor}'s data_offsets {offsets} do not hold its {dtype} {shape} within the file"
+            )
         spans.append((start, end, tensor))
         view, exponent = _NOT_FINITE[dtype]
         values = np.frombuffer(body[start:end], dtype=view)
@@ -257,8 +287,11 @@ def parse_lora_modules(values: list[str]) -> dict[str, tuple[str, str | None]]:
                 entry = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise LoraError(f"--lora-modules: {value!r} is not JSON ({exc})") from None
-            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(
-                    entry.get("path"), str):
+            if (
+                not isinstance(entry, dict)
+                or not isinstance(entry.get("name"), str)
+                or not isinstance(entry.get("path"), str)
+            ):
                 raise LoraError(f"--lora-modules: {value!r} needs string fields name and path")
             name, path, parent = entry["name"], entry["path"], entry.get("base_model_name")
         else:
@@ -283,8 +316,9 @@ class Part:
     cols: int
 
 
-def page_layout(rank: int, targets: Sequence[str], dims: Mapping[str, Sequence[int]],
-                half_elements: int) -> tuple[int, dict[tuple[str, str], Part]]:
+def page_layout(
+    rank: int, targets: Sequence[str], dims: Mapping[str, Sequence[int]], half_elements: int
+) -> tuple[int, dict[tuple[str, str], Part]]:
     """How many blocks (pages) an adapter takes, and where each of its matrices goes: the A matrices (`[r, in]`)
     in `targets` order, then the B matrices transposed (`[r, out]`), one after the other in each layer's halves of its
     pages, taken as two regions (all pages' first halves, then all second halves; contiguous when the pages

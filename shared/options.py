@@ -40,8 +40,13 @@ def _options(config_class: type) -> Iterable[tuple[str, Any, Option]]:
             yield f.name, f.default if f.default is not MISSING else None, spec
 
 
-def add_options(parser: argparse.ArgumentParser, config_class: type, title: str,
-                defaults: dict[str, Any] | None = None, exclude: Iterable[str] = ()) -> None:
+def add_options(
+    parser: argparse.ArgumentParser,
+    config_class: type,
+    title: str,
+    defaults: dict[str, Any] | None = None,
+    exclude: Iterable[str] = (),
+) -> None:
     """`config_class`'s flags as one argument group of `parser`; `defaults` replaces some of theirs."""
     group = parser.add_argument_group(title)
     for name, default, spec in _options(config_class):
@@ -54,9 +59,16 @@ def add_options(parser: argparse.ArgumentParser, config_class: type, title: str,
             group.add_argument(*names, dest=name, action=action, default=default, help=spec.help)
             continue
         kind = spec.parse or (type(default) if default is not None else str)
-        group.add_argument(*names, dest=name, type=kind, default=default, help=spec.help, nargs=spec.nargs,
-                           choices=list(spec.choices) if spec.choices else None,
-                           metavar=names[0][2:].replace("-", "_").upper() if not spec.choices else None)
+        group.add_argument(
+            *names,
+            dest=name,
+            type=kind,
+            default=default,
+            help=spec.help,
+            nargs=spec.nargs,
+            choices=list(spec.choices) if spec.choices else None,
+            metavar=names[0][2:].replace("-", "_").upper() if not spec.choices else None,
+        )
 
 
 def from_namespace(config_class: type[T], namespace: argparse.Namespace, **values: Any) -> T:

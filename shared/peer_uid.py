@@ -29,9 +29,11 @@ def peer_uid(connection: socket.socket) -> int | None:
     try:
         family = connection.family
         peer, local = connection.getpeername(), connection.getsockname()
-        request = REQUEST.pack(family, socket.IPPROTO_TCP, 0, ALL_STATES) + SOCKET_ID.pack(
-            peer[1], local[1], _address(family, peer[0]), _address(family, local[0])
-        ) + SOCKET_ID_TAIL.pack(0, NO_COOKIE, NO_COOKIE)
+        request = (
+            REQUEST.pack(family, socket.IPPROTO_TCP, 0, ALL_STATES)
+            + SOCKET_ID.pack(peer[1], local[1], _address(family, peer[0]), _address(family, local[0]))
+            + SOCKET_ID_TAIL.pack(0, NO_COOKIE, NO_COOKIE)
+        )
         with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as netlink:
             netlink.settimeout(0.5)
             netlink.send(HEADER.pack(HEADER.size + len(request), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0) + request)

@@ -32,12 +32,13 @@ def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
-def prefix_key(token_ids: Sequence[int], block_size: int, max_blocks: int, cache_salt: str = "",
-               adapter: str = "") -> bytes:
+def prefix_key(
+    token_ids: Sequence[int], block_size: int, max_blocks: int, cache_salt: str = "", adapter: str = ""
+) -> bytes:
     """The key of the prompt's first `max_blocks` full blocks (fewer if it has fewer)."""
     key = salted_root(cache_salt, adapter)
     for index in range(min(max_blocks, len(token_ids) // block_size)):
-        key = chain_key(key, token_ids[index * block_size:(index + 1) * block_size])
+        key = chain_key(key, token_ids[index * block_size : (index + 1) * block_size])
     return key
 
 

@@ -109,8 +109,13 @@ class SamplingParams:
         if self.early_stopping not in (True, False, "never") or type(self.early_stopping) not in (bool, str):
             raise InvalidParameter("early_stopping", 'early_stopping must be true, false or "never"')
         _number("length_penalty", self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
-        _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE,
-                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}]")
+        _number(
+            "temperature",
+            self.temperature,
+            0.0,
+            MAX_TEMPERATURE,
+            f"temperature must be a number in [0, {MAX_TEMPERATURE:g}]",
+        )
         if self.temperature < GREEDY_BELOW:
             self.temperature = 0.0
         _number("top_p", self.top_p, 0.0, 1.0, "top_p must be in (0, 1]")
@@ -118,8 +123,13 @@ class SamplingParams:
             raise InvalidParameter("top_p", "top_p must be in (0, 1]")
         _number("min_p", self.min_p, 0.0, 1.0, "min_p must be in [0, 1]")
         top_k_limit = vocab_size if vocab_size else UINT64_MAX
-        _integer("top_k", self.top_k, -1, top_k_limit,
-                 f"top_k must be -1 (disabled) or between 1 and the vocabulary size ({top_k_limit})")
+        _integer(
+            "top_k",
+            self.top_k,
+            -1,
+            top_k_limit,
+            f"top_k must be -1 (disabled) or between 1 and the vocabulary size ({top_k_limit})",
+        )
         if self.top_k == 0:
             raise InvalidParameter("top_k", "top_k must be -1 (disabled) or at least 1")
         if self.seed is not None:
@@ -128,8 +138,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if type(self.stop_token_ids) is not list or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidParameter("stop_token_ids", f"stop_token_ids must be a list of at most "
-                                                     f"{MAX_STOP_TOKEN_IDS} token ids")
+            raise InvalidParameter(
+                "stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids"
+            )
         id_limit = (vocab_size - 1) if vocab_size else UINT64_MAX
         for token in self.stop_token_ids:
             _integer("stop_token_ids", token, 0, id_limit, f"stop_token_ids must be in [0, {id_limit}]")
@@ -137,11 +148,17 @@ class SamplingParams:
             _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
         _number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
-        _number("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
+        _number(
+            "repetition_penalty",
+            self.repetition_penalty,
+            0.0,
+            MAX_REPETITION_PENALTY,
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]",
+        )
         if self.repetition_penalty == 0.0:
-            raise InvalidParameter("repetition_penalty",
-                                   f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]")
+            raise InvalidParameter(
+                "repetition_penalty", f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]"
+            )
         _integer("min_tokens", self.min_tokens, 0, self.max_tokens, "min_tokens must be an integer in [0, max_tokens]")
         if type(self.grammar) is not str or len(self.grammar) > MAX_GRAMMAR_CHARS:
             raise InvalidParameter("grammar", f"grammar must be a string of at most {MAX_GRAMMAR_CHARS} characters")

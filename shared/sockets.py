@@ -48,8 +48,14 @@ def new_socket(context: zmq.Context[AnySocket], kind: int, max_bytes: int = MAX_
     return sock
 
 
-def bind(context: Context, kind: int, endpoint: str, keys: WireKeys | None = None, domain: str = "",
-         max_bytes: int = MAX_MESSAGE_BYTES) -> Socket:
+def bind(
+    context: Context,
+    kind: int,
+    endpoint: str,
+    keys: WireKeys | None = None,
+    domain: str = "",
+    max_bytes: int = MAX_MESSAGE_BYTES,
+) -> Socket:
     sock = new_socket(context, kind, max_bytes)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -58,8 +64,14 @@ def bind(context: Context, kind: int, endpoint: str, keys: WireKeys | None = Non
     return sock
 
 
-def connect(context: zmq.Context[AnySocket], kind: int, endpoint: str, identity: bytes | None = None,
-            keys: WireKeys | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> AnySocket:
+def connect(
+    context: zmq.Context[AnySocket],
+    kind: int,
+    endpoint: str,
+    identity: bytes | None = None,
+    keys: WireKeys | None = None,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+) -> AnySocket:
     sock = new_socket(context, kind, max_bytes)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
@@ -91,8 +103,9 @@ def try_send(sock: Socket, message: object, to: bytes | None = None) -> bool:
     return True
 
 
-def receive(sock: Socket, routed: bool = False,
-            max_containers: int | None = None) -> tuple[bytes | None, object | None]:
+def receive(
+    sock: Socket, routed: bool = False, max_containers: int | None = None
+) -> tuple[bytes | None, object | None]:
     """Receive one message as (sender, message); a malformed frame is logged and gives None.
     Without `max_containers`, the frame gets the bound of what the scheduler sends."""
     if routed:
@@ -103,8 +116,9 @@ def receive(sock: Socket, routed: bool = False,
     return sender, _decode_or_log(frame, sender, max_containers)
 
 
-def receive_with_connection(sock: Socket, max_containers: int,
-                            admit: Callable[[bytes, int], bool] | None = None) -> tuple[bytes, int, object | None]:
+def receive_with_connection(
+    sock: Socket, max_containers: int, admit: Callable[[bytes, int], bool] | None = None
+) -> tuple[bytes, int, object | None]:
     """On a ROUTER: (sender, the file descriptor of its connection, message). The descriptor is
     what the socket monitor names when that connection closes. `admit(sender, size)`, where given,
     decides before decoding: a frame it refuses is dropped unread (message None)."""

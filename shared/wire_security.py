@@ -108,8 +108,10 @@ def keys_for(args: argparse.Namespace, role: str, endpoints: list[str]) -> WireK
         log.warning("--insecure-wire: the %s's tcp:// sockets are open to anyone who reaches them", role)
         return None
     if args.keys_dir is None:
-        raise WireSecurityError("tcp:// endpoints need CURVE keys: make them with `pagedserve keys DIR` and pass "
-                                f"--keys-dir DIR/{role} (or ${KEYS_DIR_ENV}), or --insecure-wire")
+        raise WireSecurityError(
+            "tcp:// endpoints need CURVE keys: make them with `pagedserve keys DIR` and pass "
+            f"--keys-dir DIR/{role} (or ${KEYS_DIR_ENV}), or --insecure-wire"
+        )
     return load_keys(args.keys_dir, role)
 
 
@@ -138,8 +140,7 @@ class _Admitted:
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.keys:
             return True
-        zap_log.warning("refused a CURVE peer on the %s socket: its key %s is not admitted", domain,
-                        key[:8].decode())
+        zap_log.warning("refused a CURVE peer on the %s socket: its key %s is not admitted", domain, key[:8].decode())
         return False
 
 

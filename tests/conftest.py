@@ -36,8 +36,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Groups whose few tests take minutes (Docker builds and compose runs, benchmark scripts, the paper's
 # figures, the wheel, TP ranks): handed out first, so none is left for the end with the other worker idle.
-SLOW_GROUPS = ("test_docker_compose", "fixed-ports", "test_paper_benchmarks", "test_install", "test_tensor_parallel",
-               "test_prometheus")
+SLOW_GROUPS = (
+    "test_docker_compose",
+    "fixed-ports",
+    "test_paper_benchmarks",
+    "test_install",
+    "test_tensor_parallel",
+    "test_prometheus",
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups into the tests' ids
@@ -68,9 +74,11 @@ class GroupsTaken:
 
     def pytest_xdist_node_collection_finished(self, node, ids: list[str]) -> None:
         if node.config.getvalue("dist") == "loadgroup" and any("@" not in nodeid for nodeid in ids):
-            pytest.exit(f"pytest-xdist could not put the tests' groups into their ids under pytest "
-                        f"{pytest.__version__}: --dist loadgroup would split them (see pyproject's test extra)",
-                        returncode=pytest.ExitCode.USAGE_ERROR)
+            pytest.exit(
+                f"pytest-xdist could not put the tests' groups into their ids under pytest "
+                f"{pytest.__version__}: --dist loadgroup would split them (see pyproject's test extra)",
+                returncode=pytest.ExitCode.USAGE_ERROR,
+            )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -91,10 +99,7 @@ def kernel_threads_as_they_were():
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    return {
-        family: build_model(str(tmp_path_factory.mktemp(family)), family)
-        for family in ("llama", "qwen2")
-    }
+    return {family: build_model(str(tmp_path_factory.mktemp(family)), family) for family in ("llama", "qwen2")}
 
 
 @pytest.fixture
@@ -242,8 +247,11 @@ SWAP_BLOCKS_USED = 'pagedserve_kv_blocks{device="cpu",pool="swap",state="used"}'
 
 def device_blocks_used(metrics: dict[str, float]) -> float:
     """KV blocks in use in the device pool, whatever device the worker runs on."""
-    return sum(value for key, value in metrics.items()
-               if key.startswith("pagedserve_kv_blocks{") and 'pool="device"' in key and 'state="used"' in key)
+    return sum(
+        value
+        for key, value in metrics.items()
+        if key.startswith("pagedserve_kv_blocks{") and 'pool="device"' in key and 'state="used"' in key
+    )
 
 
 def metrics_port_flags() -> list[str]:
@@ -252,11 +260,13 @@ def metrics_port_flags() -> list[str]:
 
 
 class Server:
-    def __init__(self, process: subprocess.Popen, base_url: str, model: str, log_path: str,
-                 metrics_ports: dict[str, int]):
+    def __init__(
+        self, process: subprocess.Popen, base_url: str, model: str, log_path: str, metrics_ports: dict[str, int]
+    ):
         self.process, self.base_url, self.model, self.log_path = process, base_url, model, log_path
         self.metrics_urls = {"api": f"{base_url}/metrics"} | {
-            service: f"http://127.0.0.1:{port}/metrics" for service, port in metrics_ports.items()}
+            service: f"http://127.0.0.1:{port}/metrics" for service, port in metrics_ports.items()
+        }
 
     def metrics(self, service: str | None = None) -> dict[str, float]:
         """Samples by name with labels, from one service's /metrics or from all three's."""
@@ -270,8 +280,11 @@ class Server:
         """No request running and no KV block in use, on the device or in swap, as the scheduler's
         metrics say."""
         metrics = self.metrics("scheduler")
-        return (device_blocks_used(metrics) == 0 and metrics[SWAP_BLOCKS_USED] == 0
-                and metrics["pagedserve_num_requests_running"] == 0)
+        return (
+            device_blocks_used(metrics) == 0
+            and metrics[SWAP_BLOCKS_USED] == 0
+            and metrics["pagedserve_num_requests_running"] == 0
+        )
 
     def log(self) -> str:
         with open(self.log_path) as f:
@@ -347,8 +360,10 @@ def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] 
         wait_serving(base_url, process, server.log, 120)
         # The api answers /health before the launcher has seen it ready; a child that dies before then
         # is a failed start to the launcher, which stops rather than restarts it.
-        if not wait_until(lambda: "pagedserve: ready at" in server.log() or process.poll() is not None, 60) \
-                or process.poll() is not None:
+        if (
+            not wait_until(lambda: "pagedserve: ready at" in server.log() or process.poll() is not None, 60)
+            or process.poll() is not None
+        ):
             raise RuntimeError(f"the launcher did not say it was ready:\n{server.log()[-3000:]}")
         yield server
     finally:

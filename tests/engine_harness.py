@@ -33,44 +33,101 @@ _ids = itertools.count()
 
 
 class Engine:
-    def __init__(self, model_dir: str, block_size=16, num_gpu_blocks=256, num_cpu_blocks=256,
-                 preemption="recompute", prefix_caching=False, chunked_prefill=False,
-                 max_num_batched_tokens=512, max_num_seqs=64, speculative: SpeculativeConfig | None = None,
-                 kv_cache_dtype: str = "auto", threads=None, depth: int = 1, decode_graphs: dict | None = None,
-                 device: str = "cpu", dtype: str = "float32", num_host_cache_blocks: int = 0,
-                 kv_cache_dir: str | None = None, disk_blocks: int = 1024, write_through: bool = False,
-                 max_loras: int = 0, max_lora_rank: int = 16):
+    def __init__(
+        self,
+        model_dir: str,
+        block_size=16,
+        num_gpu_blocks=256,
+        num_cpu_blocks=256,
+        preemption="recompute",
+        prefix_caching=False,
+        chunked_prefill=False,
+        max_num_batched_tokens=512,
+        max_num_seqs=64,
+        speculative: SpeculativeConfig | None = None,
+        kv_cache_dtype: str = "auto",
+        threads=None,
+        depth: int = 1,
+        decode_graphs: dict | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        num_host_cache_blocks: int = 0,
+        kv_cache_dir: str | None = None,
+        disk_blocks: int = 1024,
+        write_through: bool = False,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
+    ):
         device = torch.device(device)
         model, config = load_model(model_dir, dtype, device)
         dtype = model.lm_head.weight.dtype  # what `auto` chose: the KV cache's too
-        self.cache = KVCache(config.num_hidden_layers, num_gpu_blocks, block_size, model.num_kv_heads,
-                             model.head_dim, dtype, device, num_cpu_blocks + num_host_cache_blocks, kv_cache_dtype)
+        self.cache = KVCache(
+            config.num_hidden_layers,
+            num_gpu_blocks,
+            block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            dtype,
+            device,
+            num_cpu_blocks + num_host_cache_blocks,
+            kv_cache_dtype,
+        )
         drafter, ngram = None, None
         if speculative is not None and speculative.method == "ngram":
             ngram = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         if speculative is not None and speculative.method == "draft_model":
             draft, draft_config = load_model(speculative.model, str(dtype).removeprefix("torch."), device)
-            drafter = Drafter(draft, KVCache(draft_config.num_hidden_layers, num_gpu_blocks, block_size,
-                                             draft.num_kv_heads, draft.head_dim, dtype, device,
-                                             num_cpu_blocks + num_host_cache_blocks), device)
+            drafter = Drafter(
+                draft,
+                KVCache(
+                    draft_config.num_hidden_layers,
+                    num_gpu_blocks,
+                    block_size,
+                    draft.num_kv_heads,
+                    draft.head_dim,
+                    dtype,
+                    device,
+                    num_cpu_blocks + num_host_cache_blocks,
+                ),
+                device,
+            )
         eos_ids = eos_token_ids(model_dir, config)
         grammars = GrammarEngine.load(model_dir, model.lm_head.weight.shape[0], eos_ids)
         # decode_graphs: the CUDA graphs' static buffers and padding (on a CPU, run eagerly)
         graphs = DecodeGraphs(model, self.cache, device, **decode_graphs) if decode_graphs else None
-        self.runner = ModelRunner(model, self.cache, device, seed=0, eos_token_ids=eos_ids,
-                                  drafter=drafter, threads=threads, grammars=grammars, ngram=ngram, graphs=graphs)
-        block_bytes = bytes_per_block(config.num_hidden_layers, block_size, model.num_kv_heads,
-                                      model.head_dim, dtype, kv_cache_dtype)
-        policy = PreemptionPolicy(preemption, block_bytes, self.cache.measure_swap_bandwidth(),
-                                  self.runner.measure_prefill_rate())
+        self.runner = ModelRunner(
+            model,
+            self.cache,
+            device,
+            seed=0,
+            eos_token_ids=eos_ids,
+            drafter=drafter,
+            threads=threads,
+            grammars=grammars,
+            ngram=ngram,
+            graphs=graphs,
+        )
+        block_bytes = bytes_per_block(
+            config.num_hidden_layers, block_size, model.num_kv_heads, model.head_dim, dtype, kv_cache_dtype
+        )
+        policy = PreemptionPolicy(
+            preemption, block_bytes, self.cache.measure_swap_bandwidth(), self.runner.measure_prefill_rate()
+        )
         disk = None
         if kv_cache_dir is not None:  # files under a fingerprint of this model's layout, as a worker names them
             print_ = fingerprint({"model": model_dir, "dtype": str(dtype), "block_size": block_size})
             self.cache.disk = DiskTier(kv_cache_dir, print_, 0, 1)
             disk = DiskIndex(kv_cache_dir, print_, 1, disk_blocks)
-        manager = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark=0.0,
-                                 enable_prefix_caching=prefix_caching, num_host_cache_blocks=num_host_cache_blocks,
-                                 disk=disk, write_through=write_through)
+        manager = KVCacheManager(
+            num_gpu_blocks,
+            block_size,
+            num_cpu_blocks,
+            watermark=0.0,
+            enable_prefix_caching=prefix_caching,
+            num_host_cache_blocks=num_host_cache_blocks,
+            disk=disk,
+            write_through=write_through,
+        )
         context = min(config.max_position_embeddings, num_gpu_blocks * block_size)
         if not chunked_prefill:  # a recomputed request must fit one step
             context = min(context, max_num_batched_tokens)
@@ -78,8 +135,11 @@ class Engine:
         speculation = Speculation(speculative, context) if speculative is not None else None
         if max_loras:  # adapters paged into the KV pool, as a worker and a scheduler started with --enable-lora
             self.runner.adapters = LoraAdapters(self.cache, config, dtype, max_lora_rank, max_loras)
-            manager.enable_adapters(max_loras, self.runner.adapters.half_elements,
-                                    {name: list(dims) for name, dims in self.runner.adapters.dims.items()})
+            manager.enable_adapters(
+                max_loras,
+                self.runner.adapters.half_elements,
+                {name: list(dims) for name, dims in self.runner.adapters.dims.items()},
+            )
         self.scheduler = Scheduler(manager, budgets, eos_ids, policy, speculation=speculation)
         self.max_running_seqs = 0
         self.steps = []
@@ -89,8 +149,9 @@ class Engine:
     def add(self, prompt: list[int], cache_salt: str = "", lora: LoraRef | None = None, **sampling) -> str:
         request_id = f"req-{next(_ids)}"
         params = SamplingParams(**{"temperature": 0.0, **sampling})
-        error = self.scheduler.add(AddRequest(request_id, list(prompt), params, float(next(_ids)),
-                                              cache_salt=cache_salt, lora=lora))
+        error = self.scheduler.add(
+            AddRequest(request_id, list(prompt), params, float(next(_ids)), cache_salt=cache_salt, lora=lora)
+        )
         assert error is None, error.error
         return request_id
 
@@ -129,8 +190,9 @@ class Engine:
         tokens = self.run()
         return [tokens[i][0] for i in ids]
 
-    def generate_with_logprobs(self, prompts: list[list[int]], top: int = 5, **sampling
-                               ) -> list[tuple[list[int], list[dict[int, float]]]]:
+    def generate_with_logprobs(
+        self, prompts: list[list[int]], top: int = 5, **sampling
+    ) -> list[tuple[list[int], list[dict[int, float]]]]:
         """Greedy outputs of every prompt with each position's `top` log-probabilities by token id."""
         ids = [self.add(p, logprobs=top, **sampling) for p in prompts]
         tokens = self.run()

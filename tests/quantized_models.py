@@ -40,8 +40,9 @@ def hf_compressed_tensors_model(directory: str, dtype: torch.dtype):
 
     with open(os.path.join(directory, "config.json")) as f:
         declared = json.load(f)["quantization_config"]
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype,
-                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
     group = next(iter(declared["config_groups"].values()))
     inputs = group.get("input_activations")
     if inputs is None or inputs.get("type") != "int":  # weights only (FP8 activations run unquantized here too)
@@ -70,8 +71,9 @@ def hf_compressed_tensors_model(directory: str, dtype: torch.dtype):
 # GPTQ and AWQ, packed as their libraries pack them
 
 
-def gptq_pack(weight: torch.Tensor, group: int, act_order: bool = False, symmetric: bool = True,
-              seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def gptq_pack(
+    weight: torch.Tensor, group: int, act_order: bool = False, symmetric: bool = True, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A float weight [N, K] quantized to 4 bits by groups of inputs, in gptqmodel's layout (v1: zeros stored less
     one): its tensors, and the dense weight they stand for. With `act_order`, the inputs are grouped in a random
     order (as GPTQ's descending Hessian order puts them) and `g_idx` says each input's group."""
@@ -117,8 +119,14 @@ def awq_pack(weight: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor],
     interleaved = codes.T.reshape(k, n // 8, 8)[:, :, AWQ_ORDER].reshape(k, n)
     zero_words = zeros.T.to(torch.int32).reshape(k // group, n // 8, 8)[:, :, AWQ_ORDER].reshape(k // group, n)
     dense = (codes.float().view(n, k // group, group) - zeros[:, :, None]) * scales[:, :, None]
-    return ({"qweight": _pack_words(interleaved, along=1), "qzeros": _pack_words(zero_words, along=1),
-             "scales": scales.T.contiguous().half()}, dense.view(n, k))
+    return (
+        {
+            "qweight": _pack_words(interleaved, along=1),
+            "qzeros": _pack_words(zero_words, along=1),
+            "scales": scales.T.contiguous().half(),
+        },
+        dense.view(n, k),
+    )
 
 
 def _pack_words(codes: torch.Tensor, along: int) -> torch.Tensor:
@@ -135,8 +143,9 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 INPUT_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
-def write_gptq_or_awq(dense_dir: str, method: str, out_dir: str, act_order: bool = False, symmetric: bool = True,
-                      group: int = 128) -> tuple[str, str]:
+def write_gptq_or_awq(
+    dense_dir: str, method: str, out_dir: str, act_order: bool = False, symmetric: bool = True, group: int = 128
+) -> tuple[str, str]:
     """`dense_dir`'s model with each projection packed by `gptq_pack` or `awq_pack`, saved with its
     quantization_config; and beside it (out_dir + "-dense") the dense model its codes stand for, the oracle's."""
     state = load_file(os.path.join(dense_dir, "model.safetensors"))
@@ -147,8 +156,9 @@ def write_gptq_or_awq(dense_dir: str, method: str, out_dir: str, act_order: bool
         if kind == "weight" and projection in LINEAR_NAMES:
             # GPTQ orders a layer's inputs by its Hessian, which projections of one input share
             seed = sum(map(ord, parent + INPUT_OF.get(projection, projection)))
-            tensors, values = (gptq_pack(tensor, group, act_order, symmetric, seed) if method == "gptq"
-                               else awq_pack(tensor, group))
+            tensors, values = (
+                gptq_pack(tensor, group, act_order, symmetric, seed) if method == "gptq" else awq_pack(tensor, group)
+            )
             quantized.update({f"{layer}.{name}": t for name, t in tensors.items()})
             dense[key] = values.to(tensor.dtype)
         else:
@@ -161,9 +171,17 @@ def write_gptq_or_awq(dense_dir: str, method: str, out_dir: str, act_order: bool
     with open(os.path.join(dense_dir, "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = (
-        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": symmetric,
-         "checkpoint_format": "gptq"} if method == "gptq" else
-        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
+        {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group,
+            "desc_act": act_order,
+            "sym": symmetric,
+            "checkpoint_format": "gptq",
+        }
+        if method == "gptq"
+        else {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    )
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f)
     copy_tokenizer(dense_dir, out_dir)
@@ -210,8 +228,10 @@ class QuantizedCheckpoints:
             method, detail = FORMATS[fmt]
             out = os.path.join(self.root, f"{family}-{fmt}")
             if method == "compressed-tensors":
-                self._written[family, fmt] = (write_compressed_tensors(self.dense(family), detail, out, CALIBRATION),
-                                              None)
+                self._written[family, fmt] = (
+                    write_compressed_tensors(self.dense(family), detail, out, CALIBRATION),
+                    None,
+                )
             else:
                 self._written[family, fmt] = write_gptq_or_awq(self.dense(family), method, out, act_order=detail)
         return self._written[family, fmt]
@@ -237,8 +257,9 @@ class QuantizedCheckpoints:
         assert dense is not None, "compressed-tensors oracles are dequantized by HF transformers in memory"
         return dense
 
-    def greedy_with_logprobs(self, family: str, fmt: str, prompt: list[int], max_tokens: int, dtype: torch.dtype,
-                             top: int = 5) -> tuple[list[int], list[dict[int, float]]]:
+    def greedy_with_logprobs(
+        self, family: str, fmt: str, prompt: list[int], max_tokens: int, dtype: torch.dtype, top: int = 5
+    ) -> tuple[list[int], list[dict[int, float]]]:
         from tests.tiny_models import greedy_with_logprobs
 
         return greedy_with_logprobs(self.oracle_model(family, fmt, dtype), prompt, max_tokens, top)

@@ -30,8 +30,9 @@ class StandInWorker:
     or with `draft_token(seq_id, n)` as its "draft model"; and it starts an entry planned while
     proposals were unsettled where its own copy of the sequence ends."""
 
-    def __init__(self, next_token=lambda seq_id, position: 100 + position, draft_token=None, ngram=(1, 3),
-                 block_size: int = 0):
+    def __init__(
+        self, next_token=lambda seq_id, position: 100 + position, draft_token=None, ngram=(1, 3), block_size: int = 0
+    ):
         self.next_token = next_token
         self.block_size = block_size  # given: every position an entry computes must have its slot
         self.draft_token = draft_token
@@ -101,8 +102,10 @@ class StandInWorker:
             return [SampledTokens(seq_id, [ids[0]], [logprobs[0]], [ids], [logprobs])]
         forks = len(tokens) == num_prompt and sampling.num_samples > 1
         if forks:
-            return [SampledTokens(seq_id, [self.next_token(seq_id + 1000 * i, len(tokens))], [-1.0], [], [])
-                    for i in range(sampling.num_samples)]
+            return [
+                SampledTokens(seq_id, [self.next_token(seq_id + 1000 * i, len(tokens))], [-1.0], [], [])
+                for i in range(sampling.num_samples)
+            ]
         run = []
         for i in range(len(proposals) + 1):
             run.append(self.next_token(seq_id, len(tokens) + i))
@@ -111,18 +114,46 @@ class StandInWorker:
         return [SampledTokens(seq_id, run, [-1.0] * len(run), [], [], len(proposals))]
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, context=256,
-                   num_cpu_blocks=0, preemption="recompute", prefix_caching=False, chunked=False,
-                   reservation="paged", watermark=0.0, speculative: SpeculativeConfig | None = None,
-                   policy: SchedulingPolicy | None = None, clock=time.monotonic, num_host_cache_blocks=0):
-    manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks, watermark=watermark,
-                             enable_prefix_caching=prefix_caching, num_host_cache_blocks=num_host_cache_blocks)
+def make_scheduler(
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=8,
+    max_tokens_per_step=64,
+    context=256,
+    num_cpu_blocks=0,
+    preemption="recompute",
+    prefix_caching=False,
+    chunked=False,
+    reservation="paged",
+    watermark=0.0,
+    speculative: SpeculativeConfig | None = None,
+    policy: SchedulingPolicy | None = None,
+    clock=time.monotonic,
+    num_host_cache_blocks=0,
+):
+    manager = KVCacheManager(
+        num_blocks,
+        block_size,
+        num_cpu_blocks,
+        watermark=watermark,
+        enable_prefix_caching=prefix_caching,
+        num_host_cache_blocks=num_host_cache_blocks,
+    )
     if not chunked:  # a recomputed request must fit one step
         context = min(context, max_tokens_per_step)
     budgets = Budgets(max_num_seqs, max_tokens_per_step, context, chunked_prefill=chunked)
     speculation = Speculation(speculative, context) if speculative is not None else None
-    return Scheduler(manager, budgets, [EOS], PreemptionPolicy(preemption), vocab_size=1000,
-                     reservation=Reservation(reservation), speculation=speculation, policy=policy, clock=clock)
+    return Scheduler(
+        manager,
+        budgets,
+        [EOS],
+        PreemptionPolicy(preemption),
+        vocab_size=1000,
+        reservation=Reservation(reservation),
+        speculation=speculation,
+        policy=policy,
+        clock=clock,
+    )
 
 
 _ids = itertools.count()
@@ -131,8 +162,14 @@ _ids = itertools.count()
 def request(prompt_len=5, max_tokens=4, arrival=None, priority=0, tenant="", **sampling) -> AddRequest:
     n = next(_ids)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
-    return AddRequest(f"req-{n}", list(range(1, prompt_len + 1)), params, float(arrival if arrival is not None else n),
-                      priority=priority, tenant=tenant)
+    return AddRequest(
+        f"req-{n}",
+        list(range(1, prompt_len + 1)),
+        params,
+        float(arrival if arrival is not None else n),
+        priority=priority,
+        tenant=tenant,
+    )
 
 
 def check_block_accounting(scheduler: Scheduler) -> None:

@@ -1,6 +1,5 @@
 """n, best_of, beam search, prefix caching and swapping, through the three processes."""
 
-
 import httpx
 import pytest
 
@@ -10,8 +9,18 @@ from tests.tiny_models import hf_beam_search, hf_greedy
 
 pytestmark = pytest.mark.slow  # starts processes: not in `make check`
 
-FLAGS = ["--block-size", "4", "--num-gpu-blocks-override", "24", "--preemption-mode", "swap",
-         "--enable-prefix-caching", "--enable-chunked-prefill", "--max-num-batched-tokens", "32"]
+FLAGS = [
+    "--block-size",
+    "4",
+    "--num-gpu-blocks-override",
+    "24",
+    "--preemption-mode",
+    "swap",
+    "--enable-prefix-caching",
+    "--enable-chunked-prefill",
+    "--max-num-batched-tokens",
+    "32",
+]
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +30,9 @@ def server(llama_dir, tmp_path_factory):
 
 
 def complete(server, **body):
-    response = httpx.post(f"{server.base_url}/v1/completions", timeout=120,
-                          json={"model": server.model, "return_token_ids": True, **body})
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", timeout=120, json={"model": server.model, "return_token_ids": True, **body}
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -43,8 +53,9 @@ def test_n_choices_stream_and_whole_agree(server):
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
     assert len({tuple(c["token_ids"]) for c in whole["choices"]}) > 1
     texts = ["", "", ""]
-    with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60,
-                      json={"model": server.model, "stream": True, **body}) as response:
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", timeout=60, json={"model": server.model, "stream": True, **body}
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 import json

@@ -94,7 +94,8 @@ def plain_requests(draw):
     """Requests whose tokens depend only on their positions: the same however steps are timed."""
     kind = draw(st.sampled_from([{}, {"n": 2}, {"n": 1, "best_of": 3}, {"stop_token_ids": [109]}]))
     prompt = draw(st.sampled_from([[], [5, 6, 7, 8, 9, 10, 11, 12]])) + draw(
-        st.lists(st.integers(1, 30), min_size=1, max_size=30))
+        st.lists(st.integers(1, 30), min_size=1, max_size=30)
+    )
     return prompt, dict(kind, max_tokens=draw(st.integers(1, 30)))
 
 
@@ -108,8 +109,11 @@ def test_planning_ahead_gives_the_tokens_of_planning_after_each_result(config, s
     results = []
     for depth in (1, 2):
         scheduler = _build(config)
-        admitted = [i for i, (prompt, sampling) in enumerate(specs) if scheduler.add(
-            AddRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, **sampling), float(i))) is None]
+        admitted = [
+            i
+            for i, (prompt, sampling) in enumerate(specs)
+            if scheduler.add(AddRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, **sampling), float(i))) is None
+        ]
         outputs = run_to_completion(scheduler, StandInWorker(_positional), depth=depth)
         assert not scheduler.has_work() and scheduler.kv_cache.device_pool.num_referenced == 0
         tokens = {}
@@ -121,7 +125,6 @@ def test_planning_ahead_gives_the_tokens_of_planning_after_each_result(config, s
         assert {r for r, _ in tokens} == {f"r{i}" for i in admitted}
         results.append(tokens)
     assert results[0] == results[1]
-
 
 
 def test_prompts_arriving_one_by_one_while_a_step_computes_start_together_in_the_next_step():

@@ -33,8 +33,14 @@ def _completion(server, **fields) -> httpx.Response:
 
 def _time_to_first_token(server, max_tokens: int = 8) -> float:
     started = time.monotonic()
-    body = {"model": server.model, "prompt": "def f(x):", "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": server.model,
+        "prompt": "def f(x):",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=300) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
@@ -44,6 +50,7 @@ def _time_to_first_token(server, max_tokens: int = 8) -> float:
 
 
 # --- batches of prompts --------------------------------------------------------------------------
+
 
 def test_a_batch_over_the_prompt_limit_is_refused_whole_before_anything_is_queued(server):
     response = _completion(server, prompt=["x"] * 2049)
@@ -61,8 +68,7 @@ def test_a_large_batch_takes_turns_with_another_clients_request(server):
     batch_chunks = [0]
 
     def batch():
-        body = {"model": server.model, "prompt": ["x"] * 2048, "max_tokens": 16, "ignore_eos": True,
-                "stream": True}
+        body = {"model": server.model, "prompt": ["x"] * 2048, "max_tokens": 16, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=300) as response:
             batch_status.append(response.status_code)
             for line in response.iter_lines():
@@ -89,6 +95,7 @@ def test_a_large_batch_takes_turns_with_another_clients_request(server):
 
 def test_another_client_is_answered_while_a_batch_is_refused_and_aborted_repeatedly(server):
     """Many large batches, each cut by its client: every abort reaches the scheduler, none is lost."""
+
     def cut_batch():
         body = {"model": server.model, "prompt": ["x"] * 2048, "max_tokens": 64, "stream": True}
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=300) as response:
@@ -114,6 +121,7 @@ def test_a_batch_answers_every_prompt(server):
 
 
 # --- requests that would hold the api's event loop --------------------------------------------------
+
 
 class HealthProbe:
     """/health asked over and over on a thread: how long the api's loop kept it waiting."""
@@ -148,9 +156,16 @@ def test_a_flood_of_stop_strings_is_refused_and_the_most_allowed_cost_the_loop_l
     # The most a request may send: 256 strings of 256 characters, that never match, on every choice.
     stops = [f"{i:03d}" + "\x07" * 253 for i in range(256)]
     with HealthProbe(server) as probe:
-        body = {"model": server.model, "prompt": "import os", "max_tokens": 200, "n": MAX_NUM_SEQS, "stop": stops,
-                "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        body = {
+            "model": server.model,
+            "prompt": "import os",
+            "max_tokens": 200,
+            "n": MAX_NUM_SEQS,
+            "stop": stops,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
         events = 0
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=300) as response:
             assert response.status_code == 200
@@ -163,8 +178,15 @@ def test_a_flood_of_stop_strings_is_refused_and_the_most_allowed_cost_the_loop_l
 
 def test_a_response_of_megabytes_is_built_off_the_loop(server):
     with HealthProbe(server) as probe:
-        response = _completion(server, prompt=[f"p{i}" for i in range(16)], n=MAX_NUM_SEQS, max_tokens=96,
-                               logprobs=20, ignore_eos=True, temperature=1.0)
+        response = _completion(
+            server,
+            prompt=[f"p{i}" for i in range(16)],
+            n=MAX_NUM_SEQS,
+            max_tokens=96,
+            logprobs=20,
+            ignore_eos=True,
+            temperature=1.0,
+        )
     assert response.status_code == 200 and len(response.content) > 5 << 20
     # Built on the loop, this one held /health for 2.7 s on a loaded 2-core machine; off it, the probe's slowest
     # answer is a busy machine's scheduling (0.53 s once while the rest of the suite ran beside it).

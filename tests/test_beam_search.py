@@ -20,8 +20,9 @@ def test_beams_equal_hf_generate_num_beams(model_dirs, family, width):
         assert got == hf_beam_search(model_dir, prompt, width, 10)
 
 
-@pytest.mark.parametrize("options", [dict(length_penalty=0.5), dict(early_stopping=True),
-                                     dict(early_stopping="never", length_penalty=2.0)])
+@pytest.mark.parametrize(
+    "options", [dict(length_penalty=0.5), dict(early_stopping=True), dict(early_stopping="never", length_penalty=2.0)]
+)
 def test_length_penalty_and_early_stopping_follow_hf(llama_dir, options):
     engine = Engine(llama_dir, block_size=4)
     prompt = PROMPTS[0]

@@ -26,8 +26,11 @@ def load(name):
 def run_bench(name: str, out_dir, **settings: str) -> subprocess.CompletedProcess:
     """`benchmarks/<name>.py` in a process of its own, writing into `out_dir`, with its
     PAGEDSERVE_BENCH_<SETTING> variables (ITERATIONS, REPEATS...) set to shrink it."""
-    env = dict(os.environ, PAGEDSERVE_BENCH_OUT=str(out_dir),
-               **{f"PAGEDSERVE_BENCH_{key.upper()}": value for key, value in settings.items()})
+    env = dict(
+        os.environ,
+        PAGEDSERVE_BENCH_OUT=str(out_dir),
+        **{f"PAGEDSERVE_BENCH_{key.upper()}": value for key, value in settings.items()},
+    )
     script = os.path.join(ROOT, "benchmarks", f"{name}.py")
     return subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
 
@@ -51,8 +54,9 @@ def test_cpu_attention_bench_runs(tmp_path):
         pytest.skip("no C compiler here: the compiled CPU attention kernel cannot be built")
     assert done.returncode == 0, done.stderr
     rows = json.loads((tmp_path / "cpu_attention_bench.json").read_text())["rows"]
-    assert len(rows) == 5 and all(row["torch_ms"] > 0 and row["compiled_ms"] > 0 and row["compiled_int8_ms"] > 0
-                                  for row in rows)
+    assert len(rows) == 5 and all(
+        row["torch_ms"] > 0 and row["compiled_ms"] > 0 and row["compiled_int8_ms"] > 0 for row in rows
+    )
 
 
 def test_cpu_linear_bench_runs(tmp_path):
@@ -65,8 +69,11 @@ def test_cpu_linear_bench_runs(tmp_path):
     assert peak["f32_gflops"] > 0 and peak["bf16_gflops"] >= peak["f32_gflops"] * 0.9 and peak["read_gb_s"] > 0
     assert peak["read_all_cores_gb_s"] > 0
     rows = result["rows"]
-    assert len(rows) == 14 and all(row["torch_f32"] > 0 and row[layout] > 0 and row[f"{layout}_of_peak"] > 0
-                                   for row in rows for layout in ("f32", "bf16", "f16"))
+    assert len(rows) == 14 and all(
+        row["torch_f32"] > 0 and row[layout] > 0 and row[f"{layout}_of_peak"] > 0
+        for row in rows
+        for layout in ("f32", "bf16", "f16")
+    )
     [step] = result["whole_step"]
     assert step["rows"] == 3 and step["threads"] == 1 and step["torch_f32_ms"] > 0
     assert step["bf16_gb_s"] > 0 and step["f32_ms"] > 0 and step["f16_ms"] > 0
@@ -83,9 +90,25 @@ def test_peer_bench_runs_pagedserve_alone_with_our_client_and_reports_worker_idl
     out = tmp_path / "peer.json"
     script = os.path.join(ROOT, "benchmarks", "peer_bench.py")
     done = subprocess.run(
-        [sys.executable, script, "--scenarios", "throughput,throughput_loaded", "--repeats", "1",
-         "--num-prompts-scale", "0.04", "--kv-cache-gib", "0.05", "--port", "8391", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            script,
+            "--scenarios",
+            "throughput,throughput_loaded",
+            "--repeats",
+            "1",
+            "--num-prompts-scale",
+            "0.04",
+            "--kv-cache-gib",
+            "0.05",
+            "--port",
+            "8391",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads(out.read_text())
@@ -98,9 +121,25 @@ def test_peer_bench_runs_pagedserve_alone_with_our_client_and_reports_worker_idl
 
 def test_tp_memory_bench_reports_each_rank_and_the_ratio(tmp_path):
     out = tmp_path / "tp.json"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tp_memory_bench.py"), "--hidden", "128",
-                           "--layers", "2", "--heads", "4", "--vocab", "512", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "tp_memory_bench.py"),
+            "--hidden",
+            "128",
+            "--layers",
+            "2",
+            "--heads",
+            "4",
+            "--vocab",
+            "512",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(out.read_text())
     assert len(results["rss_mib"]["1"]) == 1 and len(results["rss_mib"]["2"]) == 2
@@ -113,9 +152,28 @@ def test_peer_bench_interleaves_pagedserve_with_and_without_speculation_on_the_c
     script = os.path.join(ROOT, "benchmarks", "peer_bench.py")
     config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
     done = subprocess.run(
-        [sys.executable, script, "--scenarios", "code_c1", "--repeats", "1", "--interleave", "--num-prompts-scale",
-         "0.08", "--kv-cache-gib", "0.05", "--port", "8431", "--speculative-config", config, "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            script,
+            "--scenarios",
+            "code_c1",
+            "--repeats",
+            "1",
+            "--interleave",
+            "--num-prompts-scale",
+            "0.08",
+            "--kv-cache-gib",
+            "0.05",
+            "--port",
+            "8431",
+            "--speculative-config",
+            config,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads(out.read_text())
@@ -129,9 +187,23 @@ def test_peer_bench_interleaves_pagedserve_with_and_without_speculation_on_the_c
 def test_dp_bench_compares_routing_policies_on_two_engines(tmp_path):
     out = tmp_path / "dp.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "dp_bench.py"), "--repeats", "1", "--num-prompts", "16",
-         "--prefixes", "4", "--policies", "round_robin,prefix", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "dp_bench.py"),
+            "--repeats",
+            "1",
+            "--num-prompts",
+            "16",
+            "--prefixes",
+            "4",
+            "--policies",
+            "round_robin,prefix",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads(out.read_text())
@@ -146,10 +218,35 @@ def test_dp_bench_compares_routing_policies_on_two_engines(tmp_path):
 def test_fairness_bench_reports_the_steady_tenants_ttft_under_each_policy(tmp_path):
     out = tmp_path / "fairness.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "fairness_bench.py"), "--repeats", "1", "--flood", "8",
-         "--a-input", "64", "--a-output", "24", "--b-input", "16", "--b-output", "4", "--max-num-seqs", "4",
-         "--alone", "2", "--duration", "4", "--settle", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "fairness_bench.py"),
+            "--repeats",
+            "1",
+            "--flood",
+            "8",
+            "--a-input",
+            "64",
+            "--a-output",
+            "24",
+            "--b-input",
+            "16",
+            "--b-output",
+            "4",
+            "--max-num-seqs",
+            "4",
+            "--alone",
+            "2",
+            "--duration",
+            "4",
+            "--settle",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads(out.read_text())
@@ -164,10 +261,35 @@ def test_fairness_bench_reports_the_steady_tenants_ttft_under_each_policy(tmp_pa
 def test_multiturn_bench_loads_histories_back_from_the_host_cache(tmp_path):
     out = tmp_path / "multiturn.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "multiturn_bench.py"), "--repeats", "1", "--users", "3",
-         "--turns", "3", "--document", "96", "--question", "32", "--answer", "32", "--max-tokens", "4",
-         "--think", "0.1", "--offload-gib", "0.05", "--device-blocks", "12", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "multiturn_bench.py"),
+            "--repeats",
+            "1",
+            "--users",
+            "3",
+            "--turns",
+            "3",
+            "--document",
+            "96",
+            "--question",
+            "32",
+            "--answer",
+            "32",
+            "--max-tokens",
+            "4",
+            "--think",
+            "0.1",
+            "--offload-gib",
+            "0.05",
+            "--device-blocks",
+            "12",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads(out.read_text())
@@ -185,11 +307,31 @@ def test_multiturn_bench_loads_histories_back_from_the_host_cache(tmp_path):
 def test_lora_bench_spreads_requests_over_adapters_and_compares_with_the_base_model(tmp_path):
     out = tmp_path / "lora.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "lora_bench.py"), "--model",
-         os.path.join(ROOT, "ops", "configs", "tiny-python-4k"), "--repeats", "1", "--adapter-counts", "2,3",
-         "--requests", "6", "--concurrency", "3", "--input-len", "16", "--output-len", "4",
-         "--systems", "pagedserve-base,pagedserve", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "lora_bench.py"),
+            "--model",
+            os.path.join(ROOT, "ops", "configs", "tiny-python-4k"),
+            "--repeats",
+            "1",
+            "--adapter-counts",
+            "2,3",
+            "--requests",
+            "6",
+            "--concurrency",
+            "3",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--systems",
+            "pagedserve-base,pagedserve",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     runs = json.loads(out.read_text())["runs"]

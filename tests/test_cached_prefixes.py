@@ -10,11 +10,13 @@ from tests.scheduler_harness import StandInWorker, make_scheduler, run_to_comple
 BLOCK = 4
 
 
-def served(prompts: list[list[int]], num_blocks: int = 64, prefix_caching: bool = True, salt: str = "",
-           host_blocks: int = 0):
+def served(
+    prompts: list[list[int]], num_blocks: int = 64, prefix_caching: bool = True, salt: str = "", host_blocks: int = 0
+):
     """Run each prompt to completion, one after another, noting each as the server does."""
-    scheduler = make_scheduler(num_blocks=num_blocks, block_size=BLOCK, prefix_caching=prefix_caching,
-                               num_host_cache_blocks=host_blocks)
+    scheduler = make_scheduler(
+        num_blocks=num_blocks, block_size=BLOCK, prefix_caching=prefix_caching, num_host_cache_blocks=host_blocks
+    )
     prefixes = CachedPrefixes(scheduler.kv_cache, BLOCK)
     for index, prompt in enumerate(prompts):
         message = AddRequest(f"r{index}", prompt, SamplingParams(max_tokens=2, temperature=0.0), float(index), salt)

@@ -17,8 +17,11 @@ def lines(path: Path) -> int:
 
 def test_the_scheduler_is_short_and_no_service_module_is_long():
     assert lines(SERVICES / "scheduler" / "scheduler.py") <= 350
-    long = {str(path.relative_to(ROOT)): lines(path) for path in SERVICES.rglob("*.py")
-            if path not in LONG_ALLOWED and lines(path) > 450}
+    long = {
+        str(path.relative_to(ROOT)): lines(path)
+        for path in SERVICES.rglob("*.py")
+        if path not in LONG_ALLOWED and lines(path) > 450
+    }
     assert not long, long
 
 
@@ -29,8 +32,10 @@ def test_the_scheduler_reaches_into_no_pool_of_the_kv_cache_manager():
 
 
 def test_each_in_flight_count_is_written_in_one_module():
-    counts = ("pending|drafts|speculative|known_to_worker|computing|num_pending|num_drafts|num_speculative|"
-              "num_tokens_known_to_worker")
+    counts = (
+        "pending|drafts|speculative|known_to_worker|computing|num_pending|num_drafts|num_speculative|"
+        "num_tokens_known_to_worker"
+    )
     written = re.compile(rf"(?<!stats)\.({counts})\s*(\+|-)?=[^=]")
     writers = {str(path.relative_to(ROOT)) for path in SERVICES.rglob("*.py") if written.search(path.read_text())}
     assert writers == {"services/scheduler/in_flight.py"}, writers
@@ -41,11 +46,15 @@ SLEEPS_ALLOWED = {
     ("conftest.py", "time.sleep(interval)"): "wait_until's polling, with its deadline",
     ("conftest.py", "await asyncio.sleep(interval)"): "wait_until_async's polling, with its deadline",
     ("conftest.py", "time.sleep(0.3)"): "wait_serving's polling of /health, with its deadline",
-    ("test_liveness_e2e.py", "server.api_handlers[Hello] = lambda sender, message: time.sleep(2.5)"):
-        "a handler that stalls the scheduler's loop on purpose: the stall is what is tested",
-    ("test_metrics_http.py", "time.sleep(0.3)"):
-        "a client that drips a header every 0.3 s, and 200 idle connections given time to take threads they must "
-        "not: the pace is what is tested",
+    (
+        "test_liveness_e2e.py",
+        "server.api_handlers[Hello] = lambda sender, message: time.sleep(2.5)",
+    ): "a handler that stalls the scheduler's loop on purpose: the stall is what is tested",
+    (
+        "test_metrics_http.py",
+        "time.sleep(0.3)",
+    ): "a client that drips a header every 0.3 s, and 200 idle connections given time to take threads they must "
+    "not: the pace is what is tested",
     ("test_openai_api.py", "time.sleep(1.5)"): "nothing is logged while idle: an absence, waited out",
 }
 
@@ -64,8 +73,16 @@ def test_no_test_sleeps_to_wait_for_something_it_could_wait_for():
 
 # The environment variables the code reads, each documented: the API key and the keys folder, the launcher's
 # word to its children, and other tools' own (the C compiler, the cache folder, Triton's interpreter).
-ENVIRONMENT_READ = {"PAGEDSERVE_API_KEY", "PAGEDSERVE_KEYS_DIR", "PAGEDSERVE_ENGINE", "PAGEDSERVE_RUNTIME_DIR", "CC",
-                    "XDG_CACHE_HOME", "TRITON_INTERPRET", "OMP_WAIT_POLICY"}
+ENVIRONMENT_READ = {
+    "PAGEDSERVE_API_KEY",
+    "PAGEDSERVE_KEYS_DIR",
+    "PAGEDSERVE_ENGINE",
+    "PAGEDSERVE_RUNTIME_DIR",
+    "CC",
+    "XDG_CACHE_HOME",
+    "TRITON_INTERPRET",
+    "OMP_WAIT_POLICY",
+}
 
 
 def test_no_environment_variable_acts_as_config_but_the_documented_ones():

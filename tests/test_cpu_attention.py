@@ -33,15 +33,16 @@ def test_torch_cpu_attention_matches_reference(shapes, heads, kv_heads, head_dim
 
 
 FLOAT32_CASES = [case for case in ATTENTION_CASES if case[-1] == torch.float32] + [
-    ([(5, 18), (1, 40)], 8, 1, 128, 32, torch.float32),  # the other head size compiled on its own
+    ([(5, 18), (1, 40)], 8, 1, 128, 32, torch.float32)  # the other head size compiled on its own
 ]
 
 
 @pytest.mark.parametrize("shapes, heads, kv_heads, head_dim, block_size, dtype", FLOAT32_CASES)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_compiled_cpu_attention_matches_reference(shapes, heads, kv_heads, head_dim, block_size, dtype, window,
-                                                  threads):
+def test_compiled_cpu_attention_matches_reference(
+    shapes, heads, kv_heads, head_dim, block_size, dtype, window, threads
+):
     compiled_kernel()
     query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, block_size, dtype)
     scale = head_dim**-0.5
@@ -59,7 +60,8 @@ def test_compiled_cpu_attention_matches_reference(shapes, heads, kv_heads, head_
 @pytest.mark.parametrize("shapes, heads, kv_heads, head_dim, block_size, dtype", FLOAT32_CASES)
 @pytest.mark.parametrize("window", [None, 5])
 def test_compiled_attention_over_a_half_cache_is_the_reference_over_its_values(
-        shapes, heads, kv_heads, head_dim, block_size, dtype, window, storage):
+    shapes, heads, kv_heads, head_dim, block_size, dtype, window, storage
+):
     # The CPU serves a bf16 or fp16 checkpoint with float32 queries over a cache of its own dtype.
     compiled_kernel()
     query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, block_size, torch.float32)
@@ -87,8 +89,10 @@ def rounded_reference(query, keys, values, table, context, scale):
     return torch.einsum("ht,thd->hd", weights.bfloat16().float(), v), float(step * v.abs().max())
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(12, 4, 64), (16, 2, 64), (8, 8, 128), (4, 2, 64),
-                                                     (4, 2, 80), (6, 3, 48), (4, 1, 112), (2, 2, 96)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim",
+    [(12, 4, 64), (16, 2, 64), (8, 8, 128), (4, 2, 64), (4, 2, 80), (6, 3, 48), (4, 1, 112), (2, 2, 96)],
+)
 def test_rows_over_a_bf16_cache_take_their_query_and_weights_rounded_to_bf16(heads, kv_heads, head_dim):
     # Decode rows with contexts inside one run of 16 cached tokens, at its edges, across blocks and long; and a
     # prompt, a chunk over a cached prefix.
@@ -102,8 +106,9 @@ def test_rows_over_a_bf16_cache_take_their_query_and_weights_rounded_to_bf16(hea
     row = 0
     for s, (queries, context) in enumerate(shapes):
         for position in range(context - queries, context):
-            expected, one_step = rounded_reference(query[row], keys, values, batch.block_tables[s], position + 1,
-                                                   head_dim**-0.5)
+            expected, one_step = rounded_reference(
+                query[row], keys, values, batch.block_tables[s], position + 1, head_dim**-0.5
+            )
             torch.testing.assert_close(out[row], expected, atol=max(3e-4, one_step), rtol=0)
             row += 1
 
@@ -155,7 +160,7 @@ def test_every_build_this_cpu_runs_attends_as_the_portable_build_does(variant, s
 
 
 QUANTIZED_CASES = ATTENTION_CASES + [
-    ([(1, 37), (9, 40), (1, 3)], 4, 2, 64, 16, torch.float32),  # the shipped model's heads
+    ([(1, 37), (9, 40), (1, 3)], 4, 2, 64, 16, torch.float32)  # the shipped model's heads
 ]
 
 
@@ -163,7 +168,8 @@ QUANTIZED_CASES = ATTENTION_CASES + [
 @pytest.mark.parametrize("shapes, heads, kv_heads, head_dim, block_size, dtype", QUANTIZED_CASES)
 @pytest.mark.parametrize("window", [None, 5])
 def test_compiled_attention_over_a_quantized_cache_is_the_reference_over_its_values(
-        shapes, heads, kv_heads, head_dim, block_size, dtype, window, storage):
+    shapes, heads, kv_heads, head_dim, block_size, dtype, window, storage
+):
     # One-query rows (decode, a chunk's ninth) at head size 64 with groups of 2 (and of 4, int8 only)
     # take whole vectors, every other row the tiled walk: these shapes reach both, with and without a window.
     compiled_kernel()
@@ -171,8 +177,14 @@ def test_compiled_attention_over_a_quantized_cache_is_the_reference_over_its_val
     keys, values = kv_quant.quantize(key_cache, storage), kv_quant.quantize(value_cache, storage)
     assert native_accepts(query, keys, values)
     out = paged_attention_native(query, keys, values, batch, head_dim**-0.5, window)
-    expected = reference_in_float32(query, kv_quant.dequantize(keys, torch.float32),
-                                    kv_quant.dequantize(values, torch.float32), batch, head_dim**-0.5, window)
+    expected = reference_in_float32(
+        query,
+        kv_quant.dequantize(keys, torch.float32),
+        kv_quant.dequantize(values, torch.float32),
+        batch,
+        head_dim**-0.5,
+        window,
+    )
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -272,8 +284,9 @@ def test_indexed_kv_write_matches_the_reference():
 
 
 def test_decode_attention_in_chunks_of_any_size_matches_the_reference(monkeypatch):
-    query, key_cache, value_cache, batch = make_batch([(1, 9), (1, 30), (1, 17), (1, 2), (1, 25)], 4, 2, 64, 8,
-                                                      torch.float32, seed=7)
+    query, key_cache, value_cache, batch = make_batch(
+        [(1, 9), (1, 30), (1, 17), (1, 2), (1, 25)], 4, 2, 64, 8, torch.float32, seed=7
+    )
     expected = reference_in_float32(query, key_cache, value_cache, batch, 0.125)
     for chunk_bytes in (1, 2 * 32 * 2 * 64 * 4 * 2, 1 << 30):  # one sequence, two, all
         monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", chunk_bytes)
@@ -346,8 +359,9 @@ def test_compiled_rotary_and_kv_write_are_bit_for_bit_the_torch_reference(heads,
     caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim) for _ in range(4)]
 
     assert_rotary_and_write_are_the_reference(query, key, value, cos, sin, caches, slots)
-    assert not rotate_and_write_native(query.half(), key.half(), value.half(), cos.half(), sin.half(),
-                                       caches[0].half(), caches[1].half(), slots)  # float32 queries only
+    assert not rotate_and_write_native(
+        query.half(), key.half(), value.half(), cos.half(), sin.half(), caches[0].half(), caches[1].half(), slots
+    )  # float32 queries only
 
 
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -403,7 +417,8 @@ def test_bf16_rows_at_head_sizes_of_half_vectors_write_nothing_past_their_output
     shapes = [(1, 17), (1, 300), (19, 19), (11, 40)]
     query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, 32, torch.float32)
     workspace = GuardedOutput()
-    out = paged_attention_native(query, key_cache.bfloat16(), value_cache.bfloat16(), batch, head_dim**-0.5,
-                                 workspace=workspace)
+    out = paged_attention_native(
+        query, key_cache.bfloat16(), value_cache.bfloat16(), batch, head_dim**-0.5, workspace=workspace
+    )
     assert torch.isfinite(out).all()
-    assert (workspace.whole[out.numel():] == GuardedOutput.SENTINEL).all()
+    assert (workspace.whole[out.numel() :] == GuardedOutput.SENTINEL).all()

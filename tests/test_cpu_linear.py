@@ -102,8 +102,9 @@ GATED_SHAPES = [(1, 64, 8), (7, 100, 64), (16, 40, 300), (50, 33, 5), (300, 704,
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows, halves, in_features", GATED_SHAPES)
-def test_over_paired_panels_the_product_is_the_unpaired_one_bit_for_bit(dtype, threads, rows, halves, in_features,
-                                                                        monkeypatch):
+def test_over_paired_panels_the_product_is_the_unpaired_one_bit_for_bit(
+    dtype, threads, rows, halves, in_features, monkeypatch
+):
     monkeypatch.setattr(native, "_threads", threads)
     monkeypatch.setattr(cpu_linear, "SPLIT_MACS", 0)
     weight, bias = (torch.randn(2 * halves, in_features) * 0.2).to(dtype), torch.randn(2 * halves)
@@ -116,8 +117,9 @@ def test_over_paired_panels_the_product_is_the_unpaired_one_bit_for_bit(dtype, t
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows, halves, in_features", GATED_SHAPES)
-def test_the_gated_product_is_the_product_then_the_activation(dtype, out_dtype, threads, rows, halves, in_features,
-                                                              monkeypatch):
+def test_the_gated_product_is_the_product_then_the_activation(
+    dtype, out_dtype, threads, rows, halves, in_features, monkeypatch
+):
     """SiLU(gate) * up applied as the sums are stored gives what the product and then the activation
     kernel give: float32 rows, or bfloat16 rows rounded as that kernel rounds them."""
     monkeypatch.setattr(native, "_threads", threads)
@@ -203,15 +205,20 @@ def test_split_over_threads_the_result_is_the_same_bit_for_bit(dtype, threads, m
 def test_a_call_is_shared_when_its_rows_are_many_enough_or_its_weight_large_enough(monkeypatch):
     shared = []
     real_share_units = native.share_units
-    monkeypatch.setattr(native, "share_units", lambda kernel, args, units, worth_sharing, per_thread: shared.append(
-        worth_sharing) or real_share_units(kernel, args, units, worth_sharing, per_thread))
+    monkeypatch.setattr(
+        native,
+        "share_units",
+        lambda kernel, args, units, worth_sharing, per_thread: (
+            shared.append(worth_sharing) or real_share_units(kernel, args, units, worth_sharing, per_thread)
+        ),
+    )
     monkeypatch.setattr(native, "_threads", 2)
     small, large = torch.randn(256, 256), torch.randn(4096, 256)  # 256 KiB and 4 MiB of float32
     for weight, rows in ((small, 1), (small, 3), (small, 32), (large, 1), (large.to(torch.bfloat16), 1)):
         x = torch.randn(rows, 256)
         torch.testing.assert_close(
-            gemm(x, pack(weight), weight.shape[0], None), expected(x, weight, None, gemm_build()),
-            atol=1e-4, rtol=1e-4)
+            gemm(x, pack(weight), weight.shape[0], None), expected(x, weight, None, gemm_build()), atol=1e-4, rtol=1e-4
+        )
     # A few rows against a small weight are one thread's: a helper costs more than it brings. Many
     # rows are arithmetic, and one row against a large weight is bound by reading it: both shared,
     # by its bytes, so the same weight in bfloat16 (half the bytes) is one thread's.
@@ -258,7 +265,6 @@ def test_without_a_kernel_a_half_weight_still_serves_float32_rows(monkeypatch):
     assert layer.panels is None
     x = torch.randn(2, 16)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight.float(), layer.bias.float()))
-
 
 
 def test_a_layer_with_an_output_slot_writes_large_outputs_into_one_buffer_and_others_afresh():

@@ -29,14 +29,16 @@ def test_a_norm_shared_between_threads_gets_the_bits_one_thread_gets(with_residu
 def test_a_norm_with_an_output_slot_writes_large_outputs_into_one_buffer_and_small_ones_afresh():
     weight = torch.ones(768)
     with torch.no_grad():
-        large = [cpu_norm.rms_norm(torch.randn(1024, 768), weight, 1e-5, output_slot="attention input")
-                 for _ in range(2)]
-        small = [cpu_norm.rms_norm(torch.randn(4, 768), weight, 1e-5, output_slot="attention input")
-                 for _ in range(2)]
+        large = [
+            cpu_norm.rms_norm(torch.randn(1024, 768), weight, 1e-5, output_slot="attention input") for _ in range(2)
+        ]
+        small = [cpu_norm.rms_norm(torch.randn(4, 768), weight, 1e-5, output_slot="attention input") for _ in range(2)]
         fresh = cpu_norm.rms_norm(torch.randn(1024, 768), weight, 1e-5)
     assert large[0].data_ptr() == large[1].data_ptr()
-    assert large[0].data_ptr() == step_scratch.take("attention input", (1024, 768), torch.float32,
-                                                    torch.device("cpu")).data_ptr()
+    assert (
+        large[0].data_ptr()
+        == step_scratch.take("attention input", (1024, 768), torch.float32, torch.device("cpu")).data_ptr()
+    )
     assert small[0].data_ptr() != small[1].data_ptr()
     assert fresh.data_ptr() != large[0].data_ptr()
 
@@ -72,10 +74,12 @@ def test_each_head_of_a_projections_rows_is_normalized_where_it_lies(threads, mo
     with torch.no_grad():
         normalized = [cpu_norm.rms_norm_heads(view, weight, 1e-6) for view in (q, k)]
     assert [n.data_ptr() for n in normalized] == [q.data_ptr(), k.data_ptr()]  # in place
-    wanted = torch.rms_norm(before[:, : (q_heads + kv_heads) * head_dim].view(tokens, -1, head_dim), (head_dim,),
-                            weight, 1e-6)
-    torch.testing.assert_close(qkv[:, : (q_heads + kv_heads) * head_dim].view(tokens, -1, head_dim), wanted,
-                               rtol=1e-5, atol=1e-5)
+    wanted = torch.rms_norm(
+        before[:, : (q_heads + kv_heads) * head_dim].view(tokens, -1, head_dim), (head_dim,), weight, 1e-6
+    )
+    torch.testing.assert_close(
+        qkv[:, : (q_heads + kv_heads) * head_dim].view(tokens, -1, head_dim), wanted, rtol=1e-5, atol=1e-5
+    )
     assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim :], before[:, (q_heads + kv_heads) * head_dim :])
 
 

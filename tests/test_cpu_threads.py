@@ -25,8 +25,9 @@ class Machine:
         self.busy += seconds * (worker_cores + others_cores)
 
     def threads(self, cores: int = 2, **kwargs) -> ComputeThreads:
-        return ComputeThreads(cores=set(range(cores)), busy=lambda: self.busy, own=lambda: self.own,
-                              clock=lambda: self.now, **kwargs)
+        return ComputeThreads(
+            cores=set(range(cores)), busy=lambda: self.busy, own=lambda: self.own, clock=lambda: self.now, **kwargs
+        )
 
 
 def test_every_core_while_the_others_are_nearly_idle():
@@ -136,10 +137,12 @@ def test_a_step_on_fewer_threads_than_cores_leaves_one_for_the_grammar_masks(mon
 
 def test_busy_seconds_come_from_this_workers_cores_in_proc_stat(tmp_path, monkeypatch):
     stat = tmp_path / "stat"
-    stat.write_text("cpu  900 0 900 9000 90 0 0 0 0 0\n"
-                    "cpu0 100 0 200 5000 50 0 10 0 0 0\n"
-                    "cpu1 800 0 700 4000 40 0 0 0 0 0\n"
-                    "intr 12345\n")
+    stat.write_text(
+        "cpu  900 0 900 9000 90 0 0 0 0 0\n"
+        "cpu0 100 0 200 5000 50 0 10 0 0 0\n"
+        "cpu1 800 0 700 4000 40 0 0 0 0 0\n"
+        "intr 12345\n"
+    )
     monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
     assert cpu_seconds_busy({0}, str(stat)) == 3.1  # user + system + softirq, not idle or iowait
     assert cpu_seconds_busy({0, 1}, str(stat)) == 18.1

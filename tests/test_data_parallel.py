@@ -25,8 +25,15 @@ def two_engines(llama_dir, tmp_path_factory):
     """`pagedserve up --data-parallel-size 2` with prefix caching; engine i's scheduler serves its
     metrics on the base port + 10 i."""
     port = free_port(span=12)  # the scheduler's and worker's metrics ports of engines 0 and 1: +0, +1, +10, +11
-    flags = ["--data-parallel-size", str(ENGINES), "--enable-prefix-caching",
-             "--scheduler-metrics-port", str(port), "--worker-metrics-port", str(port + 1)]
+    flags = [
+        "--data-parallel-size",
+        str(ENGINES),
+        "--enable-prefix-caching",
+        "--scheduler-metrics-port",
+        str(port),
+        "--worker-metrics-port",
+        str(port + 1),
+    ]
     with serve(llama_dir, str(tmp_path_factory.mktemp("dp")), *flags) as server:
         # serve() returns once /health answers 200, which it does while either engine serves
         assert wait_until(lambda: httpx.get(f"{server.base_url}/health").json()["status"] == "ok", 60)
@@ -41,15 +48,21 @@ def routed(server) -> list[float]:
 
 def prefix_hits(server, engine: int) -> float:
     return parse_metrics(httpx.get(server.scheduler_metrics[engine], timeout=10).text)[
-        "pagedserve_prefix_cache_hits_total"]
+        "pagedserve_prefix_cache_hits_total"
+    ]
 
 
 def test_greedy_output_through_two_engines_equals_hf_generate(two_engines, llama_dir):
     prompt_ids = prompts(llama_dir)
     before = routed(two_engines)
     # One batch request: all eight are in flight at once, so the short ones spread by load.
-    body = {"model": two_engines.model, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True}
+    body = {
+        "model": two_engines.model,
+        "prompt": prompt_ids,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     response = httpx.post(f"{two_engines.base_url}/v1/completions", json=body, timeout=120)
     response.raise_for_status()
     got = [c["token_ids"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
@@ -68,8 +81,12 @@ def test_requests_sharing_a_prefix_go_to_the_engine_that_caches_it(two_engines, 
     assert len(system) >= 8 * 16  # the routing key covers the first eight blocks
     before, hits = routed(two_engines), [prefix_hits(two_engines, engine) for engine in range(ENGINES)]
     for suffix in range(6):
-        body = {"model": two_engines.model, "prompt": system + tokenizer.encode(f" question {suffix}:"),
-                "max_tokens": 2, "temperature": 0}
+        body = {
+            "model": two_engines.model,
+            "prompt": system + tokenizer.encode(f" question {suffix}:"),
+            "max_tokens": 2,
+            "temperature": 0,
+        }
         httpx.post(f"{two_engines.base_url}/v1/completions", json=body, timeout=60).raise_for_status()
     sent = [after - first for after, first in zip(routed(two_engines), before)]
     holder = sent.index(max(sent))
@@ -94,8 +111,9 @@ def test_the_launcher_starts_a_dead_engine_again_while_the_other_serves(two_engi
     url = f"{two_engines.base_url}/v1/completions"
     # A short prompt goes to the engine with fewer requests in flight: a long request streaming on one
     # engine sends the short one sent meanwhile to the other, and one of the two is engine 1.
-    with httpx.stream("POST", url, json={**body, "max_tokens": 400, "ignore_eos": True, "stream": True},
-                      timeout=120) as long:
+    with httpx.stream(
+        "POST", url, json={**body, "max_tokens": 400, "ignore_eos": True, "stream": True}, timeout=120
+    ) as long:
         lines = long.iter_lines()
         next(line for line in lines if line.startswith("data: "))  # routed, and generating
         short = httpx.post(url, json=body, timeout=60)
@@ -120,25 +138,57 @@ def engine_process(launcher: int, module: str, endpoint_part: str) -> int:
     raise AssertionError(f"no {module} with {endpoint_part} under the launcher")
 
 
-def test_a_killed_engine_fails_only_its_own_requests_and_a_restarted_one_serves_again(llama_dir, tmp_path,
-                                                                                       socket_dir):
+def test_a_killed_engine_fails_only_its_own_requests_and_a_restarted_one_serves_again(llama_dir, tmp_path, socket_dir):
     """The services run alone, as deployed across hosts: nothing restarts the killed engine but the test."""
-    endpoints = [(f"ipc://{socket_dir}/scheduler-{i}.sock", f"ipc://{socket_dir}/workers-{i}.sock")
-                 for i in range(ENGINES)]
+    endpoints = [
+        (f"ipc://{socket_dir}/scheduler-{i}.sock", f"ipc://{socket_dir}/workers-{i}.sock") for i in range(ENGINES)
+    ]
 
     def engine(i: int, attempt: int) -> list:
         scheduler, workers = endpoints[i]
-        return [start("services.scheduler", "--scheduler-endpoint", scheduler, "--worker-endpoint", workers,
-                      "--metrics-port", "0", log=str(tmp_path / f"scheduler{i}-{attempt}.log")),
-                start("services.worker", "--model", llama_dir, "--worker-endpoint", workers, "--device", "cpu",
-                      "--kv-cache-memory", "0.05", "--swap-space", "0.05", "--metrics-port", "0",
-                      log=str(tmp_path / f"worker{i}-{attempt}.log"))]
+        return [
+            start(
+                "services.scheduler",
+                "--scheduler-endpoint",
+                scheduler,
+                "--worker-endpoint",
+                workers,
+                "--metrics-port",
+                "0",
+                log=str(tmp_path / f"scheduler{i}-{attempt}.log"),
+            ),
+            start(
+                "services.worker",
+                "--model",
+                llama_dir,
+                "--worker-endpoint",
+                workers,
+                "--device",
+                "cpu",
+                "--kv-cache-memory",
+                "0.05",
+                "--swap-space",
+                "0.05",
+                "--metrics-port",
+                "0",
+                log=str(tmp_path / f"worker{i}-{attempt}.log"),
+            ),
+        ]
 
     port = free_port()
     engines = [engine(i, 0) for i in range(ENGINES)]
-    api = start("services.api", "--model", llama_dir, "--port", str(port), "--routing", "least_load",
-                "--scheduler-endpoint", ",".join(scheduler for scheduler, _ in endpoints),
-                log=str(tmp_path / "api.log"))
+    api = start(
+        "services.api",
+        "--model",
+        llama_dir,
+        "--port",
+        str(port),
+        "--routing",
+        "least_load",
+        "--scheduler-endpoint",
+        ",".join(scheduler for scheduler, _ in endpoints),
+        log=str(tmp_path / "api.log"),
+    )
     base, model = f"http://127.0.0.1:{port}", os.path.basename(llama_dir)
     try:
         wait_healthy(f"{base}/health")

@@ -17,8 +17,9 @@ from tests.tiny_models import CONFIGS
 def test_greedy_tokens_through_the_graphs_buffers_equal_hf(family, family_dirs):  # noqa: F811
     model_dir = family_dirs[family]
     engine = Engine(model_dir, depth=2, decode_graphs={"max_batch": 8, "max_context": 64})
-    assert engine.generate(PROMPTS, max_tokens=12, ignore_eos=True) == [hf_without_eos(model_dir, p, 12)
-                                                                         for p in PROMPTS]
+    assert engine.generate(PROMPTS, max_tokens=12, ignore_eos=True) == [
+        hf_without_eos(model_dir, p, 12) for p in PROMPTS
+    ]
     # Five sequences decode as a padded batch of 8, every decode step from the graphs' buffers.
     decode_steps = [s for s in engine.steps if s.scheduled and all(e.num_tokens == 1 for e in s.scheduled)]
     assert engine.runner.graphs.replays == len(decode_steps) >= 11
@@ -44,10 +45,10 @@ def test_padding_rows_write_no_kv_and_only_the_steps_a_graph_covers_use_one(llam
 
     graphs.run = run
     # Three prompts of 5 tokens: decode steps of 3 (padded to 4) up to a context of 16, then eager.
-    outputs = engine.generate([[5, 9, 13, 7, 5], [100, 101, 102, 100, 3], [7] * 5], max_tokens=14,
-                              ignore_eos=True)
-    eager = Engine(llama_dir, block_size=4).generate([[5, 9, 13, 7, 5], [100, 101, 102, 100, 3], [7] * 5],
-                                                     max_tokens=14, ignore_eos=True)
+    outputs = engine.generate([[5, 9, 13, 7, 5], [100, 101, 102, 100, 3], [7] * 5], max_tokens=14, ignore_eos=True)
+    eager = Engine(llama_dir, block_size=4).generate(
+        [[5, 9, 13, 7, 5], [100, 101, 102, 100, 3], [7] * 5], max_tokens=14, ignore_eos=True
+    )
     assert outputs == eager
     # Contexts 6..16 decode from the graphs (11 steps); the two steps past 16 run eagerly.
     assert graphs.replays == 11
@@ -66,7 +67,11 @@ def test_steps_with_prompt_chunks_proposals_or_too_many_sequences_run_eagerly(ll
 
 def test_speculating_steps_run_eagerly_and_plain_decode_steps_from_the_graphs(llama_dir):
     want = [hf_without_eos(llama_dir, p, 24) for p in PROMPTS]
-    engine = Engine(llama_dir, speculative=SpeculativeConfig("ngram", 4, 1, 3, adaptive=False), depth=2,
-                    decode_graphs={"max_batch": 8, "max_context": 128})
+    engine = Engine(
+        llama_dir,
+        speculative=SpeculativeConfig("ngram", 4, 1, 3, adaptive=False),
+        depth=2,
+        decode_graphs={"max_batch": 8, "max_context": 128},
+    )
     assert engine.generate(PROMPTS, max_tokens=24, ignore_eos=True) == want
     assert engine.runner.graphs.replays > 0  # where no proposal was found, the step is a plain decode

@@ -38,8 +38,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(PROBLEM is not None, reason=f
 
 
 def compose(project: str, env: dict[str, str], *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(["docker-compose", "-p", project, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        ["docker-compose", "-p", project, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def scraped_jobs(prometheus: str) -> dict[str, str]:
@@ -62,11 +63,14 @@ def kernels_in_the_running_worker(project: str, env: dict[str, str]) -> tuple[li
     """The C compilers the worker's image has (none, as it runs), and the library its packed linear
     kernel loads: the installed package's prebuilt one."""
     [container] = compose(project, env, "ps", "-q", "worker-cpu").stdout.split()
-    script = ("import glob, shutil; from kernels import native; "
-              "print([c for c in ('cc', 'gcc', 'clang') if shutil.which(c)] + glob.glob('/usr/bin/*-gcc-*')); "
-              "print(native.load('cpu_gemm')._name)")
-    done = subprocess.run(["docker", "exec", container, "python", "-c", script], capture_output=True, text=True,
-                          timeout=120)
+    script = (
+        "import glob, shutil; from kernels import native; "
+        "print([c for c in ('cc', 'gcc', 'clang') if shutil.which(c)] + glob.glob('/usr/bin/*-gcc-*')); "
+        "print(native.load('cpu_gemm')._name)"
+    )
+    done = subprocess.run(
+        ["docker", "exec", container, "python", "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     compilers, kernel = done.stdout.strip().splitlines()[-2:]
     return json.loads(compilers.replace("'", '"')), kernel
@@ -84,8 +88,14 @@ def test_the_readme_docker_commands_as_written_serve_a_stream_prometheus_scrapes
     assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
     timings["prepare"] = time.monotonic() - started
     started = time.monotonic()
-    up = subprocess.Popen(["bash", "-c", f"exec {up_command}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        ["bash", "-c", f"exec {up_command}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(up.stdout), daemon=True)
     reader.start()
@@ -98,8 +108,9 @@ def test_the_readme_docker_commands_as_written_serve_a_stream_prometheus_scrapes
             except httpx.HTTPError:
                 return False
 
-        assert wait_until(lambda: healthy() or up.poll() is not None, 900, 1) and up.poll() is None, \
-            "".join(output[-60:])
+        assert wait_until(lambda: healthy() or up.poll() is not None, 900, 1) and up.poll() is None, "".join(
+            output[-60:]
+        )
         timings["up to healthy (with build)"] = time.monotonic() - started
         body = {"model": "tiny-python", "prompt": "def main():\n", "max_tokens": 16, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
@@ -108,8 +119,9 @@ def test_the_readme_docker_commands_as_written_serve_a_stream_prometheus_scrapes
         assert events[-1] == "[DONE]" and len(events) > 2
         assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
         prometheus = f"http://127.0.0.1:{prometheus_port}"
-        assert wait_until(lambda: scraped_jobs(prometheus) == {"api": "1", "scheduler": "1", "worker": "1"}, 60, 1), \
+        assert wait_until(lambda: scraped_jobs(prometheus) == {"api": "1", "scheduler": "1", "worker": "1"}, 60, 1), (
             scraped_jobs(prometheus)
+        )
         compilers, kernel = kernels_in_the_running_worker(project, env)
         assert compilers == [], compilers
         assert "/site-packages/kernels/prebuilt/cpu_gemm-" in kernel, kernel

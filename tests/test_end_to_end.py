@@ -35,8 +35,13 @@ def complete_all(server, prompt_ids, max_tokens=MAX_TOKENS):
     """Send every prompt at once; returns the generated token ids of each."""
 
     def one(prompt):
-        body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0, "return_token_ids": True}
+        body = {
+            "model": server.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
         response.raise_for_status()
         return response.json()["choices"][0]["token_ids"]
@@ -60,8 +65,13 @@ def test_preempted_and_recomputed_sequences_give_the_same_tokens(llama_dir, tmp_
     flags = ["--block-size", "4", "--num-gpu-blocks-override", "20", "--preemption-mode", "recompute"]
     with serve(llama_dir, str(tmp_path), *flags) as server:
         # One batch request: all eight arrive at once, however fast the server answers each.
-        body = {"model": server.model, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "return_token_ids": True}
+        body = {
+            "model": server.model,
+            "prompt": prompt_ids,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
         response.raise_for_status()
         got = [c["token_ids"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]

@@ -32,11 +32,18 @@ def rule_chain(links: int) -> str:
 
 def run_alone(code: str) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter, so a crash shows as its exit status rather than ending the tests."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
 
 
 # --- counting ------------------------------------------------------------------------------------
+
 
 def test_links_count_refs_and_rule_definitions_in_every_form_llguidance_reads():
     assert grammar_links(json.dumps(ref_chain(10))) == 11  # ten links and the root's $ref
@@ -64,6 +71,7 @@ def test_compile_threads_return_results_and_hand_back_exceptions():
 
 # --- the api ------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_the_api_compiles_chains_that_overflow_an_ordinary_stack_and_refuses_longer_ones_with_a_400():
     done = run_alone(f"""
@@ -89,8 +97,10 @@ def test_the_api_compiles_chains_that_overflow_an_ordinary_stack_and_refuses_lon
         asyncio.run(main())
     """)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.splitlines() == ["400 grammar_too_large response_format",
-                                        "400 grammar_too_large structured_outputs.grammar"]
+    assert done.stdout.splitlines() == [
+        "400 grammar_too_large response_format",
+        "400 grammar_too_large structured_outputs.grammar",
+    ]
 
 
 @pytest.mark.slow
@@ -114,6 +124,7 @@ def test_an_ordinary_thread_is_what_the_chains_would_crash():
 
 
 # --- the worker ---------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_the_worker_starts_sequences_on_long_chains_and_refuses_what_the_api_would():

@@ -60,8 +60,9 @@ def test_a_half_model_on_a_cpu_stores_weights_and_tables_in_its_dtype_and_comput
     assert model.model.norm.weight.dtype is torch.float32
     assert model.model.embed_tokens(torch.tensor([3])).dtype is torch.float32
     build = cpu_linear.gemm_build()
-    assert (f"bfloat16 weights and KV cache, float32 activations, on cpu, kernels: {build.variant} "
-            f"({build.description})") in caplog.text
+    assert (
+        f"bfloat16 weights and KV cache, float32 activations, on cpu, kernels: {build.variant} ({build.description})"
+    ) in caplog.text
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -90,8 +91,9 @@ def test_bf16_stays_close_under_preemption_and_prefix_caching(half_models, preem
     needs_kernels()
     directory = half_models("llama")
     # 12 blocks of 4 tokens hold 48 tokens; the prompts reach 96 together, so some are preempted.
-    engine = Engine(directory, dtype="auto", block_size=4, num_gpu_blocks=12, preemption=preemption,
-                    prefix_caching=True)
+    engine = Engine(
+        directory, dtype="auto", block_size=4, num_gpu_blocks=12, preemption=preemption, prefix_caching=True
+    )
     ours = engine.generate_with_logprobs(PROMPTS + PROMPTS[:1], max_tokens=MAX_TOKENS)
     stats = engine.stats()
     assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
@@ -105,8 +107,14 @@ def test_bf16_with_speculation_gives_the_tokens_of_bf16_without_it(half_models, 
     which are close to HF's."""
     needs_kernels()
     directory = half_models("llama")
-    config = SpeculativeConfig(method=method, num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
-                               model=directory if method == "draft_model" else None, adaptive=False)
+    config = SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=3,
+        prompt_lookup_min=1,
+        prompt_lookup_max=3,
+        model=directory if method == "draft_model" else None,
+        adaptive=False,
+    )
     plain = Engine(directory, dtype="auto").generate(PROMPTS, max_tokens=MAX_TOKENS)
     speculating = Engine(directory, dtype="auto", speculative=config)
     assert speculating.generate(PROMPTS, max_tokens=MAX_TOKENS) == plain
@@ -122,8 +130,7 @@ def test_bf16_stays_close_with_prompt_products_by_onednn(half_models, family, mo
     monkeypatch.setattr(cpu_linear, "PROMPT_ROWS", 8)
     calls = []
     linear = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear",
-                        lambda x, w, b=None: calls.append(x.shape[0]) or linear(x, w, b))
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or linear(x, w, b))
     try:
         directory = half_models(family)
         ours = Engine(directory, dtype="auto").generate_with_logprobs(PROMPTS, max_tokens=MAX_TOKENS)

@@ -13,8 +13,18 @@ from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow  # starts processes: not in `make check`
 
-NUMERIC_FIELDS = ["n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "logprobs",
-                  "length_penalty"]
+NUMERIC_FIELDS = [
+    "n",
+    "best_of",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "logprobs",
+    "length_penalty",
+]
 EXTREMES = ["9223372036854775808", "18446744073709551616", "-1", "NaN", "Infinity", "1e309"]
 # Values in range for their field: they must be served, not refused.
 IN_RANGE = {("top_k", "-1"), ("seed", "9223372036854775808"), ("seed", "-1"), ("length_penalty", "-1")}
@@ -26,34 +36,72 @@ def _bad_bodies(model: str) -> list[tuple[str, str, bool]]:
     bodies = []
     for field in NUMERIC_FIELDS:
         for value in EXTREMES:
-            body = f'{{{base}, "{field}": {value}}}' if field != "max_tokens" else \
-                f'{{"model": "{model}", "prompt": "import os", "max_tokens": {value}}}'
+            body = (
+                f'{{{base}, "{field}": {value}}}'
+                if field != "max_tokens"
+                else f'{{"model": "{model}", "prompt": "import os", "max_tokens": {value}}}'
+            )
             bodies.append((f"{field}={value}", body, (field, value) in IN_RANGE))
     for value in EXTREMES[:2] + ["-1"]:
         bodies.append((f"stop_token_ids=[{value}]", f'{{{base}, "stop_token_ids": [{value}]}}', False))
         bodies.append((f"prompt=[{value}]", f'{{"model": "{model}", "prompt": [{value}], "max_tokens": 2}}', False))
-        bodies.append((f"top_logprobs={value}", json.dumps({
-            "model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-            "max_tokens": 2})[:-1] + f', "top_logprobs": {value}}}', False))
+        bodies.append(
+            (
+                f"top_logprobs={value}",
+                json.dumps(
+                    {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "max_tokens": 2}
+                )[:-1]
+                + f', "top_logprobs": {value}}}',
+                False,
+            )
+        )
     bodies += [
-        ("beam length_penalty 5000", f'{{{base}, "use_beam_search": true, "best_of": 2, "temperature": 0, '
-                                     f'"length_penalty": 5000}}', False),
-        ("beam length_penalty 100", f'{{{base}, "use_beam_search": true, "best_of": 2, "temperature": 0, '
-                                    f'"length_penalty": 100}}', True),
+        (
+            "beam length_penalty 5000",
+            f'{{{base}, "use_beam_search": true, "best_of": 2, "temperature": 0, "length_penalty": 5000}}',
+            False,
+        ),
+        (
+            "beam length_penalty 100",
+            f'{{{base}, "use_beam_search": true, "best_of": 2, "temperature": 0, "length_penalty": 100}}',
+            True,
+        ),
         ("lone surrogate prompt", f'{{"model": "{model}", "prompt": "\\ud800", "max_tokens": 2}}', False),
         ("lone surrogate model", '{"model": "\\udfff", "prompt": "x"}', False),
         ("lone surrogate stop", f'{{{base}, "stop": ["\\ud800"]}}', False),
-        ("lone surrogate chat", f'{{"model": "{model}", "messages": [{{"role": "user", "content": "\\ud800"}}]}}',
-         False),
+        (
+            "lone surrogate chat",
+            f'{{"model": "{model}", "messages": [{{"role": "user", "content": "\\ud800"}}]}}',
+            False,
+        ),
         ("deep JSON", "[" * 100_000 + "]" * 100_000, False),
         ("deep JSON in a field", f'{{{base}, "stop": ' + "[" * 50_000 + "]" * 50_000 + "}", False),
         ("a 5,000-digit seed", f'{{{base}, "seed": {"9" * 5000}}}', False),
-        ("tool-call arguments nested 5,000 deep", json.dumps({
-            "model": model, "max_tokens": 2, "messages": [
-                {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
-                    "name": "f", "arguments": '{"a": ' * 5000 + "1" + "}" * 5000}}]},
-                {"role": "tool", "tool_call_id": "c", "content": "ok"}]}), False),
+        (
+            "tool-call arguments nested 5,000 deep",
+            json.dumps(
+                {
+                    "model": model,
+                    "max_tokens": 2,
+                    "messages": [
+                        {"role": "user", "content": "hi"},
+                        {
+                            "role": "assistant",
+                            "content": None,
+                            "tool_calls": [
+                                {
+                                    "id": "c",
+                                    "type": "function",
+                                    "function": {"name": "f", "arguments": '{"a": ' * 5000 + "1" + "}" * 5000},
+                                }
+                            ],
+                        },
+                        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+                    ],
+                }
+            ),
+            False,
+        ),
         ("body over the limit", f'{{{base}, "padding": "' + "x" * (9 << 20) + '"}', False),
     ]
     return bodies
@@ -65,7 +113,7 @@ def _stream_text(base_url: str, body: dict) -> str:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 assert "error" not in event, event
                 text.append(event["choices"][0]["text"])
     return "".join(text)
@@ -73,13 +121,18 @@ def _stream_text(base_url: str, body: dict) -> str:
 
 def test_bad_requests_get_4xx_while_other_streams_keep_their_greedy_tokens(llama_server):
     base = llama_server.base_url
-    greedy = [{"model": llama_server.model, "prompt": prompt, "max_tokens": 48, "temperature": 0,
-               "ignore_eos": True} for prompt in ("import os", "def f(x):", "class A:")]
-    expected = [httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
-                for body in greedy]
+    greedy = [
+        {"model": llama_server.model, "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        for prompt in ("import os", "def f(x):", "class A:")
+    ]
+    expected = [
+        httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] for body in greedy
+    ]
     streamed: dict[int, str] = {}
-    threads = [threading.Thread(target=lambda i=i: streamed.__setitem__(i, _stream_text(base, greedy[i])))
-               for i in range(len(greedy))]
+    threads = [
+        threading.Thread(target=lambda i=i: streamed.__setitem__(i, _stream_text(base, greedy[i])))
+        for i in range(len(greedy))
+    ]
     for thread in threads:
         thread.start()
 
@@ -108,6 +161,5 @@ def test_bad_requests_get_4xx_while_other_streams_keep_their_greedy_tokens(llama
 def test_tiny_temperatures_give_the_greedy_tokens(llama_server, temperature):
     body = {"model": llama_server.model, "prompt": "import os", "max_tokens": 8, "ignore_eos": True}
     greedy = httpx.post(f"{llama_server.base_url}/v1/completions", json=dict(body, temperature=0), timeout=60)
-    tiny = httpx.post(f"{llama_server.base_url}/v1/completions", json=dict(body, temperature=temperature),
-                      timeout=60)
+    tiny = httpx.post(f"{llama_server.base_url}/v1/completions", json=dict(body, temperature=temperature), timeout=60)
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]

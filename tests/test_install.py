@@ -24,8 +24,12 @@ pytestmark = pytest.mark.slow  # starts processes: not in `make check`
 
 
 def test_a_machine_without_cuda_gets_the_cpu_build_of_torch():
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "ops", "install_torch.py"), "--dry-run", "--cpu"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "ops", "install_torch.py"), "--dry-run", "--cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     verdict = done.stdout.strip().splitlines()[-1]
     assert "pip would install torch 2.13.0" in verdict and verdict.endswith("the CPU build"), done.stdout
@@ -54,12 +58,28 @@ def wheel(tmp_path_factory) -> Path:
     tmp_path = tmp_path_factory.mktemp("wheel")
     source = tmp_path / "source"
     for part in ("services", "shared", "kernels", "ops/models"):
-        shutil.copytree(os.path.join(ROOT, part), source / part,
-                        ignore=shutil.ignore_patterns("__pycache__", "prebuilt"))
+        shutil.copytree(
+            os.path.join(ROOT, part), source / part, ignore=shutil.ignore_patterns("__pycache__", "prebuilt")
+        )
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(os.path.join(ROOT, name), source / name)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=600)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     [built_wheel] = (tmp_path / "dist").glob("pagedserve-*.whl")
     return built_wheel
@@ -79,8 +99,12 @@ def test_the_wheel_carries_the_c_kernels_prebuilt_and_the_shipped_model(wheel):
 
 def test_the_installed_package_runs_its_prebuilt_kernels_with_no_compiler_on_path(wheel, tmp_path):
     target, cache = tmp_path / "site", tmp_path / "cache"
-    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                                str(wheel)], capture_output=True, text=True, timeout=300)
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert installed.returncode == 0, installed.stdout + installed.stderr
     script = textwrap.dedent("""
         import shutil, torch

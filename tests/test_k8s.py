@@ -42,8 +42,12 @@ def by_kind(items: list[dict], kind: str) -> list[dict]:
 
 
 def containers(items: list[dict]) -> list[tuple[dict, dict]]:
-    return [(workload, c) for workload in items if workload["kind"] in ("Deployment", "StatefulSet")
-            for c in workload["spec"]["template"]["spec"]["containers"]]
+    return [
+        (workload, c)
+        for workload in items
+        if workload["kind"] in ("Deployment", "StatefulSet")
+        for c in workload["spec"]["template"]["spec"]["containers"]
+    ]
 
 
 def parsed(container: dict) -> argparse.Namespace:
@@ -117,13 +121,14 @@ def test_the_api_routes_among_every_engine_of_the_statefulset_by_its_stable_name
     headless = next(s for s in by_kind(items, "Service") if s["metadata"]["name"] == engines["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
     scheduler = next(c for _, c in containers(items) if c["name"] == "scheduler")
-    listen = parsed(scheduler).scheduler_endpoint
+    [listen] = parsed(scheduler).scheduler_endpoint
     port = int(listen.rsplit(":", 1)[1])
     assert port in [p["port"] for p in headless["spec"]["ports"]]
     name, service = engines["metadata"]["name"], engines["spec"]["serviceName"]
     api = next(c for _, c in containers(items) if c["name"] == "api")
-    assert parsed(api).scheduler_endpoint == [f"tcp://{name}-{i}.{service}:{port}"
-                                              for i in range(engines["spec"]["replicas"])]
+    assert parsed(api).scheduler_endpoint == [
+        f"tcp://{name}-{i}.{service}:{port}" for i in range(engines["spec"]["replicas"])
+    ]
 
 
 def test_each_engine_pod_links_its_scheduler_and_worker_over_its_own_loopback(manifest):
@@ -151,10 +156,12 @@ def test_metrics_ports_are_container_ports_and_prometheus_scrapes_each(manifest)
 
 
 def test_keys_come_from_secrets_that_hold_what_each_role_loads(manifest, tmp_path):
-    subprocess.run([sys.executable, "-m", "services.launcher", "keys", str(tmp_path / "made")], check=True,
-                   capture_output=True)
-    secrets = {s["metadata"]["name"]: s for s in by_kind(objects(render("--keys-dir", str(tmp_path / "made"))),
-                                                         "Secret")}
+    subprocess.run(
+        [sys.executable, "-m", "services.launcher", "keys", str(tmp_path / "made")], check=True, capture_output=True
+    )
+    secrets = {
+        s["metadata"]["name"]: s for s in by_kind(objects(render("--keys-dir", str(tmp_path / "made"))), "Secret")
+    }
     loaded = {}
     for workload, container in containers(manifest[1]):
         role = container["command"][2].split(".")[1]

@@ -202,8 +202,7 @@ def test_lora_rows_read_each_adapter_through_its_scattered_pages(dtype):
         pages = [free.pop() for _ in range(count)]
         page_table[index, : 2 * count] = torch.tensor(pages + [blocks + p for p in pages])
         logical = {key: part.region * count * half + part.offset for key, part in parts.items()}
-        values = {key: torch.randn(part.rows * part.cols, generator=generator).to(dtype)
-                  for key, part in parts.items()}
+        values = {key: torch.randn(part.rows * part.cols, generator=generator).to(dtype) for key, part in parts.items()}
         for key, flat in values.items():  # written value by value through the page table, as the kernel reads
             at = logical[key] + torch.arange(flat.numel())
             pool[layer].view(2 * blocks, half)[page_table[index, at // half], at % half] = flat
@@ -211,8 +210,9 @@ def test_lora_rows_read_each_adapter_through_its_scattered_pages(dtype):
         for projection in targets:
             row += [logical[projection, "A"], logical[projection, "B"], columns[projection], LORA_GROUP[projection][1]]
         table[index, : len(row)] = torch.tensor(row)
-        matrices.append({p: (values[p, "A"].view(rank, 40).float(), values[p, "B"].view(rank, -1).float())
-                         for p in targets})
+        matrices.append(
+            {p: (values[p, "A"].view(rank, 40).float(), values[p, "B"].view(rank, -1).float()) for p in targets}
+        )
     units = torch.tensor([(0, 1), (2, 0), (3, 2), (5, 1), (6, 0)])  # row 1 and row 4: the base model
     x = torch.randn(7, 40, generator=generator).to(dtype)
     out = torch.randn(7, 40, generator=generator).to(dtype)
@@ -222,8 +222,18 @@ def test_lora_rows_read_each_adapter_through_its_scattered_pages(dtype):
             first = columns[projection]
             expected[row, first : first + b.shape[1]] += (x[row].float() @ a.t()) @ b
     out, x = out.to(DEVICE), x.to(DEVICE)
-    lora_add_triton(x, out, units.to(DEVICE), table.to(DEVICE), page_table.to(DEVICE), pool.view(-1).to(DEVICE),
-                    layer * 2 * blocks * half, half, max_rank=8, max_width=24)
+    lora_add_triton(
+        x,
+        out,
+        units.to(DEVICE),
+        table.to(DEVICE),
+        page_table.to(DEVICE),
+        pool.view(-1).to(DEVICE),
+        layer * 2 * blocks * half,
+        half,
+        max_rank=8,
+        max_width=24,
+    )
     torch.testing.assert_close(out.float().cpu(), expected, atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
     assert torch.equal(out[[1, 4]].cpu(), expected[[1, 4]].to(dtype))  # rows under no adapter are untouched
 
@@ -233,8 +243,15 @@ CODE_CASES = [  # (rows, outputs, inputs, group, kind, dtype)
     (17, 64, 128, 64, "uint8", torch.float32),
     (5, 40, 96, 96, "fp8", torch.float32),
     (33, 128, 256, 128, "uint4", torch.float16),
-] + ([(64, 4096, 4096, 128, "uint4", torch.float16), (1, 4096, 4096, 128, "uint4", torch.bfloat16),
-      (128, 2048, 4096, 128, "fp8", torch.bfloat16)] if CUDA else [])
+] + (
+    [
+        (64, 4096, 4096, 128, "uint4", torch.float16),
+        (1, 4096, 4096, 128, "uint4", torch.bfloat16),
+        (128, 2048, 4096, 128, "fp8", torch.bfloat16),
+    ]
+    if CUDA
+    else []
+)
 
 
 @pytest.mark.parametrize("rows, outputs, inputs, group, kind, dtype", CODE_CASES)

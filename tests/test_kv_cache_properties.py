@@ -2,6 +2,7 @@
 a block loaded back from the host cache holds what was written back there."""
 
 import itertools
+import tempfile
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ GPU_BLOCKS = 24
 CPU_BLOCKS = 12
 HOST_CACHE_BLOCKS = 8
 DISK_BLOCKS = 16
+EMPTY_FOLDER = tempfile.mkdtemp(prefix="pagedserve-kv-properties-")  # this process's, held by every machine of it
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=20)  # few symbols: many prefix hits
 
 
@@ -27,10 +29,17 @@ class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         # A disk index over a folder that stays empty: these tests stand in for the worker that writes the files.
-        disk = DiskIndex("/nonexistent/kv-cache-dir", "print", 1, DISK_BLOCKS)
-        self.manager = KVCacheManager(GPU_BLOCKS, BLOCK_SIZE, CPU_BLOCKS, watermark=0.0, enable_prefix_caching=True,
-                                      num_host_cache_blocks=HOST_CACHE_BLOCKS, disk=disk,
-                                      write_through=self.write_through)
+        disk = DiskIndex(EMPTY_FOLDER, "print", 1, DISK_BLOCKS)
+        self.manager = KVCacheManager(
+            GPU_BLOCKS,
+            BLOCK_SIZE,
+            CPU_BLOCKS,
+            watermark=0.0,
+            enable_prefix_caching=True,
+            num_host_cache_blocks=HOST_CACHE_BLOCKS,
+            disk=disk,
+            write_through=self.write_through,
+        )
         # Adapters paged into the same device pool: a few pages each.
         self.manager.enable_adapters(2, 16, {"q_proj": [8, 8], "down_proj": [8, 8]})
         self.adapter_users: dict[str, LoraRef] = {}  # request id -> the adapter it holds
@@ -155,8 +164,10 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @rule(which=st.integers(0, 2), rank=st.sampled_from([2, 4, 8]))
     def start_a_request_under_an_adapter(self, which, rank):
-        adapters, lora = self.manager.adapters, LoraRef(f"adapter-{which}-{rank}", "/nowhere", rank,
-                                                        ["q_proj", "down_proj"])
+        adapters, lora = (
+            self.manager.adapters,
+            LoraRef(f"adapter-{which}-{rank}", "/nowhere", rank, ["q_proj", "down_proj"]),
+        )
         if not adapters.can_start(lora) or adapters.blocks_to_start(lora) > self.manager.device_pool.num_available:
             return
         request_id = f"a{next(self.ids)}"
@@ -175,8 +186,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def adapter_pages_are_no_sequences_blocks_and_held_while_used(self):
         adapters = self.manager.adapters
-        tables = {b for r in self.requests if r.status is RequestStatus.RUNNING for s in r.seqs
-                  for b in s.kv.block_table}
+        tables = {
+            b for r in self.requests if r.status is RequestStatus.RUNNING for s in r.seqs for b in s.kv.block_table
+        }
         for held in adapters.on_device.values():
             assert len(held.pages) == len(set(held.pages))
             if held.users:

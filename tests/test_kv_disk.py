@@ -29,13 +29,20 @@ MAX_TOKENS = 4
 
 
 def engine(llama_dir: str, folder: str) -> Engine:
-    return Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=48, prefix_caching=True, num_host_cache_blocks=32,
-                  kv_cache_dir=folder)
+    return Engine(
+        llama_dir,
+        block_size=BLOCK,
+        num_gpu_blocks=48,
+        prefix_caching=True,
+        num_host_cache_blocks=32,
+        kv_cache_dir=folder,
+    )
 
 
 def files(folder: str) -> list[str]:
-    return sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
-                  if name.endswith(".kv"))
+    return sorted(
+        os.path.join(root, name) for root, _, names in os.walk(folder) for name in names if name.endswith(".kv")
+    )
 
 
 def test_a_new_engine_starts_on_the_blocks_an_earlier_one_wrote_and_gives_hf_tokens(llama_dir, tmp_path):
@@ -65,7 +72,7 @@ def test_a_corrupted_truncated_or_foreign_file_is_computed_again_and_written_ane
     data[len(data) // 2] ^= 0x40
     Path(flipped).write_bytes(bytes(data))
     os.truncate(truncated, os.path.getsize(truncated) // 2)
-    second_block = os.path.join(folder, chain_key(first_key(PROMPTS[0]), PROMPTS[0][BLOCK:2 * BLOCK]).hex() + ".kv")
+    second_block = os.path.join(folder, chain_key(first_key(PROMPTS[0]), PROMPTS[0][BLOCK : 2 * BLOCK]).hex() + ".kv")
     Path(foreign).write_bytes(Path(second_block).read_bytes())  # whole, but another key's block
 
     restarted = engine(llama_dir, str(tmp_path))
@@ -171,9 +178,18 @@ def test_a_kv_folder_others_may_write_is_refused_at_start_with_the_reason(tmp_pa
 
 
 def test_two_servers_cannot_share_one_kv_folder_and_its_size_bound(tmp_path):
-    holding = subprocess.Popen([sys.executable, "-c", "import sys; from shared.kv_folder import hold; "
-                                f"hold({str(tmp_path)!r}); print('held', flush=True); sys.stdin.read()"],
-                               cwd=ROOT_DIR, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holding = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from shared.kv_folder import hold; "
+            f"hold({str(tmp_path)!r}); print('held', flush=True); sys.stdin.read()",
+        ],
+        cwd=ROOT_DIR,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holding.stdout.readline() == "held\n"  # another server's scheduler
         with pytest.raises(KVFolderError, match="another server uses"):

@@ -35,8 +35,15 @@ def rounds(engine: Engine, salt_again: str = "") -> list[list[int]]:
 @pytest.mark.parametrize("depth", [1, 2], ids=["planned-after", "planned-ahead"])
 def test_greedy_output_equals_hf_with_the_host_cache_under_forced_eviction(llama_dir, depth, write_through):
     expected = [hf_greedy(llama_dir, p, MAX_TOKENS) for p in FIRST + OTHERS + FIRST]
-    tiered = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True,
-                    num_host_cache_blocks=64, depth=depth, write_through=write_through)
+    tiered = Engine(
+        llama_dir,
+        block_size=BLOCK,
+        num_gpu_blocks=DEVICE_BLOCKS,
+        prefix_caching=True,
+        num_host_cache_blocks=64,
+        depth=depth,
+        write_through=write_through,
+    )
     plain = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True, depth=depth)
     assert rounds(tiered) == expected
     assert rounds(plain) == expected
@@ -50,8 +57,14 @@ def test_greedy_output_equals_hf_with_the_host_cache_under_forced_eviction(llama
 
 @pytest.mark.parametrize("write_through", [False, True], ids=["write-back", "write-through"])
 def test_a_block_loaded_from_the_host_cache_holds_exactly_what_was_computed(llama_dir, write_through):
-    engine = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True,
-                    num_host_cache_blocks=64, write_through=write_through)
+    engine = Engine(
+        llama_dir,
+        block_size=BLOCK,
+        num_gpu_blocks=DEVICE_BLOCKS,
+        prefix_caching=True,
+        num_host_cache_blocks=64,
+        write_through=write_through,
+    )
     device = engine.scheduler.kv_cache.device_pool
     computed: dict[bytes, torch.Tensor] = {}
 
@@ -77,8 +90,9 @@ def test_a_block_loaded_from_the_host_cache_holds_exactly_what_was_computed(llam
 
 
 def test_the_host_cache_never_serves_one_cache_salt_the_blocks_of_another(llama_dir):
-    engine = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True,
-                    num_host_cache_blocks=64)
+    engine = Engine(
+        llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True, num_host_cache_blocks=64
+    )
     expected = [hf_greedy(llama_dir, p, MAX_TOKENS) for p in FIRST + OTHERS + FIRST]
     assert rounds(engine, salt_again="another tenant") == expected
     stats = engine.stats()
@@ -90,8 +104,9 @@ def test_the_host_cache_never_serves_one_cache_salt_the_blocks_of_another(llama_
 
 
 def test_a_full_host_cache_keeps_the_latest_blocks_and_still_gives_hf_tokens(llama_dir):
-    engine = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True,
-                    num_host_cache_blocks=6)
+    engine = Engine(
+        llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True, num_host_cache_blocks=6
+    )
     expected = [hf_greedy(llama_dir, p, MAX_TOKENS) for p in FIRST + OTHERS + FIRST]
     assert rounds(engine) == expected
     host = engine.scheduler.kv_cache.host_cache
@@ -101,12 +116,25 @@ def test_a_full_host_cache_keeps_the_latest_blocks_and_still_gives_hf_tokens(lla
 
 @pytest.mark.slow
 def test_a_server_with_kv_offloading_loads_evicted_prefixes_back_and_counts_them(llama_dir, tmp_path):
-    flags = ["--block-size", str(BLOCK), "--num-gpu-blocks-override", str(DEVICE_BLOCKS), "--enable-prefix-caching",
-             "--kv-offloading-size", "0.002"]
+    flags = [
+        "--block-size",
+        str(BLOCK),
+        "--num-gpu-blocks-override",
+        str(DEVICE_BLOCKS),
+        "--enable-prefix-caching",
+        "--kv-offloading-size",
+        "0.002",
+    ]
     with serve(llama_dir, str(tmp_path), *flags) as server:
+
         def complete(prompt):
-            body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "return_token_ids": True}
+            body = {
+                "model": server.model,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
             response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
             response.raise_for_status()
             return response.json()["choices"][0]["token_ids"]
@@ -121,12 +149,18 @@ def test_a_server_with_kv_offloading_loads_evicted_prefixes_back_and_counts_them
     assert got == [hf_greedy(llama_dir, p, MAX_TOKENS) for p in FIRST + OTHERS + FIRST]
 
 
-@pytest.mark.parametrize("options", [{"kv_cache_dtype": "int8"}, {"dtype": "bfloat16"}, {"beams": True},
-                                     {"samples": True}, {"speculative": SpeculativeConfig("ngram", 4, 1, 3),
-                                                         "depth": 2}],
-                         ids=["int8-cache", "bf16", "beam-search", "n-2", "ngram-speculation-planned-ahead"])
-def test_the_host_cache_changes_no_token_with_quantized_or_half_caches_beams_samples_or_speculation(llama_dir,
-                                                                                                     options):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"kv_cache_dtype": "int8"},
+        {"dtype": "bfloat16"},
+        {"beams": True},
+        {"samples": True},
+        {"speculative": SpeculativeConfig("ngram", 4, 1, 3), "depth": 2},
+    ],
+    ids=["int8-cache", "bf16", "beam-search", "n-2", "ngram-speculation-planned-ahead"],
+)
+def test_the_host_cache_changes_no_token_with_quantized_or_half_caches_beams_samples_or_speculation(llama_dir, options):
     """Loaded blocks are byte copies: whatever the cache holds, the host cache gives the tokens computing gives."""
     options = dict(options)
     sampling = {}
@@ -142,8 +176,14 @@ def test_the_host_cache_changes_no_token_with_quantized_or_half_caches_beams_sam
             outputs.append(engine.run()[request_id])
         return outputs
 
-    tiered = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True,
-                    num_host_cache_blocks=64, **options)
+    tiered = Engine(
+        llama_dir,
+        block_size=BLOCK,
+        num_gpu_blocks=DEVICE_BLOCKS,
+        prefix_caching=True,
+        num_host_cache_blocks=64,
+        **options,
+    )
     plain = Engine(llama_dir, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS, prefix_caching=True, **options)
     assert rounds_of(tiered) == rounds_of(plain)
     assert tiered.stats().blocks_loaded > 0 and plain.stats().blocks_loaded == 0
@@ -151,13 +191,28 @@ def test_the_host_cache_changes_no_token_with_quantized_or_half_caches_beams_sam
 
 @pytest.mark.slow
 def test_tensor_parallel_ranks_share_the_host_cache_and_the_disk_and_restart_warm(llama_dir, tmp_path):
-    flags = ["--tensor-parallel-size", "2", "--block-size", str(BLOCK), "--num-gpu-blocks-override",
-             str(DEVICE_BLOCKS), "--enable-prefix-caching", "--kv-offloading-size", "0.002", "--kv-cache-dir",
-             str(tmp_path / "kv")]
+    flags = [
+        "--tensor-parallel-size",
+        "2",
+        "--block-size",
+        str(BLOCK),
+        "--num-gpu-blocks-override",
+        str(DEVICE_BLOCKS),
+        "--enable-prefix-caching",
+        "--kv-offloading-size",
+        "0.002",
+        "--kv-cache-dir",
+        str(tmp_path / "kv"),
+    ]
 
     def complete(server, prompt):
-        body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "return_token_ids": True}
+        body = {
+            "model": server.model,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
         response.raise_for_status()
         return response.json()

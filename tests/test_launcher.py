@@ -15,16 +15,29 @@ from tests.conftest import ROOT, free_port, metrics_port_flags, serve
 pytestmark = pytest.mark.slow  # starts processes: not in `make check`
 
 
-def test_the_launcher_exits_non_zero_when_a_child_dies_and_leaves_no_socket_directory(llama_dir, tmp_path,
-                                                                                        socket_dir):
+def test_the_launcher_exits_non_zero_when_a_child_dies_and_leaves_no_socket_directory(llama_dir, tmp_path, socket_dir):
     broken, temp = tmp_path / "broken", Path(socket_dir)
     broken.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # all but the weights
         shutil.copy(os.path.join(llama_dir, name), broken)
-    cmd = [sys.executable, "-m", "services.launcher", "up", "--model", str(broken),
-           "--port", str(free_port()), *metrics_port_flags(), "--device", "cpu", "--ready-timeout", "60"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90,
-                          env=dict(os.environ, TMPDIR=str(temp)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.launcher",
+        "up",
+        "--model",
+        str(broken),
+        "--port",
+        str(free_port()),
+        *metrics_port_flags(),
+        "--device",
+        "cpu",
+        "--ready-timeout",
+        "60",
+    ]
+    done = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=90, env=dict(os.environ, TMPDIR=str(temp))
+    )
     assert done.returncode != 0
     assert "cannot load the model" in done.stderr and "model.safetensors is missing" in done.stderr
     assert "worker exited with code 2" in done.stderr
@@ -285,8 +298,9 @@ def test_sockets_go_under_tmp_when_the_temporary_directory_is_too_deep_for_their
 
 
 @pytest.mark.parametrize("service", ["scheduler", "worker"])
-def test_a_port_taken_after_the_launcher_looked_stops_it_at_once_naming_the_flag(llama_dir, service, monkeypatch,
-                                                                                  capsys):
+def test_a_port_taken_after_the_launcher_looked_stops_it_at_once_naming_the_flag(
+    llama_dir, service, monkeypatch, capsys
+):
     """The launcher checks its ports before anything starts; one taken between that check and the
     service's bind (a race) ends the service with EXIT_PORT_TAKEN, and the launcher then stops at once,
     naming the flag, rather than restarting what cannot start."""
@@ -301,11 +315,24 @@ def test_a_port_taken_after_the_launcher_looked_stops_it_at_once_naming_the_flag
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        ports = {"--port": str(free_port()), "--scheduler-metrics-port": str(free_port()),
-                 "--worker-metrics-port": str(free_port()), flag: str(holder.getsockname()[1])}
+        ports = {
+            "--port": str(free_port()),
+            "--scheduler-metrics-port": str(free_port()),
+            "--worker-metrics-port": str(free_port()),
+            flag: str(holder.getsockname()[1]),
+        }
         try:
-            code = launcher.main(["serve", llama_dir, "--device", "cpu", "--data-parallel-size", "2",
-                                  *[item for pair in ports.items() for item in pair]])
+            code = launcher.main(
+                [
+                    "serve",
+                    llama_dir,
+                    "--device",
+                    "cpu",
+                    "--data-parallel-size",
+                    "2",
+                    *[item for pair in ports.items() for item in pair],
+                ]
+            )
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)

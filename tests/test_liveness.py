@@ -61,8 +61,12 @@ def configs(draw):
 def requests(draw):
     kind = draw(st.sampled_from(["single", "n", "best_of", "beam"]))
     width = draw(st.integers(1, 4))
-    sampling = {"single": {}, "n": {"n": width}, "best_of": {"n": 1, "best_of": width},
-                "beam": {"use_beam_search": True, "best_of": width, "n": min(width, 2)}}[kind]
+    sampling = {
+        "single": {},
+        "n": {"n": width},
+        "best_of": {"n": 1, "best_of": width},
+        "beam": {"use_beam_search": True, "best_of": width, "n": min(width, 2)},
+    }[kind]
     prefix = draw(st.sampled_from([[], [5, 6, 7, 8, 9, 10, 11, 12]]))
     body = draw(st.lists(st.integers(1, 30), min_size=1, max_size=40))
     return dict(
@@ -85,16 +89,30 @@ QUEUE_DELAY = 6  # steps, on the test's clock
 
 
 def _build(config, speculative: SpeculativeConfig | None = None, policy: str = "fcfs", clock=None) -> Scheduler:
-    manager = KVCacheManager(config["num_blocks"], config["block_size"], config["num_cpu_blocks"],
-                           config["watermark"], config["prefix_caching"])
+    manager = KVCacheManager(
+        config["num_blocks"],
+        config["block_size"],
+        config["num_cpu_blocks"],
+        config["watermark"],
+        config["prefix_caching"],
+    )
     budgets = Budgets(config["max_num_seqs"], config["budget"], config["context"], config["chunked"])
-    preemption = PreemptionPolicy(config["preemption"], block_bytes=1000, swap_bytes_per_second=1e6,
-                                  prefill_tokens_per_second=1e3)
+    preemption = PreemptionPolicy(
+        config["preemption"], block_bytes=1000, swap_bytes_per_second=1e6, prefill_tokens_per_second=1e3
+    )
     speculation = Speculation(speculative, config["context"]) if speculative is not None else None
     if config.get("max_loras"):
         manager.enable_adapters(config["max_loras"], 4, ADAPTER_DIMS)
-    return Scheduler(manager, budgets, [EOS], preemption, vocab_size=1000, speculation=speculation,
-                     policy=make_policy(policy, QUEUE_DELAY, {"a": 2.0}), **({"clock": clock} if clock else {}))
+    return Scheduler(
+        manager,
+        budgets,
+        [EOS],
+        preemption,
+        vocab_size=1000,
+        speculation=speculation,
+        policy=make_policy(policy, QUEUE_DELAY, {"a": 2.0}),
+        **({"clock": clock} if clock else {}),
+    )
 
 
 def _token(seq_id: int, position: int) -> int:
@@ -131,8 +149,17 @@ def test_every_admitted_request_finishes_within_the_bound(policy, config, specs)
                 priority = spec["priority"] if policy == "priority" else 0
                 adapter = spec["adapter"]
                 lora = ADAPTERS[adapter] if adapter is not None and config.get("max_loras") else None
-                rejected = scheduler.add(AddRequest(request_id, spec["prompt"], params, float(step_index),
-                                                    priority=priority, tenant=spec["tenant"], lora=lora))
+                rejected = scheduler.add(
+                    AddRequest(
+                        request_id,
+                        spec["prompt"],
+                        params,
+                        float(step_index),
+                        priority=priority,
+                        tenant=spec["tenant"],
+                        lora=lora,
+                    )
+                )
                 if rejected is None:
                     admitted[request_id] = spec
                     max_new = min(params.max_tokens, config["context"] - len(spec["prompt"]))
@@ -156,7 +183,8 @@ def test_every_admitted_request_finishes_within_the_bound(policy, config, specs)
                 _check_fcfs_order(scheduler)
             assert sum(len(r.seqs) for r in scheduler.running) <= config["max_num_seqs"]
             assert busy_steps <= aging + config["depth"] * bound, (
-                f"still running after {busy_steps} steps; the bound is {bound}")
+                f"still running after {busy_steps} steps; the bound is {bound}"
+            )
         step_index += 1
     assert set(admitted) <= finished
     manager = scheduler.kv_cache

@@ -44,8 +44,18 @@ MAX_GAP = 1.0
 
 @pytest.fixture(scope="module")
 def small_server(llama_dir, tmp_path_factory):
-    flags = ("--num-gpu-blocks-override", "40", "--step-timeout", "3", "--scheduler-timeout", "2",
-             "--request-header-timeout", "2", "--request-body-timeout", "3")
+    flags = (
+        "--num-gpu-blocks-override",
+        "40",
+        "--step-timeout",
+        "3",
+        "--scheduler-timeout",
+        "2",
+        "--request-header-timeout",
+        "2",
+        "--request-body-timeout",
+        "3",
+    )
     with serve(llama_dir, str(tmp_path_factory.mktemp("logs")), *flags) as server:
         yield server
 
@@ -69,8 +79,14 @@ def _stream_gaps(server, until: threading.Event, max_tokens: int) -> tuple[threa
     gaps: list[float] = []
 
     def stream():  # one stream after another, so the gaps cover everything until `until`
-        body = {"model": server.model, "prompt": "import os", "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": 0, "stream": True}
+        body = {
+            "model": server.model,
+            "prompt": "import os",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         while not until.is_set():
             last = None
             with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
@@ -94,8 +110,9 @@ def test_a_huge_prompt_is_refused_untokenized_and_neither_stalls_streams_nor_hea
 
     def huge():
         prompt = "def f(x):\n    return x + 1\n" * 190_000  # about 5 MB
-        response = httpx.post(f"{base}/v1/completions", timeout=300,
-                              json={"model": small_server.model, "prompt": prompt, "max_tokens": 1})
+        response = httpx.post(
+            f"{base}/v1/completions", timeout=300, json={"model": small_server.model, "prompt": prompt, "max_tokens": 1}
+        )
         huge_done.set()
         assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
 
@@ -125,13 +142,16 @@ def _stop_mid_stream(server, service: str) -> tuple[str, float]:
         stopped = time.monotonic()
         rest = [line for line in lines if line.startswith("data:")]
         ended_after = time.monotonic() - stopped
-    return json.loads(rest[-2][len("data: "):])["error"]["message"], ended_after
+    return json.loads(rest[-2][len("data: ") :])["error"]["message"], ended_after
 
 
 def _serves_again(server, timeout: float) -> None:
     assert wait_until(lambda: _health(server.base_url) == 200, timeout)
-    again = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
-                       json={"model": server.model, "prompt": "import os", "max_tokens": 4})
+    again = httpx.post(
+        f"{server.base_url}/v1/completions",
+        timeout=60,
+        json={"model": server.model, "prompt": "import os", "max_tokens": 4},
+    )
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
     assert wait_until(server.is_idle, 5)  # the failed request's blocks came back
 
@@ -142,8 +162,9 @@ def test_a_hung_worker_fails_its_requests_within_the_step_timeout_and_recovery_f
         error, ended_after = _stop_mid_stream(small_server, "worker")
         assert ended_after < 3 + 5 and "did not finish a step" in error
         assert _health(small_server.base_url) == 503
-        refused = httpx.post(f"{small_server.base_url}/v1/completions", timeout=10,
-                             json={"model": small_server.model, "prompt": "x"})
+        refused = httpx.post(
+            f"{small_server.base_url}/v1/completions", timeout=10, json={"model": small_server.model, "prompt": "x"}
+        )
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
     finally:
         os.kill(worker, signal.SIGCONT)
@@ -154,8 +175,10 @@ def test_a_hung_scheduler_shows_on_health_and_fails_streams_within_its_timeout_t
     scheduler = children(small_server.process.pid)["scheduler"]
     try:
         error, ended_after = _stop_mid_stream(small_server, "scheduler")
-        print(f"a SIGSTOPped scheduler failed the stream and turned /health 503 after {ended_after:.2f} s "
-              f"(--scheduler-timeout 2)")
+        print(
+            f"a SIGSTOPped scheduler failed the stream and turned /health 503 after {ended_after:.2f} s "
+            f"(--scheduler-timeout 2)"
+        )
         assert ended_after < 2 + 1.5, f"the stream failed {ended_after:.1f} s after the scheduler stopped"
         assert "stopped answering" in error
         assert _health(small_server.base_url) == 503
@@ -236,8 +259,11 @@ def stuck_api(server, endpoints, context) -> zmq.Socket:
 
 def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tmp_path):
     config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=4)
-    with scheduler_in_process(tmp_path, config, lambda seq_id, position: 100 + position % 800) as (server, endpoints,
-                                                                                                  context):
+    with scheduler_in_process(tmp_path, config, lambda seq_id, position: 100 + position % 800) as (
+        server,
+        endpoints,
+        context,
+    ):
         stuck = stuck_api(server, endpoints, context)
         good = ready_api(context, endpoints, "api-good")
         for i in range(4):
@@ -252,8 +278,11 @@ def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tm
 
 def test_an_api_cut_off_for_not_reading_learns_how_each_of_its_requests_ended_once_it_reads_again(tmp_path):
     config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=4)
-    with scheduler_in_process(tmp_path, config, lambda seq_id, position: 100 + position % 800) as (server, endpoints,
-                                                                                                  context):
+    with scheduler_in_process(tmp_path, config, lambda seq_id, position: 100 + position % 800) as (
+        server,
+        endpoints,
+        context,
+    ):
         stuck = stuck_api(server, endpoints, context)
         ids = [f"stuck-{i}" for i in range(4)] + ["short"]
         for request_id in ids[:4]:
@@ -294,8 +323,11 @@ def test_a_scheduler_busy_past_the_step_timeout_does_not_blame_a_worker_that_ans
 
 def test_a_large_frame_from_a_worker_peer_that_is_not_rank_0_is_dropped_unread(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(sockets.peer_log, "filters", [RateLimit()])  # earlier tests' lines do not count
-    with scheduler_in_process(tmp_path, SchedulerConfig(block_size=4, max_model_len=10_000)) as (server, endpoints,
-                                                                                                 context):
+    with scheduler_in_process(tmp_path, SchedulerConfig(block_size=4, max_model_len=10_000)) as (
+        server,
+        endpoints,
+        context,
+    ):
         assert wait_until(lambda: server.workers.get(0) is not None, 10)
         rogue = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"rogue")
         sampled = [SampledTokens(i, [1] * 64, [0.0] * 64, [], []) for i in range(2_000)]
@@ -324,27 +356,31 @@ def test_large_json_bodies_are_parsed_and_checked_off_the_loop_so_streams_go_on(
     done = threading.Event()
     ids = list(range(500)) * 3000  # 1.5 million token ids, 7.2 MB of JSON
     text = "def f(x):\n    return x + 1\n" * 260_000  # 7.0 MB
-    bodies = [("/v1/completions", {"model": small_server.model, "prompt": ids, "max_tokens": 1}, 400),
-              ("/detokenize", {"tokens": ids}, 400),  # more than any context: refused, not decoded
-              ("/detokenize", {"tokens": ids[:1000]}, 200),
-              ("/tokenize", {"prompt": text}, 400)]  # longer than any prompt that fits: refused untokenized
+    bodies = [
+        ("/v1/completions", {"model": small_server.model, "prompt": ids, "max_tokens": 1}, 400),
+        ("/detokenize", {"tokens": ids}, 400),  # more than any context: refused, not decoded
+        ("/detokenize", {"tokens": ids[:1000]}, 200),
+        ("/tokenize", {"prompt": text}, 400),
+    ]  # longer than any prompt that fits: refused untokenized
     api = children(small_server.process.pid)["api"]
     before = memory_mib(api)
     encoded = [(path, json.dumps(body).encode(), status) for path, body, status in bodies]  # not while streaming
     streamer, gaps = _stream_gaps(small_server, done, 300)
     for _ in range(3):
         for path, body, status in encoded:
-            response = httpx.post(f"{base}{path}", content=body, headers={"content-type": "application/json"},
-                                  timeout=120)
+            response = httpx.post(
+                f"{base}{path}", content=body, headers={"content-type": "application/json"}, timeout=120
+            )
             assert response.status_code == status, (path, response.text[:300])
     done.set()
     streamer.join(120)
     after, peak = memory_mib(api), memory_mib(api, "VmHWM")
-    print(f"longest stream gap while 8 MB bodies were parsed: {max(gaps):.3f} s; api memory {before:.0f} MiB "
-          f"before, {peak:.0f} at its peak, {after:.0f} after")
+    print(
+        f"longest stream gap while 8 MB bodies were parsed: {max(gaps):.3f} s; api memory {before:.0f} MiB "
+        f"before, {peak:.0f} at its peak, {after:.0f} after"
+    )
     assert gaps and max(gaps) < MAX_GAP, f"the stream stalled for {max(gaps):.2f} s"
     assert after - before < 64  # what nine large bodies took is mostly given back, not kept per request
-
 
 
 def _closed_within(sock: socket.socket, seconds: float, drip: bytes) -> float | None:
@@ -377,8 +413,10 @@ def test_a_client_dripping_its_headers_or_its_body_is_cut_off_and_streams_go_on(
     closed = [_closed_within(sock, 10, b"X-Slow: " + b"a" * 100) for sock in slowloris]
     assert all(c is not None and c < 2 + 1.5 for c in closed), closed  # --request-header-timeout 2
     with socket.create_connection((host, int(port))) as slow_body:
-        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: 400\r\n\r\n{\"prompt\": \"")
+        slow_body.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 400\r\n\r\n{"prompt": "'
+        )
         slow_body.settimeout(10)
         started, answer = time.monotonic(), b""
         while b"\r\n\r\n" not in answer:
@@ -393,8 +431,11 @@ def test_a_client_dripping_its_headers_or_its_body_is_cut_off_and_streams_go_on(
 
 def test_lines_about_bad_frames_are_rate_limited_and_the_scheduler_keeps_answering(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(sockets.peer_log, "filters", [RateLimit(burst=10, window=60)])
-    with scheduler_in_process(tmp_path, SchedulerConfig(block_size=4, max_model_len=1_000)) as (server, endpoints,
-                                                                                                context):
+    with scheduler_in_process(tmp_path, SchedulerConfig(block_size=4, max_model_len=1_000)) as (
+        server,
+        endpoints,
+        context,
+    ):
         assert wait_until(lambda: server.workers.get(0) is not None, 10)
         api = sockets.connect(context, zmq.DEALER, endpoints.scheduler, identity=b"noisy-api")
         for i in range(500):

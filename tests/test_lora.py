@@ -30,10 +30,12 @@ def adapters(llama_dir, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("adapters")
     return {
         "all-rank8": make_lora_adapter(llama_dir, str(root / "a"), rank=8, seed=1),
-        "attention-rank4": make_lora_adapter(llama_dir, str(root / "b"), rank=4, seed=2,
-                                             targets=("q_proj", "v_proj", "o_proj")),
-        "mlp-rslora": make_lora_adapter(llama_dir, str(root / "c"), rank=16, seed=3, use_rslora=True,
-                                        targets=("gate_proj", "down_proj"), layers=[0]),
+        "attention-rank4": make_lora_adapter(
+            llama_dir, str(root / "b"), rank=4, seed=2, targets=("q_proj", "v_proj", "o_proj")
+        ),
+        "mlp-rslora": make_lora_adapter(
+            llama_dir, str(root / "c"), rank=16, seed=3, use_rslora=True, targets=("gate_proj", "down_proj"), layers=[0]
+        ),
     }
 
 
@@ -62,8 +64,11 @@ def test_one_step_mixes_two_adapters_and_the_base_model(llama_dir, adapters, dep
         name = names[i % 3]
         lora = ref(llama_dir, name, adapters[name]) if name else None
         ids.append(engine.add(prompt, lora=lora, max_tokens=MAX_TOKENS))
-        expected.append(hf_lora_greedy(llama_dir, adapters[name], prompt, MAX_TOKENS) if name
-                        else hf_greedy(llama_dir, prompt, MAX_TOKENS))
+        expected.append(
+            hf_lora_greedy(llama_dir, adapters[name], prompt, MAX_TOKENS)
+            if name
+            else hf_greedy(llama_dir, prompt, MAX_TOKENS)
+        )
     tokens = engine.run()
     assert [tokens[i][0] for i in ids] == expected
     assert any(len({e.seq_id for e in step.scheduled}) == 6 for step in engine.steps)  # all six in one step
@@ -101,10 +106,12 @@ def test_the_prefix_cache_never_serves_one_adapters_blocks_to_another_or_the_bas
     prompt = PROMPTS[0] + PROMPTS[1]
     a, b = (ref(llama_dir, n, adapters[n]) for n in ("all-rank8", "attention-rank4"))
     assert engine.generate([prompt], lora=a, max_tokens=MAX_TOKENS) == [
-        hf_lora_greedy(llama_dir, adapters["all-rank8"], prompt, MAX_TOKENS)]
+        hf_lora_greedy(llama_dir, adapters["all-rank8"], prompt, MAX_TOKENS)
+    ]
     cached = engine.stats().num_prompt_tokens_cached
     assert engine.generate([prompt], lora=b, max_tokens=MAX_TOKENS) == [
-        hf_lora_greedy(llama_dir, adapters["attention-rank4"], prompt, MAX_TOKENS)]
+        hf_lora_greedy(llama_dir, adapters["attention-rank4"], prompt, MAX_TOKENS)
+    ]
     assert engine.generate([prompt], max_tokens=MAX_TOKENS) == [hf_greedy(llama_dir, prompt, MAX_TOKENS)]
     assert engine.stats().num_prompt_tokens_cached == cached  # no hit across adapters or the base
     engine.generate([prompt], lora=a, max_tokens=MAX_TOKENS)
@@ -136,16 +143,22 @@ def test_beams_samples_and_ngram_speculation_run_under_the_adapter(llama_dir, ad
     speculating = Engine(llama_dir, block_size=4, max_loras=1, speculative=SpeculativeConfig("ngram", 3, 1, 3))
     repetitive = [100, 3, 100, 3, 100, 3, 100, 3]
     assert speculating.generate([repetitive], lora=lora, max_tokens=12) == [
-        hf_lora_greedy(llama_dir, path, repetitive, 12)]
+        hf_lora_greedy(llama_dir, path, repetitive, 12)
+    ]
 
 
 def test_a_draft_model_proposes_without_the_adapter_and_the_target_verifies_under_it(llama_dir, adapters):
     path = adapters["all-rank8"]
     lora = ref(llama_dir, "all-rank8", path)
-    engine = Engine(llama_dir, block_size=4, max_loras=1,
-                    speculative=SpeculativeConfig("draft_model", 3, model=llama_dir, adaptive=False))
-    assert engine.generate(PROMPTS, lora=lora, max_tokens=12) == [hf_lora_greedy(llama_dir, path, p, 12)
-                                                                   for p in PROMPTS]
+    engine = Engine(
+        llama_dir,
+        block_size=4,
+        max_loras=1,
+        speculative=SpeculativeConfig("draft_model", 3, model=llama_dir, adaptive=False),
+    )
+    assert engine.generate(PROMPTS, lora=lora, max_tokens=12) == [
+        hf_lora_greedy(llama_dir, path, p, 12) for p in PROMPTS
+    ]
     speculation = engine.stats().speculation
     # The draft is the base model: it proposes the base's tokens, which the adapter keeps only in part.
     assert 0 < speculation.num_accepted_tokens < speculation.num_draft_tokens
@@ -171,13 +184,23 @@ def test_the_host_cache_and_the_disk_tier_keep_each_adapters_blocks_apart(llama_
     names = ["attention-rank4", "mlp-rslora", None]
     loras = {name: ref(llama_dir, name, adapters[name]) for name in names if name}
     prompt = [7 + j for j in range(20)]  # the same tokens under each: only the salt keeps them apart
-    expected = [hf_lora_greedy(llama_dir, adapters[n], prompt, MAX_TOKENS) if n else hf_greedy(
-        llama_dir, prompt, MAX_TOKENS) for n in names]
+    expected = [
+        hf_lora_greedy(llama_dir, adapters[n], prompt, MAX_TOKENS) if n else hf_greedy(llama_dir, prompt, MAX_TOKENS)
+        for n in names
+    ]
     assert len({tuple(e) for e in expected}) == 3
 
     def tiered() -> Engine:
-        return Engine(llama_dir, block_size=4, num_gpu_blocks=40, max_loras=1, prefix_caching=True,
-                      num_host_cache_blocks=64, kv_cache_dir=str(tmp_path), write_through=True)
+        return Engine(
+            llama_dir,
+            block_size=4,
+            num_gpu_blocks=40,
+            max_loras=1,
+            prefix_caching=True,
+            num_host_cache_blocks=64,
+            kv_cache_dir=str(tmp_path),
+            write_through=True,
+        )
 
     def rounds(engine: Engine) -> list[list[int]]:
         return [engine.generate([prompt], lora=loras.get(n), max_tokens=MAX_TOKENS)[0] for n in names * 2]
@@ -208,8 +231,10 @@ def broken_adapter(tmp_path, llama_dir, kind: str) -> str:
         save_file(renamed, os.path.join(path, "adapter_model.safetensors"))
     elif kind == "shapes-of-another-model":
         tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
-        save_file({name: torch.cat([value, value], dim=-1) if "lora_A" in name else value
-                   for name, value in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
+        save_file(
+            {name: torch.cat([value, value], dim=-1) if "lora_A" in name else value for name, value in tensors.items()},
+            os.path.join(path, "adapter_model.safetensors"),
+        )
     elif kind == "not-lora":
         config["peft_type"] = "PREFIX_TUNING"
         with open(config_path, "w") as f:
@@ -218,13 +243,13 @@ def broken_adapter(tmp_path, llama_dir, kind: str) -> str:
         weights = os.path.join(path, "adapter_model.safetensors")
         data = Path(weights).read_bytes()
         length = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8:8 + length])
+        header = json.loads(data[8 : 8 + length])
         name = next(n for n in header if n != "__metadata__")
         header[name]["data_offsets"][1] = header[name]["data_offsets"][0]  # no bytes for its shape
         encoded = json.dumps(header, separators=(",", ":")).encode()
         assert len(encoded) <= length
         with open(weights, "wb") as f:
-            f.write(data[:8] + encoded.ljust(length) + data[8 + length:])
+            f.write(data[:8] + encoded.ljust(length) + data[8 + length :])
     elif kind == "not-finite":
         tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
         name = next(iter(tensors))
@@ -233,10 +258,15 @@ def broken_adapter(tmp_path, llama_dir, kind: str) -> str:
     return path
 
 
-BAD_ADAPTERS = {"missing-weights": "no adapter_model.safetensors", "rank-over-maximum": "over this server's",
-                "unknown-target": "target module qkv_proj", "shapes-of-another-model": "this base model needs",
-                "not-lora": "only LORA adapters", "offsets-that-lie": "do not hold its",
-                "not-finite": "not finite"}
+BAD_ADAPTERS = {
+    "missing-weights": "no adapter_model.safetensors",
+    "rank-over-maximum": "over this server's",
+    "unknown-target": "target module qkv_proj",
+    "shapes-of-another-model": "this base model needs",
+    "not-lora": "only LORA adapters",
+    "offsets-that-lie": "do not hold its",
+    "not-finite": "not finite",
+}
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_ADAPTERS))
@@ -266,13 +296,15 @@ def test_an_adapter_is_known_by_its_files_so_a_name_loaded_again_with_others_sha
     assert first.name == again.name and first.key != again.key
     cached_before = engine.stats().prefix_hits_device_tokens
     assert engine.generate([prompt], lora=again, max_tokens=MAX_TOKENS) == [
-        hf_lora_greedy(llama_dir, str(tmp_path / "one"), prompt, MAX_TOKENS)]  # the second files' weights
+        hf_lora_greedy(llama_dir, str(tmp_path / "one"), prompt, MAX_TOKENS)
+    ]  # the second files' weights
     pages = engine.scheduler.kv_cache.adapters
     assert set(pages.on_device) == {first.key, again.key} and pages.loads == 2
     assert engine.stats().prefix_hits_device_tokens == cached_before  # nothing the first computed is found
     with pytest.raises(LoraError, match="files changed since it was loaded"):  # the worker checks them again
-        engine.runner.adapters.load(LoraLoad(first.name, first.path, list(range(40, 40 + pages.pages_for(first))),
-                                             first.key))
+        engine.runner.adapters.load(
+            LoraLoad(first.name, first.path, list(range(40, 40 + pages.pages_for(first))), first.key)
+        )
 
 
 def test_idle_adapters_keep_their_pages_while_the_pool_has_room(llama_dir, adapters):
@@ -290,28 +322,52 @@ def test_a_server_serves_adapters_by_name_and_loads_and_unloads_them_at_run_time
     roots = tmp_path / "allowed"
     roots.mkdir()
     later = make_lora_adapter(llama_dir, str(roots / "later"), rank=4, seed=7, targets=("k_proj", "up_proj"))
-    flags = ["--block-size", "4", "--enable-lora", "--max-loras", "2", "--lora-modules",
-             f"tuned={adapters['all-rank8']}", json.dumps({"name": "attn", "path": adapters["attention-rank4"]}),
-             "--allow-runtime-lora-updating", "--lora-roots", str(roots), "--api-key", key]
+    flags = [
+        "--block-size",
+        "4",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--lora-modules",
+        f"tuned={adapters['all-rank8']}",
+        json.dumps({"name": "attn", "path": adapters["attention-rank4"]}),
+        "--allow-runtime-lora-updating",
+        "--lora-roots",
+        str(roots),
+        "--api-key",
+        key,
+    ]
     headers = {"Authorization": f"Bearer {key}"}
     with serve(llama_dir, str(tmp_path), *flags) as server:
+
         def post(route, body, auth=True):
             return httpx.post(f"{server.base_url}{route}", json=body, headers=headers if auth else {}, timeout=60)
 
         def complete(model, prompt):
-            response = post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                "temperature": 0, "return_token_ids": True})
+            response = post(
+                "/v1/completions",
+                {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                },
+            )
             assert response.status_code == 200, response.text
-            assert response.json()["model"] == model  # the response names the adapter, as vLLM's does
+            assert response.json()["model"] == (model or server.model)  # the adapter, as vLLM names it
             return response.json()["choices"][0]["token_ids"]
 
         models = httpx.get(f"{server.base_url}/v1/models", headers=headers, timeout=10).json()["data"]
-        assert [(m["id"], m.get("parent")) for m in models] == [(server.model, None), ("tuned", server.model),
-                                                                ("attn", server.model)]
-        assert complete("tuned", PROMPTS[0]) == hf_lora_greedy(llama_dir, adapters["all-rank8"], PROMPTS[0],
-                                                                MAX_TOKENS)
-        assert complete("attn", PROMPTS[1]) == hf_lora_greedy(llama_dir, adapters["attention-rank4"], PROMPTS[1],
-                                                               MAX_TOKENS)
+        assert [(m["id"], m.get("parent")) for m in models] == [
+            (server.model, None),
+            ("tuned", server.model),
+            ("attn", server.model),
+        ]
+        assert complete("tuned", PROMPTS[0]) == hf_lora_greedy(llama_dir, adapters["all-rank8"], PROMPTS[0], MAX_TOKENS)
+        assert complete("attn", PROMPTS[1]) == hf_lora_greedy(
+            llama_dir, adapters["attention-rank4"], PROMPTS[1], MAX_TOKENS
+        )
         assert complete(server.model, PROMPTS[0]) == hf_greedy(llama_dir, PROMPTS[0], MAX_TOKENS)
         card = httpx.get(f"{server.base_url}/v1/models/tuned", headers=headers, timeout=10).json()
         assert card["id"] == "tuned" and card["parent"] == server.model
@@ -335,8 +391,7 @@ def test_a_server_serves_adapters_by_name_and_loads_and_unloads_them_at_run_time
         assert post("/v1/unload_lora_adapter", {"lora_name": "later"}).status_code == 200
         assert post("/v1/completions", {"model": "later", "prompt": "hi", "max_tokens": 2}).status_code == 404
         assert post("/v1/unload_lora_adapter", {"lora_name": "later"}).status_code == 404
-        assert complete("tuned", PROMPTS[0]) == hf_lora_greedy(llama_dir, adapters["all-rank8"], PROMPTS[0],
-                                                                MAX_TOKENS)
+        assert complete("tuned", PROMPTS[0]) == hf_lora_greedy(llama_dir, adapters["all-rank8"], PROMPTS[0], MAX_TOKENS)
         metrics = server.metrics("scheduler")
         assert metrics['pagedserve_lora_requests_total{adapter="tuned"}'] == 2
         assert metrics['pagedserve_lora_requests_total{adapter="base"}'] == 1
@@ -347,16 +402,31 @@ def test_a_server_serves_adapters_by_name_and_loads_and_unloads_them_at_run_time
 
 @pytest.mark.slow
 def test_a_tenant_sees_uses_and_unloads_only_its_own_adapters_and_the_shared_ones_need_the_admin(
-        llama_dir, adapters, tmp_path):
+    llama_dir, adapters, tmp_path
+):
     roots = tmp_path / "allowed"
     roots.mkdir()
     ones = make_lora_adapter(llama_dir, str(roots / "a-mine"), rank=4, seed=21, targets=("q_proj", "v_proj"))
     others = make_lora_adapter(llama_dir, str(roots / "b-mine"), rank=8, seed=22, targets=("o_proj", "up_proj"))
     (tmp_path / "admin").write_text("the-admin-key\n")
-    flags = ["--block-size", "4", "--enable-lora", "--max-loras", "3",
-             "--lora-modules", f"tuned={adapters['all-rank8']}", "--allow-runtime-lora-updating", "--lora-roots", str(roots), "--api-key", "key-a,key-b",
-             "--admin-api-key-file", str(tmp_path / "admin")]
+    flags = [
+        "--block-size",
+        "4",
+        "--enable-lora",
+        "--max-loras",
+        "3",
+        "--lora-modules",
+        f"tuned={adapters['all-rank8']}",
+        "--allow-runtime-lora-updating",
+        "--lora-roots",
+        str(roots),
+        "--api-key",
+        "key-a,key-b",
+        "--admin-api-key-file",
+        str(tmp_path / "admin"),
+    ]
     with serve(llama_dir, str(tmp_path), *flags) as server:
+
         def call(key, route, body=None):
             headers = {"Authorization": f"Bearer {key}"}
             if body is None:
@@ -364,8 +434,17 @@ def test_a_tenant_sees_uses_and_unloads_only_its_own_adapters_and_the_shared_one
             return httpx.post(f"{server.base_url}{route}", json=body, headers=headers, timeout=60)
 
         def complete(key, model):
-            return call(key, "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
-                                                 "temperature": 0, "return_token_ids": True})
+            return call(
+                key,
+                "/v1/completions",
+                {
+                    "model": model,
+                    "prompt": PROMPTS[0],
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                },
+            )
 
         def models(key):
             return sorted(m["id"] for m in call(key, "/v1/models").json()["data"])
@@ -376,8 +455,10 @@ def test_a_tenant_sees_uses_and_unloads_only_its_own_adapters_and_the_shared_one
         assert call("key-b", "/v1/unload_lora_adapter", {"lora_name": "mine"}).status_code == 404
         assert call("key-b", "/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": others}).status_code == 200
         tokens = {key: complete(key, "mine").json()["choices"][0]["token_ids"] for key in ("key-a", "key-b")}
-        assert tokens == {"key-a": hf_lora_greedy(llama_dir, ones, PROMPTS[0], MAX_TOKENS),
-                          "key-b": hf_lora_greedy(llama_dir, others, PROMPTS[0], MAX_TOKENS)}
+        assert tokens == {
+            "key-a": hf_lora_greedy(llama_dir, ones, PROMPTS[0], MAX_TOKENS),
+            "key-b": hf_lora_greedy(llama_dir, others, PROMPTS[0], MAX_TOKENS),
+        }
         assert call("key-b", "/v1/unload_lora_adapter", {"lora_name": "mine"}).status_code == 200
         assert complete("key-a", "mine").json()["choices"][0]["token_ids"] == tokens["key-a"]
         refused = call("key-a", "/v1/unload_lora_adapter", {"lora_name": "tuned"})
@@ -396,16 +477,18 @@ def test_an_adapter_whose_files_went_away_fails_its_request_alone_and_another_st
     with serve(llama_dir, str(tmp_path), *flags) as server:
         base = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
         expected = httpx.post(f"{server.base_url}/v1/completions", json=base, timeout=120).json()["choices"][0]["text"]
-        loaded = httpx.post(f"{server.base_url}/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": gone},
-                            timeout=60)
+        loaded = httpx.post(
+            f"{server.base_url}/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": gone}, timeout=60
+        )
         assert loaded.status_code == 200, loaded.text
         for name in os.listdir(gone):  # checked when loaded, gone when the worker reads it
             os.unlink(os.path.join(gone, name))
         streamed: list[str] = []
 
         def stream() -> None:
-            with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**base, "stream": True},
-                              timeout=120) as response:
+            with httpx.stream(
+                "POST", f"{server.base_url}/v1/completions", json={**base, "stream": True}, timeout=120
+            ) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: {"):
                         streamed.append(json.loads(line.removeprefix("data: "))["choices"][0]["text"])
@@ -413,8 +496,11 @@ def test_an_adapter_whose_files_went_away_fails_its_request_alone_and_another_st
         with ThreadPoolExecutor(1) as pool:
             streaming = pool.submit(stream)
             assert wait_until(lambda: len(streamed) >= 5, 60)
-            failed = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
-                                json={"model": "gone", "prompt": PROMPTS[1], "max_tokens": 4})
+            failed = httpx.post(
+                f"{server.base_url}/v1/completions",
+                timeout=60,
+                json={"model": "gone", "prompt": PROMPTS[1], "max_tokens": 4},
+            )
             streaming.result(120)
         assert failed.status_code == 400 and "could not be loaded" in failed.json()["error"]["message"], failed.text
         assert "".join(streamed) == expected  # computed again where the failed step left it: the same text
@@ -424,15 +510,18 @@ def test_an_adapter_whose_files_went_away_fails_its_request_alone_and_another_st
 
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 # Triton's kernel reads every adapter through its page table, consecutive pages being no special case for it.
-@pytest.mark.parametrize("kernel, scattered", [("c", False), ("c", True), ("triton", True)],
-                         ids=["compiled", "compiled-scattered", "triton-scattered"])
+@pytest.mark.parametrize(
+    "kernel, scattered",
+    [("c", False), ("c", True), ("triton", True)],
+    ids=["compiled", "compiled-scattered", "triton-scattered"],
+)
 def test_each_kernel_adds_what_torchs_products_add(llama_dir, adapters, weights, kernel, scattered):
     """The compiled kernel (a CPU's) and the Triton one (CUDA's, run here by Triton's interpreter) against
     torch's products, with each adapter's pages consecutive or with no two consecutive (the compiled kernel
     and torch then read a gathered copy, the Triton kernel the pages where they are)."""
-    from services.worker import lora as worker_lora
+    from services.worker import lora_kernels
 
-    if kernel == "c" and worker_lora.lora_kernel() is None:
+    if kernel == "c" and lora_kernels.lora_kernel() is None:
         pytest.skip("no C compiler here")
     engine = Engine(llama_dir, block_size=4, max_loras=3)
     runner, pages = engine.runner.adapters, engine.scheduler.kv_cache.adapters
@@ -448,7 +537,7 @@ def test_each_kernel_adds_what_torchs_products_add(llama_dir, adapters, weights,
         runner.load(load)
         segments.append((load.key, [3 * i + j for j in range(i + 1)]))  # 1, 2 and 3 rows
     torch.manual_seed(0)
-    for group in worker_lora.GROUPS:
+    for group in lora_kernels.GROUPS:
         x = torch.randn(9, runner.dims[group[0]][0])
         base = torch.randn(9, sum(runner.dims[p][1] for p in group))
         in_kernel, in_torch = base.clone(), base.clone()
@@ -468,23 +557,41 @@ def test_each_kernel_adds_what_torchs_products_add(llama_dir, adapters, weights,
 def test_tensor_parallel_ranks_apply_their_shard_of_each_adapter(llama_dir, adapters, tmp_path):
     """Column-parallel projections take their rows of B, row-parallel ones their columns of A, added before
     the ranks' partial sums are reduced; two adapters and the base model in the same steps."""
-    flags = ["--tensor-parallel-size", "2", "--block-size", "4", "--enable-lora", "--max-loras", "2",
-             "--lora-modules", f"tuned={adapters['all-rank8']}", f"attn={adapters['attention-rank4']}"]
+    flags = [
+        "--tensor-parallel-size",
+        "2",
+        "--block-size",
+        "4",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--lora-modules",
+        f"tuned={adapters['all-rank8']}",
+        f"attn={adapters['attention-rank4']}",
+    ]
     models = ["tuned", "attn", None] * 2
     with serve(llama_dir, str(tmp_path), *flags) as server:
+
         def complete(model, prompt):
-            body = {"model": model or server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "return_token_ids": True}
+            body = {
+                "model": model or server.model,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
             response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
             assert response.status_code == 200, response.text
-            assert response.json()["model"] == model  # the response names the adapter, as vLLM's does
+            assert response.json()["model"] == (model or server.model)  # the adapter, as vLLM names it
             return response.json()["choices"][0]["token_ids"]
 
         with ThreadPoolExecutor(6) as pool:  # at once: mixed steps
             got = list(pool.map(complete, models, PROMPTS * 2))
     paths = {"tuned": adapters["all-rank8"], "attn": adapters["attention-rank4"]}
-    assert got == [hf_lora_greedy(llama_dir, paths[m], p, MAX_TOKENS) if m else hf_greedy(llama_dir, p, MAX_TOKENS)
-                   for m, p in zip(models, PROMPTS * 2)]
+    assert got == [
+        hf_lora_greedy(llama_dir, paths[m], p, MAX_TOKENS) if m else hf_greedy(llama_dir, p, MAX_TOKENS)
+        for m, p in zip(models, PROMPTS * 2)
+    ]
 
 
 def test_routing_and_cache_keys_differ_by_adapter():

@@ -5,14 +5,7 @@ import pytest
 from tests.engine_harness import Engine
 from tests.tiny_models import hf_greedy
 
-PROMPTS = [
-    [5, 9, 13, 200, 17],
-    [7] * 23,
-    list(range(20, 57)),
-    [400, 3],
-    list(range(100, 140, 3)),
-    [11, 12] * 9,
-]
+PROMPTS = [[5, 9, 13, 200, 17], [7] * 23, list(range(20, 57)), [400, 3], list(range(100, 140, 3)), [11, 12] * 9]
 NEW_TOKENS = 12
 
 
@@ -53,8 +46,14 @@ def test_a_full_swap_space_falls_back_to_recompute(llama_dir, expected):
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("chunked_prefill", [False, True])
 def test_greedy_output_with_prefix_caching_and_chunked_prefill(llama_dir, expected, prefix_caching, chunked_prefill):
-    engine = Engine(llama_dir, block_size=4, num_gpu_blocks=512, prefix_caching=prefix_caching,
-                    chunked_prefill=chunked_prefill, max_num_batched_tokens=16 if chunked_prefill else 512)
+    engine = Engine(
+        llama_dir,
+        block_size=4,
+        num_gpu_blocks=512,
+        prefix_caching=prefix_caching,
+        chunked_prefill=chunked_prefill,
+        max_num_batched_tokens=16 if chunked_prefill else 512,
+    )
     assert greedy(engine) == expected
     assert greedy(engine) == expected  # a second round finds the first round's blocks cached
     if prefix_caching:

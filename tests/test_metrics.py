@@ -25,8 +25,10 @@ def burst_server(llama_dir, tmp_path_factory):
 
 def test_block_gauges_return_to_idle_after_a_burst_with_preemptions(burst_server):
     metrics = burst_server.metrics("scheduler")
-    device = {state: metrics[f'pagedserve_kv_blocks{{device="cpu",pool="device",state="{state}"}}']
-              for state in ("used", "cached", "free")}
+    device = {
+        state: metrics[f'pagedserve_kv_blocks{{device="cpu",pool="device",state="{state}"}}']
+        for state in ("used", "cached", "free")
+    }
     assert device["used"] == 0 and device["cached"] > 0  # the prefix stays cached, evictable
     assert (
         device["cached"] + device["free"] == metrics['pagedserve_kv_blocks_capacity{device="cpu",pool="device"}'] == 40

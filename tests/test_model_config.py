@@ -14,14 +14,44 @@ from services.worker.model_config import DEFAULTS, light_config, read_config
 from tests.conftest import ROOT
 from tests.tiny_models import CONFIGS, build_model
 
-USED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "max_position_embeddings",
-        "intermediate_size", "ffn_dim", "n_inner", "num_key_value_heads", "head_dim", "rms_norm_eps",
-        "layer_norm_epsilon", "hidden_act", "activation_function", "attention_bias", "mlp_bias", "enable_bias",
-        "layer_norm_elementwise_affine", "word_embed_proj_dim", "do_layer_norm_before", "_remove_final_layer_norm",
-        "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "tie_word_embeddings", "initializer_range",
-        "init_std", "eos_token_id", "architectures")
-MINIMAL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512,
-           "intermediate_size": 128, "ffn_dim": 128}
+USED = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "max_position_embeddings",
+    "intermediate_size",
+    "ffn_dim",
+    "n_inner",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "layer_norm_epsilon",
+    "hidden_act",
+    "activation_function",
+    "attention_bias",
+    "mlp_bias",
+    "enable_bias",
+    "layer_norm_elementwise_affine",
+    "word_embed_proj_dim",
+    "do_layer_norm_before",
+    "_remove_final_layer_norm",
+    "scale_attn_weights",
+    "scale_attn_by_inverse_layer_idx",
+    "tie_word_embeddings",
+    "initializer_range",
+    "init_std",
+    "eos_token_id",
+    "architectures",
+)
+MINIMAL = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 512,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+}
 
 
 def rope_theta(config) -> float:

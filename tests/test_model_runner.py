@@ -8,7 +8,8 @@ import torch
 
 from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
-from services.worker.model_runner import ModelRunner, StepError
+from services.worker.mirrors import StepError
+from services.worker.model_runner import ModelRunner
 from shared.protocol import DEVICE, HOST, BlockTransfer, NewSequence, ScheduledSequence, Step
 from shared.sampling import SamplingParams
 from tests.tiny_models import hf_greedy
@@ -18,8 +19,9 @@ PROMPTS = [[5, 9, 13], [7] * 11, list(range(20, 37)), [400, 3]]
 
 def greedy_through_runner(model_dir, block_size, num_new_tokens, shuffle_seed=0):
     model, config = load_model(model_dir, "float32", torch.device("cpu"))
-    cache = KVCache(config.num_hidden_layers, 64, block_size, model.num_kv_heads, model.head_dim,
-                    torch.float32, torch.device("cpu"))
+    cache = KVCache(
+        config.num_hidden_layers, 64, block_size, model.num_kv_heads, model.head_dim, torch.float32, torch.device("cpu")
+    )
     runner = ModelRunner(model, cache, torch.device("cpu"), seed=0)
     free = list(range(64))
     random.Random(shuffle_seed).shuffle(free)  # block tables far from contiguous
@@ -71,9 +73,14 @@ def test_a_steps_block_transfers_move_whole_blocks_in_every_layer_in_list_order(
     cache = KVCache(3, 8, 4, 2, 16, torch.float32, torch.device("cpu"), num_cpu_blocks=4)
     cache.cache.copy_(torch.randn(cache.cache.shape))
     original = cache.cache.clone()
-    cache.transfer([BlockTransfer(DEVICE, 1, DEVICE, 5),  # copy-on-write
-                    BlockTransfer(DEVICE, 2, HOST, 0), BlockTransfer(DEVICE, 3, HOST, 3),  # a swap-out...
-                    BlockTransfer(DEVICE, 4, DEVICE, 2)])  # ...before its device block is written again
+    cache.transfer(
+        [
+            BlockTransfer(DEVICE, 1, DEVICE, 5),  # copy-on-write
+            BlockTransfer(DEVICE, 2, HOST, 0),
+            BlockTransfer(DEVICE, 3, HOST, 3),  # a swap-out...
+            BlockTransfer(DEVICE, 4, DEVICE, 2),
+        ]
+    )  # ...before its device block is written again
     cache.finish_swaps()
     assert torch.equal(cache.cache[:, :, 5], original[:, :, 1])
     assert torch.equal(cache.cache[:, :, 2], original[:, :, 4])
@@ -83,11 +90,17 @@ def test_a_steps_block_transfers_move_whole_blocks_in_every_layer_in_list_order(
     assert torch.equal(cache.cache[:, :, 7], original[:, :, 3])
 
 
-@pytest.mark.parametrize("transfer", [BlockTransfer(HOST, 0, HOST, 1), BlockTransfer(DEVICE, 8, HOST, 0),
-                                      BlockTransfer(DEVICE, 0, HOST, 4), BlockTransfer(2, 0, DEVICE, 0),
-                                      BlockTransfer(DEVICE, -1, DEVICE, 0)],
-                         ids=["host-to-host", "device-block-past-the-pool", "host-block-past-the-pool",
-                              "unknown-tier", "negative-block"])
+@pytest.mark.parametrize(
+    "transfer",
+    [
+        BlockTransfer(HOST, 0, HOST, 1),
+        BlockTransfer(DEVICE, 8, HOST, 0),
+        BlockTransfer(DEVICE, 0, HOST, 4),
+        BlockTransfer(2, 0, DEVICE, 0),
+        BlockTransfer(DEVICE, -1, DEVICE, 0),
+    ],
+    ids=["host-to-host", "device-block-past-the-pool", "host-block-past-the-pool", "unknown-tier", "negative-block"],
+)
 def test_a_transfer_the_worker_cannot_carry_out_fails_the_step_before_any_block_moves(transfer):
     cache = KVCache(1, 8, 4, 2, 16, torch.float32, torch.device("cpu"), num_cpu_blocks=4)
     cache.cache.copy_(torch.randn(cache.cache.shape))
@@ -101,16 +114,21 @@ def test_a_transfer_the_worker_cannot_carry_out_fails_the_step_before_any_block_
 
 def test_the_worker_refuses_a_bad_sequence_alone_and_serves_the_rest(llama_dir):
     model, config = load_model(llama_dir, "float32", torch.device("cpu"))
-    cache = KVCache(config.num_hidden_layers, 16, 4, model.num_kv_heads, model.head_dim, torch.float32,
-                    torch.device("cpu"))
+    cache = KVCache(
+        config.num_hidden_layers, 16, 4, model.num_kv_heads, model.head_dim, torch.float32, torch.device("cpu")
+    )
     runner = ModelRunner(model, cache, torch.device("cpu"), seed=0)
     greedy = SamplingParams(temperature=0)
-    news = [NewSequence(0, [5, 9, 13], 3, greedy, 0),
-            NewSequence(1, [5, config.vocab_size], 2, greedy, 0),  # a token id past the vocabulary
-            NewSequence(2, [5, 9], 2, greedy, 0)]
-    entries = [ScheduledSequence(0, 0, 3, [], 0, [0]),
-               ScheduledSequence(1, 0, 2, [], 0, [1]),
-               ScheduledSequence(2, 0, 2, [], 0, [-1])]  # a block id that would wrap around
+    news = [
+        NewSequence(0, [5, 9, 13], 3, greedy, 0),
+        NewSequence(1, [5, config.vocab_size], 2, greedy, 0),  # a token id past the vocabulary
+        NewSequence(2, [5, 9], 2, greedy, 0),
+    ]
+    entries = [
+        ScheduledSequence(0, 0, 3, [], 0, [0]),
+        ScheduledSequence(1, 0, 2, [], 0, [1]),
+        ScheduledSequence(2, 0, 2, [], 0, [-1]),
+    ]  # a block id that would wrap around
     result = runner.execute(Step(0, [], [], [], news, entries))
     assert result.error is None
     assert set(result.failures) == {1, 2} and "vocabulary" in result.failures[1] and "block" in result.failures[2]
@@ -122,13 +140,20 @@ def test_the_worker_follows_the_schedulers_word_on_keeping_samples_and_leaves_it
     """docs/design/checks.md: whether the worker appends what it samples is decided by the scheduler and
     sent; a step the worker received is never edited, even where it resolves an entry's start itself."""
     model, config = load_model(llama_dir, "float32", torch.device("cpu"))
-    cache = KVCache(config.num_hidden_layers, 16, 4, model.num_kv_heads, model.head_dim, torch.float32,
-                    torch.device("cpu"))
+    cache = KVCache(
+        config.num_hidden_layers, 16, 4, model.num_kv_heads, model.head_dim, torch.float32, torch.device("cpu")
+    )
     runner = ModelRunner(model, cache, torch.device("cpu"), seed=0)
     greedy = SamplingParams(temperature=0)
     news = [NewSequence(0, [5, 9, 13], 3, greedy, 0), NewSequence(1, [5, 9, 13], 3, greedy, 0)]
-    first = Step(0, [], [], [], news, [ScheduledSequence(0, 0, 3, [], 0, [0]),
-                                       ScheduledSequence(1, 0, 3, [], 0, [1], worker_keeps_samples=False)])
+    first = Step(
+        0,
+        [],
+        [],
+        [],
+        news,
+        [ScheduledSequence(0, 0, 3, [], 0, [0]), ScheduledSequence(1, 0, 3, [], 0, [1], worker_keeps_samples=False)],
+    )
     result = runner.execute(first)
     assert [len(runner.mirrors[s].token_ids) for s in (0, 1)] == [4, 3]  # kept where told, not elsewhere
     token = result.sampled[1].token_ids[0]

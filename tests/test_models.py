@@ -90,15 +90,18 @@ def test_dtype_flag_sets_the_weights_dtype(family_dirs, dtype):
 def counted_in_a_fresh_process() -> dict[str, tuple[int, float]]:
     """Each shipped config's parameter count, and how far the count raised the peak resident size
     (MiB), in a process of their own: this one's peak has been raised by earlier tests."""
-    probe = ("import json, os, resource, sys; from services.worker.loader import count_parameters\n"
-             "counted = {}\n"
-             "for name in sorted(os.listdir(sys.argv[1])):\n"
-             "    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-             "    count = count_parameters(os.path.join(sys.argv[1], name))\n"
-             "    counted[name] = (count, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)\n"
-             "print(json.dumps(counted))")
-    done = subprocess.run([sys.executable, "-c", probe, CONFIG_DIR], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    probe = (
+        "import json, os, resource, sys; from services.worker.loader import count_parameters\n"
+        "counted = {}\n"
+        "for name in sorted(os.listdir(sys.argv[1])):\n"
+        "    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "    count = count_parameters(os.path.join(sys.argv[1], name))\n"
+        "    counted[name] = (count, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)\n"
+        "print(json.dumps(counted))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, CONFIG_DIR], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return {name: tuple(value) for name, value in json.loads(done.stdout).items()}
 

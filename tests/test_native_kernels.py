@@ -156,10 +156,17 @@ def test_calls_from_two_threads_at_once_each_get_their_own_answer():
 def test_native_loads_with_the_standard_library_alone_as_setup_py_loads_it():
     """setup.py builds the wheel's prebuilt kernels from kernels/native.py, loaded as a file of its own
     without torch or the package (so does the Docker image's build stage)."""
-    probe = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('native', sys.argv[1]); "
-             "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
-             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels')))")
-    done = subprocess.run([sys.executable, "-I", "-c", probe, str(Path(native.__file__))], capture_output=True,
-                          text=True, cwd="/", timeout=60)
+    probe = (
+        "import importlib.util, sys; spec = importlib.util.spec_from_file_location('native', sys.argv[1]); "
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", probe, str(Path(native.__file__))],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

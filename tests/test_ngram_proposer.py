@@ -18,8 +18,8 @@ def reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
             continue
         suffix = tokens[-n:]
         for start in range(0, len(tokens) - n):  # earlier occurrences only, the earliest first
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
     return []
 
 
@@ -69,8 +69,13 @@ def test_the_index_follows_the_sequence_as_it_grows():
 
 
 @settings(max_examples=300, deadline=None)
-@given(prompt=st.lists(st.integers(0, 4), min_size=1, max_size=40), output=st.lists(st.integers(0, 4), max_size=30),
-       split=st.integers(0, 30), bounds=st.tuples(st.integers(1, 4), st.integers(0, 3)), k=st.integers(1, 6))
+@given(
+    prompt=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    output=st.lists(st.integers(0, 4), max_size=30),
+    split=st.integers(0, 30),
+    bounds=st.tuples(st.integers(1, 4), st.integers(0, 3)),
+    k=st.integers(1, 6),
+)
 def test_it_agrees_with_the_plain_rule_at_every_length(prompt, output, split, bounds, k):
     min_n, max_n = bounds[0], bounds[0] + bounds[1]
     proposer = NgramProposer(min_n, max_n)
@@ -81,10 +86,15 @@ def test_it_agrees_with_the_plain_rule_at_every_length(prompt, output, split, bo
 
 
 def test_the_speculative_config_takes_vllms_json_and_names_what_is_wrong():
-    parsed = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                                     '"prompt_lookup_min": 2}')
-    assert (parsed.method, parsed.num_speculative_tokens, parsed.prompt_lookup_min, parsed.prompt_lookup_max) == \
-        ("ngram", 4, 2, 4)
+    parsed = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    )
+    assert (parsed.method, parsed.num_speculative_tokens, parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (
+        "ngram",
+        4,
+        2,
+        4,
+    )
     assert SpeculativeConfig.parse(parsed.to_json()) == parsed
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').prompt_lookup_min == 5
     assert (

@@ -25,8 +25,10 @@ def test_models_and_health(llama_server, client):
 
 
 def test_a_request_without_model_is_served_by_the_one_model(llama_server):
-    for path, body in (("completions", {"prompt": "import os"}),
-                       ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+    for path, body in (
+        ("completions", {"prompt": "import os"}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
         response = httpx.post(f"{llama_server.base_url}/v1/{path}", json={**body, "max_tokens": 3}, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["model"] == llama_server.model
@@ -48,7 +50,9 @@ def test_streamed_chat_equals_the_whole_one(llama_server, client):
     args = dict(
         model=llama_server.model,
         messages=[{"role": "user", "content": "Write a loop."}],
-        max_tokens=12, temperature=0.7, seed=99,
+        max_tokens=12,
+        temperature=0.7,
+        seed=99,
     )
     whole = client.chat.completions.create(**args)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
@@ -61,10 +65,18 @@ def test_streamed_chat_equals_the_whole_one(llama_server, client):
 
 def test_a_seeded_request_is_the_same_alone_and_in_a_busy_batch(llama_server, client):
     def seeded():
-        return client.completions.create(
-            model=llama_server.model, prompt="import sys\n", max_tokens=24, temperature=1.0, seed=7,
-            extra_body={"return_token_ids": True},
-        ).choices[0].token_ids
+        return (
+            client.completions.create(
+                model=llama_server.model,
+                prompt="import sys\n",
+                max_tokens=24,
+                temperature=1.0,
+                seed=7,
+                extra_body={"return_token_ids": True},
+            )
+            .choices[0]
+            .token_ids
+        )
 
     def noise(i):
         return client.completions.create(
@@ -78,10 +90,18 @@ def test_a_seeded_request_is_the_same_alone_and_in_a_busy_batch(llama_server, cl
         in_batch = busy.result()
         [f.result() for f in others]
     assert in_batch == alone
-    another_seed = client.completions.create(
-        model=llama_server.model, prompt="import sys\n", max_tokens=24, temperature=1.0, seed=8,
-        extra_body={"return_token_ids": True},
-    ).choices[0].token_ids
+    another_seed = (
+        client.completions.create(
+            model=llama_server.model,
+            prompt="import sys\n",
+            max_tokens=24,
+            temperature=1.0,
+            seed=8,
+            extra_body={"return_token_ids": True},
+        )
+        .choices[0]
+        .token_ids
+    )
     assert another_seed != alone
 
 
@@ -98,8 +118,14 @@ def test_stop_strings_end_the_text_before_the_stop(llama_server, client):
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(llama_server):
     before = llama_server.metrics()
-    body = {"model": llama_server.model, "prompt": "import os", "max_tokens": 480,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": llama_server.model,
+        "prompt": "import os",
+        "max_tokens": 480,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{llama_server.base_url}/v1/completions", json=body, timeout=60) as response:
         events = response.iter_lines()
         received = [line for line, _ in zip(events, range(6)) if line.startswith("data:")]
@@ -134,8 +160,13 @@ BAD_REQUESTS = [
     ("body not an object", "/v1/completions", [1, 2], 400, None),
     ("no messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("message of wrong type", "/v1/chat/completions", {"messages": ["hi"]}, 400, "messages[0]"),
-    ("empty chat prompt budget", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    (
+        "empty chat prompt budget",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+        400,
+        "max_tokens",
+    ),
 ]
 
 
@@ -147,14 +178,18 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(llama_serve
         content = json.dumps(body).encode()
     else:
         content = body
-    response = httpx.post(f"{llama_server.base_url}{path}", content=content,
-                          headers={"content-type": "application/json"}, timeout=30)
+    response = httpx.post(
+        f"{llama_server.base_url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30
+    )
     assert response.status_code == status
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
-    good = httpx.post(f"{llama_server.base_url}/v1/completions", timeout=30,
-                      json={"model": llama_server.model, "prompt": "ok", "max_tokens": 2})
+    good = httpx.post(
+        f"{llama_server.base_url}/v1/completions",
+        timeout=30,
+        json={"model": llama_server.model, "prompt": "ok", "max_tokens": 2},
+    )
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
 
 
@@ -166,10 +201,14 @@ def test_latency_histograms_count_every_request_and_requests_are_counted_by_fini
         with httpx.stream("POST", f"{llama_server.base_url}/v1/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
             response.read()
-    full = httpx.post(f"{llama_server.base_url}/v1/completions", timeout=60,
-                      json={**base, "max_tokens": 12, "ignore_eos": True}).json()["choices"][0]["text"]
-    stopped = httpx.post(f"{llama_server.base_url}/v1/completions", timeout=60,
-                         json={**base, "max_tokens": 12, "ignore_eos": True, "stop": [full[4:7]]}).json()
+    full = httpx.post(
+        f"{llama_server.base_url}/v1/completions", timeout=60, json={**base, "max_tokens": 12, "ignore_eos": True}
+    ).json()["choices"][0]["text"]
+    stopped = httpx.post(
+        f"{llama_server.base_url}/v1/completions",
+        timeout=60,
+        json={**base, "max_tokens": 12, "ignore_eos": True, "stop": [full[4:7]]},
+    ).json()
     assert stopped["choices"][0]["finish_reason"] == "stop"
     after = llama_server.metrics()
 
@@ -192,11 +231,10 @@ def test_the_log_has_a_line_per_request_and_a_periodic_line_while_serving(llama_
     assert wait_until(llama_server.is_idle, 30)
     periodic_before = len(lines("pagedserve.stats"))
     access_before = lines("pagedserve.access", "generated 37")  # another test's aborted stream may have said so
-    body = {"model": llama_server.model, "prompt": "import os", "max_tokens": 37, "ignore_eos": True,
-            "temperature": 0}
+    body = {"model": llama_server.model, "prompt": "import os", "max_tokens": 37, "ignore_eos": True, "temperature": 0}
     assert httpx.post(f"{llama_server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
     assert wait_until(lambda: len(lines("pagedserve.access", "generated 37")) > len(access_before), 10)
-    access = lines("pagedserve.access", "generated 37")[len(access_before):]
+    access = lines("pagedserve.access", "generated 37")[len(access_before) :]
     assert len(access) == 1 and "completions: length; prompt" in access[0]
     assert wait_until(lambda: len(lines("pagedserve.stats")) > periodic_before, 10)
     periodic = lines("pagedserve.stats")[periodic_before:]

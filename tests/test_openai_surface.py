@@ -23,8 +23,7 @@ def post(server, path: str, body: dict) -> httpx.Response:
 
 
 def greedy(server, prompt, max_tokens: int = 12, **fields) -> dict:
-    response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                                **fields})
+    response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields})
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -40,15 +39,20 @@ def test_a_list_of_prompts_gets_n_choices_per_prompt_indexed_prompt_by_prompt(ll
     assert batched["usage"]["completion_tokens"] == 2 * sum(s["usage"]["completion_tokens"] for s in singles)
     token_lists = [[5, 6, 7], [9, 10]]
     by_ids = greedy(llama_server, token_lists)
-    assert [c["text"] for c in by_ids["choices"]] == [greedy(llama_server, t)["choices"][0]["text"]
-                                                      for t in token_lists]
+    assert [c["text"] for c in by_ids["choices"]] == [
+        greedy(llama_server, t)["choices"][0]["text"] for t in token_lists
+    ]
 
 
 def test_a_streamed_batch_carries_every_choice_under_its_index(llama_server):
     prompts = ["The cat", "1, 2, 3,"]
     texts = {}
-    with httpx.stream("POST", f"{llama_server.base_url}/v1/completions", timeout=60, json={
-            "model": llama_server.model, "prompt": prompts, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{llama_server.base_url}/v1/completions",
+        timeout=60,
+        json={"model": llama_server.model, "prompt": prompts, "max_tokens": 8, "temperature": 0, "stream": True},
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 for choice in json.loads(line[6:])["choices"]:
@@ -63,7 +67,7 @@ def test_the_stop_string_can_be_kept_and_the_stop_reason_names_what_stopped(llam
     kept = greedy(llama_server, "Once upon a time", 24, stop=[stop], include_stop_str_in_output=True)["choices"][0]
     first = full["text"].find(stop)
     assert cut["text"] == full["text"][:first] and cut["stop_reason"] == stop and cut["finish_reason"] == "stop"
-    assert kept["text"] == full["text"][:first + len(stop)] and kept["stop_reason"] == stop
+    assert kept["text"] == full["text"][: first + len(stop)] and kept["stop_reason"] == stop
     assert full["stop_reason"] is None and full["finish_reason"] == "length"
     token = greedy(llama_server, "Once upon a time", 24, return_token_ids=True)["choices"][0]["token_ids"][4]
     by_token = greedy(llama_server, "Once upon a time", 24, stop_token_ids=[token])["choices"][0]
@@ -72,9 +76,19 @@ def test_the_stop_string_can_be_kept_and_the_stop_reason_names_what_stopped(llam
 
 def test_continuous_usage_stats_put_the_running_usage_in_every_chunk(llama_server):
     usages = []
-    with httpx.stream("POST", f"{llama_server.base_url}/v1/completions", timeout=60, json={
-            "model": llama_server.model, "prompt": "The cat", "max_tokens": 6, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as response:
+    with httpx.stream(
+        "POST",
+        f"{llama_server.base_url}/v1/completions",
+        timeout=60,
+        json={
+            "model": llama_server.model,
+            "prompt": "The cat",
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 usages.append(json.loads(line[6:])["usage"])
@@ -85,16 +99,26 @@ def test_continuous_usage_stats_put_the_running_usage_in_every_chunk(llama_serve
 CHAT_BODY = {"messages": [{"role": "user", "content": "Hi"}]}
 
 
-@pytest.mark.parametrize("endpoint, body", [("/v1/completions", {"prompt": "The cat"}),
-                                            ("/v1/chat/completions", CHAT_BODY)])
-def test_include_usage_puts_usage_null_in_every_chunk_and_the_whole_usage_in_a_last_one(llama_server, endpoint,
-                                                                                          body):
+@pytest.mark.parametrize(
+    "endpoint, body", [("/v1/completions", {"prompt": "The cat"}), ("/v1/chat/completions", CHAT_BODY)]
+)
+def test_include_usage_puts_usage_null_in_every_chunk_and_the_whole_usage_in_a_last_one(llama_server, endpoint, body):
     """As OpenAI's stream: with stream_options.include_usage every chunk has "usage": null, and one more chunk
     before [DONE] has no choices and the request's usage; without it no chunk has the field."""
     for include in (True, False):
-        with httpx.stream("POST", f"{llama_server.base_url}{endpoint}", timeout=60, json={
-                "model": llama_server.model, **body, "max_tokens": 5, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": include}}) as response:
+        with httpx.stream(
+            "POST",
+            f"{llama_server.base_url}{endpoint}",
+            timeout=60,
+            json={
+                "model": llama_server.model,
+                **body,
+                "max_tokens": 5,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": include},
+            },
+        ) as response:
             chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
         if include:
             *streamed, last = chunks
@@ -105,19 +129,25 @@ def test_include_usage_puts_usage_null_in_every_chunk_and_the_whole_usage_in_a_l
 
 
 def test_unknown_fields_are_served_and_logged_by_name(llama_server):
-    response = post(llama_server, "/v1/completions", {"prompt": "The cat", "max_tokens": 2,
-                                                      "frobnicate_level": 3, "user": "someone"})
+    response = post(
+        llama_server,
+        "/v1/completions",
+        {"prompt": "The cat", "max_tokens": 2, "frobnicate_level": 3, "user": "someone"},
+    )
     assert response.status_code == 200
     assert wait_until(lambda: "frobnicate_level" in llama_server.log(), 5)
     (line,) = [line for line in llama_server.log().splitlines() if "frobnicate_level" in line]
     assert "ignored" in line and "'user'" not in line  # OpenAI's "user" is known, and changes nothing
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
-    ({"prompt": ["x", 5]}, "prompt"),
-    ({"prompt": []}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": ["x", 5]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+    ],
+)
 def test_fields_that_would_change_the_output_and_are_not_served_get_a_400(llama_server, body, param):
     response = post(llama_server, "/v1/completions", body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
@@ -131,10 +161,21 @@ def test_vllms_dtype_names_are_accepted():
 def test_a_server_with_vllms_flags(llama_dir, tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    with serve(llama_dir, str(tmp_path), "--chat-template", str(template), "--max-logprobs", "3",
-               "--disable-log-requests", "--trust-remote-code") as server:
-        chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                     "max_tokens": 2, "temperature": 0})
+    with serve(
+        llama_dir,
+        str(tmp_path),
+        "--chat-template",
+        str(template),
+        "--max-logprobs",
+        "3",
+        "--disable-log-requests",
+        "--trust-remote-code",
+    ) as server:
+        chat = post(
+            server,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0},
+        )
         assert chat.status_code == 200
         tokenizer_prompt = post(server, "/tokenize", {"prompt": "<user>Hi<assistant>", "add_special_tokens": False})
         assert chat.json()["usage"]["prompt_tokens"] == tokenizer_prompt.json()["count"]

@@ -23,17 +23,27 @@ pytestmark = pytest.mark.slow  # starts processes: not in `make check`
 
 
 def test_every_dashboard_query_uses_an_exported_metric(llama_server):
-    httpx.post(f"{llama_server.base_url}/v1/completions", timeout=60,
-               json={"model": llama_server.model, "prompt": "x", "max_tokens": 2})
+    httpx.post(
+        f"{llama_server.base_url}/v1/completions",
+        timeout=60,
+        json={"model": llama_server.model, "prompt": "x", "max_tokens": 2},
+    )
     exported = {name.split("{")[0] for name in llama_server.metrics()}
     # A scheduler that speculates or serves adapters exports these too (llama_server does neither).
-    exported |= {sample.name for family in speculation_metrics(SpeculationStats(accepted_per_position=[0]))
-                 for sample in family.samples}
+    exported |= {
+        sample.name
+        for family in speculation_metrics(SpeculationStats(accepted_per_position=[0]))
+        for sample in family.samples
+    }
     exported |= {sample.name for family in lora_metrics(LoraStats(1, 1, 1, 1, {"": 1})) for sample in family.samples}
     with open(os.path.join(ROOT, "ops", "grafana", "dashboards", "pagedserve.json")) as f:
         dashboard = json.load(f)
-    used = {name for panel in dashboard["panels"] for target in panel["targets"]
-            for name in re.findall(r"pagedserve_\w+", target["expr"])}
+    used = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"pagedserve_\w+", target["expr"])
+    }
     assert used and used <= exported, used - exported
 
 
@@ -77,22 +87,34 @@ def test_compose_gives_each_service_only_its_own_wire_keys():
 def test_compose_needs_no_registry_for_the_serving_stack_and_prometheus():
     with open(os.path.join(ROOT, "compose.yaml")) as f:
         services = yaml.safe_load(f)["services"]
-    pulled = {name for name, service in services.items() if "build" not in service
-              and not service.get("image", "").startswith("pagedserve")}
+    pulled = {
+        name
+        for name, service in services.items()
+        if "build" not in service and not service.get("image", "").startswith("pagedserve")
+    }
     assert pulled == {"grafana"} and services["grafana"]["profiles"] == ["grafana"]
     assert "profiles" not in services["prometheus"] and "build" in services["prometheus"]
     for name in ("scheduler", "worker-cpu", "api"):
         assert services[name]["healthcheck"]["test"][0] == "CMD"
-    assert scrape_targets("prometheus.yml") == {"api": {"api:8000": None}, "scheduler": {"scheduler:8001": "0"},
-                                                "worker": {"worker:8002": "0"}}
+    assert scrape_targets("prometheus.yml") == {
+        "api": {"api:8000": None},
+        "scheduler": {"scheduler:8001": "0"},
+        "worker": {"worker:8002": "0"},
+    }
 
 
 def scrape_targets(config: str) -> dict[str, dict[str, str | None]]:
     """Each job's targets, with the engine label each carries."""
     with open(os.path.join(ROOT, "ops", config)) as f:
         jobs = yaml.safe_load(f)["scrape_configs"]
-    return {job["job_name"]: {target: group.get("labels", {}).get("engine") for group in job["static_configs"]
-                              for target in group["targets"]} for job in jobs}
+    return {
+        job["job_name"]: {
+            target: group.get("labels", {}).get("engine")
+            for group in job["static_configs"]
+            for target in group["targets"]
+        }
+        for job in jobs
+    }
 
 
 def test_the_two_engine_compose_file_adds_an_engine_like_the_first_that_the_api_and_prometheus_both_find():
@@ -190,10 +212,19 @@ def _fake_docker_tools(bin_dir, calls):
 
 
 def _up_with_grafana(bin_dir, registry):
-    env = dict(os.environ, PATH=os.pathsep.join([str(bin_dir), os.environ["PATH"]]),
-               GRAFANA_REGISTRY_PROBE=registry, COMPOSE_PROFILES="cpu")
-    return subprocess.run([os.path.join(ROOT, "ops", "docker", "up-with-grafana.sh"), "--build"],
-                          env=env, capture_output=True, text=True, timeout=30)
+    env = dict(
+        os.environ,
+        PATH=os.pathsep.join([str(bin_dir), os.environ["PATH"]]),
+        GRAFANA_REGISTRY_PROBE=registry,
+        COMPOSE_PROFILES="cpu",
+    )
+    return subprocess.run(
+        [os.path.join(ROOT, "ops", "docker", "up-with-grafana.sh"), "--build"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_grafana_without_its_image_or_a_registry_fails_at_once_in_one_line_naming_what_to_do(tmp_path):

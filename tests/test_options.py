@@ -14,15 +14,39 @@ from shared.options import add_options, from_namespace, to_flags
 SPEC = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
 
 
-@pytest.mark.parametrize("config", [
-    SchedulerConfig(), SchedulerConfig(block_size=4, max_model_len=300, enable_prefix_caching=True,
-                                       enable_chunked_prefill=False, async_scheduling=False, speculative=SPEC,
-                                       preemption_mode="swap"),
-    WorkerConfig(), WorkerConfig(device="cpu", dtype="bfloat16", kv_cache_dtype="int8", tensor_parallel_size=2,
-                                 enforce_eager=True, kv_cache_memory=0.25),
-    ApiConfig(), ApiConfig(port=9000, tool_call_parser="hermes", enable_auto_tool_choice=True,
-                           report_cached_tokens=False, served_model_name="m"),
-], ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize(
+    "config",
+    [
+        SchedulerConfig(),
+        SchedulerConfig(
+            block_size=4,
+            max_model_len=300,
+            enable_prefix_caching=True,
+            enable_chunked_prefill=False,
+            async_scheduling=False,
+            speculative=SPEC,
+            preemption_mode="swap",
+        ),
+        WorkerConfig(),
+        WorkerConfig(
+            device="cpu",
+            dtype="bfloat16",
+            kv_cache_dtype="int8",
+            tensor_parallel_size=2,
+            enforce_eager=True,
+            kv_cache_memory=0.25,
+        ),
+        ApiConfig(),
+        ApiConfig(
+            port=9000,
+            tool_call_parser="hermes",
+            enable_auto_tool_choice=True,
+            report_cached_tokens=False,
+            served_model_name="m",
+        ),
+    ],
+    ids=lambda c: type(c).__name__,
+)
 def test_a_config_written_as_flags_parses_back_to_itself(config):
     parser = argparse.ArgumentParser()
     add_options(parser, type(config), "all")
@@ -40,16 +64,39 @@ def test_each_service_gets_from_the_launcher_the_configs_the_launcher_parsed(tmp
     from services.scheduler.__main__ import build_parser as scheduler_parser
     from services.worker.__main__ import build_parser as worker_parser
 
-    args = build_parser().parse_args([
-        "serve", "/models/m", "--tokenizer", "/tok", "--block-size", "8", "--no-async-scheduling", "-tp", "2",
-        "--dtype", "bfloat16", "--port", "9001", "--speculative-config",
-        '{"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}', "--no-report-cached-tokens",
-        "--api-key", "secret", "--enable-prefix-caching"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "/models/m",
+            "--tokenizer",
+            "/tok",
+            "--block-size",
+            "8",
+            "--no-async-scheduling",
+            "-tp",
+            "2",
+            "--dtype",
+            "bfloat16",
+            "--port",
+            "9001",
+            "--speculative-config",
+            '{"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}',
+            "--no-report-cached-tokens",
+            "--api-key",
+            "secret",
+            "--enable-prefix-caching",
+        ]
+    )
     lines = commands(args, str(tmp_path))
-    parsed = {name: parser().parse_args(lines[name][3:]) for name, parser in
-              (("scheduler", scheduler_parser), ("worker", worker_parser), ("api", api_parser))}
-    for name, classes in (("scheduler", [SchedulerConfig]), ("worker", [ModelConfig, WorkerConfig, SchedulerConfig]),
-                          ("api", [ModelConfig])):
+    parsed = {
+        name: parser().parse_args(lines[name][3:])
+        for name, parser in (("scheduler", scheduler_parser), ("worker", worker_parser), ("api", api_parser))
+    }
+    for name, classes in (
+        ("scheduler", [SchedulerConfig]),
+        ("worker", [ModelConfig, WorkerConfig, SchedulerConfig]),
+        ("api", [ModelConfig]),
+    ):
         for config_class in classes:
             expected = from_namespace(config_class, args)
             assert from_namespace(config_class, parsed[name]) == expected, (name, config_class)

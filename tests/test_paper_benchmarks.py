@@ -58,22 +58,45 @@ def test_sustained_rate_is_where_latency_crosses_the_limit():
 
 
 def run_script(name, tmp_path, *flags):
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), "--out-dir", str(tmp_path),
-                           *flags], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", name), "--out-dir", str(tmp_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
 def test_figure_12_interleaves_systems_rate_by_rate_and_joins_systems_run_apart(tmp_path):
-    common = ["--plot-dir", str(tmp_path), "--num-prompts", "3", "--rates", "2,8", "--num-blocks", "128",
-              "--max-model-len", "192"]
-    out = run_script("fig12_latency_vs_rate.py", tmp_path, *common, "--policies", "paged,oracle", "--interleave",
-                     "--tag", "_a")
+    common = [
+        "--plot-dir",
+        str(tmp_path),
+        "--num-prompts",
+        "3",
+        "--rates",
+        "2,8",
+        "--num-blocks",
+        "128",
+        "--max-model-len",
+        "192",
+    ]
+    out = run_script(
+        "fig12_latency_vs_rate.py", tmp_path, *common, "--policies", "paged,oracle", "--interleave", "--tag", "_a"
+    )
     lines = [line.split()[0] for line in out.splitlines() if "/s  normalized" in line]
     assert lines == ["pagedserve", "Orca", "pagedserve", "Orca"]  # rate by rate, not system by system
     run_script("fig12_latency_vs_rate.py", tmp_path, *common, "--policies", "max", "--tag", "_b")
-    out = run_script("fig12_latency_vs_rate.py", tmp_path, "--plot-dir", str(tmp_path), "--combine",
-                     str(tmp_path / "fig12_sharegpt_b.json"), str(tmp_path / "fig12_sharegpt_a.json"))
+    out = run_script(
+        "fig12_latency_vs_rate.py",
+        tmp_path,
+        "--plot-dir",
+        str(tmp_path),
+        "--combine",
+        str(tmp_path / "fig12_sharegpt_b.json"),
+        str(tmp_path / "fig12_sharegpt_a.json"),
+    )
     result = json.loads((tmp_path / "fig12_sharegpt.json").read_text())
     assert list(result["runs"]) == ["paged", "oracle", "max"] and (tmp_path / "fig12_sharegpt.png").stat().st_size > 0
     for runs in result["runs"].values():
@@ -84,8 +107,20 @@ def test_figure_12_interleaves_systems_rate_by_rate_and_joins_systems_run_apart(
 
 
 def test_figure_2_splits_used_kv_memory_and_reservation_wastes_it(tmp_path):
-    run_script("fig2_memory_breakdown.py", tmp_path, "--plot-dir", str(tmp_path), "--num-prompts", "12",
-               "--policies", "paged,max", "--num-blocks", "128", "--max-model-len", "256")
+    run_script(
+        "fig2_memory_breakdown.py",
+        tmp_path,
+        "--plot-dir",
+        str(tmp_path),
+        "--num-prompts",
+        "12",
+        "--policies",
+        "paged,max",
+        "--num-blocks",
+        "128",
+        "--max-model-len",
+        "256",
+    )
     breakdown = json.loads((tmp_path / "fig2_memory_breakdown.json").read_text())["breakdown_percent"]
     for shares in breakdown.values():
         assert shares["samples"] > 0
@@ -98,8 +133,9 @@ def test_figure_2_splits_used_kv_memory_and_reservation_wastes_it(tmp_path):
 
 
 def test_hf_static_batching_baseline_reports_both_throughputs(tmp_path):
-    out = run_script("hf_static_batching.py", tmp_path, "--num-prompts", "4", "--batch-size", "2",
-                     "--max-model-len", "256")
+    out = run_script(
+        "hf_static_batching.py", tmp_path, "--num-prompts", "4", "--batch-size", "2", "--max-model-len", "256"
+    )
     result = json.loads((tmp_path / "hf_static_batching.json").read_text())
     assert result["pagedserve_output_tok_s"] > 0 and result["hf_generate_output_tok_s"] > 0
     assert result["useful_tokens"] == result["trace"]["mean_output"] * 4

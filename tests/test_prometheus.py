@@ -26,13 +26,17 @@ from tests.test_resilience import healthy
 from tests.tiny_models import make_lora_adapter
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus)"),
+]
 
 SMALL_KV = ["--block-size", "4", "--num-gpu-blocks-override", "40", "--enable-prefix-caching"]
 # Proposals in every step (not only where the switch finds they pay), for the speculation panels.
-SPECULATING = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
-               '"adaptive": false}')
+SPECULATING = (
+    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
+    '"adaptive": false}'
+)
 PREFIX = "def handler(request, response):\n    response.status = 200\n    return response\n"
 
 
@@ -46,11 +50,21 @@ def prometheus(targets: list[str], directory: str):
     port = free_port()
     config = os.path.join(directory, "prometheus.yml")
     with open(config, "w") as f:
-        f.write("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: pagedserve\n"
-                f"    static_configs:\n      - targets: {json.dumps(targets)}\n")
+        f.write(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: pagedserve\n"
+            f"    static_configs:\n      - targets: {json.dumps(targets)}\n"
+        )
     with open(os.path.join(directory, "prometheus.log"), "w") as log:
-        process = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={directory}/data",
-                                    f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={directory}/data",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         assert wait_until(lambda: process.poll() is not None or healthy(f"{base}/-/ready"), 60, 0.3)
@@ -77,8 +91,14 @@ def load(server, count: int, models: tuple[str, ...] = ()) -> None:
     models = models or (server.model,)
 
     def one(i: int) -> None:
-        body = {"model": models[i % len(models)], "prompt": PREFIX + f"# request {i}\n", "max_tokens": 48,
-                "ignore_eos": True, "temperature": 0, "stream": i % 2 == 0}
+        body = {
+            "model": models[i % len(models)],
+            "prompt": PREFIX + f"# request {i}\n",
+            "max_tokens": 48,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": i % 2 == 0,
+        }
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
             response.read()
@@ -90,12 +110,28 @@ def load(server, count: int, models: tuple[str, ...] = ()) -> None:
 def test_every_dashboard_query_returns_data_and_histograms_count_every_request(llama_dir, tmp_path):
     count = 12
     adapter = make_lora_adapter(llama_dir, str(tmp_path / "adapter"), rank=4, targets=("q_proj", "v_proj"))
-    with (serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "swap", "--kv-offloading-size",
-                "0.001") as swapping,
-          serve(llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "recompute", "--speculative-config",
-                SPECULATING, "--enable-lora", "--lora-modules", f"tuned={adapter}") as recomputing):
-        targets = [url.removeprefix("http://").removesuffix("/metrics")
-                   for server in (swapping, recomputing) for url in server.metrics_urls.values()]
+    with (
+        serve(
+            llama_dir, str(tmp_path), *SMALL_KV, "--preemption-mode", "swap", "--kv-offloading-size", "0.001"
+        ) as swapping,
+        serve(
+            llama_dir,
+            str(tmp_path),
+            *SMALL_KV,
+            "--preemption-mode",
+            "recompute",
+            "--speculative-config",
+            SPECULATING,
+            "--enable-lora",
+            "--lora-modules",
+            f"tuned={adapter}",
+        ) as recomputing,
+    ):
+        targets = [
+            url.removeprefix("http://").removesuffix("/metrics")
+            for server in (swapping, recomputing)
+            for url in server.metrics_urls.values()
+        ]
         with prometheus(targets, str(tmp_path)) as base:
             assert wait_until(lambda: len(query(base, "up == 1")) == 6, 30, 0.5), "prometheus never scraped all six"
             for server, models in ((swapping, ()), (recomputing, (recomputing.model, "tuned"))):
@@ -109,8 +145,14 @@ def test_every_dashboard_query_returns_data_and_histograms_count_every_request(l
             sent = 2 * (count + 2)
             assert wait_until(lambda: scraped_count(base) == sent, 30, 0.5), f"{scraped_count(base)} of {sent} requests"
             loaded = time.time()  # one more scrape of each target, so every rate has two points after the load
-            assert wait_until(lambda: len(scrapes := query(base, "timestamp(up)")) == 6
-                              and all(float(s["value"][1]) > loaded for s in scrapes), 30, 0.5)
+            assert wait_until(
+                lambda: (
+                    len(scrapes := query(base, "timestamp(up)")) == 6
+                    and all(float(s["value"][1]) > loaded for s in scrapes)
+                ),
+                30,
+                0.5,
+            )
             up = query(base, "up")
             assert len(up) == 6 and all(series["value"][1] == "1" for series in up)
             empty = [expr for expr in dashboard_queries() if not query(base, expr)]

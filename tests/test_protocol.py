@@ -38,8 +38,11 @@ def test_every_field_survives_a_round_trip():
         preempted_seq_ids=[2],
         new_sequences=[NewSequence(3, [1, 2, 3], 3, SamplingParams(temperature=0.5, seed=11, stop_token_ids=[9]), 0)],
         scheduled=[ScheduledSequence(3, 0, 3, [], 0, [4, 5])],
-        transfers=[BlockTransfer(DEVICE, 1, HOST, 2), BlockTransfer(HOST, 3, DEVICE, 4),
-                   BlockTransfer(DEVICE, 4, DEVICE, 6)],
+        transfers=[
+            BlockTransfer(DEVICE, 1, HOST, 2),
+            BlockTransfer(HOST, 3, DEVICE, 4),
+            BlockTransfer(DEVICE, 4, DEVICE, 6),
+        ],
     )
     assert decode(encode(step)) == step
     outputs = RequestOutputs(

@@ -66,24 +66,57 @@ def test_the_scheme_comes_from_config_json_or_from_the_flag_which_must_agree():
     assert read_quantization(None, None) is None
     with pytest.raises(QuantizationError, match="--quantization awq does not match .*quant_method 'gptq'"):
         read_quantization(declared, "awq")
-    with pytest.raises(QuantizationError, match="--quantization gptq: the checkpoint's config.json has no "
-                                                "quantization_config"):
+    with pytest.raises(
+        QuantizationError, match="--quantization gptq: the checkpoint's config.json has no quantization_config"
+    ):
         read_quantization(None, "gptq")
 
 
-@pytest.mark.parametrize("declared, message", [
-    ({"quant_method": "bitsandbytes"}, r"quantization method 'bitsandbytes' \(config.json "
-                                       r"quantization_config.quant_method\) is not supported"),
-    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"quantization_config.bits is 3: 4 or 8 bits"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"version is 'gemv'"),
-    ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {"g": {
-        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
-     r"config_groups.g.format is 'marlin-24'"),
-    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
-        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-        "input_activations": {"num_bits": 8, "type": "int", "symmetric": False, "dynamic": True,
-                              "strategy": "token"}}}}, r"input_activations.symmetric is false"),
-])
+@pytest.mark.parametrize(
+    "declared, message",
+    [
+        (
+            {"quant_method": "bitsandbytes"},
+            r"quantization method 'bitsandbytes' \(config.json "
+            r"quantization_config.quant_method\) is not supported",
+        ),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"quantization_config.bits is 3: 4 or 8 bits"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"version is 'gemv'"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "marlin-24",
+                "config_groups": {
+                    "g": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
+                    }
+                },
+            },
+            r"config_groups.g.format is 'marlin-24'",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "int-quantized",
+                "config_groups": {
+                    "g": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                        "input_activations": {
+                            "num_bits": 8,
+                            "type": "int",
+                            "symmetric": False,
+                            "dynamic": True,
+                            "strategy": "token",
+                        },
+                    }
+                },
+            },
+            r"input_activations.symmetric is false",
+        ),
+    ],
+)
 def test_a_scheme_that_cannot_be_served_is_refused_naming_its_field(declared, message):
     with pytest.raises(QuantizationError, match=message):
         read_quantization(declared, None)
@@ -92,10 +125,20 @@ def test_a_scheme_that_cannot_be_served_is_refused_naming_its_field(declared, me
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("refusals")
-    dense = build_model(str(root / "dense"), "llama", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512,
-                        num_attention_heads=4, num_key_value_heads=2)
-    return {"dense": dense, "w4a16": write_compressed_tensors(dense, "W4A16", str(root / "w4a16")),
-            "w3a16": write_compressed_tensors(dense, "W3A16", str(root / "w3a16"))}
+    dense = build_model(
+        str(root / "dense"),
+        "llama",
+        dtype=torch.bfloat16,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return {
+        "dense": dense,
+        "w4a16": write_compressed_tensors(dense, "W4A16", str(root / "w4a16")),
+        "w3a16": write_compressed_tensors(dense, "W3A16", str(root / "w3a16")),
+    }
 
 
 def edited(source: str, target: str, config=None, tensors=None) -> str:

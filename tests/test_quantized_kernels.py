@@ -54,8 +54,9 @@ def test_every_int8_build_quantizes_and_multiplies_as_the_portable_build_bit_for
         for with_bias in (bias, None):
             want = cpu_int8_linear.int8_linear_reference(x, weight, w_scales, with_bias, scale)
             for b in (build, portable):
-                got = cpu_int8_linear.int8_linear(x, cpu_int8_linear.pack_int8(weight, b), w_scales, with_bias,
-                                                  scale, build=b)
+                got = cpu_int8_linear.int8_linear(
+                    x, cpu_int8_linear.pack_int8(weight, b), w_scales, with_bias, scale, build=b
+                )
                 assert torch.equal(got, want), (variant, b.variant, rows, n, k)
 
 
@@ -101,15 +102,17 @@ def test_every_codes_build_multiplies_as_the_portable_build_within_its_bound(var
         weight = cpu_linear.dequantize_codes(codes, scales, offsets, kind)
         x, bias = torch.randn(rows, k, generator=generator), torch.randn(n, generator=generator)
         ours = cpu_linear.gemm_codes(x, cpu_linear.pack_codes(codes, scales, offsets, kind, build), bias, build=build)
-        theirs = cpu_linear.gemm_codes(x, cpu_linear.pack_codes(codes, scales, offsets, kind, portable), bias,
-                                       build=portable)
+        theirs = cpu_linear.gemm_codes(
+            x, cpu_linear.pack_codes(codes, scales, offsets, kind, portable), bias, build=portable
+        )
         assert relative_error(theirs, x, weight, bias) < 1e-5
         assert relative_error(ours, x, weight, bias) < 1e-5
         assert ((ours - theirs).abs() / (x.abs() @ weight.abs().T + 1)).max() < 2e-5
         if build.bf16_rows:  # the same rows rounded to bfloat16: decode rows exact codes, prompt rows bf16 weights
             rounded = x.bfloat16().float()
-            got = cpu_linear.gemm_codes(x, cpu_linear.pack_codes(codes, scales, offsets, kind, build), bias,
-                                        build=build, bf16_x=True)
+            got = cpu_linear.gemm_codes(
+                x, cpu_linear.pack_codes(codes, scales, offsets, kind, build), bias, build=build, bf16_x=True
+            )
             bound = 2**-8 if rows > STREAM_ROWS else 1e-5
             assert relative_error(got, rounded, weight, bias) < bound, (variant, kind, rows, n, k)
 
@@ -131,8 +134,9 @@ def test_codes_shared_by_threads_give_the_same_product(monkeypatch):
 def test_four_bit_codes_lie_in_words_as_the_kernel_takes_them():
     build = build_or_skip(cpu_linear.gemm_build, None)
     codes = torch.arange(16, dtype=torch.uint8).repeat(build.panel_width, 1)  # every column codes 0..15
-    packed = cpu_linear.pack_codes(codes, torch.ones(build.panel_width, 1), torch.zeros(build.panel_width, 1),
-                                   "uint4", build)
+    packed = cpu_linear.pack_codes(
+        codes, torch.ones(build.panel_width, 1), torch.zeros(build.panel_width, 1), "uint4", build
+    )
     first = int(packed.panels[0, 0, 0]) & 0xFFFFFFFF
     # inputs 0, 2, 4, 6 in the low half's nibbles, 1, 3, 5, 7 in the high half's
     assert [(first >> shift) & 15 for shift in (0, 4, 8, 12, 16, 20, 24, 28)] == [0, 2, 4, 6, 1, 3, 5, 7]
@@ -147,8 +151,14 @@ def test_a_prompts_int8_product_by_onednn_is_the_packed_kernels_bit_for_bit(kern
 
     generator = torch.Generator().manual_seed(3)
     layer = Linear(256, 96)
-    layer.use(Int8Method(Int8Weight(torch.randint(-128, 128, (96, 256), dtype=torch.int8, generator=generator),
-                                    torch.rand(96, generator=generator) + 0.01)))
+    layer.use(
+        Int8Method(
+            Int8Weight(
+                torch.randint(-128, 128, (96, 256), dtype=torch.int8, generator=generator),
+                torch.rand(96, generator=generator) + 0.01,
+            )
+        )
+    )
     layer.bias.data = torch.randn(96, generator=generator)
     layer.prepare(torch.float32)
     prompt, decode = torch.randn(cpu_linear.PROMPT_ROWS + 3, 256), torch.randn(3, 256)

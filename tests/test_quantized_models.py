@@ -34,8 +34,9 @@ def needs_kernels():
 def test_each_format_serves_close_to_its_oracle(quantized, family, fmt):
     needs_kernels()
     engine = Engine(quantized.get(family, fmt), dtype="auto", prefix_caching=True)
-    methods = {m.method.name.split(",")[0] for m in engine.runner.model.modules()
-               if isinstance(m, Linear) and m.weight is None}
+    methods = {
+        m.method.name.split(",")[0] for m in engine.runner.model.modules() if isinstance(m, Linear) and m.weight is None
+    }
     assert methods, "no layer was quantized"
     ours = engine.generate_with_logprobs(PROMPTS, max_tokens=MAX_TOKENS)
     reference = [quantized.greedy_with_logprobs(family, fmt, p, MAX_TOKENS, torch.bfloat16) for p in PROMPTS]
@@ -71,8 +72,15 @@ def test_greedy_output_is_the_same_with_speculation_prefix_caching_and_a_host_ti
     directory = quantized.get("llama", fmt)
     plain = Engine(directory, dtype="float32").generate(PROMPTS, max_tokens=MAX_TOKENS)
     ngram = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}')
-    engine = Engine(directory, dtype="float32", speculative=ngram, prefix_caching=True, num_gpu_blocks=24,
-                    block_size=4, num_host_cache_blocks=64)
+    engine = Engine(
+        directory,
+        dtype="float32",
+        speculative=ngram,
+        prefix_caching=True,
+        num_gpu_blocks=24,
+        block_size=4,
+        num_host_cache_blocks=64,
+    )
     assert engine.generate(PROMPTS, max_tokens=MAX_TOKENS) == plain
     assert engine.generate(PROMPTS, max_tokens=MAX_TOKENS) == plain  # again, from the prefix cache and host tier
 
@@ -86,14 +94,22 @@ def shipped_w8a8(tmp_path_factory) -> tuple[str, list[list[int]]]:
     from tests.quantized_models import write_compressed_tensors
 
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
-    prompts = [tokenizer.encode(text) for text in ("def fibonacci(n):", "import os\nimport sys\n\ndef main():",
-                                                   "class Stack:\n    def __init__(self):", "for i in range(10):")]
+    prompts = [
+        tokenizer.encode(text)
+        for text in (
+            "def fibonacci(n):",
+            "import os\nimport sys\n\ndef main():",
+            "class Stack:\n    def __init__(self):",
+            "for i in range(10):",
+        )
+    ]
     return write_compressed_tensors(SHIPPED_MODEL, "W8A8", str(tmp_path_factory.mktemp("shipped-w8a8"))), prompts
 
 
 @pytest.mark.parametrize("kv_cache_dtype, floor", [("int8", 0.6), ("fp8", 0.5)])
-def test_a_quantized_model_with_a_quantized_kv_cache_moves_its_blocks_intact_and_mostly_agrees(shipped_w8a8,
-                                                                                                kv_cache_dtype, floor):
+def test_a_quantized_model_with_a_quantized_kv_cache_moves_its_blocks_intact_and_mostly_agrees(
+    shipped_w8a8, kv_cache_dtype, floor
+):
     """Quantized weights and a quantized cache together: preempted (swapped or recomputed) requests keep their
     tokens, and the tokens mostly agree with the same model's float cache (the floors of tests/test_kv_quant.py)."""
     needs_kernels()
@@ -101,8 +117,9 @@ def test_a_quantized_model_with_a_quantized_kv_cache_moves_its_blocks_intact_and
     exact = Engine(directory, dtype="auto").generate(prompts, max_tokens=48)
     roomy = Engine(directory, dtype="auto", kv_cache_dtype=kv_cache_dtype).generate(prompts, max_tokens=48)
     for mode in ("swap", "recompute"):
-        tight = Engine(directory, dtype="auto", block_size=4, num_gpu_blocks=40, preemption=mode,
-                       kv_cache_dtype=kv_cache_dtype)
+        tight = Engine(
+            directory, dtype="auto", block_size=4, num_gpu_blocks=40, preemption=mode, kv_cache_dtype=kv_cache_dtype
+        )
         assert tight.generate(prompts, max_tokens=48) == roomy
         assert tight.stats().num_preemptions_swap + tight.stats().num_preemptions_recompute > 0
     match = sum(x == y for a, b in zip(exact, roomy) for x, y in zip(a, b)) / sum(map(len, exact))

@@ -46,19 +46,50 @@ def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir
     sockets = socket_dir
     scheduler_ep, worker_ep = f"ipc://{sockets}/scheduler.sock", f"ipc://{sockets}/workers.sock"
     port = free_port()
-    worker_args = ("services.worker", "--model", llama_dir, "--worker-endpoint", worker_ep, "--device", "cpu",
-                   "--kv-cache-memory", "0.05", "--swap-space", "0.05")
+    worker_args = (
+        "services.worker",
+        "--model",
+        llama_dir,
+        "--worker-endpoint",
+        worker_ep,
+        "--device",
+        "cpu",
+        "--kv-cache-memory",
+        "0.05",
+        "--swap-space",
+        "0.05",
+    )
     processes = [
-        start("services.scheduler", "--scheduler-endpoint", scheduler_ep, "--worker-endpoint", worker_ep,
-              log=str(tmp_path / "scheduler.log")),
+        start(
+            "services.scheduler",
+            "--scheduler-endpoint",
+            scheduler_ep,
+            "--worker-endpoint",
+            worker_ep,
+            log=str(tmp_path / "scheduler.log"),
+        ),
         start(*worker_args, log=str(tmp_path / "worker1.log")),
-        start("services.api", "--model", llama_dir, "--scheduler-endpoint", scheduler_ep, "--port", str(port),
-              log=str(tmp_path / "api.log")),
+        start(
+            "services.api",
+            "--model",
+            llama_dir,
+            "--scheduler-endpoint",
+            scheduler_ep,
+            "--port",
+            str(port),
+            log=str(tmp_path / "api.log"),
+        ),
     ]
     base = f"http://127.0.0.1:{port}"
     model = os.path.basename(llama_dir)
-    long_request = {"model": model, "prompt": "import os", "max_tokens": 500, "ignore_eos": True,
-                    "temperature": 0, "stream": True}
+    long_request = {
+        "model": model,
+        "prompt": "import os",
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     try:
         wait_healthy(f"{base}/health")
         started = time.monotonic()
@@ -69,7 +100,7 @@ def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir
             rest = [line for line in lines if line.startswith("data:")]
         assert time.monotonic() - started < 30, "the request hung after its worker died"
         assert rest[-1] == "data: [DONE]"
-        error = json.loads(rest[-2][len("data: "):])["error"]
+        error = json.loads(rest[-2][len("data: ") :])["error"]
         assert "worker" in error["message"] and error["type"] == "server_error"
         assert len(rest) + 1 < 500  # it ended early, with an error rather than all its tokens
         assert first
@@ -84,8 +115,11 @@ def test_a_dead_worker_fails_requests_and_a_restarted_one_serves_again(llama_dir
         answers: list[httpx.Response] = []
 
         def served_again() -> bool:
-            answers.append(httpx.post(f"{base}/v1/completions", timeout=60,
-                                      json={"model": model, "prompt": "import os", "max_tokens": 4}))
+            answers.append(
+                httpx.post(
+                    f"{base}/v1/completions", timeout=60, json={"model": model, "prompt": "import os", "max_tokens": 4}
+                )
+            )
             return answers[-1].status_code == 200
 
         assert wait_until(served_again, 60, 0.5), answers[-1].text

@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from services.launcher import Restarts, engine_names
+from services.launcher import engine_names, restart_parts
+from services.restarts import Restarts
 from tests.conftest import serve, wait_until
 from tests.test_data_parallel import Stream, engine_process
 
@@ -39,8 +40,9 @@ def test_a_crashed_worker_or_api_is_started_again_and_streams_in_flight_get_a_cl
         stream.thread.join(60)
         print(f"the stream in flight ended with: {stream.error}")
         assert stream.outcome == "error" and ("worker" in stream.error or "went away" in stream.error), stream.error
-        assert wait_until(lambda: "worker exited with code -11; restarting the scheduler and the worker"
-                          in server.log(), 10)
+        assert wait_until(
+            lambda: "worker exited with code -11; restarting the scheduler and the worker" in server.log(), 10
+        )
         assert wait_until(lambda: healthy(server.base_url) and answers(server), 120)
         print(f"serving again {time.monotonic() - crashed:.1f} s after the worker crashed")
         assert engine_process(launcher, "services.worker", "workers.sock") != worker
@@ -77,7 +79,7 @@ def test_the_api_restarts_alone_an_engine_restarts_whole_and_a_part_dying_four_t
         return FakeProcess(name)
 
     children = {name: FakeProcess(name) for name in ["api", *engine_names(args, 0), *engine_names(args, 1)]}
-    restarts = Restarts(args, children, start)
+    restarts = Restarts(restart_parts(args), children, start)
     assert restarts.restart({"api": -11}) and started == ["api"]
     assert restarts.restart({"engine 1's worker": -9})
     assert started[1:] == ["engine 1's scheduler", "engine 1's worker"]  # the worker reports to a fresh scheduler

@@ -79,8 +79,10 @@ def test_api_replicas_that_see_the_same_reports_agree_and_the_order_of_the_engin
         reports = holding(tokens, holder)
         assert first.choose(reports, tokens, BLOCK) == second.choose(holding(tokens, holder), tokens, BLOCK) == holder
         fresh = prompt(1000 + seed)  # held nowhere: the rendezvous order decides
-        assert NAMES[Router("prefix").choose(idle(), fresh, BLOCK)] == \
-            shuffled[Router("prefix").choose(idle(shuffled), fresh, BLOCK)]
+        assert (
+            NAMES[Router("prefix").choose(idle(), fresh, BLOCK)]
+            == shuffled[Router("prefix").choose(idle(shuffled), fresh, BLOCK)]
+        )
 
 
 def test_an_engine_that_goes_away_moves_only_the_prefixes_it_held():
@@ -155,8 +157,10 @@ class FakeClient:
 
 
 def test_the_group_routes_only_to_engines_that_are_up():
-    group = EngineGroup([FakeClient(NAMES[0], up=False), FakeClient(NAMES[1], up=True, in_flight=5),
-                         FakeClient(NAMES[2], up=True)], Router("least_load"))
+    group = EngineGroup(
+        [FakeClient(NAMES[0], up=False), FakeClient(NAMES[1], up=True, in_flight=5), FakeClient(NAMES[2], up=True)],
+        Router("least_load"),
+    )
     assert group.engines_up == [1, 2]
     assert group.choose(prompt(8)) == 2
     group.clients[2].info = None

@@ -9,8 +9,9 @@ LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625]]))
 
 
 def filtered(params: SamplingParams) -> torch.Tensor:
-    return filtered_probs(LOGITS, *(torch.tensor(values, dtype=torch.float32)
-                                    for values in filter_settings([params], LOGITS.shape[-1])))[0]
+    return filtered_probs(
+        LOGITS, *(torch.tensor(values, dtype=torch.float32) for values in filter_settings([params], LOGITS.shape[-1]))
+    )[0]
 
 
 def surviving(params: SamplingParams) -> list[int]:

@@ -41,12 +41,14 @@ def openai_penalties(presence: float, frequency: float):
     def process(logits, prompt, output):
         counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=logits.shape[0]).float()
         return logits - frequency * counts - presence * (counts > 0).float()
+
     return process
 
 
 def hf_repetition(penalty: float):
     def process(logits, prompt, output):
         return RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + output]), logits[None])[0]
+
     return process
 
 
@@ -55,6 +57,7 @@ def biased(bias: dict[int, float]):
         for token, value in bias.items():
             logits[token] += value
         return logits
+
     return process
 
 
@@ -71,12 +74,17 @@ CASES = {  # name: (request fields, reference processing)
 def complete(client, model: str, prompt: list[int], fields: dict, stream: bool) -> list[int]:
     openai_fields = {k: v for k, v in fields.items() if k in ("presence_penalty", "frequency_penalty", "logit_bias")}
     vllm_fields = {k: v for k, v in fields.items() if k not in openai_fields}
-    args = dict(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, **openai_fields,
-                extra_body={"ignore_eos": True, "return_token_ids": True, **vllm_fields})
+    args = dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        **openai_fields,
+        extra_body={"ignore_eos": True, "return_token_ids": True, **vllm_fields},
+    )
     if not stream:
         return client.completions.create(**args).choices[0].token_ids
-    return [t for chunk in client.completions.create(stream=True, **args) for c in chunk.choices
-            for t in c.token_ids]
+    return [t for chunk in client.completions.create(stream=True, **args) for c in chunk.choices for t in c.token_ids]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -91,9 +99,13 @@ def test_each_parameter_alone_equals_its_reference(llama_server, llama_dir, clie
 
 def test_repetition_penalty_equals_hf_generate(llama_server, llama_dir, client):
     for prompt in PROMPTS:
-        response = client.completions.create(model=llama_server.model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                             temperature=0, extra_body={"repetition_penalty": 1.3,
-                                                                        "return_token_ids": True})
+        response = client.completions.create(
+            model=llama_server.model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"repetition_penalty": 1.3, "return_token_ids": True},
+        )
         assert response.choices[0].token_ids == _hf_generate(llama_dir, prompt, MAX_TOKENS, repetition_penalty=1.3)[0]
 
 
@@ -109,8 +121,14 @@ def test_min_tokens_holds_back_eos_until_reached(llama_server, llama_dir, client
     eos = _hf_model(llama_dir).generation_config.eos_token_id
     expected = reference_greedy(llama_dir, PROMPTS[1], 5, biased({eos: -float("inf")}))
     for stream in (False, True):
-        args = dict(model=llama_server.model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
-                    logit_bias={str(eos): 100}, extra_body={"min_tokens": 5, "return_token_ids": True})
+        args = dict(
+            model=llama_server.model,
+            prompt=PROMPTS[1],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logit_bias={str(eos): 100},
+            extra_body={"min_tokens": 5, "return_token_ids": True},
+        )
         if stream:
             chunks = list(client.completions.create(stream=True, **args))
             tokens = [t for chunk in chunks for c in chunk.choices for t in c.token_ids]
@@ -124,9 +142,17 @@ def test_min_tokens_holds_back_eos_until_reached(llama_server, llama_dir, client
 
 
 def test_seeded_sampling_with_penalties_is_reproducible(llama_server, client):
-    args = dict(model=llama_server.model, prompt="def f(x):", max_tokens=12, temperature=1.0, seed=77,
-                presence_penalty=0.7, frequency_penalty=0.4, logit_bias={"50": 3},
-                extra_body={"repetition_penalty": 1.2, "ignore_eos": True})
+    args = dict(
+        model=llama_server.model,
+        prompt="def f(x):",
+        max_tokens=12,
+        temperature=1.0,
+        seed=77,
+        presence_penalty=0.7,
+        frequency_penalty=0.4,
+        logit_bias={"50": 3},
+        extra_body={"repetition_penalty": 1.2, "ignore_eos": True},
+    )
     first = client.completions.create(**args).choices[0].text
     assert client.completions.create(**args).choices[0].text == first
     assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **args)) == first
@@ -157,8 +183,9 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_theirs(llama_dir, tmp_path, 
     prompt = PROMPTS[2] * 4  # 28 tokens: whole blocks, so a second request could hit the prefix cache
     expected = reference_prompt_logprobs(llama_dir, prompt)
     # Chunked over several steps, and with prefix caching on: prompt log-probabilities are computed, never cached.
-    with serve(llama_dir, str(tmp_path), "--enable-prefix-caching", "--max-num-batched-tokens", "10",
-               "--block-size", "4") as server:
+    with serve(
+        llama_dir, str(tmp_path), "--enable-prefix-caching", "--max-num-batched-tokens", "10", "--block-size", "4"
+    ) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
         for _ in range(2):
             args = dict(model=server.model, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
@@ -168,26 +195,29 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_theirs(llama_dir, tmp_path, 
                 choice = client.completions.create(**args).choices[0]
             logprobs = choice.logprobs
             assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
-            assert logprobs.token_logprobs[1:len(prompt)] == pytest.approx(expected, abs=1e-4)
+            assert logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(expected, abs=1e-4)
             # two alternatives each, unless both decode to the same text (OpenAI's format keys them by text)
-            assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:len(prompt)])
+            assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1 : len(prompt)])
             assert len(logprobs.tokens) == len(prompt) + 3 if not stream else len(logprobs.tokens) > len(prompt)
             assert logprobs.text_offset[:2] == [0, len(logprobs.tokens[0])]
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"frequency_penalty": "high"}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"repetition_penalty": 2.5}, "repetition_penalty"),
-    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
-    ({"min_tokens": -1}, "min_tokens"),
-    ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"logit_bias": {"x": 1}}, "logit_bias"),
-    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
-    ({"logit_bias": [1, 2]}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"frequency_penalty": "high"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+    ],
+)
 def test_out_of_range_values_get_a_400_naming_the_parameter(llama_server, fields, param):
     body = {"model": llama_server.model, "prompt": "x", "max_tokens": 4, **fields}
     response = httpx.post(f"{llama_server.base_url}/v1/completions", json=body, timeout=30)

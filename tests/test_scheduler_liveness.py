@@ -20,8 +20,10 @@ def _step(scheduler, worker):
 
 def test_resumption_serves_the_earliest_arrival_across_swap_and_recompute():
     # Room for about one growing request; swap space for one, so a second victim is recomputed.
-    scheduler, worker = make_scheduler(num_blocks=8, block_size=4, num_cpu_blocks=4, preemption="swap",
-                                       max_tokens_per_step=64), StandInWorker()
+    scheduler, worker = (
+        make_scheduler(num_blocks=8, block_size=4, num_cpu_blocks=4, preemption="swap", max_tokens_per_step=64),
+        StandInWorker(),
+    )
     for i in range(4):
         scheduler.add(request(prompt_len=4, max_tokens=20, arrival=i))
     while scheduler.has_work():
@@ -29,15 +31,18 @@ def test_resumption_serves_the_earliest_arrival_across_swap_and_recompute():
         # Everything running arrived before everything swapped or waiting: the earliest come back first.
         if scheduler.running and (scheduler.waiting or scheduler.swapped):
             assert max(r.order for r in scheduler.running) < min(
-                r.order for r in [*scheduler.waiting, *scheduler.swapped])
+                r.order for r in [*scheduler.waiting, *scheduler.swapped]
+            )
         assert [r.order for r in scheduler.swapped] == sorted(r.order for r in scheduler.swapped)
         assert [r.order for r in scheduler.waiting] == sorted(r.order for r in scheduler.waiting)
     assert scheduler.counters.preemptions_swap >= 1 and scheduler.counters.preemptions_recompute >= 1
 
 
 def test_a_waiting_request_never_overtakes_an_earlier_swapped_one():
-    scheduler, worker = make_scheduler(num_blocks=8, block_size=4, num_cpu_blocks=16, preemption="swap",
-                                       max_tokens_per_step=64), StandInWorker()
+    scheduler, worker = (
+        make_scheduler(num_blocks=8, block_size=4, num_cpu_blocks=16, preemption="swap", max_tokens_per_step=64),
+        StandInWorker(),
+    )
     early, late = request(prompt_len=8, max_tokens=16), request(prompt_len=8, max_tokens=16)
     scheduler.add(early)
     scheduler.add(late)
@@ -56,8 +61,12 @@ def test_a_waiting_request_never_overtakes_an_earlier_swapped_one():
 def test_a_swapped_request_that_cannot_come_back_is_recomputed():
     # 4 blocks of 4: a request near the context limit holds all of them, and swapping in wants
     # one more block of room than the pool has.
-    scheduler, worker = make_scheduler(num_blocks=4, block_size=4, num_cpu_blocks=8, preemption="swap",
-                                       max_tokens_per_step=16, context=16), StandInWorker()
+    scheduler, worker = (
+        make_scheduler(
+            num_blocks=4, block_size=4, num_cpu_blocks=8, preemption="swap", max_tokens_per_step=16, context=16
+        ),
+        StandInWorker(),
+    )
     long, short = request(prompt_len=12, max_tokens=3), request(prompt_len=3, max_tokens=9)
     scheduler.add(long)
     scheduler.add(short)
@@ -72,8 +81,10 @@ def test_a_swapped_request_that_cannot_come_back_is_recomputed():
 def test_a_request_alone_that_cannot_copy_its_shared_block_is_recomputed_at_once():
     # One prompt token, four samples: each needs its own copy of the shared block (5 blocks)
     # in a pool of 4. Swapping it out and back in would change nothing; recomputing unshares it.
-    scheduler, worker = make_scheduler(num_blocks=4, block_size=4, num_cpu_blocks=8, preemption="swap",
-                                       context=4), StandInWorker()
+    scheduler, worker = (
+        make_scheduler(num_blocks=4, block_size=4, num_cpu_blocks=8, preemption="swap", context=4),
+        StandInWorker(),
+    )
     scheduler.add(request(prompt_len=1, max_tokens=2, n=4))
     steps = [_step(scheduler, worker)[0] for _ in range(2)]
     assert steps[1].preempted_seq_ids == [0, 1, 2, 3]  # dropped and started again in the same step
@@ -107,10 +118,19 @@ def test_start_up_rejects_budgets_that_could_never_recompute_a_full_length_reque
     Budgets(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048, chunked_prefill=True).check()
 
 
-@pytest.mark.parametrize("field, value", [
-    ("top_k", 2**63), ("seed", 2**64), ("temperature", float("nan")), ("length_penalty", 5000.0),
-    ("stop_token_ids", [2**63]), ("n", 2**64), ("logprobs", 10**6), ("max_tokens", 0),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_k", 2**63),
+        ("seed", 2**64),
+        ("temperature", float("nan")),
+        ("length_penalty", 5000.0),
+        ("stop_token_ids", [2**63]),
+        ("n", 2**64),
+        ("logprobs", 10**6),
+        ("max_tokens", 0),
+    ],
+)
 def test_the_scheduler_validates_requests_whoever_sent_them(field, value):
     scheduler = make_scheduler()
     params = SamplingParams(temperature=0.0)
@@ -136,8 +156,13 @@ def test_a_sequence_the_worker_refuses_fails_only_its_own_request():
     step = scheduler.schedule()
     result = worker.run(step)
     bad_seq = scheduler.requests[bad.request_id].seqs[0].seq_id
-    result = StepResult(result.step_id, [s for s in result.sampled if s.seq_id != bad_seq], 0.0, 0.0,
-                        failures={bad_seq: "a token id outside the vocabulary"})
+    result = StepResult(
+        result.step_id,
+        [s for s in result.sampled if s.seq_id != bad_seq],
+        0.0,
+        0.0,
+        failures={bad_seq: "a token id outside the vocabulary"},
+    )
     outputs = {o.request_id: o for o in scheduler.update(result)}
     assert outputs[bad.request_id].finished and "vocabulary" in outputs[bad.request_id].error
     assert not outputs[good.request_id].finished

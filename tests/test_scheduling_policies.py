@@ -69,8 +69,10 @@ def test_under_fcfs_the_same_arrivals_finish_in_arrival_order():
 
 def test_a_memory_shortage_preempts_the_lowest_priority_first_not_the_latest_arrival():
     # Three requests fit at start (2 blocks each of 6); as they grow the pool runs short.
-    scheduler, worker = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=3, policy=PriorityPolicy()), \
-        StandInWorker()
+    scheduler, worker = (
+        make_scheduler(num_blocks=6, block_size=4, max_num_seqs=3, policy=PriorityPolicy()),
+        StandInWorker(),
+    )
     lowest = request(prompt_len=7, max_tokens=12, priority=9)  # arrives first
     middle = request(prompt_len=7, max_tokens=12, priority=1)
     highest = request(prompt_len=7, max_tokens=12, priority=-3)
@@ -87,8 +89,10 @@ def test_a_memory_shortage_preempts_the_lowest_priority_first_not_the_latest_arr
 
 def test_a_request_older_than_the_queue_delay_goes_ahead_of_any_priority():
     now = [0.0]
-    scheduler, worker = make_scheduler(max_num_seqs=1, policy=PriorityPolicy(max_queue_delay=10.0),
-                                       clock=lambda: now[0]), StandInWorker()
+    scheduler, worker = (
+        make_scheduler(max_num_seqs=1, policy=PriorityPolicy(max_queue_delay=10.0), clock=lambda: now[0]),
+        StandInWorker(),
+    )
     holder = request(prompt_len=4, max_tokens=30, priority=-5)  # holds the one seat meanwhile
     old_low = request(prompt_len=4, max_tokens=2, priority=100)
     scheduler.add(holder)
@@ -172,8 +176,14 @@ def test_under_fair_a_step_carries_half_its_budget_of_prompts_while_another_tena
     """A request that arrives while a step computes waits for it: while more than one tenant is active, one
     tenant's prompts fill half a step, so the step a newcomer waits for is short; alone, the whole budget."""
     now = [0.0]
-    scheduler = make_scheduler(num_blocks=256, max_num_seqs=16, max_tokens_per_step=64, chunked=chunked,
-                               policy=FairPolicy(), clock=lambda: now[0])
+    scheduler = make_scheduler(
+        num_blocks=256,
+        max_num_seqs=16,
+        max_tokens_per_step=64,
+        chunked=chunked,
+        policy=FairPolicy(),
+        clock=lambda: now[0],
+    )
     worker = StandInWorker()
     for _ in range(12):
         scheduler.add(request(prompt_len=16, max_tokens=40, tenant=TENANT_A))
@@ -215,16 +225,22 @@ def test_an_idle_tenant_banks_no_credit():
 
 def test_every_policy_counts_served_tokens_and_queue_time_under_bounded_labels():
     labels = TenantLabels()
-    assert [labels(t) for t in ("", "user:alice", "user:bob", TENANT_A, "tenant-xyz")] == \
-        ["none", "user:alice", "user:bob", TENANT_A, "other"]
+    assert [labels(t) for t in ("", "user:alice", "user:bob", TENANT_A, "tenant-xyz")] == [
+        "none",
+        "user:alice",
+        "user:bob",
+        TENANT_A,
+        "other",
+    ]
     assert labels("user:" + "x" * 1000) == "user:" + "x" * USER_LABEL_CHARS
     many = [labels(f"user:u{i}") for i in range(2 * MAX_TENANT_LABELS)]
     assert len(set(many)) == MAX_TENANT_LABELS - 3 + 1 and many[-1] == "user:other"  # alice, bob and the long one
     assert labels("user:alice") == "user:alice" and labels(TENANT_B) == TENANT_B
     for name in ("fcfs", "priority", "fair"):
         scheduler, worker = make_scheduler(policy=make_policy(name, 60.0)), StandInWorker()
-        scheduler.add(request(prompt_len=6, max_tokens=3, tenant="user:carol",
-                              priority=-2 if name == "priority" else 0))
+        scheduler.add(
+            request(prompt_len=6, max_tokens=3, tenant="user:carol", priority=-2 if name == "priority" else 0)
+        )
         _run_to_end(scheduler, worker)
         priority = "high" if name == "priority" else "default"
         assert scheduler.counters.served == {("user:carol", priority): [6, 3]}
@@ -246,8 +262,10 @@ def test_priority_is_refused_where_the_policy_does_not_use_it_and_out_of_range_e
 def _steps_until_low_priority_finishes(max_queue_delay: float, limit: int = 200) -> int | None:
     """A low-priority request under a stream of high-priority ones that never lets up."""
     now = [0.0]
-    scheduler, worker = make_scheduler(max_num_seqs=1, policy=PriorityPolicy(max_queue_delay),
-                                       clock=lambda: now[0]), StandInWorker()
+    scheduler, worker = (
+        make_scheduler(max_num_seqs=1, policy=PriorityPolicy(max_queue_delay), clock=lambda: now[0]),
+        StandInWorker(),
+    )
     low = request(prompt_len=4, max_tokens=4, priority=1)
     scheduler.add(low)
     for step in range(limit):
@@ -282,14 +300,24 @@ def test_a_priority_and_a_user_are_read_from_the_body():
 
 @pytest.mark.slow
 def test_a_priority_server_runs_the_urgent_request_first_and_labels_its_metrics(llama_dir, tmp_path):
-    with serve(llama_dir, str(tmp_path), "--scheduling-policy", "priority", "--max-num-seqs", "1",
-               "--no-async-scheduling") as server:
+    with serve(
+        llama_dir, str(tmp_path), "--scheduling-policy", "priority", "--max-num-seqs", "1", "--no-async-scheduling"
+    ) as server:
         finished: list[str] = []
 
         async def send(client: httpx.AsyncClient, name: str, priority: int, max_tokens: int) -> None:
-            response = await client.post("/v1/completions", json={
-                "model": server.model, "prompt": "The cat", "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "priority": priority, "user": name})
+            response = await client.post(
+                "/v1/completions",
+                json={
+                    "model": server.model,
+                    "prompt": "The cat",
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "priority": priority,
+                    "user": name,
+                },
+            )
             assert response.status_code == 200, response.text
             finished.append(name)
 
@@ -308,21 +336,30 @@ def test_a_priority_server_runs_the_urgent_request_first_and_labels_its_metrics(
         asyncio.run(scenario())
         assert finished.index("urgent") < min(finished.index(f"low{i}") for i in range(3))
         assert finished.index("urgent") < finished.index("first")  # it took the running one's seat
-        out_of_range = httpx.post(f"{server.base_url}/v1/completions", json={
-            "model": server.model, "prompt": "x", "max_tokens": 1, "priority": 2**40})
+        out_of_range = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": server.model, "prompt": "x", "max_tokens": 1, "priority": 2**40},
+        )
         assert out_of_range.status_code == 400 and out_of_range.json()["error"]["param"] == "priority"
         metrics = server.metrics("scheduler")
         assert metric_total(metrics, "pagedserve_request_queue_time_seconds_count") >= 5
-        assert metrics['pagedserve_request_queue_time_seconds_count{priority="high",tenant="user"}'] == 1
-        assert metrics['pagedserve_served_tokens_total{kind="output",priority="high",tenant="user"}'] == 8
+        assert metrics['pagedserve_request_queue_time_seconds_count{priority="high",tenant="user:urgent"}'] == 1
+        assert metrics['pagedserve_served_tokens_total{kind="output",priority="high",tenant="user:urgent"}'] == 8
         assert wait_until(server.is_idle, 5)
 
 
 @pytest.mark.slow
 def test_a_priority_sent_to_a_server_that_schedules_by_arrival_is_a_400(llama_server):
-    response = httpx.post(f"{llama_server.base_url}/v1/chat/completions", timeout=60, json={
-        "model": llama_server.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
-        "priority": 3})
+    response = httpx.post(
+        f"{llama_server.base_url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": llama_server.model,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 1,
+            "priority": 3,
+        },
+    )
     assert response.status_code == 400 and "--scheduling-policy priority" in response.json()["error"]["message"]
 
 

@@ -27,17 +27,24 @@ def test_an_api_key_guards_every_route_but_health_and_metrics(llama_dir, tmp_pat
             response = httpx.get(f"{url}/models", headers=headers)
             assert response.status_code == 401
             assert response.json()["error"]["code"] == "invalid_api_key"
-        for method, path, body in (("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [5]}),
-                                   ("GET", "/version", None), ("GET", "/ping", None), ("POST", "/ping", None)):
+        for method, path, body in (
+            ("POST", "/tokenize", {"prompt": "x"}),
+            ("POST", "/detokenize", {"tokens": [5]}),
+            ("GET", "/version", None),
+            ("GET", "/ping", None),
+            ("POST", "/ping", None),
+        ):
             refused = httpx.request(method, f"{server.base_url}{path}", json=body)
             assert refused.status_code == 401, path
-            allowed = httpx.request(method, f"{server.base_url}{path}", json=body,
-                                    headers={"Authorization": "Bearer s3cret"})
+            allowed = httpx.request(
+                method, f"{server.base_url}{path}", json=body, headers={"Authorization": "Bearer s3cret"}
+            )
             assert allowed.status_code == 200, path
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="wrong").completions.create(model=server.model, prompt=prompt)
         completion = openai.OpenAI(base_url=url, api_key="s3cret").completions.create(
-            model=server.model, prompt=prompt, max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+            model=server.model, prompt=prompt, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+        )
         assert completion.choices[0].model_extra["token_ids"] == hf_greedy(llama_dir, prompt, 6)
         assert httpx.get(f"{server.base_url}/health").status_code == 200
         assert httpx.get(f"{server.base_url}/metrics").status_code == 200
@@ -90,9 +97,14 @@ def test_tenants_and_cache_salts_find_only_their_own_prefixes_in_the_cache(llama
     keys = tmp_path / "keys"
     keys.write_text("alice-key\nmallory-key\n")
     with serve(llama_dir, str(tmp_path), "--enable-prefix-caching", "--api-key-file", str(keys)) as server:
+
         def cached(key: str, **fields) -> int:
-            response = httpx.post(f"{server.base_url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                                  json={"model": server.model, "prompt": secret, "max_tokens": 1, **fields}, timeout=60)
+            response = httpx.post(
+                f"{server.base_url}/v1/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": server.model, "prompt": secret, "max_tokens": 1, **fields},
+                timeout=60,
+            )
             assert response.status_code == 200, response.text
             return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -110,8 +122,10 @@ def test_a_salt_roots_the_prefix_chain():
     manager = KVCacheManager(16, 4, enable_prefix_caching=True)
     plain = _sequence(list(range(9)))
     assert manager._chain(plain, 2) != manager._chain(salted, 2)
-    assert manager._chain(salted, 2)[0] == hashlib.sha256(
-        hashlib.sha256(b"cache_salt\0x").digest() + array("q", range(4)).tobytes()).digest()
+    assert (
+        manager._chain(salted, 2)[0]
+        == hashlib.sha256(hashlib.sha256(b"cache_salt\0x").digest() + array("q", range(4)).tobytes()).digest()
+    )
 
 
 def test_the_api_key_can_come_from_the_environment(monkeypatch):

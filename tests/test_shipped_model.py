@@ -20,8 +20,31 @@ pytestmark = pytest.mark.slow  # starts processes: not in `make check`
 
 MODEL_DIR = os.path.join(ROOT, "ops", "models", "tiny-python")
 PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Parser:\n    def __init__(self", "    for item in "]
-KEYWORDS = {"def", "return", "self", "if", "None", "import", "for", "in", "not", "class", "is", "raise",
-            "else", "elif", "try", "except", "with", "as", "and", "or", "True", "False", "lambda"}
+KEYWORDS = {
+    "def",
+    "return",
+    "self",
+    "if",
+    "None",
+    "import",
+    "for",
+    "in",
+    "not",
+    "class",
+    "is",
+    "raise",
+    "else",
+    "elif",
+    "try",
+    "except",
+    "with",
+    "as",
+    "and",
+    "or",
+    "True",
+    "False",
+    "lambda",
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +54,14 @@ def tokenizer():
 
 def test_it_ships_in_plain_hf_format_within_20_mb():
     names = set(os.listdir(MODEL_DIR))
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json", "loss.png"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "loss.png",
+    } <= names
     assert sum(os.path.getsize(os.path.join(MODEL_DIR, n)) for n in names) <= 20 * 2**20
     with open(os.path.join(MODEL_DIR, "tokenizer_config.json")) as f:
         assert "im_start" in json.load(f)["chat_template"]
@@ -46,12 +75,29 @@ def test_hf_transformers_and_pagedserve_agree_on_greedy_output(tokenizer):
 
 
 OPENINGS = [
-    "def fibonacci(n):\n", "import os\n", "class Stack:\n", "def main():\n", "for i in range(10):\n",
-    "import sys\n\n\ndef parse_args(argv):\n", "with open(path) as f:\n", "def __init__(self, name):\n", "try:\n",
-    'if __name__ == "__main__":\n', "def read_file(path):\n", "class Node:\n    def __init__(self, value):\n",
-    "import json\n\n", "def sort_list(items):\n", "while True:\n", "def add(a, b):\n",
-    "from collections import defaultdict\n\n", "def is_prime(n):\n", "class Config(object):\n",
-    'def parse(text):\n    """', "async def fetch(url):\n", "def __repr__(self):\n", "import re\n\nPATTERN = ",
+    "def fibonacci(n):\n",
+    "import os\n",
+    "class Stack:\n",
+    "def main():\n",
+    "for i in range(10):\n",
+    "import sys\n\n\ndef parse_args(argv):\n",
+    "with open(path) as f:\n",
+    "def __init__(self, name):\n",
+    "try:\n",
+    'if __name__ == "__main__":\n',
+    "def read_file(path):\n",
+    "class Node:\n    def __init__(self, value):\n",
+    "import json\n\n",
+    "def sort_list(items):\n",
+    "while True:\n",
+    "def add(a, b):\n",
+    "from collections import defaultdict\n\n",
+    "def is_prime(n):\n",
+    "class Config(object):\n",
+    'def parse(text):\n    """',
+    "async def fetch(url):\n",
+    "def __repr__(self):\n",
+    "import re\n\nPATTERN = ",
     "def test_add():\n",
 ]
 
@@ -80,7 +126,7 @@ def test_prompted_with_python_it_continues_with_python(tokenizer):
             ids = tokenizer(prompt, return_tensors="pt").input_ids
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=48, do_sample=False)
-            texts.append(tokenizer.decode(out[0, ids.shape[1]:]))
+            texts.append(tokenizer.decode(out[0, ids.shape[1] :]))
         return texts
 
     written = continuations(trained)
@@ -99,15 +145,30 @@ def test_pagedserve_up_without_a_model_serves_it(tmp_path):
     assert completion["usage"]["completion_tokens"] >= 1 and completion["choices"][0]["text"]
 
 
-TRAIN_SMALL = ["--files", "15", "--vocab-size", "400", "--batch-size", "2", "--seq-len", "32", "--threads", "1",
-               "--no-plot"]
+TRAIN_SMALL = [
+    "--files",
+    "15",
+    "--vocab-size",
+    "400",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "32",
+    "--threads",
+    "1",
+    "--no-plot",
+]
 
 
 def train(*runs: list[str]) -> None:
     """One training run per list of arguments, side by side (each takes one thread)."""
     script = os.path.join(ROOT, "ops", "train_tiny_model.py")
-    started = [subprocess.Popen([sys.executable, script, *args, *TRAIN_SMALL], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True) for args in runs]
+    started = [
+        subprocess.Popen(
+            [sys.executable, script, *args, *TRAIN_SMALL], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        for args in runs
+    ]
     for process in started:
         _, errors = process.communicate(timeout=300)
         assert process.returncode == 0, errors[-2000:]

@@ -23,13 +23,7 @@ from shared.prefix_keys import ROOT, chain_key
 from shared.protocol import AddRequest, Ready
 from shared.sampling import SamplingParams
 from tests.conftest import wait_until
-from tests.scheduler_harness import (
-    StandInWorker,
-    check_block_accounting,
-    make_scheduler,
-    request,
-    run_to_completion,
-)
+from tests.scheduler_harness import StandInWorker, check_block_accounting, make_scheduler, request, run_to_completion
 from tests.test_liveness import _build, configs
 
 NGRAM = SpeculativeConfig("ngram", 4, 1, 3, adaptive=False)
@@ -163,22 +157,36 @@ def _cache_keys_of_true_tokens(outputs, prompts, block_size) -> set[bytes]:
             tokens = prompt + tokens_of(outputs, request_id, index)
             parent = ROOT
             for start in range(0, len(tokens) - block_size + 1, block_size):
-                parent = chain_key(parent, tokens[start:start + block_size])
+                parent = chain_key(parent, tokens[start : start + block_size])
                 keys.add(parent)
     return keys
 
 
 @st.composite
 def requests(draw):
-    kind = draw(st.sampled_from([{}, {}, {"n": 2}, {"n": 1, "best_of": 2}, {"stop_token_ids": [999]},
-                                 {"use_beam_search": True, "best_of": 2}]))
+    kind = draw(
+        st.sampled_from(
+            [
+                {},
+                {},
+                {"n": 2},
+                {"n": 1, "best_of": 2},
+                {"stop_token_ids": [999]},
+                {"use_beam_search": True, "best_of": 2},
+            ]
+        )
+    )
     prompt = [5, 6, 7, 8] * draw(st.integers(0, 3)) + draw(st.lists(st.integers(1, 30), min_size=1, max_size=20))
     return prompt, dict(kind, max_tokens=draw(st.integers(1, 40)))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=configs(), specs=st.lists(requests(), min_size=1, max_size=6), depth=st.sampled_from([1, 2]),
-       k=st.integers(1, 5))
+@given(
+    config=configs(),
+    specs=st.lists(requests(), min_size=1, max_size=6),
+    depth=st.sampled_from([1, 2]),
+    k=st.integers(1, 5),
+)
 def test_speculation_gives_the_tokens_of_plain_decoding_and_keeps_the_invariants(config, specs, depth, k):
     results = []
     for speculative in (None, SpeculativeConfig("ngram", k, 1, 3, adaptive=False)):

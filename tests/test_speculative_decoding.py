@@ -30,15 +30,16 @@ def hf_without_eos(model_dir: str, prompt: list[int], max_tokens: int) -> list[i
     with torch.no_grad():
         for _ in range(max_tokens):
             tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_greedy_tokens_equal_hf_with_ngram_speculation(family, family_dirs):
     model_dir = family_dirs[family]
     engine = Engine(model_dir, speculative=NGRAM, depth=2)  # steps planned ahead, as the server does
-    assert engine.generate(PROMPTS, max_tokens=48, ignore_eos=True) == [hf_without_eos(model_dir, p, 48)
-                                                                         for p in PROMPTS]
+    assert engine.generate(PROMPTS, max_tokens=48, ignore_eos=True) == [
+        hf_without_eos(model_dir, p, 48) for p in PROMPTS
+    ]
     stats = engine.scheduler.speculation.stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     # Steps were planned while proposals were in flight: the worker settled where they start.
@@ -57,8 +58,9 @@ def test_a_draft_model_gives_hf_greedy_tokens_whether_it_agrees_or_not(family, f
     plain.generate(PROMPTS, max_tokens=40)
     assert len(agreeing.steps) < len(plain.steps) / 2
     other = family_dirs["qwen2" if family != "qwen2" else "llama"]  # same tokenizer, other weights
-    disagreeing = Engine(model_dir, speculative=SpeculativeConfig("draft_model", 3, model=other, adaptive=False),
-                         depth=2)
+    disagreeing = Engine(
+        model_dir, speculative=SpeculativeConfig("draft_model", 3, model=other, adaptive=False), depth=2
+    )
     assert disagreeing.generate(PROMPTS, max_tokens=40) == want
 
 
@@ -74,8 +76,11 @@ SAMPLED = [
 def test_a_seed_fixes_the_tokens_with_speculation_as_without(sampling, family_dirs):
     model_dir = family_dirs["llama"]
     plain = Engine(model_dir).generate(PROMPTS, max_tokens=32, seed=1234, ignore_eos=True, **sampling)
-    for speculative, depth in ((NGRAM, 2), (NGRAM, 1), (SpeculativeConfig("draft_model", 3, model=model_dir,
-                                                                            adaptive=False), 2)):
+    for speculative, depth in (
+        (NGRAM, 2),
+        (NGRAM, 1),
+        (SpeculativeConfig("draft_model", 3, model=model_dir, adaptive=False), 2),
+    ):
         engine = Engine(model_dir, speculative=speculative, depth=depth)
         assert engine.generate(PROMPTS, max_tokens=32, seed=1234, ignore_eos=True, **sampling) == plain
         assert engine.scheduler.speculation.stats.num_draft_tokens > 0
@@ -86,18 +91,21 @@ def test_a_seed_fixes_the_tokens_with_speculation_as_without(sampling, family_di
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
 def test_preemption_in_the_middle_of_a_speculating_batch_keeps_hf_tokens(preemption, family_dirs):
     model_dir = family_dirs["qwen2"]
-    engine = Engine(model_dir, block_size=4, num_gpu_blocks=40, num_cpu_blocks=64, preemption=preemption,
-                    speculative=NGRAM, depth=2)
-    assert engine.generate(PROMPTS, max_tokens=40, ignore_eos=True) == [hf_without_eos(model_dir, p, 40)
-                                                                         for p in PROMPTS]
+    engine = Engine(
+        model_dir, block_size=4, num_gpu_blocks=40, num_cpu_blocks=64, preemption=preemption, speculative=NGRAM, depth=2
+    )
+    assert engine.generate(PROMPTS, max_tokens=40, ignore_eos=True) == [
+        hf_without_eos(model_dir, p, 40) for p in PROMPTS
+    ]
     assert getattr(engine.scheduler.counters, f"preemptions_{preemption}") > 0
     assert engine.scheduler.speculation.stats.num_accepted_tokens > 0
 
 
 def test_prefix_caching_chunked_prefill_and_n_samples_with_speculation(family_dirs):
     model_dir = family_dirs["llama3"]
-    engine = Engine(model_dir, block_size=4, prefix_caching=True, chunked_prefill=True, max_num_batched_tokens=16,
-                    speculative=NGRAM)
+    engine = Engine(
+        model_dir, block_size=4, prefix_caching=True, chunked_prefill=True, max_num_batched_tokens=16, speculative=NGRAM
+    )
     shared = [3, 4] * 10
     ids = [engine.add(shared + tail, max_tokens=30, ignore_eos=True, n=2) for tail in ([9], [9, 9])]
     tokens = engine.run()
@@ -157,8 +165,11 @@ def small_vocabulary_model(tmp_path_factory) -> str:
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_sampling_keeps_the_target_distribution(method, small_vocabulary_model):
     model_dir = small_vocabulary_model
-    speculative = (SpeculativeConfig("ngram", 3, 1, 3, adaptive=False) if method == "ngram"
-                   else SpeculativeConfig("draft_model", 3, model=model_dir, adaptive=False))
+    speculative = (
+        SpeculativeConfig("ngram", 3, 1, 3, adaptive=False)
+        if method == "ngram"
+        else SpeculativeConfig("draft_model", 3, model=model_dir, adaptive=False)
+    )
     engine = Engine(model_dir, speculative=speculative, max_num_seqs=256, num_gpu_blocks=1200, depth=2)
     samples = 3000
     ids = [engine.add(PROMPT, max_tokens=4, temperature=TEMPERATURE, ignore_eos=True) for _ in range(samples)]

@@ -63,25 +63,38 @@ def test_logprobs_come_for_every_emitted_token(ngram_server, tokenizer):
     assert len(choice["logprobs"]["token_logprobs"]) == len(tokens) == 48
     model = _hf_model(SHIPPED_MODEL)
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
     want = logits[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-3)
 
 
 def stream(server, prompt, **fields) -> list[dict]:
-    body = {"model": server.model, "prompt": prompt, "temperature": 0, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}, **fields}
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+        **fields,
+    }
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
-    return [json.loads(line[6:]) for line in response.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return [
+        json.loads(line[6:])
+        for line in response.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 def test_a_stop_string_inside_an_accepted_run_ends_the_text_and_the_count_there(ngram_server, tokenizer):
     prompt = tokenizer.encode(OPENINGS[0])
     chunks = [c for e in stream(ngram_server, prompt, max_tokens=96) for c in e["choices"]]  # one per step
     full_text, tokens = "".join(c["text"] for c in chunks), [t for c in chunks for t in c["token_ids"]]
-    before, run = next((sum(len(c["token_ids"]) for c in chunks[:i]), c["token_ids"]) for i, c in enumerate(chunks)
-                       if len(c["token_ids"]) >= 3)  # a step that kept two proposals or more
+    before, run = next(
+        (sum(len(c["token_ids"]) for c in chunks[:i]), c["token_ids"])
+        for i, c in enumerate(chunks)
+        if len(c["token_ids"]) >= 3
+    )  # a step that kept two proposals or more
     taken = before + 2  # the stop string ends with the run's second token
     prefix = tokenizer.decode(tokens[:taken])
     assert full_text.startswith(prefix) and run
@@ -97,7 +110,7 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_text_and_the_count_there(
             result = complete(ngram_server, prompt, max_tokens=96, stop=[stop])
             text, token_ids = result["choices"][0]["text"], result["choices"][0]["token_ids"]
             usage, reason = result["usage"], result["choices"][0]["finish_reason"]
-        assert text == full_text[:len(prefix) - length] and reason == "stop"
+        assert text == full_text[: len(prefix) - length] and reason == "stop"
         assert token_ids == tokens[:taken] and usage["completion_tokens"] == taken  # nothing after the stop
     assert wait_until(ngram_server.is_idle, 5)
 
@@ -114,8 +127,9 @@ def test_a_client_that_leaves_mid_stream_frees_every_block(ngram_server, tokeniz
 def test_tp_2_with_a_draft_model_gives_hf_greedy_tokens(tmp_path, tokenizer):
     draft = json.dumps({"method": "draft_model", "model": SHIPPED_MODEL, "num_speculative_tokens": 3})
     prompts = [tokenizer.encode(text) for text in OPENINGS[:2]]
-    with serve(None, str(tmp_path), "--dtype", "float32", "--tensor-parallel-size", "2", "--speculative-config",
-               draft) as server:
+    with serve(
+        None, str(tmp_path), "--dtype", "float32", "--tensor-parallel-size", "2", "--speculative-config", draft
+    ) as server:
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: complete(server, p, max_tokens=40)["choices"][0]["token_ids"], prompts))
         metrics = server.metrics("scheduler")
@@ -124,8 +138,22 @@ def test_tp_2_with_a_draft_model_gives_hf_greedy_tokens(tmp_path, tokenizer):
 
 
 def test_a_bad_speculative_config_is_one_clear_error_before_anything_loads():
-    done = subprocess.run([sys.executable, "-m", "services.launcher", "up", "--port", "1", *metrics_port_flags(),
-                           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "up",
+            "--port",
+            "1",
+            *metrics_port_flags(),
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 0}',
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "num_speculative_tokens must be an integer" in done.stderr

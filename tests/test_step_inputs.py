@@ -25,8 +25,9 @@ def test_fields_come_back_side_by_side_from_one_buffer_kept_between_loads():
 
 
 def test_a_step_makes_no_device_tensor_from_a_list(llama_dir, monkeypatch):
-    engine = Engine(llama_dir, block_size=4, speculative=SpeculativeConfig("ngram", 3, prompt_lookup_min=1,
-                                                                            prompt_lookup_max=2))
+    engine = Engine(
+        llama_dir, block_size=4, speculative=SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=2)
+    )
     made, executing = [], [False]
     real_tensor, real_execute = torch.tensor, engine.runner.execute
 

@@ -13,10 +13,17 @@ from services.worker.cpu_threads import ComputeThreads
 from tests.engine_harness import Engine
 from tests.tiny_models import build_model
 
-pytestmark = pytest.mark.skipif(native.helper_pool() is None or cpu_linear.gemm_build() is None,
-                                reason="no C compiler here: every step runs its Python")
-PROMPTS = [[5, 9, 13, 200, 17, 44, 60, 71], [7, 7, 8, 300, 12], [100, 101, 102, 103, 5, 6, 7, 8, 9, 10, 11],
-           [3] * 40, [250, 3, 250, 3, 9]]
+pytestmark = pytest.mark.skipif(
+    native.helper_pool() is None or cpu_linear.gemm_build() is None,
+    reason="no C compiler here: every step runs its Python",
+)
+PROMPTS = [
+    [5, 9, 13, 200, 17, 44, 60, 71],
+    [7, 7, 8, 300, 12],
+    [100, 101, 102, 103, 5, 6, 7, 8, 9, 10, 11],
+    [3] * 40,
+    [250, 3, 250, 3, 9],
+]
 LENGTHS = [30, 9, 21, 14, 26]  # sequences leave at different steps: batches of 5, 4, 3, 2, 1 (padded to 8, 4, 2, 1)
 
 
@@ -40,10 +47,13 @@ def test_a_replay_makes_its_recordings_kernel_calls_on_the_inputs_written_since(
         assert torch.equal(recorded, norm_then_project(x, weight, panels, 40, scale))
 
 
-@pytest.mark.parametrize("computation, refused_for", [
-    (lambda x: x @ x.T, "aten.mm"),  # new values computed by torch
-    (lambda x: x[: int(x.sum() > 0) + 1], "aten.sum"),  # a value read back decides what follows
-])
+@pytest.mark.parametrize(
+    "computation, refused_for",
+    [
+        (lambda x: x @ x.T, "aten.mm"),  # new values computed by torch
+        (lambda x: x[: int(x.sum() > 0) + 1], "aten.sum"),  # a value read back decides what follows
+    ],
+)
 def test_a_stretch_that_torch_computes_is_refused_and_its_result_still_returned(computation, refused_for):
     x = torch.randn(4, 4)
     result, replay, refusal = record(computation, x)
@@ -54,9 +64,24 @@ def test_a_stretch_that_torch_computes_is_refused_and_its_result_still_returned(
 @torch.inference_mode()
 def test_a_kernel_called_outside_share_task_is_refused():
     x, weight, out = torch.randn(2, 16), torch.ones(16), torch.empty(2, 16)
-    kernel = native.function("cpu_norm", "rms_norm_f32", [native.POINTER, native.POINTER, native.POINTER,
-                             native.FLOAT, native.POINTER, native.INT64, native.INT64, native.INT64, native.INT64,
-                             native.POINTER, native.INT64], native.INT64)
+    kernel = native.function(
+        "cpu_norm",
+        "rms_norm_f32",
+        [
+            native.POINTER,
+            native.POINTER,
+            native.POINTER,
+            native.FLOAT,
+            native.POINTER,
+            native.INT64,
+            native.INT64,
+            native.INT64,
+            native.INT64,
+            native.POINTER,
+            native.INT64,
+        ],
+        native.INT64,
+    )
 
     def direct():
         kernel(x.data_ptr(), 0, weight.data_ptr(), 1e-5, out.data_ptr(), 2, 16, 16, 2, native.new_counters(), 1)
@@ -68,15 +93,23 @@ def test_a_kernel_called_outside_share_task_is_refused():
 
 @pytest.fixture(scope="module")
 def llama_dirs(tmp_path_factory):
-    return {dtype: build_model(str(tmp_path_factory.mktemp(f"llama-{dtype}")), "llama", dtype=getattr(torch, dtype))
-            for dtype in ("float32", "bfloat16")}
+    return {
+        dtype: build_model(str(tmp_path_factory.mktemp(f"llama-{dtype}")), "llama", dtype=getattr(torch, dtype))
+        for dtype in ("float32", "bfloat16")
+    }
 
 
 def generate(model_dir, threads, replay, arrive_late=()):
     """Tokens and top log-probabilities of PROMPTS (each to its LENGTHS), with `arrive_late` prompts added
     after the fourth step, through decode graphs' buffers where `replay`."""
-    engine = Engine(model_dir, dtype="auto", threads=ComputeThreads(threads), block_size=4, chunked_prefill=True,
-                    decode_graphs={"max_batch": 8, "max_context": 128} if replay else None)
+    engine = Engine(
+        model_dir,
+        dtype="auto",
+        threads=ComputeThreads(threads),
+        block_size=4,
+        chunked_prefill=True,
+        decode_graphs={"max_batch": 8, "max_context": 128} if replay else None,
+    )
     ids = [engine.add(p, logprobs=3, max_tokens=n, ignore_eos=True) for p, n in zip(PROMPTS, LENGTHS)]
 
     def add_late(engine):

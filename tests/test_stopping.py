@@ -63,13 +63,31 @@ def stream_forever(base_url: str, model: str, streaming: threading.Event) -> Non
         pass  # the server went away mid-stream, as it should
 
 
-@pytest.mark.parametrize("signum, whole_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
-                         ids=["ctrl-c", "sigterm-to-the-launcher"])
+@pytest.mark.parametrize(
+    "signum, whole_group", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm-to-the-launcher"]
+)
 def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, socket_dir, signum, whole_group):
     port, temp = free_port(), Path(socket_dir)
-    process = start([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
-                     *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
-                    tmp_path / "launcher.log", temp)
+    process = start(
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "serve",
+            llama_dir,
+            "--port",
+            str(port),
+            *metrics_port_flags(),
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            "0.05",
+            "--swap-space",
+            "0.05",
+        ],
+        tmp_path / "launcher.log",
+        temp,
+    )
     wait_serving(f"http://127.0.0.1:{port}", process, (tmp_path / "launcher.log").read_text, 120)
     # Its ipc sockets live in a directory of its own, closed to other users.
     assert [(p.name[:11], p.stat().st_mode & 0o777) for p in temp.iterdir()] == [("pagedserve-", 0o700)]
@@ -77,8 +95,9 @@ def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, socket_dir,
     models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == os.path.basename(llama_dir)
     streaming = threading.Event()
-    client = threading.Thread(target=stream_forever,
-                              args=(f"http://127.0.0.1:{port}", os.path.basename(llama_dir), streaming))
+    client = threading.Thread(
+        target=stream_forever, args=(f"http://127.0.0.1:{port}", os.path.basename(llama_dir), streaming)
+    )
     client.start()
     assert streaming.wait(60), "the stream never started"
     took = stop_and_time(process, signum, whole_group)
@@ -93,9 +112,26 @@ def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, socket_dir,
 
 def test_an_idle_launcher_stopped_by_ctrl_c_logs_no_error_and_no_line_about_waiting(llama_dir, tmp_path, socket_dir):
     port, temp = free_port(), Path(socket_dir)
-    process = start([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
-                     *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
-                    tmp_path / "launcher.log", temp)
+    process = start(
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "serve",
+            llama_dir,
+            "--port",
+            str(port),
+            *metrics_port_flags(),
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            "0.05",
+            "--swap-space",
+            "0.05",
+        ],
+        tmp_path / "launcher.log",
+        temp,
+    )
     wait_serving(f"http://127.0.0.1:{port}", process, (tmp_path / "launcher.log").read_text, 120)
     stop_and_time(process, signal.SIGINT, whole_group=True)
     output = (tmp_path / "launcher.log").read_text()
@@ -107,12 +143,34 @@ def service_commands(llama_dir: str, sockets: str) -> dict[str, list[str]]:
     scheduler, workers = f"ipc://{sockets}/scheduler.sock", f"ipc://{sockets}/workers.sock"
     python = [sys.executable, "-m"]
     return {
-        "scheduler": python + ["services.scheduler", "--scheduler-endpoint", scheduler, "--worker-endpoint", workers,
-                               "--metrics-port", str(free_port())],
-        "worker": python + ["services.worker", "--model", llama_dir, "--worker-endpoint", workers, "--device", "cpu",
-                            "--kv-cache-memory", "0.05", "--swap-space", "0.05", "--metrics-port", str(free_port())],
-        "api": python + ["services.api", "--model", llama_dir, "--scheduler-endpoint", scheduler,
-                         "--port", str(free_port())],
+        "scheduler": python
+        + [
+            "services.scheduler",
+            "--scheduler-endpoint",
+            scheduler,
+            "--worker-endpoint",
+            workers,
+            "--metrics-port",
+            str(free_port()),
+        ],
+        "worker": python
+        + [
+            "services.worker",
+            "--model",
+            llama_dir,
+            "--worker-endpoint",
+            workers,
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            "0.05",
+            "--swap-space",
+            "0.05",
+            "--metrics-port",
+            str(free_port()),
+        ],
+        "api": python
+        + ["services.api", "--model", llama_dir, "--scheduler-endpoint", scheduler, "--port", str(free_port())],
     }
 
 
@@ -128,8 +186,12 @@ def test_each_service_alone_stops_promptly(llama_dir, tmp_path, socket_dir, sign
         processes[service] = start(service_commands(llama_dir, str(sockets))[service], logs[service], sockets)
     try:
         for service, process in processes.items():
-            assert wait_until(lambda service=service, process=process: ready_line[service] in logs[service].read_text()
-                              or process.poll() is not None, 60), logs[service].read_text()
+            assert wait_until(
+                lambda service=service, process=process: (
+                    ready_line[service] in logs[service].read_text() or process.poll() is not None
+                ),
+                60,
+            ), logs[service].read_text()
             assert process.poll() is None, logs[service].read_text()
             if "--metrics-port" in process.args:  # its metrics port answers /metrics and /health, and 404 else
                 base = f"http://127.0.0.1:{process.args[process.args.index('--metrics-port') + 1]}"
@@ -175,12 +237,14 @@ def test_a_signal_taken_by_a_helper_thread_still_stops_the_scheduler_and_the_wor
         log = tmp_path / f"{service}.log"
         process = start(service_commands(llama_dir, str(sockets))[service], log, sockets)
         try:
-            assert wait_until(lambda line=line, log=log, process=process: line in log.read_text()
-                              or process.poll() is not None, 60), log.read_text()
+            assert wait_until(
+                lambda line=line, log=log, process=process: line in log.read_text() or process.poll() is not None, 60
+            ), log.read_text()
             assert wait_until(lambda process=process: asleep(process.pid), 10)  # idle in its poll
             started = time.monotonic()
-            assert syscall(TGKILL, process.pid, helper_thread_taking(process.pid, signal.SIGTERM),
-                           signal.SIGTERM) == 0, ctypes.get_errno()
+            assert (
+                syscall(TGKILL, process.pid, helper_thread_taking(process.pid, signal.SIGTERM), signal.SIGTERM) == 0
+            ), ctypes.get_errno()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(10)
             took = time.monotonic() - started
@@ -227,9 +291,26 @@ def test_a_signal_whose_interrupt_is_lost_in_a_destructor_still_stops_the_loop()
 
 def test_a_sigkilled_launcher_leaves_no_service_and_no_socket_directory_behind(llama_dir, tmp_path, socket_dir):
     port, temp = free_port(), Path(socket_dir)
-    process = start([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(port),
-                     *metrics_port_flags(), "--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05"],
-                    tmp_path / "launcher.log", temp)
+    process = start(
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "serve",
+            llama_dir,
+            "--port",
+            str(port),
+            *metrics_port_flags(),
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            "0.05",
+            "--swap-space",
+            "0.05",
+        ],
+        tmp_path / "launcher.log",
+        temp,
+    )
     try:
         wait_serving(f"http://127.0.0.1:{port}", process, (tmp_path / "launcher.log").read_text, 120)
         children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()

@@ -60,19 +60,25 @@ def schema_grammar(model_dir: str, schema: dict = PERSON) -> str:
 # --- which field asks for what ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("body, kind, text", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
-     "json", '{"type": "integer"}'),
-    ({"response_format": {"type": "json_object"}}, "json", '{"type": "object"}'),
-    ({"structured_outputs": {"json": {"type": "integer"}}}, "json", '{"type": "integer"}'),
-    ({"structured_outputs": {"regex": "[ab]+"}}, "regex", "[ab]+"),
-    ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", '["yes", "no"]'),
-    ({"structured_outputs": {"grammar": 'start: "x"'}}, "grammar", 'start: "x"'),
-    ({"guided_json": '{"type": "integer"}'}, "json", '{"type": "integer"}'),
-    ({"guided_regex": "[ab]+"}, "regex", "[ab]+"),
-    ({"guided_choice": ["yes", "no"]}, "choice", '["yes", "no"]'),
-    ({"guided_grammar": 'start: "x"'}, "grammar", 'start: "x"'),
-])
+@pytest.mark.parametrize(
+    "body, kind, text",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
+            "json",
+            '{"type": "integer"}',
+        ),
+        ({"response_format": {"type": "json_object"}}, "json", '{"type": "object"}'),
+        ({"structured_outputs": {"json": {"type": "integer"}}}, "json", '{"type": "integer"}'),
+        ({"structured_outputs": {"regex": "[ab]+"}}, "regex", "[ab]+"),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", '["yes", "no"]'),
+        ({"structured_outputs": {"grammar": 'start: "x"'}}, "grammar", 'start: "x"'),
+        ({"guided_json": '{"type": "integer"}'}, "json", '{"type": "integer"}'),
+        ({"guided_regex": "[ab]+"}, "regex", "[ab]+"),
+        ({"guided_choice": ["yes", "no"]}, "choice", '["yes", "no"]'),
+        ({"guided_grammar": 'start: "x"'}, "grammar", 'start: "x"'),
+    ],
+)
 def test_each_field_of_openai_and_vllm_asks_for_its_constraint(body, kind, text):
     spec = parse_structured(body)
     assert (spec.kind, spec.text) == (kind, text)

@@ -24,8 +24,13 @@ SMALL_KV = ["--block-size", "4", "--num-gpu-blocks-override", "20", "--enable-pr
 
 
 def greedy(server, prompt: list[int]) -> list[int]:
-    body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True}
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["token_ids"]
@@ -42,16 +47,24 @@ def family_dirs(tmp_path_factory, llama_dir) -> dict[str, str]:
 # Every family at TP 2, and the two with grouped KV heads at TP 4 as well (4 ranks over 2 KV heads:
 # ranks share them, the one layout TP 2 does not reach); each preemption mode at each size, so that
 # swap and recompute on sharded caches are both checked with one launch per case.
-CASES = [("llama", 2, "swap"), ("qwen2", 2, "recompute"), ("opt", 2, "swap"), ("gpt2", 2, "recompute"),
-         ("llama", 4, "recompute"), ("qwen2", 4, "swap")]
+CASES = [
+    ("llama", 2, "swap"),
+    ("qwen2", 2, "recompute"),
+    ("opt", 2, "swap"),
+    ("gpt2", 2, "recompute"),
+    ("llama", 4, "recompute"),
+    ("qwen2", 4, "swap"),
+]
 
 
 @pytest.mark.parametrize("family, size, mode", CASES)
-def test_greedy_and_beam_search_at_tp_n_equal_hf_under_preemption_and_prefix_caching(family_dirs, tmp_path, family,
-                                                                                      size, mode):
+def test_greedy_and_beam_search_at_tp_n_equal_hf_under_preemption_and_prefix_caching(
+    family_dirs, tmp_path, family, size, mode
+):
     model_dir = family_dirs[family]
-    with serve(model_dir, str(tmp_path), "--tensor-parallel-size", str(size), "--preemption-mode", mode,
-               *SMALL_KV) as server:
+    with serve(
+        model_dir, str(tmp_path), "--tensor-parallel-size", str(size), "--preemption-mode", mode, *SMALL_KV
+    ) as server:
         got = greedy_batch(server, PROMPTS)  # all at once, so some are preempted whatever the timing
         # Alone, twice: the second finds the first's blocks in the prefix cache, whatever the
         # preempting batch evicted.
@@ -67,16 +80,29 @@ def test_greedy_and_beam_search_at_tp_n_equal_hf_under_preemption_and_prefix_cac
 
 
 def greedy_batch(server, prompts: list[list[int]]) -> list[list[int]]:
-    body = {"model": server.model, "prompt": prompts, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True}
+    body = {
+        "model": server.model,
+        "prompt": prompts,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return [c["token_ids"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
 
 
 def beam_search(server, prompt: list[int]) -> list[list[int]]:
-    body = {"model": server.model, "prompt": prompt, "max_tokens": 8, "n": 2, "best_of": 2,
-            "use_beam_search": True, "temperature": 0, "return_token_ids": True}
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "n": 2,
+        "best_of": 2,
+        "use_beam_search": True,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     choices = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120).json()["choices"]
     return [c["token_ids"] for c in choices]
 
@@ -90,8 +116,14 @@ def test_a_bf16_checkpoint_at_tp_2_is_close_to_hf_in_bf16(tmp_path):
     model_dir = build_model(str(tmp_path / "model"), "llama", dtype=torch.bfloat16)
     decode = AutoTokenizer.from_pretrained(model_dir).decode
     with serve(model_dir, str(tmp_path), "--tensor-parallel-size", "2", *SMALL_KV) as server:
-        body = {"model": server.model, "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "logprobs": 5, "return_token_ids": True}
+        body = {
+            "model": server.model,
+            "prompt": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": 5,
+            "return_token_ids": True,
+        }
         response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         worker = server.metrics("worker")
@@ -112,9 +144,26 @@ def test_a_model_whose_heads_do_not_divide_stops_with_one_clear_error(llama_dir,
 
     from tests.conftest import ROOT, free_port, metrics_port_flags
 
-    done = subprocess.run([sys.executable, "-m", "services.launcher", "serve", llama_dir, "--port", str(free_port()),
-                           *metrics_port_flags(), "--device", "cpu", "--tensor-parallel-size", "3"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "serve",
+            llama_dir,
+            "--port",
+            str(free_port()),
+            *metrics_port_flags(),
+            "--device",
+            "cpu",
+            "--tensor-parallel-size",
+            "3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0
     assert "not divisible by the tensor-parallel size (3)" in done.stdout + done.stderr
 
@@ -160,12 +209,14 @@ def test_a_rank_killed_mid_stream_fails_the_requests_and_the_group_serves_again(
         assert "restarting all 2 ranks" in server.log()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs two GPUs: TP 2 over NCCL")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs: TP 2 over NCCL"
+)
 def test_tp_2_on_nccl_gives_the_tokens_of_tp_1(llama_dir, tmp_path):
     results = []
     for size in (1, 2):
-        with serve(llama_dir, str(tmp_path), "--device", "cuda", "--dtype", "float32", "--tensor-parallel-size",
-                   str(size)) as server:
+        with serve(
+            llama_dir, str(tmp_path), "--device", "cuda", "--dtype", "float32", "--tensor-parallel-size", str(size)
+        ) as server:
             results.append([greedy(server, p) for p in PROMPTS])
     assert results[0] == results[1]

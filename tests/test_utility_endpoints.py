@@ -20,8 +20,9 @@ def post(server, path, body):
 
 
 def test_tokenize_a_prompt_and_chat_messages_as_the_model_tokenizer_does(llama_server, tokenizer):
-    answer = post(llama_server, "/tokenize", {"model": llama_server.model, "prompt": "def main():",
-                                               "return_token_strs": True}).json()
+    answer = post(
+        llama_server, "/tokenize", {"model": llama_server.model, "prompt": "def main():", "return_token_strs": True}
+    ).json()
     assert answer["tokens"] == tokenizer.encode("def main():") and answer["count"] == len(answer["tokens"])
     assert answer["max_model_len"] > 0 and answer["token_strs"] == tokenizer.convert_ids_to_tokens(answer["tokens"])
     messages = [{"role": "user", "content": "hello"}]
@@ -35,14 +36,17 @@ def test_detokenize_gives_the_text_back(llama_server, tokenizer):
     assert post(llama_server, "/detokenize", {"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/tokenize", {"prompt": 5}, "prompt"),
-    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
-    ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
-    ("/detokenize", {"tokens": [1, -2]}, "tokens"),
-    ("/detokenize", {"tokens": [10**9]}, "tokens"),
-    ("/detokenize", {"tokens": "1 2"}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+        ("/detokenize", {"tokens": [1, -2]}, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+    ],
+)
 def test_bad_tokenizer_requests_get_openai_style_errors(llama_server, path, body, param):
     response = post(llama_server, path, body)
     assert response.status_code in (400, 404) and response.json()["error"]["param"] == param

@@ -38,8 +38,13 @@ LONG = 160  # tokens: long enough that the attacks land while the stream runs
 @pytest.fixture(scope="module")
 def keys_dir(tmp_path_factory) -> str:
     directory = str(tmp_path_factory.mktemp("keys"))
-    done = subprocess.run([sys.executable, "-m", "services.launcher", "keys", directory], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.launcher", "keys", directory],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     for role in ("scheduler", "api", "worker"):
         assert os.stat(os.path.join(directory, role, f"{role}.key_secret")).st_mode & 0o077 == 0
@@ -62,13 +67,45 @@ def tcp_services(model_dir: str, tmp_path, keys_dir: str, *scheduler_flags: str)
     scheduler_ep, worker_ep = f"tcp://127.0.0.1:{scheduler_port}", f"tcp://127.0.0.1:{worker_port}"
     logs = {name: str(tmp_path / f"{name}.log") for name in ("scheduler", "worker", "api")}
     processes = [
-        start("services.scheduler", "--scheduler-endpoint", scheduler_ep, "--worker-endpoint", worker_ep,
-              "--keys-dir", f"{keys_dir}/scheduler", *scheduler_flags, log=logs["scheduler"]),
-        start("services.worker", "--model", model_dir, "--worker-endpoint", worker_ep, "--device", "cpu",
-              "--kv-cache-memory", "0.05", "--swap-space", "0.05", "--keys-dir", f"{keys_dir}/worker",
-              log=logs["worker"]),
-        start("services.api", "--model", model_dir, "--scheduler-endpoint", scheduler_ep, "--port", str(http_port),
-              "--keys-dir", f"{keys_dir}/api", log=logs["api"]),
+        start(
+            "services.scheduler",
+            "--scheduler-endpoint",
+            scheduler_ep,
+            "--worker-endpoint",
+            worker_ep,
+            "--keys-dir",
+            f"{keys_dir}/scheduler",
+            *scheduler_flags,
+            log=logs["scheduler"],
+        ),
+        start(
+            "services.worker",
+            "--model",
+            model_dir,
+            "--worker-endpoint",
+            worker_ep,
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            "0.05",
+            "--swap-space",
+            "0.05",
+            "--keys-dir",
+            f"{keys_dir}/worker",
+            log=logs["worker"],
+        ),
+        start(
+            "services.api",
+            "--model",
+            model_dir,
+            "--scheduler-endpoint",
+            scheduler_ep,
+            "--port",
+            str(http_port),
+            "--keys-dir",
+            f"{keys_dir}/api",
+            log=logs["api"],
+        ),
     ]
     services = Services(f"http://127.0.0.1:{http_port}", scheduler_port, worker_port, logs)
     try:
@@ -88,12 +125,19 @@ def stream_in_background(services: Services, model: str, max_tokens: int = LONG)
     started = threading.Event()
 
     def run():
-        body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}
+        body = {
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
         with httpx.stream("POST", f"{services.base}/v1/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
-                    chunk = json.loads(line[len("data: "):])
+                    chunk = json.loads(line[len("data: ") :])
                     if "error" in chunk:
                         result["error"] = chunk["error"]
                     else:
@@ -110,7 +154,7 @@ def stream_in_background(services: Services, model: str, max_tokens: int = LONG)
 def equals_hf_greedy(model_dir: str, token_ids: list[int]) -> bool:
     """HF stops at its first EOS; the stream (ignore_eos) goes on past it."""
     expected = hf_greedy(model_dir, PROMPT, LONG)
-    return len(token_ids) == LONG and token_ids[:len(expected)] == expected
+    return len(token_ids) == LONG and token_ids[: len(expected)] == expected
 
 
 def zmq_peer(port: int, keys=None) -> tuple[zmq.Context, zmq.Socket]:
@@ -127,23 +171,30 @@ def test_an_unkeyed_peer_gets_nothing_through_and_disturbs_no_stream(llama_dir, 
             with socket.create_connection(("127.0.0.1", port)) as raw:
                 raw.sendall(os.urandom(4096))
             context, peer = zmq_peer(port)  # well-formed messages, but no key
-            for message in (Ready(0, 1, 64, 0, 16, 128, [0], 1024, 1e9, 1e4), Shutdown(),
-                            AddRequest("rogue", [1, 2, 3], SamplingParams(max_tokens=4), time.time()),
-                            Hello("rogue")):
+            for message in (
+                Ready(0, 1, 64, 0, 16, 128, [0], 1024, 1e9, 1e4),
+                Shutdown(),
+                AddRequest("rogue", [1, 2, 3], SamplingParams(max_tokens=4), time.time()),
+                Hello("rogue"),
+            ):
                 sockets.try_send(peer, message)
             assert not peer.poll(1500), "an unkeyed peer received a message"
             context.destroy(linger=0)
         thread.join(120)
         assert result["error"] is None
         assert equals_hf_greedy(llama_dir, result["token_ids"])
-        after = httpx.post(f"{services.base}/v1/completions", timeout=60,
-                           json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        after = httpx.post(
+            f"{services.base}/v1/completions",
+            timeout=60,
+            json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+        )
         assert after.status_code == 200  # nothing was stopped
         assert "refused a CURVE peer" not in services.log("scheduler")  # no key at all: no handshake to refuse
 
 
 def test_a_keyed_rogue_api_cannot_act_as_a_worker_or_stop_anything_and_a_second_worker_cannot_take_a_rank(
-        llama_dir, tmp_path, keys_dir):
+    llama_dir, tmp_path, keys_dir
+):
     model = os.path.basename(llama_dir)
     api_keys = load_keys(f"{keys_dir}/api", "api")
     worker_keys = load_keys(f"{keys_dir}/worker", "worker")
@@ -156,8 +207,11 @@ def test_a_keyed_rogue_api_cannot_act_as_a_worker_or_stop_anything_and_a_second_
         context.destroy(linger=0)
         # On the api socket, worker and operator messages are refused.
         context, rogue = zmq_peer(services.scheduler_port, api_keys)
-        for message in (Ready(0, 1, 64, 0, 16, 128, [0], 1024, 1e9, 1e4),
-                        StepResult(0, [SampledTokens(0, [5], [-0.1], [], [])], 1.0, 1.0), Shutdown()):
+        for message in (
+            Ready(0, 1, 64, 0, 16, 128, [0], 1024, 1e9, 1e4),
+            StepResult(0, [SampledTokens(0, [5], [-0.1], [], [])], 1.0, 1.0),
+            Shutdown(),
+        ):
             sockets.send(rogue, message)
         refused = ("refused a Shutdown", "no handler for Ready", "no handler for StepResult")
         assert wait_until(lambda: all(line in services.log("scheduler") for line in refused), 30)
@@ -169,8 +223,11 @@ def test_a_keyed_rogue_api_cannot_act_as_a_worker_or_stop_anything_and_a_second_
         context.destroy(linger=0)
         thread.join(120)
         assert result["error"] is None and equals_hf_greedy(llama_dir, result["token_ids"])
-        after = httpx.post(f"{services.base}/v1/completions", timeout=60,
-                           json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        after = httpx.post(
+            f"{services.base}/v1/completions",
+            timeout=60,
+            json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+        )
         assert after.status_code == 200
         log = services.log("scheduler")
         assert "refused a CURVE peer on the worker socket" in log
@@ -211,8 +268,10 @@ def test_oversized_frames_and_frames_of_empty_containers_are_dropped_within_a_me
         # Python would build 64 bytes per empty array; decoding stops at the 16th, and what is
         # left is the frame, its copy and the outer array's preallocated slots: 8 bytes per element.
         bound = 12 * len(frame)
-        print(f"scheduler peak memory grew {growth_bytes / 2**20:.1f} MiB for a {len(frame) / 2**20:.1f} MiB "
-              f"frame of {empties:,} empty arrays (bound {bound / 2**20:.0f} MiB)")
+        print(
+            f"scheduler peak memory grew {growth_bytes / 2**20:.1f} MiB for a {len(frame) / 2**20:.1f} MiB "
+            f"frame of {empties:,} empty arrays (bound {bound / 2**20:.0f} MiB)"
+        )
         assert growth_bytes < bound
         with open(log_path) as f:
             log = f.read()
@@ -227,11 +286,21 @@ def test_oversized_frames_and_frames_of_empty_containers_are_dropped_within_a_me
 
 
 def test_tcp_endpoints_without_keys_refuse_to_start_unless_the_wire_is_declared_insecure(tmp_path):
-    endpoints = ["--scheduler-endpoint", f"tcp://127.0.0.1:{free_port()}", "--worker-endpoint",
-                 f"tcp://127.0.0.1:{free_port()}"]
+    endpoints = [
+        "--scheduler-endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--worker-endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_KEYS_DIR"}
-    done = subprocess.run([sys.executable, "-m", "services.scheduler", *endpoints], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.scheduler", *endpoints],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0 and "pagedserve keys DIR" in done.stderr
     log = str(tmp_path / "insecure.log")
     scheduler = start("services.scheduler", *endpoints, "--insecure-wire", log=log)
@@ -301,9 +370,17 @@ def scheduler_on_tcp(tmp_path, keys_dir: str, *flags: str) -> tuple[subprocess.P
     """The scheduler alone on two tcp ports with its keys, logging to tmp_path/scheduler.log, once
     both ports accept: (process, api port, worker port)."""
     scheduler_port, worker_port = free_port(), free_port()
-    scheduler = start("services.scheduler", "--scheduler-endpoint", f"tcp://127.0.0.1:{scheduler_port}",
-                      "--worker-endpoint", f"tcp://127.0.0.1:{worker_port}", "--keys-dir", f"{keys_dir}/scheduler",
-                      *flags, log=str(tmp_path / "scheduler.log"))
+    scheduler = start(
+        "services.scheduler",
+        "--scheduler-endpoint",
+        f"tcp://127.0.0.1:{scheduler_port}",
+        "--worker-endpoint",
+        f"tcp://127.0.0.1:{worker_port}",
+        "--keys-dir",
+        f"{keys_dir}/scheduler",
+        *flags,
+        log=str(tmp_path / "scheduler.log"),
+    )
     assert wait_until(lambda: _accepts(scheduler_port) and _accepts(worker_port), 30)
     return scheduler, scheduler_port, worker_port
 
@@ -311,7 +388,8 @@ def scheduler_on_tcp(tmp_path, keys_dir: str, *flags: str) -> tuple[subprocess.P
 @needs_root
 @pytest.mark.parametrize("port, frame_mib", [("worker", 60), ("api", 15)])
 def test_keyless_peers_are_few_at_a_time_and_dropped_within_the_handshake_interval_and_their_memory_returns(
-        tmp_path, keys_dir, port, frame_mib):
+    tmp_path, keys_dir, port, frame_mib
+):
     """Twice, 16 keyless peers of another user, from one address, each begin a frame just under the
     port's limit (64 MiB on the worker port, 16 on the api port) and push it as fast as they can:
     two at a time are let in (HandshakeBudget), the rest are cut at once, all are dropped within the
@@ -352,9 +430,11 @@ def test_keyless_peers_are_few_at_a_time_and_dropped_within_the_handshake_interv
         returned = wait_until(lambda: memory_mib(scheduler.pid, "VmRSS") < resident + 16, 10)
         cut = [kind for kind, _ in outcomes].count("cut")
         let_in_for = max((seconds for kind, seconds in outcomes if kind != "cut"), default=0)
-        print(f"2 x 16 keyless peers pushing {frame_mib} MiB frames to the {port} port: the scheduler's peak "
-              f"memory grew {grown:.0f} MiB; {cut} cut at once, the others dropped after {let_in_for:.1f} s; "
-              f"resident memory {resident:.0f} MiB before, {memory_mib(scheduler.pid, 'VmRSS'):.0f} MiB after")
+        print(
+            f"2 x 16 keyless peers pushing {frame_mib} MiB frames to the {port} port: the scheduler's peak "
+            f"memory grew {grown:.0f} MiB; {cut} cut at once, the others dropped after {let_in_for:.1f} s; "
+            f"resident memory {resident:.0f} MiB before, {memory_mib(scheduler.pid, 'VmRSS'):.0f} MiB after"
+        )
         assert len(outcomes) == 32 and cut >= 20  # a slot frees as soon as its peer is dropped
         assert let_in_for < sockets.HANDSHAKE_MS / 1000 + 2
         assert wait_until(lambda: len(os.listdir(f"/proc/{scheduler.pid}/fd")) <= descriptors, 5)  # none held
@@ -368,7 +448,8 @@ def test_keyless_peers_are_few_at_a_time_and_dropped_within_the_handshake_interv
 
 @needs_root
 def test_keyless_peers_reconnecting_flat_out_from_the_honest_peers_address_and_four_others_keep_nobody_out(
-        tmp_path, keys_dir):
+    tmp_path, keys_dir
+):
     """Another user's peers hold every handshake slot they can get, from 127.0.0.1 (the honest
     peers' own address) and four more, reconnecting the moment they are cut. A new api and a
     restarted worker still connect within 2 s, each time, and the scheduler's memory stays put."""
@@ -395,8 +476,12 @@ def test_keyless_peers_reconnecting_flat_out_from_the_honest_peers_address_and_f
                     pass
 
         sources = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
-        threads = [threading.Thread(target=hold_the_door, args=(source, port))
-                   for source in sources for port in (scheduler_port, worker_port) for _ in range(3)]
+        threads = [
+            threading.Thread(target=hold_the_door, args=(source, port))
+            for source in sources
+            for port in (scheduler_port, worker_port)
+            for _ in range(3)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -440,8 +525,10 @@ def test_keyless_peers_reconnecting_flat_out_from_the_honest_peers_address_and_f
         flooding.join(flood_seconds + 20)
         attempts = results[0]
         grown = memory_mib(scheduler.pid, "VmRSS") - before
-        print(f"{attempts} keyless connections in {flood_seconds:.0f} s; honest peers got in after "
-              f"{', '.join(f'{w:.2f}' for w in waits)} s; scheduler RSS grew {grown:.0f} MiB")
+        print(
+            f"{attempts} keyless connections in {flood_seconds:.0f} s; honest peers got in after "
+            f"{', '.join(f'{w:.2f}' for w in waits)} s; scheduler RSS grew {grown:.0f} MiB"
+        )
         assert isinstance(attempts, int) and attempts > 1000  # the attack ran
         assert len(waits) == 8 and max(waits) < 2
         assert grown < 64

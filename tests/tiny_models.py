@@ -26,24 +26,63 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512)
+_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 CONFIGS = {
     "llama": (LlamaConfig, _DECODER),
     "qwen2": (Qwen2Config, _DECODER),
     # Llama 3's RoPE scaling, tied embeddings, and a head_dim that is not hidden / heads.
-    "llama3": (LlamaConfig, dict(_DECODER, tie_word_embeddings=True, head_dim=32, rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=64))),
+    "llama3": (
+        LlamaConfig,
+        dict(
+            _DECODER,
+            tie_word_embeddings=True,
+            head_dim=32,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
     # A window shorter than the prompts, so the sliding window matters.
     "mistral": (MistralConfig, dict(_DECODER, sliding_window=8)),
     "qwen3": (Qwen3Config, dict(_DECODER, head_dim=16)),
-    "opt": (OPTConfig, dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                            word_embed_proj_dim=64, max_position_embeddings=512, init_std=0.2)),
+    "opt": (
+        OPTConfig,
+        dict(
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=64,
+            max_position_embeddings=512,
+            init_std=0.2,
+        ),
+    ),
     # OPT-350m's shape: embeddings projected in and out, LayerNorm after each block.
-    "opt-post-ln": (OPTConfig, dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                                    word_embed_proj_dim=32, do_layer_norm_before=False,
-                                    max_position_embeddings=512, init_std=0.2)),
+    "opt-post-ln": (
+        OPTConfig,
+        dict(
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+            do_layer_norm_before=False,
+            max_position_embeddings=512,
+            init_std=0.2,
+        ),
+    ),
     "gpt2": (GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)),
 }
 
@@ -66,21 +105,17 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tokenizer.train_from_iterator(corpus(), trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
     )
 
 
-def build_model(directory: str, family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
-                **overrides) -> str:
+def build_model(
+    directory: str, family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> str:
     """Save a tiny random-weight model of `family` with its tokenizer into `directory`, its weights
     (and the dtype its config declares) in `dtype`."""
     tokenizer = build_tokenizer()
@@ -164,8 +199,9 @@ def hf_greedy_with_logprobs(
     return greedy_with_logprobs(_hf_model(directory, dtype), prompt_ids, max_new_tokens, top)
 
 
-def greedy_with_logprobs(model, prompt_ids: list[int], max_new_tokens: int, top: int = 5
-                         ) -> tuple[list[int], list[dict[int, float]]]:
+def greedy_with_logprobs(
+    model, prompt_ids: list[int], max_new_tokens: int, top: int = 5
+) -> tuple[list[int], list[dict[int, float]]]:
     """`model`'s greedy generate (an HF model), with each position's `top` log-probabilities by token id."""
     out = _greedy(model, prompt_ids, max_new_tokens, output_logits=True, return_dict_in_generate=True)
     tokens = _through_eos(out.sequences[0, len(prompt_ids) :].tolist(), model.generation_config.eos_token_id)
@@ -198,17 +234,31 @@ def check_logprobs_close(
     return agreed
 
 
-def make_lora_adapter(base_dir: str, out_dir: str, rank: int = 4, targets: tuple[str, ...] = (
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), seed: int = 0,
-        alpha: float = 8.0, use_rslora: bool = False, layers: list[int] | None = None) -> str:
+def make_lora_adapter(
+    base_dir: str,
+    out_dir: str,
+    rank: int = 4,
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    seed: int = 0,
+    alpha: float = 8.0,
+    use_rslora: bool = False,
+    layers: list[int] | None = None,
+) -> str:
     """A random LoRA adapter of the base model, saved by peft in its own format (B is random too, so that
     the adapter changes the model's tokens)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
-                        use_rslora=use_rslora, layers_to_transform=layers, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        init_lora_weights=False,
+        use_rslora=use_rslora,
+        layers_to_transform=layers,
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(base, config)
     with torch.no_grad():  # peft's random B is small: larger, so that every adapter's greedy tokens differ
         for name, param in model.named_parameters():
@@ -226,8 +276,9 @@ def hf_lora_greedy(base_dir: str, adapter_dir: str, prompt_ids: list[int], max_n
     return hf_lora_generate(base_dir, adapter_dir, prompt_ids, max_new_tokens)[0]
 
 
-def hf_lora_generate(base_dir: str, adapter_dir: str, prompt_ids: list[int], max_new_tokens: int,
-                     **options) -> list[list[int]]:
+def hf_lora_generate(
+    base_dir: str, adapter_dir: str, prompt_ids: list[int], max_new_tokens: int, **options
+) -> list[list[int]]:
     """As `_hf_generate`, with peft applying the adapter (beam search with `num_beams` and
     `num_return_sequences`)."""
     from peft import PeftModel

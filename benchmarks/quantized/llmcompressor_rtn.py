@@ -15,8 +15,9 @@ def main() -> None:
     if len(sys.argv) > 4:  # 4-bit weights by groups of another size
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-        weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
-                                   group_size=int(sys.argv[4]))
+        weights = QuantizationArgs(
+            num_bits=4, type="int", symmetric=True, strategy="group", group_size=int(sys.argv[4])
+        )
         scheme = QuantizationScheme(targets=["Linear"], weights=weights)
         recipe = QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
     else:

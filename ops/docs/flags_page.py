@@ -41,8 +41,9 @@ def page() -> str:
     on_up = {flag for action in up._actions for flag in action.option_strings}
     for service in SERVICES:
         parser = service_parser(service)
-        actions = [a for a in parser._actions if a.option_strings and a.dest != "help"
-                   and not set(a.option_strings) <= on_up]
+        actions = [
+            a for a in parser._actions if a.option_strings and a.dest != "help" and not set(a.option_strings) <= on_up
+        ]
         if actions:
             lines += [f"\n## `python -m {service}` alone\n", "| flag | default | meaning |", "| --- | --- | --- |"]
             lines += [row(action) for action in actions]

@@ -47,8 +47,12 @@ def secret_name(role: str) -> str:
 
 
 def http_probe(path: str, port: str, period: int = 10, failures: int = 3) -> dict:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": 3,
-            "failureThreshold": failures}
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
 
 
 def keys_volume(role: str) -> dict:
@@ -72,20 +76,55 @@ def container(name: str, args: list[str], image: str, ports: dict[str, int], rol
 
 
 def engine_objects(args) -> list[dict]:
-    scheduler = container("scheduler", [
-        "--scheduler-endpoint", f"tcp://0.0.0.0:{SCHEDULER_PORT}",
-        "--worker-endpoint", f"tcp://127.0.0.1:{WORKER_LINK_PORT}",  # the pod's own worker, over loopback
-        "--keys-dir", KEYS_MOUNT, "--world-size", str(args.tensor_parallel_size), "--block-size", "16",
-        "--metrics-host", "0.0.0.0", "--metrics-port", str(SCHEDULER_METRICS_PORT),
-    ], args.image, {"scheduler": SCHEDULER_PORT, "sched-metrics": SCHEDULER_METRICS_PORT}, "scheduler")
+    scheduler = container(
+        "scheduler",
+        [
+            "--scheduler-endpoint",
+            f"tcp://0.0.0.0:{SCHEDULER_PORT}",
+            "--worker-endpoint",
+            f"tcp://127.0.0.1:{WORKER_LINK_PORT}",  # the pod's own worker, over loopback
+            "--keys-dir",
+            KEYS_MOUNT,
+            "--world-size",
+            str(args.tensor_parallel_size),
+            "--block-size",
+            "16",
+            "--metrics-host",
+            "0.0.0.0",
+            "--metrics-port",
+            str(SCHEDULER_METRICS_PORT),
+        ],
+        args.image,
+        {"scheduler": SCHEDULER_PORT, "sched-metrics": SCHEDULER_METRICS_PORT},
+        "scheduler",
+    )
     scheduler["readinessProbe"] = http_probe("/health", "sched-metrics", 5)
     scheduler["livenessProbe"] = http_probe("/health", "sched-metrics")
     scheduler["resources"] = {"requests": {"cpu": "500m", "memory": "512Mi"}}
-    worker = container("worker", [
-        "--model", args.model, "--worker-endpoint", f"tcp://127.0.0.1:{WORKER_LINK_PORT}", "--keys-dir", KEYS_MOUNT,
-        "--device", "cuda" if args.gpu else "cpu", "--tensor-parallel-size", str(args.tensor_parallel_size),
-        "--block-size", "16", "--metrics-host", "0.0.0.0", "--metrics-port", str(WORKER_METRICS_PORT),
-    ], args.image, {"worker-metrics": WORKER_METRICS_PORT}, "worker")
+    worker = container(
+        "worker",
+        [
+            "--model",
+            args.model,
+            "--worker-endpoint",
+            f"tcp://127.0.0.1:{WORKER_LINK_PORT}",
+            "--keys-dir",
+            KEYS_MOUNT,
+            "--device",
+            "cuda" if args.gpu else "cpu",
+            "--tensor-parallel-size",
+            str(args.tensor_parallel_size),
+            "--block-size",
+            "16",
+            "--metrics-host",
+            "0.0.0.0",
+            "--metrics-port",
+            str(WORKER_METRICS_PORT),
+        ],
+        args.image,
+        {"worker-metrics": WORKER_METRICS_PORT},
+        "worker",
+    )
     # Loading a large model takes minutes: liveness waits for the start-up probe.
     worker["startupProbe"] = http_probe("/health", "worker-metrics", 5, 120)
     worker["readinessProbe"] = http_probe("/health", "worker-metrics", 5)
@@ -98,19 +137,23 @@ def engine_objects(args) -> list[dict]:
     else:
         worker["resources"] = {"requests": {"cpu": "2", "memory": "4Gi"}}
     service = {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": {"name": ENGINE, "labels": labels("engine")},
         "spec": {
             "clusterIP": "None",  # headless: a DNS name per engine, for the api to find each
             "publishNotReadyAddresses": True,  # the api connects as soon as a pod has an address
             "selector": labels("engine"),
-            "ports": [{"name": "scheduler", "port": SCHEDULER_PORT, "targetPort": "scheduler"},
-                      {"name": "sched-metrics", "port": SCHEDULER_METRICS_PORT, "targetPort": "sched-metrics"},
-                      {"name": "worker-metrics", "port": WORKER_METRICS_PORT, "targetPort": "worker-metrics"}],
+            "ports": [
+                {"name": "scheduler", "port": SCHEDULER_PORT, "targetPort": "scheduler"},
+                {"name": "sched-metrics", "port": SCHEDULER_METRICS_PORT, "targetPort": "sched-metrics"},
+                {"name": "worker-metrics", "port": WORKER_METRICS_PORT, "targetPort": "worker-metrics"},
+            ],
         },
     }
     statefulset = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
         "metadata": {"name": ENGINE, "labels": labels("engine")},
         "spec": {
             "serviceName": ENGINE,
@@ -119,8 +162,7 @@ def engine_objects(args) -> list[dict]:
             "selector": {"matchLabels": labels("engine")},
             "template": {
                 "metadata": {"labels": labels("engine")},
-                "spec": {"containers": [scheduler, worker], "volumes": volumes,
-                         "terminationGracePeriodSeconds": 10},
+                "spec": {"containers": [scheduler, worker], "volumes": volumes, "terminationGracePeriodSeconds": 10},
             },
         },
     }
@@ -132,31 +174,58 @@ def engine_endpoints(engines: int) -> str:
 
 
 def api_objects(args) -> list[dict]:
-    api = container("api", [
-        "--model", args.model, "--scheduler-endpoint", engine_endpoints(args.engines), "--routing", "prefix",
-        "--keys-dir", KEYS_MOUNT, "--host", "0.0.0.0", "--port", str(API_PORT),
-    ], args.image, {"http": API_PORT}, "api")
+    api = container(
+        "api",
+        [
+            "--model",
+            args.model,
+            "--scheduler-endpoint",
+            engine_endpoints(args.engines),
+            "--routing",
+            "prefix",
+            "--keys-dir",
+            KEYS_MOUNT,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(API_PORT),
+        ],
+        args.image,
+        {"http": API_PORT},
+        "api",
+    )
     api["readinessProbe"] = http_probe("/health", "http", 5)  # 200 while any engine serves
     api["livenessProbe"] = http_probe("/metrics", "http")  # answers while the api itself runs, engines or not
     api["resources"] = {"requests": {"cpu": "500m", "memory": "512Mi"}}
-    api["env"] = [{"name": "PAGEDSERVE_API_KEY", "valueFrom": {"secretKeyRef": {
-        "name": f"{NAME}-api-key", "key": "api-key", "optional": True}}}]
+    api["env"] = [
+        {
+            "name": "PAGEDSERVE_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": f"{NAME}-api-key", "key": "api-key", "optional": True}},
+        }
+    ]
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment",
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": {"name": API, "labels": labels("api")},
         "spec": {
             "replicas": args.api_replicas,
             "selector": {"matchLabels": labels("api")},
             "template": {
-                "metadata": {"labels": labels("api"), "annotations": {
-                    "prometheus.io/scrape": "true", "prometheus.io/port": str(API_PORT),
-                    "prometheus.io/path": "/metrics"}},
+                "metadata": {
+                    "labels": labels("api"),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(API_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
                 "spec": {"containers": [api], "volumes": [keys_volume("api")], "terminationGracePeriodSeconds": 5},
             },
         },
     }
     service = {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": {"name": API, "labels": labels("api")},
         "spec": {"selector": labels("api"), "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
     }
@@ -164,20 +233,25 @@ def api_objects(args) -> list[dict]:
 
 
 def monitor_objects() -> list[dict]:
-    engine_label = {"sourceLabels": ["__meta_kubernetes_pod_label_apps_kubernetes_io_pod_index"],
-                    "targetLabel": "engine"}
-    return [{
-        "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
-        "metadata": {"name": NAME, "labels": labels("monitoring")},
-        "spec": {
-            "selector": {"matchLabels": {"app.kubernetes.io/name": NAME}},
-            "endpoints": [
-                {"port": "http", "path": "/metrics", "interval": "5s"},
-                {"port": "sched-metrics", "path": "/metrics", "interval": "5s", "relabelings": [engine_label]},
-                {"port": "worker-metrics", "path": "/metrics", "interval": "5s", "relabelings": [engine_label]},
-            ],
-        },
-    }]
+    engine_label = {
+        "sourceLabels": ["__meta_kubernetes_pod_label_apps_kubernetes_io_pod_index"],
+        "targetLabel": "engine",
+    }
+    return [
+        {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "ServiceMonitor",
+            "metadata": {"name": NAME, "labels": labels("monitoring")},
+            "spec": {
+                "selector": {"matchLabels": {"app.kubernetes.io/name": NAME}},
+                "endpoints": [
+                    {"port": "http", "path": "/metrics", "interval": "5s"},
+                    {"port": "sched-metrics", "path": "/metrics", "interval": "5s", "relabelings": [engine_label]},
+                    {"port": "worker-metrics", "path": "/metrics", "interval": "5s", "relabelings": [engine_label]},
+                ],
+            },
+        }
+    ]
 
 
 def secret_objects(keys_dir: str) -> list[dict]:
@@ -187,17 +261,30 @@ def secret_objects(keys_dir: str) -> list[dict]:
         for file in files:
             with open(os.path.join(keys_dir, role, file), "rb") as f:
                 data[file] = base64.b64encode(f.read()).decode()
-        secrets.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                        "metadata": {"name": secret_name(role), "labels": labels(role)}, "data": data})
+        secrets.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "type": "Opaque",
+                "metadata": {"name": secret_name(role), "labels": labels(role)},
+                "data": data,
+            }
+        )
     return secrets
 
 
 def render(args) -> str:
-    objects = (secret_objects(args.keys_dir) if args.keys_dir else []) + engine_objects(args) + api_objects(args) \
+    objects = (
+        (secret_objects(args.keys_dir) if args.keys_dir else [])
+        + engine_objects(args)
+        + api_objects(args)
         + monitor_objects()
+    )
     variant = f"GPU, {args.tensor_parallel_size} per engine" if args.gpu else "CPU"
-    header = (f"# pagedserve on Kubernetes ({variant}): {args.engines} engines, {args.api_replicas} api replicas.\n"
-              f"# Rendered by ops/k8s/render.py; edit that, not this. See docs/deploy.md.\n")
+    header = (
+        f"# pagedserve on Kubernetes ({variant}): {args.engines} engines, {args.api_replicas} api replicas.\n"
+        f"# Rendered by ops/k8s/render.py; edit that, not this. See docs/deploy.md.\n"
+    )
     return header + yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False)
 
 

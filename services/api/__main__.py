@@ -12,7 +12,7 @@ from types import FrameType
 import uvicorn
 
 from services.api.adapters import Adapters
-from services.api.app import build_app
+from services.api.application import build_app
 from services.api.engine_client import EngineClient
 from services.api.engine_group import EngineGroup
 from services.api.http_deadlines import with_header_deadline
@@ -63,8 +63,9 @@ def main() -> None:
     if args.disable_log_requests:
         logging.getLogger("pagedserve.access").setLevel(logging.WARNING)
     if args.trust_remote_code:
-        log.info("--trust-remote-code is accepted and changes nothing: pagedserve never runs code from a model "
-                 "directory")
+        log.info(
+            "--trust-remote-code is accepted and changes nothing: pagedserve never runs code from a model directory"
+        )
     try:
         keys = keys_for(args, "api", args.scheduler_endpoint)
     except WireSecurityError as exc:
@@ -90,15 +91,33 @@ def main() -> None:
     except (LoraError, OSError, KeyError) as exc:
         log.error("LoRA adapters: %s", exc)
         sys.exit(2)
-    client = EngineGroup([EngineClient(endpoint, keys, args.max_message_bytes, args.scheduler_timeout)
-                          for endpoint in args.scheduler_endpoint], Router(args.routing))
-    app = build_app(client, tokenizer, name, vocab_size, from_namespace(ApiConfig, args), api_keys(args), adapters,
-                    runtime_lora_updating=lora.enable_lora and lora.allow_runtime_lora_updating,
-                    admin_key=admin_key(args))
+    client = EngineGroup(
+        [
+            EngineClient(endpoint, keys, args.max_message_bytes, args.scheduler_timeout)
+            for endpoint in args.scheduler_endpoint
+        ],
+        Router(args.routing),
+    )
+    app = build_app(
+        client,
+        tokenizer,
+        name,
+        vocab_size,
+        from_namespace(ApiConfig, args),
+        api_keys(args),
+        adapters,
+        runtime_lora_updating=lora.enable_lora and lora.allow_runtime_lora_updating,
+        admin_key=admin_key(args),
+    )
     # uvicorn annotates the grace as int seconds; it takes a float
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=0.5,  # type: ignore[arg-type]
-                            http=with_header_deadline(args.request_header_timeout))
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=0.5,  # type: ignore[arg-type]
+        http=with_header_deadline(args.request_header_timeout),
+    )
     listening = listen(args.host, args.port)
     log.info("listening on http://%s:%d", args.host, args.port)
     OnceStoppedServer(config).run(sockets=[listening])

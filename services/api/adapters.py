@@ -39,8 +39,9 @@ class Adapters:
         self._base = BaseShape.of_model_dir(model_dir) if self.enabled else None
         for name, (path, parent) in modules.items():
             if parent is not None and parent != base_name:
-                raise LoraError(f"--lora-modules: adapter {name!r} names base model {parent!r}; this server "
-                                f"serves {base_name!r}")
+                raise LoraError(
+                    f"--lora-modules: adapter {name!r} names base model {parent!r}; this server serves {base_name!r}"
+                )
             self.add(name, path, SHARED)
 
     def add(self, name: str, path: str, owner: str | None, roots: list[str] | None = None) -> AdapterSpec:
@@ -71,9 +72,13 @@ class Adapters:
             return True
         if (SHARED, name) in self._specs:
             if not admin:
-                raise ApiError(f"the LoRA adapter '{name}' is shared by every tenant: only the admin key "
-                               "(--admin-api-key) unloads it", status=403, param="lora_name",
-                               code="permission_denied")
+                raise ApiError(
+                    f"the LoRA adapter '{name}' is shared by every tenant: only the admin key "
+                    "(--admin-api-key) unloads it",
+                    status=403,
+                    param="lora_name",
+                    code="permission_denied",
+                )
             del self._specs[(SHARED, name)]
             return True
         return False
@@ -86,16 +91,29 @@ class Adapters:
         held = self._specs.get((tenant, model)) or self._specs.get((SHARED, model))
         if held is None:
             served = ", ".join([repr(self.base_name), *(repr(name) for name in self._visible(tenant))])
-            raise ApiError(f"the model '{model}' does not exist; this server serves {served}", status=404,
-                           param="model", code="model_not_found")
+            raise ApiError(
+                f"the model '{model}' does not exist; this server serves {served}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
         spec = held[0]
         return LoraRef(spec.name, spec.path, spec.rank, list(spec.targets), spec.digest)
 
     def cards(self, max_model_len: int | None, tenant: str) -> list[dict[str, Any]]:
         """/v1/models entries of the adapters the tenant sees, each naming its parent as vLLM's do."""
-        return [{"id": name, "object": "model", "created": created, "owned_by": "pagedserve", "root": spec.path,
-                 "parent": self.base_name, "max_model_len": max_model_len}
-                for name, (spec, created) in self._visible(tenant).items()]
+        return [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagedserve",
+                "root": spec.path,
+                "parent": self.base_name,
+                "max_model_len": max_model_len,
+            }
+            for name, (spec, created) in self._visible(tenant).items()
+        ]
 
     def _visible(self, tenant: str) -> dict[str, tuple[AdapterSpec, int]]:
         return {name: held for (owner, name), held in self._specs.items() if owner in (SHARED, tenant)}

@@ -6,27 +6,19 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from services.api.adapters import Adapters
-from services.api.auth import RequireApiKey
 from services.api.detokenizer import IncrementalDetokenizer
-from services.api.engine_client import EngineClient
 from services.api.engine_group import EngineGroup
 from services.api.errors import ApiError
 from services.api.formats import ChatFormat, Chunk, CompletionFormat, ResponseFormat
 from services.api.json_body import JsonBodies
-from services.api.memory_return import ReturnMemoryAfterLargeBodies
 from services.api.metrics import ApiMetrics
 from services.api.requests import (
     GenerationRequest,
@@ -35,11 +27,10 @@ from services.api.requests import (
     parse_load_lora_adapter,
     parse_unload_lora_adapter,
 )
-from services.api.routing import Router
 from services.api.streams import DISCONNECTED, collect_chunks, first_chunk, merged_streams, prepend, unless_disconnected
 from services.api.structured import GrammarCompiler
 from services.api.tools import TOOL_CALL_PARSERS
-from services.api.utility import tenant_of_request, utility_routes
+from services.api.utility import tenant_of_request
 from shared.config import ApiConfig, LoraConfig
 from shared.lora import LoraError
 from shared.protocol import RequestOutput
@@ -53,8 +44,15 @@ access_log = logging.getLogger("pagedserve.access")
 
 
 class OpenAIServer:
-    def __init__(self, client: EngineGroup, tokenizer: Any, model_name: str, vocab_size: int, config: ApiConfig,
-                 adapters: Adapters | None = None):
+    def __init__(
+        self,
+        client: EngineGroup,
+        tokenizer: Any,
+        model_name: str,
+        vocab_size: int,
+        config: ApiConfig,
+        adapters: Adapters | None = None,
+    ):
         self.client = client
         self.adapters = adapters or Adapters(model_name, "", LoraConfig())
         self.max_prompts = config.max_prompts_per_request
@@ -77,25 +75,39 @@ class OpenAIServer:
         generation = await self.bodies.read(request, parse_completion)
         self._admit(request, generation)
         if 1 + len(generation.more_prompts) > self.max_prompts:
-            raise ApiError(f"the request holds {1 + len(generation.more_prompts)} prompts; at most {self.max_prompts} "
-                           "are accepted (--max-prompts-per-request)", param="prompt", code="too_many_prompts")
+            raise ApiError(
+                f"the request holds {1 + len(generation.more_prompts)} prompts; at most {self.max_prompts} "
+                "are accepted (--max-prompts-per-request)",
+                param="prompt",
+                code="too_many_prompts",
+            )
         await self._compile_grammar(generation)
         first = generation.prompt if generation.prompt is not None else generation.prompt_token_ids or []
         # OpenAI's batch: a request per prompt, each with its own copy of the sampling parameters.
-        batch = [generation] + [replace(generation, sampling=replace(generation.sampling), more_prompts=[])
-                                for _ in generation.more_prompts]
+        batch = [generation] + [
+            replace(generation, sampling=replace(generation.sampling), more_prompts=[]) for _ in generation.more_prompts
+        ]
         prompts = [await self._prompt_ids(prompt) for prompt in [first, *generation.more_prompts]]
         for each, prompt_ids in zip(batch, prompts):
             self._fit_to_context(each, prompt_ids)
         echo = ""
         if generation.echo:
             echo = generation.prompt if generation.prompt is not None else self.tokenizer.decode(prompts[0])
-        fmt = CompletionFormat(self._answering(generation), self.tokenizer, generation, echo,
-                               prompts[0] if echo else [], num_choices=len(prompts) * generation.sampling.n)
+        fmt = CompletionFormat(
+            self._answering(generation),
+            self.tokenizer,
+            generation,
+            echo,
+            prompts[0] if echo else [],
+            num_choices=len(prompts) * generation.sampling.n,
+        )
         fmt.report_cached_tokens = self.report_cached_tokens
         chunks = [self._generate(each, prompt_ids, fmt.endpoint) for each, prompt_ids in zip(batch, prompts)]
-        merged = chunks[0] if len(chunks) == 1 else merged_streams(chunks, generation.sampling.n,
-                                                                   self._prompts_at_once(generation))
+        merged = (
+            chunks[0]
+            if len(chunks) == 1
+            else merged_streams(chunks, generation.sampling.n, self._prompts_at_once(generation))
+        )
         return await self._respond(request, generation, merged, sum(map(len, prompts)), fmt)
 
     def _answering(self, generation: GenerationRequest) -> str:
@@ -112,6 +124,7 @@ class OpenAIServer:
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return await self._tokenize(self.tokenizer.encode, prompt)
+
         def out_of_range() -> bool:
             return any(not 0 <= t < self.vocab_size for t in prompt)
 
@@ -125,13 +138,18 @@ class OpenAIServer:
         self._admit(request, generation)
         tools = generation.tools
         if tools is not None and tools.choice == "auto" and self.tool_parser is None:
-            raise ApiError("tool_choice 'auto' needs a server started with --enable-auto-tool-choice and "
-                           "--tool-call-parser", param="tool_choice")
+            raise ApiError(
+                "tool_choice 'auto' needs a server started with --enable-auto-tool-choice and --tool-call-parser",
+                param="tool_choice",
+            )
         await self._compile_grammar(generation)
         shown = tools.tools if tools is not None and tools.choice != "none" else None
         try:
             text = await asyncio.to_thread(
-                self.tokenizer.apply_chat_template, generation.messages, tools=shown, add_generation_prompt=True,
+                self.tokenizer.apply_chat_template,
+                generation.messages,
+                tools=shown,
+                add_generation_prompt=True,
                 tokenize=False,
             )
         except Exception as exc:  # templates raise whatever their authors chose
@@ -140,8 +158,9 @@ class OpenAIServer:
         self._fit_to_context(generation, prompt_ids)
         fmt = ChatFormat(self._answering(generation), self.tokenizer, generation, self.tool_parser)
         fmt.report_cached_tokens = self.report_cached_tokens
-        return await self._respond(request, generation, self._generate(generation, prompt_ids, fmt.endpoint),
-                                   len(prompt_ids), fmt)
+        return await self._respond(
+            request, generation, self._generate(generation, prompt_ids, fmt.endpoint), len(prompt_ids), fmt
+        )
 
     async def models(self, request: Request) -> Response:
         info = self.client.info
@@ -161,8 +180,9 @@ class OpenAIServer:
         name = await self.bodies.read(request, parse_unload_lora_adapter)
         admin = bool(request.scope.get("state", {}).get("admin", False))
         if not self.adapters.remove(name, tenant_of_request(request), admin):
-            raise ApiError(f"the LoRA adapter '{name}' cannot be found", status=404, param="lora_name",
-                           code="model_not_found")
+            raise ApiError(
+                f"the LoRA adapter '{name}' cannot be found", status=404, param="lora_name", code="model_not_found"
+            )
         log.info("LoRA adapter %r removed", name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
@@ -206,9 +226,12 @@ class OpenAIServer:
         tokenizing megabytes takes seconds and, in the tokenizer's buffers, a GB of memory."""
         info = self.client.info
         if info is not None and len(text) > 2 * self.longest_token_chars * info.max_model_len:
-            raise ApiError(f"this model's maximum context length is {info.max_model_len} tokens; a text of "
-                           f"{len(text)} characters is longer than any prompt of that many tokens", param="prompt",
-                           code="context_length_exceeded")
+            raise ApiError(
+                f"this model's maximum context length is {info.max_model_len} tokens; a text of "
+                f"{len(text)} characters is longer than any prompt of that many tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
     # --- generation ----------------------------------------------------------------------
 
@@ -230,15 +253,17 @@ class OpenAIServer:
     def _fit_to_context(self, generation: GenerationRequest, prompt_ids: list[int]) -> None:
         info = self.client.info
         if info is None:  # the scheduler is (re)starting or its workers are not ready
-            raise ApiError("the server is not ready to generate; retry shortly", status=503,
-                           type="server_error", code="not_ready")
+            raise ApiError(
+                "the server is not ready to generate; retry shortly", status=503, type="server_error", code="not_ready"
+            )
         context = info.max_model_len
         if not prompt_ids:
             raise ApiError("the prompt is empty", param="prompt")
         if len(prompt_ids) >= context:
             raise ApiError(
-                f"this model's maximum context length is {context} tokens; the prompt has "
-                f"{len(prompt_ids)} tokens", param="prompt", code="context_length_exceeded",
+                f"this model's maximum context length is {context} tokens; the prompt has {len(prompt_ids)} tokens",
+                param="prompt",
+                code="context_length_exceeded",
             )
         room = context - len(prompt_ids)
         max_tokens = generation.max_tokens if generation.max_tokens is not None else room
@@ -246,7 +271,8 @@ class OpenAIServer:
             raise ApiError(
                 f"this model's maximum context length is {context} tokens; the prompt has "
                 f"{len(prompt_ids)} tokens and max_tokens asks for {max_tokens} more",
-                param="max_tokens", code="context_length_exceeded",
+                param="max_tokens",
+                code="context_length_exceeded",
             )
         generation.sampling.max_tokens = max_tokens
         try:
@@ -254,16 +280,21 @@ class OpenAIServer:
         except InvalidParameter as exc:
             raise ApiError(str(exc), param=exc.param) from None
 
-    async def _respond(self, request: Request, generation: GenerationRequest, chunks: AsyncIterator[Chunk],
-                       num_prompt: int, fmt: ResponseFormat) -> Response:
+    async def _respond(
+        self,
+        request: Request,
+        generation: GenerationRequest,
+        chunks: AsyncIterator[Chunk],
+        num_prompt: int,
+        fmt: ResponseFormat,
+    ) -> Response:
         if generation.stream:
             # The first chunk comes before the status line, so a request the scheduler rejects
             # gets a 4xx, never a 200 followed by an error event.
             first = await unless_disconnected(request, first_chunk(chunks))
             if first is DISCONNECTED:
                 return Response(status_code=499)
-            return StreamingResponse(fmt.stream(prepend(first, chunks), num_prompt),
-                                     media_type="text/event-stream")
+            return StreamingResponse(fmt.stream(prepend(first, chunks), num_prompt), media_type="text/event-stream")
         collected = await unless_disconnected(request, collect_chunks(chunks))
         if collected is DISCONNECTED:
             return Response(status_code=499)
@@ -282,8 +313,14 @@ class OpenAIServer:
         """Chunks of every choice as they come; closing it early aborts the request."""
         request_id = uuid.uuid4().hex
         detokenizers = [
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, generation.stop, generation.skip_special_tokens,
-                                   generation.sampling.min_tokens, generation.include_stop_str_in_output)
+            IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_ids,
+                generation.stop,
+                generation.skip_special_tokens,
+                generation.sampling.min_tokens,
+                generation.include_stop_str_in_output,
+            )
             for _ in range(generation.sampling.n)
         ]
         done = [False] * len(detokenizers)
@@ -293,8 +330,9 @@ class OpenAIServer:
         # Whose share it counts against: the key's tenant, which a client cannot claim; with one key or none the
         # deployment is one trust domain, and OpenAI's `user` field names its end users.
         tenant = generation.tenant or (f"user:{generation.user}" if generation.user else "")
-        outputs = self.client.generate(request_id, prompt_ids, generation.sampling, time.time(), salt,
-                                       generation.priority, tenant, generation.lora)
+        outputs = self.client.generate(
+            request_id, prompt_ids, generation.sampling, time.time(), salt, generation.priority, tenant, generation.lora
+        )
         outcome, first_reason = "abort", None  # the request's, and its first choice's finish reason
         first_token = None
         num_generated = 0
@@ -325,12 +363,25 @@ class OpenAIServer:
                     if reason is not None and delta.index == 0:
                         first_reason = reason
                     stop_reason: str | int | None = detokenizer.stop_string  # or the stop token id that ended it
-                    if reason == "stop" and stop_reason is None and taken and \
-                            delta.token_ids[taken - 1] in generation.sampling.stop_token_ids:
+                    if (
+                        reason == "stop"
+                        and stop_reason is None
+                        and taken
+                        and delta.token_ids[taken - 1] in generation.sampling.stop_token_ids
+                    ):
                         stop_reason = delta.token_ids[taken - 1]
-                    yield Chunk(delta.index, detokenizer.pending(final=reason is not None), delta.token_ids[:taken],
-                                delta.logprobs[:taken], delta.top_logprobs[:taken], reason, output.num_cached_tokens,
-                                output.prompt_logprobs, output.prompt_top_logprobs, stop_reason)
+                    yield Chunk(
+                        delta.index,
+                        detokenizer.pending(final=reason is not None),
+                        delta.token_ids[:taken],
+                        delta.logprobs[:taken],
+                        delta.top_logprobs[:taken],
+                        reason,
+                        output.num_cached_tokens,
+                        output.prompt_logprobs,
+                        output.prompt_top_logprobs,
+                        stop_reason,
+                    )
                 if all(done):
                     outcome = first_reason if first_reason in ("stop", "length") else "abort"
                     self.metrics.e2e_request_latency.observe(time.monotonic() - arrival)
@@ -340,9 +391,16 @@ class OpenAIServer:
             self.metrics.requests.labels(endpoint, outcome).inc()
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             self.metrics.generation_tokens.inc(num_generated)
-            access_log.info("%s %s: %s; prompt %d tokens, generated %d; first token %s, total %.3f s", request_id,
-                            endpoint, outcome, len(prompt_ids), num_generated,
-                            "-" if first_token is None else f"{first_token:.3f} s", time.monotonic() - arrival)
+            access_log.info(
+                "%s %s: %s; prompt %d tokens, generated %d; first token %s, total %.3f s",
+                request_id,
+                endpoint,
+                outcome,
+                len(prompt_ids),
+                num_generated,
+                "-" if first_token is None else f"{first_token:.3f} s",
+                time.monotonic() - arrival,
+            )
 
 
 def _engine_error(output: RequestOutput, ready: bool) -> ApiError:
@@ -353,50 +411,3 @@ def _engine_error(output: RequestOutput, ready: bool) -> ApiError:
     if not ready:
         return ApiError(message, status=503, type="server_error", code="not_ready")
     return ApiError(message, status=500, type="server_error")
-
-
-def build_app(client: EngineGroup | EngineClient, tokenizer: Any, model_name: str, vocab_size: int,
-              config: ApiConfig | None = None, api_keys: Sequence[str] = (), adapters: Adapters | None = None,
-              runtime_lora_updating: bool = False, admin_key: str | None = None) -> Starlette:
-    """The api's Starlette app, configured by `config` (the api's flags; their defaults where None)."""
-    if isinstance(client, EngineClient):
-        client = EngineGroup([client], Router("round_robin"))
-    server = OpenAIServer(client, tokenizer, model_name, vocab_size, config or ApiConfig(), adapters)
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await client.start()  # /health answers 503 until the scheduler's workers are ready
-        log.info("serving %s once the scheduler is ready", model_name)
-        yield
-        await client.close()
-
-    async def on_api_error(request: Request, exc: ApiError) -> Response:
-        return exc.response()
-
-    async def on_http_error(request: Request, exc: HTTPException) -> Response:
-        kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return ApiError(message, status=exc.status_code, code=kind).response()
-
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return ApiError(f"internal error: {type(exc).__name__}", status=500, type="server_error").response()
-
-    routes = [
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-        Route("/metrics", server.prometheus, methods=["GET"]),
-        *utility_routes(server),
-    ]
-    if runtime_lora_updating:  # behind the api key, as every route but /health and /metrics
-        routes += [Route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"]),
-                   Route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"])]
-    handlers: dict[Any, Any] = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected}
-    middleware = [Middleware(ReturnMemoryAfterLargeBodies)]
-    if api_keys or admin_key:
-        middleware.append(Middleware(RequireApiKey, api_keys=list(api_keys), admin_key=admin_key))
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)
-    app.state.server = server
-    return app

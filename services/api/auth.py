@@ -23,15 +23,19 @@ class RequireApiKey:
         keys = [*api_keys, *([admin_key] if admin_key else [])]
         # Each key's expected header, its tenant (none with one key, a digest of the key with several), and
         # whether it is the admin's.
-        self.expected = [(f"Bearer {key}".encode(), tenant_of(key) if len(keys) > 1 else "", key == admin_key)
-                         for key in keys]
+        self.expected = [
+            (f"Bearer {key}".encode(), tenant_of(key) if len(keys) > 1 else "", key == admin_key) for key in keys
+        ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _guarded(scope["path"]):
             found = self._tenant(scope["headers"])
             if found is None:
-                error = ApiError("a valid API key is needed: send it as 'Authorization: Bearer <key>'", status=401,
-                                 code="invalid_api_key")
+                error = ApiError(
+                    "a valid API key is needed: send it as 'Authorization: Bearer <key>'",
+                    status=401,
+                    code="invalid_api_key",
+                )
                 await error.response()(scope, receive, send)
                 return
             state = scope.setdefault("state", {})

@@ -13,8 +13,15 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading spaces co
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool,
-                 min_tokens: int = 0, include_stop: bool = False):
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool,
+        min_tokens: int = 0,
+        include_stop: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens  # stop strings count from this many generated tokens on
         self.num_generated = 0
@@ -56,8 +63,7 @@ class IncrementalDetokenizer:
     def _next_piece(self, allow_partial: bool = False) -> str:
         decode = self.tokenizer.decode
         before = decode(
-            self.token_ids[self.prefix_offset : self.read_offset],
-            skip_special_tokens=self.skip_special_tokens,
+            self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special_tokens
         )
         after = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
         if len(after) <= len(before) or (after.endswith("\ufffd") and not allow_partial):

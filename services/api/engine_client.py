@@ -44,13 +44,19 @@ STALL_TIMEOUT = 5.0  # seconds without a frame from the scheduler before it coun
 
 
 class EngineClient:
-    def __init__(self, endpoint: str, keys: WireKeys | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 stall_timeout: float = STALL_TIMEOUT):
+    def __init__(
+        self,
+        endpoint: str,
+        keys: WireKeys | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        stall_timeout: float = STALL_TIMEOUT,
+    ):
         self.endpoint = endpoint
         self.context = zmq.asyncio.Context()
         self.identity = f"api-{uuid.uuid4().hex[:8]}"
-        self.socket = sockets.connect(self.context, zmq.DEALER, endpoint, self.identity.encode(), keys,
-                                      max_message_bytes)
+        self.socket = sockets.connect(
+            self.context, zmq.DEALER, endpoint, self.identity.encode(), keys, max_message_bytes
+        )
         self.info: SchedulerInfo | None = None
         self.has_served = False  # ready at least once: a later loss is an outage, not a start
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -111,8 +117,9 @@ class EngineClient:
             if not self.stalled and silent > self.stall_timeout:
                 self.stalled = True
                 if self.info is not None or self._queues:
-                    log.error("the scheduler has not answered for %.1f s; failing %d request(s)", silent,
-                              len(self._queues))
+                    log.error(
+                        "the scheduler has not answered for %.1f s; failing %d request(s)", silent, len(self._queues)
+                    )
                 else:
                     log.info("waiting for the scheduler to answer")
                 stranded = list(self._queues)
@@ -130,8 +137,15 @@ class EngineClient:
             queue.put_nowait(RequestOutput(request_id, 0, [], True, reason))
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float,
-        cache_salt: str = "", priority: int = 0, tenant: str = "", lora: LoraRef | None = None,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        arrival: float,
+        cache_salt: str = "",
+        priority: int = 0,
+        tenant: str = "",
+        lora: LoraRef | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; aborts it if the caller stops early."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -141,14 +155,21 @@ class EngineClient:
             if self.info is None:  # the scheduler went away after the caller checked
                 queue.put_nowait(RequestOutput(request_id, 0, [], True, "the scheduler is not ready"))
             else:
-                message = AddRequest(request_id, prompt_token_ids, sampling, arrival, cache_salt, priority, tenant,
-                                     lora)
+                message = AddRequest(
+                    request_id, prompt_token_ids, sampling, arrival, cache_salt, priority, tenant, lora
+                )
                 frame = encode(message)
                 if len(frame) > MAX_FRAME_BYTES["AddRequest"]:  # the scheduler would drop it unread
-                    queue.put_nowait(RequestOutput(
-                        request_id, len(prompt_token_ids), [SequenceDelta(0, [], [], [], "rejected")], True,
-                        f"the request takes {len(frame)} bytes on the wire, over the scheduler's limit of "
-                        f"{MAX_FRAME_BYTES['AddRequest']}"))
+                    queue.put_nowait(
+                        RequestOutput(
+                            request_id,
+                            len(prompt_token_ids),
+                            [SequenceDelta(0, [], [], [], "rejected")],
+                            True,
+                            f"the request takes {len(frame)} bytes on the wire, over the scheduler's limit of "
+                            f"{MAX_FRAME_BYTES['AddRequest']}",
+                        )
+                    )
                 else:
                     await self.socket.send(frame)
             while not finished:
@@ -227,8 +248,12 @@ class EngineClient:
         if message.stopping:
             log.info("the scheduler at %s is stopping", self.endpoint)
         elif self._queues:
-            log.error("the scheduler at %s lost its workers: %s; failing %d request(s)", self.endpoint,
-                      message.reason, len(self._queues))
+            log.error(
+                "the scheduler at %s lost its workers: %s; failing %d request(s)",
+                self.endpoint,
+                message.reason,
+                len(self._queues),
+            )
         else:
             log.info("the scheduler at %s has no workers now: %s", self.endpoint, message.reason)
         self.info = None

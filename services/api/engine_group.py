@@ -41,16 +41,27 @@ class EngineGroup:
         up = self.engines_up
         if not up:
             return 0
-        loads = [EngineLoad(c.endpoint, c.in_flight, c.load.running, c.load.waiting, c.load.kv_usage,
-                            c.cached_prefixes) for c in (self.clients[i] for i in up)]
+        loads = [
+            EngineLoad(c.endpoint, c.in_flight, c.load.running, c.load.waiting, c.load.kv_usage, c.cached_prefixes)
+            for c in (self.clients[i] for i in up)
+        ]
         info = self.clients[up[0]].info
         block_size = info.block_size if info is not None else 1
         return up[self.router.choose(loads, prompt_token_ids, block_size, cache_salt, adapter)]
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival: float,
-                 cache_salt: str = "", priority: int = 0, tenant: str = "", lora: LoraRef | None = None
-                 ) -> AsyncGenerator[RequestOutput, None]:
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        arrival: float,
+        cache_salt: str = "",
+        priority: int = 0,
+        tenant: str = "",
+        lora: LoraRef | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         index = self.choose(prompt_token_ids, cache_salt, lora.name if lora is not None else "")
         self.routed[index] += 1
-        return self.clients[index].generate(request_id, prompt_token_ids, sampling, arrival, cache_salt, priority,
-                                            tenant, lora)
+        return self.clients[index].generate(
+            request_id, prompt_token_ids, sampling, arrival, cache_salt, priority, tenant, lora
+        )

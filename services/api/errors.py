@@ -23,11 +23,4 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -52,12 +52,12 @@ class ResponseFormat:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def envelope(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-                 usage_field: bool = False) -> dict[str, Any]:
+    def envelope(
+        self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, usage_field: bool = False
+    ) -> dict[str, Any]:
         """A response or chunk; `usage` where given, and `"usage": null` where `usage_field` asks for the field
         without one (a stream with stream_options.include_usage has it in every chunk, as OpenAI's does)."""
-        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model_name,
-                "choices": choices}
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model_name, "choices": choices}
         if usage is not None or usage_field:
             body["usage"] = usage
         return body
@@ -90,12 +90,16 @@ class ResponseFormat:
         return []
 
     def usage(self, num_prompt: int, chunks: list[Chunk]) -> dict[str, object]:
-        return self._usage(num_prompt, sum(len(c.token_ids) for c in chunks),
-                           max((c.num_cached_tokens for c in chunks), default=0))
+        return self._usage(
+            num_prompt, sum(len(c.token_ids) for c in chunks), max((c.num_cached_tokens for c in chunks), default=0)
+        )
 
     def _usage(self, num_prompt: int, completion: int, cached: int) -> dict[str, object]:
-        usage: dict[str, object] = {"prompt_tokens": num_prompt, "completion_tokens": completion,
-                                    "total_tokens": num_prompt + completion}
+        usage: dict[str, object] = {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": completion,
+            "total_tokens": num_prompt + completion,
+        }
         if self.report_cached_tokens:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
@@ -116,8 +120,16 @@ class CompletionFormat(ResponseFormat):
     endpoint = "completions"
     object_whole = object_chunk = "text_completion"
     id_prefix = "cmpl"
-    def __init__(self, model_name: str, tokenizer: Any, generation: GenerationRequest, echo: str = "",
-                 echo_token_ids: Sequence[int] = (), num_choices: int = 0):
+
+    def __init__(
+        self,
+        model_name: str,
+        tokenizer: Any,
+        generation: GenerationRequest,
+        echo: str = "",
+        echo_token_ids: Sequence[int] = (),
+        num_choices: int = 0,
+    ):
         super().__init__(model_name, tokenizer, generation, num_choices)
         self.echo, self.echo_token_ids = echo, echo_token_ids  # the prompt, when the request asks it back
         self.echoed: set[int] = set()  # choices whose stream carried the prompt already
@@ -138,8 +150,13 @@ class CompletionFormat(ResponseFormat):
             self.echoed.add(chunk.index)
             text = self.echo + text
         logprobs = self._logprobs([chunk], 0 if first else offset + len(self.echo), with_prompt=first)
-        choice = {"index": chunk.index, "text": text, "logprobs": logprobs,
-                  "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason}
+        choice = {
+            "index": chunk.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": chunk.finish_reason,
+            "stop_reason": chunk.stop_reason,
+        }
         return self.add_token_ids(choice, [chunk])
 
     def _logprobs(self, chunks: list[Chunk], offset: int, with_prompt: bool = False) -> dict[str, Any] | None:
@@ -148,8 +165,11 @@ class CompletionFormat(ResponseFormat):
         entries: list[tuple[int, float | None, dict[int, float] | None]] = []  # (token id, logprob, alternatives)
         prompt = next((c for c in chunks if c.prompt_logprobs is not None), None) if with_prompt else None
         if prompt is not None and prompt.prompt_logprobs is not None:  # echo: the prompt's tokens first, the very
-            entries += zip(self.echo_token_ids, [None, *prompt.prompt_logprobs],  # first without a logprob
-                           [None, *(prompt.prompt_top_logprobs or [])])
+            entries += zip(
+                self.echo_token_ids,
+                [None, *prompt.prompt_logprobs],  # first without a logprob
+                [None, *(prompt.prompt_top_logprobs or [])],
+            )
         entries += [entry for chunk in chunks for entry in zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)]
         decode = self.tokenizer.decode
         tokens, token_logprobs, tops, offsets = [], [], [], []
@@ -169,8 +189,9 @@ class ChatFormat(ResponseFormat):
     object_chunk = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, model_name: str, tokenizer: Any, generation: GenerationRequest,
-                 tool_parser: ToolCallParser | None = None):
+    def __init__(
+        self, model_name: str, tokenizer: Any, generation: GenerationRequest, tool_parser: ToolCallParser | None = None
+    ):
         super().__init__(model_name, tokenizer, generation)
         use = generation.tools
         self.tool_use = use if use is not None and use.choice != "none" else None
@@ -192,8 +213,13 @@ class ChatFormat(ResponseFormat):
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
                 finish = self._finish_with_calls(finish)
-        choice = {"index": index, "message": message, "logprobs": self._logprobs(chunks), "finish_reason": finish,
-                  "stop_reason": chunks[-1].stop_reason if chunks else None}
+        choice = {
+            "index": index,
+            "message": message,
+            "logprobs": self._logprobs(chunks),
+            "finish_reason": finish,
+            "stop_reason": chunks[-1].stop_reason if chunks else None,
+        }
         return self.add_token_ids(choice, chunks)
 
     def chunk_choice(self, chunk: Chunk, offset: int) -> dict[str, Any]:
@@ -207,8 +233,13 @@ class ChatFormat(ResponseFormat):
                 finish = self._finish_with_calls(finish)
         if text or (finish is None and not delta):
             delta["content"] = text
-        choice = {"index": chunk.index, "delta": delta, "logprobs": self._logprobs([chunk]), "finish_reason": finish,
-                  "stop_reason": chunk.stop_reason}
+        choice = {
+            "index": chunk.index,
+            "delta": delta,
+            "logprobs": self._logprobs([chunk]),
+            "finish_reason": finish,
+            "stop_reason": chunk.stop_reason,
+        }
         return self.add_token_ids(choice, [chunk])
 
     def _finish_with_calls(self, finish: str | None) -> str | None:

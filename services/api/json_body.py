@@ -42,12 +42,12 @@ class JsonBodies:
         try:
             raw = await asyncio.wait_for(self._read_body(request), self.body_timeout)
         except asyncio.TimeoutError:
-            raise ApiError(f"the request body did not arrive within {self.body_timeout:g} s", status=408,
-                           code="body_timeout") from None
+            raise ApiError(
+                f"the request body did not arrive within {self.body_timeout:g} s", status=408, code="body_timeout"
+            ) from None
         # An upper bound (brackets inside strings count too), counted in milliseconds before parsing.
         if raw.count(b"[") + raw.count(b"{") > max(MAX_BODY_CONTAINERS, len(raw) // 64):
-            raise ApiError("the body holds more arrays and objects than any request needs",
-                           code="too_many_containers")
+            raise ApiError("the body holds more arrays and objects than any request needs", code="too_many_containers")
         if len(raw) > PARSE_OFF_LOOP_BYTES:
             return await asyncio.to_thread(_parse_json, raw, parse)
         return _parse_json(raw, parse)
@@ -95,8 +95,9 @@ def _check_unicode(body: object) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise ApiError("a string in the body is not valid Unicode (a lone surrogate)",
-                               code="invalid_unicode") from None
+                raise ApiError(
+                    "a string in the body is not valid Unicode (a lone surrogate)", code="invalid_unicode"
+                ) from None
         elif isinstance(value, dict):
             stack.extend(value.keys())
             stack.extend(value.values())

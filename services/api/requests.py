@@ -29,14 +29,58 @@ MAX_STOP_STRINGS = 256  # OpenAI takes 4
 MAX_STOP_STRING_CHARS = 256
 MAX_USER_CHARS = 256
 _KNOWN = {
-    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "temperature", "top_p",
-    "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream", "stream_options", "logprobs", "top_logprobs",
-    "echo", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
-    "ignore_eos", "skip_special_tokens", "return_token_ids", "use_beam_search", "length_penalty", "early_stopping",
-    "include_stop_str_in_output", "response_format", "structured_outputs", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "tools", "tool_choice", "parallel_tool_calls", *_UNSUPPORTED_IF_SET,
-    "user", "store", "metadata", "service_tier", "guided_decoding_backend", "spaces_between_special_tokens",
-    "add_generation_prompt", "prompt_logprobs", "priority", "request_id", "cache_salt",
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "best_of",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logit_bias",
+    "ignore_eos",
+    "skip_special_tokens",
+    "return_token_ids",
+    "use_beam_search",
+    "length_penalty",
+    "early_stopping",
+    "include_stop_str_in_output",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    *_UNSUPPORTED_IF_SET,
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "guided_decoding_backend",
+    "spaces_between_special_tokens",
+    "add_generation_prompt",
+    "prompt_logprobs",
+    "priority",
+    "request_id",
+    "cache_salt",
 }
 
 
@@ -120,8 +164,14 @@ def _prompts(prompt: object) -> list[str | list[int]]:
         raise ApiError("'prompt' is required", param="prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or all(
-            isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and (
+            all(isinstance(p, str) for p in prompt)
+            or all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)
+        )
+    ):
         prompts = prompt
     elif isinstance(prompt, list) and not prompt:
         raise ApiError("the prompt is empty", param="prompt")
@@ -160,8 +210,11 @@ def parse_chat(body: object) -> GenerationRequest:
     forced = request.tools.forced() if request.tools is not None else None
     if forced is not None and request.tools is not None:
         if request.structured is not None:
-            raise ApiError(f"tool_choice '{request.tools.choice}' and '{request.structured.param}' both constrain "
-                           "the output; set one", param=request.structured.param)
+            raise ApiError(
+                f"tool_choice '{request.tools.choice}' and '{request.structured.param}' both constrain "
+                "the output; set one",
+                param=request.structured.param,
+            )
         request.structured = forced
     if fields.get("logprobs", bool, False, what="a boolean"):
         request.sampling.logprobs = fields.get("top_logprobs", int, 0, what="an integer")
@@ -194,8 +247,10 @@ def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str
         raise ApiError("stop strings must not be empty", param="stop")
     # Each new token is searched for every stop string, in the last longest-stop-string characters.
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
-        raise ApiError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} characters "
-                       "each are accepted", param="stop")
+        raise ApiError(
+            f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} characters each are accepted",
+            param="stop",
+        )
     stream_options = fields.get("stream_options", dict, {}, what="an object")
     stop_token_ids = fields.get("stop_token_ids", list, [], what="a list of token ids")
     if not all(_is_int(t) for t in stop_token_ids):
@@ -324,8 +379,9 @@ def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _type_error(f"{where}.tool_calls",
-                              "a list of {'type': 'function', 'function': {'name', 'arguments'}}")
+            raise _type_error(
+                f"{where}.tool_calls", "a list of {'type': 'function', 'function': {'name', 'arguments'}}"
+            )
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
             try:

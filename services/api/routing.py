@@ -61,8 +61,14 @@ class Router:
         self._turn = itertools.count()
         self._sent: dict[bytes, tuple[str, float]] = {}  # routing key -> (engine, until when) of late choices
 
-    def choose(self, engines: Sequence[EngineLoad], token_ids: Sequence[int], block_size: int,
-               cache_salt: str = "", adapter: str = "") -> int:
+    def choose(
+        self,
+        engines: Sequence[EngineLoad],
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str = "",
+        adapter: str = "",
+    ) -> int:
         """The index in `engines` (those up, never empty) of the one to serve this prompt."""
         if len(engines) == 1:
             return 0

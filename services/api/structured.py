@@ -26,8 +26,7 @@ GRAMMAR_BYTES = 64 << 20  # schemas and compiled grammars kept for reuse, counte
 # Outputs as json.dumps writes them: one space after ',' and ':', none elsewhere. Free
 # whitespace would let a model pad forever inside an object.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +38,19 @@ class GrammarSpec:
 
 def parse_structured(body: dict[str, Any]) -> GrammarSpec | None:
     """The one constraint a request body asks for, or None."""
-    found = [spec for spec in (_response_format(body.get("response_format")),
-                               _structured_outputs(body.get("structured_outputs")),
-                               *(_guided(name, body.get(name)) for name in GUIDED_FIELDS)) if spec]
+    found = [
+        spec
+        for spec in (
+            _response_format(body.get("response_format")),
+            _structured_outputs(body.get("structured_outputs")),
+            *(_guided(name, body.get(name)) for name in GUIDED_FIELDS),
+        )
+        if spec
+    ]
     if len(found) > 1:
-        raise ApiError(f"'{found[0].param}' and '{found[1].param}' both constrain the output; set one",
-                       param=found[1].param)
+        raise ApiError(
+            f"'{found[0].param}' and '{found[1].param}' both constrain the output; set one", param=found[1].param
+        )
     return found[0] if found else None
 
 
@@ -60,15 +66,17 @@ def _response_format(value: object) -> GrammarSpec | None:
     if kind == "json_schema":
         described = fields.get("json_schema")
         if not isinstance(described, dict):
-            raise ApiError("response_format.json_schema must be an object with a 'schema'",
-                           param="response_format.json_schema")
+            raise ApiError(
+                "response_format.json_schema must be an object with a 'schema'", param="response_format.json_schema"
+            )
         schema = described.get("schema", {})
         if not isinstance(schema, (dict, bool)):
-            raise ApiError("response_format.json_schema.schema must be a JSON schema object",
-                           param="response_format.json_schema.schema")
+            raise ApiError(
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format.json_schema.schema",
+            )
         return GrammarSpec("json", json.dumps(schema), "response_format.json_schema.schema")
-    raise ApiError("response_format.type must be 'text', 'json_object' or 'json_schema'",
-                   param="response_format.type")
+    raise ApiError("response_format.type must be 'text', 'json_object' or 'json_schema'", param="response_format.type")
 
 
 def _structured_outputs(value: object) -> GrammarSpec | None:
@@ -154,8 +162,7 @@ def compile_grammar(spec: GrammarSpec, tokenizer: Any) -> str:
 
     problem = unbounded_reason(spec.text)
     if problem:
-        raise ApiError(f"'{spec.param}' is too large to compile: {problem}", param=spec.param,
-                       code="grammar_too_large")
+        raise ApiError(f"'{spec.param}' is too large to compile: {problem}", param=spec.param, code="grammar_too_large")
     try:
         if spec.kind == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=cast(Any, JSON_LAYOUT))
@@ -166,10 +173,17 @@ def compile_grammar(spec: GrammarSpec, tokenizer: Any) -> str:
     except Exception as exc:  # llguidance raises ValueError for text it cannot read at all
         problem = str(exc)
     if problem:
-        raise ApiError(f"'{spec.param}' is not a valid {_NAMES[spec.kind]}: {problem.strip()}", param=spec.param,
-                       code="invalid_grammar")
+        raise ApiError(
+            f"'{spec.param}' is not a valid {_NAMES[spec.kind]}: {problem.strip()}",
+            param=spec.param,
+            code="invalid_grammar",
+        )
     return grammar
 
 
-_NAMES = {"json": "JSON schema", "regex": "regular expression", "choice": "list of choices",
-          "grammar": "grammar (Lark or GBNF)"}
+_NAMES = {
+    "json": "JSON schema",
+    "regex": "regular expression",
+    "choice": "list of choices",
+    "grammar": "grammar (Lark or GBNF)",
+}

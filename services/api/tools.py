@@ -34,8 +34,11 @@ class ToolCall:
     id: str = ""
 
     def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        call = {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        call = {
+            "id": self.id or f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return call if index is None else {"index": index, **call}
 
 
@@ -58,9 +61,18 @@ class ToolUse:
             return GrammarSpec("json", json.dumps(self.schema_of(self.name)), "tool_choice")
         if self.choice != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                   "parameters": self.schema_of(t["function"]["name"])},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    "parameters": self.schema_of(t["function"]["name"]),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not self.parallel:
             schema["maxItems"] = 1
@@ -78,24 +90,36 @@ def parse_tool_use(body: dict[str, Any]) -> ToolUse | None:
         raise ApiError("'tools' must be a non-empty list of functions", param="tools")
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                or not FUNCTION_NAME.match(function["name"]):
-            raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a name of "
-                           "at most 64 letters, digits, '_' or '-'", param=f"tools[{i}]")
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not FUNCTION_NAME.match(function["name"])
+        ):
+            raise ApiError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a name of "
+                "at most 64 letters, digits, '_' or '-'",
+                param=f"tools[{i}]",
+            )
         if not isinstance(function.get("parameters", {}), dict):
-            raise ApiError(f"tools[{i}].function.parameters must be a JSON schema object",
-                           param=f"tools[{i}].function.parameters")
+            raise ApiError(
+                f"tools[{i}].function.parameters must be a JSON schema object", param=f"tools[{i}].function.parameters"
+            )
     names = [t["function"]["name"] for t in tools]
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ApiError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
     if choice is None or choice in ("none", "auto", "required"):
         return ToolUse(tools, choice or "auto", parallel=parallel)
-    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        and isinstance(choice.get("function"), dict) else None
+    named = (
+        choice.get("function", {}).get("name")
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+        else None
+    )
     if named is None:
-        raise ApiError("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
-                       "{'name': ...}}", param="tool_choice")
+        raise ApiError(
+            "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            param="tool_choice",
+        )
     if named not in names:
         raise ApiError(f"tool_choice names '{named}', which is not among the tools", param="tool_choice")
     return ToolUse(tools, "named", named, parallel)
@@ -210,10 +234,10 @@ class ToolCallStream:
         assert self.parser is not None, "tool_choice auto is refused without a parser"
         if not final:
             safe = min(self.parser.start(self.text), len(self.text))
-            content, self.sent = self.text[self.sent:max(safe, self.sent)], max(safe, self.sent)
+            content, self.sent = self.text[self.sent : max(safe, self.sent)], max(safe, self.sent)
             return content, []
         content, calls = self.parser.parse(self.text)
-        return content[self.sent:], calls
+        return content[self.sent :], calls
 
 
 def whole_message(use: ToolUse, parser: ToolCallParser | None, text: str) -> tuple[str | None, list[ToolCall]]:

@@ -65,7 +65,8 @@ def _tokenized(server: OpenAIServer, body: dict[str, Any], tenant: str) -> Respo
             raise ApiError("messages must be a list of messages", param="messages")
         try:
             text = server.tokenizer.apply_chat_template(
-                body["messages"], tokenize=False, add_generation_prompt=_flag(body, "add_generation_prompt", True))
+                body["messages"], tokenize=False, add_generation_prompt=_flag(body, "add_generation_prompt", True)
+            )
         except Exception as exc:  # templates raise whatever their authors chose
             raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
         special = _flag(body, "add_special_tokens", False)
@@ -90,8 +91,9 @@ def _detokenized(server: OpenAIServer, body: dict[str, Any], tenant: str) -> Res
         raise ApiError(f"tokens must be a list of token ids in [0, {server.vocab_size})", param="tokens")
     info = server.client.info
     if info is not None and len(tokens) > 2 * info.max_model_len:  # decoding millions holds the GIL for long
-        raise ApiError(f"{len(tokens)} tokens are more than twice this model's context ({info.max_model_len})",
-                       param="tokens")
+        raise ApiError(
+            f"{len(tokens)} tokens are more than twice this model's context ({info.max_model_len})", param="tokens"
+        )
     return JSONResponse({"prompt": server.tokenizer.decode(tokens)})
 
 

@@ -49,8 +49,14 @@ def main() -> None:
         keys = keys_for(args, "scheduler", [endpoints.scheduler, endpoints.workers])
     except WireSecurityError as exc:
         sys.exit(f"scheduler: {exc}")
-    server = SchedulerServer(from_namespace(SchedulerConfig, args), endpoints, args.world_size, keys,
-                             args.max_message_bytes, from_namespace(LoraConfig, args))
+    server = SchedulerServer(
+        from_namespace(SchedulerConfig, args),
+        endpoints,
+        args.world_size,
+        keys,
+        args.max_message_bytes,
+        from_namespace(LoraConfig, args),
+    )
     try:
         serve_metrics(server.metrics.registry, args.metrics_host, args.metrics_port, "scheduler")
     except MetricsPortError as exc:

@@ -28,8 +28,9 @@ class _OnDevice:
 
 
 class AdapterPages:
-    def __init__(self, pool: BlockPool, max_loras: int, half_elements: int, dims: dict[str, list[int]],
-                 label_limit: int = 0):
+    def __init__(
+        self, pool: BlockPool, max_loras: int, half_elements: int, dims: dict[str, list[int]], label_limit: int = 0
+    ):
         self.pool = pool
         self.label_limit = max(label_limit, max_loras)  # adapter names counted requests by; then "other"
         self.requests: dict[str, int] = {}  # adapter name (or "other") -> requests admitted
@@ -117,7 +118,7 @@ class AdapterPages:
         Returns whether it was one."""
         if not key.startswith(PAGE_KEY):
             return False
-        name = key[len(PAGE_KEY):].rsplit(b"\0", 1)[0].decode()
+        name = key[len(PAGE_KEY) :].rsplit(b"\0", 1)[0].decode()
         if name in self.on_device:
             self._drop(name)
         return True

@@ -40,8 +40,14 @@ class Budgets:
 
 
 class Admission:
-    def __init__(self, budgets: Budgets, kv_cache: KVCacheManager, reservation: Reservation,
-                 vocab_size: int | None, policy: SchedulingPolicy | None = None):
+    def __init__(
+        self,
+        budgets: Budgets,
+        kv_cache: KVCacheManager,
+        reservation: Reservation,
+        vocab_size: int | None,
+        policy: SchedulingPolicy | None = None,
+    ):
         self.budgets = budgets
         self.policy = policy or SchedulingPolicy()
         self.kv_cache = kv_cache
@@ -58,8 +64,7 @@ class Admission:
         if not -PRIORITY_LIMIT <= message.priority < PRIORITY_LIMIT:
             return f"priority must be in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT})"
         if message.priority and not self.policy.ranks_by_priority:
-            return (f"priority is used only with --scheduling-policy priority (this server's is "
-                    f"{self.policy.name})")
+            return f"priority is used only with --scheduling-policy priority (this server's is {self.policy.name})"
         num_prompt = len(message.prompt_token_ids)
         if num_prompt == 0:
             return "the prompt is empty"
@@ -67,10 +72,7 @@ class Admission:
         if any(not 0 <= t < id_limit for t in message.prompt_token_ids):
             return f"prompt token ids must be in [0, {id_limit})"
         if num_prompt >= self.budgets.max_model_len:
-            return (
-                f"the prompt has {num_prompt} tokens; this server's context is "
-                f"{self.budgets.max_model_len} tokens"
-            )
+            return f"the prompt has {num_prompt} tokens; this server's context is {self.budgets.max_model_len} tokens"
         if num_prompt > self.budgets.max_num_batched_tokens and not self.budgets.chunked_prefill:
             return (
                 f"the prompt has {num_prompt} tokens, more than max_num_batched_tokens "

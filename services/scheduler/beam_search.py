@@ -91,12 +91,7 @@ class BeamSearch:
 
         self.improvable = self.improvable and self._can_improve(running, new_length)
         full = len(self.finished) == self.width
-        self.done = (
-            not self.improvable
-            or (full and self.early_stopping is True)
-            or all(ends)
-            or not running
-        )
+        self.done = not self.improvable or (full and self.early_stopping is True) or all(ends) or not running
         return [] if self.done else running
 
     def _can_improve(self, running: list[Candidate], length: int) -> bool:

@@ -164,12 +164,19 @@ class BlockPool:
         and the prefix cache's two maps agree."""
         free, evictable = set(self._free), set(self._evictable)
         referenced = {block for block, count in enumerate(self._ref_counts) if count > 0}
-        if (len(free) != len(self._free) or free & evictable or referenced & (free | evictable)
-                or len(free) + len(evictable) + len(referenced) != self.num_blocks):
-            raise AssertionError(f"{len(self._free)} free, {len(evictable)} cached and {len(referenced)} referenced "
-                                 f"blocks overlap or do not make up the pool of {self.num_blocks}")
+        if (
+            len(free) != len(self._free)
+            or free & evictable
+            or referenced & (free | evictable)
+            or len(free) + len(evictable) + len(referenced) != self.num_blocks
+        ):
+            raise AssertionError(
+                f"{len(self._free)} free, {len(evictable)} cached and {len(referenced)} referenced "
+                f"blocks overlap or do not make up the pool of {self.num_blocks}"
+            )
         if any(self._by_hash.get(key) != block for block, (key, _) in self._key_of.items()) or (
-                len(self._by_hash) != len(self._key_of) or not evictable <= self._key_of.keys()):
+            len(self._by_hash) != len(self._key_of) or not evictable <= self._key_of.keys()
+        ):
             raise AssertionError("the prefix cache's maps disagree")
 
     def _forget(self, block: int) -> None:

@@ -9,8 +9,14 @@ from services.scheduler.sequence_kv import SequenceKV
 from shared.protocol import DEVICE, HOST
 
 
-def audit(handles: Iterable[SequenceKV], device: BlockPool, swap: BlockPool, host_cache: BlockPool,
-          adapter_pages: dict[int, int], reading: dict[int, int]) -> None:
+def audit(
+    handles: Iterable[SequenceKV],
+    device: BlockPool,
+    swap: BlockPool,
+    host_cache: BlockPool,
+    adapter_pages: dict[int, int],
+    reading: dict[int, int],
+) -> None:
     """Raise AssertionError unless, in every tier, each block is exactly one of free, referenced or
     cached, and each block's reference count is the number of block tables that hold it (and one for each
     page of an adapter a request holds; in the host cache, whose blocks only wait to be loaded, one for a
@@ -22,10 +28,15 @@ def audit(handles: Iterable[SequenceKV], device: BlockPool, swap: BlockPool, hos
             held[block] = held.get(block, 0) + 1
     for page, count in adapter_pages.items():
         counts[DEVICE][page] = counts[DEVICE].get(page, 0) + count
-    for name, pool, held in (("device", device, counts[DEVICE]), ("swap", swap, counts[HOST]),
-                             ("host cache", host_cache, reading)):
+    for name, pool, held in (
+        ("device", device, counts[DEVICE]),
+        ("swap", swap, counts[HOST]),
+        ("host cache", host_cache, reading),
+    ):
         pool.audit()
         for block in range(pool.num_blocks):
             if pool.ref_count(block) != held.get(block, 0):
-                raise AssertionError(f"{name}: block {block} is referenced {pool.ref_count(block)} "
-                                     f"times, held by {held.get(block, 0)} block tables")
+                raise AssertionError(
+                    f"{name}: block {block} is referenced {pool.ref_count(block)} "
+                    f"times, held by {held.get(block, 0)} block tables"
+                )

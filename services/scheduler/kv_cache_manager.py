@@ -63,13 +63,21 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.moved = TransferCounts()
         self._transfers: list[BlockTransfer] = []
-        self.tiers = PrefixTiers(self.device_pool, self.host_cache, num_cpu_blocks, disk if enable_prefix_caching
-                                 else None, write_through, self._transfers, self.moved)
+        self.tiers = PrefixTiers(
+            self.device_pool,
+            self.host_cache,
+            num_cpu_blocks,
+            disk if enable_prefix_caching else None,
+            write_through,
+            self._transfers,
+            self.moved,
+        )
         self.adapters: AdapterPages | None = None  # with LoRA adapters: their pages in the device pool
         self.device_pool.on_evict = self._evicted
 
-    def enable_adapters(self, max_loras: int, half_elements: int, dims: dict[str, list[int]],
-                        label_limit: int = 0) -> None:
+    def enable_adapters(
+        self, max_loras: int, half_elements: int, dims: dict[str, list[int]], label_limit: int = 0
+    ) -> None:
         self.adapters = AdapterPages(self.device_pool, max_loras, half_elements, dims, label_limit)
 
     def _evicted(self, block: int, key: bytes, tokens: tuple[int, ...]) -> None:
@@ -196,8 +204,9 @@ class KVCacheManager:
     def abandon_reads(self) -> None:
         self.tiers.abandon_reads()
 
-    def plan_start(self, request: Request, budget: int, chunked_prefill: bool, reserved: int, watermark: bool,
-                   disk: bool = True) -> StartPlan | None:
+    def plan_start(
+        self, request: Request, budget: int, chunked_prefill: bool, reserved: int, watermark: bool, disk: bool = True
+    ) -> StartPlan | None:
         """How a waiting request starts, or None if it does not fit now (services/scheduler/starts.py)."""
         return plan_start(self, request, budget, chunked_prefill, reserved, watermark, disk)
 
@@ -221,8 +230,9 @@ class KVCacheManager:
                 self._transfers.append(BlockTransfer(HOST, self._host_offset + block, DEVICE, loaded))
                 self.moved.loaded += 1
                 size = self.block_size
-                self.device_pool.cache(loaded, kv._hashes[index], tuple(seq.token_at(p) for p in
-                                                                range(index * size, (index + 1) * size)))
+                self.device_pool.cache(
+                    loaded, kv._hashes[index], tuple(seq.token_at(p) for p in range(index * size, (index + 1) * size))
+                )
                 block = loaded
             table.append(block)
         for slot in pinned:
@@ -384,21 +394,33 @@ class KVCacheManager:
         """The pools' and the transfers' counts, by the names of the scheduler's `Stats` fields."""
         device, swap, host, moved, disk = self.device_pool, self.swap_pool, self.host_cache, self.moved, self.disk
         return dict(
-            num_gpu_blocks=device.num_blocks, num_free_gpu_blocks=device.num_free,
-            num_cached_gpu_blocks=device.num_evictable, num_cpu_blocks=swap.num_blocks,
-            num_free_cpu_blocks=swap.num_available, blocks_swapped_out=moved.swapped_out,
-            blocks_swapped_in=moved.swapped_in, blocks_copied=moved.copied, blocks_offloaded=moved.offloaded,
-            blocks_loaded=moved.loaded, blocks_written_to_disk=moved.written, blocks_read_from_disk=moved.read,
-            disk_reads_refused=moved.refused, num_disk_blocks=len(disk) if disk is not None else 0,
-            disk_capacity_blocks=disk.capacity if disk is not None else 0, num_host_cache_blocks=host.num_blocks,
-            num_cached_host_blocks=host.num_evictable, block_size=self.block_size)
+            num_gpu_blocks=device.num_blocks,
+            num_free_gpu_blocks=device.num_free,
+            num_cached_gpu_blocks=device.num_evictable,
+            num_cpu_blocks=swap.num_blocks,
+            num_free_cpu_blocks=swap.num_available,
+            blocks_swapped_out=moved.swapped_out,
+            blocks_swapped_in=moved.swapped_in,
+            blocks_copied=moved.copied,
+            blocks_offloaded=moved.offloaded,
+            blocks_loaded=moved.loaded,
+            blocks_written_to_disk=moved.written,
+            blocks_read_from_disk=moved.read,
+            disk_reads_refused=moved.refused,
+            num_disk_blocks=len(disk) if disk is not None else 0,
+            disk_capacity_blocks=disk.capacity if disk is not None else 0,
+            num_host_cache_blocks=host.num_blocks,
+            num_cached_host_blocks=host.num_evictable,
+            block_size=self.block_size,
+        )
 
     def lora_stats(self) -> LoraStats | None:
         adapters = self.adapters
         if adapters is None:
             return None
-        return LoraStats(len(adapters.on_device), adapters.num_pages, adapters.loads, adapters.evictions,
-                         dict(adapters.requests))
+        return LoraStats(
+            len(adapters.on_device), adapters.num_pages, adapters.loads, adapters.evictions, dict(adapters.requests)
+        )
 
     def device_use(self) -> float:
         """The share of device blocks in use."""

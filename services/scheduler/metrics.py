@@ -28,18 +28,26 @@ class SchedulerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(fresh_stats))
         self.schedule_seconds = Histogram(
-            "pagedserve_step_phase_seconds", "time of one phase of a step: schedule here, forward and sample on "
-            "each worker rank", ["phase"], buckets=SCHEDULE_BUCKETS, registry=self.registry,
+            "pagedserve_step_phase_seconds",
+            "time of one phase of a step: schedule here, forward and sample on each worker rank",
+            ["phase"],
+            buckets=SCHEDULE_BUCKETS,
+            registry=self.registry,
         ).labels("schedule")
         self.tokens_per_step = Histogram(
-            "pagedserve_tokens_per_step", "prompt and decode tokens in one step", buckets=TOKENS_PER_STEP_BUCKETS,
+            "pagedserve_tokens_per_step",
+            "prompt and decode tokens in one step",
+            buckets=TOKENS_PER_STEP_BUCKETS,
             registry=self.registry,
         )
         self.queue_time = Histogram(
-            "pagedserve_request_queue_time_seconds", "from a request's arrival at the scheduler to its first step, "
+            "pagedserve_request_queue_time_seconds",
+            "from a request's arrival at the scheduler to its first step, "
             "by tenant (an api key's tenant id, user for tenants named by the `user` field, none) and priority class "
-            "(high: below 0, default: 0, low: above 0)", ["tenant", "priority"],
-            buckets=QUEUE_BUCKETS, registry=self.registry,
+            "(high: below 0, default: 0, low: above 0)",
+            ["tenant", "priority"],
+            buckets=QUEUE_BUCKETS,
+            registry=self.registry,
         )
 
 
@@ -92,23 +100,37 @@ class StatsCollector:
         used = stats.num_used_gpu_blocks
         swap_used = stats.num_cpu_blocks - stats.num_free_cpu_blocks
         pools = {  # pool: (device, used, cached, free, total)
-            "device": (device, used, stats.num_cached_gpu_blocks, stats.num_free_gpu_blocks,
-                       stats.num_gpu_blocks),
+            "device": (device, used, stats.num_cached_gpu_blocks, stats.num_free_gpu_blocks, stats.num_gpu_blocks),
             "swap": ("cpu", swap_used, 0, stats.num_free_cpu_blocks, stats.num_cpu_blocks),
-            "host_cache": ("cpu", 0, stats.num_cached_host_blocks,
-                           stats.num_host_cache_blocks - stats.num_cached_host_blocks, stats.num_host_cache_blocks),
-            "disk": ("disk", 0, stats.num_disk_blocks, stats.disk_capacity_blocks - stats.num_disk_blocks,
-                     stats.disk_capacity_blocks),
+            "host_cache": (
+                "cpu",
+                0,
+                stats.num_cached_host_blocks,
+                stats.num_host_cache_blocks - stats.num_cached_host_blocks,
+                stats.num_host_cache_blocks,
+            ),
+            "disk": (
+                "disk",
+                0,
+                stats.num_disk_blocks,
+                stats.disk_capacity_blocks - stats.num_disk_blocks,
+                stats.disk_capacity_blocks,
+            ),
         }
-        blocks = GaugeMetricFamily("pagedserve_kv_blocks", "KV blocks by pool (the device's cache; in CPU memory, "
-                                   "the swap space and the host cache of --kv-offloading-size; files under "
-                                   "--kv-cache-dir) and state: used by sequences, cached for prefix reuse "
-                                   "(evictable), free",
-                                   labels=["pool", "device", "state"])
-        capacity = GaugeMetricFamily("pagedserve_kv_blocks_capacity", "KV blocks in the pool",
-                                     labels=["pool", "device"])
-        usage = GaugeMetricFamily("pagedserve_kv_usage_ratio", "share of the pool's KV blocks used by sequences",
-                                  labels=["pool", "device"])
+        blocks = GaugeMetricFamily(
+            "pagedserve_kv_blocks",
+            "KV blocks by pool (the device's cache; in CPU memory, "
+            "the swap space and the host cache of --kv-offloading-size; files under "
+            "--kv-cache-dir) and state: used by sequences, cached for prefix reuse "
+            "(evictable), free",
+            labels=["pool", "device", "state"],
+        )
+        capacity = GaugeMetricFamily(
+            "pagedserve_kv_blocks_capacity", "KV blocks in the pool", labels=["pool", "device"]
+        )
+        usage = GaugeMetricFamily(
+            "pagedserve_kv_usage_ratio", "share of the pool's KV blocks used by sequences", labels=["pool", "device"]
+        )
         for pool, (device, in_use, cached, free, total) in pools.items():
             for state, value in (("used", in_use), ("cached", cached), ("free", free)):
                 blocks.add_metric([pool, device, state], value)
@@ -122,57 +144,100 @@ class StatsCollector:
             "unfilled end of each sequence's last block); the paper's memory utilization",
             value=stats.kv_slots_holding_tokens / referenced_slots if referenced_slots else 1.0,
         )
-        slots = GaugeMetricFamily("pagedserve_kv_slots", "token slots of the device blocks used by sequences: "
-                                  "holding token states, reserved (empty, to be filled if each request runs to its "
-                                  "max_tokens), or unused (never to be filled: internal fragmentation); and, under a "
-                                  "reservation baseline, fragmented: free slots in runs too short for the waiting "
-                                  "request's reservation (external fragmentation)", labels=["state"])
+        slots = GaugeMetricFamily(
+            "pagedserve_kv_slots",
+            "token slots of the device blocks used by sequences: "
+            "holding token states, reserved (empty, to be filled if each request runs to its "
+            "max_tokens), or unused (never to be filled: internal fragmentation); and, under a "
+            "reservation baseline, fragmented: free slots in runs too short for the waiting "
+            "request's reservation (external fragmentation)",
+            labels=["state"],
+        )
         reserved = min(stats.kv_slots_reserved, referenced_slots - stats.kv_slots_holding_tokens)
         slots.add_metric(["tokens"], stats.kv_slots_holding_tokens)
         slots.add_metric(["reserved"], reserved)
         slots.add_metric(["unused"], max(0, referenced_slots - stats.kv_slots_holding_tokens - reserved))
         slots.add_metric(["fragmented"], stats.kv_slots_fragmented)
         yield slots
-        for state, value in (("running", stats.num_running), ("waiting", stats.num_waiting),
-                             ("swapped", stats.num_swapped)):
-            yield GaugeMetricFamily(f"pagedserve_num_requests_{state}",
-                                    f"{'sequences' if state == 'running' else 'requests'} {state}", value=value)
-        yield labeled_counter("pagedserve_preemptions", "requests preempted, by mode", "mode",
-                              {"swap": stats.num_preemptions_swap, "recompute": stats.num_preemptions_recompute})
-        yield labeled_counter("pagedserve_blocks_swapped", "KV blocks moved between the device and swap space",
-                              "direction", {"out": stats.blocks_swapped_out, "in": stats.blocks_swapped_in})
-        yield labeled_counter("pagedserve_blocks_offloaded", "KV blocks written back from the device to the host "
-                              "cache as the device evicted them, and loaded back for prefix hits", "direction",
-                              {"out": stats.blocks_offloaded, "in": stats.blocks_loaded})
-        yield labeled_counter("pagedserve_blocks_on_disk", "KV blocks written to files under --kv-cache-dir, read "
-                              "back into the host cache, and refused when read (no whole file: computed again)",
-                              "direction", {"written": stats.blocks_written_to_disk,
-                                            "read": stats.blocks_read_from_disk, "refused": stats.disk_reads_refused})
-        yield labeled_counter("pagedserve_prefix_cache_tier_hits", "prompt tokens requests started on from cached "
-                              "blocks, by the tier that held them (counted at every start, a recomputed one again)",
-                              "tier", {"device": stats.prefix_hits_device_tokens,
-                                       "host": stats.prefix_hits_host_tokens})
+        for state, value in (
+            ("running", stats.num_running),
+            ("waiting", stats.num_waiting),
+            ("swapped", stats.num_swapped),
+        ):
+            yield GaugeMetricFamily(
+                f"pagedserve_num_requests_{state}",
+                f"{'sequences' if state == 'running' else 'requests'} {state}",
+                value=value,
+            )
+        yield labeled_counter(
+            "pagedserve_preemptions",
+            "requests preempted, by mode",
+            "mode",
+            {"swap": stats.num_preemptions_swap, "recompute": stats.num_preemptions_recompute},
+        )
+        yield labeled_counter(
+            "pagedserve_blocks_swapped",
+            "KV blocks moved between the device and swap space",
+            "direction",
+            {"out": stats.blocks_swapped_out, "in": stats.blocks_swapped_in},
+        )
+        yield labeled_counter(
+            "pagedserve_blocks_offloaded",
+            "KV blocks written back from the device to the host "
+            "cache as the device evicted them, and loaded back for prefix hits",
+            "direction",
+            {"out": stats.blocks_offloaded, "in": stats.blocks_loaded},
+        )
+        yield labeled_counter(
+            "pagedserve_blocks_on_disk",
+            "KV blocks written to files under --kv-cache-dir, read "
+            "back into the host cache, and refused when read (no whole file: computed again)",
+            "direction",
+            {
+                "written": stats.blocks_written_to_disk,
+                "read": stats.blocks_read_from_disk,
+                "refused": stats.disk_reads_refused,
+            },
+        )
+        yield labeled_counter(
+            "pagedserve_prefix_cache_tier_hits",
+            "prompt tokens requests started on from cached "
+            "blocks, by the tier that held them (counted at every start, a recomputed one again)",
+            "tier",
+            {"device": stats.prefix_hits_device_tokens, "host": stats.prefix_hits_host_tokens},
+        )
         counters: dict[str, tuple[str, float]] = {
             "blocks_copied": ("KV blocks copied on write (a shared block written)", stats.blocks_copied),
             "tokens_scheduled": ("prompt and decode tokens run through the model", stats.tokens_scheduled),
             "steps": ("steps scheduled", stats.num_steps),
-            "prompt_tokens_computed": ("prompt tokens run through the model (again after a recompute)",
-                                       stats.num_prompt_tokens_computed),
-            "prefix_cache_queries": ("prompt tokens looked up in the prefix cache, once per request",
-                                     stats.prefix_cache_queries),
-            "prefix_cache_hits": ("prompt tokens found in the prefix cache, once per request",
-                                  stats.num_prompt_tokens_cached),
+            "prompt_tokens_computed": (
+                "prompt tokens run through the model (again after a recompute)",
+                stats.num_prompt_tokens_computed,
+            ),
+            "prefix_cache_queries": (
+                "prompt tokens looked up in the prefix cache, once per request",
+                stats.prefix_cache_queries,
+            ),
+            "prefix_cache_hits": (
+                "prompt tokens found in the prefix cache, once per request",
+                stats.num_prompt_tokens_cached,
+            ),
             "worker_busy_seconds": ("time rank 0 spent computing steps", stats.worker_busy_seconds),
-            "worker_waiting_seconds": ("time rank 0 waited for its next step while the scheduler had work "
-                                       "(overhead, not idleness)", stats.worker_waiting_seconds),
+            "worker_waiting_seconds": (
+                "time rank 0 waited for its next step while the scheduler had work (overhead, not idleness)",
+                stats.worker_waiting_seconds,
+            ),
         }
         for name, (help_text, count) in counters.items():
             yield CounterMetricFamily(f"pagedserve_{name}", help_text, value=count)
         if stats.lora is not None:
             yield from lora_metrics(stats.lora)
-        served = CounterMetricFamily("pagedserve_served_tokens", "prompt tokens computed and output tokens sampled, "
-                                     "by tenant and priority class (as pagedserve_request_queue_time_seconds)",
-                                     labels=["tenant", "priority", "kind"])
+        served = CounterMetricFamily(
+            "pagedserve_served_tokens",
+            "prompt tokens computed and output tokens sampled, "
+            "by tenant and priority class (as pagedserve_request_queue_time_seconds)",
+            labels=["tenant", "priority", "kind"],
+        )
         for (tenant, priority), (prompt, output) in stats.served.items():
             served.add_metric([tenant, priority, "prompt"], prompt)
             served.add_metric([tenant, priority, "output"], output)
@@ -191,26 +256,38 @@ def speculation_metrics(stats: SpeculationStats) -> Iterator[Metric]:
         ("num_accepted_tokens", "proposed tokens the target model accepted", stats.num_accepted_tokens),
     ):
         yield CounterMetricFamily(f"pagedserve_spec_decode_{name}", help_text, value=value)
-    yield labeled_counter("pagedserve_spec_decode_num_accepted_tokens_per_pos",
-                          "proposals accepted, by their position in the sequence's proposals (from 0)", "position",
-                          {str(position): value for position, value in enumerate(stats.accepted_per_position)})
-    yield labeled_counter("pagedserve_spec_decode_steps", "steps by whether they speculated (chosen by what each "
-                          "choice gave lately at the batch's size)", "choice",
-                          {"speculate": stats.steps_speculating, "plain": stats.steps_plain})
+    yield labeled_counter(
+        "pagedserve_spec_decode_num_accepted_tokens_per_pos",
+        "proposals accepted, by their position in the sequence's proposals (from 0)",
+        "position",
+        {str(position): value for position, value in enumerate(stats.accepted_per_position)},
+    )
+    yield labeled_counter(
+        "pagedserve_spec_decode_steps",
+        "steps by whether they speculated (chosen by what each choice gave lately at the batch's size)",
+        "choice",
+        {"speculate": stats.steps_speculating, "plain": stats.steps_plain},
+    )
 
 
 def lora_metrics(lora: LoraStats) -> Iterator[Metric]:
     """With --enable-lora: adapters and their pages in the device pool, loads and evictions, requests by adapter."""
-    yield GaugeMetricFamily("pagedserve_lora_adapters", "LoRA adapters with pages in the device pool",
-                            value=lora.on_device)
-    yield GaugeMetricFamily("pagedserve_lora_pages", "device blocks LoRA adapters' pages take",
-                            value=lora.pages)
-    yield labeled_counter("pagedserve_lora_adapter_loads", "LoRA adapters loaded into pages of the device "
-                          "pool, and evicted from it", "event", {"load": lora.loads,
-                                                                  "eviction": lora.evictions})
-    yield labeled_counter("pagedserve_lora_requests", "requests admitted, by the adapter they run under "
-                          "(base: none; other: past --max-cpu-loras names)", "adapter",
-                          {name or "base": count for name, count in lora.requests.items()})
+    yield GaugeMetricFamily(
+        "pagedserve_lora_adapters", "LoRA adapters with pages in the device pool", value=lora.on_device
+    )
+    yield GaugeMetricFamily("pagedserve_lora_pages", "device blocks LoRA adapters' pages take", value=lora.pages)
+    yield labeled_counter(
+        "pagedserve_lora_adapter_loads",
+        "LoRA adapters loaded into pages of the device pool, and evicted from it",
+        "event",
+        {"load": lora.loads, "eviction": lora.evictions},
+    )
+    yield labeled_counter(
+        "pagedserve_lora_requests",
+        "requests admitted, by the adapter they run under (base: none; other: past --max-cpu-loras names)",
+        "adapter",
+        {name or "base": count for name, count in lora.requests.items()},
+    )
 
 
 def labeled_counter(name: str, help_text: str, label: str, values: dict[str, float]) -> CounterMetricFamily:

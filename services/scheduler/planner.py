@@ -30,8 +30,9 @@ def in_prompt(request: Request) -> bool:
 
 
 class StepPlanner:
-    def __init__(self, budgets: Budgets, kv_cache: KVCacheManager, queues: RequestQueues,
-                 speculation: Speculation | None):
+    def __init__(
+        self, budgets: Budgets, kv_cache: KVCacheManager, queues: RequestQueues, speculation: Speculation | None
+    ):
         self.budgets, self.kv_cache, self.queues, self.speculation = budgets, kv_cache, queues, speculation
 
     def prompt_heavy(self) -> bool:
@@ -84,8 +85,10 @@ class StepPlanner:
         sampling = seq.request.sampling
         if sampling.use_beam_search or seq.request.forks_at_next_sample:
             return False
-        return (len(seq.output_token_ids) + seq.num_coming < sampling.max_tokens
-                and seq.num_tokens + seq.num_coming < self.budgets.max_model_len)
+        return (
+            len(seq.output_token_ids) + seq.num_coming < sampling.max_tokens
+            and seq.num_tokens + seq.num_coming < self.budgets.max_model_len
+        )
 
     def room(self, request: Request, plan: StepPlan) -> int:
         """The tokens a request may take in the step: for a prompt, within the policy's cap on prompt

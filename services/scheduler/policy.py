@@ -197,7 +197,7 @@ class TenantLabels:
         if not tenant:
             return "none"
         if tenant.startswith("user:"):
-            return self._bounded(self.users, tenant[:len("user:") + USER_LABEL_CHARS], "user:other")
+            return self._bounded(self.users, tenant[: len("user:") + USER_LABEL_CHARS], "user:other")
         if _KEY_TENANT.fullmatch(tenant):
             return self._bounded(self.keys, tenant, "other")
         return "other"

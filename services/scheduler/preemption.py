@@ -37,8 +37,14 @@ class PreemptionPolicy:
 
 
 class Preemption:
-    def __init__(self, policy: PreemptionPolicy, queues: RequestQueues, kv_cache: KVCacheManager,
-                 registry: SequenceRegistry, counters: Counters):
+    def __init__(
+        self,
+        policy: PreemptionPolicy,
+        queues: RequestQueues,
+        kv_cache: KVCacheManager,
+        registry: SequenceRegistry,
+        counters: Counters,
+    ):
         self.policy, self.queues, self.kv_cache = policy, queues, kv_cache
         self.registry, self.counters = registry, counters
 

@@ -23,8 +23,16 @@ if TYPE_CHECKING:
 
 
 class PrefixTiers:
-    def __init__(self, device_pool: BlockPool, host_cache: BlockPool, host_offset: int, disk: DiskIndex | None,
-                 write_through: bool, transfers: list[BlockTransfer], moved: TransferCounts):
+    def __init__(
+        self,
+        device_pool: BlockPool,
+        host_cache: BlockPool,
+        host_offset: int,
+        disk: DiskIndex | None,
+        write_through: bool,
+        transfers: list[BlockTransfer],
+        moved: TransferCounts,
+    ):
         self.device_pool, self.host_cache, self.host_offset = device_pool, host_cache, host_offset
         self.disk = disk if host_cache.num_blocks else None
         self.write_through = write_through and bool(host_cache.num_blocks)

@@ -29,8 +29,19 @@ class RequestStatus(enum.Enum):
 class Sequence:
     """Tokens and sampling state. Its KV state is the handle `kv`, which the KV cache manager owns."""
 
-    __slots__ = ("seq_id", "request", "num_prompt_tokens", "index", "output_token_ids", "output_logprobs",
-                 "output_top_logprobs", "cumulative_logprob", "kv", "flight", "finish_reason")
+    __slots__ = (
+        "seq_id",
+        "request",
+        "num_prompt_tokens",
+        "index",
+        "output_token_ids",
+        "output_logprobs",
+        "output_top_logprobs",
+        "cumulative_logprob",
+        "kv",
+        "flight",
+        "finish_reason",
+    )
 
     def __init__(self, seq_id: int, request: Request, index: int, output_token_ids: list[int] | None = None):
         self.seq_id = seq_id
@@ -85,14 +96,46 @@ class Sequence:
 
 
 class Request:
-    __slots__ = ("request_id", "cache_root", "prompt_token_ids", "sampling", "arrival_time", "order", "forked",
-                 "status", "seqs", "finished_seqs", "beam", "beam_pending", "num_cached_prompt_tokens", "looked_up",
-                 "received", "first_scheduled", "prompt_logprobs", "prompt_top_logprobs", "prompt_logprobs_sent",
-                 "left_out_at", "priority", "tenant", "waited_for_disk", "lora")
+    __slots__ = (
+        "request_id",
+        "cache_root",
+        "prompt_token_ids",
+        "sampling",
+        "arrival_time",
+        "order",
+        "forked",
+        "status",
+        "seqs",
+        "finished_seqs",
+        "beam",
+        "beam_pending",
+        "num_cached_prompt_tokens",
+        "looked_up",
+        "received",
+        "first_scheduled",
+        "prompt_logprobs",
+        "prompt_top_logprobs",
+        "prompt_logprobs_sent",
+        "left_out_at",
+        "priority",
+        "tenant",
+        "waited_for_disk",
+        "lora",
+    )
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, arrival_time: float,
-                 order: int = 0, cache_salt: str = "", priority: int = 0, tenant: str = "",
-                 received: float | None = None, lora: LoraRef | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        arrival_time: float,
+        order: int = 0,
+        cache_salt: str = "",
+        priority: int = 0,
+        tenant: str = "",
+        received: float | None = None,
+        lora: LoraRef | None = None,
+    ):
         self.request_id = request_id
         self.lora = lora  # the adapter it runs under; None: the base model
         # The parent key of its first block in the prefix cache: no block is shared across salts or adapters.

@@ -79,8 +79,12 @@ class RequestQueues:
 
     def take(self, request: Request) -> None:
         """Off whichever queue holds it (its status says which); a finished request is on none."""
-        queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
-                 RequestStatus.SWAPPED: self.swapped, RequestStatus.HELD: self.held}.get(request.status)
+        queue = {
+            RequestStatus.RUNNING: self.running,
+            RequestStatus.WAITING: self.waiting,
+            RequestStatus.SWAPPED: self.swapped,
+            RequestStatus.HELD: self.held,
+        }.get(request.status)
         if queue is not None:
             queue.remove(request)
 

@@ -76,8 +76,11 @@ class ResultProcessor:
                 continue
             request = seq.request
             self._end(request, applied)
-            applied.outputs.append(error_output(request.request_id, request.num_prompt_tokens,
-                                                f"the worker refused this request: {reason}", "error"))
+            applied.outputs.append(
+                error_output(
+                    request.request_id, request.num_prompt_tokens, f"the worker refused this request: {reason}", "error"
+                )
+            )
 
     def _end(self, request: Request, applied: Applied) -> None:
         self.registry.release(request)
@@ -85,8 +88,9 @@ class ResultProcessor:
 
     # --- sampling (n, best_of) -----------------------------------------------------------
 
-    def _append_samples(self, request: Request, items: list[tuple[Sequence, SampledTokens]],
-                        applied: Applied) -> RequestOutput | None:
+    def _append_samples(
+        self, request: Request, items: list[tuple[Sequence, SampledTokens]], applied: Applied
+    ) -> RequestOutput | None:
         sampling = request.sampling
         first = request.seqs[0]
         if len(items) > 1 and len(request.seqs) == 1 and not first.output_token_ids:
@@ -101,8 +105,9 @@ class ResultProcessor:
             kept, reason = self.registry.append(seq, sampled.token_ids, sampled.logprobs, tops)
             if reason is not None:
                 self.registry.finish_sequence(seq, reason)
-            deltas.append(SequenceDelta(seq.index, sampled.token_ids[:kept], sampled.logprobs[:kept], tops[:kept],
-                                        reason))
+            deltas.append(
+                SequenceDelta(seq.index, sampled.token_ids[:kept], sampled.logprobs[:kept], tops[:kept], reason)
+            )
         finished = not request.seqs
         if finished:
             self._end(request, applied)
@@ -115,12 +120,14 @@ class ResultProcessor:
 
     # --- beam search ---------------------------------------------------------------------
 
-    def _advance_beams(self, request: Request, items: list[tuple[Sequence, SampledTokens]],
-                       applied: Applied) -> RequestOutput | None:
+    def _advance_beams(
+        self, request: Request, items: list[tuple[Sequence, SampledTokens]], applied: Applied
+    ) -> RequestOutput | None:
         sampling = request.sampling
         if request.beam is None:
-            request.beam = BeamSearch(sampling.num_samples, sampling.length_penalty,
-                                      sampling.early_stopping, sampling.max_tokens)
+            request.beam = BeamSearch(
+                sampling.num_samples, sampling.length_penalty, sampling.early_stopping, sampling.max_tokens
+            )
         beam = request.beam
         pending = request.beam_pending
         for seq, sampled in items:
@@ -129,8 +136,13 @@ class ResultProcessor:
             return None  # a beam is still being recomputed; decide when all have reported
         beams = list(request.seqs)
         inputs = [
-            BeamInput(seq.output_token_ids, seq.output_logprobs, seq.cumulative_logprob,
-                      pending[seq.seq_id].top_ids[0], pending[seq.seq_id].top_logprobs[0])
+            BeamInput(
+                seq.output_token_ids,
+                seq.output_logprobs,
+                seq.cumulative_logprob,
+                pending[seq.seq_id].top_ids[0],
+                pending[seq.seq_id].top_logprobs[0],
+            )
             for seq in beams
         ]
         request.beam_pending = {}
@@ -144,9 +156,13 @@ class ResultProcessor:
         if beam.done:
             self._end(request, applied)
             deltas = [
-                SequenceDelta(i, h.token_ids, h.logprobs, [{} for _ in h.token_ids],
-                              stop.reason(sampling, h.token_ids[-1], len(h.token_ids),
-                                          num_prompt + len(h.token_ids)) or "length")
+                SequenceDelta(
+                    i,
+                    h.token_ids,
+                    h.logprobs,
+                    [{} for _ in h.token_ids],
+                    stop.reason(sampling, h.token_ids[-1], len(h.token_ids), num_prompt + len(h.token_ids)) or "length",
+                )
                 for i, h in enumerate(beam.best(sampling.n))
             ]
             return self._output(request, deltas, True)
@@ -181,8 +197,13 @@ class ResultProcessor:
             request.prompt_top_logprobs[position] = dict(zip(computed.top_ids[k], computed.top_logprobs[k]))
 
     def _output(self, request: Request, deltas: list[SequenceDelta], finished: bool) -> RequestOutput:
-        output = RequestOutput(request.request_id, request.num_prompt_tokens, deltas, finished,
-                               num_cached_tokens=request.num_cached_prompt_tokens)
+        output = RequestOutput(
+            request.request_id,
+            request.num_prompt_tokens,
+            deltas,
+            finished,
+            num_cached_tokens=request.num_cached_prompt_tokens,
+        )
         if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             request.prompt_logprobs_sent = True  # the prompt is done once anything is sampled
             # every position is computed by now: none is left None
@@ -192,5 +213,6 @@ class ResultProcessor:
 
 
 def _whole(index: int, seq: Sequence) -> SequenceDelta:
-    return SequenceDelta(index, list(seq.output_token_ids), list(seq.output_logprobs),
-                         list(seq.output_top_logprobs), seq.finish_reason)
+    return SequenceDelta(
+        index, list(seq.output_token_ids), list(seq.output_logprobs), list(seq.output_top_logprobs), seq.finish_reason
+    )

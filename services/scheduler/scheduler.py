@@ -28,18 +28,17 @@ from collections.abc import Callable
 
 from services.scheduler.admission import Admission, Budgets, ConfigError
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_records import PrefixMatch
 from services.scheduler.planner import StepPlan, StepPlanner, in_prompt
 from services.scheduler.policy import Rank, SchedulingPolicy
 from services.scheduler.preemption import Preemption, PreemptionPolicy
 from services.scheduler.quarantine import MAX_FAILURES, StepFailures
-from services.scheduler.request import Request, RequestStatus, Sequence
+from services.scheduler.request import Request, RequestStatus
 from services.scheduler.request_queue import RequestQueues
 from services.scheduler.reservation import Reservation
 from services.scheduler.results import ResultProcessor, error_output
+from services.scheduler.resumption import Resumption
 from services.scheduler.sequences import SequenceRegistry
 from services.scheduler.speculation import Speculation
-from services.scheduler.starts import StartPlan
 from services.scheduler.statistics import SchedulerStatistics
 from services.scheduler.stats import Stats
 from services.scheduler.steps_in_flight import StepsInFlight
@@ -68,8 +67,10 @@ class Scheduler:
         budgets.check()
         self.reservation = reservation or Reservation()
         if not self.reservation.paged and kv_cache.caching:
-            raise ConfigError(f"--kv-reservation {self.reservation.policy} is a baseline without sharing: "
-                              "it cannot run with prefix caching")
+            raise ConfigError(
+                f"--kv-reservation {self.reservation.policy} is a baseline without sharing: "
+                "it cannot run with prefix caching"
+            )
         if not self.reservation.paged and speculation is not None:
             raise ConfigError(f"--kv-reservation {self.reservation.policy} is a baseline: it does not speculate")
         self.kv_cache = kv_cache
@@ -81,13 +82,31 @@ class Scheduler:
         self.registry = SequenceRegistry(kv_cache, StopRule(frozenset(eos_token_ids), budgets.max_model_len))
         self.results = ResultProcessor(self.registry, kv_cache)
         self.queues = RequestQueues(self.policy)
-        self.statistics = SchedulerStatistics(kv_cache, self.queues, budgets, speculation, clock,
-                                              None if self.reservation.paged else self._reserved_blocks)
-        self.preemption = Preemption(preemption or PreemptionPolicy(), self.queues, kv_cache, self.registry,
-                                     self.statistics.counters)
+        self.statistics = SchedulerStatistics(
+            kv_cache,
+            self.queues,
+            budgets,
+            speculation,
+            clock,
+            None if self.reservation.paged else self._reserved_blocks,
+        )
+        self.preemption = Preemption(
+            preemption or PreemptionPolicy(), self.queues, kv_cache, self.registry, self.statistics.counters
+        )
         self.planner = StepPlanner(budgets, kv_cache, self.queues, speculation)
         self.in_flight = StepsInFlight(kv_cache, self.registry, self.policy, self.statistics)
         self.failures = StepFailures(self.registry, self.queues, self.preemption)
+        self.resumption = Resumption(
+            kv_cache,
+            budgets,
+            self.queues,
+            self.planner,
+            self.preemption,
+            self.policy,
+            self.statistics,
+            self.reservation,
+            self._reserved_blocks,
+        )
         self.needs_drain = False  # the last plan stopped short of a preemption
         self._next_order = 0
         # Views for the server and the tests (each object is its owner's, changed in place only)
@@ -109,9 +128,18 @@ class Scheduler:
             problem = f"{exc.param}: {exc}"
         if problem is not None:
             return error_output(message.request_id, len(message.prompt_token_ids), problem, "rejected")
-        request = Request(message.request_id, list(message.prompt_token_ids), message.sampling,
-                          message.arrival_time, self._next_order, message.cache_salt, message.priority,
-                          message.tenant, self.clock(), message.lora)
+        request = Request(
+            message.request_id,
+            list(message.prompt_token_ids),
+            message.sampling,
+            message.arrival_time,
+            self._next_order,
+            message.cache_salt,
+            message.priority,
+            message.tenant,
+            self.clock(),
+            message.lora,
+        )
         self._next_order += 1
         self.kv_cache.count_request(request)
         self.registry.add(request)
@@ -178,8 +206,14 @@ class Scheduler:
 
         if not (preempted and self.running) and not self.needs_drain:  # the head resumes once nothing runs
             results_in = self.in_flight.results_in
-            self._resume(plan, starts_prompts=not ahead or bool(held) or self.planner.deferred(results_in)
-                         or self.planner.prompts_fill(plan.tokens_left, results_in), only_head=bool(held))
+            self.resumption.resume(
+                plan,
+                starts_prompts=not ahead
+                or bool(held)
+                or self.planner.deferred(results_in)
+                or self.planner.prompts_fill(plan.tokens_left, results_in),
+                only_head=bool(held),
+            )
 
         if not (plan.scheduled or self.kv_cache.has_transfers):
             return None
@@ -202,7 +236,7 @@ class Scheduler:
             head_rank = rank(head)
             if not head_rank < rank(self.queues.lowest_running()):
                 break
-            if self._could_resume(head):
+            if self.resumption.could_resume(head):
                 if head.status is RequestStatus.WAITING:
                     return min(head.seqs[0].num_tokens, self.budgets.max_num_batched_tokens), head_rank
                 break
@@ -213,76 +247,6 @@ class Scheduler:
                 break
             self.preemption.preempt(self.queues.lowest_running())
         return 0, ()
-
-    def _could_resume(self, request: Request) -> bool:
-        """Whether a waiting or swapped request has the seats and blocks to start now (before the running
-        requests take this step's slots)."""
-        if self.queues.num_running_seats() + request.num_seats > self.budgets.max_num_seqs:
-            return False
-        if request.status is RequestStatus.SWAPPED:
-            return self.kv_cache.can_swap_in(request)
-        return self._plan_start(request, self.budgets.max_num_batched_tokens) is not None
-
-    def _resume(self, plan: StepPlan, starts_prompts: bool = True, only_head: bool = False) -> None:
-        """Bring back swapped requests and start waiting ones (where `starts_prompts`), strictly in rank
-        order; with `only_head`, no prompt after the first: the step that starts an outranking request
-        stays short."""
-        while (request := self.queues.next_to_resume()) is not None:
-            if self.queues.num_running_seats() + request.num_seats > self.budgets.max_num_seqs:
-                break
-            if request.status is RequestStatus.SWAPPED:
-                if self.kv_cache.can_swap_in(request):
-                    self.swapped.pop(0)
-                    self.kv_cache.swap_in(request)
-                    self.queues.run(request)
-                    wants = self.planner.wants(request, self.planner.room(request, plan), plan)
-                    if wants and self.kv_cache.can_append(wants):
-                        self.planner.take(wants, plan)
-                    continue
-                if self.running:
-                    break  # they will finish and free blocks
-                self.preemption.recompute_instead(request)  # it cannot come back even into an idle pool
-                continue
-            if not starts_prompts or plan.tokens_left <= 0 or not self._start(request, plan) or only_head:
-                break
-
-    def _plan_start(self, request: Request, budget: int, disk: bool = True) -> StartPlan | None:
-        return self.kv_cache.plan_start(request, budget, self.budgets.chunked_prefill, self._reserved_blocks(request),
-                                        watermark=self.reservation.paged, disk=disk)
-
-    def _start(self, request: Request, plan: StepPlan) -> bool:
-        start = self._plan_start(request, self.planner.room(request, plan))
-        if start is None:
-            return False
-        if start.hits.waiting:
-            return False  # blocks of its prompt are being read from disk, by the step in flight that reads them
-        if start.hits.reads:  # blocks on disk: read once, then start on them (those still there)
-            if not request.waited_for_disk and self.kv_cache.read_from_disk(start.hits):
-                request.waited_for_disk = True
-                return False
-            start = self._plan_start(request, self.planner.room(request, plan), disk=False)
-            if start is None:
-                return False
-        self.waiting.popleft()
-        self.queues.run(request)
-        leader = start.leader
-        self._begin(leader, start.hits, from_cache=True)
-        self.kv_cache.acquire_adapter(request)  # after its hits are held: loading the adapter evicts none of them
-        self.kv_cache.reserve(leader, self._reserved_blocks(request))
-        self.planner.take([(leader, start.num_tokens)] if start.num_tokens else [], plan)
-        for seq, n in start.followers:
-            self._begin(seq, PrefixMatch.on_device(leader.kv.block_table[:start.shared_blocks]), from_cache=False)
-            self.planner.take([(seq, n)] if n else [], plan)
-        # The prompt's cost counts when it is admitted, so that the next admission of this step sees it.
-        self.policy.served(request, leader.num_tokens - leader.kv.num_computed, 0)
-        if self.policy.ranks_by_service:
-            self.queues.rerank_waiting()
-        return True
-
-    def _begin(self, seq: Sequence, computed: PrefixMatch, from_cache: bool) -> None:
-        self.kv_cache.start(seq, computed)
-        if from_cache:
-            self.statistics.started(seq, computed)
 
     # --- sequences and requests ending ---------------------------------------------------
 
@@ -309,8 +273,10 @@ class Scheduler:
         for request in ending:
             self.finish_request(request)
         self.failures.recompute_the_rest()
-        return [error_output(r.request_id, r.num_prompt_tokens, f"the worker failed on this request: {error}",
-                             "rejected") for r in ending]  # its own inputs: a 4xx, not a server error
+        return [
+            error_output(r.request_id, r.num_prompt_tokens, f"the worker failed on this request: {error}", "rejected")
+            for r in ending
+        ]  # its own inputs: a 4xx, not a server error
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request: the worker could not run a step."""
@@ -336,8 +302,12 @@ class Scheduler:
         if self.speculation is not None:
             self.speculation.verified(applied.verified)
             if not step.has_prompt_tokens:  # a prompt's cost would hide what speculating costs
-                self.speculation.observe(step.num_decoding, step.speculated, applied.num_tokens,
-                                         result.forward_ms + result.sample_ms + worker_wait_ms)
+                self.speculation.observe(
+                    step.num_decoding,
+                    step.speculated,
+                    applied.num_tokens,
+                    result.forward_ms + result.sample_ms + worker_wait_ms,
+                )
         return applied.outputs
 
     # --- what the metrics read -------------------------------------------------------------

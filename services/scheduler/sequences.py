@@ -76,8 +76,9 @@ class SequenceRegistry:
 
     # --- tokens --------------------------------------------------------------------------
 
-    def append(self, seq: Sequence, token_ids: list[int], logprobs: list[float],
-               tops: list[dict[int, float]]) -> tuple[int, str | None]:
+    def append(
+        self, seq: Sequence, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]
+    ) -> tuple[int, str | None]:
         """Append a run of sampled tokens up to the first that ends the sequence; returns how many
         were kept and why the sequence ends (None while it goes on). The rest of the run is dropped."""
         sampling = seq.request.sampling
@@ -116,24 +117,42 @@ class SequenceRegistry:
         new = None
         if known == 0:
             lora = seq.request.lora
-            new = NewSequence(seq.seq_id, seq.token_ids(), num_prompt, seq.request.sampling, seq.index,
-                              lora.key if lora is not None else "")
+            new = NewSequence(
+                seq.seq_id,
+                seq.token_ids(),
+                num_prompt,
+                seq.request.sampling,
+                seq.index,
+                lora.key if lora is not None else "",
+            )
             appended: list[int] = []
         else:
-            appended = seq.output_token_ids[known - num_prompt:]
+            appended = seq.output_token_ids[known - num_prompt :]
         table_start, blocks = self.kv_cache.unsynced_blocks(seq, worker_has_table=known > 0)
         # Where the proposals of a step in flight are not settled yet, neither is this entry's start.
         keeps = seq.request.sampling.worker_keeps_samples(len(seq.output_token_ids))
         unsettled = seq.num_speculative > 0
         drafts = seq.flight.sent(num_prompt + len(seq.output_token_ids))
-        entry = ScheduledSequence(seq.seq_id, seq.kv.num_computed, num_tokens, appended, table_start, blocks,
-                                  drafts, start_at_end=unsettled, worker_keeps_samples=keeps)
+        entry = ScheduledSequence(
+            seq.seq_id,
+            seq.kv.num_computed,
+            num_tokens,
+            appended,
+            table_start,
+            blocks,
+            drafts,
+            start_at_end=unsettled,
+            worker_keeps_samples=keeps,
+        )
         return new, entry
 
     def take_worker_notices(self) -> tuple[list[Fork], list[int], list[int]]:
         """Forks, drops and recompute preemptions the workers have not heard of yet."""
-        forks = [f for f in self._forks
-                 if (child := self.sequences.get(f.seq_id)) is not None and child.num_tokens_known_to_worker]
+        forks = [
+            f
+            for f in self._forks
+            if (child := self.sequences.get(f.seq_id)) is not None and child.num_tokens_known_to_worker
+        ]
         notices = (forks, self._dropped, self._preempted)
         self._forks, self._dropped, self._preempted = [], [], []
         return notices

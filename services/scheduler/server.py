@@ -24,12 +24,13 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from services.scheduler.api_links import ApiLinks
 from services.scheduler.assembly import build_scheduler
 from services.scheduler.cached_prefixes import CachedPrefixes
 from services.scheduler.metrics import SchedulerMetrics, Snapshots
@@ -49,8 +50,6 @@ from shared.protocol import (
     Ping,
     Pong,
     Ready,
-    RequestOutput,
-    RequestOutputs,
     Reset,
     SchedulerInfo,
     Shutdown,
@@ -68,9 +67,15 @@ SMALL_WORKER_FRAME = 4096  # a Ready (under 200 bytes); a result from a worker t
 
 
 class SchedulerServer:
-    def __init__(self, config: SchedulerConfig, endpoints: Endpoints, world_size: int = 1,
-                 keys: WireKeys | None = None, max_message_bytes: int = sockets.MAX_MESSAGE_BYTES,
-                 lora: LoraConfig | None = None):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        endpoints: Endpoints,
+        world_size: int = 1,
+        keys: WireKeys | None = None,
+        max_message_bytes: int = sockets.MAX_MESSAGE_BYTES,
+        lora: LoraConfig | None = None,
+    ):
         self.config = config
         self.lora = lora or LoraConfig()
         self.world_size = world_size
@@ -81,16 +86,21 @@ class SchedulerServer:
         api_frame_limit = min(max_message_bytes, MAX_FRAME_BYTES["AddRequest"] + (64 << 10))
         self.api_socket = sockets.bind(self.context, zmq.ROUTER, endpoints.scheduler, keys, "api", api_frame_limit)
         self.api_socket.setsockopt(zmq.SNDHWM, config.api_send_queue)
-        self.worker_socket = sockets.bind(self.context, zmq.ROUTER, endpoints.workers, keys, "worker",
-                                          max_message_bytes)
+        self.worker_socket = sockets.bind(
+            self.context, zmq.ROUTER, endpoints.workers, keys, "worker", max_message_bytes
+        )
         # Closed connections show here, named by file descriptor: a rank's (its process died)
         # fails its requests at once; any other peer's changes nothing.
-        self.closed = {self.api_socket.get_monitor_socket(HANDSHAKE_EVENTS): "api",
-                       self.worker_socket.get_monitor_socket(HANDSHAKE_EVENTS): "worker"}
+        self.closed = {
+            self.api_socket.get_monitor_socket(HANDSHAKE_EVENTS): "api",
+            self.worker_socket.get_monitor_socket(HANDSHAKE_EVENTS): "worker",
+        }
         # On tcp://, connections that have not authenticated yet are bounded (shared/handshake_budget.py).
-        self.handshakes = {role: HandshakeBudget(role)
-                           for role, endpoint in (("api", endpoints.scheduler), ("worker", endpoints.workers))
-                           if endpoint.startswith("tcp://")}
+        self.handshakes = {
+            role: HandshakeBudget(role)
+            for role, endpoint in (("api", endpoints.scheduler), ("worker", endpoints.workers))
+            if endpoint.startswith("tcp://")
+        }
         # A StepResult holds per sample a list around its tokens, their logprobs and their alternatives
         # (a list per token); a sequence that verified k proposals has k + 1 tokens.
         k = config.speculative.num_speculative_tokens if config.speculative else 0
@@ -105,9 +115,8 @@ class SchedulerServer:
         self.scheduler: Scheduler | None = None
         self.cached_prefixes: CachedPrefixes | None = None  # with the scheduler
         self.info: SchedulerInfo | None = None
-        self.apis: set[bytes] = set()
-        self.owner_of: dict[str, bytes] = {}
-        self.cut_off: dict[bytes, list[str]] = {}  # api -> its requests aborted while it did not read
+        self.links = ApiLinks(self.api_socket, self._abort_for_links)
+        self.apis, self.owner_of, self.cut_off = self.links.apis, self.links.owner_of, self.links.cut_off  # views
         self.in_flight: deque[tuple[int, bool]] = deque()  # (step id, sent while the workers had work)
         self.depth = 2 if config.async_scheduling else 1
         self.step_deadline = 0.0  # for the oldest step in flight
@@ -178,8 +187,9 @@ class SchedulerServer:
             # result that came meanwhile is the worker's answer in time, so it is read first.
             self._drain_workers()
             if self.in_flight and time.monotonic() > self.step_deadline:
-                self.on_worker_lost(f"a worker rank did not finish a step in {self.config.step_timeout:g} s",
-                                    reset=True)
+                self.on_worker_lost(
+                    f"a worker rank did not finish a step in {self.config.step_timeout:g} s", reset=True
+                )
 
     def stop(self) -> None:
         """Stop the loop from another thread of this process."""
@@ -209,8 +219,13 @@ class SchedulerServer:
         """Only rank 0 sends results; any other worker peer sends a `Ready` and nothing large."""
         return sender == self.workers.get(0) or size <= SMALL_WORKER_FRAME
 
-    def _drain(self, sock: sockets.Socket, handlers: dict[type, Handler], max_containers: int,
-               admit: Callable[[bytes, int], bool] | None = None) -> None:
+    def _drain(
+        self,
+        sock: sockets.Socket,
+        handlers: dict[type, Handler],
+        max_containers: int,
+        admit: Callable[[bytes, int], bool] | None = None,
+    ) -> None:
         while self.running and sock.poll(0, zmq.POLLIN):
             sender, self.connection, message = sockets.receive_with_connection(sock, max_containers, admit)
             handler = handlers.get(type(message))
@@ -234,7 +249,8 @@ class SchedulerServer:
         """Plan and send steps until `depth` are in flight or there is nothing to plan."""
         while (scheduler := self.scheduler) is not None and len(self.in_flight) < self.depth:
             if not (scheduler.has_work() or scheduler.kv_cache.has_transfers) or (
-                    self.in_flight and scheduler.needs_drain):
+                self.in_flight and scheduler.needs_drain
+            ):
                 # Transfers alone: files to write for blocks cached as the last requests ended.
                 return  # with needs_drain, a preemption is due: planned once the steps in flight are done
             try:
@@ -262,35 +278,36 @@ class SchedulerServer:
     # --- api messages --------------------------------------------------------------------
 
     def on_hello(self, sender: bytes, message: Hello) -> None:
-        self._know_api(sender)
+        self.links.know(sender)
         if self.info is not None:
-            self._send_api(sender, self.info)
+            self.links.send(sender, self.info)
 
     def on_ping(self, sender: bytes, message: Ping) -> None:
         if sender in self.cut_off:
-            self._know_api(sender)
+            self.links.know(sender)
         if self.scheduler is None:
-            self._send_api(sender, Pong(message.sent))
+            self.links.send(sender, Pong(message.sent))
         else:
             cached = self.cached_prefixes.report() if self.cached_prefixes is not None else []
-            self._send_api(sender, Pong(message.sent, *self.scheduler.load(), cached))
+            self.links.send(sender, Pong(message.sent, *self.scheduler.load(), cached))
 
     def on_add_request(self, sender: bytes, message: AddRequest) -> None:
-        self._know_api(sender)
+        self.links.know(sender)
         if self.scheduler is None:
-            self._send_outputs(sender, [error_output(message.request_id, 0, "the workers are not ready yet",
-                                                     "error")])
+            self.links.send_outputs(
+                sender, [error_output(message.request_id, 0, "the workers are not ready yet", "error")]
+            )
             return
         error = self.scheduler.add(message)
         if error is not None:
-            self._send_outputs(sender, [error])
+            self.links.send_outputs(sender, [error])
         else:
             self.owner_of[message.request_id] = sender
             if self.cached_prefixes is not None:
                 self.cached_prefixes.note(message.prompt_token_ids, message.cache_salt)
 
     def on_abort(self, sender: bytes, message: Abort) -> None:
-        self._know_api(sender)
+        self.links.know(sender)
         if self.scheduler is None:
             return
         for request_id in message.request_ids:
@@ -298,7 +315,7 @@ class SchedulerServer:
                 continue  # only the api that sent a request may abort it
             output = self.scheduler.abort(request_id)
             if output is not None:
-                self._route([output])
+                self.links.route([output])
 
     def on_refused_shutdown(self, sender: bytes, message: Shutdown) -> None:
         log.warning("refused a Shutdown from %r: the scheduler stops on a signal, not by message", sender)
@@ -307,8 +324,9 @@ class SchedulerServer:
         if self.scheduler is not None and message.request_id in self.scheduler.requests:
             self.scheduler.abort(message.request_id)
         self.owner_of.pop(message.request_id, None)
-        self._send_outputs(sender, [error_output(message.request_id, 0, "the scheduler could not take this "
-                                                 "request", "error")])
+        self.links.send_outputs(
+            sender, [error_output(message.request_id, 0, "the scheduler could not take this request", "error")]
+        )
 
     # --- worker messages -----------------------------------------------------------------
 
@@ -318,8 +336,13 @@ class SchedulerServer:
             log.warning("refused Ready for rank %d from %r: the rank is held by %r", message.rank, sender, holder)
             return
         if not 0 <= message.rank < self.world_size or message.world_size != self.world_size:
-            log.warning("refused Ready for rank %d of %d from %r: this scheduler runs %d rank(s)", message.rank,
-                        message.world_size, sender, self.world_size)
+            log.warning(
+                "refused Ready for rank %d of %d from %r: this scheduler runs %d rank(s)",
+                message.rank,
+                message.world_size,
+                sender,
+                self.world_size,
+            )
             return
         if sender in self.workers.values() and holder != sender:
             log.warning("refused Ready for rank %d from %r: that peer holds another rank", message.rank, sender)
@@ -335,7 +358,7 @@ class SchedulerServer:
         self.scheduler, self.info = build_scheduler(self.config, self.lora, self.ready, self.world_size)
         self.cached_prefixes = CachedPrefixes(self.scheduler.kv_cache, self.config.block_size)
         for api in list(self.apis):
-            self._send_api(api, self.info)
+            self.links.send(api, self.info)
 
     def on_connection_event(self, event: dict[str, Any], role: str) -> None:
         budget = self.handshakes.get(role)
@@ -348,8 +371,11 @@ class SchedulerServer:
         if role == "worker" and descriptor in self.rank_connections.values():
             self.on_worker_lost("a worker rank disconnected")
         else:  # libzmq drops the connection of a peer whose frame is over the limit, silently
-            sockets.peer_log.info("a connection to the %s socket closed (its peer stopped, failed the handshake, "
-                                  "or sent a frame over --max-message-bytes)", role)
+            sockets.peer_log.info(
+                "a connection to the %s socket closed (its peer stopped, failed the handshake, "
+                "or sent a frame over --max-message-bytes)",
+                role,
+            )
 
     def on_worker_lost(self, reason: str, reset: bool = False) -> None:
         """End every request with an error, tell the apis, and wait for the ranks to report again."""
@@ -360,7 +386,7 @@ class SchedulerServer:
         else:  # a clean stop, or a restart while idle: no request failed
             log.info("%s; waiting for the ranks again", reason)
         if self.scheduler is not None:
-            self._route(self.scheduler.fail_all(reason))
+            self.links.route(self.scheduler.fail_all(reason))
         if reset:  # the rank may still be alive (hung, or slow): have it start over
             for identity in self.workers.values():
                 sockets.try_send(self.worker_socket, Reset(), to=identity)
@@ -370,7 +396,7 @@ class SchedulerServer:
         self.rank_connections.clear()
         self.ready.clear()
         for api in list(self.apis):
-            self._send_api(api, Unavailable(reason))
+            self.links.send(api, Unavailable(reason))
 
     def on_step_result(self, sender: bytes, message: StepResult) -> None:
         if sender != self.workers.get(0):
@@ -386,7 +412,7 @@ class SchedulerServer:
         if message.error is not None:
             log.error("step %d failed on the worker: %s", message.step_id, message.error)
             self.in_flight.clear()  # a step after it finds its sequences gone; its result is ignored
-            self._route(self.scheduler.recover(message.step_id, message.error, message.culprits))
+            self.links.route(self.scheduler.recover(message.step_id, message.error, message.culprits))
             self._send_steps(back_to_back=True)
             return
         self.worker_busy += (message.forward_ms + message.sample_ms) / 1e3
@@ -395,51 +421,11 @@ class SchedulerServer:
             self.worker_waiting += message.idle_ms / 1e3
         outputs = self.scheduler.update(message, message.idle_ms if had_work else 0.0)
         self._send_steps(back_to_back=True)  # the worker computes the next step while the apis stream this one
-        self._route(outputs)
+        self.links.route(outputs)
 
-    # --- sending to apis, never blocking -------------------------------------------------
-
-    def _know_api(self, api: bytes) -> None:
-        """An api spoke. One that was cut off learns first which of its requests ended meanwhile; until
-        that notice goes through it stays cut off, and the notice is tried again at its next message."""
-        notices = self.cut_off.pop(api, None)
-        if notices:
-            ended = RequestOutputs([error_output(r, 0, "aborted: this api stopped reading its results", "abort")
-                                    for r in dict.fromkeys(notices)])
-            if not sockets.try_send(self.api_socket, ended, to=api):
-                self.cut_off[api] = notices
-                return
-        self.apis.add(api)
-
-    def _route(self, outputs: list[RequestOutput]) -> None:
-        by_owner: dict[bytes, list[RequestOutput]] = {}
-        for output in outputs:
-            owner = self.owner_of.get(output.request_id)
-            if owner is None:
-                continue
-            by_owner.setdefault(owner, []).append(output)
-            if output.finished:
-                del self.owner_of[output.request_id]
-        for owner, batch in by_owner.items():
-            self._send_outputs(owner, batch)
-
-    def _send_outputs(self, owner: bytes, outputs: list[RequestOutput]) -> None:
-        self._send_api(owner, RequestOutputs(outputs), outputs)
-
-    def _send_api(self, api: bytes, message: object, outputs: Sequence[RequestOutput] = ()) -> None:
-        if api in self.cut_off or sockets.try_send(self.api_socket, message, to=api):
-            if api in self.cut_off:  # these never reach it, finished or not: each gets the notice
-                self.cut_off[api] += [o.request_id for o in outputs]
-            return
-        # Gone, or its queue is full because it stopped reading: drop it, abort its requests.
-        mine = [r for r, owner in self.owner_of.items() if owner == api]
-        log.warning("api %r is not reading (%d requests); aborting them", api, len(mine))
-        for request_id in mine:
-            if self.scheduler is not None:
-                self.scheduler.abort(request_id)
-            del self.owner_of[request_id]
-        self.apis.discard(api)
-        self.cut_off[api] = mine + [o.request_id for o in outputs if o.request_id not in mine]
+    def _abort_for_links(self, request_id: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.abort(request_id)
 
     def _stop_workers(self) -> None:
         for identity in self.workers.values():

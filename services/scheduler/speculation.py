@@ -159,9 +159,12 @@ class Speculation:
         within what its request and the context allow, counting every token the steps in flight
         may still give it: each step may give it one token more than it verifies."""
         sampling = seq.request.sampling
-        k = min(self.config.num_speculative_tokens, token_budget - 1,
-                sampling.max_tokens - len(seq.output_token_ids) - seq.num_coming - 1,
-                self.max_model_len - seq.num_tokens - seq.num_coming - 1)
+        k = min(
+            self.config.num_speculative_tokens,
+            token_budget - 1,
+            sampling.max_tokens - len(seq.output_token_ids) - seq.num_coming - 1,
+            self.max_model_len - seq.num_tokens - seq.num_coming - 1,
+        )
         speculates = sampling.can_speculate and not seq.request.forks_at_next_sample
         seq.flight.propose(k if speculates else 0)
 

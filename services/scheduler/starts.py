@@ -52,8 +52,15 @@ def fit(num_tokens: int, budget: int, chunked_prefill: bool) -> int:
     return budget if chunked_prefill else 0
 
 
-def plan_start(manager: StartQuestions, request: Request, budget: int, chunked_prefill: bool, reserved: int,
-               watermark: bool, disk: bool = True) -> StartPlan | None:
+def plan_start(
+    manager: StartQuestions,
+    request: Request,
+    budget: int,
+    chunked_prefill: bool,
+    reserved: int,
+    watermark: bool,
+    disk: bool = True,
+) -> StartPlan | None:
     """How `request` starts, or None if it does not fit now (`reserved`: blocks a reservation baseline holds for
     it; `watermark`: whether the watermark's blocks stay free, as they do for paged requests that grow into them).
 

@@ -36,11 +36,22 @@ class Counters:
 
 
 class SchedulerStatistics:
-    def __init__(self, kv_cache: KVCacheManager, queues: RequestQueues, budgets: Budgets,
-                 speculation: Speculation | None, clock: Callable[[], float],
-                 reserved_blocks: Callable[[Request], int] | None = None):
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        queues: RequestQueues,
+        budgets: Budgets,
+        speculation: Speculation | None,
+        clock: Callable[[], float],
+        reserved_blocks: Callable[[Request], int] | None = None,
+    ):
         self.kv_cache, self.queues, self.budgets, self.speculation, self.clock = (
-            kv_cache, queues, budgets, speculation, clock)
+            kv_cache,
+            queues,
+            budgets,
+            speculation,
+            clock,
+        )
         self.reserved_blocks = reserved_blocks  # under a reservation baseline: the blocks it holds for a request
         self.counters = Counters()
         # (seconds, tenant label, priority class) of requests started since the server last took them
@@ -56,8 +67,13 @@ class SchedulerStatistics:
         request = seq.request
         if request.first_scheduled is None:
             request.first_scheduled = self.clock()
-            self.queue_times.append((request.first_scheduled - request.received, self.tenant_labels(request.tenant),
-                                     priority_class(request.priority)))
+            self.queue_times.append(
+                (
+                    request.first_scheduled - request.received,
+                    self.tenant_labels(request.tenant),
+                    priority_class(request.priority),
+                )
+            )
         if not request.looked_up and self.kv_cache.caching:
             request.looked_up = True
             counters.prompt_tokens_queried += request.num_prompt_tokens
@@ -90,14 +106,19 @@ class SchedulerStatistics:
         holding, reserved = self._slot_use()
         return Stats(
             **self.kv_cache.stats(),
-            num_running=sum(len(r.seqs) for r in queues.running), num_waiting=len(queues.waiting),
-            num_swapped=len(queues.swapped), num_preemptions_swap=counters.preemptions_swap,
-            num_preemptions_recompute=counters.preemptions_recompute, num_steps=counters.steps,
+            num_running=sum(len(r.seqs) for r in queues.running),
+            num_waiting=len(queues.waiting),
+            num_swapped=len(queues.swapped),
+            num_preemptions_swap=counters.preemptions_swap,
+            num_preemptions_recompute=counters.preemptions_recompute,
+            num_steps=counters.steps,
             num_prompt_tokens_computed=counters.prompt_tokens_computed,
             num_prompt_tokens_cached=counters.prompt_tokens_cached,
-            prefix_hits_device_tokens=counters.hits_device_tokens, prefix_hits_host_tokens=counters.hits_host_tokens,
+            prefix_hits_device_tokens=counters.hits_device_tokens,
+            prefix_hits_host_tokens=counters.hits_host_tokens,
             tokens_scheduled=counters.tokens_scheduled,
-            kv_slots_holding_tokens=holding, kv_slots_reserved=reserved,
+            kv_slots_holding_tokens=holding,
+            kv_slots_reserved=reserved,
             kv_slots_fragmented=self._fragmented_blocks() * self.kv_cache.block_size,
             prefix_cache_queries=counters.prompt_tokens_queried,
             speculation=self.speculation.snapshot() if self.speculation is not None else None,

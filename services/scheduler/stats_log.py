@@ -41,9 +41,19 @@ class StatsLog:
             "prompt %.1f tok/s, generation %.1f tok/s; running %d, waiting %d, swapped %d; KV blocks %d/%d used "
             "(%.1f%%), %d cached; swap %d/%d used; prefix cache hits %.1f%% of prompt tokens; preemptions %d swap, "
             "%d recompute",
-            new_computed / elapsed, (generated - self.last[2]) / elapsed, stats.num_running, stats.num_waiting,
-            stats.num_swapped, used, stats.num_gpu_blocks, 100 * used / max(stats.num_gpu_blocks, 1),
-            stats.num_cached_gpu_blocks, stats.num_cpu_blocks - stats.num_free_cpu_blocks, stats.num_cpu_blocks,
-            100 * hit_rate, stats.num_preemptions_swap, stats.num_preemptions_recompute,
+            new_computed / elapsed,
+            (generated - self.last[2]) / elapsed,
+            stats.num_running,
+            stats.num_waiting,
+            stats.num_swapped,
+            used,
+            stats.num_gpu_blocks,
+            100 * used / max(stats.num_gpu_blocks, 1),
+            stats.num_cached_gpu_blocks,
+            stats.num_cpu_blocks - stats.num_free_cpu_blocks,
+            stats.num_cpu_blocks,
+            100 * hit_rate,
+            stats.num_preemptions_swap,
+            stats.num_preemptions_recompute,
         )
         self.last_time, self.last = now, (computed, cached, generated)

@@ -28,8 +28,13 @@ class InFlight:
 
 
 class StepsInFlight:
-    def __init__(self, kv_cache: KVCacheManager, registry: SequenceRegistry, policy: SchedulingPolicy,
-                 statistics: SchedulerStatistics):
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        registry: SequenceRegistry,
+        policy: SchedulingPolicy,
+        statistics: SchedulerStatistics,
+    ):
         self.kv_cache, self.registry, self.policy, self.statistics = kv_cache, registry, policy, statistics
         self._steps: dict[int, InFlight] = {}
         self.results_in = 0  # steps whose results were applied
@@ -69,11 +74,27 @@ class StepsInFlight:
             self.statistics.served(seq.request, prompt_part, int(samples))
         forks, dropped, preempted = self.registry.take_worker_notices()
         transfers = self.kv_cache.take_transfers()
-        step = Step(self.statistics.counters.steps, forks, dropped, preempted, new_sequences, entries, transfers,
-                    self.kv_cache.take_lora_loads())
+        step = Step(
+            self.statistics.counters.steps,
+            forks,
+            dropped,
+            preempted,
+            new_sequences,
+            entries,
+            transfers,
+            self.kv_cache.take_lora_loads(),
+        )
         reads = [t.key for t in transfers if t.src_tier == DISK]
-        self._steps[step.step_id] = InFlight([seq for seq, _ in scheduled], [n for _, n in scheduled], sampled,
-                                             num_decoding, speculated, prompt_tokens_computed > 0, drafts, reads)
+        self._steps[step.step_id] = InFlight(
+            [seq for seq, _ in scheduled],
+            [n for _, n in scheduled],
+            sampled,
+            num_decoding,
+            speculated,
+            prompt_tokens_computed > 0,
+            drafts,
+            reads,
+        )
         self.statistics.stepped(prompt_tokens_computed, sum(n for _, n in scheduled))
         return step
 

@@ -22,7 +22,8 @@ class StopRule:
         prompt included): "stop" for EOS or a stop id (none before `min_tokens`), "length" at
         `max_tokens` or the context's end, None while it goes on."""
         if num_generated > sampling.min_tokens and (
-                token_id in sampling.stop_token_ids or (token_id in self.eos_token_ids and not sampling.ignore_eos)):
+            token_id in sampling.stop_token_ids or (token_id in self.eos_token_ids and not sampling.ignore_eos)
+        ):
             return "stop"
         if num_generated >= sampling.max_tokens or num_tokens >= self.max_model_len:
             return "length"

@@ -69,9 +69,15 @@ def main() -> None:
     except MetricsPortError as exc:
         print(f"worker: {exc}", file=sys.stderr)
         sys.exit(EXIT_PORT_TAKEN)
-    setup = WorkerSetup(from_namespace(ModelConfig, args), from_namespace(WorkerConfig, args),
-                        from_namespace(SchedulerConfig, args), args.worker_endpoint, args.dist_init_method,
-                        args.max_message_bytes, from_namespace(LoraConfig, args))
+    setup = WorkerSetup(
+        from_namespace(ModelConfig, args),
+        from_namespace(WorkerConfig, args),
+        from_namespace(SchedulerConfig, args),
+        args.worker_endpoint,
+        args.dist_init_method,
+        args.max_message_bytes,
+        from_namespace(LoraConfig, args),
+    )
     try:
         server = WorkerServer(setup, args.rank, args.world_size, keys, metrics)
     except ModelLoadError as exc:

@@ -86,9 +86,17 @@ class BlockTables:
         blocks = self.table[token_rows, positions // block_size].long()
         return blocks * block_size + positions % block_size
 
-    def batch(self, rows: torch.Tensor, token_rows: torch.Tensor, positions: torch.Tensor,
-              query_start: torch.Tensor, context_lens: torch.Tensor, starts: list[int], lens: list[int],
-              block_size: int) -> PagedBatch:
+    def batch(
+        self,
+        rows: torch.Tensor,
+        token_rows: torch.Tensor,
+        positions: torch.Tensor,
+        query_start: torch.Tensor,
+        context_lens: torch.Tensor,
+        starts: list[int],
+        lens: list[int],
+        block_size: int,
+    ) -> PagedBatch:
         """The kernels' view of a flattened step: sequence `s` (row `rows[s]`) owns the tokens
         `starts[s]:starts[s + 1]` (each token's row in `token_rows`) at `positions`, and sees
         `lens[s]` positions; the tensors on the device, the two lists on the host."""
@@ -101,14 +109,23 @@ class BlockTables:
             context_lens_list=lens,
         )
 
-    def step(self, inputs: StepInputs, token_ids: list[int], positions: list[int], rows: list[int],
-             starts: list[int], context_lens: list[int], logit_rows: list[int],
-             block_size: int) -> StepTensors:
+    def step(
+        self,
+        inputs: StepInputs,
+        token_ids: list[int],
+        positions: list[int],
+        rows: list[int],
+        starts: list[int],
+        context_lens: list[int],
+        logit_rows: list[int],
+        block_size: int,
+    ) -> StepTensors:
         """A forward pass's inputs, from one load of `inputs`: sequence `s` (row `rows[s]`) owns the
         tokens `starts[s]:starts[s + 1]`, at `positions`, and sees `context_lens[s]` positions."""
         token_rows = [row for s, row in enumerate(rows) for _ in range(starts[s + 1] - starts[s])]
         loaded = inputs.load(token_ids, positions, rows, token_rows, starts, context_lens, logit_rows)
         ids, position_tensor, row_tensor, token_row_tensor, start_tensor, len_tensor, logit_tensor = loaded
-        batch = self.batch(row_tensor, token_row_tensor, position_tensor, start_tensor, len_tensor, starts,
-                           context_lens, block_size)
+        batch = self.batch(
+            row_tensor, token_row_tensor, position_tensor, start_tensor, len_tensor, starts, context_lens, block_size
+        )
         return StepTensors(ids, position_tensor, batch, logit_tensor)

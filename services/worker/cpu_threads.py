@@ -69,9 +69,15 @@ def own_cpu_seconds() -> float:
 class ComputeThreads:
     """The thread count of each step, from how busy the other processes keep this worker's cores."""
 
-    def __init__(self, requested: int = 0, num_ranks: int = 1, cores: set[int] | None = None,
-                 busy: Callable[[], float | None] | None = None, own: Callable[[], float] = own_cpu_seconds,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        requested: int = 0,
+        num_ranks: int = 1,
+        cores: set[int] | None = None,
+        busy: Callable[[], float | None] | None = None,
+        own: Callable[[], float] = own_cpu_seconds,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         cores = cores if cores is not None else os.sched_getaffinity(0)
         self.fixed = requested if requested > 0 else None
         self.all_cores = max(1, len(cores) // num_ranks)

@@ -42,7 +42,9 @@ CAPTURE_SIZES = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # as vLLM ca
 
 
 class DecodeGraphs:
-    def __init__(self, model: PagedCausalLM, cache: KVCache, device: torch.device, max_batch: int = 512, max_context: int = 8192) -> None:
+    def __init__(
+        self, model: PagedCausalLM, cache: KVCache, device: torch.device, max_batch: int = 512, max_context: int = 8192
+    ) -> None:
         self.model, self.cache, self.device = model, cache, device
         self.sizes = [size for size in CAPTURE_SIZES if size <= max_batch] or [1]
         self.width = -(-max_context // cache.block_size)  # block table columns
@@ -130,8 +132,9 @@ class DecodeGraphs:
                 return self.model.run_layers(embedded, (static_cos, static_sin), self.cache.layers, batch)
             recorded[0]()
             return recorded[1]
-        output, replay, refusal = record(self.model.run_layers, embedded, (static_cos, static_sin),
-                                         self.cache.layers, batch)
+        output, replay, refusal = record(
+            self.model.run_layers, embedded, (static_cos, static_sin), self.cache.layers, batch
+        )
         if replay is None:
             log.info("decode steps of %d sequences run eagerly: %s", size, refusal)
         self.recorded[key] = None if replay is None else (replay, output)
@@ -141,5 +144,11 @@ class DecodeGraphs:
         return self.model(self.ids[:size], self.positions[:size], self.cache.layers, self._batch(size, context_lens))
 
     def _batch(self, size: int, context_lens: list[int]) -> PagedBatch:
-        return PagedBatch(self.slots[:size], self.tables[:size], self.starts[: size + 1], self.lens[:size],
-                          list(range(size + 1)), context_lens)
+        return PagedBatch(
+            self.slots[:size],
+            self.tables[:size],
+            self.starts[: size + 1],
+            self.lens[:size],
+            list(range(size + 1)),
+            context_lens,
+        )

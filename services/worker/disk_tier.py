@@ -108,14 +108,18 @@ class DiskTier:
             log.warning("refusing a KV block file that is not whole: %s", path)
             return None
         start = len(MAGIC) + 4
-        length = int.from_bytes(body[len(MAGIC):start], "little")
+        length = int.from_bytes(body[len(MAGIC) : start], "little")
         try:
-            header = json.loads(body[start:start + length])
+            header = json.loads(body[start : start + length])
         except ValueError:
             return None
-        payload = body[start + length:]
-        if (header.get("key") != key.hex() or header.get("fingerprint") != self.fingerprint
-                or header.get("bytes") != expected or len(payload) != expected):
+        payload = body[start + length :]
+        if (
+            header.get("key") != key.hex()
+            or header.get("fingerprint") != self.fingerprint
+            or header.get("bytes") != expected
+            or len(payload) != expected
+        ):
             log.warning("refusing a KV block file written for something else: %s", path)
             return None
         return payload

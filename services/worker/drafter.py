@@ -23,7 +23,7 @@ from services.worker.step_inputs import StepInputs
 from shared.protocol import ScheduledSequence
 
 if TYPE_CHECKING:
-    from services.worker.model_runner import SequenceMirror
+    from services.worker.mirrors import SequenceMirror
     from services.worker.models.base import PagedCausalLM
 
 
@@ -34,7 +34,9 @@ class Drafter:
         self.device = device
         self.inputs = StepInputs(device)
 
-    def draft(self, scheduled: list[ScheduledSequence], mirrors: dict[int, SequenceMirror], tables: BlockTables) -> dict[int, list[int]]:
+    def draft(
+        self, scheduled: list[ScheduledSequence], mirrors: dict[int, SequenceMirror], tables: BlockTables
+    ) -> dict[int, list[int]]:
         """Compute the step's known positions in the draft's cache and propose each entry's drafts."""
         tokens: list[int] = []
         positions: list[int] = []
@@ -60,8 +62,15 @@ class Drafter:
             tokens = [drafts[seq_id][-1] for _, seq_id, _ in more]
             positions = [last + j for _, _, last in more]
             rows = [mirrors[seq_id].row for _, seq_id, _ in more]
-            proposed = self._forward(tokens, positions, list(range(len(more) + 1)), [p + 1 for p in positions], rows,
-                                     tables, list(range(len(more))))
+            proposed = self._forward(
+                tokens,
+                positions,
+                list(range(len(more) + 1)),
+                [p + 1 for p in positions],
+                rows,
+                tables,
+                list(range(len(more))),
+            )
             for (_, seq_id, last), token in zip(more, proposed):
                 drafts[seq_id].append(token)
                 mirrors[seq_id].num_drafted_positions = last + j + 1
@@ -72,11 +81,20 @@ class Drafter:
         from, only those the target accepted hold the sequence's tokens."""
         mirror.num_drafted_positions = min(mirror.num_drafted_positions, num_known + num_accepted)
 
-    def _forward(self, tokens: list[int], positions: list[int], starts: list[int], context_lens: list[int], rows: list[int], tables: BlockTables,
-                 logit_rows: list[int]) -> list[int]:
+    def _forward(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        starts: list[int],
+        context_lens: list[int],
+        rows: list[int],
+        tables: BlockTables,
+        logit_rows: list[int],
+    ) -> list[int]:
         """One pass of the draft model; the most likely next token at each of `logit_rows`."""
-        inputs = tables.step(self.inputs, tokens, positions, rows, starts, context_lens, logit_rows,
-                             self.cache.block_size)
+        inputs = tables.step(
+            self.inputs, tokens, positions, rows, starts, context_lens, logit_rows, self.cache.block_size
+        )
         hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
         if not logit_rows:
             return []

@@ -105,8 +105,9 @@ class GrammarEngine:
         self.eos_mask = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
     @classmethod
-    def load(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int],
-             threads: int = 0) -> GrammarEngine | None:
+    def load(
+        cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int], threads: int = 0
+    ) -> GrammarEngine | None:
         """None where the directory has no tokenizer that llguidance can read (constrained requests are
         then refused with a reason)."""
         try:
@@ -165,4 +166,3 @@ def _compiled(tokenizer: Any, grammar: str) -> tuple[Any, int]:
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     grown = heap_in_use() - before
     return matcher, (max(grown, len(grammar)) if before else len(grammar))
-

@@ -20,17 +20,15 @@ from shared.protocol import DEVICE, DISK, HOST, BlockTransfer
 GIB = 1 << 30
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    kv_cache_dtype: str = "auto") -> int:
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
     storage, width = cache_layout(head_dim, dtype, kv_cache_dtype)
     return 2 * num_layers * block_size * num_kv_heads * width * int(torch.empty((), dtype=storage).element_size())
 
 
 def num_blocks_that_fit(
-    device: torch.device,
-    block_bytes: int,
-    gpu_memory_utilization: float,
-    kv_cache_memory_gib: float,
+    device: torch.device, block_bytes: int, gpu_memory_utilization: float, kv_cache_memory_gib: float
 ) -> int:
     """On CUDA: what is left of `utilization` x total memory after the weights; on CPU: a set size."""
     if device.type == "cuda":
@@ -45,19 +43,31 @@ class KVCache:
     """One tensor `[layers, 2, blocks, block_size, kv_heads, head_dim]` on the device (each
     layer's view is what attention reads), and the swap space of the same layout on the host."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 num_cpu_blocks: int = 0, kv_cache_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_cpu_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self.device = torch.device(device)
         dtype, head_dim = cache_layout(head_dim, dtype, kv_cache_dtype)  # int8: each row carries its scale
-        self.cache = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
-                                 dtype=dtype, device=self.device)
+        self.cache = torch.zeros(
+            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=self.device
+        )
         self.layers = list(self.cache.unbind(0))
         on_cuda = self.device.type == "cuda"
-        self.swap_space = torch.empty((num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim),
-                                      dtype=dtype, pin_memory=on_cuda)
+        self.swap_space = torch.empty(
+            (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, pin_memory=on_cuda
+        )
         self._side_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._pending_out: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
         self.staging = StepInputs(self.device)  # the step's copy-on-write pairs
@@ -138,8 +148,11 @@ class KVCache:
             copy_runs(self.cache, self.swap_space, pairs)
             return
         src, dst = _columns(pairs)
-        staged = torch.empty(self.swap_space[:, :, src[:1]].shape[:2] + (len(src),) + self.swap_space.shape[3:],
-                             dtype=self.swap_space.dtype, pin_memory=True)
+        staged = torch.empty(
+            self.swap_space[:, :, src[:1]].shape[:2] + (len(src),) + self.swap_space.shape[3:],
+            dtype=self.swap_space.dtype,
+            pin_memory=True,
+        )
         torch.index_select(self.swap_space, 2, src, out=staged)
         with torch.cuda.stream(self._side_stream):
             on_device = staged.to(self.device, non_blocking=True)

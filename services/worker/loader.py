@@ -83,9 +83,7 @@ def model_class_for(config: PretrainedConfig) -> type[PagedCausalLM]:
     architecture = (getattr(config, "architectures", None) or ["?"])[0]
     model_class = ARCHITECTURES.get(architecture)
     if model_class is None:
-        raise ModelLoadError(
-            f"architecture {architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}"
-        )
+        raise ModelLoadError(f"architecture {architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}")
     return model_class
 
 
@@ -103,8 +101,18 @@ def _no_parameter_init() -> Iterator[None]:
             setattr(nn.init, name, function)
 
 
-_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
-                   "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
+_INIT_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+)
 
 
 def build_on_meta(config: PretrainedConfig, tp: TensorParallel = SINGLE) -> PagedCausalLM:
@@ -123,8 +131,15 @@ def count_parameters(model_dir: str) -> int:
     return sum(p.numel() for p in build_on_meta(load_config(model_dir)).parameters())
 
 
-def load_model(model_dir: str, dtype_name: str, device: torch.device, load_format: str = "auto", seed: int = 0,
-               tp: TensorParallel = SINGLE, quantization: str | None = None) -> tuple[PagedCausalLM, PretrainedConfig]:
+def load_model(
+    model_dir: str,
+    dtype_name: str,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+    tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
+) -> tuple[PagedCausalLM, PretrainedConfig]:
     """The model of `model_dir` on `device`, this rank's share of it, and its config. A quantized checkpoint's
     linear layers (config.json's quantization_config, or `quantization`, vLLM's --quantization) get its methods."""
     started = time.monotonic()
@@ -138,9 +153,14 @@ def load_model(model_dir: str, dtype_name: str, device: torch.device, load_forma
         quantized = quantized_layers(model, quant) if quant is not None else {}
     except QuantizationError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from None
-    log.info("loading %s (%.1fM parameters, %s weights%s) from %s", type(model).__name__,
-             sum(p.numel() for p in model.parameters()) / 1e6, load_format,
-             f", quantized: {quant.describe()}" if quant is not None else "", model_dir)
+    log.info(
+        "loading %s (%.1fM parameters, %s weights%s) from %s",
+        type(model).__name__,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        load_format,
+        f", quantized: {quant.describe()}" if quant is not None else "",
+        model_dir,
+    )
     if load_format == "dummy":
         if quantized:
             raise ModelLoadError("--load-format dummy makes float weights; a quantized checkpoint needs its own")
@@ -149,8 +169,11 @@ def load_model(model_dir: str, dtype_name: str, device: torch.device, load_forma
         shards = model.shards() if tp.world_size > 1 else {}
         # A quantized layer is read whole and split once it is read: its tensors split along other lines
         whole = {f"{name}.weight" for name in quantized}
-        weights = read_weights(model_dir, getattr(model, "ignored_weights", ()),
-                               {key: shard for key, shard in shards.items() if key not in whole})
+        weights = read_weights(
+            model_dir,
+            getattr(model, "ignored_weights", ()),
+            {key: shard for key, shard in shards.items() if key not in whole},
+        )
         try:
             load_quantized(quantized, quant, weights, shards)  # type: ignore[arg-type]
         except QuantizationError as exc:
@@ -209,8 +232,9 @@ def numerics(model: PagedCausalLM, device: torch.device) -> Numerics:
     kernels = "triton" if device.type == "cuda" else f"{build.variant} ({build.description})" if build else "torch"
     if build is not None:
         kernels += describe_products(weights)
-    methods = sorted({module.method.describe() for module in model.modules()
-                      if isinstance(module, Linear) and module.weight is None})
+    methods = sorted(
+        {module.method.describe() for module in model.modules() if isinstance(module, Linear) and module.weight is None}
+    )
     return Numerics(
         device.type,
         str(weights).removeprefix("torch."),
@@ -242,7 +266,9 @@ def checked_weights(model: PagedCausalLM, state: dict[str, torch.Tensor], model_
     return state
 
 
-def random_weights(model: PagedCausalLM, config: PretrainedConfig, seed: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_weights(
+    model: PagedCausalLM, config: PretrainedConfig, seed: int, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """`--load-format dummy`: weights of the right shapes from a seeded normal distribution, drawn
     on the device in the serving dtype (a 13B model never passes through host memory)."""
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -54,8 +54,11 @@ class LogitBias:
                 tokens.append(token)
                 biases.append(bias)
         device = logits.device
-        logits.index_put_((torch.tensor(owners, device=device), torch.tensor(tokens, device=device)),
-                          torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+        logits.index_put_(
+            (torch.tensor(owners, device=device), torch.tensor(tokens, device=device)),
+            torch.tensor(biases, dtype=logits.dtype, device=device),
+            accumulate=True,
+        )
 
 
 class MinTokens:
@@ -85,8 +88,8 @@ class Penalties:
 
     def apply(self, logits: torch.Tensor, rows: list[SampleRow], which: list[int]) -> None:
         device, vocab = logits.device, logits.shape[-1]
-        outputs = [rows[i].token_ids[rows[i].num_prompt_tokens:] for i in which]
-        prompts = [rows[i].token_ids[:rows[i].num_prompt_tokens] for i in which]
+        outputs = [rows[i].token_ids[rows[i].num_prompt_tokens :] for i in which]
+        prompts = [rows[i].token_ids[: rows[i].num_prompt_tokens] for i in which]
         counts = _token_counts(outputs, vocab, device, logits.dtype)
         in_prompt = _token_counts(prompts, vocab, device, logits.dtype) > 0
         params = [rows[i].params for i in which]

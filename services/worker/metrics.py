@@ -18,22 +18,35 @@ class WorkerMetrics:
     def __init__(self, rank: int):
         self.registry = CollectorRegistry()
         phases = Histogram(
-            "pagedserve_step_phase_seconds", "time of one phase of a step: schedule on the scheduler; forward "
-            "(with the step's block transfers), transfer (those alone) and sample here", ["phase", "rank"],
-            buckets=PHASE_BUCKETS, registry=self.registry,
+            "pagedserve_step_phase_seconds",
+            "time of one phase of a step: schedule on the scheduler; forward "
+            "(with the step's block transfers), transfer (those alone) and sample here",
+            ["phase", "rank"],
+            buckets=PHASE_BUCKETS,
+            registry=self.registry,
         )
         self.forward = phases.labels("forward", str(rank))
         self.sample = phases.labels("sample", str(rank))
         self.transfer = phases.labels("transfer", str(rank))
-        self.compute = Info("pagedserve_worker_compute", "how this rank computes: device, the weights' and the "
-                            "activations' dtypes, and which build of the kernels runs", ["rank"],
-                            registry=self.registry).labels(str(rank))
+        self.compute = Info(
+            "pagedserve_worker_compute",
+            "how this rank computes: device, the weights' and the "
+            "activations' dtypes, and which build of the kernels runs",
+            ["rank"],
+            registry=self.registry,
+        ).labels(str(rank))
 
     def describe_compute(self, numerics: Numerics) -> None:
         """`numerics`: the loader's `Numerics` of the model this rank serves."""
-        self.compute.info({"device": numerics.device, "weights": numerics.weights,
-                           "activations": numerics.activations, "kernels": numerics.kernels,
-                           "quantization": numerics.quantization})
+        self.compute.info(
+            {
+                "device": numerics.device,
+                "weights": numerics.weights,
+                "activations": numerics.activations,
+                "kernels": numerics.kernels,
+                "quantization": numerics.quantization,
+            }
+        )
 
     def observe(self, result: StepResult) -> None:
         if result.error is None:

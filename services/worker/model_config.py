@@ -13,27 +13,69 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
-_LLAMA_LIKE = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
-               "rope_theta": 10000.0, "initializer_range": 0.02}
+_LLAMA_LIKE = {
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "initializer_range": 0.02,
+}
 # Each family's defaults for what its config.json may leave out (transformers' values).
 DEFAULTS: dict[str, dict[str, object]] = {
-    "llama": {**_LLAMA_LIKE, "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False,
-              "eos_token_id": 2},
-    "mistral": {**_LLAMA_LIKE, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
-                "sliding_window": 4096, "eos_token_id": 2},
-    "qwen2": {**_LLAMA_LIKE, "max_position_embeddings": 32768, "num_key_value_heads": 32,
-              "use_sliding_window": False},
-    "qwen3": {**_LLAMA_LIKE, "max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128,
-              "attention_bias": False, "use_sliding_window": False},
-    "opt": {"max_position_embeddings": 2048, "do_layer_norm_before": True, "_remove_final_layer_norm": False,
-            "enable_bias": True, "layer_norm_elementwise_affine": True, "activation_function": "relu",
-            "init_std": 0.02, "tie_word_embeddings": True, "eos_token_id": 2},
-    "gpt2": {"layer_norm_epsilon": 1e-5, "activation_function": "gelu_new", "n_inner": None,
-             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "initializer_range": 0.02,
-             "tie_word_embeddings": True, "eos_token_id": 50256, "n_positions": 1024},
+    "llama": {
+        **_LLAMA_LIKE,
+        "max_position_embeddings": 2048,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "eos_token_id": 2,
+    },
+    "mistral": {
+        **_LLAMA_LIKE,
+        "max_position_embeddings": 4096 * 32,
+        "num_key_value_heads": 8,
+        "sliding_window": 4096,
+        "eos_token_id": 2,
+    },
+    "qwen2": {**_LLAMA_LIKE, "max_position_embeddings": 32768, "num_key_value_heads": 32, "use_sliding_window": False},
+    "qwen3": {
+        **_LLAMA_LIKE,
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "attention_bias": False,
+        "use_sliding_window": False,
+    },
+    "opt": {
+        "max_position_embeddings": 2048,
+        "do_layer_norm_before": True,
+        "_remove_final_layer_norm": False,
+        "enable_bias": True,
+        "layer_norm_elementwise_affine": True,
+        "activation_function": "relu",
+        "init_std": 0.02,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+    },
+    "gpt2": {
+        "layer_norm_epsilon": 1e-5,
+        "activation_function": "gelu_new",
+        "n_inner": None,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "eos_token_id": 50256,
+        "n_positions": 1024,
+    },
 }
-ALIASES = {"gpt2": {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
-                    "n_positions": "max_position_embeddings"}}
+ALIASES = {
+    "gpt2": {
+        "n_embd": "hidden_size",
+        "n_head": "num_attention_heads",
+        "n_layer": "num_hidden_layers",
+        "n_positions": "max_position_embeddings",
+    }
+}
 REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 REQUIRED_OF = {"opt": ("ffn_dim",), "gpt2": ()}  # llama-like families: intermediate_size
 

@@ -18,7 +18,6 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,8 +30,16 @@ from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine, GrammarState
 from services.worker.kv_cache import KVCache
 from services.worker.lora import LoraAdapters
-from services.worker.ngram import NgramIndex, NgramProposer
-from services.worker.sampler import Sample, Sampler, SampleRow
+from services.worker.mirrors import (
+    SequenceFault,
+    SequenceMirror,
+    StepError,
+    accepted_run,
+    rows_by_adapter,
+    rows_to_sample,
+)
+from services.worker.ngram import NgramProposer
+from services.worker.sampler import Sampler, SampleRow
 from services.worker.step_inputs import StepInputs
 from shared.prefix_keys import KEY_BYTES
 from shared.protocol import (
@@ -46,53 +53,9 @@ from shared.protocol import (
     Step,
     StepResult,
 )
-from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from services.worker.models.base import PagedCausalLM
-
-
-@dataclass(slots=True)
-class SequenceMirror:
-    """The worker's copy of a sequence, kept between steps so steps carry only differences."""
-
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    index: int
-    row: int  # its block table is this row of the runner's BlockTables
-    num_blocks: int = 0  # entries of that row in use
-    num_drafted_positions: int = -1  # positions the draft model has computed; -1: as many as the target
-    grammar: GrammarState | None = None  # with SamplingParams.grammar: where its output stands in it
-    lookup: NgramIndex | None = None  # the n-gram proposer's index of its tokens, built on first use
-    lora: str = ""  # the adapter it runs under; "": the base model
-
-    def copy(self, index: int, row: int) -> SequenceMirror:
-        return SequenceMirror(list(self.token_ids), self.num_prompt_tokens, self.sampling, index, row,
-                              self.num_blocks, self.num_drafted_positions,
-                              self.grammar.copy() if self.grammar is not None else None, lora=self.lora)
-
-
-class StepError(RuntimeError):
-    pass
-
-
-class SequenceFault(StepError):
-    """A step failed on some sequences' own inputs (their adapter, say): the scheduler fails them alone."""
-
-    def __init__(self, message: str, seq_ids: list[int]):
-        super().__init__(message)
-        self.seq_ids = seq_ids
-
-
-def _rows_by_adapter(scheduled: list[ScheduledSequence], starts: list[int], mirrors: dict[int, SequenceMirror]) -> list[tuple[str, list[int]]]:
-    """The step's token rows of each adapter its sequences run under."""
-    rows: dict[str, list[int]] = {}
-    for i, entry in enumerate(scheduled):
-        name = mirrors[entry.seq_id].lora
-        if name:
-            rows.setdefault(name, []).extend(range(starts[i], starts[i + 1]))
-    return list(rows.items())
 
 
 # (from tier, to tier) of the transfers a worker carries out; a block on disk is one of 0 (its file's key names it)
@@ -100,11 +63,21 @@ _TRANSFERS = {(DEVICE, DEVICE), (DEVICE, HOST), (HOST, DEVICE), (DEVICE, DISK), 
 
 
 class ModelRunner:
-    def __init__(self, model: PagedCausalLM, cache: KVCache, device: torch.device, seed: int, vocab_size: int | None = None,
-                 eos_token_ids: Sequence[int] = (), drafter: Drafter | None = None,
-                 threads: ComputeThreads | None = None,
-                 grammars: GrammarEngine | None = None, ngram: NgramProposer | None = None,
-                 graphs: DecodeGraphs | None = None, adapters: LoraAdapters | None = None) -> None:
+    def __init__(
+        self,
+        model: PagedCausalLM,
+        cache: KVCache,
+        device: torch.device,
+        seed: int,
+        vocab_size: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        drafter: Drafter | None = None,
+        threads: ComputeThreads | None = None,
+        grammars: GrammarEngine | None = None,
+        ngram: NgramProposer | None = None,
+        graphs: DecodeGraphs | None = None,
+        adapters: LoraAdapters | None = None,
+    ) -> None:
         self.model = model
         self.adapters = adapters  # with --enable-lora: the adapters loaded into pages of the KV cache
         self.cache = cache
@@ -141,17 +114,26 @@ class ModelRunner:
             problem = self._refusal(new, step)
             grammar: GrammarState | None = None
             if problem is None and new.sampling.grammar:
-                matcher = self.grammars.start(new.sampling.grammar) if self.grammars else (
-                    "structured outputs need the model's tokenizer in the worker")
+                matcher = (
+                    self.grammars.start(new.sampling.grammar)
+                    if self.grammars
+                    else ("structured outputs need the model's tokenizer in the worker")
+                )
                 if isinstance(matcher, str):
                     problem = matcher
                 else:
                     grammar = matcher
             if problem is None:
                 self._drop(new.seq_id)
-                self.mirrors[new.seq_id] = SequenceMirror(list(new.token_ids), new.num_prompt_tokens, new.sampling,
-                                                          new.index, self.tables.claim(), grammar=grammar,
-                                                          lora=new.lora)
+                self.mirrors[new.seq_id] = SequenceMirror(
+                    list(new.token_ids),
+                    new.num_prompt_tokens,
+                    new.sampling,
+                    new.index,
+                    self.tables.claim(),
+                    grammar=grammar,
+                    lora=new.lora,
+                )
             else:
                 failures[new.seq_id] = problem
         self._check_transfers(step)
@@ -171,8 +153,9 @@ class ModelRunner:
         transfer_ms = (time.perf_counter() - transfers_started) * 1e3
         scheduled = [resolved for entry in step.scheduled if (resolved := self._accepts(entry, failures)) is not None]
         if not scheduled:
-            return StepResult(step.step_id, [], 0.0, 0.0, failures=failures, failed_reads=failed_reads,
-                              transfer_ms=transfer_ms)
+            return StepResult(
+                step.step_id, [], 0.0, 0.0, failures=failures, failed_reads=failed_reads, transfer_ms=transfer_ms
+            )
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -205,17 +188,23 @@ class ModelRunner:
                     proposals[entry.seq_id] = drafted[entry.seq_id]
                     input_ids[starts[i + 1] - entry.num_draft_tokens : starts[i + 1]] = drafted[entry.seq_id]
         # The grammars' masks depend on no logits: on a GPU they are computed while the model runs.
-        masks = self._start_grammar_masks([(self.mirrors[scheduled[i].seq_id], proposals.get(scheduled[i].seq_id, []))
-                                           for i in to_sample])
+        masks = self._start_grammar_masks(
+            [(self.mirrors[scheduled[i].seq_id], proposals.get(scheduled[i].seq_id, [])) for i in to_sample]
+        )
         # Every sampled entry's last position, and before it its proposals' positions.
-        logit_rows = [row for i in to_sample
-                      for row in range(starts[i + 1] - 1 - scheduled[i].num_draft_tokens, starts[i + 1])]
-        inputs = self.tables.step(self.inputs, input_ids, positions, rows, starts, context_lens, logit_rows,
-                                  self.cache.block_size)
+        logit_rows = [
+            row for i in to_sample for row in range(starts[i + 1] - 1 - scheduled[i].num_draft_tokens, starts[i + 1])
+        ]
+        inputs = self.tables.step(
+            self.inputs, input_ids, positions, rows, starts, context_lens, logit_rows, self.cache.block_size
+        )
         if self.adapters is not None:
-            inputs.batch.adapters = self.adapters.batch(_rows_by_adapter(scheduled, starts, self.mirrors))
-        if self.graphs is not None and inputs.batch.adapters is None and self.graphs.covers(len(input_ids),
-                                                                                              context_lens):
+            inputs.batch.adapters = self.adapters.batch(rows_by_adapter(scheduled, starts, self.mirrors))
+        if (
+            self.graphs is not None
+            and inputs.batch.adapters is None
+            and self.graphs.covers(len(input_ids), context_lens)
+        ):
             hidden = self.graphs.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
@@ -223,9 +212,11 @@ class ModelRunner:
         prompt_logprobs = [self._prompt_logprobs(scheduled[i], starts[i], hidden) for i in prompt_logprob_entries]
         sampled_at = time.perf_counter()
 
-        sample_rows = [row for i in to_sample
-                       for row in self._sample_rows(self.mirrors[scheduled[i].seq_id],
-                                                    proposals.get(scheduled[i].seq_id, []))]
+        sample_rows = [
+            row
+            for i in to_sample
+            for row in rows_to_sample(self.mirrors[scheduled[i].seq_id], proposals.get(scheduled[i].seq_id, []))
+        ]
         if masks is not None:
             self._add_grammar_masks(sample_rows, *masks)
         samples = iter(self.sampler(logits, sample_rows) if sample_rows else [])
@@ -236,13 +227,21 @@ class ModelRunner:
             verified = proposals.get(seq_id, [])
             run = [next(samples) for _ in range(len(verified) + 1)]
             if len(run[0]) > 1:  # a finished prompt forks into best_of samples: one token each
-                sampled += [SampledTokens(seq_id, [s.token_id], [s.logprob], [s.top_ids], [s.top_logprobs])
-                            for s in run[0]]
+                sampled += [
+                    SampledTokens(seq_id, [s.token_id], [s.logprob], [s.top_ids], [s.top_logprobs]) for s in run[0]
+                ]
                 continue
-            kept = _accepted_run([row[0] for row in run], verified)
-            sampled.append(SampledTokens(seq_id, [s.token_id for s in kept], [s.logprob for s in kept],
-                                         [s.top_ids for s in kept] if kept[0].top_ids else [],
-                                         [s.top_logprobs for s in kept] if kept[0].top_ids else [], len(verified)))
+            kept = accepted_run([row[0] for row in run], verified)
+            sampled.append(
+                SampledTokens(
+                    seq_id,
+                    [s.token_id for s in kept],
+                    [s.logprob for s in kept],
+                    [s.top_ids for s in kept] if kept[0].top_ids else [],
+                    [s.top_logprobs for s in kept] if kept[0].top_ids else [],
+                    len(verified),
+                )
+            )
             generated = len(mirror.token_ids) - mirror.num_prompt_tokens
             if scheduled[i].worker_keeps_samples:
                 # Its next tokens are known here first: the scheduler may already have planned the next.
@@ -251,8 +250,14 @@ class ModelRunner:
                 self.drafter.settle(mirror, mirror.num_prompt_tokens + generated, len(kept) - 1)
         done = time.perf_counter()
         return StepResult(
-            step.step_id, sampled, (sampled_at - started) * 1e3, (done - sampled_at) * 1e3, failures=failures,
-            prompt_logprobs=prompt_logprobs, failed_reads=failed_reads, transfer_ms=transfer_ms,
+            step.step_id,
+            sampled,
+            (sampled_at - started) * 1e3,
+            (done - sampled_at) * 1e3,
+            failures=failures,
+            prompt_logprobs=prompt_logprobs,
+            failed_reads=failed_reads,
+            transfer_ms=transfer_ms,
         )
 
     def _prompt_logprobs(self, entry: ScheduledSequence, first_row: int, hidden: torch.Tensor) -> PromptLogprobs:
@@ -274,9 +279,13 @@ class ModelRunner:
             return "a token id outside the vocabulary"
         if not 0 < new.num_prompt_tokens <= len(new.token_ids):
             return "a prompt length that does not match its tokens"
-        if new.lora and (self.adapters is None or (new.lora not in self.adapters.loaded
-                                                   and all((load.key or load.name) != new.lora
-                                                           for load in step.lora_loads))):
+        if new.lora and (
+            self.adapters is None
+            or (
+                new.lora not in self.adapters.loaded
+                and all((load.key or load.name) != new.lora for load in step.lora_loads)
+            )
+        ):
             return f"adapter {new.lora!r} is not loaded"
         return None  # its sampling parameters: the scheduler checked them (docs/design/checks.md)
 
@@ -293,8 +302,12 @@ class ModelRunner:
             problem = "a token id outside the vocabulary"
         elif not all(0 <= b < self.cache.num_blocks for b in entry.block_ids):
             problem = f"a block id outside [0, {self.cache.num_blocks})"
-        elif (not 0 <= entry.table_start <= mirror.num_blocks or entry.start < 0 or entry.num_draft_tokens < 0
-              or entry.num_tokens <= entry.num_draft_tokens):
+        elif (
+            not 0 <= entry.table_start <= mirror.num_blocks
+            or entry.start < 0
+            or entry.num_draft_tokens < 0
+            or entry.num_tokens <= entry.num_draft_tokens
+        ):
             problem = "an inconsistent step entry"
         elif entry.num_draft_tokens and self.drafter is None and self.ngram is None:
             problem = "draft tokens asked of a worker that drafts none (start it with --speculative-config)"
@@ -326,8 +339,11 @@ class ModelRunner:
                 if mirror.lookup is None:
                     mirror.lookup = ngram.new_index()
                 found = ngram.propose(mirror.token_ids, mirror.lookup, entry.num_draft_tokens)
-                scheduled[i] = dataclasses.replace(entry, num_tokens=entry.num_tokens - entry.num_draft_tokens
-                                                   + len(found), num_draft_tokens=len(found))
+                scheduled[i] = dataclasses.replace(
+                    entry,
+                    num_tokens=entry.num_tokens - entry.num_draft_tokens + len(found),
+                    num_draft_tokens=len(found),
+                )
                 proposals[entry.seq_id] = found
         return proposals
 
@@ -357,8 +373,9 @@ class ModelRunner:
         block_size = self.cache.block_size
         num_tokens = min(num_tokens, self.cache.num_blocks * block_size)
         num_blocks = -(-num_tokens // block_size)
-        batch = PagedBatch.build(list(range(num_tokens)), [list(range(num_blocks))], [0, num_tokens],
-                                 [num_tokens], self.device)
+        batch = PagedBatch.build(
+            list(range(num_tokens)), [list(range(num_blocks))], [0, num_tokens], [num_tokens], self.device
+        )
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         self.model(ids, positions, self.cache.layers, batch)  # warm up
@@ -372,22 +389,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @staticmethod
-    def _sample_rows(mirror: SequenceMirror, proposals: list[int]) -> list[SampleRow]:
-        """How to sample its last position and, before that, each of its proposals' positions: each
-        row as if the proposals before it were already the sequence's tokens."""
-        generated = len(mirror.token_ids) - mirror.num_prompt_tokens
-        sampling = mirror.sampling
-        forks = generated == 0 and not sampling.use_beam_search and sampling.num_samples > 1
-        rows = []
-        for j in range(len(proposals) + 1):
-            tokens = mirror.token_ids if not (j and sampling.penalized) else mirror.token_ids + proposals[:j]
-            rows.append(SampleRow(sampling, generated + j, mirror.index, sampling.num_samples if forks else 1, tokens,
-                                  mirror.num_prompt_tokens))
-        return rows
-
-    def _start_grammar_masks(self, sequences: list[tuple[SequenceMirror, list[int]]]
-                             ) -> tuple[list[int], list[int], Future[Any]] | None:
+    def _start_grammar_masks(
+        self, sequences: list[tuple[SequenceMirror, list[int]]]
+    ) -> tuple[list[int], list[int], Future[Any]] | None:
         """For the sequences that sample this step (in order, each with its proposals): None if none
         has a grammar, else where their sample rows start and the masks being computed."""
         constrained, firsts, first = [], [], 0
@@ -418,8 +422,9 @@ class ModelRunner:
         return self.device.type == "cuda" or (self.threads is not None and self.threads.leaves_a_core())
 
     @staticmethod
-    def _add_grammar_masks(rows: list[SampleRow], firsts: list[int], counts: list[int],
-                           computing: Future[torch.Tensor]) -> None:
+    def _add_grammar_masks(
+        rows: list[SampleRow], firsts: list[int], counts: list[int], computing: Future[torch.Tensor]
+    ) -> None:
         """Give each constrained sequence's rows (its last position, then each proposal's) their masks."""
         masks, at = computing.result(), 0
         for first, count in zip(firsts, counts):
@@ -431,14 +436,3 @@ class ModelRunner:
         """Forget every sequence: after a failed step the scheduler ends them all."""
         self.mirrors.clear()
         self.tables.reset()
-
-
-
-
-def _accepted_run(samples: list[Sample], proposals: list[int]) -> list[Sample]:
-    """The samples up to the first that differs from its proposal, or all of them: the accepted
-    proposals and the token after them."""
-    for j, proposal in enumerate(proposals):
-        if samples[j].token_id != proposal:
-            return samples[: j + 1]
-    return samples

@@ -33,7 +33,7 @@ class NgramIndex:
         if done == 0:  # a whole prompt: each table built in one call, the earliest occurrence kept
             for i, table in enumerate(self.first_end):
                 n = min_n + i
-                grams = list(zip(*(tokens[j:length - n + 1 + j] for j in range(n))))
+                grams = list(zip(*(tokens[j : length - n + 1 + j] for j in range(n))))
                 table.update(zip(reversed(grams), range(length - 1, n - 2, -1)))
             return
         for end in range(done, length):  # the few tokens of a step
@@ -41,7 +41,7 @@ class NgramIndex:
                 n = min_n + i
                 if n > end + 1:
                     break
-                table.setdefault(tuple(tokens[end - n + 1:end + 1]), end)
+                table.setdefault(tuple(tokens[end - n + 1 : end + 1]), end)
 
 
 class NgramProposer:
@@ -59,7 +59,7 @@ class NgramProposer:
         if k <= 0:
             return []
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
-            end = index.first_end[n - self.min_n].get(tuple(tokens[length - n:]))
+            end = index.first_end[n - self.min_n].get(tuple(tokens[length - n :]))
             if end is not None and end < length - 1:  # an earlier occurrence than the suffix itself
-                return tokens[end + 1:end + 1 + k]
+                return tokens[end + 1 : end + 1 + k]
         return []

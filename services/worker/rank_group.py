@@ -35,8 +35,21 @@ def free_port() -> int:
 
 def rank_commands(worker_args: list[str], size: int) -> list[list[str]]:
     init = f"tcp://127.0.0.1:{free_port()}"
-    return [[sys.executable, "-m", "services.worker", *worker_args, "--rank", str(rank), "--world-size", str(size),
-             "--dist-init-method", init] for rank in range(size)]
+    return [
+        [
+            sys.executable,
+            "-m",
+            "services.worker",
+            *worker_args,
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(size),
+            "--dist-init-method",
+            init,
+        ]
+        for rank in range(size)
+    ]
 
 
 def run_group(worker_args: list[str], size: int) -> int:

@@ -126,7 +126,9 @@ class Sampler:
         return torch.where(cdf.gather(1, picks) > targets, picks, most_likely[:, None]).squeeze(1)
 
 
-def filter_settings(params: list[SamplingParams], vocab: int) -> tuple[list[float], list[int], list[float], list[float]]:
+def filter_settings(
+    params: list[SamplingParams], vocab: int
+) -> tuple[list[float], list[int], list[float], list[float]]:
     """Each row's temperature, top-k (the whole vocabulary where off), top-p and min-p."""
     return (
         [p.temperature for p in params],

@@ -26,7 +26,8 @@ from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_t
 from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model, numerics
 from services.worker.lora import LoraAdapters, tensor_parallel_shards
 from services.worker.metrics import WorkerMetrics
-from services.worker.model_runner import ModelRunner, SequenceFault
+from services.worker.mirrors import SequenceFault
+from services.worker.model_runner import ModelRunner
 from services.worker.ngram import NgramProposer
 from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
@@ -64,19 +65,33 @@ def join_rank_group(rank: int, world_size: int, init_method: str, device: torch.
     return TensorParallel(rank, world_size)
 
 
-def load_draft_model(model_dir: str, target: PagedCausalLM, dtype: torch.dtype, device: torch.device, worker: WorkerConfig,
-                     tp: TensorParallel) -> tuple[PagedCausalLM, PretrainedConfig]:
+def load_draft_model(
+    model_dir: str,
+    target: PagedCausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    worker: WorkerConfig,
+    tp: TensorParallel,
+) -> tuple[PagedCausalLM, PretrainedConfig]:
     """The draft model of `--speculative-config`, in the target's dtype and tensor-parallel split."""
     dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
     draft, config = load_model(model_dir, dtype_name, device, worker.load_format, worker.seed, tp)
     if draft.lm_head.weight.shape[0] != target.lm_head.weight.shape[0]:
-        raise ModelLoadError(f"the draft model {model_dir} has a vocabulary of {draft.lm_head.weight.shape[0]} "
-                             f"tokens, the target {target.lm_head.weight.shape[0]}: they must share the tokenizer")
+        raise ModelLoadError(
+            f"the draft model {model_dir} has a vocabulary of {draft.lm_head.weight.shape[0]} "
+            f"tokens, the target {target.lm_head.weight.shape[0]}: they must share the tokenizer"
+        )
     return draft, config
 
 
-def capture_decode_graphs(model: PagedCausalLM, cache: KVCache, device: torch.device, setup: WorkerSetup, config: PretrainedConfig,
-                          world_size: int) -> DecodeGraphs | None:
+def capture_decode_graphs(
+    model: PagedCausalLM,
+    cache: KVCache,
+    device: torch.device,
+    setup: WorkerSetup,
+    config: PretrainedConfig,
+    world_size: int,
+) -> DecodeGraphs | None:
     """CUDA graphs of decode steps up to --max-num-seqs sequences (on a CPU, their kernel calls recorded
     as steps come), or None where steps stay eager."""
     if world_size > 1:
@@ -87,21 +102,32 @@ def capture_decode_graphs(model: PagedCausalLM, cache: KVCache, device: torch.de
     graphs = DecodeGraphs(model, cache, device, setup.scheduler.max_num_seqs, context)
     if device.type == "cpu":
         replay.prepare()
-        log.info("decode steps up to %d sequences and contexts up to %d replay their kernel calls "
-                 "(--enforce-eager runs each step's Python)", graphs.sizes[-1], graphs.max_context)
+        log.info(
+            "decode steps up to %d sequences and contexts up to %d replay their kernel calls "
+            "(--enforce-eager runs each step's Python)",
+            graphs.sizes[-1],
+            graphs.max_context,
+        )
         return graphs
     started = time.perf_counter()
     try:
         graphs.capture()
     except torch.cuda.OutOfMemoryError:
-        log.warning("CUDA graphs: no memory left to capture them; every step runs eagerly "
-                    "(lower --gpu-memory-utilization to leave some)")
+        log.warning(
+            "CUDA graphs: no memory left to capture them; every step runs eagerly "
+            "(lower --gpu-memory-utilization to leave some)"
+        )
         return None
     except Exception:  # serving eagerly beats not serving; the log says why
         log.exception("CUDA graphs: capture failed; every step runs eagerly (--enforce-eager skips the capture)")
         return None
-    log.info("CUDA graphs: %d decode batch sizes up to %d sequences, contexts up to %d, captured in %.1f s",
-             len(graphs.sizes), graphs.sizes[-1], graphs.max_context, time.perf_counter() - started)
+    log.info(
+        "CUDA graphs: %d decode batch sizes up to %d sequences, contexts up to %d, captured in %.1f s",
+        len(graphs.sizes),
+        graphs.sizes[-1],
+        graphs.max_context,
+        time.perf_counter() - started,
+    )
     return graphs
 
 
@@ -120,20 +146,30 @@ class WorkerSetup:
 
 
 class WorkerServer:
-    def __init__(self, setup: WorkerSetup, rank: int = 0, world_size: int = 1, keys: WireKeys | None = None,
-                 metrics: WorkerMetrics | None = None):
+    def __init__(
+        self,
+        setup: WorkerSetup,
+        rank: int = 0,
+        world_size: int = 1,
+        keys: WireKeys | None = None,
+        metrics: WorkerMetrics | None = None,
+    ):
         worker, scheduler, model_dir = setup.worker, setup.scheduler, setup.model.model
         self.rank, self.world_size = rank, world_size
-        choice.choose(KernelChoice(worker.kernels, None if worker.cpu_kernels == "auto" else worker.cpu_kernels,
-                                   worker.prompt_products))
+        choice.choose(
+            KernelChoice(
+                worker.kernels, None if worker.cpu_kernels == "auto" else worker.cpu_kernels, worker.prompt_products
+            )
+        )
         device = pick_device(worker.device, rank)
         threads = ComputeThreads(worker.cpu_threads, world_size) if device.type == "cpu" else None
         if threads is not None:
             threads.use(threads.for_step())
         tp = join_rank_group(rank, world_size, setup.dist_init_method, device)
         torch.manual_seed(worker.seed)  # the same on every rank: they sample the same tokens
-        model, config = load_model(model_dir, worker.dtype, device, worker.load_format, worker.seed, tp,
-                                   worker.quantization)
+        model, config = load_model(
+            model_dir, worker.dtype, device, worker.load_format, worker.seed, tp, worker.quantization
+        )
         dtype = model.lm_head.weight.dtype
         models = [(model, config)]
         speculative = scheduler.speculative
@@ -233,13 +269,23 @@ class WorkerServer:
             self._enable_adapters(setup.lora, cache, model, config, dtype)
         if scheduler.kv_cache_dir:
             if draft_cache:
-                raise ModelLoadError("--kv-cache-dir keeps the target model's blocks only: it does not work with a "
-                                     "draft model yet (n-gram speculation works)")
-            print_ = fingerprint({"model": os.path.realpath(model_dir), "files": weight_files(model_dir),
-                                  "load_format": worker.load_format,
-                                  "seed": worker.seed if worker.load_format == "dummy" else None,
-                                  "dtype": str(dtype), "kv_cache_dtype": kv_dtype, "block_size": scheduler.block_size,
-                                  "world_size": world_size, "block_bytes": block_bytes})
+                raise ModelLoadError(
+                    "--kv-cache-dir keeps the target model's blocks only: it does not work with a "
+                    "draft model yet (n-gram speculation works)"
+                )
+            print_ = fingerprint(
+                {
+                    "model": os.path.realpath(model_dir),
+                    "files": weight_files(model_dir),
+                    "load_format": worker.load_format,
+                    "seed": worker.seed if worker.load_format == "dummy" else None,
+                    "dtype": str(dtype),
+                    "kv_cache_dtype": kv_dtype,
+                    "block_size": scheduler.block_size,
+                    "world_size": world_size,
+                    "block_bytes": block_bytes,
+                }
+            )
             try:
                 cache.disk = DiskTier(scheduler.kv_cache_dir, print_, rank, world_size)
             except KVFolderError as exc:
@@ -258,20 +304,35 @@ class WorkerServer:
         self.socket.connect(setup.endpoint)
         self.running = True
         self.last_sent = time.perf_counter()
-        self.handlers: dict[type, Callable[[Any], None]] = {Step: self.on_step, Reset: self.on_reset,
-                                                             Shutdown: self.on_shutdown}
+        self.handlers: dict[type, Callable[[Any], None]] = {
+            Step: self.on_step,
+            Reset: self.on_reset,
+            Shutdown: self.on_shutdown,
+        }
 
-    def _enable_adapters(self, lora: LoraConfig, cache: KVCache, model: PagedCausalLM, config: PretrainedConfig, dtype: torch.dtype) -> None:
+    def _enable_adapters(
+        self, lora: LoraConfig, cache: KVCache, model: PagedCausalLM, config: PretrainedConfig, dtype: torch.dtype
+    ) -> None:
         try:
-            adapters = LoraAdapters(cache, config, dtype, lora.max_lora_rank, lora.max_cpu_loras or lora.max_loras,
-                                    tensor_parallel_shards(model) if self.world_size > 1 else None)
+            adapters = LoraAdapters(
+                cache,
+                config,
+                dtype,
+                lora.max_lora_rank,
+                lora.max_cpu_loras or lora.max_loras,
+                tensor_parallel_shards(model) if self.world_size > 1 else None,
+            )
         except LoraError as exc:
             raise ModelLoadError(f"--enable-lora: {exc}") from None
         self.runner.adapters = adapters
         self.ready.lora_half_elements = adapters.half_elements
         self.ready.lora_dims = {name: list(dims) for name, dims in adapters.dims.items()}
-        log.info("LoRA adapters: %d values of %s per half page and layer, up to rank %d", adapters.half_elements,
-                 dtype, lora.max_lora_rank)
+        log.info(
+            "LoRA adapters: %d values of %s per half page and layer, up to rank %d",
+            adapters.half_elements,
+            dtype,
+            lora.max_lora_rank,
+        )
 
     def run(self, signals: socket.socket | None = None) -> None:
         """Serve steps until stopped; `signals`: the socket a signal taken by another thread wakes

@@ -36,8 +36,10 @@ class TensorParallel:
         if self.world_size <= num_kv_heads:
             return self.split(num_kv_heads, "the number of KV heads")
         if self.world_size % num_kv_heads:
-            raise ValueError(f"the tensor-parallel size ({self.world_size}) is not a multiple of the number of "
-                             f"KV heads ({num_kv_heads})")
+            raise ValueError(
+                f"the tensor-parallel size ({self.world_size}) is not a multiple of the number of "
+                f"KV heads ({num_kv_heads})"
+            )
         return self.rank * num_kv_heads // self.world_size, 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,16 +61,18 @@ class Projection(Protocol):
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
-def row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel,
-                 transposed: bool = False) -> torch.Tensor:
+def row_parallel(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel, transposed: bool = False
+) -> torch.Tensor:
     """A projection whose input is split over the ranks: partial sums, all-reduced, then the bias
     (`transposed`: a weight stored [in, out], as GPT-2's)."""
     out = tp.all_reduce(x @ weight if transposed else linear(x, weight))
     return out + bias if bias is not None else out
 
 
-def row_parallel_linear(projection: Projection, x: torch.Tensor, tp: TensorParallel,
-                        partial: Callable[[torch.Tensor], object] | None = None) -> torch.Tensor:
+def row_parallel_linear(
+    projection: Projection, x: torch.Tensor, tp: TensorParallel, partial: Callable[[torch.Tensor], object] | None = None
+) -> torch.Tensor:
     """`partial`: called with this rank's partial sums before they are all-reduced, to add to them in place
     (a LoRA adapter's share of the projection, from this rank's part of its input)."""
     if tp.world_size == 1:

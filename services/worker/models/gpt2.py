@@ -58,9 +58,11 @@ class GPT2Attention(nn.Module):
     def shards(self, prefix: str) -> dict[str, Shard]:
         width = self.num_heads * self.head_dim
         start = self.first_head * self.head_dim
-        return {f"{prefix}.c_attn.weight": Shard(1, start, width, parts=3, stride=self.hidden),
-                f"{prefix}.c_attn.bias": Shard(0, start, width, parts=3, stride=self.hidden),
-                f"{prefix}.c_proj.weight": Shard(0, start, width)}
+        return {
+            f"{prefix}.c_attn.weight": Shard(1, start, width, parts=3, stride=self.hidden),
+            f"{prefix}.c_attn.bias": Shard(0, start, width, parts=3, stride=self.hidden),
+            f"{prefix}.c_proj.weight": Shard(0, start, width),
+        }
 
 
 class GPT2MLP(nn.Module):
@@ -117,7 +119,9 @@ class GPT2LMHeadModel(PagedCausalLM):
         attention: GPT2Attention = self.transformer.h[0].attn
         self.init_head(config, config.hidden_size, attention.num_heads, attention.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], batch: PagedBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], batch: PagedBatch
+    ) -> torch.Tensor:
         hidden = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
         for block, kv_cache in zip(self.transformer.h, kv_caches):
             hidden = block(hidden, kv_cache, batch)

@@ -97,8 +97,15 @@ class RotaryEmbedding:
 class Attention(nn.Module):
     """This rank's heads: all of them on one rank."""
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool = False, tp: TensorParallel = SINGLE,
-                 index: int = 0) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool = False,
+        tp: TensorParallel = SINGLE,
+        index: int = 0,
+    ) -> None:
         super().__init__()
         self.index = index  # of its layer: where a LoRA adapter keeps this layer's matrices
         total_heads = config.num_attention_heads
@@ -148,8 +155,12 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window, rope=cos_sin)
         out = out.reshape(tokens, self.num_heads * self.head_dim)
         adapters = batch.adapters
-        return row_parallel_linear(self.o_proj, out, self.tp, None if adapters is None else
-                                   lambda partial: adapters.add(self.index, OUT, out, partial))
+        return row_parallel_linear(
+            self.o_proj,
+            out,
+            self.tp,
+            None if adapters is None else lambda partial: adapters.add(self.index, OUT, out, partial),
+        )
 
     def shards(self, prefix: str) -> dict[str, Shard]:
         hd = self.head_dim
@@ -202,8 +213,12 @@ class MLP(nn.Module):
         else:
             gate, up = gate_up.split(self.width, dim=-1)
             inner = self.act(gate) * up
-        return row_parallel_linear(self.down_proj, inner, self.tp, None if adapters is None else
-                                   lambda partial: adapters.add(self.index, DOWN, inner, partial))
+        return row_parallel_linear(
+            self.down_proj,
+            inner,
+            self.tp,
+            None if adapters is None else lambda partial: adapters.add(self.index, DOWN, inner, partial),
+        )
 
     def shards(self, prefix: str) -> dict[str, Shard]:
         inner = Shard(0, self.first, self.width)
@@ -214,7 +229,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel, index: int = 0) -> None:
+    def __init__(
+        self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel, index: int = 0
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm, tp, index)
         self.mlp = MLP(config, tp, index)
@@ -224,7 +241,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm.output_slot = "attention input"
         self.post_attention_layernorm.output_slot = "mlp input"
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        batch: PagedBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it): each residual add is done by the
         next norm, in place, in the same pass."""
         # The norms write the projections' bfloat16 rows where those take them (an adapter takes float32).
@@ -240,7 +264,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -260,18 +286,16 @@ class LlamaForCausalLM(PagedCausalLM):
         bias = bool(getattr(config, "attention_bias", False))
         self._build(config, tp, qkv_bias=bias, o_bias=bias)
 
-    def _build(self, config: PretrainedConfig, tp: TensorParallel, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
+    def _build(
+        self, config: PretrainedConfig, tp: TensorParallel, qkv_bias: bool, o_bias: bool, qk_norm: bool = False
+    ) -> None:
         self.model = DecoderModel(config, qkv_bias, o_bias, qk_norm, tp)
         attention: Attention = self.model.layers[0].self_attn
         self.init_head(config, config.hidden_size, attention.num_kv_heads, attention.head_dim)
         self.rotary = RotaryEmbedding(config, self.head_dim)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        batch: PagedBatch,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], batch: PagedBatch
     ) -> torch.Tensor:
         """Returns the final hidden states, `[num_tokens, hidden_size]`."""
         return self.run_layers(*self.embed(input_ids, positions), kv_caches, batch)
@@ -281,8 +305,9 @@ class LlamaForCausalLM(PagedCausalLM):
         hidden = self.model.embed_tokens(input_ids)
         return hidden, self.rotary.cos_sin(positions, hidden.dtype)
 
-    def run_layers(self, hidden: torch.Tensor, cos_sin: RotaryTables, kv_caches: list[torch.Tensor],
-                   batch: PagedBatch) -> torch.Tensor:
+    def run_layers(
+        self, hidden: torch.Tensor, cos_sin: RotaryTables, kv_caches: list[torch.Tensor], batch: PagedBatch
+    ) -> torch.Tensor:
         """The final hidden states from `embed`'s (whose `hidden` serves as the residual stream): each of
         this stretch's computations is a kernel's, so a CPU may replay it (services/worker/decode_graphs.py)."""
         residual = None

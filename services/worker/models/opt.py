@@ -49,8 +49,9 @@ class OPTAttention(nn.Module):
 
     def shards(self, prefix: str) -> dict[str, Shard]:
         heads = Shard(0, self.first_head * self.head_dim, self.num_heads * self.head_dim)
-        shards = {f"{prefix}.{name}.{kind}": heads for name in ("q_proj", "k_proj", "v_proj")
-                  for kind in ("weight", "bias")}
+        shards = {
+            f"{prefix}.{name}.{kind}": heads for name in ("q_proj", "k_proj", "v_proj") for kind in ("weight", "bias")
+        }
         return shards | {f"{prefix}.out_proj.weight": Shard(1, heads.start, heads.size)}
 
 
@@ -87,8 +88,11 @@ class OPTDecoderLayer(nn.Module):
     def shards(self, prefix: str) -> dict[str, Shard]:
         """The MLP's; the attention's come from `self_attn`."""
         inner = Shard(0, self.first_inner, self.fc1.out_features)
-        return {f"{prefix}.fc1.weight": inner, f"{prefix}.fc1.bias": inner,
-                f"{prefix}.fc2.weight": Shard(1, inner.start, inner.size)}
+        return {
+            f"{prefix}.fc1.weight": inner,
+            f"{prefix}.fc1.bias": inner,
+            f"{prefix}.fc2.weight": Shard(1, inner.start, inner.size),
+        }
 
 
 class OPTDecoder(nn.Module):
@@ -121,7 +125,9 @@ class OPTForCausalLM(PagedCausalLM):
         attention: OPTAttention = self.model.decoder.layers[0].self_attn
         self.init_head(config, config.word_embed_proj_dim, attention.num_heads, attention.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], batch: PagedBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], batch: PagedBatch
+    ) -> torch.Tensor:
         decoder = self.model.decoder
         hidden = decoder.embed_tokens(input_ids)
         if hasattr(decoder, "project_in"):

@@ -32,10 +32,13 @@ def read_layer(scheme: Scheme, tensors: dict[str, torch.Tensor], name: str) -> I
     required, optional = EXPECTED[scheme.layout]
     missing, unexpected = sorted(required - set(tensors)), sorted(set(tensors) - required - optional)
     if missing or unexpected:
-        raise QuantizationError(f"{name} ({scheme.name}): the checkpoint lacks {missing or 'nothing'} and has "
-                                f"unexpected {unexpected or 'nothing'}")
-    read = {"ct-int": _ct_int, "ct-packed": _ct_packed, "ct-float": _ct_float, "fp8": _fp8, "gptq": _gptq,
-            "awq": _awq}[scheme.layout]
+        raise QuantizationError(
+            f"{name} ({scheme.name}): the checkpoint lacks {missing or 'nothing'} and has "
+            f"unexpected {unexpected or 'nothing'}"
+        )
+    read = {"ct-int": _ct_int, "ct-packed": _ct_packed, "ct-float": _ct_float, "fp8": _fp8, "gptq": _gptq, "awq": _awq}[
+        scheme.layout
+    ]
     return read(scheme, tensors, name)
 
 
@@ -48,8 +51,11 @@ def _groups(scheme: Scheme, inputs: int, name: str) -> int:
     """The number of groups of inputs, once the group size is known to divide them."""
     if not scheme.group_size:
         return 1
-    _check(inputs % scheme.group_size == 0, name,
-           f"the group size {scheme.group_size} does not divide the input width {inputs}")
+    _check(
+        inputs % scheme.group_size == 0,
+        name,
+        f"the group size {scheme.group_size} does not divide the input width {inputs}",
+    )
     return inputs // scheme.group_size
 
 
@@ -60,8 +66,11 @@ def _scales_by_channel(scale: torch.Tensor, outputs: int, groups: int, name: str
         return scale.reshape(1, 1).expand(outputs, groups).contiguous()
     if scale.dim() == 1:
         scale = scale[:, None]
-    _check(scale.dim() == 2 and scale.shape[0] == outputs and scale.shape[1] in (1, groups), name,
-           f"{what} has shape {tuple(scale.shape)}; {outputs} x {groups} was expected")
+    _check(
+        scale.dim() == 2 and scale.shape[0] == outputs and scale.shape[1] in (1, groups),
+        name,
+        f"{what} has shape {tuple(scale.shape)}; {outputs} x {groups} was expected",
+    )
     return scale.expand(outputs, groups).contiguous()
 
 
@@ -97,8 +106,11 @@ def _act_order(weight: CodedWeight, g_idx: torch.Tensor | None, group: int, name
 
 def _ct_int(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Weight | CodedWeight:
     weight = t["weight"]
-    _check(weight.dtype is torch.int8 and weight.dim() == 2, name, f"weight is {weight.dtype} {tuple(weight.shape)}; "
-           "int8 [outputs, inputs] was expected")
+    _check(
+        weight.dtype is torch.int8 and weight.dim() == 2,
+        name,
+        f"weight is {weight.dtype} {tuple(weight.shape)}; int8 [outputs, inputs] was expected",
+    )
     outputs, inputs = weight.shape
     groups = _groups(scheme, inputs, name)
     scales = _scales_by_channel(t["weight_scale"], outputs, groups, name, "weight_scale")
@@ -106,13 +118,17 @@ def _ct_int(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Weight
         _check("input_zero_point" not in t, name, "asymmetric activations (input_zero_point) are not supported")
         static = 0.0
         if scheme.activations == "static":
-            _check("input_scale" in t and t["input_scale"].numel() == 1, name,
-                   "static activations need one input_scale")
+            _check(
+                "input_scale" in t and t["input_scale"].numel() == 1, name, "static activations need one input_scale"
+            )
             static = float(t["input_scale"].float().reshape(()))
             _check(static > 0, name, f"input_scale is {static}")
         return Int8Weight(weight, scales[:, 0].contiguous(), static)
-    zero = _scales_by_channel(t["weight_zero_point"], outputs, groups, name, "weight_zero_point") \
-        if "weight_zero_point" in t else torch.zeros(outputs, groups)
+    zero = (
+        _scales_by_channel(t["weight_zero_point"], outputs, groups, name, "weight_zero_point")
+        if "weight_zero_point" in t
+        else torch.zeros(outputs, groups)
+    )
     codes = (weight.to(torch.int16) + 128).to(torch.uint8)
     coded = CodedWeight(codes, scales, -(128 + zero) * scales, "uint8")
     return _act_order(coded, t.get("weight_g_idx"), scheme.group_size or inputs, name)
@@ -128,8 +144,11 @@ def _ct_packed(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Wei
         _check(len(declared) == 2, name, f"weight_shape is {declared}")
         outputs, inputs = declared
     _check(inputs % per_word == 0, name, f"{inputs} inputs do not fill whole words of {per_word} codes")
-    _check(tuple(packed.shape) == (outputs, inputs // per_word), name,
-           f"weight_packed has shape {tuple(packed.shape)}; {outputs} x {inputs // per_word} was expected")
+    _check(
+        tuple(packed.shape) == (outputs, inputs // per_word),
+        name,
+        f"weight_packed has shape {tuple(packed.shape)}; {outputs} x {inputs // per_word} was expected",
+    )
     groups = _groups(scheme, inputs, name)
     codes = _unpack(packed, bits, 1)
     scales = _scales_by_channel(t["weight_scale"], outputs, groups, name, "weight_scale")
@@ -139,8 +158,11 @@ def _ct_packed(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Wei
     else:
         _check("weight_zero_point" in t, name, "an asymmetric scheme needs weight_zero_point")
         points = t["weight_zero_point"]
-        _check(points.dtype is torch.int32 and points.dim() == 2 and points.shape[1] == groups, name,
-               f"weight_zero_point has shape {tuple(points.shape)}")
+        _check(
+            points.dtype is torch.int32 and points.dim() == 2 and points.shape[1] == groups,
+            name,
+            f"weight_zero_point has shape {tuple(points.shape)}",
+        )
         zero = _unpack(points, bits, 0)[:outputs].float()
         _check(zero.shape == (outputs, groups), name, f"weight_zero_point holds {tuple(zero.shape)} zero points")
     coded = CodedWeight(codes, scales, -zero * scales, "uint4" if bits == 4 else "uint8")
@@ -148,8 +170,11 @@ def _ct_packed(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Wei
 
 
 def _fp8_codes(weight: torch.Tensor, name: str) -> torch.Tensor:
-    _check(weight.dtype is torch.float8_e4m3fn and weight.dim() == 2, name,
-           f"weight is {weight.dtype}; float8_e4m3fn [outputs, inputs] was expected")
+    _check(
+        weight.dtype is torch.float8_e4m3fn and weight.dim() == 2,
+        name,
+        f"weight is {weight.dtype}; float8_e4m3fn [outputs, inputs] was expected",
+    )
     return weight.view(torch.uint8)
 
 
@@ -159,8 +184,11 @@ def _block_scales(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int,
     rows, columns = block
     _check(inputs % columns == 0, name, f"the block width {columns} does not divide the input width {inputs}")
     expected = (-(-outputs // rows), inputs // columns)
-    _check(tuple(scale.shape) == expected, name, f"its block scales have shape {tuple(scale.shape)}; {expected} "
-           "was expected")
+    _check(
+        tuple(scale.shape) == expected,
+        name,
+        f"its block scales have shape {tuple(scale.shape)}; {expected} was expected",
+    )
     return scale.float().repeat_interleave(rows, 0)[:outputs].contiguous()
 
 
@@ -190,16 +218,28 @@ def _gptq(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Weight |
     per_word = 32 // bits
     _check(t["qweight"].dim() == 2, name, "qweight is not [inputs / codes a word, outputs]")
     inputs, outputs = t["qweight"].shape[0] * per_word, t["qweight"].shape[1]
-    _check(inputs % per_word == 0 and outputs % per_word == 0, name,
-           f"{outputs} x {inputs} does not fill whole words of {per_word} codes")
+    _check(
+        inputs % per_word == 0 and outputs % per_word == 0,
+        name,
+        f"{outputs} x {inputs} does not fill whole words of {per_word} codes",
+    )
     groups = _groups(scheme, inputs, name)
     qweight, qzeros, scales = t["qweight"], t["qzeros"], t["scales"]
-    _check(tuple(qweight.shape) == (inputs // per_word, outputs), name,
-           f"qweight has shape {tuple(qweight.shape)}; {inputs // per_word} x {outputs} was expected")
-    _check(tuple(qzeros.shape) == (groups, outputs // per_word), name,
-           f"qzeros has shape {tuple(qzeros.shape)}; {groups} x {outputs // per_word} was expected")
-    _check(tuple(scales.shape) == (groups, outputs), name,
-           f"scales has shape {tuple(scales.shape)}; {groups} x {outputs} was expected")
+    _check(
+        tuple(qweight.shape) == (inputs // per_word, outputs),
+        name,
+        f"qweight has shape {tuple(qweight.shape)}; {inputs // per_word} x {outputs} was expected",
+    )
+    _check(
+        tuple(qzeros.shape) == (groups, outputs // per_word),
+        name,
+        f"qzeros has shape {tuple(qzeros.shape)}; {groups} x {outputs // per_word} was expected",
+    )
+    _check(
+        tuple(scales.shape) == (groups, outputs),
+        name,
+        f"scales has shape {tuple(scales.shape)}; {groups} x {outputs} was expected",
+    )
     codes = _unpack(qweight, bits, 0).T.contiguous()
     zero = _unpack(qzeros, bits, 1).float().T + (1 if scheme.zeros_plus_one else 0)
     scale = scales.float().T.contiguous()
@@ -213,12 +253,21 @@ def _awq(scheme: Scheme, t: dict[str, torch.Tensor], name: str) -> Int8Weight | 
     _check(outputs % 8 == 0, name, f"{outputs} outputs do not fill whole words of 8 codes")
     groups = _groups(scheme, inputs, name)
     qweight, qzeros, scales = t["qweight"], t["qzeros"], t["scales"]
-    _check(tuple(qweight.shape) == (inputs, outputs // 8), name,
-           f"qweight has shape {tuple(qweight.shape)}; {inputs} x {outputs // 8} was expected")
-    _check(tuple(qzeros.shape) == (groups, outputs // 8), name,
-           f"qzeros has shape {tuple(qzeros.shape)}; {groups} x {outputs // 8} was expected")
-    _check(tuple(scales.shape) == (groups, outputs), name,
-           f"scales has shape {tuple(scales.shape)}; {groups} x {outputs} was expected")
+    _check(
+        tuple(qweight.shape) == (inputs, outputs // 8),
+        name,
+        f"qweight has shape {tuple(qweight.shape)}; {inputs} x {outputs // 8} was expected",
+    )
+    _check(
+        tuple(qzeros.shape) == (groups, outputs // 8),
+        name,
+        f"qzeros has shape {tuple(qzeros.shape)}; {groups} x {outputs // 8} was expected",
+    )
+    _check(
+        tuple(scales.shape) == (groups, outputs),
+        name,
+        f"scales has shape {tuple(scales.shape)}; {groups} x {outputs} was expected",
+    )
 
     def by_output(words: torch.Tensor) -> torch.Tensor:
         nibbles = _unpack(words, 4, 1).view(words.shape[0], -1, 8)

@@ -64,14 +64,18 @@ class FloatMethod(LinearMethod):
 
     def prepare(self, layer: Linear, dtype: torch.dtype) -> None:
         weight, bias = layer.weight, layer.bias
-        if (weight.device.type == "cpu" and cpu_linear.packs(weight.dtype)
-                and (bias is None or (bias.is_contiguous() and bias.dtype is torch.float32))):
+        if (
+            weight.device.type == "cpu"
+            and cpu_linear.packs(weight.dtype)
+            and (bias is None or (bias.is_contiguous() and bias.dtype is torch.float32))
+        ):
             self.panels = cpu_linear.pack(weight.detach(), halves=layer.halves)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.panels is not None and x.dim() == 2:
-            out = step_scratch.take_if_large(layer.output_slot, (x.shape[0], layer.out_features), torch.float32,
-                                             x.device)
+            out = step_scratch.take_if_large(
+                layer.output_slot, (x.shape[0], layer.out_features), torch.float32, x.device
+            )
             if self._prompt_by_onednn(layer, x):
                 with every_kernel_thread():
                     out.copy_(F.linear(x.to(torch.bfloat16), layer.weight))
@@ -84,15 +88,25 @@ class FloatMethod(LinearMethod):
 
     def _prompt_by_onednn(self, layer: Linear, x: torch.Tensor) -> bool:
         panels = self.panels
-        return (panels is not None and panels.dtype is torch.bfloat16 and x.shape[0] >= cpu_linear.PROMPT_ROWS
-                and layer.weight.dtype is torch.bfloat16 and cpu_linear.prompt_products() == "onednn")
+        return (
+            panels is not None
+            and panels.dtype is torch.bfloat16
+            and x.shape[0] >= cpu_linear.PROMPT_ROWS
+            and layer.weight.dtype is torch.bfloat16
+            and cpu_linear.prompt_products() == "onednn"
+        )
 
     def gated(self, layer: Linear, x: torch.Tensor, bf16_rows: bool) -> torch.Tensor | None:
         if self.panels is None or not layer.halves or x.dim() != 2 or self._prompt_by_onednn(layer, x):
             return None
         shape, dtype = (x.shape[0], layer.halves), torch.bfloat16 if bf16_rows else torch.float32
-        return cpu_linear.gated_gemm(x, self.panels, layer.halves, layer.bias,
-                                     step_scratch.take_if_large("activation rows", shape, dtype, x.device))
+        return cpu_linear.gated_gemm(
+            x,
+            self.panels,
+            layer.halves,
+            layer.bias,
+            step_scratch.take_if_large("activation rows", shape, dtype, x.device),
+        )
 
     def takes_bf16_rows(self, layer: Linear) -> bool:
         panels = self.panels
@@ -102,8 +116,11 @@ class FloatMethod(LinearMethod):
         return build is not None and build.bf16_rows
 
     def describe(self) -> str:
-        return f"float ({str(self.panels.dtype).removeprefix('torch.')} panels)" if self.panels is not None \
+        return (
+            f"float ({str(self.panels.dtype).removeprefix('torch.')} panels)"
+            if self.panels is not None
             else "float (torch)"
+        )
 
 
 class Int8Method(LinearMethod):
@@ -135,15 +152,17 @@ class Int8Method(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.transposed is not None:
             shape = x.shape
-            out = quant_triton.int8_linear_torch(x.reshape(-1, shape[-1]), self.transposed, self.weight.scales, bias,
-                                                 self.weight.input_scale)
+            out = quant_triton.int8_linear_torch(
+                x.reshape(-1, shape[-1]), self.transposed, self.weight.scales, bias, self.weight.input_scale
+            )
             return out.reshape(*shape[:-1], -1).to(x.dtype)
         if self.packed is not None and x.dim() == 2:
             rows = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()
             if x.shape[0] >= cpu_linear.PROMPT_ROWS and cpu_linear.prompt_products("amx_int8") == "onednn":
                 return self._by_onednn(rows, bias)
-            out = step_scratch.take_if_large(layer.output_slot, (x.shape[0], layer.out_features), torch.float32,
-                                             x.device)
+            out = step_scratch.take_if_large(
+                layer.output_slot, (x.shape[0], layer.out_features), torch.float32, x.device
+            )
             weight = self.weight
             if cpu_int8_linear.int8_linear(rows, self.packed, weight.scales, bias, weight.input_scale, out) is not None:
                 return out
@@ -173,8 +192,13 @@ class Int8Method(LinearMethod):
 
     def describe(self) -> str:
         build = cpu_int8_linear.int8_build()
-        kernel = f"int8 {build.variant} ({build.description})" if self.packed is not None and build else \
-            "torch._int_mm" if self.transposed is not None else "torch"
+        kernel = (
+            f"int8 {build.variant} ({build.description})"
+            if self.packed is not None and build
+            else "torch._int_mm"
+            if self.transposed is not None
+            else "torch"
+        )
         if self.packed is not None and cpu_linear.prompt_products("amx_int8") == "onednn":
             kernel += f"; prompts of {cpu_linear.PROMPT_ROWS} rows or more by oneDNN (AMX tiles)"
         return f"{self.name}, {'static' if self.weight.input_scale else 'dynamic per-token'} activations: {kernel}"
@@ -204,12 +228,16 @@ class CodedMethod(LinearMethod):
         build = cpu_linear.gemm_build()
         self.bf16_x = dtype is torch.bfloat16 and build is not None and build.bf16_rows and weight.order is None
         k = weight.codes.shape[1]
-        if dispatch.use_triton(weight.codes) and k % quant_triton.BLOCK_K == 0 \
-                and weight.group % quant_triton.BLOCK_K == 0:
+        if (
+            dispatch.use_triton(weight.codes)
+            and k % quant_triton.BLOCK_K == 0
+            and weight.group % quant_triton.BLOCK_K == 0
+        ):
             self.gpu = quant_triton.pack_codes_gpu(weight.codes, weight.scales, weight.offsets, weight.kind)
         elif weight.codes.device.type == "cpu" and build is not None:
-            self.packed = cpu_linear.pack_codes(weight.codes, weight.scales.float(), weight.offsets.float(),
-                                                weight.kind)
+            self.packed = cpu_linear.pack_codes(
+                weight.codes, weight.scales.float(), weight.offsets.float(), weight.kind
+            )
         else:
             dtype = layer.bias.dtype if layer.bias is not None else torch.float32
             self.dense = weight.dequantized().to(device=weight.codes.device, dtype=dtype)
@@ -223,8 +251,9 @@ class CodedMethod(LinearMethod):
             return out.reshape(*x.shape[:-1], -1)
         if self.packed is not None and x.dim() == 2:
             rows = x if order is None else x[:, order]
-            out = step_scratch.take_if_large(layer.output_slot, (x.shape[0], layer.out_features), torch.float32,
-                                             x.device)
+            out = step_scratch.take_if_large(
+                layer.output_slot, (x.shape[0], layer.out_features), torch.float32, x.device
+            )
             if cpu_linear.gemm_codes(rows, self.packed, bias, out, bf16_x=self.bf16_x) is not None:
                 return out
         dense = self.dense if self.dense is not None else self.weight.dequantized()
@@ -237,8 +266,13 @@ class CodedMethod(LinearMethod):
 
     def describe(self) -> str:
         build = cpu_linear.gemm_build()
-        kernel = f"codes {build.variant} ({build.description})" if self.packed is not None and build else \
-            "triton" if self.gpu is not None else "torch"
+        kernel = (
+            f"codes {build.variant} ({build.description})"
+            if self.packed is not None and build
+            else "triton"
+            if self.gpu is not None
+            else "torch"
+        )
         rows = "bfloat16" if self.bf16_x else "float32"
         return f"{self.name}: {kernel}, {rows} rows of x"
 
@@ -253,5 +287,7 @@ def joined(methods: list[LinearMethod]) -> LinearMethod:
         return Int8Method(Int8Weight.joined([m.weight for m in methods]))  # type: ignore[attr-defined]
     if all(isinstance(m, CodedMethod) for m in methods):
         return CodedMethod(CodedWeight.joined([m.weight for m in methods], "a fused projection"))  # type: ignore[attr-defined]
-    raise QuantizationError("projections of one input (q, k and v; gate and up) must be quantized alike, found "
-                            f"{', '.join(m.name for m in methods)}")
+    raise QuantizationError(
+        "projections of one input (q, k and v; gate and up) must be quantized alike, found "
+        f"{', '.join(m.name for m in methods)}"
+    )

@@ -46,8 +46,11 @@ class Scheme:
         if self.activations is not None:
             return f"W8A8-int8 ({self.activations} activations)"
         kind = "FP8-W8A16" if self.layout == "ct-float" else f"W{self.bits}A16"
-        group = f"block {self.block[0]}x{self.block[1]}" if self.block else (
-            f"group {self.group_size}" if self.group_size else "per channel")
+        group = (
+            f"block {self.block[0]}x{self.block[1]}"
+            if self.block
+            else (f"group {self.group_size}" if self.group_size else "per channel")
+        )
         return f"{kind} ({self.layout}, {group}{'' if self.symmetric else ', asymmetric'})"
 
 
@@ -87,19 +90,24 @@ def read_quantization(declared: dict[str, Any] | None, flag: str | None) -> Quan
         raise QuantizationError(f"--quantization {flag!r} is not supported; supported: {', '.join(METHODS)}")
     if declared is None:
         if flag is not None:
-            raise QuantizationError(f"--quantization {flag}: the checkpoint's config.json has no quantization_config "
-                                    "(its weights are not quantized)")
+            raise QuantizationError(
+                f"--quantization {flag}: the checkpoint's config.json has no quantization_config "
+                "(its weights are not quantized)"
+            )
         return None
     if not isinstance(declared, dict):
         raise QuantizationError("config.json's quantization_config is not an object")
     method = str(declared.get("quant_method"))
     method = ALIASES.get(method, method)
     if method not in METHODS:
-        raise QuantizationError(f"quantization method {method!r} (config.json quantization_config.quant_method) is "
-                                f"not supported; supported: {', '.join(METHODS)}")
+        raise QuantizationError(
+            f"quantization method {method!r} (config.json quantization_config.quant_method) is "
+            f"not supported; supported: {', '.join(METHODS)}"
+        )
     if flag is not None and flag != method:
-        raise QuantizationError(f"--quantization {flag} does not match the checkpoint's quantization_config."
-                                f"quant_method {method!r}")
+        raise QuantizationError(
+            f"--quantization {flag} does not match the checkpoint's quantization_config.quant_method {method!r}"
+        )
     read = {"compressed-tensors": _compressed_tensors, "gptq": _gptq, "awq": _awq, "fp8": _fp8}[method]
     return read(declared)
 
@@ -152,8 +160,9 @@ def _awq(config: dict[str, Any]) -> QuantizationConfig:
     if not config.get("zero_point", True):
         raise QuantizationError(f"{where}.zero_point is false: AWQ checkpoints with zero points are supported")
     ignore = tuple(_field(config, "modules_to_not_convert", where, list, []) or ())
-    return QuantizationConfig("awq", ((("Linear",), Scheme("awq", bits, group, symmetric=False)),),
-                              ("lm_head", *ignore))
+    return QuantizationConfig(
+        "awq", ((("Linear",), Scheme("awq", bits, group, symmetric=False)),), ("lm_head", *ignore)
+    )
 
 
 def _fp8(config: dict[str, Any]) -> QuantizationConfig:
@@ -189,8 +198,9 @@ def _compressed_tensors(config: dict[str, Any]) -> QuantizationConfig:
 
 def _ct_scheme(group: dict[str, Any], fmt: object, here: str) -> Scheme:
     if fmt not in CT_FORMATS:
-        raise QuantizationError(f"{here}.format is {fmt!r}; supported compressed-tensors formats: "
-                                f"{', '.join(CT_FORMATS)}")
+        raise QuantizationError(
+            f"{here}.format is {fmt!r}; supported compressed-tensors formats: {', '.join(CT_FORMATS)}"
+        )
     weights = _field(group, "weights", here, dict)
     if not weights:
         raise QuantizationError(f"{here}.weights is missing")
@@ -225,8 +235,9 @@ def _ct_scheme(group: dict[str, Any], fmt: object, here: str) -> Scheme:
     if fmt == "pack-quantized":
         bits = _bits(weights.get("num_bits"), f"{wh}.num_bits", (4, 8))
         if inputs is not None:
-            raise QuantizationError(f"{here}.input_activations: pack-quantized weights with quantized activations "
-                                    "are not supported")
+            raise QuantizationError(
+                f"{here}.input_activations: pack-quantized weights with quantized activations are not supported"
+            )
         return Scheme("ct-packed", bits, group_size, symmetric, act_order=act_order)
     bits = _bits(weights.get("num_bits"), f"{wh}.num_bits", (8,))
     if inputs is None:
@@ -239,8 +250,10 @@ def _ct_scheme(group: dict[str, Any], fmt: object, here: str) -> Scheme:
     dynamic = bool(inputs.get("dynamic", False))
     activation_strategy = inputs.get("strategy", "token" if dynamic else "tensor")
     if (dynamic and activation_strategy != "token") or (not dynamic and activation_strategy != "tensor"):
-        raise QuantizationError(f"{ih}: dynamic per-token or static per-tensor activations are supported, not "
-                                f"{'dynamic' if dynamic else 'static'} per {activation_strategy}")
+        raise QuantizationError(
+            f"{ih}: dynamic per-token or static per-tensor activations are supported, not "
+            f"{'dynamic' if dynamic else 'static'} per {activation_strategy}"
+        )
     if group_size or not symmetric:
         raise QuantizationError(f"{wh}: W8A8 takes symmetric weights per channel or per tensor")
     return Scheme("ct-int", 8, 0, True, activations="dynamic" if dynamic else "static")

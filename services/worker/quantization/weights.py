@@ -37,8 +37,11 @@ class Int8Weight:
     def joined(parts: list[Int8Weight]) -> Int8Weight:
         """Projections of one input side by side (q, k and v): one static scale must serve them all, the largest
         (no value of x then clips that did not before)."""
-        return Int8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scales for p in parts]),
-                          max(p.input_scale for p in parts))
+        return Int8Weight(
+            torch.cat([p.weight for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            max(p.input_scale for p in parts),
+        )
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.scales[:, None]
@@ -67,20 +70,32 @@ class CodedWeight:
         if shard.parts != 1:
             raise QuantizationError(f"{name}: a weight split in several runs is not supported quantized")
         if shard.dim == 0:
-            return replace(self, codes=_part(self.codes, 0, shard), scales=_part(self.scales, 0, shard),
-                           offsets=_part(self.offsets, 0, shard))
+            return replace(
+                self,
+                codes=_part(self.codes, 0, shard),
+                scales=_part(self.scales, 0, shard),
+                offsets=_part(self.offsets, 0, shard),
+            )
         if self.order is not None:
-            raise QuantizationError(f"{name}: a checkpoint in act order (desc_act) cannot split its inputs among "
-                                    "tensor-parallel ranks: its groups are spread over every input")
+            raise QuantizationError(
+                f"{name}: a checkpoint in act order (desc_act) cannot split its inputs among "
+                "tensor-parallel ranks: its groups are spread over every input"
+            )
         group = self.group
         if self.scales.shape[1] == 1:  # one group a channel: every rank has the whole scale
             return replace(self, codes=_part(self.codes, 1, shard))
         if shard.start % group or shard.size % group:
-            raise QuantizationError(f"{name}: the groups of {group} inputs do not divide among the tensor-parallel "
-                                    f"ranks ({shard.size} inputs each)")
+            raise QuantizationError(
+                f"{name}: the groups of {group} inputs do not divide among the tensor-parallel "
+                f"ranks ({shard.size} inputs each)"
+            )
         groups = Shard(1, shard.start // group, shard.size // group)
-        return replace(self, codes=_part(self.codes, 1, shard), scales=_part(self.scales, 1, groups),
-                       offsets=_part(self.offsets, 1, groups))
+        return replace(
+            self,
+            codes=_part(self.codes, 1, shard),
+            scales=_part(self.scales, 1, groups),
+            offsets=_part(self.offsets, 1, groups),
+        )
 
     @staticmethod
     def joined(parts: list[CodedWeight], name: str) -> CodedWeight:
@@ -89,15 +104,26 @@ class CodedWeight:
         if any(p.kind != first.kind or p.group != first.group for p in parts):
             raise QuantizationError(f"{name}: projections of one input are quantized differently")
         orders = [p.order for p in parts]
-        if any((o is None) != (first.order is None) or (o is not None and not torch.equal(o, first.order))
-               for o in orders):
+        if any(
+            (o is None) != (first.order is None) or (o is not None and not torch.equal(o, first.order)) for o in orders
+        ):
             raise QuantizationError(f"{name}: projections of one input are in different act orders")
-        return CodedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                           torch.cat([p.offsets for p in parts]), first.kind, first.order)
+        return CodedWeight(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat([p.offsets for p in parts]),
+            first.kind,
+            first.order,
+        )
 
     def to(self, device: torch.device) -> CodedWeight:
-        return replace(self, codes=self.codes.to(device), scales=self.scales.to(device),
-                       offsets=self.offsets.to(device), order=None if self.order is None else self.order.to(device))
+        return replace(
+            self,
+            codes=self.codes.to(device),
+            scales=self.scales.to(device),
+            offsets=self.offsets.to(device),
+            order=None if self.order is None else self.order.to(device),
+        )
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [N, K] in the checkpoint's order of inputs."""
