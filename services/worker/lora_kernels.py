@@ -28,7 +28,10 @@ class CompiledKernel:
         self.units = torch.tensor(
             [(row, index) for index, (_, rows) in enumerate(few) for row in rows], dtype=torch.int64
         )
-        self.tables = _kernel_tables([adapter for adapter, _ in few], widths)
+        # Its tables hold addresses into each adapter's regions: a gathered copy (pages not consecutive) must live
+        # as long as the tables do.
+        self.adapters = [adapter for adapter, _ in few]
+        self.tables = _kernel_tables(self.adapters, widths)
         self.weight_bf16 = int(few[0][0].regions.dtype == torch.bfloat16)
 
     def add(self, layer: int, projections: tuple[str, ...], x: torch.Tensor, out: torch.Tensor) -> None:
