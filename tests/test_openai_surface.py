@@ -142,11 +142,7 @@ def test_unknown_fields_are_served_and_logged_by_name(llama_server):
 
 @pytest.mark.parametrize(
     "body, param",
-    [
-        ({"prompt": "x", "suffix": "y"}, "suffix"),
-        ({"prompt": ["x", 5]}, "prompt"),
-        ({"prompt": []}, "prompt"),
-    ],
+    [({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": ["x", 5]}, "prompt"), ({"prompt": []}, "prompt")],
 )
 def test_fields_that_would_change_the_output_and_are_not_served_get_a_400(llama_server, body, param):
     response = post(llama_server, "/v1/completions", body)
@@ -193,3 +189,26 @@ def test_cached_tokens_are_reported_unless_the_server_says_not_to():
     assert fmt.usage(40, chunks)["prompt_tokens_details"] == {"cached_tokens": 32}
     fmt.report_cached_tokens = False
     assert "prompt_tokens_details" not in fmt.usage(40, chunks)
+
+
+class _Tokenizer:
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_logprobs_json_cannot_carry_read_as_vllms_least_value_and_the_body_stays_valid_json(endpoint):
+    from services.api.formats import LEAST_LOGPROB, ChatFormat
+    from services.api.requests import parse_chat
+
+    if endpoint == "completions":
+        fmt = CompletionFormat("m", _Tokenizer(), parse_completion({"prompt": "x", "logprobs": 2}))
+    else:
+        fmt = ChatFormat(
+            "m",
+            _Tokenizer(),
+            parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}),
+        )
+    chunks = [Chunk(0, "ab", [1, 2], [float("-inf"), float("nan")], [{1: float("nan"), 3: -1.5}, {}], "stop")]
+    body = json.dumps(fmt.whole(chunks, 1), allow_nan=False)  # what a JSON response holds: no NaN, no infinity
+    assert str(LEAST_LOGPROB) in body and "-1.5" in body

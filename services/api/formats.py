@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -178,8 +179,8 @@ class CompletionFormat(ResponseFormat):
             offsets.append(offset)
             offset += len(text)
             tokens.append(text)
-            token_logprobs.append(logprob)
-            tops.append({decode([t]): lp for t, lp in top.items()} if top else None)
+            token_logprobs.append(logprob if logprob is None else finite(logprob))
+            tops.append({decode([t]): finite(lp) for t, lp in top.items()} if top else None)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -254,13 +255,21 @@ class ChatFormat(ResponseFormat):
 
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = decode([token_id])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
 
         content = []
         for chunk in chunks:
             for token_id, logprob, top in zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs):
                 content.append({**entry(token_id, logprob), "top_logprobs": [entry(t, lp) for t, lp in top.items()]})
         return {"content": content}
+
+
+LEAST_LOGPROB = -9999.0  # what a log-probability JSON cannot carry (-inf, or NaN from a model's overflow) reads as
+
+
+def finite(logprob: float) -> float:
+    """A log-probability JSON can carry: -inf and NaN read as LEAST_LOGPROB, as vLLM writes -inf."""
+    return logprob if math.isfinite(logprob) else LEAST_LOGPROB
 
 
 # Valid inside JSON text, but line breaks to readers that split lines as str.splitlines() does (httpx
