@@ -178,6 +178,8 @@ def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
         *model,
         *to_flags(api),
         *lora_flags,
+        "--shutdown-timeout",
+        repr(args.shutdown_timeout),
     ]
     return services
 

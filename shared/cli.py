@@ -33,6 +33,7 @@ API_KEY_ENV = "PAGEDSERVE_API_KEY"  # the launcher hands the key to the api this
 # A service's exit status when a port it must listen on is taken: a restart would not help, so the
 # launcher stops and names the flag that moves the port.
 EXIT_PORT_TAKEN = 3
+EXIT_AT_FAULT = 4  # a worker the scheduler found at fault: its supervisor starts it again
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -179,19 +180,21 @@ def _quiet_about_lost_interrupts(unraisable: sys.UnraisableHookArgs) -> None:
 
 _signal_sockets: tuple[socket.socket, socket.socket] | None = None  # kept open for the process's life
 _stop_requested = False
+_stop_taken = False
 _deferring = False
 
 
 @contextlib.contextmanager
 def stops_deferred() -> Iterator[None]:
-    """A stop asked for inside the block takes effect after it (a worker's step: its block files then
-    reach the disk); the poll that follows wakes on the signal's byte and `drain_wakeups` stops."""
+    """A stop asked for inside the block takes effect after it, at the next poll, which wakes on the signal's
+    byte for `drain_wakeups` to stop: a service's loop defers its stop so that no message is cut between its
+    frames and no state is left half updated, and a worker's step so that its block files reach the disk."""
     global _deferring
-    _deferring = True
+    outer, _deferring = _deferring, True
     try:
         yield
     finally:
-        _deferring = False
+        _deferring = outer
 
 
 def drain_wakeups() -> None:
@@ -199,14 +202,23 @@ def drain_wakeups() -> None:
     signal asked to: the handler's own KeyboardInterrupt is lost when the main thread runs it
     inside a destructor (zmq frees its message frames in them), and the handler has
     already set the signals to be ignored, so nothing else would stop the service."""
+    global _stop_requested
     if _signal_sockets is not None:
         try:
-            while _signal_sockets[0].recv(64):
-                pass
+            while woken := _signal_sockets[0].recv(64):
+                # The byte names the signal; its Python handler may not have run yet.
+                _stop_requested |= any(signum in woken for signum in (signal.SIGINT, signal.SIGTERM))
         except BlockingIOError:
             pass
-    if _stop_requested:
+    if _stop_requested and not _stop_taken:
         raise KeyboardInterrupt
+
+
+def take_the_stop() -> None:
+    """The service has begun its stop (it lets the work in flight finish): wakeups from now on only empty the
+    socket, rather than interrupt that."""
+    global _stop_taken
+    _stop_taken = True
 
 
 def exit_at_once(code: int = 0) -> None:

@@ -24,8 +24,9 @@ from shared.sampling import SamplingParams
 # 4: the worker makes every proposal, and may settle where an entry starts; 5: the scheduler says
 # whether the worker keeps a sequence's samples; 6: a request's priority and tenant; 7: a step's block
 # moves are one list of transfers between tiers; 8: a disk tier; 9: a result times its transfers; 10: a failed
-# step's result names the sequences whose inputs failed it, and an adapter is known by its files' digest
-PROTOCOL_VERSION = 10
+# step's result names the sequences whose inputs failed it, and an adapter is known by its files' digest;
+# 11: a Shutdown may ask for a restart, and reads from disk run off the step
+PROTOCOL_VERSION = 11
 
 
 # --- api <-> scheduler -------------------------------------------------------------------
@@ -300,8 +301,10 @@ class StepResult:
     failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why the worker refused it
     idle_ms: float = 0.0  # the worker's wait between sending its previous result and getting this step
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
-    # Keys of the step's reads from disk that failed (a missing, torn or foreign file): those blocks
-    # must be computed again. With tensor parallelism rank 0 checks every rank's file.
+    # Keys of reads from disk done since the last result (started by this step or an earlier one: they run off
+    # the step), whole, and failed (a missing, torn or foreign file: those blocks are computed again). With tensor
+    # parallelism rank 0 checks every rank's file.
+    reads: list[bytes] = field(default_factory=list)
     failed_reads: list[bytes] = field(default_factory=list)
     transfer_ms: float = 0.0  # of forward_ms (or alone, in a step that computes nothing): the block transfers
     culprits: list[int] = field(default_factory=list)  # with `error`: the sequences whose inputs failed the step
@@ -314,7 +317,10 @@ class Reset:
 
 @dataclass(slots=True)
 class Shutdown:
-    pass
+    """Stop. `restart`: the scheduler found this rank at fault (it failed step after step on no request's
+    inputs), so it exits non-zero and whatever supervises it (the launcher, compose) starts it afresh."""
+
+    restart: bool = False
 
 
 MESSAGE_TYPES: tuple[type, ...] = (

@@ -83,6 +83,23 @@ class KVCacheMachine(RuleBasedStateMachine):
     def start_new(self, prompt):
         self.start(prompt)
 
+    @rule(prompt=tokens)
+    def a_step_that_reads_from_disk_fails(self, prompt):
+        """The reads it carried never happen: their host blocks must not be found holding anything."""
+        request = Request(f"r{next(self.ids)}", prompt, SamplingParams(), 0.0)
+        seq = Sequence(next(self.ids), request, 0)
+        request.seqs.append(seq)
+        hits = self.manager.match_prefix(seq)
+        if hits.reads and self.manager.read_from_disk(hits):
+            for t in self.manager.take_transfers():
+                target = (DISK, t.key) if t.dst_tier == DISK else (t.dst_tier, t.dst_block)
+                if t.src_tier == DISK:  # not read: the host block holds whatever it held
+                    self.contents[target] = ("not what was on disk",)
+                else:  # what else the step carried was done
+                    self.contents[target] = self.contents[(t.src_tier, t.src_block)]
+            self.manager.abandon_reads()
+        self.start(prompt)  # the same prompt again: found where it was (on disk, or computed), never in those blocks
+
     def start(self, prompt):
         request = Request(f"r{next(self.ids)}", prompt, SamplingParams(), 0.0)
         seq = Sequence(next(self.ids), request, 0)

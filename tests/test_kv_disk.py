@@ -85,6 +85,40 @@ def test_a_corrupted_truncated_or_foreign_file_is_computed_again_and_written_ane
     assert again.stats().disk_reads_refused == 0 and again.stats().blocks_read_from_disk >= 3 * 6
 
 
+def test_a_held_read_from_disk_holds_no_step_and_its_request_starts_once_the_read_lands(
+    llama_dir, tmp_path, monkeypatch
+):
+    first = engine(llama_dir, str(tmp_path))
+    first.generate(PROMPTS[:1], max_tokens=MAX_TOKENS)
+    first.cache.disk.close()
+    restarted = engine(llama_dir, str(tmp_path))
+    running = restarted.add(PROMPTS[1], max_tokens=40)  # nothing of it on disk: it decodes meanwhile
+    started, release = threading.Event(), threading.Event()
+    read = DiskTier.read
+
+    def held_read(tier, key, into):  # as a slow disk would
+        started.set()
+        assert release.wait(30)
+        return read(tier, key, into)
+
+    monkeypatch.setattr(DiskTier, "read", held_read)
+    waiting = restarted.add(PROMPTS[0], max_tokens=MAX_TOKENS)
+    steps_while_held = 0
+
+    def on_step(engine):
+        nonlocal steps_while_held
+        if started.is_set() and not release.is_set():
+            steps_while_held += 1
+            if steps_while_held == 8:
+                release.set()
+
+    tokens = restarted.run(on_step=on_step)
+    assert steps_while_held == 8  # a read on the step would have held the first of them
+    assert tokens[waiting][0] == hf_greedy(llama_dir, PROMPTS[0], MAX_TOKENS)
+    assert tokens[running][0] == hf_greedy(llama_dir, PROMPTS[1], 40)
+    assert restarted.stats().blocks_read_from_disk >= 6 and restarted.stats().disk_reads_refused == 0
+
+
 def first_key(prompt: list[int]) -> bytes:
     return chain_key(ROOT, prompt[:BLOCK])
 

@@ -16,6 +16,7 @@ import msgpack
 import pytest
 import zmq
 
+from services.scheduler.quarantine import MAX_FAILURES
 from services.scheduler.server import SchedulerServer
 from shared import sockets
 from shared.config import Endpoints, SchedulerConfig
@@ -29,6 +30,7 @@ from shared.protocol import (
     RequestOutputs,
     SampledTokens,
     SchedulerInfo,
+    Shutdown,
     Step,
     StepResult,
 )
@@ -188,9 +190,14 @@ def test_a_hung_scheduler_shows_on_health_and_fails_streams_within_its_timeout_t
 
 
 @contextlib.contextmanager
-def scheduler_in_process(tmp_path, config: SchedulerConfig, next_token=lambda seq_id, position: 100 + position):
+def scheduler_in_process(
+    tmp_path, config: SchedulerConfig, next_token=lambda seq_id, position: 100 + position, stand_in=None
+):
     """A real scheduler loop on a thread, rank 0 a stand-in worker on another that answers every
-    step at once: (server, endpoints, a zmq context for the test's own peers)."""
+    step at once (`stand_in`, or one sampling `next_token`), and keeps every other message it gets in
+    `stand_in.received`: (server, endpoints, a zmq context for the test's own peers)."""
+    stand_in = stand_in or StandInWorker(next_token)
+    stand_in.received = []
     endpoints = Endpoints.local(str(tmp_path))
     server = SchedulerServer(config, endpoints)
     loop = threading.Thread(target=server.run, daemon=True)
@@ -201,12 +208,13 @@ def scheduler_in_process(tmp_path, config: SchedulerConfig, next_token=lambda se
     def worker_loop():
         sock = sockets.connect(context, zmq.DEALER, endpoints.workers, identity=b"worker-0")
         sockets.send(sock, Ready(0, 1, 4096, 0, 4, config.max_model_len, [0], 1024, 1e9, 1e4, 1000))
-        stand_in = StandInWorker(next_token)
         while not stop.is_set():
             if sock.poll(100):
                 message = sockets.receive(sock)[1]
                 if isinstance(message, Step):
                     sockets.send(sock, stand_in.run(message))
+                else:
+                    stand_in.received.append(message)
         sock.close()
 
     threading.Thread(target=worker_loop, daemon=True).start()
@@ -319,6 +327,43 @@ def test_a_scheduler_busy_past_the_step_timeout_does_not_blame_a_worker_that_ans
         server.api_handlers[Hello] = answer_hello
         assert finished and not any(errors), errors
         assert len(tokens) == 400
+
+
+class BrokenWorker(StandInWorker):
+    """Fails every step and blames no request: a fault of its own, as a lost device would be."""
+
+    def run(self, step):
+        self.steps.append(step)
+        return StepResult(step.step_id, [], 0.0, 0.0, error="RuntimeError: the device is lost")
+
+
+def test_a_worker_failing_every_step_is_told_to_restart_and_every_request_ends_saying_why(tmp_path):
+    """The halving search for a culprit is bounded: past MAX_FAILURES failed steps in a row the fault is the
+    worker's, the requests left end saying it restarts, and the worker is told to exit for its supervisor to start
+    it again (its exit status, EXIT_AT_FAULT, is tested with the worker)."""
+    stand_in = BrokenWorker()
+    with scheduler_in_process(tmp_path, SchedulerConfig(block_size=4, max_model_len=10_000), stand_in=stand_in) as (
+        server,
+        endpoints,
+        context,
+    ):
+        api = ready_api(context, endpoints, "api")
+        ids = [f"r{i}" for i in range(16)]
+        for request_id in ids:
+            sockets.send(api, AddRequest(request_id, [1, 2, 3], greedy(20), time.time()))
+        ended: dict[str, str | None] = {}
+        deadline = time.monotonic() + 30
+        while set(ended) != set(ids) and time.monotonic() < deadline:
+            if api.poll(200):
+                message = sockets.receive(api)[1]
+                if isinstance(message, RequestOutputs):
+                    ended.update({o.request_id: o.error for o in message.outputs if o.finished})
+        assert set(ended) == set(ids) and all(ended.values()), ended
+        restarted = [rid for rid, error in ended.items() if "steps in a row and restarts" in (error or "")]
+        assert len(restarted) > len(ids) // 2, ended  # the search stopped at its bound, not at the last request
+        assert wait_until(lambda: Shutdown(restart=True) in stand_in.received, 10)
+        assert len(stand_in.steps) <= 2 * (MAX_FAILURES + 1)  # bounded; with two in flight, one planned ahead
+        assert wait_until(lambda: server.scheduler is None, 10)  # waiting for the ranks to report again
 
 
 def test_a_large_frame_from_a_worker_peer_that_is_not_rank_0_is_dropped_unread(tmp_path, caplog, monkeypatch):

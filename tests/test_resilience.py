@@ -13,8 +13,9 @@ import zmq
 
 from services.scheduler.server import SchedulerServer
 from shared import sockets
+from shared.cli import EXIT_AT_FAULT
 from shared.config import Endpoints, SchedulerConfig
-from shared.protocol import AddRequest, Hello, Ready, SampledTokens, SchedulerInfo, Step, StepResult
+from shared.protocol import AddRequest, Hello, Ready, SampledTokens, SchedulerInfo, Shutdown, Step, StepResult
 from shared.sampling import SamplingParams
 from tests.conftest import ROOT, free_port, wait_until
 
@@ -214,4 +215,35 @@ def test_a_result_left_over_from_a_previous_scheduler_is_ignored(tmp_path):
     finally:
         server.stop()
         loop.join(timeout=5)
+        context.destroy(linger=0)
+
+
+def test_a_worker_the_scheduler_finds_at_fault_exits_for_its_supervisor_to_restart_it(llama_dir, tmp_path, socket_dir):
+    endpoint = f"ipc://{socket_dir}/workers.sock"
+    context = zmq.Context()
+    scheduler = sockets.bind(context, zmq.ROUTER, endpoint)
+    worker = start(
+        "services.worker",
+        "--model",
+        llama_dir,
+        "--worker-endpoint",
+        endpoint,
+        "--device",
+        "cpu",
+        "--kv-cache-memory",
+        "0.05",
+        "--swap-space",
+        "0.05",
+        log=str(tmp_path / "worker.log"),
+    )
+    try:
+        assert scheduler.poll(120_000), "the worker never reported"
+        identity, ready = sockets.receive(scheduler, routed=True)
+        assert isinstance(ready, Ready)
+        sockets.send(scheduler, Shutdown(restart=True), to=identity)
+        assert worker.wait(30) == EXIT_AT_FAULT
+        assert "found this rank at fault" in (tmp_path / "worker.log").read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
         context.destroy(linger=0)

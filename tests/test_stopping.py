@@ -4,6 +4,7 @@ the launcher with a stream in flight, and each service run alone."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -52,21 +53,42 @@ def stop_and_time(process: subprocess.Popen, signum: int, whole_group: bool) -> 
     return time.monotonic() - started
 
 
-def stream_forever(base_url: str, model: str, streaming: threading.Event) -> None:
-    body = {"model": model, "prompt": "import os", "max_tokens": 480, "ignore_eos": True, "stream": True}
+def stream_until_the_end(base_url: str, model: str, max_tokens: int, streaming: threading.Event, seen: dict) -> None:
+    """A stream's tokens (its usage) and finish reason; `seen["cut"]` if the connection broke instead."""
+    body = {
+        "model": model,
+        "prompt": "import os",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    seen.update(tokens=None, finish_reason=None, cut=False)
     try:
         with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if chunk.get("usage"):
+                        seen["tokens"] = chunk["usage"]["completion_tokens"]
+                    for choice in chunk["choices"]:
+                        seen["finish_reason"] = choice["finish_reason"] or seen["finish_reason"]
                     streaming.set()
     except httpx.HTTPError:
-        pass  # the server went away mid-stream, as it should
+        seen["cut"] = True
 
 
 @pytest.mark.parametrize(
     "signum, whole_group", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm-to-the-launcher"]
 )
-def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, socket_dir, signum, whole_group):
+@pytest.mark.parametrize(
+    "max_tokens, shutdown_timeout, finish_reason",
+    [(200, "5", "length"), (480, "0.1", "abort")],
+    ids=["the-stream-finishes-first", "the-stream-ends-at-the-timeout"],
+)
+def test_a_stop_lets_streams_finish_within_the_shutdown_timeout_and_ends_the_rest_cleanly(
+    llama_dir, tmp_path, socket_dir, signum, whole_group, max_tokens, shutdown_timeout, finish_reason
+):
     port, temp = free_port(), Path(socket_dir)
     process = start(
         [
@@ -84,6 +106,8 @@ def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, socket_dir,
             "0.05",
             "--swap-space",
             "0.05",
+            "--shutdown-timeout",
+            shutdown_timeout,
         ],
         tmp_path / "launcher.log",
         temp,
@@ -94,9 +118,10 @@ def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, socket_dir,
     # `serve` takes the model as its first argument.
     models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == os.path.basename(llama_dir)
-    streaming = threading.Event()
+    streaming, seen = threading.Event(), {}
     client = threading.Thread(
-        target=stream_forever, args=(f"http://127.0.0.1:{port}", os.path.basename(llama_dir), streaming)
+        target=stream_until_the_end,
+        args=(f"http://127.0.0.1:{port}", os.path.basename(llama_dir), max_tokens, streaming, seen),
     )
     client.start()
     assert streaming.wait(60), "the stream never started"
@@ -105,8 +130,10 @@ def test_the_launcher_stops_promptly_mid_stream(llama_dir, tmp_path, socket_dir,
     output = (tmp_path / "launcher.log").read_text()
     assert took < STOP_SECONDS, f"took {took:.1f} s:\n{output}"
     assert process.returncode == 0, output
-    assert "Traceback" not in output and "Error" not in output.split("ready at")[-1], output
-    assert re.search(r"completions: (error|abort)", output), "the stream had ended before the stop"
+    assert "Traceback" not in output and " ERROR " not in output and "Error" not in output.split("ready at")[-1]
+    assert not seen["cut"] and seen["finish_reason"] == finish_reason, (seen, output)
+    assert (seen["tokens"] == max_tokens) == (finish_reason == "length"), seen
+    assert re.search(rf"completions: {finish_reason}", output), output
     assert list(temp.iterdir()) == []
 
 

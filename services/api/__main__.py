@@ -31,11 +31,13 @@ from shared.cli import (
     keep_api_key_off_the_command_line,
     setup_logging,
 )
-from shared.config import ApiConfig, LoraConfig
+from shared.config import ApiConfig, LoraConfig, SchedulerConfig
 from shared.lora import LoraError
-from shared.options import from_namespace
+from shared.options import add_options, from_namespace
 from shared.sampling import MAX_LOGPROBS
 from shared.wire_security import WireSecurityError, keys_for
+
+STREAM_ENDS_SECONDS = 1.5  # after --shutdown-timeout: the scheduler's last outputs reach their streams
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_args(parser)
     add_lora_args(parser)
     add_wire_args(parser)
+    # The scheduler's own flag: its requests in flight finish within it, and the api's streams of them with them.
+    add_options(
+        parser,
+        SchedulerConfig,
+        "stopping",
+        exclude=[n for n in SchedulerConfig.__dataclass_fields__ if n != "shutdown_timeout"],
+    )
     return parser
 
 
@@ -109,13 +118,14 @@ def main() -> None:
         runtime_lora_updating=lora.enable_lora and lora.allow_runtime_lora_updating,
         admin_key=admin_key(args),
     )
-    # uvicorn annotates the grace as int seconds; it takes a float
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level="warning",
-        timeout_graceful_shutdown=0.5,  # type: ignore[arg-type]
+        # Streams still open this long after a stop signal are cut: by then the scheduler has ended their
+        # requests (finish_reason abort) at its --shutdown-timeout.
+        timeout_graceful_shutdown=int(args.shutdown_timeout + STREAM_ENDS_SECONDS + 0.999),
         http=with_header_deadline(args.request_header_timeout),
     )
     listening = listen(args.host, args.port)
@@ -160,9 +170,10 @@ def _template(value: str) -> str:
 
 
 class OnceStoppedServer(uvicorn.Server):
-    """Stops on SIGINT or SIGTERM, cutting streams still open half a second later. A second
-    signal changes nothing: a Ctrl-C in a terminal reaches the api twice (from the terminal and
-    from the launcher), and uvicorn would abandon its shutdown halfway, with a traceback."""
+    """Stops on SIGINT or SIGTERM: takes no new connection, and lets the responses in flight end (their
+    requests finish, or the scheduler ends them at its --shutdown-timeout). A second signal changes nothing:
+    a Ctrl-C in a terminal reaches the api twice (from the terminal and from the launcher), and uvicorn would
+    abandon its shutdown halfway, with a traceback."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.should_exit = True

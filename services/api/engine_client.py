@@ -100,7 +100,9 @@ class EngineClient:
         while True:
             event = parse_monitor_message(await events.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                if self._queues:  # with nothing in flight (a clean stop, a restart) nothing failed
+                if self._queues and self.scheduler_stopped:  # it ended its requests as it stopped
+                    log.info("the scheduler at %s stopped; ending %d request(s)", self.endpoint, len(self._queues))
+                elif self._queues:  # with nothing in flight (a clean stop, a restart) nothing failed
                     log.error("lost the scheduler at %s; failing %d request(s)", self.endpoint, len(self._queues))
                 elif not self.scheduler_stopped:  # it said it stops: the line was written then
                     log.info("the scheduler at %s went away; waiting for it", self.endpoint)

@@ -198,6 +198,11 @@ class KVCacheManager:
         """Queue reads of the match's blocks on disk (PrefixTiers.read_from_disk): True if the request waits."""
         return self.tiers.read_from_disk(match)
 
+    @property
+    def reads_pending(self) -> bool:
+        """Reads from disk the workers started and have not reported yet."""
+        return bool(self.tiers.reading)
+
     def finish_reads(self, keys: list[bytes], failed: set[bytes]) -> None:
         self.tiers.finish_reads(keys, failed)
 

@@ -1,11 +1,12 @@
-"""The prefix cache past the device pool: the host cache in the worker's host memory (`--kv-offloading-size`) and
-the files under `--kv-cache-dir`, behind one small API the KV cache manager calls.
+"""The prefix cache past the device pool: the host cache in the worker's host memory (`--kv-offloading-size`) and the
+files under `--kv-cache-dir`, behind one small API the KV cache manager calls.
 
-A device block enters the host cache with its key as soon as it is cached on the device (write-through), or,
-write-back, as the device evicts it; with a folder, every cached block is written to a file too (a restart finds
-it). A prompt that matches blocks in the host cache loads them back into device blocks; one that matches files
-first has them read into the host cache, and starts once a step has done so, on the blocks whose files the
-workers found whole. Each move is queued as a `BlockTransfer` on the manager's list, in order.
+A device block enters the host cache with its key as soon as it is cached on the device (write-through), or, write-back,
+as the device evicts it; with a folder, every cached block is written to a file too (a restart finds it). A prompt that
+matches blocks in the host cache loads them back into device blocks; one that matches files first has them read into the
+host cache, off the steps (the running requests' steps go on meanwhile), and starts once a step's result says they are
+in, on the blocks whose files the workers found whole. Each move is queued as a `BlockTransfer` on the manager's list,
+in order.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class PrefixTiers:
 
     def read_from_disk(self, match: PrefixMatch) -> bool:
         """Queue reads of the match's blocks on disk into the host cache, as far as it has room. True if some
-        are read (the request waits for the step that reads them); False if none can be, so that the
+        are read (the request waits until a step's result reports them); False if none can be, so that the
         request computes them instead."""
         held = [block for tier, block in match.blocks if tier == HOST]
         for block in held:  # its hits in the host cache are not what the reads make room by
@@ -94,9 +95,11 @@ class PrefixTiers:
         return any(key in self.reading for key, _ in match.reads)
 
     def finish_reads(self, keys: list[bytes], failed: set[bytes]) -> None:
-        """A step read these files: the whole ones are in the host cache from now on, the others are
-        forgotten (their blocks will be computed)."""
+        """The workers read these files (off the steps, reported with a step's result): the whole ones are in the
+        host cache from now on, the others are forgotten (their blocks will be computed)."""
         for key in keys:
+            if key not in self.reading:
+                continue  # abandoned: a step failed since
             slot, tokens = self.reading.pop(key)
             if key in failed:
                 self.moved.refused += 1
@@ -108,8 +111,11 @@ class PrefixTiers:
             self.host_cache.release(slot)
 
     def abandon_reads(self) -> None:
-        """The steps that were to read files failed: their host blocks go back."""
-        self.finish_reads(list(self.reading), set())
+        """A step failed, and the workers forgot their reads: the host blocks go back uncached (what was read
+        into them is not known), and the files stay, to be read again."""
+        for slot, _ in self.reading.values():
+            self.host_cache.release(slot)
+        self.reading.clear()
 
     def cached(self, block: int, key: bytes, chunk: tuple[int, ...]) -> None:
         """A device block was just cached under `key`: written through to the host cache, and to a file."""

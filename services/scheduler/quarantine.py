@@ -6,7 +6,8 @@ cannot, the step's requests are suspects: they run again in halves, one half at 
 and each failure halves the group that failed, until one request is left, which ends. A step that runs clears
 the suspects in it, and a request cleared so is no suspect of the next failure. Every other request is computed
 again, as after a recompute preemption: nobody else's stream ends. After `max_failures` failed steps in a row
-the fault is the worker's, not a request's, and every request ends (the scheduler's `fail_all`).
+the fault is the worker's, not a request's: every request ends (the scheduler's `fail_all`), saying so, and the
+worker is told to exit for its supervisor to start it afresh (the scheduler's server).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class Quarantine:
     def __bool__(self) -> bool:
         return bool(self.groups)
 
+    @property
+    def worker_at_fault(self) -> bool:
+        return self.failures > self.max_failures
+
     def admits(self, request_id: str) -> bool:
         """Whether the request may run now: it is no suspect, or one of the group under test."""
         return not self.groups or request_id in self.groups[0] or all(request_id not in g for g in self.groups)
@@ -43,7 +48,7 @@ class Quarantine:
         """A step of `in_step` failed, the worker blaming `blamed` (perhaps none): the requests to end now, or None
         where too many steps failed in a row for a request to be the cause."""
         self.failures += 1
-        if self.failures > self.max_failures:
+        if self.worker_at_fault:
             self.groups.clear()
             return None
         suspects = in_step - self.cleared or in_step
@@ -110,6 +115,11 @@ class StepFailures:
         if self.quarantine.failures or self.quarantine:
             self.quarantine.ran({seq.request.request_id for seq in scheduled})
             self._release_cleared()
+
+    @property
+    def worker_at_fault(self) -> bool:
+        """Too many steps failed in a row for a request to be the cause: the worker restarts."""
+        return self.quarantine.worker_at_fault
 
     def ended(self, request: Request) -> None:
         if self.quarantine:

@@ -87,7 +87,7 @@ class Resumption:
         if start is None:
             return False
         if start.hits.waiting:
-            return False  # blocks of its prompt are being read from disk, by the step in flight that reads them
+            return False  # blocks of its prompt are being read from disk: it starts once a result reports them
         if start.hits.reads:  # blocks on disk: read once, then start on them (those still there)
             if not request.waited_for_disk and self.kv_cache.read_from_disk(start.hits):
                 request.waited_for_disk = True

@@ -215,8 +215,8 @@ class Scheduler:
                 only_head=bool(held),
             )
 
-        if not (plan.scheduled or self.kv_cache.has_transfers):
-            return None
+        if not (plan.scheduled or self.kv_cache.has_transfers or (self.kv_cache.reads_pending and not ahead)):
+            return None  # with reads from disk pending and no step in flight, an empty step hears of them
         step = self.in_flight.build(plan.scheduled, plan.speculating)
         if self.speculation is not None:
             self.speculation.built(plan.speculating)
@@ -269,7 +269,7 @@ class Scheduler:
         self.in_flight.forget()
         ending = self.failures.failed(failed.scheduled if failed is not None else [], culprits)
         if ending is None:
-            return self.fail_all(f"the worker failed {MAX_FAILURES} steps in a row, the last with: {error}")
+            return self.fail_all(f"the worker failed {MAX_FAILURES} steps in a row and restarts; the last: {error}")
         for request in ending:
             self.finish_request(request)
         self.failures.recompute_the_rest()
@@ -293,8 +293,8 @@ class Scheduler:
         step = self.in_flight.settle(result.step_id)
         if step is None:
             return []
-        if step.reads:
-            self.kv_cache.finish_reads(step.reads, set(result.failed_reads))
+        if result.reads or result.failed_reads:
+            self.kv_cache.finish_reads(result.reads + result.failed_reads, set(result.failed_reads))
         self.failures.ran(step.scheduled)
         applied = self.results.apply(result, step.scheduled, step.drafts)
         for request in applied.ended:

@@ -1,25 +1,24 @@
 """The scheduler process: one loop over two sockets, dispatching each message to its handler.
 
-The api's requests arrive on a ROUTER socket; worker ranks connect to a second ROUTER socket.
-With async scheduling (the default) two steps are in flight: while the workers compute one, the
-next is planned ahead and already queued on their sockets, so they never wait for the scheduler
-(see `Scheduler` on what is planned ahead). When a result comes back, the step after next is
-planned and sent at once, and only then do the outputs go to the api that owns each request.
+The api's requests arrive on a ROUTER socket; worker ranks connect to a second ROUTER socket. With async scheduling (the
+default) two steps are in flight: while the workers compute one, the next is planned ahead and already queued on their
+sockets, so they never wait for the scheduler (see `Scheduler` on what is planned ahead). When a result comes back, the
+step after next is planned and sent at once, and only then do the outputs go to the api that owns each request.
 
-Each socket hears only its own role's messages, and with CURVE keys admits only its own role's
-peers (`shared/wire_security.py`). A rank belongs to the first peer that reports `Ready` for it
-until that peer leaves; a connection or departure of any other peer changes nothing. `Shutdown`
-is not taken from the wire: the scheduler stops on a signal, or by `stop()` in its own process.
+Each socket hears only its own role's messages, and with CURVE keys admits only its own role's peers
+(`shared/wire_security.py`). A rank belongs to the first peer that reports `Ready` for it until that peer leaves; a
+connection or departure of any other peer changes nothing. `Shutdown` is not taken from the wire: the scheduler stops on
+a signal, or by `stop()` in its own process.
 
-Nothing here waits on a peer. Sends never block: an api that stops reading loses its requests
-(aborted, blocks freed) and nobody else notices. A step that gets no result within
-`step_timeout` counts as a lost worker: its requests end with an error, the apis answer 503,
-and the rank is told to reset and report Ready again. An exception while handling one message
-fails at most the request it concerns.
+Nothing here waits on a peer. Sends never block: an api that stops reading loses its requests (aborted, blocks freed)
+and nobody else notices. A step that gets no result within `step_timeout` counts as a lost worker: its requests end with
+an error, the apis answer 503, and the rank is told to reset and report Ready again. An exception while handling one
+message fails at most the request it concerns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -39,7 +38,7 @@ from services.scheduler.scheduler import ConfigError, Scheduler
 from services.scheduler.stats import Stats
 from services.scheduler.stats_log import StatsLog
 from shared import sockets
-from shared.cli import drain_wakeups
+from shared.cli import drain_wakeups, stops_deferred, take_the_stop
 from shared.config import Endpoints, LoraConfig, SchedulerConfig
 from shared.frame_limits import MAX_FRAME_BYTES
 from shared.handshake_budget import HANDSHAKE_EVENTS, HandshakeBudget
@@ -115,11 +114,12 @@ class SchedulerServer:
         self.scheduler: Scheduler | None = None
         self.cached_prefixes: CachedPrefixes | None = None  # with the scheduler
         self.info: SchedulerInfo | None = None
-        self.links = ApiLinks(self.api_socket, self._abort_for_links)
+        self.links = ApiLinks(self.api_socket, lambda request_id: self.scheduler and self.scheduler.abort(request_id))
         self.apis, self.owner_of, self.cut_off = self.links.apis, self.links.owner_of, self.links.cut_off  # views
         self.in_flight: deque[tuple[int, bool]] = deque()  # (step id, sent while the workers had work)
         self.depth = 2 if config.async_scheduling else 1
         self.step_deadline = 0.0  # for the oldest step in flight
+        self.drain_deadline: float | None = None  # stopping: when the requests still in flight end
         self.worker_busy = self.worker_waiting = 0.0  # seconds, for the idle-time metric
         self.stats_log = StatsLog(config.log_stats_interval)
         self.snapshots = Snapshots(self.context, str(id(self)))  # what a scrape of /metrics reads
@@ -148,11 +148,12 @@ class SchedulerServer:
         for monitor in self.closed:
             poller.register(monitor, zmq.POLLIN)
         log.info("scheduler waiting for %d worker rank(s)", self.world_size)
-        try:
-            while self.running:
-                self._iterate(poller)
-        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM, which __main__ maps to it
-            log.info("stopping")
+        with stops_deferred():  # a stop comes from `drain_wakeups`, between messages, never amid an update
+            try:
+                while self.running:
+                    self._iterate(poller)
+            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM, which __main__ maps to it
+                self._finish_in_flight(poller)
         for api in list(self.apis):
             sockets.try_send(self.api_socket, Unavailable("the scheduler is stopping", stopping=True), to=api)
         for monitor in self.closed:
@@ -164,6 +165,24 @@ class SchedulerServer:
             self.authenticator.stop()
         self.context.destroy(linger=0)
         return self.exit_code
+
+    def _finish_in_flight(self, poller: zmq.Poller) -> None:
+        """Stopping: the requests in flight may finish within --shutdown-timeout, new ones are refused, and those
+        left then end with finish_reason "abort"."""
+        take_the_stop()
+        scheduler, timeout = self.scheduler, self.config.shutdown_timeout
+        waits = scheduler is not None and scheduler.has_work() and timeout > 0
+        log.info(f"stopping once the requests in flight finish, within {timeout:g} s" if waits else "stopping")
+        self.drain_deadline = time.monotonic() + timeout
+        with contextlib.suppress(KeyboardInterrupt):  # signals are ignored from here: this one stops the service
+            while waits and self.running and self.scheduler is scheduler and time.monotonic() < self.drain_deadline:
+                if scheduler is None or not scheduler.has_work():
+                    break
+                self._iterate(poller)
+        if self.scheduler is not None and self.scheduler.requests:
+            log.info("ending %d request(s) unfinished at the stop", len(self.scheduler.requests))
+            ended = [self.scheduler.abort(request_id) for request_id in list(self.scheduler.requests)]
+            self.links.route([output for output in ended if output is not None])
 
     def _iterate(self, poller: zmq.Poller) -> None:
         self._send_steps()
@@ -209,6 +228,8 @@ class SchedulerServer:
         waits = [self.stats_log.due_in()]
         if self.in_flight:
             waits.append(self.step_deadline - time.monotonic())
+        if self.drain_deadline is not None:
+            waits.append(self.drain_deadline - time.monotonic())
         known = [w for w in waits if w is not None]
         return max(0, int(min(known) * 1000)) + 1 if known else None
 
@@ -293,10 +314,9 @@ class SchedulerServer:
 
     def on_add_request(self, sender: bytes, message: AddRequest) -> None:
         self.links.know(sender)
-        if self.scheduler is None:
-            self.links.send_outputs(
-                sender, [error_output(message.request_id, 0, "the workers are not ready yet", "error")]
-            )
+        if self.scheduler is None or self.drain_deadline is not None:
+            why = "the workers are not ready yet" if self.scheduler is None else "the server is stopping"
+            self.links.send_outputs(sender, [error_output(message.request_id, 0, why, "error")])
             return
         error = self.scheduler.add(message)
         if error is not None:
@@ -336,13 +356,8 @@ class SchedulerServer:
             log.warning("refused Ready for rank %d from %r: the rank is held by %r", message.rank, sender, holder)
             return
         if not 0 <= message.rank < self.world_size or message.world_size != self.world_size:
-            log.warning(
-                "refused Ready for rank %d of %d from %r: this scheduler runs %d rank(s)",
-                message.rank,
-                message.world_size,
-                sender,
-                self.world_size,
-            )
+            runs = f"this scheduler runs {self.world_size} rank(s)"
+            log.warning(f"refused Ready for rank {message.rank} of {message.world_size} from {sender!r}: {runs}")
             return
         if sender in self.workers.values() and holder != sender:
             log.warning("refused Ready for rank %d from %r: that peer holds another rank", message.rank, sender)
@@ -413,7 +428,11 @@ class SchedulerServer:
             log.error("step %d failed on the worker: %s", message.step_id, message.error)
             self.in_flight.clear()  # a step after it finds its sequences gone; its result is ignored
             self.links.route(self.scheduler.recover(message.step_id, message.error, message.culprits))
-            self._send_steps(back_to_back=True)
+            if self.scheduler.failures.worker_at_fault:  # every request has ended
+                self._stop_workers(restart=True)
+                self.on_worker_lost("the worker failed step after step on no request's inputs; it restarts")
+            else:
+                self._send_steps(back_to_back=True)
             return
         self.worker_busy += (message.forward_ms + message.sample_ms) / 1e3
         self.stats_log.count(sum(len(s.token_ids) for s in message.sampled))
@@ -423,11 +442,7 @@ class SchedulerServer:
         self._send_steps(back_to_back=True)  # the worker computes the next step while the apis stream this one
         self.links.route(outputs)
 
-    def _abort_for_links(self, request_id: str) -> None:
-        if self.scheduler is not None:
-            self.scheduler.abort(request_id)
-
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, restart: bool = False) -> None:
         for identity in self.workers.values():
-            sockets.try_send(self.worker_socket, Shutdown(), to=identity)
+            sockets.try_send(self.worker_socket, Shutdown(restart), to=identity)
         time.sleep(0.05)

@@ -10,7 +10,7 @@ from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Sequence
 from services.scheduler.sequences import SequenceRegistry
 from services.scheduler.statistics import SchedulerStatistics
-from shared.protocol import DISK, NewSequence, ScheduledSequence, Step
+from shared.protocol import NewSequence, ScheduledSequence, Step
 
 
 @dataclass(slots=True)
@@ -24,7 +24,6 @@ class InFlight:
     speculated: bool
     has_prompt_tokens: bool
     drafts: dict[int, int]  # seq_id -> proposals asked of the worker, counted as computed until settled
-    reads: list[bytes]  # keys of the blocks it reads from disk
 
 
 class StepsInFlight:
@@ -73,7 +72,6 @@ class StepsInFlight:
             self.policy.served(seq.request, 0, int(samples))  # its prompt was counted when it started
             self.statistics.served(seq.request, prompt_part, int(samples))
         forks, dropped, preempted = self.registry.take_worker_notices()
-        transfers = self.kv_cache.take_transfers()
         step = Step(
             self.statistics.counters.steps,
             forks,
@@ -81,10 +79,9 @@ class StepsInFlight:
             preempted,
             new_sequences,
             entries,
-            transfers,
+            self.kv_cache.take_transfers(),
             self.kv_cache.take_lora_loads(),
         )
-        reads = [t.key for t in transfers if t.src_tier == DISK]
         self._steps[step.step_id] = InFlight(
             [seq for seq, _ in scheduled],
             [n for _, n in scheduled],
@@ -93,14 +90,13 @@ class StepsInFlight:
             speculated,
             prompt_tokens_computed > 0,
             drafts,
-            reads,
         )
         self.statistics.stepped(prompt_tokens_computed, sum(n for _, n in scheduled))
         return step
 
     def settle(self, step_id: int) -> InFlight | None:
         """The step whose result came in (None for one no longer remembered: a failure forgot it), its
-        samples no longer pending and its reads from disk done."""
+        samples no longer pending."""
         step = self._steps.pop(step_id, None)
         if step is None:
             return None
@@ -116,6 +112,6 @@ class StepsInFlight:
         return self._steps.pop(step_id, None)
 
     def forget(self) -> None:
-        """Every step in flight failed: none of their results will come."""
+        """Every step in flight failed: none of their results will come, nor news of their reads from disk."""
         self._steps.clear()
         self.kv_cache.abandon_reads()

@@ -83,7 +83,7 @@ def main() -> None:
     except ModelLoadError as exc:
         logging.getLogger("services.worker").error("cannot load the model: %s", exc)
         sys.exit(2)
-    server.run(signals)
+    sys.exit(server.run(signals))
 
 
 def without_tensor_parallel_size(argv: list[str]) -> list[str]:

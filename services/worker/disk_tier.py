@@ -7,8 +7,9 @@ A file is written to a temporary name and renamed, so it is whole or absent; it 
 fingerprint, its length and a SHA-256 of all of it, so a torn, truncated, corrupted or foreign file
 is refused when read, and the block is computed again. The folder is data, not trusted
 (shared/kv_folder.py): it must be this user's alone, and a file is read only if it is a regular file of
-a block file's size, opened without following links or waiting. Writes run on a thread of their own: the step
-that asks for one only gathers the block's bytes.
+a block file's size, opened without following links or waiting. Writes and reads each run on a thread of their
+own: the step that asks for a write only gathers the block's bytes, and one that asks for a read only starts it
+(its result comes with a later step's, `KVCache.collect_reads`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class DiskTier:
         self.folder = os.path.join(directory, print_, f"rank{rank}")
         check_folder(directory)  # KVFolderError: the worker does not start
         make_folder(self.folder)
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
         self._writes: dict[bytes, Future[None]] = {}  # by key, until done
 
     def write_many(self, keys: list[bytes], blocks: torch.Tensor) -> None:
@@ -81,12 +83,25 @@ class DiskTier:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
 
-    def read(self, key: bytes, into: torch.Tensor) -> bool:
-        """Fill `into` (a host block) from this rank's file for `key`; False if the file is missing or not
-        whole and right. Rank 0 also checks every other rank's file, so that its word holds for all."""
-        pending = self._writes.pop(key, None)
-        if pending is not None:  # written a few steps ago and read back already: the file lands first
+    def start_read(self, key: bytes, into: torch.Tensor) -> Future[bool]:
+        """Fill `into` (a host block) from this rank's file for `key`, on the reader's thread: its future says
+        whether the file was there, whole and right (rank 0 also checks every other rank's file, so that its word
+        holds for all)."""
+        pending = self._writes.pop(key, None)  # written a few steps ago and read back already: it lands first
+        return self._reader.submit(self._read_into, key, into, pending)
+
+    def _read_into(self, key: bytes, into: torch.Tensor, pending: Future[None] | None) -> bool:
+        if pending is not None:
             pending.result()
+        staged = torch.empty_like(into)
+        if not self.read(key, staged):
+            return False
+        into.copy_(staged)
+        return True
+
+    def read(self, key: bytes, into: torch.Tensor) -> bool:
+        """Fill `into` (a contiguous host block) from this rank's file for `key` now; False if the file is missing
+        or not whole and right. Rank 0 also checks every other rank's file, so that its word holds for all."""
         payload = self._payload(self.rank, key, into.numel() * into.element_size())
         if payload is None:
             return False
@@ -133,3 +148,4 @@ class DiskTier:
     def close(self) -> None:
         self.flush()
         self._writer.shutdown()
+        self._reader.shutdown()

@@ -2,12 +2,15 @@
 on the device, and the CPU swap space with the same layout (pinned host memory on CUDA).
 
 The block operations here only execute what the scheduler decided: copies for copy-on-write,
-and whole-block moves between the device and the swap space.
+whole-block moves between the device and the swap space, and with `--kv-cache-dir` block files
+written from the device and read into the host cache, off the step (`services/worker/disk_tier.py`).
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_for
 
 import torch
 
@@ -18,6 +21,7 @@ from services.worker.step_inputs import StepInputs
 from shared.protocol import DEVICE, DISK, HOST, BlockTransfer
 
 GIB = 1 << 30
+READ_WAIT_SECONDS = 0.02  # a step with nothing to compute waits this long at most for a read from disk
 
 
 def bytes_per_block(
@@ -72,43 +76,72 @@ class KVCache:
         self._pending_out: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
         self.staging = StepInputs(self.device)  # the step's copy-on-write pairs
         self.disk: DiskTier | None = None  # with --kv-cache-dir
+        self.reads: dict[int, tuple[bytes, Future[bool]]] = {}  # host block -> its read from disk in flight
 
-    def transfer(self, transfers: list[BlockTransfer]) -> list[bytes]:
-        """Carry out a step's block transfers in their order, each run of one kind at once; returns the
-        keys of the reads from disk that failed."""
-        failed: list[bytes] = []
+    def transfer(self, transfers: list[BlockTransfer]) -> None:
+        """Carry out a step's block transfers in their order, each run of one kind at once; reads from disk are
+        only started."""
         run: list[BlockTransfer] = []
         for transfer in transfers:
             if run and (transfer.src_tier, transfer.dst_tier) != (run[0].src_tier, run[0].dst_tier):
-                failed += self._run(run)
+                self._run(run)
                 run = []
             run.append(transfer)
         if run:
-            failed += self._run(run)
-        return failed
+            self._run(run)
 
-    def _run(self, run: list[BlockTransfer]) -> list[bytes]:
+    def _run(self, run: list[BlockTransfer]) -> None:
         kind = (run[0].src_tier, run[0].dst_tier)
         if kind == (DISK, HOST):
-            return [t.key for t in run if not self._read_from_disk(t)]
+            self.finish_swaps()  # a write-back to these host blocks may still be on its way
+            for t in run:
+                self.reads[t.dst_block] = (t.key, self._start_read(t))
+            return
         pairs = [(t.src_block, t.dst_block) for t in run]
+        if kind == (DEVICE, HOST) or kind == (HOST, DEVICE):
+            self._await_reads([pair[kind.index(HOST)] for pair in pairs])
         if kind == (DEVICE, DISK):  # gathered at once, written in the background
             if self.disk is not None:
                 src, _ = _columns(pairs)
                 self.disk.write_many([t.key for t in run], self.cache[:, :, src.to(self.device)].to("cpu"))
-            return []
+            return
         {(DEVICE, HOST): self.swap_out, (HOST, DEVICE): self.swap_in, (DEVICE, DEVICE): self.copy_blocks}[kind](pairs)
-        return []
 
-    def _read_from_disk(self, transfer: BlockTransfer) -> bool:
+    def _start_read(self, transfer: BlockTransfer) -> Future[bool]:
         if self.disk is None:
-            return False
-        self.finish_swaps()  # a write-back to this host block may still be on its way
-        staged = torch.empty_like(self.swap_space[:, :, transfer.dst_block])
-        if not self.disk.read(transfer.key, staged):
-            return False
-        self.swap_space[:, :, transfer.dst_block] = staged
-        return True
+            refused: Future[bool] = Future()
+            refused.set_result(False)
+            return refused
+        return self.disk.start_read(transfer.key, self.swap_space[:, :, transfer.dst_block])
+
+    def _await_reads(self, host_blocks: list[int]) -> None:
+        """Reads into these host blocks land before anything else touches them (the scheduler moves a block only
+        once rank 0 reported its read, which another rank's may trail)."""
+        for block in host_blocks:
+            if block in self.reads:
+                self.reads[block][1].result()
+
+    def collect_reads(self, wait: bool = False) -> tuple[list[bytes], list[bytes]]:
+        """Keys of the reads from disk done since the last call: (whole, refused). With `wait` (a step with
+        nothing to compute), first wait a little for one to finish."""
+        if wait and self.reads:
+            wait_for(
+                [future for _, future in self.reads.values()], timeout=READ_WAIT_SECONDS, return_when=FIRST_COMPLETED
+            )
+        whole: list[bytes] = []
+        refused: list[bytes] = []
+        for block, (key, future) in list(self.reads.items()):
+            if future.done():
+                del self.reads[block]
+                (whole if not future.exception() and future.result() else refused).append(key)
+        return whole, refused
+
+    def forget_reads(self) -> None:
+        """The scheduler abandoned the reads in flight (a step failed): they land, unreported, before their host
+        blocks can be given to anything else."""
+        for _, future in self.reads.values():
+            future.exception()  # waits; a read that raised is only forgotten
+        self.reads.clear()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst becomes a copy of block src, in every layer, in one launch."""

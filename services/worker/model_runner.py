@@ -137,11 +137,10 @@ class ModelRunner:
             else:
                 failures[new.seq_id] = problem
         self._check_transfers(step)
-        failed_reads: list[bytes] = []
         transfers_started = time.perf_counter()
         for cache in self.caches:
             cache.finish_swaps()
-            failed_reads += cache.transfer(step.transfers)
+            cache.transfer(step.transfers)
         for load in step.lora_loads:  # into blocks the transfers above may have written back first
             assert self.adapters is not None  # _check_transfers refused loads without adapters
             try:
@@ -152,9 +151,17 @@ class ModelRunner:
                 raise SequenceFault(f"adapter {load.name!r} could not be loaded: {exc}", users) from exc
         transfer_ms = (time.perf_counter() - transfers_started) * 1e3
         scheduled = [resolved for entry in step.scheduled if (resolved := self._accepts(entry, failures)) is not None]
-        if not scheduled:
+        if not scheduled:  # nothing to compute: perhaps a step to hear of reads from disk
+            read, failed_reads = self.cache.collect_reads(wait=True)
             return StepResult(
-                step.step_id, [], 0.0, 0.0, failures=failures, failed_reads=failed_reads, transfer_ms=transfer_ms
+                step.step_id,
+                [],
+                0.0,
+                0.0,
+                failures=failures,
+                transfer_ms=transfer_ms,
+                reads=read,
+                failed_reads=failed_reads,
             )
 
         input_ids: list[int] = []
@@ -249,6 +256,7 @@ class ModelRunner:
             if self.drafter is not None and verified:
                 self.drafter.settle(mirror, mirror.num_prompt_tokens + generated, len(kept) - 1)
         done = time.perf_counter()
+        read, failed_reads = self.cache.collect_reads()
         return StepResult(
             step.step_id,
             sampled,
@@ -256,6 +264,7 @@ class ModelRunner:
             (done - sampled_at) * 1e3,
             failures=failures,
             prompt_logprobs=prompt_logprobs,
+            reads=read,
             failed_reads=failed_reads,
             transfer_ms=transfer_ms,
         )
@@ -433,6 +442,8 @@ class ModelRunner:
             at += count
 
     def reset(self) -> None:
-        """Forget every sequence: after a failed step the scheduler ends them all."""
+        """Forget every sequence, and the reads from disk in flight: after a failed step the scheduler computes
+        every request again."""
+        self.cache.forget_reads()
         self.mirrors.clear()
         self.tables.reset()

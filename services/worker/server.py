@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -31,7 +32,7 @@ from services.worker.model_runner import ModelRunner
 from services.worker.ngram import NgramProposer
 from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
-from shared.cli import drain_wakeups, stops_deferred
+from shared.cli import EXIT_AT_FAULT, drain_wakeups, stops_deferred, take_the_stop
 from shared.config import LoraConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from shared.kv_folder import KVFolderError
 from shared.lora import LoraError
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from services.worker.models.base import PagedCausalLM
 
 log = logging.getLogger(__name__)
+STEPS_STOPPED_SECONDS = 2.0  # after a stop signal, no step for this long: the scheduler has stopped sending
 
 
 def pick_device(name: str, rank: int = 0) -> torch.device:
@@ -156,6 +158,7 @@ class WorkerServer:
     ):
         worker, scheduler, model_dir = setup.worker, setup.scheduler, setup.model.model
         self.rank, self.world_size = rank, world_size
+        self.shutdown_timeout = scheduler.shutdown_timeout
         choice.choose(
             KernelChoice(
                 worker.kernels, None if worker.cpu_kernels == "auto" else worker.cpu_kernels, worker.prompt_products
@@ -303,6 +306,7 @@ class WorkerServer:
         self.connection_events = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.socket.connect(setup.endpoint)
         self.running = True
+        self.exit_code = 0
         self.last_sent = time.perf_counter()
         self.handlers: dict[type, Callable[[Any], None]] = {
             Step: self.on_step,
@@ -334,15 +338,16 @@ class WorkerServer:
             lora.max_lora_rank,
         )
 
-    def run(self, signals: socket.socket | None = None) -> None:
-        """Serve steps until stopped; `signals`: the socket a signal taken by another thread wakes
-        (`shared.cli.stop_on_signals`). However it stops, the block files being written land first,
+    def run(self, signals: socket.socket | None = None) -> int:
+        """Serve steps until stopped, and return the exit status; `signals`: the socket a signal taken by another
+        thread wakes (`shared.cli.stop_on_signals`). However it stops, the block files being written land first,
         for the next start to find."""
         try:
             self._serve(signals)
         finally:
             if self.runner.cache.disk is not None:
                 self.runner.cache.disk.close()
+        return self.exit_code
 
     def _serve(self, signals: socket.socket | None) -> None:
         # Each (re)connection to a scheduler is answered with Ready: a restarted scheduler
@@ -355,25 +360,50 @@ class WorkerServer:
         if signals is not None:
             poller.register(signals, zmq.POLLIN)
             wakeup = signals.fileno()  # what the poller hands back for a plain socket
-        while self.running:
-            # A step already sent is carried out before a stop takes effect (its block files land).
-            for sock, _ in sorted(poller.poll(), key=lambda ready: ready[0] == wakeup):
-                if sock == wakeup:
-                    drain_wakeups()
-                    continue
-                if sock is events:
-                    events.recv_multipart()
-                    self.runner.reset()
-                    sockets.send(self.socket, self.ready)
-                    continue
-                _, message = sockets.receive(self.socket)
-                handler = self.handlers.get(type(message))
-                if handler is not None:
-                    handler(message)
-                elif message is not None:
-                    log.error("no handler for %s", type(message).__name__)
-        self.socket.disable_monitor()
-        self.context.destroy(linger=0)
+        try:
+            with stops_deferred():  # a stop comes from `drain_wakeups`, between messages
+                try:
+                    while self.running:
+                        self._handle(poller.poll(), wakeup, events)
+                except KeyboardInterrupt:
+                    self._serve_the_stop(poller, wakeup, events)
+                    raise
+        finally:
+            self.socket.disable_monitor()
+            self.context.destroy(linger=0)
+
+    def _handle(self, ready: list[tuple[Any, int]], wakeup: int | None, events: zmq.Socket) -> None:  # type: ignore[type-arg]
+        # A step already sent is carried out before a stop takes effect (its block files land).
+        for sock, _ in sorted(ready, key=lambda each: each[0] == wakeup):
+            if sock == wakeup:
+                drain_wakeups()
+                continue
+            if sock is events:
+                events.recv_multipart()
+                self.runner.reset()
+                sockets.send(self.socket, self.ready)
+                continue
+            _, message = sockets.receive(self.socket)
+            handler = self.handlers.get(type(message))
+            if handler is not None:
+                handler(message)
+            elif message is not None:
+                log.error("no handler for %s", type(message).__name__)
+
+    def _serve_the_stop(self, poller: zmq.Poller, wakeup: int | None, events: zmq.Socket) -> None:  # type: ignore[type-arg]
+        """A signal while steps come (the scheduler, stopped by the same signal, lets its requests finish within
+        --shutdown-timeout): serve them until the scheduler says Shutdown, no step comes for a while, or the
+        timeout and a margin pass. Idle, stop at once."""
+        timeout = self.shutdown_timeout
+        if timeout <= 0 or time.perf_counter() - self.last_sent > STEPS_STOPPED_SECONDS:
+            return
+        take_the_stop()
+        deadline = time.perf_counter() + timeout + STEPS_STOPPED_SECONDS
+        with contextlib.suppress(KeyboardInterrupt):
+            while self.running and time.perf_counter() < deadline:
+                self._handle(poller.poll(100), wakeup, events)
+                if time.perf_counter() - self.last_sent > STEPS_STOPPED_SECONDS:
+                    break
 
     def on_step(self, step: Step) -> None:
         idle_ms = (time.perf_counter() - self.last_sent) * 1e3
@@ -401,3 +431,8 @@ class WorkerServer:
 
     def on_shutdown(self, message: Shutdown) -> None:
         self.running = False
+        if message.restart:
+            log.error(
+                "the scheduler found this rank at fault (steps failed on no request's inputs); exiting to restart"
+            )
+            self.exit_code = EXIT_AT_FAULT
