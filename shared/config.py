@@ -113,6 +113,11 @@ class SchedulerConfig:
     )
     async_scheduling: bool = option(True, "plan each step while the workers compute the one before", negatable=True)
     step_timeout: float = option(180.0, "seconds a step may take before its worker counts as lost")
+    shutdown_timeout: float = option(
+        5.0,
+        "on SIGINT or SIGTERM, seconds the requests in flight may take to finish, new ones refused meanwhile; "
+        "those left then end with finish_reason abort (0: at once)",
+    )
     log_stats_interval: float = option(10.0, "seconds between log lines of throughput, queues and KV use (0: none)")
     api_send_queue: int = 10_000  # messages queued for one api before it counts as not reading
     speculative: SpeculativeConfig | None = option(
@@ -291,8 +296,9 @@ class ApiConfig:
     )
     tool_call_parser: str | None = option(
         None,
-        "the model's tool-call format: hermes (Hermes, Qwen 2.5/3) or llama3_json (Llama 3.1+)",
-        choices=("hermes", "llama3_json"),
+        "the model's tool-call format: hermes (Hermes, Qwen 2.5/3), llama3_json (Llama 3.1+), mistral, "
+        "qwen3_coder, pythonic (Llama 3.2 and 4) or deepseek_v3",
+        choices=("hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "deepseek_v3"),
     )
     api_key: str | None = option(
         None,

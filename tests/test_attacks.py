@@ -176,18 +176,20 @@ def test_a_flood_of_stop_strings_is_refused_and_the_most_allowed_cost_the_loop_l
     assert max(probe.latencies) < 0.5, max(probe.latencies)
 
 
-def test_a_response_of_megabytes_is_built_off_the_loop(server):
+def test_a_response_of_megabytes_keeps_health_answering_within_0_3_s(server):
     with HealthProbe(server) as probe:
         response = _completion(
             server,
             prompt=[f"p{i}" for i in range(16)],
             n=MAX_NUM_SEQS,
-            max_tokens=96,
+            max_tokens=240,
             logprobs=20,
             ignore_eos=True,
             temperature=1.0,
         )
-    assert response.status_code == 200 and len(response.content) > 5 << 20
-    # Built on the loop, this one held /health for 2.7 s on a loaded 2-core machine; off it, the probe's slowest
-    # answer is a busy machine's scheduling (0.53 s once while the rest of the suite ran beside it).
-    assert max(probe.latencies) < 1.0, max(probe.latencies)
+    print(f"{len(response.content) / 1e6:.1f} MB; /health at worst {max(probe.latencies):.3f} s")
+    assert response.status_code == 200 and len(response.content) > 10 << 20, len(response.content)
+    # Built on the loop, a 5 MB one held /health for 2.7 s; encoded whole on a thread, a 35 MB one still held it
+    # for about 1 s (one json.dumps call keeps the interpreter); in pieces, the loop waits for one piece at most
+    # (tests/test_large_json.py: a 35 MB body's largest piece).
+    assert max(probe.latencies) < 0.3, max(probe.latencies)

@@ -164,3 +164,12 @@ def test_every_dashboard_query_returns_data_and_histograms_count_every_request(l
             assert float(finished["value"][1]) == sent
             [cached] = query(base, "sum(pagedserve_prefix_cache_hits_total) <= sum(pagedserve_prompt_tokens_total)")
             assert cached
+            # vLLM's names on the api's port, as routers and autoscalers read them: the same figures.
+            for ours, theirs in (
+                ("pagedserve_prompt_tokens_total", "vllm:prompt_tokens_total"),
+                ("pagedserve_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+                ('pagedserve_requests_total{finish_reason="length"}', "vllm:request_success_total"),
+            ):
+                assert query(base, f"sum({theirs}) == sum({ours})"), f"{theirs} is not {ours}"
+            for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+                assert len(query(base, gauge)) == 2, gauge  # one engine behind each of the two apis

@@ -11,9 +11,8 @@ import openai
 import pytest
 
 from services.api.errors import ApiError
+from services.api.tool_parsers import HermesParser, Llama3JsonParser
 from services.api.tools import (
-    HermesParser,
-    Llama3JsonParser,
     ToolCallStream,
     ToolUse,
     calls_from_forced,

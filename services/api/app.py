@@ -19,6 +19,7 @@ from services.api.engine_group import EngineGroup
 from services.api.errors import ApiError
 from services.api.formats import ChatFormat, Chunk, CompletionFormat, ResponseFormat
 from services.api.json_body import JsonBodies
+from services.api.large_json import encode_in_pieces
 from services.api.metrics import ApiMetrics
 from services.api.requests import (
     GenerationRequest,
@@ -27,9 +28,10 @@ from services.api.requests import (
     parse_load_lora_adapter,
     parse_unload_lora_adapter,
 )
+from services.api.responses import ResponseStore
 from services.api.streams import DISCONNECTED, collect_chunks, first_chunk, merged_streams, prepend, unless_disconnected
 from services.api.structured import GrammarCompiler
-from services.api.tools import TOOL_CALL_PARSERS
+from services.api.tools import TOOL_CALL_PARSERS, ToolCallParser
 from services.api.utility import tenant_of_request
 from shared.config import ApiConfig, LoraConfig
 from shared.lora import LoraError
@@ -37,6 +39,7 @@ from shared.protocol import RequestOutput
 from shared.sampling import InvalidParameter
 
 LARGE_RESPONSE_ENTRIES = 2048  # tokens and top logprobs: about a millisecond to encode
+LARGE_RESPONSE_CHARS = 1 << 20  # characters of text (an echoed prompt, many choices): a millisecond or so
 TOKENIZE_OFF_LOOP_CHARS = 4096  # about a millisecond to tokenize; longer texts go to a thread
 
 log = logging.getLogger(__name__)
@@ -60,13 +63,14 @@ class OpenAIServer:
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.bodies = JsonBodies(config.max_request_body_bytes, config.request_body_timeout)
-        self.metrics = ApiMetrics(client)
+        self.metrics = ApiMetrics(client, model_name)
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
         parser = config.tool_call_parser if config.enable_auto_tool_choice else None
         self.tool_parser = TOOL_CALL_PARSERS[parser]() if parser else None
         self.max_logprobs = config.max_logprobs
         self.report_cached_tokens = config.report_cached_tokens
         self.created = int(time.time())
+        self.response_store = ResponseStore()  # Responses API's, kept in memory
         self.longest_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
 
     # --- routes --------------------------------------------------------------------------
@@ -135,6 +139,14 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         generation = await self.bodies.read(request, parse_chat)
+        return await self.chat(request, generation, ChatFormat)
+
+    async def chat(
+        self,
+        request: Request,
+        generation: GenerationRequest,
+        format_class: Callable[[str, Any, GenerationRequest, ToolCallParser | None], ResponseFormat],
+    ) -> Response:
         self._admit(request, generation)
         tools = generation.tools
         if tools is not None and tools.choice == "auto" and self.tool_parser is None:
@@ -156,7 +168,7 @@ class OpenAIServer:
             raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
         prompt_ids = await self._tokenize(self.tokenizer.encode, text, add_special_tokens=False)
         self._fit_to_context(generation, prompt_ids)
-        fmt = ChatFormat(self._answering(generation), self.tokenizer, generation, self.tool_parser)
+        fmt = format_class(self._answering(generation), self.tokenizer, generation, self.tool_parser)
         fmt.report_cached_tokens = self.report_cached_tokens
         return await self._respond(
             request, generation, self._generate(generation, prompt_ids, fmt.endpoint), len(prompt_ids), fmt
@@ -298,13 +310,16 @@ class OpenAIServer:
         collected = await unless_disconnected(request, collect_chunks(chunks))
         if collected is DISCONNECTED:
             return Response(status_code=499)
-        # Logprobs and many choices make bodies of megabytes: seconds of the loop's time, so off it.
+        # Logprobs and many choices make bodies of megabytes: built off the loop and encoded in pieces, so that the
+        # loop (streams, /health) waits for one piece at most (services/api/large_json.py).
         sampling = generation.sampling
         entries = sum(len(c.token_ids) for c in collected) * (1 + (sampling.logprobs or 0))
         if sampling.prompt_logprobs is not None:
             entries += num_prompt * (1 + sampling.prompt_logprobs)
-        if entries > LARGE_RESPONSE_ENTRIES:
-            return await asyncio.to_thread(lambda: JSONResponse(fmt.whole(collected, num_prompt)))
+        text = sum(len(c.text) for c in collected) + len(getattr(fmt, "echo", ""))  # an echoed prompt too
+        if entries > LARGE_RESPONSE_ENTRIES or text > LARGE_RESPONSE_CHARS:
+            body = await asyncio.to_thread(lambda: encode_in_pieces(fmt.whole(collected, num_prompt)))
+            return Response(body, media_type="application/json")
         return JSONResponse(fmt.whole(collected, num_prompt))
 
     async def _generate(

@@ -13,10 +13,12 @@ import hmac
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.api.errors import ApiError
+from services.api.messages import error_response as anthropic_error
 
 
 class RequireApiKey:
-    """ASGI middleware answering 401, with an OpenAI-style error, to requests without the key."""
+    """ASGI middleware answering 401 to requests without a key: `Authorization: Bearer KEY`, or Anthropic's
+    `x-api-key: KEY`; the error in OpenAI's shape, or in Anthropic's on its Messages route."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str], admin_key: str | None = None):
         self.app = app
@@ -32,11 +34,12 @@ class RequireApiKey:
             found = self._tenant(scope["headers"])
             if found is None:
                 error = ApiError(
-                    "a valid API key is needed: send it as 'Authorization: Bearer <key>'",
+                    "a valid API key is needed: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                     status=401,
                     code="invalid_api_key",
                 )
-                await error.response()(scope, receive, send)
+                response = anthropic_error(error) if scope["path"].startswith("/v1/messages") else error.response()
+                await response(scope, receive, send)
                 return
             state = scope.setdefault("state", {})
             state["tenant"], state["admin"] = found
@@ -46,6 +49,7 @@ class RequireApiKey:
         """The tenant of the request's key and whether it is the admin's, or None without a valid key (every key
         is compared)."""
         sent = [value for name, value in headers if name == b"authorization"]
+        sent += [b"Bearer " + value for name, value in headers if name == b"x-api-key"]
         found = None
         for expected, tenant, admin in self.expected:
             if len(sent) == 1 and hmac.compare_digest(sent[0], expected):

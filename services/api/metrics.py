@@ -59,7 +59,7 @@ REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 
 
 
 class ApiMetrics:
-    def __init__(self, engines: EngineGroup | None = None):
+    def __init__(self, engines: EngineGroup | None = None, model_name: str = ""):
         self.registry = CollectorRegistry()
         if engines is not None:
             self.registry.register(EngineCollector(engines))
@@ -89,6 +89,7 @@ class ApiMetrics:
         )
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens", registry=self.registry)
         self.generation_tokens = Counter("pagedserve_generation_tokens", "generated tokens", registry=self.registry)
+        self.registry.register(VllmNames(self, engines, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -136,3 +137,71 @@ class EngineCollector:
             routed.add_metric([engine], self.engines.routed[index])
         yield from families.values()
         yield routed
+
+
+# The api's own families under the names vLLM's ecosystem reads (routers, autoscalers, dashboards), same meaning.
+VLLM_NAMES = {
+    "pagedserve_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "pagedserve_time_per_output_token_seconds": "vllm:inter_token_latency_seconds",
+    "pagedserve_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "pagedserve_prompt_tokens": "vllm:prompt_tokens",
+    "pagedserve_generation_tokens": "vllm:generation_tokens",
+}
+
+
+class VllmNames:
+    """vLLM's metric names for what this api measures and what its engines last reported, labelled by
+    `model_name` (and `engine`) as vLLM's are: the request counters and latency histograms, requests running
+    and waiting, the share of KV cache in use, and the ended requests by finish reason."""
+
+    def __init__(self, metrics: ApiMetrics, engines: EngineGroup | None, model_name: str):
+        self.metrics, self.engines, self.model_name = metrics, engines, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        own = (
+            self.metrics.time_to_first_token,
+            self.metrics.time_per_output_token,
+            self.metrics.e2e_request_latency,
+            self.metrics.prompt_tokens,
+            self.metrics.generation_tokens,
+        )
+        for family in (f for metric in own for f in metric.collect()):
+            name = VLLM_NAMES[family.name]
+            renamed = Metric(name, family.documentation, family.type)
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                suffix = sample.name[len(family.name) :]
+                renamed.add_sample(name + suffix, {"model_name": self.model_name, **sample.labels}, sample.value)
+            yield renamed
+        success = CounterMetricFamily(
+            "vllm:request_success", "requests ended, by finish reason", labels=["model_name", "finished_reason"]
+        )
+        ended: dict[str, float] = {}
+        for family in self.metrics.requests.collect():
+            for sample in family.samples:
+                reason = sample.labels.get("finish_reason", "")
+                if sample.name.endswith("_total") and reason != "error":
+                    ended[reason] = ended.get(reason, 0.0) + sample.value
+        for reason, value in sorted(ended.items()):
+            success.add_metric([self.model_name, reason], value)
+        yield success
+        if self.engines is None:
+            return
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "requests running on the engine", labels=["model_name", "engine"]
+        )
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "requests waiting on the engine", labels=["model_name", "engine"]
+        )
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "share of the engine's KV cache in use (1 = 100%)",
+            labels=["model_name", "engine"],
+        )
+        for index, client in enumerate(self.engines.clients):
+            up, labels = client.info is not None, [self.model_name, str(index)]
+            running.add_metric(labels, client.load.running if up else 0)
+            waiting.add_metric(labels, client.load.waiting if up else 0)
+            usage.add_metric(labels, client.load.kv_usage if up else 0.0)
+        yield from (running, waiting, usage)

@@ -7,39 +7,23 @@
     "auto"                  the model decides; its text is parsed by --tool-call-parser
     "none"                  the tools are not shown to the model and nothing is parsed
 
-Parsers: `hermes` (Hermes, Qwen 2.5 and 3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``)
-and `llama3_json` (Llama 3.1+: ``{"name": ..., "parameters": {...}}``, several joined by ";",
-optionally after ``<|python_tag|>``).
+The parsers of "auto": services/api/tool_parsers.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from services.api.errors import ApiError
-from services.api.json_body import json_value
 from services.api.structured import GrammarSpec
+from services.api.tool_parsers import TOOL_CALL_PARSERS, ToolCall, ToolCallParser, call_of
+
+__all__ = ["TOOL_CALL_PARSERS", "ToolCall", "ToolCallParser", "ToolCallStream", "ToolUse", "parse_tool_use"]
 
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = ""
-
-    def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        call = {
-            "id": self.id or f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        return call if index is None else {"index": index, **call}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,74 +109,12 @@ def parse_tool_use(body: dict[str, Any]) -> ToolUse | None:
     return ToolUse(tools, "named", named, parallel)
 
 
-# --- parsers of the model's own tool-call format -------------------------------------------------
-
-
-class HermesParser:
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-    def start(self, text: str) -> int:
-        """Where a call begins, or could begin as more text comes; len(text) where none can."""
-        found = text.find(self.OPEN)
-        return found if found >= 0 else _partial_suffix(text, self.OPEN)
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(content before the calls, the calls); (text, []) where the calls do not parse."""
-        begin = text.find(self.OPEN)
-        if begin < 0:
-            return text, []
-        calls = []
-        for part in text[begin:].split(self.OPEN)[1:]:
-            body = part.split(self.CLOSE)[0].strip()
-            call = _call(body, ("arguments", "parameters"))
-            if call is None:
-                return text, []
-            calls.append(call)
-        return text[:begin], calls
-
-
-class Llama3JsonParser:
-    TAG = "<|python_tag|>"
-
-    def start(self, text: str) -> int:
-        stripped = text.lstrip()
-        if not stripped:
-            return 0
-        if stripped.startswith("{") or stripped.startswith(self.TAG) or self.TAG.startswith(stripped):
-            return 0  # the whole output is the calls
-        return len(text)
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        body = text.strip().removeprefix(self.TAG).strip()
-        if not body.startswith("{"):
-            return text, []
-        calls = []
-        decoder = json.JSONDecoder()
-        position = 0
-        while position < len(body):
-            try:
-                value, end = decoder.raw_decode(body, position)
-            except json.JSONDecodeError:
-                return text, []
-            call = _call(value, ("parameters", "arguments"))
-            if call is None:
-                return text, []
-            calls.append(call)
-            position = end
-            while position < len(body) and body[position] in " \t\n;":
-                position += 1
-        return "", calls
-
-
-ToolCallParser = HermesParser | Llama3JsonParser
-TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
-
-
 def calls_from_forced(use: ToolUse, text: str) -> list[ToolCall]:
     """The calls in an output that `required` or a named function's grammar produced."""
-    if use.choice == "named":
-        return [ToolCall(use.name, text.strip())]
-    return [c for c in (_call(item, ("parameters",)) for item in _complete_items(text)) if c is not None]
+    if use.choice == "named":  # its grammar is the function's arguments alone; cut short, they are no call
+        call = call_of({"name": use.name, "arguments": text}, ("arguments",))
+        return [call] if call is not None else []
+    return [c for c in (call_of(item, ("parameters",)) for item in _complete_items(text)) if c is not None]
 
 
 _SEPARATORS = re.compile(r"[\s,]*")
@@ -229,41 +151,23 @@ class ToolCallStream:
     def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         """(content to send now, calls to send now: only when final)."""
         self.text += text
-        if self.use.choice in ("required", "named"):
-            return "", calls_from_forced(self.use, self.text) if final else []
-        assert self.parser is not None, "tool_choice auto is refused without a parser"
         if not final:
+            if self.use.choice in ("required", "named"):
+                return "", []
+            assert self.parser is not None, "tool_choice auto is refused without a parser"
             safe = min(self.parser.start(self.text), len(self.text))
             content, self.sent = self.text[self.sent : max(safe, self.sent)], max(safe, self.sent)
             return content, []
-        content, calls = self.parser.parse(self.text)
-        return content[self.sent :], calls
+        whole, calls = whole_message(self.use, self.parser, self.text)
+        return (whole or "")[self.sent :], calls
 
 
 def whole_message(use: ToolUse, parser: ToolCallParser | None, text: str) -> tuple[str | None, list[ToolCall]]:
-    """A finished choice's (content, calls)."""
+    """A finished choice's (content, calls). A forced output with no whole call (cut by max_tokens) is content,
+    streamed or not."""
     if use.choice in ("required", "named"):
-        return None, calls_from_forced(use, text)
+        calls = calls_from_forced(use, text)
+        return (None if calls else text or None), calls
     assert parser is not None, "tool_choice auto is refused without a parser"
-    content, calls = parser.parse(text)
+    content, calls = parser.parse(text, use)
     return (content or None) if calls else text, calls
-
-
-def _call(value: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
-    if isinstance(value, str):
-        try:
-            value = json_value(value)
-        except ValueError:
-            return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments: object = next((value[k] for k in argument_keys if k in value), {})
-    return ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The start of the longest end of `text` that begins `marker`; len(text) if none does."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return len(text) - length
-    return len(text)
