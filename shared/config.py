@@ -300,6 +300,12 @@ class ApiConfig:
         "qwen3_coder, pythonic (Llama 3.2 and 4) or deepseek_v3",
         choices=("hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "deepseek_v3"),
     )
+    reasoning_parser: str | None = option(
+        None,
+        "split a reasoning model's thinking into the chat message's 'reasoning' and apply structured outputs after "
+        "it: deepseek_r1 (DeepSeek R1, QwQ; the template opens <think>) or qwen3",
+        choices=("deepseek_r1", "qwen3"),
+    )
     api_key: str | None = option(
         None,
         "every route but /health and /metrics then needs 'Authorization: Bearer KEY'; several keys, "

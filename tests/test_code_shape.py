@@ -56,6 +56,8 @@ SLEEPS_ALLOWED = {
     ): "a client that drips a header every 0.3 s, and 200 idle connections given time to take threads they must "
     "not: the pace is what is tested",
     ("test_openai_api.py", "time.sleep(1.5)"): "nothing is logged while idle: an absence, waited out",
+    ("test_signals.py", "time.sleep(0.05)"): "a service loop's work a signal must not cut: the work, not a wait",
+    ("test_signals.py", "time.sleep(0.01)"): "a step inside that loop: the work, not a wait",
 }
 
 

@@ -21,6 +21,7 @@ from services.api.formats import ChatFormat, Chunk, CompletionFormat, ResponseFo
 from services.api.json_body import JsonBodies
 from services.api.large_json import encode_in_pieces
 from services.api.metrics import ApiMetrics
+from services.api.reasoning import REASONING_PARSERS, ThinkTags
 from services.api.requests import (
     GenerationRequest,
     parse_chat,
@@ -67,6 +68,8 @@ class OpenAIServer:
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
         parser = config.tool_call_parser if config.enable_auto_tool_choice else None
         self.tool_parser = TOOL_CALL_PARSERS[parser]() if parser else None
+        self.reasoning = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
+        self.think_tags = ThinkTags.of(tokenizer) if self.reasoning is not None else ThinkTags()
         self.max_logprobs = config.max_logprobs
         self.report_cached_tokens = config.report_cached_tokens
         self.created = int(time.time())
@@ -155,6 +158,14 @@ class OpenAIServer:
                 param="tool_choice",
             )
         await self._compile_grammar(generation)
+        fmt = format_class(self._answering(generation), self.tokenizer, generation, self.tool_parser)
+        fmt.report_cached_tokens = self.report_cached_tokens
+        if fmt.splits_thinking and self.reasoning is not None:
+            fmt.reasoning = self.reasoning
+            if generation.sampling.grammar:
+                generation.sampling.grammar = self.reasoning.after_thinking(
+                    generation.sampling.grammar, self.think_tags
+                )
         shown = tools.tools if tools is not None and tools.choice != "none" else None
         try:
             text = await asyncio.to_thread(
@@ -163,13 +174,12 @@ class OpenAIServer:
                 tools=shown,
                 add_generation_prompt=True,
                 tokenize=False,
+                **generation.template_kwargs,
             )
         except Exception as exc:  # templates raise whatever their authors chose
             raise ApiError(f"the chat template rejected the messages: {exc}", param="messages") from None
         prompt_ids = await self._tokenize(self.tokenizer.encode, text, add_special_tokens=False)
         self._fit_to_context(generation, prompt_ids)
-        fmt = format_class(self._answering(generation), self.tokenizer, generation, self.tool_parser)
-        fmt.report_cached_tokens = self.report_cached_tokens
         return await self._respond(
             request, generation, self._generate(generation, prompt_ids, fmt.endpoint), len(prompt_ids), fmt
         )

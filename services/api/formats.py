@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.api.errors import ApiError
+from services.api.reasoning import ReasoningFormat, ReasoningStream
 from services.api.requests import GenerationRequest
 from services.api.tools import ToolCallParser, ToolCallStream, whole_message
 
@@ -43,6 +44,8 @@ class ResponseFormat:
 
     endpoint = ""
     report_cached_tokens = True  # the server's --report-cached-tokens
+    splits_thinking = False  # whether the endpoint gives a reasoning model's thinking apart from its answer
+    reasoning: ReasoningFormat | None = None  # the server's --reasoning-parser, where the endpoint splits thinking
     object_whole = ""
     object_chunk = ""
     id_prefix = ""
@@ -189,6 +192,7 @@ class ChatFormat(ResponseFormat):
     object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+    splits_thinking = True
 
     def __init__(
         self, model_name: str, tokenizer: Any, generation: GenerationRequest, tool_parser: ToolCallParser | None = None
@@ -198,6 +202,7 @@ class ChatFormat(ResponseFormat):
         self.tool_use = use if use is not None and use.choice != "none" else None
         self.tool_parser = tool_parser  # the model's call format, for tool_choice "auto"
         self.tool_streams: dict[int, ToolCallStream] = {}
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def stream_openings(self) -> list[dict[str, Any]]:
         return [
@@ -208,12 +213,18 @@ class ChatFormat(ResponseFormat):
     def whole_choice(self, index: int, chunks: list[Chunk]) -> dict[str, Any]:
         text = "".join(c.text for c in chunks)
         finish = chunks[-1].finish_reason if chunks else None
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
         message: dict[str, object] = {"role": "assistant", "content": text}
         if self.tool_use is not None:
             content, calls = whole_message(self.tool_use, self.tool_parser, text)
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
                 finish = self._finish_with_calls(finish)
+        if reasoning is not None:  # as vLLM's: null where there is none
+            message["reasoning"] = reasoning or None
+            message["content"] = message["content"] or None
         choice = {
             "index": index,
             "message": message,
@@ -226,9 +237,14 @@ class ChatFormat(ResponseFormat):
     def chunk_choice(self, chunk: Chunk, offset: int) -> dict[str, Any]:
         text, finish = chunk.text, chunk.finish_reason
         delta: dict[str, object] = {}
+        if self.reasoning is not None:
+            thinking = self.reasoning_streams.setdefault(chunk.index, ReasoningStream(self.reasoning))
+            reasoning, text = thinking.feed(text, final=finish is not None)
+            if reasoning:
+                delta["reasoning"] = reasoning
         if self.tool_use is not None:  # content until a call may begin; the calls when the choice ends
             stream = self.tool_streams.setdefault(chunk.index, ToolCallStream(self.tool_use, self.tool_parser))
-            text, calls = stream.feed(chunk.text, final=finish is not None)
+            text, calls = stream.feed(text, final=finish is not None)
             if calls:
                 delta["tool_calls"] = [call.as_openai(k) for k, call in enumerate(calls)]
                 finish = self._finish_with_calls(finish)

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 
 from services.api.errors import ApiError
 from services.api.formats import Chunk, ResponseFormat
+from services.api.reasoning import ReasoningStream
 from services.api.requests import GenerationRequest
 from services.api.tools import ToolCall, ToolCallParser, ToolCallStream, whole_message
 
@@ -161,6 +162,7 @@ class MessagesFormat(ResponseFormat):
 
     endpoint = "messages"
     id_prefix = "msg"
+    splits_thinking = True  # into a thinking block first
 
     def __init__(
         self, model_name: str, tokenizer: Any, generation: GenerationRequest, tool_parser: ToolCallParser | None = None
@@ -176,6 +178,10 @@ class MessagesFormat(ResponseFormat):
         finish = chunks[-1].finish_reason if chunks else None
         blocks: list[dict[str, Any]] = []
         calls: list[ToolCall] = []
+        if self.reasoning is not None:
+            thinking, text = self.reasoning.split(text)
+            if thinking:
+                blocks.append({"type": "thinking", "thinking": thinking, "signature": ""})
         if self.tool_use is not None:
             content, calls = whole_message(self.tool_use, self.tool_parser, text)
             text = content or ""
@@ -191,6 +197,8 @@ class MessagesFormat(ResponseFormat):
         yield _event("message_start", {"type": "message_start", "message": self._message([], num_prompt, 0)})
         index, text_open, generated = 0, False, 0
         stream = ToolCallStream(self.tool_use, self.tool_parser) if self.tool_use is not None else None
+        thinking = ReasoningStream(self.reasoning) if self.reasoning is not None else None
+        thinking_open = False
         finish, stop_reason, called = None, None, False
         async for chunk in _until_an_error(chunks):
             if isinstance(chunk, ApiError):  # once the stream has started its status is sent: an error event
@@ -198,8 +206,23 @@ class MessagesFormat(ResponseFormat):
                 return
             generated += len(chunk.token_ids)
             text, calls = chunk.text, list[ToolCall]()
+            if thinking is not None:
+                thought, text = thinking.feed(text, final=chunk.finish_reason is not None)
+                if thought:
+                    if not thinking_open:
+                        block = {"type": "thinking", "thinking": "", "signature": ""}
+                        yield _event(
+                            "content_block_start",
+                            {"type": "content_block_start", "index": index, "content_block": block},
+                        )
+                        thinking_open = True
+                    delta = {"type": "thinking_delta", "thinking": thought}
+                    yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+                if thinking_open and thinking.state == "answer":
+                    yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+                    index, thinking_open = index + 1, False
             if stream is not None:
-                text, calls = stream.feed(chunk.text, final=chunk.finish_reason is not None)
+                text, calls = stream.feed(text, final=chunk.finish_reason is not None)
             if text:
                 if not text_open:
                     yield _event(
@@ -232,7 +255,7 @@ class MessagesFormat(ResponseFormat):
                 index, called = index + 1, True
             if chunk.finish_reason is not None:
                 finish, stop_reason = chunk.finish_reason, chunk.stop_reason
-        if text_open:
+        if text_open or thinking_open:
             yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
         yield _event(
             "message_delta",

@@ -77,6 +77,7 @@ _KNOWN = {
     "guided_decoding_backend",
     "spaces_between_special_tokens",
     "add_generation_prompt",
+    "chat_template_kwargs",
     "prompt_logprobs",
     "priority",
     "request_id",
@@ -103,6 +104,7 @@ class GenerationRequest:
     echo: bool = False  # completions: each choice's text starts with the prompt
     structured: GrammarSpec | None = None  # what the output must match; compiled into sampling.grammar
     tools: ToolUse | None = None  # chat: the functions the model may call, and how
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat: chat_template_kwargs, for the template
     cache_salt: str = ""  # vLLM's: only requests with the same salt (and tenant) share prefix-cache blocks
     tenant: str = ""  # set by the api from the request's key, when --api-key names several
     user: str = ""  # OpenAI's end-user id: the tenant under --scheduling-policy fair when the key names none
@@ -207,6 +209,7 @@ def parse_chat(body: object) -> GenerationRequest:
     request = _common(fields, default_max_tokens=None, max_tokens_alias="max_completion_tokens")
     request.messages = [_message(m, i) for i, m in enumerate(messages)]
     request.tools = parse_tool_use(fields.body)
+    request.template_kwargs = _template_kwargs(fields)
     forced = request.tools.forced() if request.tools is not None else None
     if forced is not None and request.tools is not None:
         if request.structured is not None:
@@ -220,6 +223,33 @@ def parse_chat(body: object) -> GenerationRequest:
         request.sampling.logprobs = fields.get("top_logprobs", int, 0, what="an integer")
     _validate(request)
     return request
+
+
+# What the api itself passes to the template, or what would change how it renders rather than what it reads.
+_TEMPLATE_OWN_ARGUMENTS = {
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
+
+
+def _template_kwargs(fields: _Body) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs: variables for the chat template (Qwen3's enable_thinking, say)."""
+    kwargs = fields.get("chat_template_kwargs", dict, {}, what="an object")
+    taken = sorted(name for name in kwargs if name in _TEMPLATE_OWN_ARGUMENTS)
+    if taken:
+        raise ApiError(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the server sets it", param="chat_template_kwargs"
+        )
+    return dict(kwargs)
 
 
 def _common(fields: _Body, default_max_tokens: int | None, max_tokens_alias: str = "") -> GenerationRequest:
