@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) void softmax(float *weights, int64_
                  * but blocks lie anywhere, and the hardware's prefetchers stop at every page */
 
 /* Asks for the cached rows of one sequence's positions from .. to - 1, into the second-level cache: attention over
- * contexts in memory (not in cache) takes markedly less time (docs/kernels.md). */
+ * contexts in memory (not in cache) takes markedly less time (docs/kernel-measurements.md). */
 static inline void prefetch_rows(const char *cache, const int32_t *table, int64_t from, int64_t to,
                                  int64_t block_size, int64_t token_bytes)
 {
@@ -160,7 +160,7 @@ static inline void prefetch_rows(const char *cache, const int32_t *table, int64_
 /* A decode row reads one stream: its keys, then its values, then the next row's keys. Its blocks lie anywhere, and
  * the hardware's prefetchers start afresh at each page, so while it reads a tile it asks for the rows AHEAD_BYTES
  * on in that stream: far enough for memory's latency, near enough that several threads' requests do not crowd out
- * one another (one block on was faster than two or four sequences on; docs/kernels.md). */
+ * one another (one block on was faster than two or four sequences on; docs/kernel-measurements.md). */
 #define AHEAD_BYTES 8192
 struct next_row { const int32_t *table; int64_t low, count; }; /* count 0: none */
 
@@ -225,7 +225,7 @@ static inline void ask_for_value_tile(const char *value_cache, const char *key_c
  * row, and a chunk's row alone in its block of QUERY_BLOCK queries (its ninth, seventeenth, ...). Each cached
  * row is converted to floats in registers as it is read, with no decoded copy stored and read back; query heads
  * take it two at a time; and each head's output stays in registers over the whole context. It is faster than the
- * tiled walk below for int8 at groups of 2 and 4 and for E4M3 at groups of 2 (docs/kernels.md); with more heads
+ * tiled walk below for int8 at groups of 2 and 4 and for E4M3 at groups of 2 (docs/kernel-measurements.md); with more heads
  * a group converts each row again for every pair, and E4M3 costs more to convert than int8, so the walk keeps
  * those, as it does odd groups, other head sizes, half types and float32 rows. */
 typedef float vf8 __attribute__((vector_size(32)));
@@ -361,7 +361,7 @@ static inline __attribute__((always_inline)) __m512 fold16(const __m512 a[16])
  * As attend_one_query_bf16 below: keys 16 cached tokens at a time, a row's scores for them one vector folded from 16
  * sums (fold16), the row's stream asked for AHEAD_BYTES on; values summed for up to VALUE_HEADS heads of a group at
  * a time over the whole context, each token's weight broadcast to its row. Rather than the walk below, which sums
- * each key's products across one vector's lanes in turn (docs/kernels.md). */
+ * each key's products across one vector's lanes in turn (docs/kernel-measurements.md). */
 static inline __attribute__((always_inline)) void attend_one_query_f32(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
@@ -482,7 +482,7 @@ static inline __attribute__((always_inline)) void store_dims(float *o, __m512 lo
  * time, every KV head's row of each, in memory order; a row's scores for them come as one vector folded from 16
  * sums (fold16); meanwhile the row's stream is asked for AHEAD_BYTES on, a slice per head (prefetch_stream).
  * Values: two tokens' rows are interleaved so that one product adds both tokens' weighted values, into sums held
- * over the whole context. Faster than the float32 walk below at every size measured (docs/kernels.md). */
+ * over the whole context. Faster than the float32 walk below at every size measured (docs/kernel-measurements.md). */
 static inline __attribute__((always_inline)) void attend_one_query_bf16(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,

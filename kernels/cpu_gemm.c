@@ -14,13 +14,13 @@
  * second-level cache while every tile of rows passes over it, and the first PREFETCH_TILES tiles
  * over a panel each prefetch their share of a later one into that cache, every line of it at an
  * even pace: the reads from memory overlap the arithmetic of several passes rather than stalling the
- * first (docs/kernels.md). A decode's few rows (3 to STREAM_ROWS) go over a panel in blocks of k that the
+ * first (docs/kernel-measurements.md). A decode's few rows (3 to STREAM_ROWS) go over a panel in blocks of k that the
  * first-level cache holds, every tile over a block before the next, the tiles sharing the prefetch of the
  * block after: a panel then streams from memory at one steady pace (panel_sums). Up to MR rows (one tile)
  * are bound by the reads alone, and there the hardware's own prefetch streams the panels faster without
- * ours (docs/kernels.md). For a prompt's many rows, blocking as BLIS does, rows packed into
+ * ours (docs/kernel-measurements.md). For a prompt's many rows, blocking as BLIS does, rows packed into
  * micro-panels and K cut so that a panel's block stays in the first-level cache, was faster on one
- * thread at 2,048 rows but not on two sharing a call (docs/kernels.md), so it is not done. A prompt's
+ * thread at 2,048 rows but not on two sharing a call (docs/kernel-measurements.md), so it is not done. A prompt's
  * many rows are cut into blocks of ROW_BLOCK_BYTES of x (half the smallest second-level cache seen),
  * which the threads take in turn, each block's panels shared.
  *

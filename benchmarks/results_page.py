@@ -1,0 +1,391 @@
+"""docs/benchmarks.md's plots and tables, drawn from the JSON results under benchmarks/results/.
+
+    python benchmarks/results_page.py           # draw the plots (needs matplotlib) and rewrite the tables
+    python benchmarks/results_page.py --check   # fail when a plot or a table is stale (no matplotlib)
+
+Each plot carries a digest of its inputs and of this script in a PNG text chunk; each table sits in the
+page (docs/benchmarks.md, and the feature page it belongs to) between `<!-- results:NAME -->` and
+`<!-- /results:NAME -->` and is written from the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import struct
+import sys
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+PAGES_WITH_TABLES = (PAGE, ROOT / "docs" / "features" / "quantization.md")  # a table may sit on several pages
+IMAGES = ROOT / "docs" / "img" / "results"
+DIGEST_KEY = "pagedserve-inputs"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRow:
+    """One scenario of one peer_bench sitting, as a row of a comparison."""
+
+    label: str
+    file: str
+    scenario: str
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    name: str
+    inputs: tuple[str, ...]
+    draw: Callable[[dict[str, dict], Path], None] | None  # None: a table alone
+    table: Callable[[dict[str, dict]], list[str]]
+
+
+FLOAT_ROWS = (
+    PeerRow("12-layer Llama, bf16, 16 streams", "peer_bench_12l_bf16_auto-bursts.json", "mid_c16"),
+    PeerRow("12-layer Llama, bf16, 1 stream", "peer_bench_12l_bf16_auto-bursts.json", "mid_c1"),
+    PeerRow("12-layer Llama, float32, 16 streams", "peer_bench_12l_f32.json", "mid_c16"),
+    PeerRow("12-layer Llama, float32, 1 stream", "peer_bench_12l_f32.json", "mid_c1"),
+    PeerRow("shipped model, bf16, 48 streams", "peer_bench_shipped_auto.json", "c48"),
+    PeerRow("shipped model, float32, 48 streams", "peer_bench_shipped_f32.json", "c48"),
+    PeerRow("sweep-1024-gqa8, bf16, 16 streams", "peer_bench_sweep-1024-gqa8-bf16.json", "mid_c16"),
+    PeerRow("sweep-2048-gqa2, bf16, 16 streams", "peer_bench_sweep-2048-gqa2-bf16-bursts.json", "mid_c16"),
+    PeerRow("sweep-1280-qwen3-hd80, bf16, 16 streams", "peer_bench_sweep-1280-qwen3-hd80-bf16-bursts.json", "mid_c16"),
+    PeerRow("sweep-512-mha, float32, 16 streams", "peer_bench_sweep-512-mha-5reps.json", "mid_c16"),
+    PeerRow("sweep-1536-gqa3, float32, 16 streams", "peer_bench_sweep-1536-gqa3.json", "mid_c16"),
+)
+QUANTIZED_FILES = (
+    "llama-12l-w8a8",
+    "sweep-1024-gqa8-w8a8",
+    "sweep-2048-gqa2-w8a8",
+    "llama-12l-w4a16",
+    "sweep-1280-qwen3-w4a16",
+    "sweep-1024-gqa8-w4a16-g64",
+    "llama-12l-gptq",
+)
+SCENARIO_NAMES = {
+    "mid_c16": "16 streams",
+    "mid_c1": "1 stream",
+    "decode_c32": "decode, 32 streams",
+    "prefill_1k": "prefill 1,024",
+    "c48": "48 streams",
+}
+
+
+def quantized_rows() -> tuple[PeerRow, ...]:
+    rows = []
+    for name in QUANTIZED_FILES:
+        path = RESULTS / "quantized" / f"{name}.json"
+        if path.exists():
+            for scenario in json.loads(path.read_text())["scenarios"]:
+                rows.append(
+                    PeerRow(f"{name}, {SCENARIO_NAMES.get(scenario, scenario)}", f"quantized/{name}.json", scenario)
+                )
+    return tuple(rows)
+
+
+def metric(sitting: dict, scenario: str, name: str) -> dict:
+    for row in sitting["table"]:
+        if row["scenario"] == scenario and row["metric"] == name:
+            return row
+    raise KeyError(f"{scenario} has no {name}")
+
+
+def spread(values: list[float], digits: int = 1, unit: str = "") -> str:
+    middle = f"{statistics.median(values):,.{digits}f}{unit}"
+    if len(values) == 1:
+        return middle
+    return f"{middle} ({min(values):,.{digits}f}–{max(values):,.{digits}f})"
+
+
+def ratio_bars(axes, rows: tuple[PeerRow, ...], data: dict[str, dict], key: str, title: str) -> None:
+    ratios = [metric(data[r.file], r.scenario, "output_throughput")[key] for r in rows]
+    middles = [statistics.median(v) for v in ratios]
+    errors = [[m - min(v) for m, v in zip(middles, ratios)], [max(v) - m for m, v in zip(middles, ratios)]]
+    positions = list(range(len(rows)))[::-1]
+    axes.barh(positions, middles, xerr=errors, color="#3b7dd8", capsize=3)
+    axes.axvline(1.0, color="grey", linestyle=":")
+    axes.set_yticks(positions, [r.label for r in rows], fontsize=8)
+    axes.set_xlabel("output throughput ratio (median, range over repetitions)")
+    axes.set_title(title, fontsize=10)
+
+
+def peer_table(rows: tuple[PeerRow, ...], data: dict[str, dict], baseline: bool = False) -> list[str]:
+    head = "| workload | pagedserve, tok/s | vLLM at its best | ratio | median TTFT, ours vs vLLM's |"
+    rule = "| --- | --- | --- | --- | --- |"
+    if baseline:
+        head += " pagedserve bf16, tok/s | ratio | median TTFT, ours vs bf16 |"
+        rule += " --- | --- | --- |"
+    lines = [head, rule]
+    for row in rows:
+        sitting = data[row.file]
+        throughput = metric(sitting, row.scenario, "output_throughput")
+        ttft = metric(sitting, row.scenario, "median_ttft_ms")
+        line = (
+            f"| {row.label} | {spread(throughput['pagedserve'])} | {spread(throughput['vllm-best'])} "
+            f"| **{spread(throughput['ratio_best'], 2, 'x')}** | {statistics.median(ttft['pagedserve']):,.0f} "
+            f"vs {statistics.median(ttft['vllm-best']):,.0f} ms |"
+        )
+        if baseline:
+            line += (
+                f" {spread(throughput['baseline'])} | **{spread(throughput['ratio_baseline'], 2, 'x')}** "
+                f"| {statistics.median(ttft['pagedserve']) / statistics.median(ttft['baseline']):.2f}x |"
+            )
+        lines.append(line)
+    return lines + ["", provenance(data)]
+
+
+def provenance(data: dict[str, dict]) -> str:
+    """Where the figures came from: machines, dates, commits and files."""
+    cpus = sorted({d.get("cpu") or "a 2-core x86_64 VM (CPU model not recorded)" for d in data.values()})
+    dates = sorted({str(d.get("date", "?"))[:10] for d in data.values()})
+    commits = sorted({str(d["commit"]).removesuffix("-dirty") for d in data.values() if "commit" in d})
+    files = ", ".join(f"`{name}`" for name in data)
+    at = f", at {', '.join(commits)}" if commits else ""
+    return f"Measured on {'; '.join(cpus)}, {', '.join(dates)}{at}. Files (in `benchmarks/results/`): {files}."
+
+
+def draw_float(data: dict[str, dict], path: Path) -> None:
+    from benchmarks.paper_harness import pyplot, save_figure
+
+    figure, axes = pyplot().subplots(figsize=(8, 4.5))
+    ratio_bars(axes, FLOAT_ROWS, data, "ratio_best", "pagedserve over vLLM's CPU build at its best, same dtype")
+    save_figure(figure, path)
+
+
+def draw_quantized(data: dict[str, dict], path: Path) -> None:
+    from benchmarks.paper_harness import pyplot, save_figure
+
+    rows = quantized_rows()
+    figure, (left, right) = pyplot().subplots(1, 2, figsize=(11, 0.32 * len(rows) + 1.5), sharey=True)
+    ratio_bars(left, rows, data, "ratio_best", "over vLLM at its best, same checkpoint")
+    ratio_bars(right, rows, data, "ratio_baseline", "over pagedserve on the bf16 checkpoint")
+    save_figure(figure, path)
+
+
+def draw_memory(data: dict[str, dict], path: Path) -> None:
+    from benchmarks.fig2_memory_breakdown import plot
+
+    plot(data["archive/fig2_memory_breakdown.json"]["breakdown_percent"], path)
+
+
+def memory_table(data: dict[str, dict]) -> list[str]:
+    from_labels = {"paged": "pagedserve", "oracle": "Orca (Oracle)", "pow2": "Orca (Pow2)", "max": "Orca (Max)"}
+    breakdown = data["archive/fig2_memory_breakdown.json"]["breakdown_percent"]
+    lines = [
+        "| system | token states | reserved | internal fragmentation | external fragmentation | req/s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for policy, shares in breakdown.items():
+        lines.append(
+            f"| {from_labels[policy]} | {shares['tokens']:.1f}% | {shares['reserved']:.1f}% "
+            f"| {shares['unused']:.1f}% | {shares['fragmented']:.1f}% | {shares['request_throughput']:.2f} |"
+        )
+    return lines + ["", provenance(data)]
+
+
+def draw_rate(workload_file: str, title: str) -> Callable[[dict[str, dict], Path], None]:
+    def draw(data: dict[str, dict], path: Path) -> None:
+        from benchmarks.fig12_latency_vs_rate import plot
+
+        sitting = data[workload_file]
+        plot(sitting["runs"], sitting["slo_s_per_token"], title, path)
+
+    return draw
+
+
+def rate_table(data: dict[str, dict]) -> list[str]:
+    lines = [
+        "| system | ShareGPT-like: sustained req/s | pagedserve's over it | Alpaca-like | pagedserve's over it |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    names = {"paged": "pagedserve", "oracle": "Orca (Oracle)", "pow2": "Orca (Pow2)", "max": "Orca (Max)"}
+    for policy, name in names.items():
+        cells = []
+        for sitting in (data["archive/fig12_sharegpt_2k.json"], data["archive/fig12_alpaca.json"]):
+            rate, ours = sitting["sustained_rate"][policy], sitting["sustained_rate"]["paged"]
+            never_crossed = rate >= max(point["rate"] for point in sitting["runs"][policy])
+            cells.append(f"≥ {rate:.2f} (never over the limit)" if never_crossed else f"{rate:.2f}")
+            cells.append("–" if never_crossed or policy == "paged" else f"{ours / rate:.2f}x")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    hf = data["archive/hf_static_batching.json"]
+    lines += [
+        "",
+        f"Against HF transformers' `generate` in static batches of {hf['args']['batch_size']} on the "
+        f"same ShareGPT-like trace: {hf['pagedserve_output_tok_s']:.0f} against "
+        f"{hf['hf_generate_output_tok_s']:.0f} output tok/s, **{hf['ratio']:.1f}x**.",
+        "",
+    ]
+    return lines + [provenance(data)]
+
+
+def draw_sharing(data: dict[str, dict], path: Path) -> None:
+    from benchmarks.sharing_bench import plot
+
+    plot(data["archive/sharing_bench.json"]["rows"], str(path))
+
+
+def sharing_table(data: dict[str, dict]) -> list[str]:
+    paper = {("parallel", 2): "6.1%", ("parallel", 6): "9.8%", ("beam", 2): "37.6%", ("beam", 6): "55.2%"}
+    lines = ["| sharing | width | KV blocks saved | the paper's |", "| --- | --- | --- | --- |"]
+    for row in data["archive/sharing_bench.json"]["rows"]:
+        mode = "parallel sampling" if row["mode"] == "parallel" else "beam search"
+        lines.append(
+            f"| {mode} | {row['width']} | {row['saving_percent']:.1f}% | {paper.get((row['mode'], row['width']), '')} |"
+        )
+    return lines + ["", provenance(data)]
+
+
+def draw_prefix(data: dict[str, dict], path: Path) -> None:
+    from benchmarks.fig16_shared_prefix import plot
+
+    plot(data["archive/fig16_shared_prefix.json"]["results"], path)
+
+
+def prefix_table(data: dict[str, dict]) -> list[str]:
+    results = data["archive/fig16_shared_prefix.json"]["results"]
+    systems = list(next(iter(results.values())))
+    lines = ["| prefix | " + " | ".join(f"{s}, req/s" for s in systems) + " |", "| --- |" + " --- |" * len(systems)]
+    for workload, by_system in results.items():
+        shots = {"prefix1": "one-shot (80 tokens)", "prefix5": "five-shot (341 tokens)"}.get(workload, workload)
+        lines.append(f"| {shots} | " + " | ".join(f"{by_system[s]['request_throughput']:.1f}" for s in systems) + " |")
+    return lines + ["", provenance(data)]
+
+
+def quality_table(data: dict[str, dict]) -> list[str]:
+    record = data["quantized_quality.json"]
+    base = record["perplexity"]["bf16 (as shipped)"]
+    lines = ["| checkpoint | perplexity | against bf16 |", "| --- | --- | --- |"]
+    for name, value in record["perplexity"].items():
+        lines.append(f"| {name} | {value:.3f} | {value / base - 1:+.1%} |")
+    return lines + [
+        "",
+        f"{record['files']} files, their first {record['tokens_per_file']} tokens each. " + provenance(data),
+    ]
+
+
+SECTIONS = (
+    Section(
+        "peer-float",
+        tuple(dict.fromkeys(r.file for r in FLOAT_ROWS)),
+        draw_float,
+        lambda data: peer_table(FLOAT_ROWS, data),
+    ),
+    Section(
+        "peer-quantized",
+        tuple(dict.fromkeys(r.file for r in quantized_rows())),
+        draw_quantized,
+        lambda data: peer_table(quantized_rows(), data, baseline=True),
+    ),
+    Section("quantized-quality", ("quantized_quality.json",), None, quality_table),
+    Section("paper-memory", ("archive/fig2_memory_breakdown.json",), draw_memory, memory_table),
+    Section(
+        "paper-rate-sharegpt",
+        ("archive/fig12_sharegpt_2k.json", "archive/fig12_alpaca.json", "archive/hf_static_batching.json"),
+        draw_rate("archive/fig12_sharegpt_2k.json", "ShareGPT-like trace, context 2,048"),
+        rate_table,
+    ),
+    Section(
+        "paper-rate-alpaca",
+        ("archive/fig12_alpaca.json",),
+        draw_rate("archive/fig12_alpaca.json", "Alpaca-like trace"),
+        lambda data: [],
+    ),
+    Section("paper-sharing", ("archive/sharing_bench.json",), draw_sharing, sharing_table),
+    Section("paper-prefix", ("archive/fig16_shared_prefix.json",), draw_prefix, prefix_table),
+)
+
+
+def load(section: Section) -> dict[str, dict]:
+    return {name: json.loads((RESULTS / name).read_text()) for name in section.inputs}
+
+
+def digest(section: Section) -> str:
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    for name in section.inputs:
+        h.update(name.encode())
+        h.update((RESULTS / name).read_bytes())
+    return h.hexdigest()
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """The tEXt chunks of a PNG file."""
+    data = path.read_bytes()
+    texts, at = {}, 8
+    while at < len(data):
+        (length,), kind = struct.unpack(">I", data[at : at + 4]), data[at + 4 : at + 8]
+        if kind == b"tEXt":
+            key, _, value = data[at + 8 : at + 8 + length].partition(b"\0")
+            texts[key.decode("latin-1")] = value.decode("latin-1")
+        at += 12 + length
+    return texts
+
+
+def add_png_text(path: Path, key: str, value: str) -> None:
+    data = path.read_bytes()
+    body = b"tEXt" + key.encode("latin-1") + b"\0" + value.encode("latin-1")
+    chunk = struct.pack(">I", len(body) - 4) + body + struct.pack(">I", zlib.crc32(body))
+    end = data.rindex(b"IEND") - 4
+    path.write_bytes(data[:end] + chunk + data[end:])
+
+
+def tables_in(page: str, sections: tuple[Section, ...]) -> str:
+    """The page with every section's table written afresh between its markers."""
+    for section in sections:
+        start, stop = f"<!-- results:{section.name} -->", f"<!-- /results:{section.name} -->"
+        if start not in page:
+            continue
+        head, rest = page.split(start, 1)
+        _, tail = rest.split(stop, 1)
+        body = "\n".join(section.table(load(section)))
+        page = head + start + ("\n" + body + "\n" if body else "\n") + stop + tail
+    return page
+
+
+def stale() -> list[str]:
+    problems = []
+    for section in SECTIONS:
+        image = IMAGES / f"{section.name}.png"
+        if section.draw is None:
+            continue
+        if not image.exists():
+            problems.append(f"{image.relative_to(ROOT)} is missing")
+        elif png_text(image).get(DIGEST_KEY) != digest(section):
+            problems.append(f"{image.relative_to(ROOT)} was drawn from other inputs")
+    for path in PAGES_WITH_TABLES:
+        page = path.read_text()
+        if tables_in(page, SECTIONS) != page:
+            problems.append(f"{path.relative_to(ROOT)}'s tables differ from their inputs")
+    return problems
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="only say whether the plots and tables are fresh")
+    args = parser.parse_args()
+    if args.check:
+        problems = stale()
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        if problems:
+            sys.exit("run python benchmarks/results_page.py to draw them again")
+        print("the results page's plots and tables are fresh")
+        return
+    sys.path.insert(0, str(ROOT))
+    for section in SECTIONS:
+        if section.draw is None:
+            continue
+        image = IMAGES / f"{section.name}.png"
+        section.draw(load(section), image)
+        add_png_text(image, DIGEST_KEY, digest(section))
+    for path in PAGES_WITH_TABLES:
+        path.write_text(tables_in(path.read_text(), SECTIONS))
+
+
+if __name__ == "__main__":
+    main()
