@@ -99,7 +99,9 @@ def main() -> None:
                 ways: dict[str, list[list[float]]] = {"continued": [], "whole": []}
                 for seed in range(args.conversations):
                     for way in ("continued", "whole") if seed % 2 == 0 else ("whole", "continued"):
-                        ways[way].append(conversation(client, base_url, args, seed, way == "continued"))
+                        # Each way its own questions: neither finds the other's blocks in the prefix cache.
+                        own_seed = seed if way == "continued" else seed + 1000
+                        ways[way].append(conversation(client, base_url, args, own_seed, way == "continued"))
         finally:
             server.terminate()
             server.wait(60)
