@@ -27,6 +27,14 @@ pytestmark = pytest.mark.slow  # starts processes: not in `make check`
 STOP_SECONDS = 10.0
 
 
+def launcher_serving(model: str, port: int, *flags: str) -> list[str]:
+    """`pagedserve serve MODEL` on `port`, small memory, free metrics ports."""
+    return [
+        *(sys.executable, "-m", "services.launcher", "serve", model, "--port", str(port), *metrics_port_flags()),
+        *("--device", "cpu", "--kv-cache-memory", "0.05", "--swap-space", "0.05", *flags),
+    ]
+
+
 def start(cmd: list[str], log_path, tmp_dir) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_dir))
     with open(log_path, "w") as log:  # its own session: Ctrl-C reaches the whole group, as in a terminal
@@ -91,24 +99,7 @@ def test_a_stop_lets_streams_finish_within_the_shutdown_timeout_and_ends_the_res
 ):
     port, temp = free_port(), Path(socket_dir)
     process = start(
-        [
-            sys.executable,
-            "-m",
-            "services.launcher",
-            "serve",
-            llama_dir,
-            "--port",
-            str(port),
-            *metrics_port_flags(),
-            "--device",
-            "cpu",
-            "--kv-cache-memory",
-            "0.05",
-            "--swap-space",
-            "0.05",
-            "--shutdown-timeout",
-            shutdown_timeout,
-        ],
+        launcher_serving(llama_dir, port, "--shutdown-timeout", shutdown_timeout),
         tmp_path / "launcher.log",
         temp,
     )
@@ -140,22 +131,7 @@ def test_a_stop_lets_streams_finish_within_the_shutdown_timeout_and_ends_the_res
 def test_an_idle_launcher_stopped_by_ctrl_c_logs_no_error_and_no_line_about_waiting(llama_dir, tmp_path, socket_dir):
     port, temp = free_port(), Path(socket_dir)
     process = start(
-        [
-            sys.executable,
-            "-m",
-            "services.launcher",
-            "serve",
-            llama_dir,
-            "--port",
-            str(port),
-            *metrics_port_flags(),
-            "--device",
-            "cpu",
-            "--kv-cache-memory",
-            "0.05",
-            "--swap-space",
-            "0.05",
-        ],
+        launcher_serving(llama_dir, port),
         tmp_path / "launcher.log",
         temp,
     )
@@ -319,22 +295,7 @@ def test_a_signal_whose_interrupt_is_lost_in_a_destructor_still_stops_the_loop()
 def test_a_sigkilled_launcher_leaves_no_service_and_no_socket_directory_behind(llama_dir, tmp_path, socket_dir):
     port, temp = free_port(), Path(socket_dir)
     process = start(
-        [
-            sys.executable,
-            "-m",
-            "services.launcher",
-            "serve",
-            llama_dir,
-            "--port",
-            str(port),
-            *metrics_port_flags(),
-            "--device",
-            "cpu",
-            "--kv-cache-memory",
-            "0.05",
-            "--swap-space",
-            "0.05",
-        ],
+        launcher_serving(llama_dir, port),
         tmp_path / "launcher.log",
         temp,
     )

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from services.api.tool_parsers import marker_start
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -89,13 +91,5 @@ class ReasoningStream:
             self.state = "answer"
             return text[:end], text[end + len(THINK_END) :]
         if not final:
-            self.held = _tail_opening(text, THINK_END)
+            self.held = text[marker_start(text, THINK_END) :]  # "...</thi": held until the next piece tells
         return text[: len(text) - len(self.held)], ""
-
-
-def _tail_opening(text: str, tag: str) -> str:
-    """The longest end of `text` that begins `tag`."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return text[-size:]
-    return ""

@@ -48,6 +48,8 @@ Parsed = tuple[str, list[ToolCall]]
 
 
 class HermesParser:
+    """Each call between <tool_call> and </tool_call>; Hermes's body is JSON, and subclasses read others."""
+
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def start(self, text: str) -> int:
@@ -59,11 +61,14 @@ class HermesParser:
             return text, []
         calls = []
         for part in text[begin:].split(self.OPEN)[1:]:
-            call = call_of(part.split(self.CLOSE)[0].strip(), ("arguments", "parameters"))
+            call = self.read_call(part.split(self.CLOSE)[0], use)
             if call is None:
                 return text, []
             calls.append(call)
         return text[:begin], calls
+
+    def read_call(self, body: str, use: ToolUse | None) -> ToolCall | None:
+        return call_of(body.strip(), ("arguments", "parameters"))
 
 
 class Llama3JsonParser:
@@ -114,31 +119,22 @@ class MistralParser:
         return text[:begin], [call for call in calls if call is not None]
 
 
-class Qwen3CoderParser:
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+class Qwen3CoderParser(HermesParser):
+    """Hermes's tags around XML-like calls, each parameter typed by the tool's schema."""
+
     FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
     PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
-    def start(self, text: str) -> int:
-        return marker_start(text, self.OPEN)
-
-    def parse(self, text: str, use: ToolUse | None = None) -> Parsed:
-        begin = text.find(self.OPEN)
-        if begin < 0:
-            return text, []
-        calls = []
-        for part in text[begin:].split(self.OPEN)[1:]:
-            function = self.FUNCTION.search(part.split(self.CLOSE)[0])
-            if function is None:
-                return text, []
-            name = function[1].strip()
-            schema = _properties(use, name)
-            arguments = {
-                key.strip(): _typed(value, schema.get(key.strip()))
-                for key, value in self.PARAMETER.findall(function[2])
-            }
-            calls.append(ToolCall(name, json.dumps(arguments)))
-        return text[:begin], calls
+    def read_call(self, body: str, use: ToolUse | None) -> ToolCall | None:
+        function = self.FUNCTION.search(body)
+        if function is None:
+            return None
+        name = function[1].strip()
+        schema = _properties(use, name)
+        arguments = {
+            key.strip(): _typed(value, schema.get(key.strip())) for key, value in self.PARAMETER.findall(function[2])
+        }
+        return ToolCall(name, json.dumps(arguments))
 
 
 class PythonicParser:
