@@ -172,6 +172,18 @@ class WorkerConfig:
         short="-q",
         choices=("compressed-tensors", "gptq", "awq", "fp8", "gptq_marlin", "awq_marlin"),
     )
+    runner: str = option(
+        "auto",
+        "generate tokens, or pool each prompt into one vector (embeddings, scores, classification: "
+        "/v1/embeddings, /pooling, /score, /rerank, /classify); auto: pooling for a checkpoint without an LM head "
+        "(a bare ...Model or a ...ForSequenceClassification), generate otherwise",
+        choices=("auto", "generate", "pooling"),
+    )
+    pooler_config: str | None = option(
+        None,
+        'how a pooling model pools, as JSON: {"pooling_type": "LAST|MEAN|CLS", "normalize": true|false} (None: its '
+        "sentence-transformers files, else LAST and normalized)",
+    )
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory for weights, activations and KV cache")
     kv_cache_memory: float = option(1.0, "GiB of KV cache on CPU")
     swap_space: float = option(4.0, "GiB of CPU swap space for KV blocks")

@@ -25,8 +25,8 @@ from shared.sampling import SamplingParams
 # whether the worker keeps a sequence's samples; 6: a request's priority and tenant; 7: a step's block
 # moves are one list of transfers between tiers; 8: a disk tier; 9: a result times its transfers; 10: a failed
 # step's result names the sequences whose inputs failed it, and an adapter is known by its files' digest;
-# 11: a Shutdown may ask for a restart, and reads from disk run off the step
-PROTOCOL_VERSION = 11
+# 11: a Shutdown may ask for a restart, and reads from disk run off the step; 12: pooling models
+PROTOCOL_VERSION = 12
 
 
 # --- api <-> scheduler -------------------------------------------------------------------
@@ -39,6 +39,29 @@ class Hello:
     api_id: str
 
 
+MAX_LABELS = 1024  # a classifier's labels that are named to the api
+
+
+@dataclass(slots=True)
+class PoolingSpec:
+    """What a pooling model (`--runner pooling`) gives for a prompt: the hidden state at its last token, the
+    mean over its tokens, or at its first (`pooling_type` LAST, MEAN, CLS), L2-normalized or not; a
+    classifier's head applied to that for "classify" requests."""
+
+    pooling_type: str
+    normalize: bool
+    hidden_size: int
+    num_labels: int = 0  # 0: no classifier head
+    labels: list[str] = field(default_factory=list)  # each label's name, in order (config.json's id2label)
+    matryoshka_dimensions: list[int] = field(default_factory=list)  # sizes it may be cut to; [] with `any_dimensions`
+    any_dimensions: bool = False  # config.json's is_matryoshka without a list: any size up to hidden_size
+
+    @property
+    def needs_every_token(self) -> bool:
+        """Whether every prompt position must be computed (none taken from the prefix cache)."""
+        return self.pooling_type != "LAST"
+
+
 @dataclass(slots=True)
 class SchedulerInfo:
     """Sent when the workers are ready: the api serves from then on."""
@@ -49,6 +72,7 @@ class SchedulerInfo:
     max_num_batched_tokens: int
     eos_token_ids: list[int]
     max_num_seqs: int = 0
+    pooling: PoolingSpec | None = None  # None: the model generates
 
 
 @dataclass(slots=True)
@@ -141,6 +165,7 @@ class RequestOutput:
     # second on, and its alternatives.
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[dict[int, float]] | None = None
+    pooled: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)
 
 
 @dataclass(slots=True)
@@ -175,6 +200,7 @@ class Ready:
     # may change. 0 and {} where this model serves no adapters.
     lora_half_elements: int = 0
     lora_dims: dict[str, list[int]] = field(default_factory=dict)
+    pooling: PoolingSpec | None = None  # with --runner pooling
 
 
 @dataclass(slots=True)
@@ -292,6 +318,14 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
+class PooledOutput:
+    """A pooling sequence's vector, once the step computed its prompt's last token."""
+
+    seq_id: int
+    values: list[float]
+
+
+@dataclass(slots=True)
 class StepResult:
     step_id: int
     sampled: list[SampledTokens]
@@ -308,6 +342,7 @@ class StepResult:
     failed_reads: list[bytes] = field(default_factory=list)
     transfer_ms: float = 0.0  # of forward_ms (or alone, in a step that computes nothing): the block transfers
     culprits: list[int] = field(default_factory=list)  # with `error`: the sequences whose inputs failed the step
+    pooled: list[PooledOutput] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ MAX_REPETITION_PENALTY = 2.0  # (0, 2], as in vLLM
 MAX_LOGIT_BIAS = 100.0  # each bias in [-100, 100], as in OpenAI's API
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_GRAMMAR_CHARS = 1 << 20  # a compiled grammar (llguidance's text) of at most 1 MiB
+POOLING_TASKS = ("", "embed", "classify")
 
 
 class InvalidParameter(ValueError):
@@ -56,6 +57,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     prompt_logprobs: int | None = None  # log-probabilities of the prompt's tokens, with this many alternatives
     grammar: str = ""  # what every output must match, as llguidance grammar text (the api compiles it); "": free
+    # A pooling model's request ("embed": the pooled hidden state; "classify": its classifier's logits): the
+    # prompt is computed and gives one vector, no token. "": a request that generates.
+    pooling: str = ""
 
     @property
     def constrained(self) -> bool:
@@ -177,6 +181,17 @@ class SamplingParams:
                 MAX_LOGIT_BIAS,
                 f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
             )
+        if self.pooling not in POOLING_TASKS:
+            raise InvalidParameter("pooling", f"pooling must be one of {', '.join(map(repr, POOLING_TASKS))}")
+        if self.pooling and (
+            self.num_samples != 1
+            or self.use_beam_search
+            or self.grammar
+            or self.max_tokens != 1
+            or self.needs_logprobs
+            or self.prompt_logprobs is not None
+        ):
+            raise InvalidParameter("pooling", "a pooling request is one sequence of one step, with no sampling options")
 
 
 def _integer(param: str, value: object, low: int, high: int, message: str = "") -> None:

@@ -163,15 +163,20 @@ def test_a_schema_applies_to_the_answer_after_the_thinking_ends(thinking_server)
     assert _streamed(client, server.model, **options) == ("", message.content)
 
 
+def _chat_message(server):
+    """The chat API's answer to MESSAGES, greedy, 12 tokens: what the other APIs' answers are held to."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    return (
+        client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=12, temperature=0)
+        .choices[0]
+        .message
+    )
+
+
 @pytest.mark.slow
 def test_the_messages_api_gives_the_thinking_as_a_thinking_block_first_streamed_or_not(thinking_server):
     server, _ = thinking_server
-    chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
-    reasoning = (
-        chat.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=12, temperature=0)
-        .choices[0]
-        .message.reasoning
-    )
+    reasoning = _chat_message(server).reasoning
     client = anthropic.Anthropic(base_url=server.base_url, api_key="none")
     # Anthropic's newest client leaves temperature out of create(): sent as is
     options = {"model": server.model, "max_tokens": 12, "messages": MESSAGES, "extra_body": {"temperature": 0}}
@@ -180,6 +185,32 @@ def test_the_messages_api_gives_the_thinking_as_a_thinking_block_first_streamed_
     with client.messages.stream(**options) as stream:
         streamed = stream.get_final_message()
     assert [block.model_dump() for block in streamed.content] == [block.model_dump() for block in message.content]
+
+
+@pytest.mark.slow
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item_first_streamed_or_not(thinking_server):
+    server, _ = thinking_server
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    message = _chat_message(server)
+    options = {"model": server.model, "input": MESSAGES, "max_output_tokens": 12, "temperature": 0, "store": False}
+    response = client.responses.create(**options)
+    item = response.output[0]
+    assert message.reasoning and item.type == "reasoning" and item.content[0].text == message.reasoning
+    assert response.output_text == (message.content or "")
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens <= 12
+    kinds, thought, streamed = [], "", None
+    for event in client.responses.create(**options, stream=True):  # cut by max_output_tokens: response.incomplete
+        kinds.append(event.type)
+        thought += event.delta if event.type == "response.reasoning_text.delta" else ""
+        streamed = event.response if event.type in ("response.completed", "response.incomplete") else streamed
+    assert (
+        streamed is not None
+        and thought == message.reasoning
+        and kinds.index("response.reasoning_text.done") < len(kinds) - 1
+    )
+    assert [i.model_dump(exclude={"id"}) for i in streamed.output] == [
+        i.model_dump(exclude={"id"}) for i in response.output
+    ]
 
 
 def test_chat_template_kwargs_reach_the_template_but_may_not_set_what_the_server_sets():

@@ -29,7 +29,7 @@ from services.api.requests import (
     parse_load_lora_adapter,
     parse_unload_lora_adapter,
 )
-from services.api.responses import ResponseStore
+from services.api.response_store import ResponseStore
 from services.api.streams import DISCONNECTED, collect_chunks, first_chunk, merged_streams, prepend, unless_disconnected
 from services.api.structured import GrammarCompiler
 from services.api.tools import TOOL_CALL_PARSERS, ToolCallParser
@@ -277,6 +277,10 @@ class OpenAIServer:
         if info is None:  # the scheduler is (re)starting or its workers are not ready
             raise ApiError(
                 "the server is not ready to generate; retry shortly", status=503, type="server_error", code="not_ready"
+            )
+        if info.pooling is not None:
+            raise ApiError(
+                "this model pools prompts (--runner pooling): it serves /v1/embeddings and the like, not text"
             )
         context = info.max_model_len
         if not prompt_ids:

@@ -23,6 +23,7 @@ from services.api.engine_group import EngineGroup
 from services.api.errors import ApiError
 from services.api.memory_return import ReturnMemoryAfterLargeBodies
 from services.api.other_apis import other_api_routes
+from services.api.pooling import pooling_routes
 from services.api.routing import Router
 from services.api.utility import utility_routes
 from shared.config import ApiConfig
@@ -69,6 +70,7 @@ def build_app(
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         *other_api_routes(server),
+        *pooling_routes(server),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),

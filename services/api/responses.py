@@ -8,7 +8,8 @@ oldest first out, and in memory only: a restart loses it), so that `previous_res
 each API key's tenant sees only its own responses. The answer is a response of `message` and `function_call`
 items with its `usage`, or its stream of typed events (`response.created`, `response.output_text.delta`,
 `response.function_call_arguments.delta`, `response.completed`, ...). What does not apply here (built-in tools
-such as web search, `background`, reasoning settings) is a 400 that names it.
+such as web search, `background`, reasoning settings) is a 400 that names it. With `--reasoning-parser`, a
+reasoning model's thinking comes first as a `reasoning` item (`response.reasoning_text.delta` events).
 """
 
 from __future__ import annotations
@@ -16,18 +17,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from services.api.errors import ApiError
 from services.api.formats import Chunk, ResponseFormat
+from services.api.reasoning import ReasoningStream
 from services.api.requests import GenerationRequest
+from services.api.response_store import ResponseStore, StoredResponse
 from services.api.tools import ToolCall, ToolCallParser, ToolCallStream, whole_message
 
-MAX_STORED_RESPONSES = 1024
-MAX_STORED_BYTES = 64 << 20
 NOT_SERVED = {
     "background": "background responses",
     "reasoning": "reasoning settings",
@@ -35,45 +34,6 @@ NOT_SERVED = {
     "prompt": "prompt templates",
     "include": "extra output fields",
 }
-
-
-@dataclass(slots=True)
-class StoredResponse:
-    tenant: str
-    messages: list[dict[str, Any]]  # the conversation, this response's output last; without its instructions
-    body: dict[str, Any]  # the response object, as GET answers it
-    size: int
-
-
-class ResponseStore:
-    """Stored responses, each its tenant's, at most `max_count` of them and `max_bytes` together: the oldest go
-    first. In memory: a restart loses them."""
-
-    def __init__(self, max_count: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES):
-        self.max_count, self.max_bytes = max_count, max_bytes
-        self._held: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._bytes = 0
-
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        if stored.size > self.max_bytes:
-            return
-        self._held[response_id] = stored
-        self._bytes += stored.size
-        while len(self._held) > self.max_count or self._bytes > self.max_bytes:
-            _, dropped = self._held.popitem(last=False)
-            self._bytes -= dropped.size
-
-    def get(self, response_id: str, tenant: str) -> StoredResponse:
-        """The tenant's stored response; a 404 for any other id (another tenant's included)."""
-        held = self._held.get(response_id)
-        if held is None or held.tenant != tenant:
-            raise ApiError(f"no response with id '{response_id}' is stored", status=404, code="not_found")
-        return held
-
-    def delete(self, response_id: str, tenant: str) -> None:
-        held = self.get(response_id, tenant)
-        del self._held[response_id]
-        self._bytes -= held.size
 
 
 def chat_body_of(body: object, store: ResponseStore, tenant: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -210,6 +170,7 @@ class ResponsesFormat(ResponseFormat):
     """A response of `message` and `function_call` items, whole or as its events; kept in the store when asked."""
 
     endpoint = "responses"
+    splits_thinking = True  # into a reasoning item first
 
     def __init__(
         self,
@@ -225,43 +186,72 @@ class ResponsesFormat(ResponseFormat):
         super().__init__(model_name, tokenizer, generation)
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.request, self.conversation, self.store, self.tenant = request, conversation, store, tenant
         use = generation.tools
         self.tool_use = use if use is not None and use.choice != "none" else None
         self.tool_parser = tool_parser
 
     def whole(self, chunks: list[Chunk], num_prompt: int) -> dict[str, Any]:
-        text = "".join(c.text for c in chunks)
+        text, thought, thinking_tokens = "".join(c.text for c in chunks), "", 0
+        if self.reasoning is not None:
+            thought, text = self.reasoning.split(text)
+            thinking = ReasoningStream(self.reasoning)
+            for c in chunks:  # the tokens whose text went to the thinking
+                thinking_tokens += len(c.token_ids) if thinking.feed(c.text, c.finish_reason is not None)[0] else 0
         calls: list[ToolCall] = []
         if self.tool_use is not None:
             content, calls = whole_message(self.tool_use, self.tool_parser, text)
             text, calls = content or "", _with_ids(calls)
         finish = chunks[-1].finish_reason if chunks else None
         cached = max((c.num_cached_tokens for c in chunks), default=0)
-        return self._finished(text, calls, finish, num_prompt, sum(len(c.token_ids) for c in chunks), cached)
+        generated = sum(len(c.token_ids) for c in chunks)
+        return self._finished(text, calls, finish, num_prompt, generated, cached, thought, thinking_tokens)
 
     async def stream(self, chunks: AsyncIterator[Chunk], num_prompt: int) -> AsyncIterator[str]:
         events = _Events()
         yield events("response.created", response=self._response("in_progress", []))
         yield events("response.in_progress", response=self._response("in_progress", []))
         stream = ToolCallStream(self.tool_use, self.tool_parser) if self.tool_use is not None else None
-        text, calls, finish, generated, cached = "", list[ToolCall](), None, 0, 0
+        thinking = ReasoningStream(self.reasoning) if self.reasoning is not None else None
+        text, thought, calls, finish, generated, cached, thinking_tokens = "", "", list[ToolCall](), None, 0, 0, 0
+        at = 0  # the message's output index: 1 after a reasoning item
         try:
             async for chunk in chunks:
                 generated += len(chunk.token_ids)
                 cached = max(cached, chunk.num_cached_tokens)
-                piece, found = chunk.text, list[ToolCall]()
+                final = chunk.finish_reason is not None
+                piece, found, more = chunk.text, list[ToolCall](), ""
+                if thinking is not None:
+                    more, piece = thinking.feed(piece, final)
+                if more:
+                    thinking_tokens += len(chunk.token_ids)
+                    if not thought:
+                        item = self._reasoning_item("", "in_progress")
+                        yield events("response.output_item.added", output_index=0, item=item)
+                    thought += more
+                    yield events(
+                        "response.reasoning_text.delta",
+                        item_id=self.reasoning_id,
+                        output_index=0,
+                        content_index=0,
+                        delta=more,
+                    )
+                if thought and not at and (piece or final):
+                    at = 1
+                    for event in self._reasoning_done(events, thought):
+                        yield event
                 if stream is not None:
-                    piece, found = stream.feed(chunk.text, final=chunk.finish_reason is not None)
+                    piece, found = stream.feed(piece, final)
                     found = _with_ids(found)
                 if piece:
                     if not text:
                         item = self._message_item("", "in_progress")
-                        yield events("response.output_item.added", output_index=0, item=item)
+                        yield events("response.output_item.added", output_index=at, item=item)
                         yield events(
                             "response.content_part.added",
                             item_id=self.message_id,
-                            output_index=0,
+                            output_index=at,
                             content_index=0,
                             part=_text_part(""),
                         )
@@ -269,7 +259,7 @@ class ResponsesFormat(ResponseFormat):
                     yield events(
                         "response.output_text.delta",
                         item_id=self.message_id,
-                        output_index=0,
+                        output_index=at,
                         content_index=0,
                         delta=piece,
                         logprobs=[],
@@ -279,11 +269,15 @@ class ResponsesFormat(ResponseFormat):
         except ApiError as exc:  # once the stream has started its status is sent: an error event
             yield events("error", code=exc.code, message=exc.message, param=exc.param)
             return
+        if thought and not at:  # a stream cut short while thinking
+            at = 1
+            for event in self._reasoning_done(events, thought):
+                yield event
         if text:
             yield events(
                 "response.output_text.done",
                 item_id=self.message_id,
-                output_index=0,
+                output_index=at,
                 content_index=0,
                 text=text,
                 logprobs=[],
@@ -291,12 +285,12 @@ class ResponsesFormat(ResponseFormat):
             yield events(
                 "response.content_part.done",
                 item_id=self.message_id,
-                output_index=0,
+                output_index=at,
                 content_index=0,
                 part=_text_part(text),
             )
-            yield events("response.output_item.done", output_index=0, item=self._message_item(text, "completed"))
-        first = 1 if text else 0
+            yield events("response.output_item.done", output_index=at, item=self._message_item(text, "completed"))
+        first = at + (1 if text else 0)
         for k, call in enumerate(calls):
             item = self._call_item(call)
             yield events(
@@ -317,21 +311,35 @@ class ResponsesFormat(ResponseFormat):
                 arguments=call.arguments,
             )
             yield events("response.output_item.done", output_index=first + k, item=item)
-        response = self._finished(text, calls, finish, num_prompt, generated, cached)
+        response = self._finished(text, calls, finish, num_prompt, generated, cached, thought, thinking_tokens)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         yield events(kind, response=response)
 
+    def _reasoning_done(self, events: _Events, thought: str) -> Iterator[str]:
+        yield events("response.reasoning_text.done", item_id=self.reasoning_id, output_index=0, content_index=0,
+                     text=thought)  # fmt: skip
+        yield events("response.output_item.done", output_index=0, item=self._reasoning_item(thought, "completed"))
+
     def _finished(
-        self, text: str, calls: list[ToolCall], finish: str | None, num_prompt: int, generated: int, cached: int
+        self,
+        text: str,
+        calls: list[ToolCall],
+        finish: str | None,
+        num_prompt: int,
+        generated: int,
+        cached: int,
+        thought: str = "",
+        thinking_tokens: int = 0,
     ) -> dict[str, Any]:
-        output = ([self._message_item(text, "completed")] if text else []) + [self._call_item(c) for c in calls]
+        output = [self._reasoning_item(thought, "completed")] if thought else []
+        output += ([self._message_item(text, "completed")] if text else []) + [self._call_item(c) for c in calls]
         status = "incomplete" if finish == "length" and not calls else "completed"
         response = self._response(status, output)
         response["usage"] = {
             "input_tokens": num_prompt,
             "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": generated,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": thinking_tokens},
             "total_tokens": num_prompt + generated,
         }
         if status == "incomplete":
@@ -380,6 +388,10 @@ class ResponsesFormat(ResponseFormat):
             "role": "assistant",
             "content": [_text_part(text)] if status == "completed" or text else [],
         }
+
+    def _reasoning_item(self, thought: str, status: str) -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": thought}] if thought else []
+        return {"type": "reasoning", "id": self.reasoning_id, "status": status, "summary": [], "content": content}
 
     @staticmethod
     def _call_item(call: ToolCall) -> dict[str, Any]:

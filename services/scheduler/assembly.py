@@ -95,8 +95,10 @@ def build_scheduler(
         speculation,
         make_policy(config.scheduling_policy, config.max_queue_delay, config.tenant_weights),
     )
+    scheduler.pooling = first.pooling
     info = SchedulerInfo(
-        config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids, config.max_num_seqs
-    )
+        config.block_size, num_blocks, max_model_len, max_batched, first.eos_token_ids, config.max_num_seqs,
+        first.pooling,
+    )  # fmt: skip
     log.info("scheduling with %d device KV blocks, context %d tokens", num_blocks, max_model_len)
     return scheduler, info

@@ -121,6 +121,7 @@ class Request:
         "tenant",
         "waited_for_disk",
         "lora",
+        "whole_prompt",
     )
 
     def __init__(
@@ -138,6 +139,8 @@ class Request:
     ):
         self.request_id = request_id
         self.lora = lora  # the adapter it runs under; None: the base model
+        # Computed from its first position, nothing taken from the prefix cache: a prompt pooled over every token
+        self.whole_prompt = False
         # The parent key of its first block in the prefix cache: no block is shared across salts or adapters.
         self.cache_root = salted_root(cache_salt, lora.key if lora is not None else "")
         self.prompt_token_ids = prompt_token_ids

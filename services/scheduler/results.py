@@ -14,7 +14,7 @@ from services.scheduler.beam_search import BeamInput, BeamSearch, Candidate
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus, Sequence
 from services.scheduler.sequences import SequenceRegistry
-from shared.protocol import PromptLogprobs, RequestOutput, SampledTokens, SequenceDelta, StepResult
+from shared.protocol import PooledOutput, PromptLogprobs, RequestOutput, SampledTokens, SequenceDelta, StepResult
 
 
 def error_output(request_id: str, num_prompt_tokens: int, message: str, reason: str) -> RequestOutput:
@@ -58,6 +58,8 @@ class ResultProcessor:
                     self.kv_cache.cache_full_blocks(seq)
         for computed in result.prompt_logprobs:
             self._record_prompt_logprobs(computed)
+        for pooled in result.pooled:
+            self._finish_pooled(pooled, applied)
         for items in by_request.values():
             request = items[0][0].request
             if request.sampling.use_beam_search:
@@ -81,6 +83,18 @@ class ResultProcessor:
                     request.request_id, request.num_prompt_tokens, f"the worker refused this request: {reason}", "error"
                 )
             )
+
+    def _finish_pooled(self, pooled: PooledOutput, applied: Applied) -> None:
+        """A pooling request ends with its prompt: its vector is its output, and its blocks go."""
+        seq = self.registry.sequences.get(pooled.seq_id)
+        if seq is None or seq.request.status is not RequestStatus.RUNNING:
+            return  # aborted or preempted while the step ran
+        request = seq.request
+        self.registry.finish_sequence(seq, "stop")
+        self._end(request, applied)
+        output = self._output(request, [SequenceDelta(0, [], [], [], "stop")], True)
+        output.pooled = pooled.values
+        applied.outputs.append(output)
 
     def _end(self, request: Request, applied: Applied) -> None:
         self.registry.release(request)

@@ -43,7 +43,7 @@ from services.scheduler.statistics import SchedulerStatistics
 from services.scheduler.stats import Stats
 from services.scheduler.steps_in_flight import StepsInFlight
 from services.scheduler.stopping import StopRule
-from shared.protocol import AddRequest, RequestOutput, SequenceDelta, Step, StepResult
+from shared.protocol import AddRequest, PoolingSpec, RequestOutput, SequenceDelta, Step, StepResult
 from shared.sampling import InvalidParameter
 
 __all__ = ["Budgets", "ConfigError", "PreemptionPolicy", "Scheduler"]
@@ -108,6 +108,7 @@ class Scheduler:
             self._reserved_blocks,
         )
         self.needs_drain = False  # the last plan stopped short of a preemption
+        self.pooling: PoolingSpec | None = None  # the workers pool prompts (--runner pooling): what they give
         self._next_order = 0
         # Views for the server and the tests (each object is its owner's, changed in place only)
         self.requests, self.sequences = self.registry.requests, self.registry.sequences
@@ -126,6 +127,8 @@ class Scheduler:
                 problem = self.admission.problem(message)
         except InvalidParameter as exc:
             problem = f"{exc.param}: {exc}"
+        if problem is None and bool(message.sampling.pooling) != (self.pooling is not None):
+            problem = "this model pools prompts: it does not generate" if self.pooling else "this model does not pool"
         if problem is not None:
             return error_output(message.request_id, len(message.prompt_token_ids), problem, "rejected")
         request = Request(
@@ -140,6 +143,7 @@ class Scheduler:
             self.clock(),
             message.lora,
         )
+        request.whole_prompt = self.pooling is not None and self.pooling.needs_every_token
         self._next_order += 1
         self.kv_cache.count_request(request)
         self.registry.add(request)

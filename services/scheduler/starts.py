@@ -70,7 +70,7 @@ def plan_start(
     size = manager.block_size
     leader, *others = request.seqs
     # Prompt log-probabilities come from computing the prompt: no cached blocks until they are out.
-    wants_prompt = request.prompt_logprobs is not None and not request.prompt_logprobs_sent
+    wants_prompt = request.whole_prompt or (request.prompt_logprobs is not None and not request.prompt_logprobs_sent)
     hits = PrefixMatch() if wants_prompt else manager.match_prefix(leader, disk)
     num_hit = hits.num_blocks
     n = fit(leader.num_tokens - num_hit * size, budget, chunked_prefill)

@@ -16,10 +16,11 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels.cpu_linear import describe_products, gemm_build, packs
-from services.worker.model_config import read_config
+from services.worker.model_config import ModelLoadError, read_config
 from services.worker.models import ARCHITECTURES
 from services.worker.models.base import Embedding, PagedCausalLM
 from services.worker.models.linear import Linear, prepare_layers
+from services.worker.pooling import BARE_EMBEDDING, add_head
 from services.worker.quantization.loading import load_quantized, quantized_layers
 from services.worker.quantization.schemes import QuantizationConfig, QuantizationError, read_quantization
 from services.worker.tensor_parallel import SINGLE, Shard, TensorParallel
@@ -30,10 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class ModelLoadError(RuntimeError):
-    pass
 
 
 def load_config(model_dir: str) -> PretrainedConfig:
@@ -139,14 +136,19 @@ def load_model(
     seed: int = 0,
     tp: TensorParallel = SINGLE,
     quantization: str | None = None,
+    pooling: bool = False,
 ) -> tuple[PagedCausalLM, PretrainedConfig]:
     """The model of `model_dir` on `device`, this rank's share of it, and its config. A quantized checkpoint's
-    linear layers (config.json's quantization_config, or `quantization`, vLLM's --quantization) get its methods."""
+    linear layers (config.json's quantization_config, or `quantization`, vLLM's --quantization) get its methods.
+    `pooling`: for --runner pooling (a classifier's head; no LM head needed)."""
     started = time.monotonic()
     config = load_config(model_dir)
     quant = quantization_of(config, quantization)
     dtype = resolve_dtype(config, dtype_name, device)
     model = build_on_meta(config, tp)
+    if pooling:
+        with torch.device("meta"):
+            add_head(model, config)
     if quant is not None and not model.quantizable:
         raise ModelLoadError(f"{type(model).__name__} is not served quantized (Llama, Mistral, Qwen2 and Qwen3 are)")
     try:
@@ -294,9 +296,11 @@ def read_weights(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, or of `shards` only this rank's part, read as such."""
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    names: list[str] | None = None
     if os.path.isfile(index_path):
         with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = json.load(f)["weight_map"]
+        files, names = sorted(set(weight_map.values())), list(weight_map)
     else:
         files = ["model.safetensors"]
     state: dict[str, torch.Tensor] = {}
@@ -310,10 +314,12 @@ def read_weights(
         )
         try:
             with safe_open(path, "pt") as f:
+                # A bare decoder (a pooling model's `...Model`) names its tensors as the causal model's `model.`
+                prefix = "model." if BARE_EMBEDDING in (names if names is not None else f.keys()) else ""
                 for key in f.keys():  # noqa: SIM118 (a safetensors file, not a dict)
                     if not key.endswith(ignored):
-                        shard = (shards or {}).get(key)
-                        state[key] = shard.take(f.get_slice(key)) if shard else f.get_tensor(key)
+                        shard = (shards or {}).get(prefix + key)
+                        state[prefix + key] = shard.take(f.get_slice(key)) if shard else f.get_tensor(key)
         except Exception as exc:  # safetensors reports corruption with several error types
             raise ModelLoadError(f"weight file {path} is unreadable: {exc}") from None
     return state

@@ -4,6 +4,7 @@ of a step: one that fails on some sequences' own inputs names them (`SequenceFau
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from services.worker.grammar import GrammarState
 from services.worker.ngram import NgramIndex
@@ -26,6 +27,7 @@ class SequenceMirror:
     grammar: GrammarState | None = None  # with SamplingParams.grammar: where its output stands in it
     lookup: NgramIndex | None = None  # the n-gram proposer's index of its tokens, built on first use
     lora: str = ""  # the adapter it runs under; "": the base model
+    pooled: Any = None  # a pooling prompt's running state (services/worker/pooling.py), where it spans steps
 
     def copy(self, index: int, row: int) -> SequenceMirror:
         return SequenceMirror(

@@ -13,6 +13,11 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint that cannot be served, and why."""
+
+
 _LLAMA_LIKE = {
     "rms_norm_eps": 1e-6,
     "hidden_act": "silu",

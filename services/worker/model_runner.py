@@ -38,8 +38,9 @@ from services.worker.mirrors import (
     rows_by_adapter,
     rows_to_sample,
 )
-from services.worker.ngram import NgramProposer
-from services.worker.sampler import Sampler, SampleRow
+from services.worker.ngram import NgramProposer, look_up_proposals
+from services.worker.pooling import Pooler
+from services.worker.sampler import Sampler, SampleRow, prompt_logprobs_of
 from services.worker.step_inputs import StepInputs
 from shared.prefix_keys import KEY_BYTES
 from shared.protocol import (
@@ -47,7 +48,7 @@ from shared.protocol import (
     DISK,
     HOST,
     NewSequence,
-    PromptLogprobs,
+    PooledOutput,
     SampledTokens,
     ScheduledSequence,
     Step,
@@ -77,8 +78,10 @@ class ModelRunner:
         ngram: NgramProposer | None = None,
         graphs: DecodeGraphs | None = None,
         adapters: LoraAdapters | None = None,
+        pooler: Pooler | None = None,
     ) -> None:
         self.model = model
+        self.pooler = pooler  # --runner pooling: prompts become vectors, not tokens
         self.adapters = adapters  # with --enable-lora: the adapters loaded into pages of the KV cache
         self.cache = cache
         self.device = device
@@ -168,9 +171,10 @@ class ModelRunner:
         positions: list[int] = []
         starts, context_lens, rows = [0], [], []
         to_sample: list[int] = []
+        pooled_entries: list[int] = []  # pooling requests' prompt chunks
         prompt_logprob_entries: list[int] = []  # of entries whose prompt tokens' logprobs are wanted
         # seq_id -> what its positions after its last token hold (a draft model's: once drafted)
-        proposals = self._look_up_proposals(scheduled, self.ngram) if self.ngram is not None else {}
+        proposals = look_up_proposals(scheduled, self.mirrors, self.ngram) if self.ngram is not None else {}
         for i, entry in enumerate(scheduled):
             mirror = self.mirrors[entry.seq_id]
             end = entry.start + entry.num_tokens
@@ -183,7 +187,9 @@ class ModelRunner:
             starts.append(starts[-1] + entry.num_tokens)
             context_lens.append(end)
             rows.append(mirror.row)
-            if known_end == len(mirror.token_ids):
+            if mirror.sampling.pooling:
+                pooled_entries.append(i)
+            elif known_end == len(mirror.token_ids):
                 to_sample.append(i)
 
         if self.threads is not None:
@@ -215,8 +221,12 @@ class ModelRunner:
             hidden = self.graphs.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
-        logits = self.model.logits(hidden[inputs.logit_rows])
-        prompt_logprobs = [self._prompt_logprobs(scheduled[i], starts[i], hidden) for i in prompt_logprob_entries]
+        logits = self.model.logits(hidden[inputs.logit_rows]) if logit_rows else None
+        pooled = [self._pool(scheduled[i], hidden[starts[i] : starts[i + 1]]) for i in pooled_entries]
+        prompt_logprobs = [
+            prompt_logprobs_of(self.model, self.mirrors[scheduled[i].seq_id], scheduled[i], starts[i], hidden)
+            for i in prompt_logprob_entries
+        ]
         sampled_at = time.perf_counter()
 
         sample_rows = [
@@ -267,19 +277,17 @@ class ModelRunner:
             reads=read,
             failed_reads=failed_reads,
             transfer_ms=transfer_ms,
+            pooled=[output for output in pooled if output is not None],
         )
 
-    def _prompt_logprobs(self, entry: ScheduledSequence, first_row: int, hidden: torch.Tensor) -> PromptLogprobs:
-        """How likely each prompt token this step computed for `entry` was (its hidden rows start at `first_row`)."""
+    def _pool(self, entry: ScheduledSequence, rows: torch.Tensor) -> PooledOutput | None:
         mirror = self.mirrors[entry.seq_id]
-        wanted = mirror.sampling.prompt_logprobs
-        last = min(entry.start + entry.num_tokens, mirror.num_prompt_tokens - 1)  # positions predicting a prompt token
-        rows = torch.arange(first_row, first_row + last - entry.start, device=self.device)
-        logprobs = torch.log_softmax(self.model.logits(hidden[rows]).float(), dim=-1)
-        targets = torch.tensor(mirror.token_ids[entry.start + 1 : last + 1], device=self.device)
-        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-        top_values, top_ids = logprobs.topk(wanted, dim=-1) if wanted else (logprobs[:, :0], logprobs[:, :0].long())
-        return PromptLogprobs(entry.seq_id, entry.start + 1, chosen, top_ids.tolist(), top_values.tolist())
+        assert self.pooler is not None  # _refusal refused pooling requests otherwise
+        try:
+            values = self.pooler.add(mirror, entry.start, rows, entry.start + entry.num_tokens == len(mirror.token_ids))
+        except ValueError as exc:
+            raise SequenceFault(str(exc), [entry.seq_id]) from exc
+        return PooledOutput(entry.seq_id, values) if values is not None else None
 
     # --- checks: a bad sequence is refused alone; a bad block operation fails the step ----
 
@@ -296,6 +304,10 @@ class ModelRunner:
             )
         ):
             return f"adapter {new.lora!r} is not loaded"
+        if self.pooler is not None:
+            return self.pooler.refusal(new.sampling.pooling)
+        if new.sampling.pooling:
+            return "this model generates; pooling requests need a worker started with --runner pooling"
         return None  # its sampling parameters: the scheduler checked them (docs/design/checks.md)
 
     def _accepts(self, entry: ScheduledSequence, failures: dict[int, str]) -> ScheduledSequence | None:
@@ -337,24 +349,6 @@ class ModelRunner:
             self._drop(entry.seq_id)
             return None
         return entry
-
-    def _look_up_proposals(self, scheduled: list[ScheduledSequence], ngram: NgramProposer) -> dict[int, list[int]]:
-        """Each entry's draft tokens by prompt lookup; an entry computes only the proposals found (its
-        place in `scheduled`, this step's own list, takes a copy that says so)."""
-        proposals = {}
-        for i, entry in enumerate(scheduled):
-            if entry.num_draft_tokens:
-                mirror = self.mirrors[entry.seq_id]
-                if mirror.lookup is None:
-                    mirror.lookup = ngram.new_index()
-                found = ngram.propose(mirror.token_ids, mirror.lookup, entry.num_draft_tokens)
-                scheduled[i] = dataclasses.replace(
-                    entry,
-                    num_tokens=entry.num_tokens - entry.num_draft_tokens + len(found),
-                    num_draft_tokens=len(found),
-                )
-                proposals[entry.seq_id] = found
-        return proposals
 
     def _drop(self, seq_id: int) -> None:
         mirror = self.mirrors.pop(seq_id, None)

@@ -13,6 +13,14 @@ and the worker never waits for the scheduler. Pure Python over token ids; no tor
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
+from shared.protocol import ScheduledSequence
+
+if TYPE_CHECKING:
+    from services.worker.mirrors import SequenceMirror
+
 
 class NgramIndex:
     """Per n, each n-gram's first occurrence (the index of its last token) in a sequence's first
@@ -63,3 +71,24 @@ class NgramProposer:
             if end is not None and end < length - 1:  # an earlier occurrence than the suffix itself
                 return tokens[end + 1 : end + 1 + k]
         return []
+
+
+def look_up_proposals(
+    scheduled: list[ScheduledSequence], mirrors: dict[int, SequenceMirror], ngram: NgramProposer
+) -> dict[int, list[int]]:
+    """Each entry's draft tokens by prompt lookup; an entry computes only the proposals found (its
+    place in `scheduled`, the step's own list, takes a copy that says so)."""
+    proposals = {}
+    for i, entry in enumerate(scheduled):
+        if entry.num_draft_tokens:
+            mirror = mirrors[entry.seq_id]
+            if mirror.lookup is None:
+                mirror.lookup = ngram.new_index()
+            found = ngram.propose(mirror.token_ids, mirror.lookup, entry.num_draft_tokens)
+            scheduled[i] = dataclasses.replace(
+                entry,
+                num_tokens=entry.num_tokens - entry.num_draft_tokens + len(found),
+                num_draft_tokens=len(found),
+            )
+            proposals[entry.seq_id] = found
+    return proposals

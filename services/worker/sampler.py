@@ -11,12 +11,18 @@ depend on what else is in the batch, nor on whether it was preempted and recompu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.worker.logits_processing import process_logits, processors
 from services.worker.step_inputs import StepInputs
+from shared.protocol import PromptLogprobs, ScheduledSequence
 from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from services.worker.mirrors import SequenceMirror
+    from services.worker.models.base import PagedCausalLM
 
 
 @dataclass(slots=True)
@@ -162,3 +168,17 @@ def filtered_probs(
 
 def _mix(seed: int, index: int, counter: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + index * 0x94D049BB133111EB + counter * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+
+
+def prompt_logprobs_of(
+    model: PagedCausalLM, mirror: SequenceMirror, entry: ScheduledSequence, first_row: int, hidden: torch.Tensor
+) -> PromptLogprobs:
+    """How likely each prompt token a step computed for `entry` was (its hidden rows start at `first_row`)."""
+    wanted = mirror.sampling.prompt_logprobs
+    last = min(entry.start + entry.num_tokens, mirror.num_prompt_tokens - 1)  # positions predicting a prompt token
+    rows = torch.arange(first_row, first_row + last - entry.start, device=hidden.device)
+    logprobs = torch.log_softmax(model.logits(hidden[rows]).float(), dim=-1)
+    targets = torch.tensor(mirror.token_ids[entry.start + 1 : last + 1], device=hidden.device)
+    chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+    top_values, top_ids = logprobs.topk(wanted, dim=-1) if wanted else (logprobs[:, :0], logprobs[:, :0].long())
+    return PromptLogprobs(entry.seq_id, entry.start + 1, chosen, top_ids.tolist(), top_values.tolist())

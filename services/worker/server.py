@@ -24,12 +24,13 @@ from services.worker.disk_tier import DISK_STAGING_BLOCKS, DiskTier, fingerprint
 from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
-from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_model, numerics
+from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_config, load_model, numerics
 from services.worker.lora import LoraAdapters, tensor_parallel_shards
 from services.worker.metrics import WorkerMetrics
 from services.worker.mirrors import SequenceFault
 from services.worker.model_runner import ModelRunner
 from services.worker.ngram import NgramProposer
+from services.worker.pooling import Pooler, pooling_spec, runner_of
 from services.worker.tensor_parallel import TensorParallel
 from shared import sockets
 from shared.cli import EXIT_AT_FAULT, drain_wakeups, stops_deferred, take_the_stop
@@ -170,9 +171,12 @@ class WorkerServer:
             threads.use(threads.for_step())
         tp = join_rank_group(rank, world_size, setup.dist_init_method, device)
         torch.manual_seed(worker.seed)  # the same on every rank: they sample the same tokens
+        runner_kind = runner_of(load_config(model_dir), worker.runner)
         model, config = load_model(
-            model_dir, worker.dtype, device, worker.load_format, worker.seed, tp, worker.quantization
-        )
+            model_dir, worker.dtype, device, worker.load_format, worker.seed, tp, worker.quantization,
+            pooling=runner_kind == "pooling",
+        )  # fmt: skip
+        spec = pooling_spec(model_dir, config, worker.pooler_config) if runner_kind == "pooling" else None
         dtype = model.lm_head.weight.dtype
         models = [(model, config)]
         speculative = scheduler.speculative
@@ -239,10 +243,11 @@ class WorkerServer:
             threads=threads,
             grammars=grammars,
             ngram=ngram,
+            pooler=Pooler(spec, getattr(model, "score", None)) if spec is not None else None,
         )
         swap_rate = cache.measure_swap_bandwidth()
         prefill_rate = self.runner.measure_prefill_rate()
-        if device.type in ("cuda", "cpu") and not worker.enforce_eager:
+        if device.type in ("cuda", "cpu") and not worker.enforce_eager and spec is None:  # pooling never decodes
             self.runner.graphs = capture_decode_graphs(model, cache, device, setup, config, world_size)
         log.info(
             "measured: swap %.2f GB/s, prefill %.0f tokens/s%s",
@@ -267,6 +272,7 @@ class WorkerServer:
             device.type,
             speculative.method if speculative is not None else "",
             num_host_cache_blocks,
+            pooling=spec,
         )
         if setup.lora.enable_lora:
             self._enable_adapters(setup.lora, cache, model, config, dtype)

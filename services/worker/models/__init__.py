@@ -12,3 +12,7 @@ ARCHITECTURES = {
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
+# Pooling models (--runner pooling) of the same families: a bare decoder (an embedding model's), and a classifier
+for _family, _model in (("Llama", LlamaForCausalLM), ("Mistral", LlamaForCausalLM), ("Qwen2", Qwen2ForCausalLM),
+                        ("Qwen3", Qwen3ForCausalLM)):  # fmt: skip
+    ARCHITECTURES[f"{_family}Model"] = ARCHITECTURES[f"{_family}ForSequenceClassification"] = _model
