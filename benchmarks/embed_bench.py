@@ -2,7 +2,8 @@
 dtype and batches, the same client sending the same token ids to `/v1/embeddings`.
 
 Every system is up at once and each workload runs on each in turn, repetition after repetition (A B C A B C),
-so a drift of the machine's speed falls on all alike. vLLM runs as it starts and with its worker on every core
+so a drift of the machine's speed falls on all alike. Each workload and repetition has inputs of its own, so
+vLLM's prefix cache (on as it starts) finds nothing. vLLM runs as it starts and with its worker on every core
 (VLLM_CPU_OMP_THREADS_BIND); the better of the two per repetition is "vLLM at its best".
 
     python benchmarks/embed_bench.py --vllm-venv /work/vllm-venv --model /path/to/model --dtype bfloat16 \
@@ -19,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -113,7 +115,11 @@ def main() -> None:
                 asyncio.run(embed_all(ports[name], token_ids(warm, 0, args.vocab), warm))
             for repeat in range(args.repeats):
                 for workload_name, workload in workloads.items():
-                    inputs = token_ids(workload, 1000 * repeat + len(workload_name), args.vocab)
+                    # Inputs of their own for each workload and repetition: none is in a prefix cache (on by
+                    # default in vLLM) from another.
+                    inputs = token_ids(
+                        workload, 1000 * (repeat + 1) + zlib.crc32(workload_name.encode()) % 1000, args.vocab
+                    )
                     for name in systems:
                         result = asyncio.run(embed_all(ports[name], inputs, workload))
                         runs[name][repeat][workload_name] = result

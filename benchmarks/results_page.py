@@ -24,7 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
-PAGES_WITH_TABLES = (PAGE, ROOT / "docs" / "features" / "quantization.md")  # a table may sit on several pages
+# a table may sit on several pages
+PAGES_WITH_TABLES = (
+    PAGE,
+    ROOT / "docs" / "features" / "quantization.md",
+    ROOT / "docs" / "features" / "pooling-models.md",
+)
 IMAGES = ROOT / "docs" / "img" / "results"
 DIGEST_KEY = "pagedserve-inputs"
 
@@ -269,6 +274,28 @@ def quality_table(data: dict[str, dict]) -> list[str]:
     ]
 
 
+EMBEDDING_FILES = ("embeddings/llama-12l-768-bf16.json",)
+
+
+def embeddings_table(data: dict[str, dict]) -> list[str]:
+    """benchmarks/embed_bench.py's sittings: embeddings per second, pagedserve against vLLM at its best."""
+    lines = ["| model, workload | pagedserve, embeddings/s | vLLM at its best | ratio |", "| --- | --- | --- | --- |"]
+    for name in EMBEDDING_FILES:
+        record = data[name]
+        runs = record["runs"]
+        for workload, shape in record["workloads"].items():
+            ours = [run[workload]["embeddings_per_s"] for run in runs["pagedserve"]]
+            peers = [runs[s] for s in ("vllm", "vllm-all-cores")]
+            best = [max(peer[i][workload]["embeddings_per_s"] for peer in peers) for i in range(len(ours))]
+            label = (
+                f"{Path(record['model']).name}, {shape['inputs']} inputs of {shape['tokens']} tokens, "
+                f"{shape['batch']} a request, {shape['concurrency']} at once"
+            )
+            ratios = [a / b for a, b in zip(ours, best)]
+            lines.append(f"| {label} | {spread(ours)} | {spread(best)} | **{spread(ratios, 2, 'x')}** |")
+    return lines + ["", provenance(data)]
+
+
 SECTIONS = (
     Section(
         "peer-float",
@@ -283,6 +310,7 @@ SECTIONS = (
         lambda data: peer_table(quantized_rows(), data, baseline=True),
     ),
     Section("quantized-quality", ("quantized_quality.json",), None, quality_table),
+    Section("peer-embeddings", EMBEDDING_FILES, None, embeddings_table),
     Section("paper-memory", ("archive/fig2_memory_breakdown.json",), draw_memory, memory_table),
     Section(
         "paper-rate-sharegpt",
