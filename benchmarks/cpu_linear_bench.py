@@ -11,7 +11,10 @@ is theirs.
 
 Each product is timed as the worker calls it: into an output made beforehand, and for bfloat16 weights
 from rows already in bfloat16 where the build takes them (the norm and activation kernels before a
-projection write them so); torch's bfloat16 product likewise gets bfloat16 rows.
+projection write them so); torch's bfloat16 product likewise gets bfloat16 rows. A decode step's products (up to
+DECODE_ROWS rows) are replayed from C, as the worker replays a decode step's kernel calls (kernels/replay.py),
+with no Python between them; a prompt's are called from Python, as the worker calls them (the JSON keeps the rate
+of a call from Python for every size too, `<layout>_call`).
 
 Then weights of the 12-layer, 768-wide Llama of `ops/configs/llama-12l-768` (fused q/k/v and gate/up,
 the down projection and the LM head) and of the shipped model's MLP, from one row (a decode at
@@ -46,7 +49,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.provenance import commit, cpu_model  # noqa: E402
-from kernels import native  # noqa: E402
+from kernels import native, replay  # noqa: E402
 from kernels.cpu_int8_linear import int8_build, int8_linear, pack_int8  # noqa: E402
 from kernels.cpu_linear import bf16_rows, gemm, gemm_build, gemm_codes, pack, pack_codes  # noqa: E402
 
@@ -55,6 +58,7 @@ ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_ROWS", "1,4,16,48,256,2
 STEP_ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_STEP_ROWS", "1,4,16,48,256").split(",")]
 THREADS = [int(t) for t in os.environ.get("PAGEDSERVE_BENCH_THREADS", "1,2").split(",")]
 STEP_LAYERS = 12
+DECODE_ROWS = 256  # the worker's decode steps replay their kernel calls up to --max-num-seqs rows (256 by default)
 HUGE_PAGE = 2 << 20
 WEIGHTS = {  # name: (out features, in features)
     "12-layer qkv": (1280, 768),
@@ -144,7 +148,9 @@ def product(layout: str):
         scales = {}
 
         def int8(x, p, n, out):
-            return int8_linear(x, p, scales.setdefault(n, torch.ones(n)), None, out=out)
+            if n not in scales:  # made once: a replay allocates nothing
+                scales[n] = torch.ones(n)
+            return int8_linear(x, p, scales[n], None, out=out)
 
         return int8
     if layout == "int4":
@@ -155,6 +161,15 @@ def product(layout: str):
 def as_the_worker_gives(x: torch.Tensor, layout: str) -> torch.Tensor:
     """`x` as the worker hands it to a `layout` product: bfloat16 rows where the build takes them."""
     return bf16_rows(x).clone() if layout in ("bf16", "int4") and gemm_build().bf16_rows else x
+
+
+def replayed_s(run, repeats: int = REPEATS, batch: int = 10) -> float | None:
+    """The median time of `run`'s kernel calls replayed from C (kernels/replay.py), in batches of `batch` replays
+    (a replay costs about a microsecond of its own); None where its calls cannot be replayed."""
+    _, replayed, _ = replay.record(run)
+    if replayed is None:
+        return None
+    return median_s(lambda: [replayed() for _ in range(batch)], repeats) / batch
 
 
 def _timed(run) -> float:
@@ -219,9 +234,13 @@ def per_weight(peaks: dict) -> list[dict]:
             for layout, p in panels.items():
                 given = as_the_worker_gives(x, layout)
                 call = product(layout)
-                row[layout] = flops / median_s(
-                    lambda x=given, p=p, n=out_features, out=out, call=call: call(x, p, n, out), repeats
-                )
+
+                def run(x=given, p=p, n=out_features, out=out, call=call):
+                    return call(x, p, n, out)
+
+                row[f"{layout}_call"] = flops / median_s(run, repeats)
+                replayed = replayed_s(run, repeats) if rows <= DECODE_ROWS else None
+                row[layout] = flops / replayed if replayed else row[f"{layout}_call"]
                 row[f"{layout}_of_peak"] = row[layout] / peaks[PEAK_OF[layout]]
             rows_out.append(
                 {k: round(v, 3 if k.endswith("peak") else 1) if isinstance(v, float) else v for k, v in row.items()}
@@ -287,6 +306,7 @@ def whole_step(peaks: dict) -> list[dict]:
 def main() -> None:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
+    replay.prepare()
     build = gemm_build()
     if build is None or int8_build() is None:
         sys.exit("no C compiler: the packed kernels cannot be built here")
