@@ -21,8 +21,9 @@ the down projection and the LM head) and of the shipped model's MLP, from one ro
 concurrency 1) to 2,048 (a prefill): GFLOP/s (median over repeats) and, for the packed kernels, the
 fraction of the dtype's peak. These weights stay in the third-level cache between repeats; a real step
 reads every layer's weights from memory, so a second table times the linear layers of a whole 12-layer
-step, at 1 and 2 threads, with each layout's weights on huge pages as the worker has them, and gives the
-rate at which they stream (GB/s) against the probe's. Writes benchmarks/results/cpu_linear_bench.json.
+step (replayed, as the worker replays a decode step), at 1 and 2 threads, with each layout's weights on huge
+pages as the worker has them, and gives the rate at which they stream (GB/s) against the probe's. Writes
+benchmarks/results/cpu_linear_bench.json.
 
     python benchmarks/cpu_linear_bench.py
     PAGEDSERVE_BENCH_ROWS=1,16 PAGEDSERVE_BENCH_REPEATS=3 python benchmarks/cpu_linear_bench.py   # shorter
@@ -278,9 +279,13 @@ def whole_step(peaks: dict) -> list[dict]:
             for layout, ps in panels.items():
                 given = {width: as_the_worker_gives(rows_in, layout) for width, rows_in in x.items()}
                 call = product(layout)
-                calls[layout] = lambda x=given, ps=ps, outs=outs, call=call: [
-                    call(x[w.shape[1]], p, w.shape[0], outs[w.shape[0]]) for w, p in zip(weights, ps)
-                ]
+
+                def step(x=given, ps=ps, outs=outs, call=call):
+                    return [call(x[w.shape[1]], p, w.shape[0], outs[w.shape[0]]) for w, p in zip(weights, ps)]
+
+                # a decode step's calls replayed from C, as the worker makes them
+                replayed = replay.record(step)[1] if rows <= DECODE_ROWS else None
+                calls[layout] = replayed if replayed is not None else step
             times = {name: [] for name in calls}
             for _ in range(max(3, REPEATS // 3)):
                 for name, call in calls.items():
