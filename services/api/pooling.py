@@ -19,6 +19,7 @@ import math
 import struct
 import time
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -166,7 +167,7 @@ class Pooling:
         embedded = dict(zip(unique, vectors))
         return [_cosine(embedded[left], embedded[right]) for left, right in zip(lefts, rights)], tokens
 
-    async def _pool(self, request: Request, prompts: list[Prompt], task: str) -> tuple[list[list[float]], int]:
+    async def _pool(self, request: Request, prompts: Sequence[Prompt], task: str) -> tuple[list[list[float]], int]:
         """Each prompt's vector, and the prompt tokens they took; all queued at once, so they share steps."""
         server = self.server
         if len(prompts) > server.max_prompts:
@@ -212,7 +213,8 @@ class Pooling:
             self.server.metrics.requests.labels("pooling", outcome).inc()
 
     def _model(self, body: dict[str, Any]) -> str:
-        return body.get("model") if isinstance(body.get("model"), str) else self.server.model_name
+        model = body.get("model")
+        return model if isinstance(model, str) else self.server.model_name
 
     def _listing(self, kind: str, body: dict[str, Any], data: list[Any], tokens: int) -> dict[str, Any]:
         created = int(time.time())

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels.cpu_linear import describe_products, gemm_build, packs
-from services.worker.model_config import ModelLoadError, read_config
+from services.worker.model_config import ModelLoadError as ModelLoadError  # raised by load_model, named here
+from services.worker.model_config import read_config
 from services.worker.models import ARCHITECTURES
 from services.worker.models.base import Embedding, PagedCausalLM
 from services.worker.models.linear import Linear, prepare_layers

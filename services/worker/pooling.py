@@ -34,7 +34,7 @@ _SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_
 
 
 def architecture(config: Any) -> str:
-    return (getattr(config, "architectures", None) or ["?"])[0]
+    return str((getattr(config, "architectures", None) or ["?"])[0])
 
 
 def is_classifier(config: Any) -> bool:
@@ -164,5 +164,7 @@ class Pooler:
             vector = mirror.pooled / mirror.num_prompt_tokens if kind == "MEAN" else mirror.pooled
         if mirror.sampling.pooling == "classify":
             assert self.head is not None  # refused otherwise
-            return self.head(vector[None].to(rows.dtype))[0].float().tolist()
-        return (F.normalize(vector, dim=0) if self.spec.normalize else vector).tolist()
+            logits: list[float] = self.head(vector[None].to(rows.dtype))[0].float().tolist()
+            return logits
+        values: list[float] = (F.normalize(vector, dim=0) if self.spec.normalize else vector).tolist()
+        return values
