@@ -598,10 +598,14 @@ static inline __attribute__((always_inline)) vu code_pairs(vu words, int j)
 }
 
 /* code_tile for 4-bit codes by the bfloat16 dot product: each group's sums of (128 + c) x, then
- * sums += scale x those + (offset - 128 scale) x the group's sum of x (x_sums [rows][groups]). */
+ * sums += scale x those + (offset - 128 scale) x the group's sum of x (x_sums [rows][groups]). Where `ahead` is
+ * given (the first of several tiles over a panel: the others find it in cache), each step asks for the same lines
+ * of the panel PREFETCH_PANELS on, and each group for that panel's scales and offsets, so that its reads from
+ * memory overlap the other tiles' arithmetic. */
 static inline __attribute__((always_inline)) void code_tile_pairs(
     const int rows, const char *x, int64_t x_stride, const uint32_t *w, const float *scales, const float *offsets,
-    const float *x_sums, int64_t groups, int64_t group, const float *bias, float *y, int64_t y_stride, int64_t cols)
+    const float *x_sums, int64_t groups, int64_t group, const float *bias, float *y, int64_t y_stride, int64_t cols,
+    const char *ahead)
 {
     const uint32_t *xw = (const uint32_t *)x; /* bfloat16 pairs of x */
     /* Sums in chains of their own for a few rows, so that the dot product's latency, not its rate, does not bound
@@ -616,7 +620,13 @@ static inline __attribute__((always_inline)) void code_tile_pairs(
                 part0[r][c] = part1[r][c] = (vf){0};
         /* word q of the group: the codes of inputs 8q .. 8q + 7, and pairs 4q .. 4q + 3 of each row of x */
         const uint32_t *words = w + (size_t)(g * group / 8) * NR, *pairs = xw + (size_t)(g * group / 2);
+        if (ahead) {
+            const int64_t later = PREFETCH_PANELS * groups * NR + g * NR;
+            prefetch_step((const char *)(scales + later), 0, 128);
+            prefetch_step((const char *)(offsets + later), 0, 128);
+        }
         for (size_t q = 0; q < (size_t)group / 8; q++) {
+            prefetch_step(ahead, (int64_t)(g * group / 8) + (int64_t)q, NR * 4);
             const vu w0 = load_words(words + q * NR), w1 = load_words(words + q * NR + GEMM_VEC);
             for (int j = 0; j < 4; j++) {
                 const vu b0 = code_pairs(w0, j), b1 = code_pairs(w1, j);
@@ -646,9 +656,10 @@ static inline __attribute__((always_inline)) void code_tile_pairs(
 
 static void code_pairs_tile_of(int rows, const char *x, int64_t x_stride, const uint32_t *w, const float *scales,
                                const float *offsets, const float *x_sums, int64_t groups, int64_t group,
-                               const float *bias, float *y, int64_t y_stride, int64_t cols)
+                               const float *bias, float *y, int64_t y_stride, int64_t cols, const char *ahead)
 {
-#define PAIRS(ROWS) code_tile_pairs(ROWS, x, x_stride, w, scales, offsets, x_sums, groups, group, bias, y, y_stride, cols)
+#define PAIRS(ROWS)                                                                                                   \
+    code_tile_pairs(ROWS, x, x_stride, w, scales, offsets, x_sums, groups, group, bias, y, y_stride, cols, ahead)
     switch (rows) {
     case 6: PAIRS(6); break;
     case 5: PAIRS(5); break;
@@ -805,8 +816,10 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
                 float *yt = ym + m * y_stride + n;
 #if BF16_DOT
                 if (pairs) {
+                    /* the first of several tiles asks for a later panel; one tile alone streams faster without */
+                    const char *ahead = m == 0 && rows >= PREFETCH_MIN_ROWS ? (const char *)(w + PREFETCH_PANELS * words * NR) : 0;
                     code_pairs_tile_of(tile_rows, xt, x_stride, w, sc, of, x_sums + (m0 + m) * groups, groups, group,
-                                       b, yt, y_stride, cols);
+                                       b, yt, y_stride, cols, ahead);
                     continue;
                 }
 #endif
