@@ -128,7 +128,7 @@ def test_embeddings_are_hfs_hidden_states_pooled_the_same_way_over_a_batch(serve
 
 
 @pytest.mark.parametrize("name", ["llama-mean", "qwen3-last"])
-def test_token_ids_base64_and_a_cached_prefix_give_the_same_vectors(servers, models, name):
+def test_token_ids_base64_a_cached_prefix_and_the_pooling_route_give_the_same_vectors(servers, models, name):
     embeddings = client(servers[name]).embeddings
     first = embeddings.create(model=name, input=LONG).data[0].embedding
     again = embeddings.create(model=name, input=LONG).data[0].embedding  # its blocks are in the prefix cache now
@@ -136,7 +136,9 @@ def test_token_ids_base64_and_a_cached_prefix_give_the_same_vectors(servers, mod
     raw = post(servers[name], "/v1/embeddings", {"input": LONG, "encoding_format": "base64"}).json()
     packed = base64.b64decode(raw["data"][0]["embedding"])
     decoded = list(struct.unpack(f"<{len(packed) // 4}f", packed))
-    for other in (again, by_ids.data[0].embedding, decoded):
+    pooled = post(servers[name], "/pooling", {"input": [LONG]}).json()["data"][0]
+    assert pooled["object"] == "pooling"
+    for other in (again, by_ids.data[0].embedding, decoded, pooled["data"]):
         assert torch.allclose(torch.tensor(other), torch.tensor(first), atol=TOLERANCE, rtol=0)
     assert len(by_ids.data) == 2
 
