@@ -369,7 +369,7 @@ class OpenAIServer:
             async for output in outputs:
                 if output.error is not None:
                     outcome = "error"
-                    raise _engine_error(output, ready=self.client.info is not None)
+                    raise engine_error(output, ready=self.client.info is not None)
                 new_tokens = sum(len(delta.token_ids) for delta in output.sequences if not done[delta.index])
                 if new_tokens:
                     now = time.monotonic()
@@ -432,7 +432,8 @@ class OpenAIServer:
             )
 
 
-def _engine_error(output: RequestOutput, ready: bool) -> ApiError:
+def engine_error(output: RequestOutput, ready: bool) -> ApiError:
+    """The error a request the engine ended with one gets: a 400 where it was rejected, else a 503 or 500."""
     rejected = bool(output.sequences) and output.sequences[0].finish_reason == "rejected"
     message = output.error or "the request failed"
     if rejected:

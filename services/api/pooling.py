@@ -26,9 +26,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from services.api.app import LARGE_RESPONSE_ENTRIES, engine_error
 from services.api.errors import ApiError
+from services.api.large_json import encode_in_pieces
 from services.api.utility import tenant_of_request
-from shared.protocol import PoolingSpec, RequestOutput
+from shared.protocol import PoolingSpec
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -203,7 +205,7 @@ class Pooling:
             async for output in outputs:
                 if output.error is not None:
                     outcome = "error"
-                    raise _failure(output)
+                    raise engine_error(output, ready=self.server.client.info is not None)
                 if output.finished and output.pooled is not None:
                     outcome = "stop"
                     return output.pooled
@@ -222,16 +224,10 @@ class Pooling:
                 "data": data, "usage": _usage(tokens)}  # fmt: skip
 
     async def _answer(self, content: dict[str, Any], vectors: list[list[float]]) -> Response:
-        if sum(map(len, vectors)) <= 65536:
+        """As the app answers a large completion: encoded in pieces off the event loop past so many values."""
+        if sum(map(len, vectors)) <= LARGE_RESPONSE_ENTRIES:
             return JSONResponse(content)
-        encoded = await asyncio.to_thread(JSONResponse(None).render, content)  # megabytes: off the event loop
-        return Response(encoded, media_type="application/json")
-
-
-def _failure(output: RequestOutput) -> ApiError:
-    rejected = bool(output.sequences) and output.sequences[0].finish_reason == "rejected"
-    message = output.error or "the request failed"
-    return ApiError(message) if rejected else ApiError(message, status=500, type="server_error")
+        return Response(await asyncio.to_thread(encode_in_pieces, content), media_type="application/json")
 
 
 def _inputs(value: Any, param: str) -> list[Prompt]:

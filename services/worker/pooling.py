@@ -41,15 +41,17 @@ def is_classifier(config: Any) -> bool:
     return architecture(config).endswith("ForSequenceClassification")
 
 
+def is_headless(config: Any) -> bool:
+    """A checkpoint without an LM head: a bare decoder (`...Model`) or a classifier."""
+    return is_classifier(config) or architecture(config) in {f"{family}Model" for family in POOLING_FAMILIES}
+
+
 def runner_of(config: Any, flag: str) -> str:
-    """`--runner`'s value, resolved: auto pools for a checkpoint without an LM head (a bare `...Model` or a
-    classifier) and generates otherwise."""
-    name = architecture(config)
-    headless = is_classifier(config) or name in {f"{family}Model" for family in POOLING_FAMILIES}
-    if flag == "generate" and headless:
-        raise ModelLoadError(f"{name} has no LM head to generate with: serve it with --runner pooling")
+    """`--runner`'s value, resolved: auto pools for a checkpoint without an LM head and generates otherwise."""
+    if flag == "generate" and is_headless(config):
+        raise ModelLoadError(f"{architecture(config)} has no LM head to generate with: serve it with --runner pooling")
     if flag == "auto":
-        return "pooling" if headless else "generate"
+        return "pooling" if is_headless(config) else "generate"
     return flag
 
 
@@ -126,7 +128,7 @@ def add_head(model: nn.Module, config: Any) -> None:
     the embeddings where the checkpoint has none (nothing reads it; it takes no memory)."""
     if is_classifier(config):
         model.score = Linear(config.hidden_size, _num_labels(config), bias=False)
-    if architecture(config).endswith(("ForSequenceClassification", "Model")):
+    if is_headless(config):
         model.tie_word_embeddings = True
         model.tie_weights()
 
