@@ -50,6 +50,7 @@ from shared.config import (
     SchedulerConfig,
     WorkerConfig,
 )
+from shared.kv_transfer_config import KVTransferConfig
 from shared.options import add_options, from_namespace, to_flags
 
 PR_SET_PDEATHSIG = 1
@@ -62,7 +63,28 @@ SHIPPED_MODEL = os.path.join(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if getattr(args, "pd", None):  # P prefill engines, then D decode engines
+        args.num_prefill, decode = (int(n) for n in args.pd.split(":"))
+        args.data_parallel_size = args.num_prefill + decode
+    return args
+
+
+def pd_flags(args: argparse.Namespace, engine: int, directory: str) -> tuple[list[str], list[str]]:
+    """With --pd: engine i's scheduler flags and worker flags for its part, prefill or decode, and its share of the
+    cores."""
+    if not getattr(args, "pd", None):
+        return [], []
+    role = "kv_producer" if engine < args.num_prefill else "kv_consumer"
+    address = f"ipc://{os.path.join(directory, f'kv-{engine}.sock')}"
+    base = args.kv_transfer or KVTransferConfig(role)
+    config = KVTransferConfig(role, base.connector, base.ip, base.port + engine, address if not base.address else "",
+                              base.key_file, base.hold_seconds)  # fmt: skip
+    scheduler = ["--kv-transfer-config", config.to_json()]
+    if role == "kv_consumer" and not args.enable_prefix_caching:
+        scheduler.append("--enable-prefix-caching")  # fetched blocks arrive through the prefix cache
+    cores = max(1, (os.cpu_count() or 1) // args.data_parallel_size)
+    return scheduler, [] if args.cpu_threads else ["--cpu-threads", str(cores)]
 
 
 def _version() -> str:
@@ -138,6 +160,7 @@ def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
     for engine, endpoints in enumerate(engines):
         scheduler, worker = engine_names(args, engine)
         scheduler_port, worker_port = metrics_ports(args, engine)
+        pd_scheduler, pd_worker = pd_flags(args, engine, directory)
         services[scheduler] = [
             *python,
             "services.scheduler",
@@ -148,6 +171,7 @@ def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
             "--world-size",
             str(args.tensor_parallel_size),
             *scheduler_flags,
+            *pd_scheduler,
             *lora_flags,
             "--metrics-host",
             args.host,
@@ -162,6 +186,8 @@ def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
             *model,
             *to_flags(from_namespace(WorkerConfig, args)),
             *scheduler_flags,
+            *pd_scheduler,
+            *pd_worker,
             *lora_flags,
             "--metrics-host",
             args.host,
@@ -174,7 +200,8 @@ def commands(args: argparse.Namespace, directory: str) -> dict[str, list[str]]:
         *python,
         "services.api",
         "--scheduler-endpoint",
-        ",".join(e.scheduler for e in engines),
+        ",".join(e.scheduler for e in engines[getattr(args, "num_prefill", 0) :]),
+        *(["--prefill-endpoint", ",".join(e.scheduler for e in engines[: args.num_prefill])] if args.pd else []),
         *model,
         *to_flags(api),
         *lora_flags,

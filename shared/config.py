@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from shared.kv_transfer_config import KVTransferConfig
 from shared.options import option
 from shared.sampling import MAX_LOGPROBS
 from shared.sockets import MAX_MESSAGE_BYTES
@@ -22,6 +23,20 @@ def _speculative_config(text: str) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kv_transfer_config(text: str) -> KVTransferConfig | None:
+    try:
+        return KVTransferConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _pd_split(text: str) -> str:
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError("--pd takes P:D, two counts of 1 or more (say 1:1)")
+    return text
 
 
 def _tenant_weights(text: str) -> dict[str, float]:
@@ -127,6 +142,15 @@ class SchedulerConfig:
         '"num_speculative_tokens": 3}\' (default: none)',
         flag="--speculative-config",
         parse=_speculative_config,
+        render=lambda config: config.to_json(),
+    )
+    kv_transfer: KVTransferConfig | None = option(
+        None,
+        'prefill/decode disaggregation, as JSON in vLLM\'s form: \'{"kv_connector": "PagedserveConnector", '
+        '"kv_role": "kv_producer|kv_consumer|kv_both", "kv_ip": "127.0.0.1", "kv_port": 14579, '
+        '"kv_connector_extra_config": {"key_file": PATH}}\' (default: none; docs/features/disaggregation.md)',
+        flag="--kv-transfer-config",
+        parse=_kv_transfer_config,
         render=lambda config: config.to_json(),
     )
 
@@ -349,6 +373,14 @@ class LauncherConfig:
         "request to one of them (--routing). An engine that dies is started again while the others serve",
         short="-dp",
     )
+    pd: str | None = option(
+        None,
+        "prefill/decode disaggregation on this machine, P:D (say 1:1): P prefill engines and D decode engines, "
+        "the cores split evenly between them; the api computes each prompt on a prefill engine and decodes on a "
+        "decode engine, which fetches the prompt's KV blocks (docs/features/disaggregation.md). "
+        "Replaces --data-parallel-size",
+        parse=_pd_split,
+    )
     ready_timeout: float = option(300.0, "seconds to wait for /health")
     scheduler_metrics_port: int = option(
         SCHEDULER_METRICS_PORT,
@@ -381,6 +413,13 @@ class LinkConfig:
         None,
         "where the scheduler listens for the apis, e.g. tcp://0.0.0.0:5555; an api may name several engines' "
         "schedulers, comma-separated (data parallelism: each request goes to one, chosen by --routing)",
+        parse=_endpoint_list,
+        render=",".join,
+    )
+    prefill_endpoint: list[str] | None = option(
+        None,
+        "prefill/decode disaggregation: the schedulers of prefill engines (kv_producer), comma-separated; each "
+        "request's prompt is computed on one of them, its KV fetched by the --scheduler-endpoint engine that decodes",
         parse=_endpoint_list,
         render=",".join,
     )

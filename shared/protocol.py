@@ -25,8 +25,9 @@ from shared.sampling import SamplingParams
 # whether the worker keeps a sequence's samples; 6: a request's priority and tenant; 7: a step's block
 # moves are one list of transfers between tiers; 8: a disk tier; 9: a result times its transfers; 10: a failed
 # step's result names the sequences whose inputs failed it, and an adapter is known by its files' digest;
-# 11: a Shutdown may ask for a restart, and reads from disk run off the step; 12: pooling models
-PROTOCOL_VERSION = 12
+# 11: a Shutdown may ask for a restart, and reads from disk run off the step; 12: pooling models; 13: prefill/decode
+# disaggregation: a request's KV handed from a prefill engine to a decode engine
+PROTOCOL_VERSION = 13
 
 
 # --- api <-> scheduler -------------------------------------------------------------------
@@ -126,6 +127,19 @@ class LoraRef:
 
 
 @dataclass(slots=True)
+class KVHandoff:
+    """Where a decode engine fetches a prompt's KV blocks computed by a prefill engine: the prefill worker's KV
+    server, the one-time token that names this request's blocks there, and those blocks, one per `block_size`
+    prompt tokens in order. `layout` names the cache's shape and dtype: a fetch across layouts is refused."""
+
+    address: str
+    token: bytes
+    block_ids: list[int]
+    block_size: int
+    layout: str
+
+
+@dataclass(slots=True)
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -135,6 +149,11 @@ class AddRequest:
     priority: int = 0  # under --scheduling-policy priority: lower runs first
     tenant: str = ""  # whose share it counts against under --scheduling-policy fair (services/scheduler/policy.py)
     lora: LoraRef | None = None  # None: the base model
+    # Prefill/decode disaggregation: `kv_send` (to a prefill engine) keeps the prompt's blocks once the request
+    # ends, for a decode engine to fetch, and its last output says where (`RequestOutput.kv_handoff`); `kv_source`
+    # (to a decode engine) fetches the blocks it lacks from there before it computes the rest.
+    kv_send: bool = False
+    kv_source: KVHandoff | None = None
 
 
 @dataclass(slots=True)
@@ -166,6 +185,7 @@ class RequestOutput:
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[dict[int, float]] | None = None
     pooled: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)
+    kv_handoff: KVHandoff | None = None  # with AddRequest.kv_send, once it ended: where its blocks are held
 
 
 @dataclass(slots=True)
@@ -201,6 +221,8 @@ class Ready:
     lora_half_elements: int = 0
     lora_dims: dict[str, list[int]] = field(default_factory=dict)
     pooling: PoolingSpec | None = None  # with --runner pooling
+    kv_address: str = ""  # with --kv-transfer-config as a producer: where its KV server answers fetches
+    kv_layout: str = ""  # the KV cache's layers, block shape and dtype, which a fetch must match
 
 
 @dataclass(slots=True)
@@ -278,6 +300,25 @@ class BlockTransfer:
 
 
 @dataclass(slots=True)
+class KVExport:
+    """Blocks a prefill worker's KV server hands out to whoever presents `token` (until the export ends)."""
+
+    token: bytes
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class RemoteLoad:
+    """Fetch blocks `src_blocks` of a prefill engine's export (`source`) into this worker's `dst_blocks`, off the
+    step; a later result reports it loaded or failed."""
+
+    load_id: int
+    source: KVHandoff
+    src_blocks: list[int]
+    dst_blocks: list[int]
+
+
+@dataclass(slots=True)
 class Step:
     """Applied in field order: forks, drops, new sequences, block transfers (in list order), adapter loads,
     then the forward."""
@@ -290,6 +331,11 @@ class Step:
     scheduled: list[ScheduledSequence]
     transfers: list[BlockTransfer] = field(default_factory=list)
     lora_loads: list[LoraLoad] = field(default_factory=list)
+    # Prefill/decode disaggregation, applied before the forward: exports ended (their blocks may be reused from
+    # this step on), exports begun, and fetches to start.
+    kv_export_ends: list[bytes] = field(default_factory=list)
+    kv_exports: list[KVExport] = field(default_factory=list)
+    remote_loads: list[RemoteLoad] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -343,6 +389,8 @@ class StepResult:
     transfer_ms: float = 0.0  # of forward_ms (or alone, in a step that computes nothing): the block transfers
     culprits: list[int] = field(default_factory=list)  # with `error`: the sequences whose inputs failed the step
     pooled: list[PooledOutput] = field(default_factory=list)
+    loaded: list[int] = field(default_factory=list)  # RemoteLoad.load_id of fetches done since the last result
+    failed_loads: list[int] = field(default_factory=list)  # and of those that failed (their blocks are computed)
 
 
 @dataclass(slots=True)

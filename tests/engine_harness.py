@@ -20,12 +20,14 @@ from services.worker.disk_tier import DiskTier, fingerprint
 from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import KVCache, bytes_per_block
+from services.worker.kv_transport import attach
 from services.worker.loader import eos_token_ids, load_model
 from services.worker.lora import LoraAdapters
 from services.worker.model_runner import ModelRunner
 from services.worker.ngram import NgramProposer
 from shared.config import SpeculativeConfig
-from shared.protocol import AddRequest, LoraRef
+from shared.kv_transfer_config import KVTransferConfig
+from shared.protocol import AddRequest, KVHandoff, LoraRef
 from shared.sampling import SamplingParams
 from tests.scheduler_harness import check_block_accounting
 
@@ -57,6 +59,7 @@ class Engine:
         write_through: bool = False,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        kv_transfer: KVTransferConfig | None = None,
     ):
         device = torch.device(device)
         model, config = load_model(model_dir, dtype, device)
@@ -140,18 +143,31 @@ class Engine:
                 self.runner.adapters.half_elements,
                 {name: list(dims) for name, dims in self.runner.adapters.dims.items()},
             )
+        if kv_transfer is not None:  # a prefill or decode engine, as a worker and a scheduler given the flag
+            remote = manager.remote
+            remote.address, remote.layout = attach(self.cache, kv_transfer, 1), self.cache.layout
+            remote.consumes, remote.hold_seconds = kv_transfer.consumes, kv_transfer.hold_seconds
         self.scheduler = Scheduler(manager, budgets, eos_ids, policy, speculation=speculation)
+        self.handoffs: dict[str, KVHandoff | None] = {}  # request id -> where its last output says its KV is held
         self.max_running_seqs = 0
         self.steps = []
         self.depth = depth  # steps planned ahead of the one computing, as the scheduler server does with 2
         self.top_logprobs: dict[str, dict[int, list[dict[int, float]]]] = {}
 
-    def add(self, prompt: list[int], cache_salt: str = "", lora: LoraRef | None = None, **sampling) -> str:
+    def add(
+        self,
+        prompt: list[int],
+        cache_salt: str = "",
+        lora: LoraRef | None = None,
+        kv_send: bool = False,
+        kv_source: KVHandoff | None = None,
+        **sampling,
+    ) -> str:
         request_id = f"req-{next(_ids)}"
         params = SamplingParams(**{"temperature": 0.0, **sampling})
-        error = self.scheduler.add(
-            AddRequest(request_id, list(prompt), params, float(next(_ids)), cache_salt=cache_salt, lora=lora)
-        )
+        message = AddRequest(request_id, list(prompt), params, float(next(_ids)), cache_salt, lora=lora)
+        message.kv_send, message.kv_source = kv_send, kv_source
+        error = self.scheduler.add(message)
         assert error is None, error.error
         return request_id
 
@@ -175,6 +191,8 @@ class Engine:
             for output in self.scheduler.update(result):
                 choices = tokens.setdefault(output.request_id, {})
                 tops = self.top_logprobs.setdefault(output.request_id, {})
+                if output.finished:
+                    self.handoffs[output.request_id] = output.kv_handoff
                 for delta in output.sequences:
                     choices.setdefault(delta.index, []).extend(delta.token_ids)
                     tops.setdefault(delta.index, []).extend(delta.top_logprobs)

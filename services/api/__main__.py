@@ -13,6 +13,7 @@ import uvicorn
 
 from services.api.adapters import Adapters
 from services.api.application import build_app
+from services.api.disaggregation import DisaggregatedEngines
 from services.api.engine_client import EngineClient
 from services.api.engine_group import EngineGroup
 from services.api.http_deadlines import with_header_deadline
@@ -43,7 +44,7 @@ STREAM_ENDS_SECONDS = 1.5  # after --shutdown-timeout: the scheduler's last outp
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.api", formatter_class=HelpFormatter)
     add_model_args(parser)
-    add_link_args(parser, "scheduler_endpoint")
+    add_link_args(parser, "scheduler_endpoint", "prefill_endpoint")
     add_api_args(parser)
     add_lora_args(parser)
     add_wire_args(parser)
@@ -76,7 +77,7 @@ def main() -> None:
             "--trust-remote-code is accepted and changes nothing: pagedserve never runs code from a model directory"
         )
     try:
-        keys = keys_for(args, "api", args.scheduler_endpoint)
+        keys = keys_for(args, "api", args.scheduler_endpoint + (args.prefill_endpoint or []))
     except WireSecurityError as exc:
         sys.exit(f"api: {exc}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -100,13 +101,14 @@ def main() -> None:
     except (LoraError, OSError, KeyError) as exc:
         log.error("LoRA adapters: %s", exc)
         sys.exit(2)
-    client = EngineGroup(
-        [
-            EngineClient(endpoint, keys, args.max_message_bytes, args.scheduler_timeout)
-            for endpoint in args.scheduler_endpoint
-        ],
-        Router(args.routing),
-    )
+    engines = [EngineClient(e, keys, args.max_message_bytes, args.scheduler_timeout) for e in args.scheduler_endpoint]
+    if args.prefill_endpoint:
+        prefill = [EngineClient(e, keys, args.max_message_bytes, args.scheduler_timeout) for e in args.prefill_endpoint]
+        client: EngineGroup = DisaggregatedEngines(
+            EngineGroup(prefill, Router(args.routing)), engines, Router(args.routing)
+        )
+    else:
+        client = EngineGroup(engines, Router(args.routing))
     app = build_app(
         client,
         tokenizer,

@@ -21,6 +21,7 @@ from shared.protocol import (
     Abort,
     AddRequest,
     Hello,
+    KVHandoff,
     LoraRef,
     Ping,
     Pong,
@@ -148,6 +149,8 @@ class EngineClient:
         priority: int = 0,
         tenant: str = "",
         lora: LoraRef | None = None,
+        kv_send: bool = False,
+        kv_source: KVHandoff | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; aborts it if the caller stops early."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -158,7 +161,16 @@ class EngineClient:
                 queue.put_nowait(RequestOutput(request_id, 0, [], True, "the scheduler is not ready"))
             else:
                 message = AddRequest(
-                    request_id, prompt_token_ids, sampling, arrival, cache_salt, priority, tenant, lora
+                    request_id,
+                    prompt_token_ids,
+                    sampling,
+                    arrival,
+                    cache_salt,
+                    priority,
+                    tenant,
+                    lora,
+                    kv_send,
+                    kv_source,
                 )
                 frame = encode(message)
                 if len(frame) > MAX_FRAME_BYTES["AddRequest"]:  # the scheduler would drop it unread

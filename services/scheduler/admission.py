@@ -65,6 +65,10 @@ class Admission:
             return f"priority must be in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT})"
         if message.priority and not self.policy.ranks_by_priority:
             return f"priority is used only with --scheduling-policy priority (this server's is {self.policy.name})"
+        if message.kv_send and not self.kv_cache.remote.address:
+            return "kv_send: this engine is not a KV producer (--kv-transfer-config)"
+        if message.kv_source is not None and not self.kv_cache.remote.consumes:
+            return "kv_source: this engine is not a KV consumer (--kv-transfer-config)"
         num_prompt = len(message.prompt_token_ids)
         if num_prompt == 0:
             return "the prompt is empty"

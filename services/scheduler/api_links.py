@@ -46,10 +46,15 @@ class ApiLinks:
             if owner is None:
                 continue
             by_owner.setdefault(owner, []).append(output)
-            if output.finished:
+            if output.finished and output.kv_handoff is None:  # else its api may still release the blocks held
                 del self.owner_of[output.request_id]
         for owner, batch in by_owner.items():
             self.send_outputs(owner, batch)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests that ended and whose KV blocks, held for a decode engine, are released (or expired)."""
+        for request_id in request_ids:
+            self.owner_of.pop(request_id, None)
 
     def send_outputs(self, owner: bytes, outputs: list[RequestOutput]) -> None:
         self.send(owner, RequestOutputs(outputs), outputs)

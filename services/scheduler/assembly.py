@@ -63,6 +63,19 @@ def build_scheduler(
         disk,
         write_through=config.kv_offloading_policy == "write-through",
     )
+    transfer = config.kv_transfer
+    if transfer is not None:
+        if transfer.consumes and not config.enable_prefix_caching:
+            raise ConfigError(
+                "--kv-transfer-config as a consumer needs --enable-prefix-caching: fetched blocks join the prefix cache"
+            )
+        if transfer.produces and not first.kv_address:
+            raise ConfigError(
+                "--kv-transfer-config as a producer: the worker runs no KV server (start it with the flag)"
+            )
+        remote = kv_cache.remote
+        remote.address, remote.layout, remote.hold_seconds = first.kv_address, first.kv_layout, transfer.hold_seconds
+        remote.consumes = transfer.consumes
     if lora.enable_lora:
         if not first.lora_half_elements:
             raise ConfigError("--enable-lora: the workers serve no adapters (start them with --enable-lora)")

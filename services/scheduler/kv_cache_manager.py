@@ -30,8 +30,10 @@ from services.scheduler.adapter_pages import AdapterPages
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.disk_index import DiskIndex
 from services.scheduler.kv_audit import audit
+from services.scheduler.kv_connectors import Connectors
 from services.scheduler.kv_records import PrefixMatch, TransferCounts
 from services.scheduler.prefix_tiers import PrefixTiers
+from services.scheduler.remote_kv import RemoteKV
 from services.scheduler.sequence_kv import SequenceKV
 from services.scheduler.starts import StartPlan, plan_start
 from services.scheduler.stats import LoraStats
@@ -71,8 +73,11 @@ class KVCacheManager:
             write_through,
             self._transfers,
             self.moved,
+            block_size,
         )
         self.adapters: AdapterPages | None = None  # with LoRA adapters: their pages in the device pool
+        self.remote = RemoteKV(self.device_pool, block_size)  # blocks to and from other engines (P/D)
+        self.connectors = Connectors([self.tiers, self.remote], self.holds)  # the one way KV enters or leaves
         self.device_pool.on_evict = self._evicted
 
     def enable_adapters(
@@ -83,7 +88,7 @@ class KVCacheManager:
     def _evicted(self, block: int, key: bytes, tokens: tuple[int, ...]) -> None:
         if self.adapters is not None and self.adapters.evicted(key):
             return
-        self.tiers.evicted(block, key, tokens)
+        self.connectors.evicted(block, key, tokens)
 
     @property
     def disk(self) -> DiskIndex | None:
@@ -109,7 +114,7 @@ class KVCacheManager:
 
     @property
     def has_transfers(self) -> bool:
-        return bool(self._transfers)
+        return bool(self._transfers) or self.connectors.has_messages
 
     def take_transfers(self) -> list[BlockTransfer]:
         """The transfers queued since the last call, in order, for the step being built."""
@@ -200,14 +205,14 @@ class KVCacheManager:
 
     @property
     def reads_pending(self) -> bool:
-        """Reads from disk the workers started and have not reported yet."""
-        return bool(self.tiers.reading)
+        """Loads (from disk, from another engine) the workers started and have not reported yet."""
+        return self.connectors.pending
 
     def finish_reads(self, keys: list[bytes], failed: set[bytes]) -> None:
         self.tiers.finish_reads(keys, failed)
 
     def abandon_reads(self) -> None:
-        self.tiers.abandon_reads()
+        self.connectors.abandon()
 
     def plan_start(
         self, request: Request, budget: int, chunked_prefill: bool, reserved: int, watermark: bool, disk: bool = True
@@ -261,7 +266,7 @@ class KVCacheManager:
             block_hash = chain_key(parent, chunk)
             kv._hashes.append(block_hash)
             self.device_pool.cache(kv._blocks[index], block_hash, chunk)
-            self.tiers.cached(kv._blocks[index], block_hash, chunk)
+            self.connectors.cached(kv._blocks[index], block_hash, chunk)
 
     def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         hashes, parent, tokens = [], seq.request.cache_root, seq.token_ids()
@@ -417,6 +422,7 @@ class KVCacheManager:
             num_host_cache_blocks=host.num_blocks,
             num_cached_host_blocks=host.num_evictable,
             block_size=self.block_size,
+            **self.connectors.stats(),
         )
 
     def lora_stats(self) -> LoraStats | None:
@@ -436,4 +442,6 @@ class KVCacheManager:
     def audit(self, handles: Iterable[SequenceKV]) -> None:
         """Raise AssertionError unless every pool's counts add up (services/scheduler/kv_audit.py)."""
         held_pages = self.adapters.held_pages() if self.adapters is not None else {}
+        for block, count in self.connectors.held_device_blocks().items():
+            held_pages[block] = held_pages.get(block, 0) + count
         audit(handles, self.device_pool, self.swap_pool, self.host_cache, held_pages, self.tiers.reading_slots())

@@ -200,6 +200,25 @@ class StatsCollector:
             },
         )
         yield labeled_counter(
+            "pagedserve_kv_transfer_blocks",
+            "prefill/decode disaggregation: KV blocks a prefill engine exported for decode engines, and blocks a "
+            "decode engine fetched",
+            "direction",
+            {"sent": stats.blocks_exported, "received": stats.blocks_fetched},
+        )
+        yield labeled_counter(
+            "pagedserve_kv_transfer_failures",
+            "prefill/decode disaggregation: fetches that failed (the decode engine computed those blocks), and "
+            "exports freed after their hold time with no decode engine's release",
+            "kind",
+            {"fetch_failed": stats.fetches_failed, "hold_expired": stats.holds_expired},
+        )
+        yield GaugeMetricFamily(
+            "pagedserve_kv_transfer_held_blocks",
+            "prefill/decode disaggregation: device blocks a prefill engine holds for decode engines to fetch",
+            value=stats.blocks_held_for_fetch,
+        )
+        yield labeled_counter(
             "pagedserve_prefix_cache_tier_hits",
             "prompt tokens requests started on from cached "
             "blocks, by the tier that held them (counted at every start, a recomputed one again)",

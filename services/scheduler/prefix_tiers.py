@@ -11,19 +11,22 @@ in order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.disk_index import DiskIndex
+from services.scheduler.kv_connectors import KVConnector
 from services.scheduler.kv_records import PrefixMatch, TransferCounts
 from shared.prefix_keys import chain_key
 from shared.protocol import DEVICE, DISK, HOST, BlockTransfer
 
 if TYPE_CHECKING:
-    from services.scheduler.request import Sequence
+    from services.scheduler.request import Request, Sequence
+    from shared.protocol import StepResult
 
 
-class PrefixTiers:
+class PrefixTiers(KVConnector):
     def __init__(
         self,
         device_pool: BlockPool,
@@ -33,8 +36,10 @@ class PrefixTiers:
         write_through: bool,
         transfers: list[BlockTransfer],
         moved: TransferCounts,
+        block_size: int = 16,
     ):
         self.device_pool, self.host_cache, self.host_offset = device_pool, host_cache, host_offset
+        self.block_size = block_size
         self.disk = disk if host_cache.num_blocks else None
         self.write_through = write_through and bool(host_cache.num_blocks)
         self.transfers, self.moved = transfers, moved
@@ -72,6 +77,43 @@ class PrefixTiers:
             return False
         match.reads.append((key, chunk))
         return True
+
+    # --- as a connector (services/scheduler/kv_connectors.py) -----------------------------------
+
+    def start_loads(self, seq: Sequence, holds: Callable[[bytes], bool]) -> bool:
+        """Read the prompt's blocks only on disk into the host cache (those in host memory load with the start)."""
+        if self.disk is None or not self.device_pool.enable_caching:
+            return False
+        match = PrefixMatch()
+        self.match(seq, self.block_size, True, match)
+        return match.waiting or (bool(match.reads) and self.read_from_disk(match))
+
+    def is_loading(self, request: Request) -> bool:
+        """Whether a block of its prompt is being read from disk."""
+        if not self.reading or not request.seqs:
+            return False
+        tokens, size, parent = request.seqs[0].token_ids(), self.block_size, request.cache_root
+        for start in range(0, len(tokens) - size, size):
+            parent = chain_key(parent, tokens[start : start + size])
+            if parent in self.reading:
+                return True
+        return False
+
+    def loading_keys(self) -> set[bytes]:
+        return set(self.reading)
+
+    def on_result(self, result: StepResult) -> None:
+        if result.reads or result.failed_reads:
+            self.finish_reads(result.reads + result.failed_reads, set(result.failed_reads))
+
+    def abandon(self) -> None:
+        self.abandon_reads()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.reading)
+
+    # --- the disk tier --------------------------------------------------------------------------
 
     def read_from_disk(self, match: PrefixMatch) -> bool:
         """Queue reads of the match's blocks on disk into the host cache, as far as it has room. True if some

@@ -14,7 +14,7 @@ from services.scheduler.beam_search import BeamSearch
 from services.scheduler.in_flight import Flight
 from services.scheduler.sequence_kv import SequenceKV
 from shared.prefix_keys import salted_root
-from shared.protocol import LoraRef, SampledTokens
+from shared.protocol import KVHandoff, LoraRef, SampledTokens
 from shared.sampling import SamplingParams
 
 
@@ -119,9 +119,10 @@ class Request:
         "left_out_at",
         "priority",
         "tenant",
-        "waited_for_disk",
         "lora",
         "whole_prompt",
+        "kv_send",
+        "kv_source",
     )
 
     def __init__(
@@ -160,7 +161,6 @@ class Request:
         self.received = time.monotonic() if received is None else received  # at the scheduler: queue time, aging
         # Results in when a step planned ahead first left it out, to start with later arrivals in the next step.
         self.left_out_at: int | None = None
-        self.waited_for_disk = False  # once: blocks it read from disk and lost again before it started are computed
         self.first_scheduled: float | None = None
         # With sampling.prompt_logprobs: per prompt position from 1 on, filled as steps compute them.
         self.prompt_logprobs: list[float | None] | None = None
@@ -169,6 +169,10 @@ class Request:
             self.prompt_logprobs = [None] * (len(prompt_token_ids) - 1)
             self.prompt_top_logprobs = [{} for _ in range(len(prompt_token_ids) - 1)]
         self.prompt_logprobs_sent = False
+        # Prefill/decode disaggregation (services/scheduler/remote_kv.py): keep the prompt's blocks for a decode
+        # engine as it ends; or fetch them from a prefill engine first.
+        self.kv_send = False
+        self.kv_source: KVHandoff | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,6 +1,6 @@
 """Bringing requests back and starting new ones, strictly in rank order: a swapped request swaps in, a waiting one
-starts from its prefix-cache hits (reading those on disk first) as the KV cache manager plans it (starts.py), its
-adapter's pages acquired, within the step's budgets."""
+starts from its prefix-cache hits as the KV cache manager plans it (starts.py), once the KV connectors loaded what
+they could from outside (block files, another engine), its adapter's pages acquired, within the step's budgets."""
 
 from __future__ import annotations
 
@@ -72,29 +72,23 @@ class Resumption:
             if not starts_prompts or plan.tokens_left <= 0 or not self._start(request, plan) or only_head:
                 break
 
-    def _plan_start(self, request: Request, budget: int, disk: bool = True) -> StartPlan | None:
+    def _plan_start(self, request: Request, budget: int) -> StartPlan | None:
+        """Its start on the blocks the engine holds (what is still to load from outside, `ready_to_start`)."""
         return self.kv_cache.plan_start(
             request,
             budget,
             self.budgets.chunked_prefill,
             self.reserved_blocks(request),
             watermark=self.reservation.paged,
-            disk=disk,
+            disk=False,
         )
 
     def _start(self, request: Request, plan: StepPlan) -> bool:
+        if not self.kv_cache.connectors.ready_to_start(request):
+            return False  # blocks of its prompt are on their way in (from disk, another engine): it starts on them
         start = self._plan_start(request, self.planner.room(request, plan))
         if start is None:
             return False
-        if start.hits.waiting:
-            return False  # blocks of its prompt are being read from disk: it starts once a result reports them
-        if start.hits.reads:  # blocks on disk: read once, then start on them (those still there)
-            if not request.waited_for_disk and self.kv_cache.read_from_disk(start.hits):
-                request.waited_for_disk = True
-                return False
-            start = self._plan_start(request, self.planner.room(request, plan), disk=False)
-            if start is None:
-                return False
         self.queues.waiting.popleft()
         self.queues.run(request)
         leader = start.leader

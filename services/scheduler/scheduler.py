@@ -144,6 +144,7 @@ class Scheduler:
             message.lora,
         )
         request.whole_prompt = self.pooling is not None and self.pooling.needs_every_token
+        request.kv_send, request.kv_source = message.kv_send, message.kv_source
         self._next_order += 1
         self.kv_cache.count_request(request)
         self.registry.add(request)
@@ -261,6 +262,7 @@ class Scheduler:
 
     def _dequeue(self, request: Request) -> None:
         self.kv_cache.release_adapter(request)
+        self.kv_cache.connectors.forget(request)
         self.queues.take(request)
         if request.status is not RequestStatus.FINISHED:
             self.policy.left(request)
@@ -297,12 +299,14 @@ class Scheduler:
         step = self.in_flight.settle(result.step_id)
         if step is None:
             return []
-        if result.reads or result.failed_reads:
-            self.kv_cache.finish_reads(result.reads + result.failed_reads, set(result.failed_reads))
+        self.kv_cache.connectors.on_result(result)
         self.failures.ran(step.scheduled)
         applied = self.results.apply(result, step.scheduled, step.drafts)
         for request in applied.ended:
             self._dequeue(request)
+        for output in applied.outputs:
+            if output.finished:
+                output.kv_handoff = self.kv_cache.remote.handoff(output.request_id)
         if self.speculation is not None:
             self.speculation.verified(applied.verified)
             if not step.has_prompt_tokens:  # a prompt's cost would hide what speculating costs

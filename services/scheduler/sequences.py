@@ -51,7 +51,8 @@ class SequenceRegistry:
         return child
 
     def finish_sequence(self, seq: Sequence, reason: str) -> None:
-        """End a sequence and free its blocks."""
+        """End a sequence and free its blocks (a request that sends its KV to another engine holds its prompt's)."""
+        self.kv_cache.connectors.finished(seq, reason)
         self.kv_cache.free(seq)
         if seq.num_tokens_known_to_worker:
             self._dropped.append(seq.seq_id)

@@ -61,7 +61,7 @@ from shared.wire_security import WireKeys, start_authenticator
 Handler = Callable[[bytes, Any], None]  # a message type's handler: (sender, message)
 log = logging.getLogger(__name__)
 
-API_MESSAGE_CONTAINERS = 16  # an AddRequest holds 4 arrays; Abort and Hello fewer
+API_MESSAGE_CONTAINERS = 20  # an AddRequest holds 4 arrays, and a KVHandoff 2; Abort and Hello fewer
 SMALL_WORKER_FRAME = 4096  # a Ready (under 200 bytes); a result from a worker that is not rank 0 is never read
 
 
@@ -124,8 +124,7 @@ class SchedulerServer:
         self.stats_log = StatsLog(config.log_stats_interval)
         self.snapshots = Snapshots(self.context, str(id(self)))  # what a scrape of /metrics reads
         self.metrics = SchedulerMetrics(self.snapshots.fresh)
-        self.running = True
-        self.exit_code = 0
+        self.running, self.exit_code = True, 0
         self.api_handlers: dict[type, Handler] = {
             Hello: self.on_hello,
             AddRequest: self.on_add_request,
@@ -199,6 +198,7 @@ class SchedulerServer:
                 self._drain_workers()
             else:  # woken for a signal
                 drain_wakeups()
+        self.links.forget(self.scheduler.kv_cache.remote.expire() if self.scheduler is not None else [])
         if self.scheduler is not None and self.stats_log.due_in() == 0.0:
             self.stats_log.write(self.scheduler.stats())
         if self.in_flight and time.monotonic() > self.step_deadline:
@@ -225,7 +225,7 @@ class SchedulerServer:
         return stats
 
     def _poll_timeout_ms(self) -> int | None:
-        waits = [self.stats_log.due_in()]
+        waits = [self.stats_log.due_in(), self.scheduler.kv_cache.remote.due_in() if self.scheduler else None]
         if self.in_flight:
             waits.append(self.step_deadline - time.monotonic())
         if self.drain_deadline is not None:
@@ -336,6 +336,8 @@ class SchedulerServer:
             output = self.scheduler.abort(request_id)
             if output is not None:
                 self.links.route([output])
+            elif self.scheduler.kv_cache.remote.release(request_id):  # a decode engine has its blocks
+                self.links.forget([request_id])
 
     def on_refused_shutdown(self, sender: bytes, message: Shutdown) -> None:
         log.warning("refused a Shutdown from %r: the scheduler stops on a signal, not by message", sender)

@@ -44,6 +44,13 @@ class Stats:
     blocks_read_from_disk: int = 0
     disk_reads_refused: int = 0  # no whole file for the key: computed again
     num_disk_blocks: int = 0
+    # Prefill/decode disaggregation: blocks exported to decode engines, and fetched from prefill engines; fetches
+    # that failed (their blocks computed); exports no decode engine released in time; blocks held for fetches now.
+    blocks_exported: int = 0
+    blocks_fetched: int = 0
+    fetches_failed: int = 0
+    holds_expired: int = 0
+    blocks_held_for_fetch: int = 0
     disk_capacity_blocks: int = 0
     num_host_cache_blocks: int = 0  # with --kv-offloading-size
     num_cached_host_blocks: int = 0

@@ -81,6 +81,7 @@ class StepsInFlight:
             entries,
             self.kv_cache.take_transfers(),
             self.kv_cache.take_lora_loads(),
+            *self.kv_cache.remote.take(),
         )
         self._steps[step.step_id] = InFlight(
             [seq for seq, _ in scheduled],

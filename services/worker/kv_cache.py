@@ -8,8 +8,9 @@ written from the device and read into the host cache, off the step (`services/wo
 
 from __future__ import annotations
 
+import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_for
 
 import torch
@@ -17,9 +18,18 @@ import torch
 from kernels import dispatch
 from kernels.kv_quant import cache_layout
 from services.worker.disk_tier import DiskTier
+from services.worker.kv_connectors import (
+    ConnectorReport,
+    DiskConnector,
+    HostConnector,
+    RemoteConnector,
+    WorkerConnector,
+)
+from services.worker.kv_transport import layout_of
 from services.worker.step_inputs import StepInputs
-from shared.protocol import DEVICE, DISK, HOST, BlockTransfer
+from shared.protocol import DEVICE, DISK, HOST, BlockTransfer, Step
 
+log = logging.getLogger("pagedserve.worker.kv_cache")
 GIB = 1 << 30
 READ_WAIT_SECONDS = 0.02  # a step with nothing to compute waits this long at most for a read from disk
 
@@ -75,12 +85,32 @@ class KVCache:
         self._side_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._pending_out: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
         self.staging = StepInputs(self.device)  # the step's copy-on-write pairs
-        self.disk: DiskTier | None = None  # with --kv-cache-dir
-        self.reads: dict[int, tuple[bytes, Future[bool]]] = {}  # host block -> its read from disk in flight
+        self.layout = layout_of(self.cache)
+        # The one way KV enters or leaves (services/worker/kv_connectors.py): host memory always, block files with
+        # --kv-cache-dir (`disk`), other engines with --kv-transfer-config (`remote`).
+        self.connectors: list[WorkerConnector] = [HostConnector(self)]
+        self._disk: DiskConnector | None = None
+        self.remote: RemoteConnector | None = None
+        self._refused: list[bytes] = []  # reads asked for with no folder to read from
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self._disk.tier if self._disk is not None else None
+
+    @disk.setter
+    def disk(self, tier: DiskTier | None) -> None:
+        self.connectors = [c for c in self.connectors if c is not self._disk]
+        self._disk = DiskConnector(self, tier) if tier is not None else None
+        if self._disk is not None:
+            self.connectors.append(self._disk)
+
+    def connect_remote(self, connector: RemoteConnector) -> None:
+        self.remote = connector
+        self.connectors.append(connector)
 
     def transfer(self, transfers: list[BlockTransfer]) -> None:
-        """Carry out a step's block transfers in their order, each run of one kind at once; reads from disk are
-        only started."""
+        """Carry out a step's block transfers in their order, each run of one kind at once, by the connector that
+        moves that kind (copies within the device here); what a connector runs off the step it only starts."""
         run: list[BlockTransfer] = []
         for transfer in transfers:
             if run and (transfer.src_tier, transfer.dst_tier) != (run[0].src_tier, run[0].dst_tier):
@@ -92,56 +122,54 @@ class KVCache:
 
     def _run(self, run: list[BlockTransfer]) -> None:
         kind = (run[0].src_tier, run[0].dst_tier)
-        if kind == (DISK, HOST):
-            self.finish_swaps()  # a write-back to these host blocks may still be on its way
-            for t in run:
-                self.reads[t.dst_block] = (t.key, self._start_read(t))
+        if kind == (DEVICE, DEVICE):
+            self.copy_blocks([(t.src_block, t.dst_block) for t in run])
             return
-        pairs = [(t.src_block, t.dst_block) for t in run]
-        if kind == (DEVICE, HOST) or kind == (HOST, DEVICE):
-            self._await_reads([pair[kind.index(HOST)] for pair in pairs])
-        if kind == (DEVICE, DISK):  # gathered at once, written in the background
-            if self.disk is not None:
-                src, _ = _columns(pairs)
-                self.disk.write_many([t.key for t in run], self.cache[:, :, src.to(self.device)].to("cpu"))
+        connector = next((c for c in self.connectors if kind in c.moves), None)
+        if connector is not None:
+            connector.run(run)
+        elif kind == (DEVICE, DISK):  # no folder: a block cached with no file to write is only not kept
             return
-        {(DEVICE, HOST): self.swap_out, (HOST, DEVICE): self.swap_in, (DEVICE, DEVICE): self.copy_blocks}[kind](pairs)
+        elif kind == (DISK, HOST):  # and a read from it fails: the scheduler computes the block
+            self._refused.extend(t.key for t in run)
+        else:
+            raise ValueError(f"no connector moves KV from tier {kind[0]} to tier {kind[1]}")
 
-    def _start_read(self, transfer: BlockTransfer) -> Future[bool]:
-        if self.disk is None:
-            refused: Future[bool] = Future()
-            refused.set_result(False)
-            return refused
-        return self.disk.start_read(transfer.key, self.swap_space[:, :, transfer.dst_block])
+    def exchange(self, step: Step) -> None:
+        """Each connector's part of the step beyond block transfers (a decode engine's fetches, say)."""
+        for connector in self.connectors:
+            connector.start(step)
 
-    def _await_reads(self, host_blocks: list[int]) -> None:
-        """Reads into these host blocks land before anything else touches them (the scheduler moves a block only
-        once rank 0 reported its read, which another rank's may trail)."""
-        for block in host_blocks:
-            if block in self.reads:
-                self.reads[block][1].result()
+    def await_reads(self, host_blocks: list[int]) -> None:
+        if self._disk is not None:
+            self._disk.await_blocks(host_blocks)
 
-    def collect_reads(self, wait: bool = False) -> tuple[list[bytes], list[bytes]]:
-        """Keys of the reads from disk done since the last call: (whole, refused). With `wait` (a step with
-        nothing to compute), first wait a little for one to finish."""
-        if wait and self.reads:
-            wait_for(
-                [future for _, future in self.reads.values()], timeout=READ_WAIT_SECONDS, return_when=FIRST_COMPLETED
-            )
-        whole: list[bytes] = []
-        refused: list[bytes] = []
-        for block, (key, future) in list(self.reads.items()):
-            if future.done():
-                del self.reads[block]
-                (whole if not future.exception() and future.result() else refused).append(key)
-        return whole, refused
+    def gather(self, blocks: list[int]) -> torch.Tensor:
+        """Every layer's keys and values of these device blocks, in host memory."""
+        return self.cache[:, :, torch.tensor(blocks, dtype=torch.int64, device=self.device)].to("cpu")
 
-    def forget_reads(self) -> None:
-        """The scheduler abandoned the reads in flight (a step failed): they land, unreported, before their host
+    def collect(self, wait: bool = False) -> ConnectorReport:
+        """Transfers finished since the last call. With `wait` (a step with nothing to compute), first wait a
+        little for one in flight to finish."""
+        pending = [future for connector in self.connectors for future in connector.pending()]
+        if wait and pending:
+            wait_for(pending, timeout=READ_WAIT_SECONDS, return_when=FIRST_COMPLETED)
+        report = ConnectorReport(failed_reads=self._refused)
+        self._refused = []
+        for connector in self.connectors:
+            connector.collect(report)
+        return report
+
+    def forget_transfers(self) -> None:
+        """The scheduler abandoned the transfers in flight (a step failed): they land, unreported, before their
         blocks can be given to anything else."""
-        for _, future in self.reads.values():
-            future.exception()  # waits; a read that raised is only forgotten
-        self.reads.clear()
+        for connector in self.connectors:
+            connector.forget()
+        self._refused = []
+
+    def close(self) -> None:
+        for connector in self.connectors:
+            connector.close()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst becomes a copy of block src, in every layer, in one launch."""

@@ -144,6 +144,7 @@ class ModelRunner:
         for cache in self.caches:
             cache.finish_swaps()
             cache.transfer(step.transfers)
+        self.cache.exchange(step)
         for load in step.lora_loads:  # into blocks the transfers above may have written back first
             assert self.adapters is not None  # _check_transfers refused loads without adapters
             try:
@@ -154,8 +155,8 @@ class ModelRunner:
                 raise SequenceFault(f"adapter {load.name!r} could not be loaded: {exc}", users) from exc
         transfer_ms = (time.perf_counter() - transfers_started) * 1e3
         scheduled = [resolved for entry in step.scheduled if (resolved := self._accepts(entry, failures)) is not None]
-        if not scheduled:  # nothing to compute: perhaps a step to hear of reads from disk
-            read, failed_reads = self.cache.collect_reads(wait=True)
+        if not scheduled:  # nothing to compute: perhaps a step to hear of reads from disk or fetches
+            landed = self.cache.collect(wait=True)
             return StepResult(
                 step.step_id,
                 [],
@@ -163,8 +164,10 @@ class ModelRunner:
                 0.0,
                 failures=failures,
                 transfer_ms=transfer_ms,
-                reads=read,
-                failed_reads=failed_reads,
+                reads=landed.reads,
+                failed_reads=landed.failed_reads,
+                loaded=landed.loaded,
+                failed_loads=landed.failed_loads,
             )
 
         input_ids: list[int] = []
@@ -266,7 +269,7 @@ class ModelRunner:
             if self.drafter is not None and verified:
                 self.drafter.settle(mirror, mirror.num_prompt_tokens + generated, len(kept) - 1)
         done = time.perf_counter()
-        read, failed_reads = self.cache.collect_reads()
+        transfers = self.cache.collect()
         return StepResult(
             step.step_id,
             sampled,
@@ -274,9 +277,11 @@ class ModelRunner:
             (done - sampled_at) * 1e3,
             failures=failures,
             prompt_logprobs=prompt_logprobs,
-            reads=read,
-            failed_reads=failed_reads,
+            reads=transfers.reads,
+            failed_reads=transfers.failed_reads,
             transfer_ms=transfer_ms,
+            loaded=transfers.loaded,
+            failed_loads=transfers.failed_loads,
             pooled=[output for output in pooled if output is not None],
         )
 
@@ -436,8 +441,8 @@ class ModelRunner:
             at += count
 
     def reset(self) -> None:
-        """Forget every sequence, and the reads from disk in flight: after a failed step the scheduler computes
+        """Forget every sequence, and the transfers in flight: after a failed step the scheduler computes
         every request again."""
-        self.cache.forget_reads()
+        self.cache.forget_transfers()
         self.mirrors.clear()
         self.tables.reset()

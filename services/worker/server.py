@@ -24,6 +24,7 @@ from services.worker.disk_tier import DISK_STAGING_BLOCKS, DiskTier, fingerprint
 from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
+from services.worker.kv_transport import attach
 from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_config, load_model, numerics
 from services.worker.lora import LoraAdapters, tensor_parallel_shards
 from services.worker.metrics import WorkerMetrics
@@ -301,6 +302,8 @@ class WorkerServer:
                 raise ModelLoadError(str(exc)) from None
             self.ready.disk_fingerprint = print_
             log.info("KV blocks on disk: %s", cache.disk.folder)
+        if scheduler.kv_transfer is not None:
+            self.ready.kv_address, self.ready.kv_layout = attach(cache, scheduler.kv_transfer, world_size), cache.layout
         self.metrics = metrics or WorkerMetrics(rank)
         self.metrics.describe_compute(numerics(model, device))
         self.context = zmq.Context()
@@ -351,8 +354,7 @@ class WorkerServer:
         try:
             self._serve(signals)
         finally:
-            if self.runner.cache.disk is not None:
-                self.runner.cache.disk.close()
+            self.runner.cache.close()
         return self.exit_code
 
     def _serve(self, signals: socket.socket | None) -> None:
