@@ -78,8 +78,7 @@ def pd_flags(args: argparse.Namespace, engine: int, directory: str) -> tuple[lis
     role = "kv_producer" if engine < args.num_prefill else "kv_consumer"
     address = f"ipc://{os.path.join(directory, f'kv-{engine}.sock')}"
     base = args.kv_transfer or KVTransferConfig(role)
-    config = KVTransferConfig(role, base.connector, base.ip, base.port + engine, address if not base.address else "",
-                              base.key_file, base.hold_seconds)  # fmt: skip
+    config = KVTransferConfig(role, base.connector, base.ip, base.port, address, base.key_file, base.hold_seconds)
     scheduler = ["--kv-transfer-config", config.to_json()]
     if role == "kv_consumer" and not args.enable_prefix_caching:
         scheduler.append("--enable-prefix-caching")  # fetched blocks arrive through the prefix cache

@@ -2,9 +2,10 @@
 
 A producer (`kv_producer`) computes prompts and keeps their KV blocks for a consumer to fetch; a consumer
 (`kv_consumer`) fetches what it lacks of a prompt's blocks before computing the rest; `kv_both` does either,
-as each request asks. The producer's worker answers fetches on `kv_ip`:`kv_port` (an `ipc://` path in
-`kv_connector_extra_config.address` instead, on one host); with `key_file`, every fetch is encrypted and
-authenticated (ZeroMQ CURVE, keys derived from the file's secret), and a peer without the secret gets nothing.
+as each request asks. The producer's worker answers fetches on `kv_port` (consumers reach it at `kv_ip`), or on an
+`ipc://` path in `kv_connector_extra_config.address` on one host. Over tcp:// a `key_file` is required: every fetch
+is encrypted and authenticated (ZeroMQ CURVE, keys derived from the file's secret), and a peer without the secret
+gets nothing.
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ class KVTransferConfig:
 
     @property
     def endpoint(self) -> str:
-        """Where the producer's KV server binds."""
+        """Where consumers reach the producer's KV server: `address`, or `kv_ip`:`kv_port`."""
         return self.address or f"tcp://{self.ip}:{self.port}"
+
+    @property
+    def bind_endpoint(self) -> str:
+        """Where the server listens: `address`, or `kv_port` on every interface (`kv_ip` may be a name)."""
+        return self.address or f"tcp://*:{self.port}"
 
     @staticmethod
     def parse(text: str | None) -> KVTransferConfig | None:
@@ -76,6 +82,11 @@ class KVTransferConfig:
             raise ValueError("--kv-transfer-config: address must be an ipc:// or tcp:// endpoint")
         if not isinstance(key_file, str):
             raise ValueError("--kv-transfer-config: key_file must be a path")
+        if not key_file and not address.startswith("ipc://"):
+            raise ValueError(
+                "--kv-transfer-config: KV blocks over tcp:// need kv_connector_extra_config.key_file, a secret the "
+                "engines share (CURVE encrypts and authenticates every fetch); on one host give an ipc:// address"
+            )
         hold = extra.get("hold_seconds", 30.0)
         if type(hold) not in (int, float) or not 0 < hold <= 3600:
             raise ValueError("--kv-transfer-config: hold_seconds must be in (0, 3600]")

@@ -159,8 +159,16 @@ def test_the_config_takes_vllms_json_and_refuses_what_it_cannot_serve():
     )
     assert config is not None and config.produces and config.consumes and config.endpoint == "tcp://10.0.0.2:6000"
     assert KVTransferConfig.parse(config.to_json()) == config
-    for bad in ('{"kv_role": "prefill"}', '{"kv_role": "kv_producer", "kv_port": 0}', '{"kv_role": "kv_producer",'
-                ' "kv_connector": "MooncakeConnector"}', "[1]", '{"kv_role": "kv_consumer", "colour": 1}'):  # fmt: skip
+    assert config.bind_endpoint == "tcp://*:6000"
+    refused = [
+        '{"kv_role": "prefill"}',
+        '{"kv_role": "kv_producer", "kv_port": 0}',
+        '{"kv_role": "kv_producer", "kv_connector": "MooncakeConnector"}',
+        "[1]",
+        '{"kv_role": "kv_consumer", "colour": 1}',
+        '{"kv_role": "kv_producer", "kv_port": 6000}',  # over tcp:// without a key file
+    ]
+    for bad in refused:
         with pytest.raises(ValueError, match="--kv-transfer-config"):
             KVTransferConfig.parse(bad)
 

@@ -203,3 +203,56 @@ def test_two_engines_under_compose_answer_and_prometheus_scrapes_each():
     finally:
         down = compose(project, env, *files, "down", "-v", "--remove-orphans", timeout=120)
     assert down.returncode == 0, down.stderr[-2000:]
+
+
+def test_prefill_and_decode_engines_under_compose_serve_through_a_kv_transfer():
+    """compose.pd.yaml over compose.yaml: a completion is computed on the prefill engine, its blocks fetched by
+    the decode engine over CURVE, and Prometheus scrapes both engines."""
+    project = f"pagedservepd{os.getpid()}"
+    port, prometheus_port = free_port(), free_port()
+    env = dict(os.environ, COMPOSE_PROJECT_NAME=project, PORT=str(port), PROMETHEUS_PORT=str(prometheus_port))
+    env.pop("COMPOSE_PROFILES", None)
+    files = ["-f", "compose.yaml", "-f", "compose.pd.yaml"]
+    prepared = subprocess.run(
+        ["bash", "ops/docker/prepare-engine.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
+    try:
+        up = compose(project, env, *files, "up", "-d", "--build")
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        base = f"http://127.0.0.1:{port}"
+
+        def health() -> dict:
+            try:
+                return httpx.get(f"{base}/health", timeout=2).json()
+            except (httpx.HTTPError, ValueError):
+                return {}
+
+        assert wait_until(lambda: health().get("status") == "ok", 300, 1), health()
+        prompt = "def handler(request):\n    return request.json()\n" * 8  # several full blocks to fetch
+        response = httpx.post(
+            f"{base}/v1/completions", json={"model": "tiny-python", "prompt": prompt, "max_tokens": 8}, timeout=120
+        )
+        assert response.status_code == 200 and response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        prometheus = f"http://127.0.0.1:{prometheus_port}"
+        wanted = {
+            ("api", ""): "1",
+            ("scheduler", "prefill"): "1",
+            ("scheduler", "decode"): "1",
+            ("worker", "prefill"): "1",
+            ("worker", "decode"): "1",
+        }
+        assert wait_until(lambda: scraped_engines(prometheus) == wanted, 60, 1), scraped_engines(prometheus)
+
+        def received() -> float:
+            query = 'sum(pagedserve_kv_transfer_bytes_total{direction="received",engine="decode"})'
+            try:
+                result = httpx.get(f"{prometheus}/api/v1/query", params={"query": query}, timeout=5).json()
+                return float(result["data"]["result"][0]["value"][1])
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                return 0.0
+
+        assert wait_until(lambda: received() > 0, 60, 1)
+    finally:
+        down = compose(project, env, *files, "down", "-v", "--remove-orphans", timeout=120)
+    assert down.returncode == 0, down.stderr[-2000:]

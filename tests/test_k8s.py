@@ -193,3 +193,41 @@ def test_the_gpu_variant_asks_for_a_gpu_per_rank_and_the_cpu_one_for_none(manife
         assert args.device == "cuda" and gpus == str(args.tensor_parallel_size)
     else:
         assert args.device == "cpu" and gpus is None
+
+
+def test_the_prefill_decode_manifest_wires_a_prefill_pool_to_a_decode_pool_through_the_api(tmp_path):
+    """ops/k8s/pagedserve-pd.yaml (`render.py --pd 1:2`): current, valid, the api computes prompts on the prefill
+    pool and decodes on the decode pool, and every prefill worker answers fetches under its stable name, over
+    CURVE with the secret both pools' workers mount."""
+    with open(os.path.join(ROOT, "ops", "k8s", "pagedserve-pd.yaml")) as f:
+        text = f.read()
+    assert text == render("--pd", "1:2")
+    items = objects(text)
+    for item in items:
+        if not item["apiVersion"].startswith("monitoring."):
+            kubernetes_validate.validate(item, KUBERNETES_VERSION, strict=True)
+    pools = {s["metadata"]["name"]: s for s in by_kind(items, "StatefulSet")}
+    assert {name: s["spec"]["replicas"] for name, s in pools.items()} == {
+        "pagedserve-prefill": 1,
+        "pagedserve-decode": 2,
+    }
+    api = parsed(next(c for _, c in containers(items) if c["name"] == "api"))
+    for endpoints, pool in (
+        (api.prefill_endpoint, "pagedserve-prefill"),
+        (api.scheduler_endpoint, "pagedserve-decode"),
+    ):
+        assert endpoints == [f"tcp://{pool}-{i}.{pool}:5555" for i in range(pools[pool]["spec"]["replicas"])]
+    for name, pool in pools.items():
+        spec = pool["spec"]["template"]["spec"]
+        worker = next(c for c in spec["containers"] if c["name"] == "worker")
+        config = parsed(worker).kv_transfer
+        assert config.produces == (name == "pagedserve-prefill") and config.ip == f"$(POD_NAME).{name}"
+        [mount] = [m for m in worker["volumeMounts"] if config.key_file.startswith(m["mountPath"] + "/")]
+        [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == "pagedserve-kv-key"
+        if config.produces:
+            assert {"name": "kv", "containerPort": config.port} in worker["ports"]
+            headless = next(s for s in by_kind(items, "Service") if s["metadata"]["name"] == name)
+            assert {"name": "kv", "port": config.port, "targetPort": "kv"} in headless["spec"]["ports"]
+        else:
+            assert parsed(next(c for c in spec["containers"] if c["name"] == "scheduler")).enable_prefix_caching

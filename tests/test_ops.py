@@ -138,6 +138,34 @@ def test_the_two_engine_compose_file_adds_an_engine_like_the_first_that_the_api_
     }
 
 
+def test_the_prefill_decode_compose_file_adds_a_prefill_engine_and_makes_the_first_one_decode():
+    with open(os.path.join(ROOT, "compose.pd.yaml")) as f:
+        pd = yaml.safe_load(f)
+    services = pd["services"]
+
+    def flags(service: str) -> str:
+        return " ".join(services[service]["command"].split())
+
+    producer = json.loads(pd["x-prefill"]["environment"]["KV_PRODUCER"])
+    consumer = json.loads(pd["x-decode"]["environment"]["KV_CONSUMER"])
+    assert (producer["kv_role"], consumer["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert producer["kv_ip"] == "prefill-worker" and producer["kv_port"] == consumer["kv_port"]
+    for service in ("prefill-scheduler", "prefill-worker-cpu", "prefill-worker-gpu"):
+        assert '--kv-transfer-config "$$KV_PRODUCER"' in flags(service)
+    for service in ("scheduler", "worker-cpu", "worker-gpu"):
+        assert '--kv-transfer-config "$$KV_CONSUMER" --enable-prefix-caching' in flags(service)
+    for service in ("prefill-worker-cpu", "worker-cpu"):  # both mount the KV secret where the config names it
+        assert "./ops/keys/kv:/kv-key:ro" in services[service]["volumes"]
+        assert producer["kv_connector_extra_config"]["key_file"].startswith("/kv-key/")
+    assert "--scheduler-endpoint tcp://scheduler:5555 --prefill-endpoint tcp://prefill-scheduler:5555" in flags("api")
+    assert services["prometheus"]["volumes"] == ["./ops/prometheus.pd.yml:/etc/prometheus/prometheus.yml:ro"]
+    assert scrape_targets("prometheus.pd.yml") == {
+        "api": {"api:8000": None},
+        "scheduler": {"prefill-scheduler:8001": "prefill", "scheduler:8001": "decode"},
+        "worker": {"prefill-worker:8002": "prefill", "worker:8002": "decode"},
+    }
+
+
 def test_compose_hands_one_speculative_config_to_the_scheduler_and_every_worker():
     with open(os.path.join(ROOT, "compose.yaml")) as f:
         compose = yaml.safe_load(f)

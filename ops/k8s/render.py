@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
 import sys
 
@@ -36,6 +37,8 @@ KEY_FILES = {  # what each role's --keys-dir holds (`pagedserve keys`)
     "worker": ["worker.key_secret", "scheduler.key"],
 }
 KEYS_MOUNT = "/keys"
+PREFILL, DECODE = f"{NAME}-prefill", f"{NAME}-decode"  # with --pd: the two engine pools
+KV_PORT, KV_KEY_MOUNT = 14579, "/kv-key"  # a prefill worker's KV server; the secret both pools' workers share
 
 
 def labels(component: str) -> dict:
@@ -75,7 +78,10 @@ def container(name: str, args: list[str], image: str, ports: dict[str, int], rol
     }
 
 
-def engine_objects(args) -> list[dict]:
+def engine_objects(args, name: str = ENGINE, replicas: int | None = None, role: str = "") -> list[dict]:
+    """An engine StatefulSet and its headless Service; with `role` (kv_producer or kv_consumer), a prefill or
+    decode pool of prefill/decode disaggregation, whose workers share the KV key and the producers answer fetches
+    on KV_PORT under their pod's stable name."""
     scheduler = container(
         "scheduler",
         [
@@ -98,6 +104,7 @@ def engine_objects(args) -> list[dict]:
         {"scheduler": SCHEDULER_PORT, "sched-metrics": SCHEDULER_METRICS_PORT},
         "scheduler",
     )
+    component = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, "engine")
     scheduler["readinessProbe"] = http_probe("/health", "sched-metrics", 5)
     scheduler["livenessProbe"] = http_probe("/health", "sched-metrics")
     scheduler["resources"] = {"requests": {"cpu": "500m", "memory": "512Mi"}}
@@ -122,14 +129,31 @@ def engine_objects(args) -> list[dict]:
             str(WORKER_METRICS_PORT),
         ],
         args.image,
-        {"worker-metrics": WORKER_METRICS_PORT},
+        {"worker-metrics": WORKER_METRICS_PORT} | ({"kv": KV_PORT} if role == "kv_producer" else {}),
         "worker",
     )
+    if role:
+        kv = {
+            "kv_connector": "PagedserveConnector",
+            "kv_role": role,
+            "kv_ip": f"$(POD_NAME).{name}",
+            "kv_port": KV_PORT,
+        }
+        kv["kv_connector_extra_config"] = {"key_file": f"{KV_KEY_MOUNT}/kv.key"}
+        flags = ["--kv-transfer-config", json.dumps(kv)] + (
+            ["--enable-prefix-caching"] if role == "kv_consumer" else []
+        )
+        scheduler["args"] += flags
+        worker["args"] += flags
+        worker["env"] = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+        worker["volumeMounts"].append({"name": "kv-key", "mountPath": KV_KEY_MOUNT, "readOnly": True})
     # Loading a large model takes minutes: liveness waits for the start-up probe.
     worker["startupProbe"] = http_probe("/health", "worker-metrics", 5, 120)
     worker["readinessProbe"] = http_probe("/health", "worker-metrics", 5)
     worker["livenessProbe"] = http_probe("/health", "worker-metrics")
     volumes = [keys_volume("scheduler"), keys_volume("worker")]
+    if role:
+        volumes.append({"name": "kv-key", "secret": {"secretName": f"{NAME}-kv-key", "defaultMode": 0o400}})
     if args.gpu:
         worker["resources"] = {"limits": {"nvidia.com/gpu": str(args.tensor_parallel_size)}}
         worker["volumeMounts"].append({"name": "shm", "mountPath": "/dev/shm"})  # NCCL's buffers between ranks
@@ -139,29 +163,30 @@ def engine_objects(args) -> list[dict]:
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": ENGINE, "labels": labels("engine")},
+        "metadata": {"name": name, "labels": labels(component)},
         "spec": {
             "clusterIP": "None",  # headless: a DNS name per engine, for the api to find each
             "publishNotReadyAddresses": True,  # the api connects as soon as a pod has an address
-            "selector": labels("engine"),
+            "selector": labels(component),
             "ports": [
                 {"name": "scheduler", "port": SCHEDULER_PORT, "targetPort": "scheduler"},
                 {"name": "sched-metrics", "port": SCHEDULER_METRICS_PORT, "targetPort": "sched-metrics"},
                 {"name": "worker-metrics", "port": WORKER_METRICS_PORT, "targetPort": "worker-metrics"},
-            ],
+            ]
+            + ([{"name": "kv", "port": KV_PORT, "targetPort": "kv"}] if role == "kv_producer" else []),
         },
     }
     statefulset = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": {"name": ENGINE, "labels": labels("engine")},
+        "metadata": {"name": name, "labels": labels(component)},
         "spec": {
-            "serviceName": ENGINE,
-            "replicas": args.engines,
+            "serviceName": name,
+            "replicas": args.engines if replicas is None else replicas,
             "podManagementPolicy": "Parallel",  # engines are independent: start them all at once
-            "selector": {"matchLabels": labels("engine")},
+            "selector": {"matchLabels": labels(component)},
             "template": {
-                "metadata": {"labels": labels("engine")},
+                "metadata": {"labels": labels(component)},
                 "spec": {"containers": [scheduler, worker], "volumes": volumes, "terminationGracePeriodSeconds": 10},
             },
         },
@@ -169,8 +194,8 @@ def engine_objects(args) -> list[dict]:
     return [service, statefulset]
 
 
-def engine_endpoints(engines: int) -> str:
-    return ",".join(f"tcp://{ENGINE}-{i}.{ENGINE}:{SCHEDULER_PORT}" for i in range(engines))
+def engine_endpoints(engines: int, name: str = ENGINE) -> str:
+    return ",".join(f"tcp://{name}-{i}.{name}:{SCHEDULER_PORT}" for i in range(engines))
 
 
 def api_objects(args) -> list[dict]:
@@ -180,7 +205,8 @@ def api_objects(args) -> list[dict]:
             "--model",
             args.model,
             "--scheduler-endpoint",
-            engine_endpoints(args.engines),
+            engine_endpoints(args.decode, DECODE) if args.pd else engine_endpoints(args.engines),
+            *(["--prefill-endpoint", engine_endpoints(args.prefill, PREFILL)] if args.pd else []),
             "--routing",
             "prefix",
             "--keys-dir",
@@ -276,13 +302,19 @@ def secret_objects(keys_dir: str) -> list[dict]:
 def render(args) -> str:
     objects = (
         (secret_objects(args.keys_dir) if args.keys_dir else [])
-        + engine_objects(args)
+        + (
+            engine_objects(args, PREFILL, args.prefill, "kv_producer")
+            + engine_objects(args, DECODE, args.decode, "kv_consumer")
+            if args.pd
+            else engine_objects(args)
+        )
         + api_objects(args)
         + monitor_objects()
     )
     variant = f"GPU, {args.tensor_parallel_size} per engine" if args.gpu else "CPU"
+    engines = f"{args.prefill} prefill and {args.decode} decode engines" if args.pd else f"{args.engines} engines"
     header = (
-        f"# pagedserve on Kubernetes ({variant}): {args.engines} engines, {args.api_replicas} api replicas.\n"
+        f"# pagedserve on Kubernetes ({variant}): {engines}, {args.api_replicas} api replicas.\n"
         f"# Rendered by ops/k8s/render.py; edit that, not this. See docs/deploy.md.\n"
     )
     return header + yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False)
@@ -297,11 +329,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image", default="pagedserve:latest", help="the image compose builds (ops/docker/Dockerfile)")
     parser.add_argument("--model", default="/app/ops/models/tiny-python", help="model directory inside the image")
     parser.add_argument("--keys-dir", default=None, help="a `pagedserve keys` directory: its keys become Secrets")
+    parser.add_argument("--pd", default=None, help="P:D, prefill/decode disaggregation: a prefill and a decode pool")
     return parser
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.prefill, args.decode = (int(n) for n in args.pd.split(":")) if args.pd else (0, 0)
+    return args
+
+
 def main() -> None:
-    sys.stdout.write(render(build_parser().parse_args()))
+    sys.stdout.write(render(parse()))
 
 
 if __name__ == "__main__":

@@ -77,9 +77,9 @@ class RemoteKV(KVConnector):
         request = seq.request
         if not request.kv_send or reason not in ("stop", "length") or seq.kv.num_computed < seq.num_prompt_tokens:
             return
-        count = min((seq.num_prompt_tokens - 1) // self.block_size, len(seq.kv.block_table))
-        if not self.address or request.request_id in self.held:
+        if not self.address or request.request_id in self.held:  # not a producer; or a second sample of it
             return
+        count = min((seq.num_prompt_tokens - 1) // self.block_size, len(seq.kv.block_table))
         blocks = list(seq.kv.block_table[:count])
         for block in blocks:
             self.device_pool.share(block)

@@ -16,6 +16,7 @@ Copies within the device (copy-on-write) are not a connector's: KV neither enter
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -120,8 +121,9 @@ class DiskConnector(WorkerConnector):
 class RemoteConnector(WorkerConnector):
     def __init__(self, cache: KVCache, server: KVServer | None, secret: bytes | None, context: Any):
         self.cache, self.server, self.secret, self.context = cache, server, secret, context
-        self.fetches: dict[int, Future[int]] = {}  # RemoteLoad.load_id -> its fetch in flight
+        self.fetches: dict[int, Future[tuple[int, float]]] = {}  # RemoteLoad.load_id -> its fetch in flight
         self._fetcher: ThreadPoolExecutor | None = None
+        self._fetched: list[tuple[int, float]] = []  # (bytes, seconds) of fetches done, for the metrics
 
     def start(self, step: Step) -> None:
         """Exports end first (their blocks may be written from this step on, and no answer reads them after
@@ -136,13 +138,18 @@ class RemoteConnector(WorkerConnector):
                 self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch")
             self.fetches[load.load_id] = self._fetcher.submit(self._fetch, load)
 
-    def _fetch(self, load: RemoteLoad) -> int:
+    def _fetch(self, load: RemoteLoad) -> tuple[int, float]:
         if load.source.layout != self.cache.layout:
             raise ValueError(f"a {load.source.layout} cache's blocks, where this one is {self.cache.layout}")
-        source = load.source
-        return fetch_blocks(
+        source, started = load.source, time.perf_counter()
+        size = fetch_blocks(
             self.cache.cache, source.address, source.token, load.src_blocks, load.dst_blocks, self.secret, self.context
         )
+        return size, time.perf_counter() - started
+
+    def take_fetched(self) -> list[tuple[int, float]]:
+        fetched, self._fetched = self._fetched, []
+        return fetched
 
     def pending(self) -> list[Future[Any]]:
         return list(self.fetches.values())
@@ -153,6 +160,7 @@ class RemoteConnector(WorkerConnector):
                 del self.fetches[load_id]
                 if future.exception() is None:
                     report.loaded.append(load_id)
+                    self._fetched.append(future.result())
                 else:
                     log.warning("fetching KV blocks failed (they are computed instead): %s", future.exception())
                     report.failed_loads.append(load_id)

@@ -215,7 +215,7 @@ def attach(cache: KVCache, config: KVTransferConfig, world_size: int) -> str:
     try:
         secret = read_secret(config.key_file) if config.key_file else None
         context: zmq.Context = zmq.Context.instance()  # type: ignore[type-arg]
-        server = KVServer(cache.cache, config.endpoint, secret, context) if config.produces else None
+        server = KVServer(cache.cache, config.bind_endpoint, secret, context) if config.produces else None
     except (OSError, ValueError, zmq.ZMQError) as exc:
         raise ModelLoadError(f"--kv-transfer-config: {exc}") from None
     cache.connect_remote(RemoteConnector(cache, server, secret, context))

@@ -430,7 +430,7 @@ class WorkerServer:
         if self.rank == 0:
             sockets.send(self.socket, result)
         self.last_sent = time.perf_counter()
-        self.metrics.observe(result)  # after the send: the scheduler waits for the result, not for this
+        self.metrics.observe(result, self.runner.cache.remote)  # after the send: the scheduler waits for the result
 
     def on_reset(self, message: Reset) -> None:
         log.warning("the scheduler reset this rank; reporting ready again")
