@@ -60,6 +60,9 @@ class SamplingParams:
     # A pooling model's request ("embed": the pooled hidden state; "classify": its classifier's logits): the
     # prompt is computed and gives one vector, no token. "": a request that generates.
     pooling: str = ""
+    # Prefill/decode disaggregation: the first token, which a prefill engine sampled and the client already has;
+    # a decode engine takes it as the sequence's first sample (its log-probability its own). None: sampled here.
+    first_token: int | None = None
 
     @property
     def constrained(self) -> bool:
@@ -181,6 +184,10 @@ class SamplingParams:
                 MAX_LOGIT_BIAS,
                 f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
             )
+        if self.first_token is not None:
+            _integer("first_token", self.first_token, 0, id_limit, f"first_token must be a token id in [0, {id_limit}]")
+            if self.num_samples != 1 or self.use_beam_search:
+                raise InvalidParameter("first_token", "first_token is for one sample, not n > 1 or beam search")
         if self.pooling not in POOLING_TASKS:
             raise InvalidParameter("pooling", f"pooling must be one of {', '.join(map(repr, POOLING_TASKS))}")
         if self.pooling and (

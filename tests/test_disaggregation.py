@@ -276,3 +276,22 @@ def test_a_killed_decode_engine_ends_its_stream_with_an_error_in_seconds_and_fre
     assert "error" in str(answer["body"])
     assert wait_until(lambda: engine_metrics(pd_server, "p")["pagedserve_kv_transfer_held_blocks"] == 0, 5)
     assert wait_until(lambda: httpx.get(f"{pd_server.base_url}/health").status_code == 200, 120)
+
+
+@pytestmark_slow
+def test_the_first_token_comes_from_the_prefill_engine_once_and_seeded_samples_match_one_engines(
+    pd_server, llama_server, llama_dir
+):
+    prompt = prompts(llama_dir)[1]
+    seeded = {"temperature": 1.0, "seed": 7, "max_tokens": 12}
+    assert complete(pd_server, prompt, **seeded) == complete(llama_server, prompt, **seeded)
+    body = {"model": pd_server.model, "prompt": prompt, "stream": True, "return_token_ids": True} | seeded
+    with httpx.stream("POST", f"{pd_server.base_url}/v1/completions", json=body, timeout=120) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    streamed = [t for chunk in chunks for choice in chunk["choices"] for t in choice.get("token_ids") or []]
+    assert streamed == complete(llama_server, prompt, **seeded)[0]  # 12 tokens: the first one not twice
+    # Unseeded, a decode engine that drew its own first token would part from the prefill engine's, which the api
+    # answers with an error: every one of these comes whole.
+    for _ in range(4):
+        [tokens] = complete(pd_server, prompt, temperature=1.0, max_tokens=6)
+        assert len(tokens) == 6

@@ -90,3 +90,14 @@ def test_sampled_tokens_follow_the_filtered_distribution_and_never_a_dropped_tok
     top_two = [SampleRow(SamplingParams(top_k=2), 0)] * 4000
     counts = torch.bincount(torch.tensor([s.token_id for [s] in Sampler(seed=3)(logits, top_two)]), minlength=5)
     assert counts[2:].sum() == 0 and abs(counts[0] - 4000 * 2 / 3) < 5 * math.sqrt(4000 * 2 / 9), counts
+
+
+def test_a_first_token_sampled_elsewhere_is_taken_with_its_logprob_here_and_only_as_the_first():
+    """A decode engine takes the prefill engine's first token (prefill/decode disaggregation), whatever it would
+    have drawn, and reports that token's log-probability under its own logits; later tokens are its own."""
+    given = SamplingParams(temperature=1.0, seed=3, logprobs=1, first_token=3)
+    [[first], [later]] = Sampler(seed=0)(LOGITS.repeat(2, 1), [SampleRow(given, 0), SampleRow(given, 1)])
+    assert first.token_id == 3 and math.isclose(first.logprob, math.log(0.0625), rel_tol=1e-5)
+    unforced = SamplingParams(temperature=1.0, seed=3, logprobs=1)
+    [[drawn]] = Sampler(seed=0)(LOGITS, [SampleRow(unforced, 1)])
+    assert later.token_id == drawn.token_id  # the seeded draw at position 1, as if the first were its own

@@ -78,6 +78,10 @@ class Sampler:
                 [draws[j] for j in random_draws],
                 greedy[random_owner_index],
             )
+        if any(row.params.first_token is not None and row.num_generated == 0 for row in rows):
+            for j, i in enumerate(owners):  # a first token sampled elsewhere (a prefill engine's) is taken as it is
+                if rows[i].params.first_token is not None and rows[i].num_generated == 0:
+                    choices[j] = rows[i].params.first_token
         # Log-probabilities without the whole table, and only where someone reads them: the
         # exponentials cost more than the rest of sampling.
         chosen = None
