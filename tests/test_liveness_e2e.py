@@ -266,7 +266,8 @@ def stuck_api(server, endpoints, context) -> zmq.Socket:
 
 
 def test_an_api_that_stops_reading_loses_its_requests_and_nobody_else_notices(tmp_path):
-    config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=4)
+    # A queue of some dozens of messages: all four requests are in before it fills, however loaded the machine.
+    config = SchedulerConfig(block_size=4, max_model_len=100_000, api_send_queue=64)
     with scheduler_in_process(tmp_path, config, lambda seq_id, position: 100 + position % 800) as (
         server,
         endpoints,
