@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagedserve.worker.kv_transport")
 
-FETCH_TIMEOUT_SECONDS = 5.0  # a producer that answers nothing this long is taken for dead: the prompt is computed
-UNKNOWN_RETRY_SECONDS = 2.0  # an export announced with the producer's next step may trail the consumer's fetch
+# A producer that answers nothing this long is taken for dead, and the prompt is computed. An export is announced
+# with the producer's next step, which may trail the consumer's fetch by a step: an unknown token is asked again.
+FETCH_TIMEOUT_SECONDS = 10.0
 MAX_REQUEST_BYTES = 1 << 20  # a token and block numbers; nothing larger is read
 
 
@@ -186,7 +187,7 @@ def fetch_blocks(
             status, *rest = sock.recv_multipart(copy=False)
         finally:
             sock.close(linger=0)
-        if status.bytes == b"unknown" and time.monotonic() < deadline - timeout + UNKNOWN_RETRY_SECONDS:
+        if status.bytes == b"unknown" and time.monotonic() < deadline:
             time.sleep(0.005)
             continue
         if status.bytes != b"ok" or len(rest) != 1:
