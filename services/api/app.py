@@ -222,9 +222,9 @@ class OpenAIServer:
     async def health(self, request: Request) -> Response:
         """200 while any engine serves; with several, how many of them do. 503 while none does:
         "starting" until one first serves, "unavailable" after."""
-        up, engines = len(self.client.engines_up), len(self.client.clients)
+        up, engines, serving = self.client.health()
         count = {"engines_up": up, "engines": engines} if engines > 1 else {}
-        if not up:
+        if not serving:
             served = any(client.has_served for client in self.client.clients)
             return JSONResponse({"status": "unavailable" if served else "starting", **count}, status_code=503)
         return JSONResponse({"status": "ok" if up == engines else "degraded", **count})

@@ -31,6 +31,15 @@ class DisaggregatedEngines(EngineGroup):
     def __init__(self, prefill: EngineGroup, decode: list[EngineClient], router: Router):
         super().__init__(decode, router)
         self.prefill = prefill
+        self.complete = False  # both a prefill and a decode engine have been up
+
+    def health(self) -> tuple[int, int, bool]:
+        """Prefill and decode engines counted alike. Serving once both kinds have been up (a decode engine alone
+        would compute every prompt itself), and while a decode engine is."""
+        decode_up, prefill_up = len(self.engines_up), len(self.prefill.engines_up)
+        self.complete = self.complete or bool(decode_up and prefill_up)
+        engines = len(self.clients) + len(self.prefill.clients)
+        return decode_up + prefill_up, engines, self.complete and decode_up > 0
 
     async def start(self) -> None:
         await self.prefill.start()

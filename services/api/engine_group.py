@@ -27,6 +27,11 @@ class EngineGroup:
     def engines_up(self) -> list[int]:
         return [index for index, client in enumerate(self.clients) if client.info is not None]
 
+    def health(self) -> tuple[int, int, bool]:
+        """For /health: engines up, engines, and whether requests are served now."""
+        up = len(self.engines_up)
+        return up, len(self.clients), up > 0
+
     async def start(self) -> None:
         for client in self.clients:
             await client.start()
