@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, children, free_port, metrics_port_flags, wait_serving, wait_until
+from tests.conftest import ROOT, children, free_port, metrics_port_flags, parse_metrics, wait_serving, wait_until
 from tests.test_resilience import wait_healthy
 
 pytestmark = pytest.mark.slow  # starts processes: not in `make check`
@@ -114,14 +114,20 @@ def test_a_stop_lets_streams_finish_within_the_shutdown_timeout_and_ends_the_res
         target=stream_until_the_end,
         args=(f"http://127.0.0.1:{port}", os.path.basename(llama_dir), max_tokens, streaming, seen),
     )
-    client.start()
-    assert streaming.wait(60), "the stream never started"
-    resume = None
-    if finish_reason == "abort":  # still running at the timeout, however fast this machine computes its tokens
-        worker = children(process.pid)["worker"]
+    # A stream that must still run at the timeout, however fast this machine computes its tokens: its worker is
+    # held from before the first one until after the stop (the scheduler has it running meanwhile).
+    worker, resume = children(process.pid)["worker"], None
+    if finish_reason == "abort":
         os.kill(worker, signal.SIGSTOP)
+    client.start()
+    if finish_reason == "abort":
+        metrics = f"http://127.0.0.1:{port}/metrics"
+        running = 'pagedserve_engine_requests_running{engine="0"}'
+        assert wait_until(lambda: parse_metrics(httpx.get(metrics, timeout=5).text).get(running, 0) >= 1, 30)
         resume = threading.Timer(1.0, os.kill, (worker, signal.SIGCONT))
         resume.start()
+    else:
+        assert streaming.wait(60), "the stream never started"
     took = stop_and_time(process, signum, whole_group)
     client.join(30)
     if resume is not None:
