@@ -238,15 +238,19 @@ def test_n_samples_an_adapter_speculation_and_a_schema_work_on_the_decode_side(p
 
 
 def role_pid(server, role: str, service: str) -> int:
-    """The pid of the prefill (kv_producer) or decode (kv_consumer) engine's scheduler or worker."""
+    """The pid of this server's prefill (kv_producer) or decode (kv_consumer) engine's scheduler or worker (another
+    test's server may run beside it)."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
                     cmdline = f.read().decode(errors="replace")
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
             except OSError:
                 continue
-            if f"services.{service}" in cmdline and f'"kv_role": "{role}"' in cmdline:
+            mine = parent == server.process.pid
+            if mine and f"services.{service}" in cmdline and f'"kv_role": "{role}"' in cmdline:
                 return int(entry)
     raise LookupError(f"no {role} {service}")
 
