@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 ROOT = b""  # the parent key of a first block, for requests without a salt
 ROUTING_BLOCKS = 8  # the blocks of a prompt that key its routing: 128 tokens at the default block size
@@ -32,14 +32,24 @@ def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
+def block_keys(
+    root: bytes, token_ids: Sequence[int], block_size: int, num_blocks: int
+) -> Iterator[tuple[int, bytes, tuple[int, ...]]]:
+    """(index, key, tokens) of the first `num_blocks` full blocks of `token_ids`, chained from `root`."""
+    key = root
+    for index in range(min(num_blocks, len(token_ids) // block_size)):
+        chunk = tuple(token_ids[index * block_size : (index + 1) * block_size])
+        key = chain_key(key, chunk)
+        yield index, key, chunk
+
+
 def prefix_key(
     token_ids: Sequence[int], block_size: int, max_blocks: int, cache_salt: str = "", adapter: str = ""
 ) -> bytes:
     """The key of the prompt's first `max_blocks` full blocks (fewer if it has fewer)."""
-    key = salted_root(cache_salt, adapter)
-    for index in range(min(max_blocks, len(token_ids) // block_size)):
-        key = chain_key(key, token_ids[index * block_size : (index + 1) * block_size])
-    return key
+    root = salted_root(cache_salt, adapter)
+    keys = [key for _, key, _ in block_keys(root, token_ids, block_size, max_blocks)]
+    return keys[-1] if keys else root
 
 
 def routing_key(token_ids: Sequence[int], block_size: int, cache_salt: str = "", adapter: str = "") -> bytes | None:

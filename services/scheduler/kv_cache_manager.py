@@ -37,7 +37,7 @@ from services.scheduler.remote_kv import RemoteKV
 from services.scheduler.sequence_kv import SequenceKV
 from services.scheduler.starts import StartPlan, plan_start
 from services.scheduler.stats import LoraStats
-from shared.prefix_keys import chain_key
+from shared.prefix_keys import block_keys, chain_key
 from shared.protocol import DEVICE, HOST, BlockTransfer, LoraLoad, LoraRef
 
 if TYPE_CHECKING:
@@ -269,11 +269,7 @@ class KVCacheManager:
             self.connectors.cached(kv._blocks[index], block_hash, chunk)
 
     def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        hashes, parent, tokens = [], seq.request.cache_root, seq.token_ids()
-        for index in range(num_blocks):
-            parent = chain_key(parent, tokens[index * self.block_size : (index + 1) * self.block_size])
-            hashes.append(parent)
-        return hashes
+        return [key for _, key, _ in block_keys(seq.request.cache_root, seq.token_ids(), self.block_size, num_blocks)]
 
     def holds(self, key: bytes) -> bool:
         """Whether a block of this prefix-cache key is cached in any tier."""

@@ -18,7 +18,7 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.disk_index import DiskIndex
 from services.scheduler.kv_connectors import KVConnector
 from services.scheduler.kv_records import PrefixMatch, TransferCounts
-from shared.prefix_keys import chain_key
+from shared.prefix_keys import block_keys
 from shared.protocol import DEVICE, DISK, HOST, BlockTransfer
 
 if TYPE_CHECKING:
@@ -50,10 +50,7 @@ class PrefixTiers(KVConnector):
         disk), holding the start of the sequence's tokens (never all of them: the last token must be computed
         to give the next token's logits)."""
         tokens = seq.token_ids()
-        parent = seq.request.cache_root
-        for start in range(0, len(tokens) - 1 - block_size + 1, block_size):
-            chunk = tuple(tokens[start : start + block_size])
-            parent = chain_key(parent, chunk)
+        for _, parent, chunk in block_keys(seq.request.cache_root, tokens, block_size, (len(tokens) - 1) // block_size):
             if not match.reads:  # after a block to read from disk, only more of those: no gap in the table
                 block = self.device_pool.lookup(parent, chunk)
                 if block is not None:
@@ -92,12 +89,9 @@ class PrefixTiers(KVConnector):
         """Whether a block of its prompt is being read from disk."""
         if not self.reading or not request.seqs:
             return False
-        tokens, size, parent = request.seqs[0].token_ids(), self.block_size, request.cache_root
-        for start in range(0, len(tokens) - size, size):
-            parent = chain_key(parent, tokens[start : start + size])
-            if parent in self.reading:
-                return True
-        return False
+        tokens = request.seqs[0].token_ids()
+        keys = block_keys(request.cache_root, tokens, self.block_size, (len(tokens) - 1) // self.block_size)
+        return any(key in self.reading for _, key, _ in keys)
 
     def loading_keys(self) -> set[bytes]:
         return set(self.reading)

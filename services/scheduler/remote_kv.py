@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.kv_connectors import KVConnector
-from shared.prefix_keys import chain_key
+from shared.prefix_keys import block_keys
 from shared.protocol import KVExport, KVHandoff, RemoteLoad
 
 if TYPE_CHECKING:
@@ -126,14 +126,9 @@ class RemoteKV(KVConnector):
         source = request.kv_source
         if source is None or source.block_size != self.block_size or not self.device_pool.enable_caching:
             return False
-        tokens = seq.token_ids()
         count = min((len(request.prompt_token_ids) - 1) // self.block_size, len(source.block_ids))
-        parent, missing = request.cache_root, []
-        for index in range(count):
-            chunk = tuple(tokens[index * self.block_size : (index + 1) * self.block_size])
-            parent = chain_key(parent, chunk)
-            if not holds(parent):
-                missing.append((index, parent, chunk))
+        keys = block_keys(request.cache_root, seq.token_ids(), self.block_size, count)
+        missing = [(index, key, chunk) for index, key, chunk in keys if not holds(key)]
         if not missing or self.device_pool.num_available < len(missing):
             return False
         blocks = [(self.device_pool.allocate(), key, chunk) for _, key, chunk in missing]
