@@ -20,7 +20,7 @@ from services.worker.disk_tier import DiskTier, fingerprint
 from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import KVCache, bytes_per_block
-from services.worker.kv_transport import attach
+from services.worker.kv_connectors import attach
 from services.worker.loader import eos_token_ids, load_model
 from services.worker.lora import LoraAdapters
 from services.worker.model_runner import ModelRunner

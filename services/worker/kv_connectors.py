@@ -21,8 +21,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import zmq
+
 from services.worker.disk_tier import DiskTier
-from services.worker.kv_transport import KVServer, fetch_blocks
+from services.worker.kv_transport import KVServer, fetch_blocks, read_secret
+from services.worker.model_config import ModelLoadError
+from shared.kv_transfer_config import KVTransferConfig
 from shared.protocol import DEVICE, DISK, HOST, BlockTransfer, RemoteLoad, Step
 
 if TYPE_CHECKING:
@@ -173,3 +177,21 @@ class RemoteConnector(WorkerConnector):
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+
+
+def attach(cache: KVCache, config: KVTransferConfig, world_size: int) -> str:
+    """Give a worker's cache its connector to other engines: a producer's server, a consumer's fetches. Returns the
+    address the server answers on ("" for a consumer only)."""
+    if world_size != 1:
+        raise ModelLoadError(
+            "--kv-transfer-config works with one worker rank per engine (-tp 1) for now: a tensor-parallel engine "
+            "would fetch each rank's heads from the matching rank"
+        )
+    try:
+        secret = read_secret(config.key_file) if config.key_file else None
+        context: zmq.Context = zmq.Context.instance()  # type: ignore[type-arg]
+        server = KVServer(cache.cache, config.bind_endpoint, secret, context) if config.produces else None
+    except (OSError, ValueError, zmq.ZMQError) as exc:
+        raise ModelLoadError(f"--kv-transfer-config: {exc}") from None
+    cache.connect_remote(RemoteConnector(cache, server, secret, context))
+    return config.endpoint if config.produces else ""

@@ -18,19 +18,12 @@ import logging
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING
 
 import msgpack
 import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
-
-from services.worker.model_config import ModelLoadError
-from shared.kv_transfer_config import KVTransferConfig
-
-if TYPE_CHECKING:
-    from services.worker.kv_cache import KVCache
 
 log = logging.getLogger("pagedserve.worker.kv_transport")
 
@@ -201,23 +194,3 @@ def fetch_blocks(
         shape = (cache.shape[0], cache.shape[1], len(dst_blocks), *cache.shape[3:])
         cache[:, :, torch.tensor(dst_blocks, dtype=torch.int64)] = blocks.view(shape)
         return expected
-
-
-def attach(cache: KVCache, config: KVTransferConfig, world_size: int) -> str:
-    """Give a worker's cache its connector to other engines: a producer's server, a consumer's fetches. Returns the
-    address the server answers on ("" for a consumer only)."""
-    from services.worker.kv_connectors import RemoteConnector
-
-    if world_size != 1:
-        raise ModelLoadError(
-            "--kv-transfer-config works with one worker rank per engine (-tp 1) for now: a tensor-parallel engine "
-            "would fetch each rank's heads from the matching rank"
-        )
-    try:
-        secret = read_secret(config.key_file) if config.key_file else None
-        context: zmq.Context = zmq.Context.instance()  # type: ignore[type-arg]
-        server = KVServer(cache.cache, config.bind_endpoint, secret, context) if config.produces else None
-    except (OSError, ValueError, zmq.ZMQError) as exc:
-        raise ModelLoadError(f"--kv-transfer-config: {exc}") from None
-    cache.connect_remote(RemoteConnector(cache, server, secret, context))
-    return config.endpoint if config.produces else ""

@@ -24,7 +24,7 @@ from services.worker.disk_tier import DISK_STAGING_BLOCKS, DiskTier, fingerprint
 from services.worker.drafter import Drafter
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import GIB, KVCache, bytes_per_block, num_blocks_that_fit
-from services.worker.kv_transport import attach
+from services.worker.kv_connectors import attach
 from services.worker.loader import DTYPES, ModelLoadError, eos_token_ids, load_config, load_model, numerics
 from services.worker.lora import LoraAdapters, tensor_parallel_shards
 from services.worker.metrics import WorkerMetrics
