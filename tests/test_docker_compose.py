@@ -7,6 +7,7 @@ and the base image (.ci/run provides all three where it runs as root)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -156,14 +157,15 @@ def scraped_engines(prometheus: str) -> dict[tuple[str, str], str]:
     return {(series["metric"]["job"], series["metric"].get("engine", "")): series["value"][1] for series in result}
 
 
-def test_two_engines_under_compose_answer_and_prometheus_scrapes_each():
-    """compose.two-engines.yaml over compose.yaml: the api routes to both engines (after the test
-    above, the images are built and only start)."""
-    project = f"pagedservedp{os.getpid()}"
+@contextlib.contextmanager
+def stack(name: str, override: str):
+    """compose.yaml with an override file, up until the block exits: yields (its api's base URL, Prometheus's
+    URL, a function that reads the api's /health) once /health says ok."""
+    project = f"{name}{os.getpid()}"
     port, prometheus_port = free_port(), free_port()
     env = dict(os.environ, COMPOSE_PROJECT_NAME=project, PORT=str(port), PROMETHEUS_PORT=str(prometheus_port))
     env.pop("COMPOSE_PROFILES", None)
-    files = ["-f", "compose.yaml", "-f", "compose.two-engines.yaml"]
+    files = ["-f", "compose.yaml", "-f", override]
     prepared = subprocess.run(
         ["bash", "ops/docker/prepare-engine.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
@@ -180,6 +182,16 @@ def test_two_engines_under_compose_answer_and_prometheus_scrapes_each():
                 return {}
 
         assert wait_until(lambda: health().get("status") == "ok", 300, 1), health()
+        yield base, f"http://127.0.0.1:{prometheus_port}", health
+    finally:
+        down = compose(project, env, *files, "down", "-v", "--remove-orphans", timeout=120)
+    assert down.returncode == 0, down.stderr[-2000:]
+
+
+def test_two_engines_under_compose_answer_and_prometheus_scrapes_each():
+    """compose.two-engines.yaml over compose.yaml: the api routes to both engines (after the test
+    above, the images are built and only start)."""
+    with stack("pagedservedp", "compose.two-engines.yaml") as (base, prometheus, health):
         assert health() == {"status": "ok", "engines_up": 2, "engines": 2}
         prompts = [f"def handler_{i}(request):\n" * 20 for i in range(8)]  # distinct first blocks: both engines
         body = {"model": "tiny-python", "prompt": prompts, "max_tokens": 8}
@@ -191,7 +203,6 @@ def test_two_engines_under_compose_answer_and_prometheus_scrapes_each():
             if line.startswith("pagedserve_engine_routed_requests_total")
         }
         assert len(routed) == 2 and all(count >= 1 for count in routed.values()), routed
-        prometheus = f"http://127.0.0.1:{prometheus_port}"
         wanted = {
             ("api", ""): "1",
             ("scheduler", "0"): "1",
@@ -200,41 +211,17 @@ def test_two_engines_under_compose_answer_and_prometheus_scrapes_each():
             ("worker", "1"): "1",
         }
         assert wait_until(lambda: scraped_engines(prometheus) == wanted, 60, 1), scraped_engines(prometheus)
-    finally:
-        down = compose(project, env, *files, "down", "-v", "--remove-orphans", timeout=120)
-    assert down.returncode == 0, down.stderr[-2000:]
 
 
 def test_prefill_and_decode_engines_under_compose_serve_through_a_kv_transfer():
     """compose.pd.yaml over compose.yaml: a completion is computed on the prefill engine, its blocks fetched by
     the decode engine over CURVE, and Prometheus scrapes both engines."""
-    project = f"pagedservepd{os.getpid()}"
-    port, prometheus_port = free_port(), free_port()
-    env = dict(os.environ, COMPOSE_PROJECT_NAME=project, PORT=str(port), PROMETHEUS_PORT=str(prometheus_port))
-    env.pop("COMPOSE_PROFILES", None)
-    files = ["-f", "compose.yaml", "-f", "compose.pd.yaml"]
-    prepared = subprocess.run(
-        ["bash", "ops/docker/prepare-engine.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
-    try:
-        up = compose(project, env, *files, "up", "-d", "--build")
-        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-        base = f"http://127.0.0.1:{port}"
-
-        def health() -> dict:
-            try:
-                return httpx.get(f"{base}/health", timeout=2).json()
-            except (httpx.HTTPError, ValueError):
-                return {}
-
-        assert wait_until(lambda: health().get("status") == "ok", 300, 1), health()
+    with stack("pagedservepd", "compose.pd.yaml") as (base, prometheus, _):
         prompt = "def handler(request):\n    return request.json()\n" * 8  # several full blocks to fetch
         response = httpx.post(
             f"{base}/v1/completions", json={"model": "tiny-python", "prompt": prompt, "max_tokens": 8}, timeout=120
         )
         assert response.status_code == 200 and response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        prometheus = f"http://127.0.0.1:{prometheus_port}"
         wanted = {
             ("api", ""): "1",
             ("scheduler", "prefill"): "1",
@@ -253,6 +240,3 @@ def test_prefill_and_decode_engines_under_compose_serve_through_a_kv_transfer():
                 return 0.0
 
         assert wait_until(lambda: received() > 0, 60, 1)
-    finally:
-        down = compose(project, env, *files, "down", "-v", "--remove-orphans", timeout=120)
-    assert down.returncode == 0, down.stderr[-2000:]
