@@ -315,7 +315,9 @@ def _supervise(args: argparse.Namespace, runtime_dir: str) -> int:
     while not stopping:
         dead = _exited(children)
         taken = [name for name, code in dead.items() if code == EXIT_PORT_TAKEN]
-        if taken:  # a port taken since the check above: a restart would only fail again
+        # Before the first ready, a port taken since the check above would only be taken again. After it, the
+        # port was the service's own a moment ago, held briefly by another socket: restarts (rate-limited) retry.
+        if taken and not ready:
             for name in taken:
                 print(
                     f"pagedserve: {name} could not listen on its port, taken since start-up (choose another "

@@ -366,6 +366,10 @@ def serve(model_dir: str | None, log_dir: str, *flags: str, env: dict[str, str] 
         ):
             raise RuntimeError(f"the launcher did not say it was ready:\n{server.log()[-3000:]}")
         yield server
+    except BaseException:
+        # pytest shows a failed test's captured output: the launcher's last words say why.
+        print(f"--- the launcher's log, last lines ({log_path}) ---\n{server.log()[-6000:]}")
+        raise
     finally:
         process.send_signal(signal.SIGINT)
         try:

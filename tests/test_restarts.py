@@ -5,6 +5,7 @@ that says why."""
 import argparse
 import os
 import signal
+import socket
 import time
 
 import httpx
@@ -86,3 +87,25 @@ def test_the_api_restarts_alone_an_engine_restarts_whole_and_a_part_dying_four_t
     assert restarts.restart({"api": -11}) and restarts.restart({"api": -11})
     assert not restarts.restart({"api": -11})  # the fourth death in a minute: the launcher stops
     assert restarts.restart({"engine 0's scheduler": 1})  # other parts keep their own count
+
+
+@pytest.mark.slow  # starts processes: not in `make check`
+def test_a_restarted_worker_whose_metrics_port_is_briefly_held_is_started_again_not_the_server_stopped(
+    llama_dir, tmp_path
+):
+    """After start-up the metrics port was the worker's own: another socket holding it for a moment
+    (a client's ephemeral port, say) costs a retry, not the whole server."""
+    with serve(llama_dir, str(tmp_path)) as server:
+        launcher = server.process.pid
+        worker = engine_process(launcher, "services.worker", "workers.sock")
+        port = int(server.metrics_urls["worker"].rsplit(":", 1)[1].split("/")[0])
+        os.kill(worker, signal.SIGKILL)
+        assert wait_until(lambda: not os.path.exists(f"/proc/{worker}"), 10)
+        with socket.socket() as holder:
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            holder.bind(("127.0.0.1", port))
+            holder.listen()
+            assert wait_until(lambda: "worker exited with code 3; restarting" in server.log(), 60), server.log()[-3000:]
+        assert wait_until(lambda: healthy(server.base_url) and answers(server), 120)
+        assert server.process.poll() is None
+        assert "; stopping" not in server.log()  # the launcher never gave up
