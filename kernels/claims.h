@@ -4,7 +4,8 @@
  * call starts. The calling thread claims chunks as its helpers do, so a helper that starts late,
  * or not at all because its core is busy with other work, leaves more chunks to the caller rather
  * than holding it up; the caller then waits only for chunks a helper has claimed and not yet
- * finished. A helper that arrives after the last chunk was claimed touches nothing. */
+ * finished. A helper that arrives after the last chunk was claimed touches nothing. A thread may claim
+ * its next chunk as its current one nears its end (next_chunk_first), so one held up holds two at most. */
 #ifndef PAGEDSERVE_CLAIMS_H
 #define PAGEDSERVE_CLAIMS_H
 
@@ -20,6 +21,16 @@ static inline int64_t claim_chunk(int64_t *counters)
 static inline void finish_chunk(int64_t *counters)
 {
     __atomic_fetch_add(&counters[1], 1, __ATOMIC_RELEASE);
+}
+
+/* Claims a thread's next chunk early, into *next, while the last panels of its current chunk (of units_per_chunk
+ * panels, unit_chunks to a block of rows) can still ask for the first panels of it; returns that first panel, or
+ * `count` (past the last) where every chunk is claimed. */
+static inline int64_t next_chunk_first(int64_t *counters, int64_t *next, int64_t chunks, int64_t unit_chunks,
+                                       int64_t units_per_chunk, int64_t count)
+{
+    *next = claim_chunk(counters);
+    return *next < chunks ? *next % unit_chunks * units_per_chunk : count;
 }
 
 /* For the caller: until every chunk is finished. Spins briefly (a helper's chunk ends within

@@ -598,15 +598,17 @@ static inline __attribute__((always_inline)) vu code_pairs(vu words, int j)
 }
 
 /* code_tile for 4-bit codes by the bfloat16 dot product: each group's sums of (128 + c) x, then
- * sums += scale x those + (offset - 128 scale) x the group's sum of x (x_sums [rows][groups]). Where `ahead` is
- * given (the first of several tiles over a panel: the others find it in cache), each step asks for the same lines
- * of the panel PREFETCH_PANELS on, and each group for that panel's scales and offsets, so that its reads from
- * memory overlap the other tiles' arithmetic. */
+ * sums += scale x those + (offset - 128 scale) x the group's sum of x (x_sums [rows][groups]). Where `later` is
+ * not 0 (the first of several tiles over a panel: the others find it in cache; or the last panels of a thread's
+ * chunk, whose next chunk the hardware's prefetch cannot guess), each step asks for the same lines of the panel
+ * `later` panels on, and each group for that panel's scales and offsets, so that its reads from memory overlap
+ * this thread's arithmetic. */
 static inline __attribute__((always_inline)) void code_tile_pairs(
     const int rows, const char *x, int64_t x_stride, const uint32_t *w, const float *scales, const float *offsets,
     const float *x_sums, int64_t groups, int64_t group, const float *bias, float *y, int64_t y_stride, int64_t cols,
-    const char *ahead)
+    int64_t later)
 {
+    const char *ahead = later ? (const char *)(w + later * (groups * group / 8) * NR) : 0;
     const uint32_t *xw = (const uint32_t *)x; /* bfloat16 pairs of x */
     /* Sums in chains of their own for a few rows, so that the dot product's latency, not its rate, does not bound
      * a decode of one or two rows: pair j goes to chain j % chains. */
@@ -621,9 +623,9 @@ static inline __attribute__((always_inline)) void code_tile_pairs(
         /* word q of the group: the codes of inputs 8q .. 8q + 7, and pairs 4q .. 4q + 3 of each row of x */
         const uint32_t *words = w + (size_t)(g * group / 8) * NR, *pairs = xw + (size_t)(g * group / 2);
         if (ahead) {
-            const int64_t later = PREFETCH_PANELS * groups * NR + g * NR;
-            prefetch_step((const char *)(scales + later), 0, 128);
-            prefetch_step((const char *)(offsets + later), 0, 128);
+            const int64_t there = later * groups * NR + g * NR;
+            prefetch_step((const char *)(scales + there), 0, 128);
+            prefetch_step((const char *)(offsets + there), 0, 128);
         }
         for (size_t q = 0; q < (size_t)group / 8; q++) {
             prefetch_step(ahead, (int64_t)(g * group / 8) + (int64_t)q, NR * 4);
@@ -656,10 +658,10 @@ static inline __attribute__((always_inline)) void code_tile_pairs(
 
 static void code_pairs_tile_of(int rows, const char *x, int64_t x_stride, const uint32_t *w, const float *scales,
                                const float *offsets, const float *x_sums, int64_t groups, int64_t group,
-                               const float *bias, float *y, int64_t y_stride, int64_t cols, const char *ahead)
+                               const float *bias, float *y, int64_t y_stride, int64_t cols, int64_t later)
 {
 #define PAIRS(ROWS)                                                                                                   \
-    code_tile_pairs(ROWS, x, x_stride, w, scales, offsets, x_sums, groups, group, bias, y, y_stride, cols, ahead)
+    code_tile_pairs(ROWS, x, x_stride, w, scales, offsets, x_sums, groups, group, bias, y, y_stride, cols, later)
     switch (rows) {
     case 6: PAIRS(6); break;
     case 5: PAIRS(5); break;
@@ -795,7 +797,9 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
     if (pairs)
         group_sums((const char *)x, x_stride, M, K, group, x_sums);
 #endif
-    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+    /* A thread claims its next chunk as the last panels of one begin, so that they ask for the first of the next: a
+     * thread's chunks are seldom neighbours. */
+    for (int64_t c = claim_chunk(counters), next = -1, next_first = count; c < chunks; c = next, next = -1) {
         const int64_t first = c % unit_chunks * units_per_chunk, m0 = c / unit_chunks * row_block;
         const int64_t last = first + units_per_chunk < count ? first + units_per_chunk : count;
         const int64_t rows = M - m0 < row_block ? M - m0 : row_block;
@@ -805,6 +809,8 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
             const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
             const uint32_t *w = panels + p * words * NR;
             const float *sc = scales + p * groups * NR, *of = offsets + p * groups * NR, *b = bias ? bias + n : 0;
+            if (next < 0 && p + PREFETCH_PANELS >= last)
+                next_first = next_chunk_first(counters, &next, chunks, unit_chunks, units_per_chunk, count);
             if (prompt) {
                 dequantize_panel((int)code, (int)x_bf16, w, sc, of, group, K, values);
                 gemm_panels(kind, xm, x_stride, (const char *)values, b, ym + n, y_stride, rows, N - n, K, 0, 1, 0);
@@ -816,10 +822,14 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
                 float *yt = ym + m * y_stride + n;
 #if BF16_DOT
                 if (pairs) {
-                    /* the first of several tiles asks for a later panel; one tile alone streams faster without */
-                    const char *ahead = m == 0 && rows >= PREFETCH_MIN_ROWS ? (const char *)(w + PREFETCH_PANELS * words * NR) : 0;
+                    /* The first of several tiles asks for a later panel; one tile alone streams faster by the
+                     * hardware's prefetch, but for the next chunk's panels, which it cannot guess. */
+                    const int crossing = p + PREFETCH_PANELS >= last;
+                    const int64_t later_panel = crossing ? next_first + p + PREFETCH_PANELS - last : p + PREFETCH_PANELS;
+                    const int64_t later = m == 0 && (rows >= PREFETCH_MIN_ROWS || crossing) && later_panel < count
+                                              ? later_panel - p : 0;
                     code_pairs_tile_of(tile_rows, xt, x_stride, w, sc, of, x_sums + (m0 + m) * groups, groups, group,
-                                       b, yt, y_stride, cols, ahead);
+                                       b, yt, y_stride, cols, later);
                     continue;
                 }
 #endif
@@ -827,6 +837,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
                              cols);
             }
         }
+        finish_chunk(counters);
     }
     if (wait)
         wait_for_chunks(counters, chunks);

@@ -51,12 +51,12 @@
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 /* Column c's int32 sum of a tile's row r over `words` words of k, in sums[r][c] (rows I8_NR apart), added to
- * what sums holds with `accumulate`: the tile's loop is the build's. With `ahead` (VNNI), step q of k asks for
- * the two lines at ahead + q x pf_stride: a later panel, as much of it as this tile reads of its own. */
+ * what sums holds with `accumulate`: the tile's loop is the build's. With `ahead` (VNNI), every `every`-th step
+ * of k asks for the next two lines from ahead on: its share of a later panel, asked for evenly over the tile. */
 static inline __attribute__((always_inline)) void tile_sums(const int rows, const int8_t *x, int64_t x_stride,
                                                               const int32_t *w, int64_t words, int32_t *sums,
                                                               const int accumulate, const char *ahead,
-                                                              int64_t pf_stride)
+                                                              int64_t every)
 {
 #if I8_KIND == 2
     __m512i acc0[I8_MR], acc1[I8_MR];
@@ -64,10 +64,12 @@ static inline __attribute__((always_inline)) void tile_sums(const int rows, cons
         acc0[r] = accumulate ? _mm512_loadu_si512(sums + r * I8_NR) : _mm512_setzero_si512();
         acc1[r] = accumulate ? _mm512_loadu_si512(sums + r * I8_NR + 16) : _mm512_setzero_si512();
     }
-    for (int64_t q = 0; q < words; q++) {
-        if (ahead) {
-            __builtin_prefetch(ahead + q * pf_stride, 0, 2);
-            __builtin_prefetch(ahead + q * pf_stride + 64, 0, 2);
+    for (int64_t q = 0, due = 0; q < words; q++) {
+        if (ahead && q == due) {
+            __builtin_prefetch(ahead, 0, 2);
+            __builtin_prefetch(ahead + 64, 0, 2);
+            ahead += 128;
+            due += every;
         }
         const __m512i w0 = _mm512_loadu_si512(w + q * I8_NR), w1 = _mm512_loadu_si512(w + q * I8_NR + 16);
         for (int r = 0; r < rows; r++) {
@@ -88,7 +90,7 @@ static inline __attribute__((always_inline)) void tile_sums(const int rows, cons
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < 4; v++)
             acc[r][v] = _mm256_setzero_si256();
-    (void)accumulate, (void)ahead, (void)pf_stride; /* whole panels only (int8_linear) */
+    (void)accumulate, (void)ahead, (void)every; /* whole panels only (int8_linear) */
     for (int64_t q = 0; q < words; q++) {
         const __m128i *wq = (const __m128i *)(w + q * I8_NR);
         __m256i wv[4];
@@ -113,7 +115,7 @@ static inline __attribute__((always_inline)) void tile_sums(const int rows, cons
 #else
     int32_t acc[I8_MR][I8_NR];
     memset(acc, 0, sizeof acc);
-    (void)accumulate, (void)ahead, (void)pf_stride; /* whole panels only (int8_linear) */
+    (void)accumulate, (void)ahead, (void)every; /* whole panels only (int8_linear) */
     for (int64_t q = 0; q < words; q++) {
         const int8_t *wq = (const int8_t *)(w + q * I8_NR);
         for (int r = 0; r < rows; r++) {
@@ -159,9 +161,9 @@ __attribute__((optimize("no-fast-math"))) static void store_rows(const int rows,
     }
 
 static void tile_of(int rows, const int8_t *x, int64_t x_stride, const int32_t *w, int64_t words, int32_t *sums,
-                    const int accumulate, const char *ahead, int64_t pf_stride)
+                    const int accumulate, const char *ahead, int64_t every)
 {
-    BY_ROWS(tile_sums, x, x_stride, w, words, sums, accumulate, ahead, pf_stride)
+    BY_ROWS(tile_sums, x, x_stride, w, words, sums, accumulate, ahead, every)
 }
 #undef BY_ROWS
 
@@ -237,7 +239,9 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
     float *scales = (float *)(codes + (row_block * padded + 63) / 64 * 64);
     int32_t sums[I8_MR * I8_NR];
     int64_t quantized = -1; /* the first row of the block in this thread's buffer */
-    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+    /* A thread claims its next chunk as the last panels of one begin, so that they ask for the first of the next: a
+     * thread's chunks are seldom neighbours, and a chunk that started cold would wait on its reads. */
+    for (int64_t c = claim_chunk(counters), next = -1, next_first = count; c < chunks; c = next, next = -1) {
         const int64_t first = c % unit_chunks * units_per_chunk, m0 = c / unit_chunks * row_block;
         const int64_t last = first + units_per_chunk < count ? first + units_per_chunk : count;
         const int64_t rows = M - m0 < row_block ? M - m0 : row_block;
@@ -249,16 +253,23 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
         for (int64_t p = first; p < last; p++) {
             const int64_t n = p * I8_NR, cols = N - n < I8_NR ? N - n : I8_NR;
             const int32_t *w = panels + p * words * I8_NR;
-            /* With more tiles than one, the first asks for the panel PREFETCH_PANELS on, a line a step (one or
-             * two rows stream faster by the hardware's prefetch alone, as in cpu_gemm.c). */
-            const char *ahead = rows >= 3 ? (const char *)(w + PREFETCH_PANELS * words * I8_NR) : 0;
-            for (int64_t m = 0; m < rows; m += I8_MR) {
+            if (next < 0 && p + PREFETCH_PANELS >= last)
+                next_first = next_chunk_first(counters, &next, chunks, unit_chunks, units_per_chunk, count);
+            /* From three rows, the tiles ask for the panel PREFETCH_PANELS on, each for its share of it spread over
+             * its steps, so that the reads from memory go on while every tile computes, not in the first tile's
+             * burst (one or two rows stream faster by the hardware's prefetch alone, as in cpu_gemm.c). */
+            const int64_t later = p + PREFETCH_PANELS < last ? p + PREFETCH_PANELS : next_first + p + PREFETCH_PANELS - last;
+            const char *ahead = rows >= 3 && later < count ? (const char *)(panels + later * words * I8_NR) : 0;
+            const int64_t tiles = (rows + I8_MR - 1) / I8_MR, share = (words + tiles - 1) / tiles;
+            for (int64_t m = 0, t = 0; m < rows; m += I8_MR, t++) {
                 const int tile_rows = rows - m < I8_MR ? (int)(rows - m) : I8_MR;
-                tile_of(tile_rows, codes + m * padded, padded, w, words, sums, 0, m == 0 ? ahead : 0, I8_NR * 4);
+                const char *mine = ahead && t * share < words ? ahead + t * share * I8_NR * 4 : 0;
+                tile_of(tile_rows, codes + m * padded, padded, w, words, sums, 0, mine, tiles);
                 store_rows(tile_rows, sums, colsums + n, scales + m, w_scales + n, bias ? bias + n : 0,
                            y + (m0 + m) * y_stride + n, y_stride, cols);
             }
         }
+        finish_chunk(counters);
     }
     if (wait)
         wait_for_chunks(counters, chunks);
