@@ -599,10 +599,9 @@ static inline __attribute__((always_inline)) vu code_pairs(vu words, int j)
 
 /* code_tile for 4-bit codes by the bfloat16 dot product: each group's sums of (128 + c) x, then
  * sums += scale x those + (offset - 128 scale) x the group's sum of x (x_sums [rows][groups]). Where `later` is
- * not 0 (the first of several tiles over a panel: the others find it in cache; or the last panels of a thread's
- * chunk, whose next chunk the hardware's prefetch cannot guess), each step asks for the same lines of the panel
- * `later` panels on, and each group for that panel's scales and offsets, so that its reads from memory overlap
- * this thread's arithmetic. */
+ * not 0 (the first tile over a panel: the others find it in cache), each step asks for the same lines of the
+ * panel `later` panels on, and each group for that panel's scales and offsets, so that its reads from memory
+ * overlap this thread's arithmetic. */
 static inline __attribute__((always_inline)) void code_tile_pairs(
     const int rows, const char *x, int64_t x_stride, const uint32_t *w, const float *scales, const float *offsets,
     const float *x_sums, int64_t groups, int64_t group, const float *bias, float *y, int64_t y_stride, int64_t cols,
@@ -822,12 +821,12 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
                 float *yt = ym + m * y_stride + n;
 #if BF16_DOT
                 if (pairs) {
-                    /* The first of several tiles asks for a later panel; one tile alone streams faster by the
-                     * hardware's prefetch, but for the next chunk's panels, which it cannot guess. */
-                    const int crossing = p + PREFETCH_PANELS >= last;
-                    const int64_t later_panel = crossing ? next_first + p + PREFETCH_PANELS - last : p + PREFETCH_PANELS;
-                    const int64_t later = m == 0 && (rows >= PREFETCH_MIN_ROWS || crossing) && later_panel < count
-                                              ? later_panel - p : 0;
+                    /* The first tile over a panel asks for a later one (at a chunk's end, the first of the next),
+                     * even at one row: unpacking the codes keeps the hardware's prefetch from running far enough
+                     * ahead on its own. */
+                    const int64_t later_panel =
+                        p + PREFETCH_PANELS >= last ? next_first + p + PREFETCH_PANELS - last : p + PREFETCH_PANELS;
+                    const int64_t later = m == 0 && later_panel < count ? later_panel - p : 0;
                     code_pairs_tile_of(tile_rows, xt, x_stride, w, sc, of, x_sums + (m0 + m) * groups, groups, group,
                                        b, yt, y_stride, cols, later);
                     continue;
