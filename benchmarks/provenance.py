@@ -34,13 +34,14 @@ def cpu_model() -> str:
 
 
 def commit() -> str:
-    """The short commit, marked `-dirty` when the tree differs from it (the figure is then not that commit's)."""
+    """The short commit, marked `-dirty` when the tree differs from it (the figure is then not that commit's); the
+    results a sitting writes as it goes are no difference."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"],
             cwd=ROOT,
             capture_output=True,
             text=True,
