@@ -33,6 +33,13 @@ static inline int64_t next_chunk_first(int64_t *counters, int64_t *next, int64_t
     return *next < chunks ? *next % unit_chunks * units_per_chunk : count;
 }
 
+/* The panel `distance` after panel p in this thread's order: in its chunk, which ends before `last`, or else in
+ * the next chunk it claimed, whose first panel is next_first (`count` or past where there is none). */
+static inline int64_t panel_after(int64_t p, int64_t distance, int64_t last, int64_t next_first)
+{
+    return p + distance < last ? p + distance : next_first + p + distance - last;
+}
+
 /* For the caller: until every chunk is finished. Spins briefly (a helper's chunk ends within
  * microseconds), then yields the core, as the helper it waits for may need it. */
 static inline void wait_for_chunks(int64_t *counters, int64_t chunks)

@@ -824,8 +824,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
                     /* The first tile over a panel asks for a later one (at a chunk's end, the first of the next),
                      * even at one row: unpacking the codes keeps the hardware's prefetch from running far enough
                      * ahead on its own. */
-                    const int64_t later_panel =
-                        p + PREFETCH_PANELS >= last ? next_first + p + PREFETCH_PANELS - last : p + PREFETCH_PANELS;
+                    const int64_t later_panel = panel_after(p, PREFETCH_PANELS, last, next_first);
                     const int64_t later = m == 0 && later_panel < count ? later_panel - p : 0;
                     code_pairs_tile_of(tile_rows, xt, x_stride, w, sc, of, x_sums + (m0 + m) * groups, groups, group,
                                        b, yt, y_stride, cols, later);

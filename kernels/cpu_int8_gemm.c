@@ -258,7 +258,7 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
             /* From three rows, the tiles ask for the panel PREFETCH_PANELS on, each for its share of it spread over
              * its steps, so that the reads from memory go on while every tile computes, not in the first tile's
              * burst (one or two rows stream faster by the hardware's prefetch alone, as in cpu_gemm.c). */
-            const int64_t later = p + PREFETCH_PANELS < last ? p + PREFETCH_PANELS : next_first + p + PREFETCH_PANELS - last;
+            const int64_t later = panel_after(p, PREFETCH_PANELS, last, next_first);
             const char *ahead = rows >= 3 && later < count ? (const char *)(panels + later * words * I8_NR) : 0;
             const int64_t tiles = (rows + I8_MR - 1) / I8_MR, share = (words + tiles - 1) / tiles;
             for (int64_t m = 0, t = 0; m < rows; m += I8_MR, t++) {

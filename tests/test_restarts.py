@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -98,7 +99,7 @@ def test_a_restarted_worker_whose_metrics_port_is_briefly_held_is_started_again_
     with serve(llama_dir, str(tmp_path)) as server:
         launcher = server.process.pid
         worker = engine_process(launcher, "services.worker", "workers.sock")
-        port = int(server.metrics_urls["worker"].rsplit(":", 1)[1].split("/")[0])
+        port = urlsplit(server.metrics_urls["worker"]).port
         os.kill(worker, signal.SIGKILL)
         assert wait_until(lambda: not os.path.exists(f"/proc/{worker}"), 10)
         with socket.socket() as holder:
