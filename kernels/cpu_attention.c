@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "claims.h"
 
@@ -197,27 +198,98 @@ static inline void prefetch_stream(const char *cache, const int32_t *table, int6
     }
 }
 
-/* A decode row's keys, a tile of `count` tokens at `offset` on in its stream: head `head`'s slice of the tile's rows
- * asked for, so that the heads together ask for the whole tile. */
-static inline void ask_for_head_slice(const char *key_cache, const char *value_cache, const int32_t *table, int64_t low,
-                                      int64_t n, int64_t offset, int64_t head, int64_t count, int64_t num_heads,
-                                      int64_t block_size, int64_t token_bytes)
+/* Half the core's second-level cache: the values a decode row may ask for early (below). */
+static inline int64_t values_early_bytes(void)
 {
-    prefetch_stream(key_cache, table, low, n, value_cache, table, low, n, offset + head * count / num_heads,
-                    offset + (head + 1) * count / num_heads, block_size, token_bytes);
+    static int64_t bytes; /* every thread works out the same value */
+    int64_t known = __atomic_load_n(&bytes, __ATOMIC_RELAXED);
+    if (known == 0) {
+        const long level2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        known = level2 > 0 ? level2 / 2 : 256 << 10;
+        __atomic_store_n(&bytes, known, __ATOMIC_RELAXED);
+    }
+    return known;
 }
 
-/* A decode row's values, a tile of `count` tokens at `offset` on in its stream: asked for by the first pass over them,
- * and by the last the next decode row's keys past them. */
-static inline void ask_for_value_tile(const char *value_cache, const char *key_cache, const int32_t *table, int64_t low,
-                                      int64_t n, int64_t offset, int64_t count, int first_pass, int last_pass,
-                                      const struct next_row *next, int64_t block_size, int64_t token_bytes)
+/* Where a decode row reads and what it asks for ahead. Its values are read in several passes after all its keys (a
+ * few heads of a group at a time, their sums in registers), so a pass's tile takes a fraction of a key tile's work:
+ * values asked for one tile ahead there arrive late. Where a row's values fit in `early_bytes`, each key tile asks
+ * for the values of its own positions too, so that the value passes read them from the second-level cache, and the
+ * passes spread over themselves the next row's keys at their own positions (docs/kernel-measurements.md). Longer
+ * rows ask for their values one tile ahead in the first pass. */
+struct decode_stream {
+    const char *key_cache, *value_cache;
+    const int32_t *table;
+    int64_t low, n, ahead, block_size, token_bytes, passes;
+    int values_early;
+    const struct next_row *next;
+};
+
+static inline struct decode_stream decode_stream(const char *key_cache, const char *value_cache, const int32_t *table,
+                                                 int64_t low, int64_t n, int64_t block_size, int64_t token_bytes,
+                                                 int64_t passes, int64_t early_bytes, const struct next_row *next)
 {
-    if (first_pass)
-        prefetch_stream(value_cache, table, low, n, 0, 0, 0, 0, offset, offset + count, block_size, token_bytes);
-    if (last_pass)
-        prefetch_stream(value_cache, table, low, n, key_cache, next->table, next->low, next->count, max64(n, offset),
-                        offset + count, block_size, token_bytes);
+    const struct decode_stream stream = {
+        .key_cache = key_cache,
+        .value_cache = value_cache,
+        .table = table,
+        .low = low,
+        .n = n,
+        .ahead = stream_ahead(token_bytes),
+        .block_size = block_size,
+        .token_bytes = token_bytes,
+        .passes = passes,
+        .values_early = n * token_bytes <= early_bytes,
+        .next = next,
+    };
+    return stream;
+}
+
+/* While head `head` of `num_heads` scores the key tile of `count` tokens at position p: its slice of the stream
+ * ahead (keys, then values unless they come early), and where they do, its slice of the tile's values. */
+static inline void ask_while_scoring(const struct decode_stream *s, int64_t p, int64_t count, int64_t head,
+                                     int64_t num_heads)
+{
+    const int64_t from = head * count / num_heads, to = (head + 1) * count / num_heads;
+    const int64_t offset = p - s->low + s->ahead;
+    prefetch_stream(s->key_cache, s->table, s->low, s->n, s->values_early ? 0 : s->value_cache, s->table, s->low,
+                    s->n, offset + from, offset + to, s->block_size, s->token_bytes);
+    if (s->values_early)
+        prefetch_rows(s->value_cache, s->table, p + from, p + to, s->block_size, s->token_bytes);
+}
+
+/* While pass `pass` sums the value tile of `count` tokens at position p: with values early, its slice of the next
+ * decode row's keys at the same offset; otherwise the first pass asks for the values a tile ahead and the last for
+ * the next row's keys past them. */
+static inline void ask_while_summing(const struct decode_stream *s, int64_t p, int64_t count, int64_t pass)
+{
+    const int64_t offset = p - s->low;
+    if (s->values_early) {
+        const int64_t from = offset + pass * count / s->passes;
+        const int64_t to = min64(offset + (pass + 1) * count / s->passes, s->next->count);
+        if (from < to)
+            prefetch_rows(s->key_cache, s->next->table, s->next->low + from, s->next->low + to, s->block_size,
+                          s->token_bytes);
+        return;
+    }
+    if (pass == 0)
+        prefetch_stream(s->value_cache, s->table, s->low, s->n, 0, 0, 0, 0, offset + s->ahead,
+                        offset + s->ahead + count, s->block_size, s->token_bytes);
+    if (pass == s->passes - 1)
+        prefetch_stream(s->value_cache, s->table, s->low, s->n, s->key_cache, s->next->table, s->next->low,
+                        s->next->count, max64(s->n, offset + s->ahead), offset + s->ahead + count, s->block_size,
+                        s->token_bytes);
+}
+
+/* The value passes of a row whose group of `group` heads is summed `at_once` heads at a time, and the pass that
+ * starts at head `first`. */
+static inline int64_t value_passes(int64_t num_kv_heads, int64_t group, int64_t at_once)
+{
+    return num_kv_heads * ((group + at_once - 1) / at_once);
+}
+static inline int64_t value_pass(int64_t first, int64_t group, int64_t at_once)
+{
+    return first / group * ((group + at_once - 1) / at_once) + first % group / at_once;
 }
 
 /* One query row's attention over one-byte rows (int8, E4M3) at head size 64, in whole vectors of 8 floats
@@ -371,15 +443,16 @@ static inline __attribute__((always_inline)) void attend_one_query_f32(
     const int64_t group = num_heads / num_kv_heads, head_dim = vectors * 16, n = high + 1 - low;
     const int64_t value_heads = vectors <= 4 ? VALUE_HEADS : VALUE_HEADS / 2; /* sums in registers */
     const int64_t head_bytes = head_dim * 4, token_bytes = num_kv_heads * head_bytes;
-    const int64_t ahead = stream_ahead(token_bytes);
+    /* its values early in half the room of a bfloat16 row's: its keys stream past in twice the room */
+    const struct decode_stream stream = decode_stream(key_cache, value_cache, table, low, n, block_size, token_bytes,
+                                                      value_passes(num_kv_heads, group, value_heads),
+                                                      values_early_bytes() / 2, next);
     for (int64_t p = low, stop; p <= high;) {
         const char *run = block_run(key_cache, table, p, high + 1, block_size, token_bytes, &stop);
         for (int64_t count; p < stop; p += count, run += count * token_bytes) {
             count = min64(16, stop - p);
-            const int64_t offset = p - low + ahead; /* the stream ahead, spread over the heads */
             for (int64_t head = 0; head < num_heads; head++) {
-                ask_for_head_slice(key_cache, value_cache, table, low, n, offset, head, count, num_heads, block_size,
-                                   token_bytes);
+                ask_while_scoring(&stream, p, count, head, num_heads);
                 const char *rows = run + (head / group) * head_bytes;
                 const float *qh = q + head * head_dim;
                 __m512 sums[16]; /* both loops unrolled, so that the sums stay in registers */
@@ -411,8 +484,7 @@ static inline __attribute__((always_inline)) void attend_one_query_f32(
                 block_run(value_cache, table, p, high + 1, block_size, token_bytes, &stop) + kv * head_bytes;
             for (int64_t count; p < stop; p += count, run += count * token_bytes) {
                 count = min64(16, stop - p);
-                ask_for_value_tile(value_cache, key_cache, table, low, n, p - low + ahead, count, first == 0,
-                                   first + heads == num_heads, next, block_size, token_bytes);
+                ask_while_summing(&stream, p, count, value_pass(first, group, value_heads));
                 for (int64_t u = 0; u < count; u++) {
                     const char *row = run + u * token_bytes;
                     for (int64_t h = 0; h < heads; h++) {
@@ -491,7 +563,9 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
 {
     const int64_t group = num_heads / num_kv_heads, vectors = (head_dim + 31) / 32, n = high + 1 - low;
     const int64_t head_bytes = head_dim * 2, token_bytes = num_kv_heads * head_bytes;
-    const int64_t ahead = stream_ahead(token_bytes);
+    const struct decode_stream stream = decode_stream(key_cache, value_cache, table, low, n, block_size, token_bytes,
+                                                      value_passes(num_kv_heads, group, VALUE_HEADS),
+                                                      values_early_bytes(), next);
     __m512bh query[MAX_BF16_HEADS][4];
     for (int64_t head = 0; head < num_heads; head++)
         for (int64_t c = 0; c < vectors; c++)
@@ -501,10 +575,8 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
         const char *run = block_run(key_cache, table, p, high + 1, block_size, token_bytes, &stop);
         for (int64_t count; p < stop; p += count, run += count * token_bytes) {
             count = min64(16, stop - p);
-            const int64_t offset = p - low + ahead; /* the stream ahead, spread over the heads */
             for (int64_t head = 0; head < num_heads; head++) {
-                ask_for_head_slice(key_cache, value_cache, table, low, n, offset, head, count, num_heads, block_size,
-                                   token_bytes);
+                ask_while_scoring(&stream, p, count, head, num_heads);
                 const char *rows = run + (head / group) * head_bytes;
                 __m512 sums[16];
                 for (int64_t u = 0; u < 16; u++) {
@@ -535,8 +607,7 @@ static inline __attribute__((always_inline)) void attend_one_query_bf16(
             const char *run = block_run(value_cache, table, p, high + 1, block_size, token_bytes, &stop) + kv * head_bytes;
             for (int64_t count; p < stop; p += count, run += count * token_bytes) {
                 count = min64(16, stop - p);
-                ask_for_value_tile(value_cache, key_cache, table, low, n, p - low + ahead, count, first == 0,
-                                   first + heads == num_heads, next, block_size, token_bytes);
+                ask_while_summing(&stream, p, count, value_pass(first, group, VALUE_HEADS));
                 const __mmask16 valid = (__mmask16)((1u << count) - 1);
                 __m512i pairs[VALUE_HEADS]; /* word j: the weights of tokens 2j and 2j + 1, two bfloat16 */
                 for (int64_t h = 0; h < heads; h++)

@@ -75,6 +75,27 @@ def test_compiled_attention_over_a_half_cache_is_the_reference_over_its_values(
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_rows_long_and_short_in_turn_are_the_reference(storage, threads, monkeypatch):
+    # A row whose values fit in half a core's second-level cache asks for them while it reads its keys, and for the
+    # next row's keys while it sums them; a longer one (9,000 tokens of 4 KV heads: past half of any such cache)
+    # asks for its values a tile ahead. Rows of both kinds follow one another, in both orders.
+    compiled_kernel()
+    monkeypatch.setattr(native, "threads", lambda: threads)
+    shapes = [(1, 40), (1, 9000), (1, 300), (1, 17), (1, 5000), (1, 1)]
+    query, key_cache, value_cache, batch = make_batch(shapes, 8, 4, 64, 16, torch.float32)
+    keys, values = key_cache.to(storage), value_cache.to(storage)
+    out = paged_attention_native(query, keys, values, batch, 64**-0.5)
+    if storage is torch.float32 or not cpu_attention.bf16_dot():
+        expected = reference_in_float32(query, keys, values, batch, 64**-0.5)
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+        return
+    for row, (_, context) in enumerate(shapes):
+        expected, one_step = rounded_reference(query[row], keys, values, batch.block_tables[row], context, 64**-0.5)
+        torch.testing.assert_close(out[row], expected, atol=max(3e-4, one_step), rtol=0)
+
+
 def rounded_reference(query, keys, values, table, context, scale):
     """One query row, at position context - 1, over a bfloat16 cache as the dot product computes it: query and
     weights in bfloat16; and how far one weight next to a rounding boundary, rounded the other way (one bfloat16
