@@ -296,7 +296,8 @@ static inline int64_t value_pass(int64_t first, int64_t group, int64_t at_once)
  * (GCC's vector extensions: AVX on x86-64-v3 and native builds, narrower vectors elsewhere): a decode step's
  * row, and a chunk's row alone in its block of QUERY_BLOCK queries (its ninth, seventeenth, ...). Each cached
  * row is converted to floats in registers as it is read, with no decoded copy stored and read back; query heads
- * take it two at a time; and each head's output stays in registers over the whole context. It is faster than the
+ * take it two at a time; and each head's output stays in registers over the whole context. Builds with AVX-512 take
+ * attend_one_query_f32's path instead, which widens 16 values at a time. It is faster than the
  * tiled walk below for int8 at groups of 2 and 4 and for E4M3 at groups of 2 (docs/kernel-measurements.md); with more heads
  * a group converts each row again for every pair, and E4M3 costs more to convert than int8, so the walk keeps
  * those, as it does odd groups, other head sizes, half types and float32 rows. */
@@ -429,31 +430,66 @@ static inline __attribute__((always_inline)) __m512 fold16(const __m512 a[16])
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
 }
 
-/* One query row's attention over a float32 cache at head sizes of whole 16-value vectors (up to 128): a decode's row.
- * As attend_one_query_bf16 below: keys 16 cached tokens at a time, a row's scores for them one vector folded from 16
- * sums (fold16), the row's stream asked for AHEAD_BYTES on; values summed for up to VALUE_HEADS heads of a group at
- * a time over the whole context, each token's weight broadcast to its row. Rather than the walk below, which sums
- * each key's products across one vector's lanes in turn (docs/kernel-measurements.md). */
+/* Sixteen bytes of a one-byte row as floats (scale apart), as decode_token reads them. */
+static inline __attribute__((always_inline)) __m512 widen16(const char *bytes, const int kind)
+{
+    const __m128i raw = _mm_loadu_si128((const __m128i *)bytes);
+    if (kind == ROW_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+    const __m512i byte = _mm512_cvtepu8_epi32(raw), magnitude = _mm512_and_si512(byte, _mm512_set1_epi32(0x7f));
+    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23));
+    const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(magnitude, _mm512_set1_epi32(7))),
+                                           _mm512_set1_ps(0x1p-9f));
+    const __mmask16 is_normal = _mm512_cmpge_epi32_mask(magnitude, _mm512_set1_epi32(8));
+    const __m512i bits = _mm512_mask_mov_epi32(_mm512_castps_si512(subnormal), is_normal, normal);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(byte, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(bits, sign));
+}
+
+/* One query row's attention over a float32 cache, or over one-byte rows (int8, E4M3), at head sizes of whole 16-value
+ * vectors (up to 128): a decode's row. As attend_one_query_bf16 below: keys 16 cached tokens at a time, a row's
+ * scores for them one vector folded from 16 sums (fold16), the row's stream asked for AHEAD_BYTES on; values summed
+ * for up to VALUE_HEADS heads of a group at a time over the whole context, each token's weight broadcast to its row.
+ * One-byte rows are widened to floats in registers: a key tile once for all its heads (into `decoded`), a value row
+ * once for the heads of its pass; each score and weight takes its row's scale. Rather than the walk below, which
+ * sums each key's products across one vector's lanes in turn (docs/kernel-measurements.md). */
 static inline __attribute__((always_inline)) void attend_one_query_f32(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
     const int64_t vectors, int64_t block_size, float scale, float *restrict scores, float *restrict out,
-    const struct next_row *next)
+    const struct next_row *next, const int kind, float *restrict decoded)
 {
     const int64_t group = num_heads / num_kv_heads, head_dim = vectors * 16, n = high + 1 - low;
     const int64_t value_heads = vectors <= 4 ? VALUE_HEADS : VALUE_HEADS / 2; /* sums in registers */
-    const int64_t head_bytes = head_dim * 4, token_bytes = num_kv_heads * head_bytes;
-    /* its values early in half the room of a bfloat16 row's: its keys stream past in twice the room */
+    const int64_t head_bytes = head_row_bytes(head_dim, kind), token_bytes = num_kv_heads * head_bytes;
+    /* a float32 row's values early in half the room of a bfloat16 row's: its keys stream past in twice the room */
     const struct decode_stream stream = decode_stream(key_cache, value_cache, table, low, n, block_size, token_bytes,
                                                       value_passes(num_kv_heads, group, value_heads),
-                                                      values_early_bytes() / 2, next);
+                                                      values_early_bytes() / (kind == ROW_F32 ? 2 : 1), next);
+    /* where the key tile's rows are read: the cache (float32), or their widened copy, num_kv_heads rows a token */
+    const int64_t key_stride = kind == ROW_F32 ? token_bytes : num_kv_heads * head_dim * 4;
+    const int64_t key_head_stride = kind == ROW_F32 ? head_bytes : head_dim * 4;
     for (int64_t p = low, stop; p <= high;) {
         const char *run = block_run(key_cache, table, p, high + 1, block_size, token_bytes, &stop);
         for (int64_t count; p < stop; p += count, run += count * token_bytes) {
             count = min64(16, stop - p);
+            if (kind != ROW_F32)
+                for (int64_t u = 0; u < count; u++)
+                    for (int64_t kv = 0; kv < num_kv_heads; kv++)
+                        for (int64_t c = 0; c < vectors; c++)
+                            _mm512_storeu_ps(decoded + (u * num_kv_heads + kv) * head_dim + c * 16,
+                                             widen16(run + u * token_bytes + kv * head_bytes + c * 16, kind));
+            const char *keys = kind == ROW_F32 ? run : (const char *)decoded;
+            __m512 row_scales = _mm512_set1_ps(scale);
             for (int64_t head = 0; head < num_heads; head++) {
                 ask_while_scoring(&stream, p, count, head, num_heads);
-                const char *rows = run + (head / group) * head_bytes;
+                if (kind != ROW_F32 && head % group == 0) {
+                    float each[16] = {0};
+                    for (int64_t u = 0; u < count; u++)
+                        each[u] = head_scale(run + u * token_bytes + (head / group) * head_bytes, head_dim, kind);
+                    row_scales = _mm512_mul_ps(_mm512_loadu_ps(each), _mm512_set1_ps(scale));
+                }
+                const char *rows = keys + (head / group) * key_head_stride;
                 const float *qh = q + head * head_dim;
                 __m512 sums[16]; /* both loops unrolled, so that the sums stay in registers */
 #pragma GCC unroll 16
@@ -462,11 +498,11 @@ static inline __attribute__((always_inline)) void attend_one_query_f32(
                     if (u < count)
 #pragma GCC unroll 8
                         for (int64_t c = 0; c < vectors; c++)
-                            sums[u] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + u * token_bytes + c * 64),
+                            sums[u] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + u * key_stride + c * 64),
                                                       _mm512_loadu_ps(qh + c * 16), sums[u]);
                 }
                 _mm512_mask_storeu_ps(scores + head * n + (p - low), (__mmask16)((1u << count) - 1),
-                                      _mm512_mul_ps(fold16(sums), _mm512_set1_ps(scale)));
+                                      _mm512_mul_ps(fold16(sums), row_scales));
             }
         }
     }
@@ -487,10 +523,22 @@ static inline __attribute__((always_inline)) void attend_one_query_f32(
                 ask_while_summing(&stream, p, count, value_pass(first, group, value_heads));
                 for (int64_t u = 0; u < count; u++) {
                     const char *row = run + u * token_bytes;
+                    if (kind == ROW_F32) {
+                        for (int64_t h = 0; h < heads; h++) {
+                            const __m512 weight = _mm512_set1_ps(scores[(first + h) * n + (p - low) + u]);
+                            for (int64_t c = 0; c < vectors; c++)
+                                sums[h][c] = _mm512_fmadd_ps(_mm512_loadu_ps(row + c * 64), weight, sums[h][c]);
+                        }
+                        continue;
+                    }
+                    const float row_scale = head_scale(row, head_dim, kind);
+                    __m512 values[8];
+                    for (int64_t c = 0; c < vectors; c++)
+                        values[c] = widen16(row + c * 16, kind);
                     for (int64_t h = 0; h < heads; h++) {
-                        const __m512 weight = _mm512_set1_ps(scores[(first + h) * n + (p - low) + u]);
+                        const __m512 weight = _mm512_set1_ps(scores[(first + h) * n + (p - low) + u] * row_scale);
                         for (int64_t c = 0; c < vectors; c++)
-                            sums[h][c] = _mm512_fmadd_ps(_mm512_loadu_ps(row + c * 64), weight, sums[h][c]);
+                            sums[h][c] = _mm512_fmadd_ps(values[c], weight, sums[h][c]);
                     }
                 }
             }
@@ -503,14 +551,14 @@ static inline __attribute__((always_inline)) void attend_one_query_f32(
 
 /* attend_one_query_f32 with the head size known to the compiler where it is a common one, so that every sum stays in
  * a register. */
-static inline void attend_one_query_f32_sized(
+static inline __attribute__((always_inline)) void attend_one_query_f32_sized(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict out,
-    const struct next_row *next)
+    const struct next_row *next, const int kind, float *restrict decoded)
 {
 #define SIZED(VECTORS) attend_one_query_f32(q, key_cache, value_cache, table, low, high, num_heads, num_kv_heads, \
-                                            VECTORS, block_size, scale, scores, out, next)
+                                            VECTORS, block_size, scale, scores, out, next, kind, decoded)
     switch (head_dim) {
     case 64: SIZED(4); break;
     case 128: SIZED(8); break;
@@ -982,10 +1030,10 @@ static inline __attribute__((always_inline)) void attend_range(
             }
 #endif
 #ifdef F32_ROWS
-            if (block == 1 && kind == ROW_F32 && head_dim % 16 == 0 && head_dim <= 128) {
+            if (block == 1 && (kind == ROW_F32 || quantized(kind)) && head_dim % 16 == 0 && head_dim <= 128) {
                 attend_one_query_f32_sized(query + (first + i0) * query_stride, key_cache, value_cache, table, low[0],
                                            high[0], num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                                           out + (first + i0) * num_heads * head_dim, &next);
+                                           out + (first + i0) * num_heads * head_dim, &next, kind, decoded);
                 continue;
             }
 #endif

@@ -75,16 +75,26 @@ def test_compiled_attention_over_a_half_cache_is_the_reference_over_its_values(
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "storage", [torch.float32, torch.bfloat16, torch.int8, torch.uint8], ids=["f32", "bf16", "int8", "fp8"]
+)
+@pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_rows_long_and_short_in_turn_are_the_reference(storage, threads, monkeypatch):
+def test_decode_rows_long_and_short_in_turn_are_the_reference(storage, group, threads, monkeypatch):
     # A row whose values fit in half a core's second-level cache asks for them while it reads its keys, and for the
     # next row's keys while it sums them; a longer one (9,000 tokens of 4 KV heads: past half of any such cache)
-    # asks for its values a tile ahead. Rows of both kinds follow one another, in both orders.
+    # asks for its values a tile ahead. Rows of both kinds follow one another, in both orders. One-byte rows (int8,
+    # E4M3: uint8 storage) are widened in registers on the same path: the reference reads their dequantized values.
     compiled_kernel()
     monkeypatch.setattr(native, "threads", lambda: threads)
     shapes = [(1, 40), (1, 9000), (1, 300), (1, 17), (1, 5000), (1, 1)]
-    query, key_cache, value_cache, batch = make_batch(shapes, 8, 4, 64, 16, torch.float32)
+    query, key_cache, value_cache, batch = make_batch(shapes, 4 * group, 4, 64, 16, torch.float32)
+    if storage in (torch.int8, torch.uint8):
+        keys, values = kv_quant.quantize(key_cache, storage), kv_quant.quantize(value_cache, storage)
+        out = paged_attention_native(query, keys, values, batch, 64**-0.5)
+        as_float = kv_quant.dequantize(keys, torch.float32), kv_quant.dequantize(values, torch.float32)
+        torch.testing.assert_close(out, reference_in_float32(query, *as_float, batch, 64**-0.5), atol=1e-5, rtol=1e-5)
+        return
     keys, values = key_cache.to(storage), value_cache.to(storage)
     out = paged_attention_native(query, keys, values, batch, 64**-0.5)
     if storage is torch.float32 or not cpu_attention.bf16_dot():
