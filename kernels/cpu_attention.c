@@ -1030,10 +1030,16 @@ static inline __attribute__((always_inline)) void attend_range(
             }
 #endif
 #ifdef F32_ROWS
-            if (block == 1 && (kind == ROW_F32 || quantized(kind)) && head_dim % 16 == 0 && head_dim <= 128) {
-                attend_one_query_f32_sized(query + (first + i0) * query_stride, key_cache, value_cache, table, low[0],
-                                           high[0], num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                                           out + (first + i0) * num_heads * head_dim, &next, kind, decoded);
+            /* A prompt's rows over int8 rows take it one at a time too, as fast as the walk below: a request
+             * recomputed after preemption then gets the attention its decode steps got, to the bit. E4M3 rows cost
+             * more to widen, and a prompt's keep the walk, which widens a tile once for its block of rows. */
+            if ((block == 1 || kind == ROW_I8) && (kind == ROW_F32 || quantized(kind)) && head_dim % 16 == 0 &&
+                head_dim <= 128) {
+                for (int64_t b = 0; b < block; b++)
+                    attend_one_query_f32_sized(query + (first + i0 + b) * query_stride, key_cache, value_cache, table,
+                                               low[b], high[b], num_heads, num_kv_heads, head_dim, block_size, scale,
+                                               scores, out + (first + i0 + b) * num_heads * head_dim, &next, kind,
+                                               decoded);
                 continue;
             }
 #endif

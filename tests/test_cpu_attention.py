@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_attention, kv_quant, native
+from kernels.batch import PagedBatch
 from kernels.cpu_attention import (
     Workspace,
     native_accepts,
@@ -104,6 +105,25 @@ def test_decode_rows_long_and_short_in_turn_are_the_reference(storage, group, th
     for row, (_, context) in enumerate(shapes):
         expected, one_step = rounded_reference(query[row], keys, values, batch.block_tables[row], context, 64**-0.5)
         torch.testing.assert_close(out[row], expected, atol=max(3e-4, one_step), rtol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prompt_over_an_int8_cache_attends_as_its_decode_steps_did_to_the_bit(threads, monkeypatch):
+    # A request recomputed after preemption runs its tokens again as one prompt: over an int8 cache each of its rows
+    # then gets exactly what the decode step that made it got, so that its next token is the one it would have had.
+    compiled_kernel()
+    if "avx512f" not in native.cpu_flags():
+        pytest.skip("builds without AVX-512 serve an int8 cache's decode rows and prompt rows by different walks")
+    monkeypatch.setattr(native, "threads", lambda: threads)
+    context = 45
+    query, key_cache, value_cache, batch = make_batch([(context, context)], 12, 4, 64, 16, torch.float32)
+    keys, values = kv_quant.quantize(key_cache, torch.int8), kv_quant.quantize(value_cache, torch.int8)
+    prompt = paged_attention_native(query, keys, values, batch, 64**-0.5)
+    table = batch.block_tables[0].tolist()
+    one_a_step = PagedBatch.build(
+        [0] * context, [table] * context, list(range(context + 1)), list(range(1, context + 1)), torch.device("cpu")
+    )
+    assert torch.equal(prompt, paged_attention_native(query, keys, values, one_a_step, 64**-0.5))
 
 
 def rounded_reference(query, keys, values, table, context, scale):
