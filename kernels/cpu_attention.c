@@ -296,8 +296,8 @@ static inline int64_t value_pass(int64_t first, int64_t group, int64_t at_once)
  * (GCC's vector extensions: AVX on x86-64-v3 and native builds, narrower vectors elsewhere): a decode step's
  * row, and a chunk's row alone in its block of QUERY_BLOCK queries (its ninth, seventeenth, ...). Each cached
  * row is converted to floats in registers as it is read, with no decoded copy stored and read back; query heads
- * take it two at a time; and each head's output stays in registers over the whole context. Builds with AVX-512 take
- * attend_one_query_f32's path instead, which widens 16 values at a time. It is faster than the
+ * take it two at a time; and each head's output stays in registers over the whole context. Builds with AVX-512
+ * take attend_one_query_floats's path instead, which widens 16 values at a time. It is faster than the
  * tiled walk below for int8 at groups of 2 and 4 and for E4M3 at groups of 2 (docs/kernel-measurements.md); with more heads
  * a group converts each row again for every pair, and E4M3 costs more to convert than int8, so the walk keeps
  * those, as it does odd groups, other head sizes, half types and float32 rows. */
@@ -453,7 +453,7 @@ static inline __attribute__((always_inline)) __m512 widen16(const char *bytes, c
  * One-byte rows are widened to floats in registers: a key tile once for all its heads (into `decoded`), a value row
  * once for the heads of its pass; each score and weight takes its row's scale. Rather than the walk below, which
  * sums each key's products across one vector's lanes in turn (docs/kernel-measurements.md). */
-static inline __attribute__((always_inline)) void attend_one_query_f32(
+static inline __attribute__((always_inline)) void attend_one_query_floats(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
     const int64_t vectors, int64_t block_size, float scale, float *restrict scores, float *restrict out,
@@ -549,16 +549,17 @@ static inline __attribute__((always_inline)) void attend_one_query_f32(
     }
 }
 
-/* attend_one_query_f32 with the head size known to the compiler where it is a common one, so that every sum stays in
- * a register. */
-static inline __attribute__((always_inline)) void attend_one_query_f32_sized(
+/* attend_one_query_floats with the head size known to the compiler where it is a common one, so that every sum stays
+ * in a register. */
+static inline __attribute__((always_inline)) void attend_one_query_floats_sized(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict out,
     const struct next_row *next, const int kind, float *restrict decoded)
 {
-#define SIZED(VECTORS) attend_one_query_f32(q, key_cache, value_cache, table, low, high, num_heads, num_kv_heads, \
-                                            VECTORS, block_size, scale, scores, out, next, kind, decoded)
+#define SIZED(VECTORS)                                                                                              \
+    attend_one_query_floats(q, key_cache, value_cache, table, low, high, num_heads, num_kv_heads, VECTORS, block_size, \
+                            scale, scores, out, next, kind, decoded)
     switch (head_dim) {
     case 64: SIZED(4); break;
     case 128: SIZED(8); break;
@@ -1036,10 +1037,10 @@ static inline __attribute__((always_inline)) void attend_range(
             if ((block == 1 || kind == ROW_I8) && (kind == ROW_F32 || quantized(kind)) && head_dim % 16 == 0 &&
                 head_dim <= 128) {
                 for (int64_t b = 0; b < block; b++)
-                    attend_one_query_f32_sized(query + (first + i0 + b) * query_stride, key_cache, value_cache, table,
-                                               low[b], high[b], num_heads, num_kv_heads, head_dim, block_size, scale,
-                                               scores, out + (first + i0 + b) * num_heads * head_dim, &next, kind,
-                                               decoded);
+                    attend_one_query_floats_sized(query + (first + i0 + b) * query_stride, key_cache, value_cache,
+                                                  table, low[b], high[b], num_heads, num_kv_heads, head_dim, block_size,
+                                                  scale, scores, out + (first + i0 + b) * num_heads * head_dim, &next,
+                                                  kind, decoded);
                 continue;
             }
 #endif
