@@ -89,6 +89,24 @@ static inline float fp8_e4m3_value(uint8_t byte)
     return result.value;
 }
 
+#ifdef __AVX512F__
+/* Sixteen bytes of a one-byte row as floats (scale apart): int8 as it is, E4M3 as fp8_e4m3_value reads it. */
+static inline __attribute__((always_inline)) __m512 widen16(const char *bytes, const int kind)
+{
+    const __m128i raw = _mm_loadu_si128((const __m128i *)bytes);
+    if (kind == ROW_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+    const __m512i byte = _mm512_cvtepu8_epi32(raw), magnitude = _mm512_and_si512(byte, _mm512_set1_epi32(0x7f));
+    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23));
+    const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(magnitude, _mm512_set1_epi32(7))),
+                                           _mm512_set1_ps(0x1p-9f));
+    const __mmask16 is_normal = _mm512_cmpge_epi32_mask(magnitude, _mm512_set1_epi32(8));
+    const __m512i bits = _mm512_mask_mov_epi32(_mm512_castps_si512(subnormal), is_normal, normal);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(byte, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(bits, sign));
+}
+#endif
+
 #define MAX_DECODED 16384 /* floats of a tile's half or one-byte rows decoded at once: TILE x num_kv_heads x head_dim at most
                           * (kernels/cpu_attention.py checks) */
 
@@ -106,6 +124,11 @@ static inline void decode_token(const char *restrict row, int64_t num_kv_heads, 
         else if (kind == ROW_F16)
             for (int64_t d = 0; d < head_dim; d++)
                 values[d] = (float)((const _Float16 *)bytes)[d];
+#ifdef __AVX512F__
+        else if (head_dim % 16 == 0) /* one-byte rows, 16 values at a time */
+            for (int64_t d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(values + d, widen16(bytes + d, kind));
+#endif
         else if (kind == ROW_I8)
             for (int64_t d = 0; d < head_dim; d++)
                 values[d] = (float)((const int8_t *)bytes)[d];
@@ -430,22 +453,6 @@ static inline __attribute__((always_inline)) __m512 fold16(const __m512 a[16])
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
 }
 
-/* Sixteen bytes of a one-byte row as floats (scale apart), as decode_token reads them. */
-static inline __attribute__((always_inline)) __m512 widen16(const char *bytes, const int kind)
-{
-    const __m128i raw = _mm_loadu_si128((const __m128i *)bytes);
-    if (kind == ROW_I8)
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-    const __m512i byte = _mm512_cvtepu8_epi32(raw), magnitude = _mm512_and_si512(byte, _mm512_set1_epi32(0x7f));
-    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23));
-    const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(magnitude, _mm512_set1_epi32(7))),
-                                           _mm512_set1_ps(0x1p-9f));
-    const __mmask16 is_normal = _mm512_cmpge_epi32_mask(magnitude, _mm512_set1_epi32(8));
-    const __m512i bits = _mm512_mask_mov_epi32(_mm512_castps_si512(subnormal), is_normal, normal);
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(byte, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_or_si512(bits, sign));
-}
-
 /* One query row's attention over a float32 cache, or over one-byte rows (int8, E4M3), at head sizes of whole 16-value
  * vectors (up to 128): a decode's row. As attend_one_query_bf16 below: keys 16 cached tokens at a time, a row's
  * scores for them one vector folded from 16 sums (fold16), the row's stream asked for AHEAD_BYTES on; values summed
@@ -474,11 +481,7 @@ static inline __attribute__((always_inline)) void attend_one_query_floats(
         for (int64_t count; p < stop; p += count, run += count * token_bytes) {
             count = min64(16, stop - p);
             if (kind != ROW_F32)
-                for (int64_t u = 0; u < count; u++)
-                    for (int64_t kv = 0; kv < num_kv_heads; kv++)
-                        for (int64_t c = 0; c < vectors; c++)
-                            _mm512_storeu_ps(decoded + (u * num_kv_heads + kv) * head_dim + c * 16,
-                                             widen16(run + u * token_bytes + kv * head_bytes + c * 16, kind));
+                decode_tile(run, count, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
             const char *keys = kind == ROW_F32 ? run : (const char *)decoded;
             __m512 row_scales = _mm512_set1_ps(scale);
             for (int64_t head = 0; head < num_heads; head++) {
@@ -523,18 +526,10 @@ static inline __attribute__((always_inline)) void attend_one_query_floats(
                 ask_while_summing(&stream, p, count, value_pass(first, group, value_heads));
                 for (int64_t u = 0; u < count; u++) {
                     const char *row = run + u * token_bytes;
-                    if (kind == ROW_F32) {
-                        for (int64_t h = 0; h < heads; h++) {
-                            const __m512 weight = _mm512_set1_ps(scores[(first + h) * n + (p - low) + u]);
-                            for (int64_t c = 0; c < vectors; c++)
-                                sums[h][c] = _mm512_fmadd_ps(_mm512_loadu_ps(row + c * 64), weight, sums[h][c]);
-                        }
-                        continue;
-                    }
-                    const float row_scale = head_scale(row, head_dim, kind);
+                    const float row_scale = head_scale(row, head_dim, kind); /* 1 for float32 rows */
                     __m512 values[8];
                     for (int64_t c = 0; c < vectors; c++)
-                        values[c] = widen16(row + c * 16, kind);
+                        values[c] = kind == ROW_F32 ? _mm512_loadu_ps(row + c * 64) : widen16(row + c * 16, kind);
                     for (int64_t h = 0; h < heads; h++) {
                         const __m512 weight = _mm512_set1_ps(scores[(first + h) * n + (p - low) + u] * row_scale);
                         for (int64_t c = 0; c < vectors; c++)
