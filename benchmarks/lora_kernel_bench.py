@@ -59,7 +59,7 @@ def case(adapters: int, rows: int, device: str = "cuda", timing: bool = True) ->
     def kernel():
         lora_add_triton(x, out, units, table, page_table, pool.view(-1), 0, HALF, RANK, widest)
 
-    groups = [torch.arange(index, rows, adapters, device=device) for index in range(adapters)]
+    groups = [torch.arange(index, rows, adapters, device=device) for index in range(min(adapters, rows))]
 
     def loop():
         for index, members in enumerate(groups):

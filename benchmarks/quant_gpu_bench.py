@@ -1,5 +1,6 @@
 """Quantized products on a GPU at Llama-3.1-8B's shapes: the Triton codes kernel (W4A16 in groups of 128, and
-FP8 W8A16) and W8A8 through torch's integer product, against torch's float16 product of the same weight.
+FP8 W8A16; W4A16 also with its inputs never split, to show what splitting gives a decode step's rows) and W8A8 by
+the Triton int8 kernel and by torch's integer product (cuBLAS), against torch's float16 product of the same weight.
 
     python benchmarks/quant_gpu_bench.py            # needs CUDA; writes benchmarks/results/quant_gpu_bench.json
 
@@ -19,7 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.paper_harness import machine  # noqa: E402
 from benchmarks.provenance import commit  # noqa: E402
-from kernels.quant_triton import codes_gemm_triton, int8_linear_torch, pack_codes_gpu  # noqa: E402
+from kernels.quant_triton import (  # noqa: E402
+    codes_gemm_triton,
+    int8_linear_torch,
+    int8_linear_triton,
+    pack_codes_gpu,
+)
 
 SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 ROWS = (1, 16, 256)
@@ -67,14 +73,17 @@ def main() -> None:
                 "rows": rows,
                 "fp16_ms": timed(lambda x=x, weight=weight: x @ weight.T),
                 "w4a16_ms": timed(lambda x=x, int4=int4: codes_gemm_triton(x, *int4, "uint4")),
+                "w4a16_unsplit_ms": timed(lambda x=x, int4=int4: codes_gemm_triton(x, *int4, "uint4", splits=1)),
                 "fp8_w8a16_ms": timed(lambda x=x, fp8=fp8: codes_gemm_triton(x, *fp8, "fp8")),
-                "w8a8_ms": timed(lambda x=x, w=int8_weight, s=w_scales: int8_linear_torch(x.float(), w, s, None)),
+                "w8a8_ms": timed(lambda x=x, w=int8_weight, s=w_scales: int8_linear_triton(x, w, s, None)),
+                "w8a8_int_mm_ms": timed(lambda x=x, w=int8_weight, s=w_scales: int8_linear_torch(x, w, s, None)),
             }
             rows_out.append(row)
             print(
                 f"{name:>8} {rows:>4} rows: fp16 {row['fp16_ms']:.3f} ms, W4A16 {row['w4a16_ms']:.3f} "
-                f"({row['fp16_ms'] / row['w4a16_ms']:.2f}x), FP8 {row['fp8_w8a16_ms']:.3f}, "
-                f"W8A8 {row['w8a8_ms']:.3f} ({row['fp16_ms'] / row['w8a8_ms']:.2f}x)",
+                f"({row['fp16_ms'] / row['w4a16_ms']:.2f}x; unsplit {row['w4a16_unsplit_ms']:.3f}), "
+                f"FP8 {row['fp8_w8a16_ms']:.3f}, W8A8 {row['w8a8_ms']:.3f} ({row['fp16_ms'] / row['w8a8_ms']:.2f}x; "
+                f"_int_mm {row['w8a8_int_mm_ms']:.3f})",
                 flush=True,
             )
     out = ROOT / "benchmarks" / "results" / "quant_gpu_bench.json"

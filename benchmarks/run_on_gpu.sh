@@ -27,14 +27,14 @@ checks)
     nvidia-smi -L
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
-    timeout 240 python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/pt tests/test_kernels.py tests/test_gpu.py \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/pt tests/test_kernels.py tests/test_gpu.py \
         2>&1 | tee "$OUT/tests.log" | tail -25
-    timeout 180 python3 benchmarks/kernel_bench.py 2>&1 | tee "$OUT/kernel_bench.log"
-    cp benchmarks/results/kernel_bench.json "$OUT/" 2>/dev/null
-    timeout 90 python3 benchmarks/lora_kernel_bench.py 2>&1 | tee "$OUT/lora_kernel_bench.log"
-    cp benchmarks/results/lora_kernel_bench.json "$OUT/" 2>/dev/null
     timeout 120 python3 benchmarks/quant_gpu_bench.py 2>&1 | tee "$OUT/quant_gpu_bench.log"
     cp benchmarks/results/quant_gpu_bench.json "$OUT/" 2>/dev/null
+    timeout 120 python3 benchmarks/kernel_bench.py 2>&1 | tee "$OUT/kernel_bench.log"
+    cp benchmarks/results/kernel_bench.json "$OUT/" 2>/dev/null
+    timeout 60 python3 benchmarks/lora_kernel_bench.py 2>&1 | tee "$OUT/lora_kernel_bench.log"
+    cp benchmarks/results/lora_kernel_bench.json "$OUT/" 2>/dev/null
     find /tmp/pt -name 'server-*.log' -print0 2>/dev/null | tar czf "$OUT/server_logs.tgz" --null -T - 2>/dev/null
     ;;
 fig12)

@@ -155,7 +155,7 @@ def quantize_rows_reference(x: torch.Tensor, static_scale: float = 0.0) -> tuple
     """`quantize_rows` in torch, the same numbers: codes [M, K] and scales [M]."""
     x = x.float()
     if static_scale > 0:
-        scales = torch.full((x.shape[0],), static_scale, dtype=torch.float32)
+        scales = torch.full((x.shape[0],), static_scale, dtype=torch.float32, device=x.device)
         inverse = torch.full_like(scales, 1.0) / static_scale
     else:
         top = x.abs().amax(dim=1)
@@ -180,5 +180,12 @@ def scaled_sums(
     """Codes [M, >= K] times the int8 weight [N, K], exactly, then times each row's scale and w_scales, plus bias."""
     k = weight.shape[1]
     sums = codes[:, :k].to(torch.int64) @ weight.to(torch.int64).T  # exact, as the kernel's int32 sums are
+    return scale_sums(sums, scales, w_scales, bias)
+
+
+def scale_sums(
+    sums: torch.Tensor, scales: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Exact integer sums [M, N] as the kernels finish them: times each row's scale and w_scales, plus bias."""
     out = sums.to(torch.float32) * (scales[:, None] * w_scales.float()[None, :])
     return out if bias is None else out + bias.float()

@@ -1,6 +1,7 @@
 """Quantized products on a GPU: weights as codes (W4A16, W8A16, FP8 W8A16) unpacked in a Triton kernel as they are
-read, and W8A8 through torch's integer product (`torch._int_mm`, cuBLAS's int8 GEMM). CPUs have `cpu_gemm.c` and
-`cpu_int8_gemm.c`; under TRITON_INTERPRET=1 the Triton kernel runs on a CPU too, for the tests.
+read, and W8A8's int8 sums in another (torch's `_int_mm`, cuBLAS's, stays for comparison in
+benchmarks/quant_gpu_bench.py). CPUs have `cpu_gemm.c` and `cpu_int8_gemm.c`; under TRITON_INTERPRET=1 the Triton
+kernels run on a CPU too, for the tests.
 
 Codes lie as GPTQ lays them: [K / per word, N] int32 words, each `32 / bits` codes of consecutive inputs of one
 output, the first in the low bits (FP8: four e4m3 bytes). A weight's value is code x scale + offset, with a scale
@@ -10,6 +11,7 @@ and an offset per output and group of inputs ([K / group, N] each).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -21,9 +23,36 @@ try:
 except ImportError:
     triton = None
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32  # BLOCK_K divides every group size served (32 and up)
+BLOCK_K = 32  # the narrowest tile of inputs: it divides every group size served (32 and up)
 BITS = {"uint4": 4, "uint8": 8, "fp8": 8}
-INT_MM_MIN_ROWS = 17  # cuBLAS's int8 product takes more than 16 rows: fewer are padded with zero rows
+INT_MM_ROWS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class TilePlan:
+    """How a product's [M, N] output is cut: tiles of block_m x block_n, each summed over its inputs in steps of
+    block_k, the inputs split `splits` ways where the tiles alone would leave most of the GPU's multiprocessors
+    idle (a decode step's few rows); the splits' partial sums are added in a fixed order afterwards."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int
+    steps_per_split: int
+
+
+def plan_tiles(m: int, n: int, k: int, multiprocessors: int, block_k: int, splits: int | None = None) -> TilePlan:
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if m <= 16 else 128
+    steps = -(-k // block_k)
+    tiles = -(-m // block_m) * -(-n // block_n)
+    wanted = splits if splits is not None else -(-2 * multiprocessors // tiles)  # two tiles' work a multiprocessor
+    per_split = -(-steps // max(1, min(wanted, steps)))
+    return TilePlan(block_m, block_n, block_k, -(-steps // per_split), per_split)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def pack_codes_gpu(
@@ -47,38 +76,81 @@ def codes_gemm_triton(
     offsets: torch.Tensor,
     kind: str,
     bias: torch.Tensor | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] times the weight the codes stand for, plus bias: [M, N] in x's dtype (float32 accumulation)."""
+    """x [M, K] times the weight the codes stand for, plus bias: [M, N] in x's dtype (float32 accumulation; a
+    float32 x is multiplied in float32, never TF32, as torch's own float32 product is)."""
     m, k = x.shape
     n = words.shape[1]
     group = k // scales.shape[0]
     if group % BLOCK_K or k % BLOCK_K:
         raise ValueError(f"the codes kernel takes groups and widths that are multiples of {BLOCK_K}")
+    block_k = 2 * BLOCK_K if group % (2 * BLOCK_K) == 0 and k % (2 * BLOCK_K) == 0 else BLOCK_K
+    plan = plan_tiles(m, n, k, _multiprocessors(x.device), block_k, splits)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    partial = out if plan.splits == 1 else torch.empty((plan.splits, m, n), dtype=torch.float32, device=x.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # its bfloat16 dot is wrong: float32 there
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
     _codes_gemm[grid](
         x,
         words,
         scales,
         offsets,
-        out,
+        partial,
         bias if bias is not None else out,
         m,
         n,
         k,
         x.stride(0),
-        out.stride(0),
+        n,
+        m * n,
         group,
+        plan.steps_per_split * plan.block_k,
         BITS=BITS[kind],
         FP8=kind == "fp8",
         HAS_BIAS=bias is not None,
         HALF=not interpreted and x.dtype in (torch.float16, torch.bfloat16),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k,
     )
+    if plan.splits > 1:
+        out.copy_(partial.sum(0))
     return out
+
+
+def int8_linear_triton(
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    w_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    static_scale: float = 0.0,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """W8A8 on a GPU: x's rows quantized as the CPU kernel quantizes them, their int32 sums by a Triton kernel
+    (weight_t: [K, N] int8), then the CPU kernel's float steps in the same order; float32 [M, N], the numbers
+    `int8_linear_reference` gives."""
+    codes, scales = cpu_int8_linear.quantize_rows_reference(x.float(), static_scale)
+    m, k = codes.shape
+    n = weight_t.shape[1]
+    plan = plan_tiles(m, n, k, _multiprocessors(x.device), 2 * BLOCK_K, splits)
+    sums = torch.empty((plan.splits, m, n), dtype=torch.int32, device=x.device)
+    grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
+    _int8_sums[grid](
+        codes,
+        weight_t,
+        sums,
+        m,
+        n,
+        k,
+        codes.stride(0),
+        plan.steps_per_split * plan.block_k,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k,
+    )
+    total = sums[0] if plan.splits == 1 else sums.sum(0, dtype=torch.int32)
+    return cpu_int8_linear.scale_sums(total, scales, w_scales, bias)
 
 
 def int8_linear_torch(
@@ -88,15 +160,14 @@ def int8_linear_torch(
     bias: torch.Tensor | None,
     static_scale: float = 0.0,
 ) -> torch.Tensor:
-    """W8A8 with torch's integer product: x's rows quantized as the CPU kernel quantizes them, their int32 sums by
-    `torch._int_mm` (weight_t: [K, N] int8), then the same float steps; float32 [M, N]."""
+    """`int8_linear_triton`'s numbers with the sums by `torch._int_mm`, whose cuBLAS call takes rows in multiples
+    of 32 on some shapes: the rows are padded with zero rows to such a multiple."""
     codes, scales = cpu_int8_linear.quantize_rows_reference(x.float(), static_scale)
     rows = codes.shape[0]
-    if rows < INT_MM_MIN_ROWS:
-        codes = torch.cat([codes, codes.new_zeros(INT_MM_MIN_ROWS - rows, codes.shape[1])])
-    sums = torch._int_mm(codes, weight_t)[:rows]
-    out = sums.float() * (scales[:, None] * w_scales[None, :])
-    return out if bias is None else out + bias.float()
+    padded = -(-rows // INT_MM_ROWS) * INT_MM_ROWS
+    if padded != rows:
+        codes = torch.cat([codes, codes.new_zeros(padded - rows, codes.shape[1])])
+    return cpu_int8_linear.scale_sums(torch._int_mm(codes, weight_t)[:rows], scales, w_scales, bias)
 
 
 if triton is not None:
@@ -114,7 +185,9 @@ if triton is not None:
         K,
         stride_x,
         stride_out,
+        stride_split,
         GROUP,
+        SPAN,
         BITS: tl.constexpr,
         FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -125,10 +198,12 @@ if triton is not None:
     ):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(2)
         row_in, col_in = rows < M, cols < N
         per_word: tl.constexpr = 32 // BITS
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start = split * SPAN
+        for k0 in range(k_start, tl.minimum(K, k_start + SPAN), BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :], mask=row_in[:, None], other=0.0)
             word = tl.load(
@@ -147,11 +222,51 @@ if triton is not None:
             if HALF:
                 acc += tl.dot(a, b.to(a.dtype))
             else:
-                acc += tl.dot(a.to(tl.float32), b)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+                acc += tl.dot(a.to(tl.float32), b, input_precision="ieee")
+        if HAS_BIAS:  # once: the first split's partial sums carry it
+            bias = tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)
+            acc += tl.where(split == 0, bias, 0.0)[None, :]
         tl.store(
-            out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
+            out_ptr + split.to(tl.int64) * stride_split + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
             acc.to(out_ptr.dtype.element_ty),
+            mask=row_in[:, None] & col_in[None, :],
+        )
+
+    @triton.jit
+    def _int8_sums(
+        codes_ptr,
+        weight_ptr,
+        sums_ptr,
+        M,
+        N,
+        K,
+        stride_codes,
+        SPAN,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(2)
+        row_in, col_in = rows < M, cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        k_start = split * SPAN
+        k_end = tl.minimum(K, k_start + SPAN)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_in = ks < k_end
+            a = tl.load(
+                codes_ptr + rows[:, None].to(tl.int64) * stride_codes + ks[None, :],
+                mask=row_in[:, None] & k_in[None, :],
+                other=0,
+            )
+            b = tl.load(
+                weight_ptr + ks[:, None].to(tl.int64) * N + cols[None, :], mask=k_in[:, None] & col_in[None, :], other=0
+            )
+            acc += tl.dot(a, b, out_dtype=tl.int32)
+        tl.store(
+            sums_ptr + (split.to(tl.int64) * M + rows[:, None]) * N + cols[None, :],
+            acc,
             mask=row_in[:, None] & col_in[None, :],
         )

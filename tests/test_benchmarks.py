@@ -338,3 +338,10 @@ def test_lora_bench_spreads_requests_over_adapters_and_compares_with_the_base_mo
     assert set(runs) == {"pagedserve-base", "pagedserve/2", "pagedserve/3"}
     assert all(run["requests"] == 6 and run["output_throughput"] > 0 for results in runs.values() for run in results)
     assert "3 adapters / the base model alone (pagedserve): throughput" in done.stdout
+
+
+def test_lora_kernel_bench_checks_its_kernel_against_the_loop_with_more_adapters_than_rows():
+    """Each case it times on a GPU, checked here under Triton's interpreter (without the timing)."""
+    bench = load("lora_kernel_bench")
+    for adapters, rows in ((4, 16), (16, 4)):
+        assert bench.case(adapters, rows, device="cpu", timing=False) == {}

@@ -69,3 +69,22 @@ def test_the_worker_captures_decode_graphs_unless_told_to_stay_eager(llama_dir, 
         log = server.log()
     assert got == [hf_greedy(llama_dir, p, 16) for p in prompts(llama_dir)]
     assert ("decode batch sizes up to 256 sequences" in log) != eager
+
+
+@pytest.mark.parametrize("fmt", ["ct-w8a8", "ct-w4a16", "ct-fp8", "gptq-act-order", "awq"])
+def test_quantized_checkpoints_on_cuda_stay_close_to_their_oracle(quantized, fmt):
+    """W8A8 by torch's integer product (cuBLAS), 4-bit and FP8 codes by the Triton kernel that unpacks them as it
+    reads them: each layer takes its GPU path, and the greedy tokens keep to HF's by vLLM's rule."""
+    from services.worker.models.linear import Linear
+    from tests.engine_harness import Engine
+    from tests.test_quantized_models import MAX_TOKENS, PROMPTS
+    from tests.tiny_models import check_logprobs_close
+
+    engine = Engine(quantized.get("llama", fmt), device="cuda", dtype="float32")
+    methods = [m.method for m in engine.runner.model.modules() if isinstance(m, Linear) and m.weight is None]
+    assert methods and all(
+        getattr(m, "transposed", None) is not None or getattr(m, "gpu", None) is not None for m in methods
+    ), [m.describe() for m in methods]
+    ours = engine.generate_with_logprobs(PROMPTS, max_tokens=MAX_TOKENS)
+    reference = [quantized.greedy_with_logprobs("llama", fmt, p, MAX_TOKENS, torch.float32) for p in PROMPTS]
+    check_logprobs_close(ours, reference)

@@ -238,24 +238,28 @@ def test_lora_rows_read_each_adapter_through_its_scattered_pages(dtype):
     assert torch.equal(out[[1, 4]].cpu(), expected[[1, 4]].to(dtype))  # rows under no adapter are untouched
 
 
-CODE_CASES = [  # (rows, outputs, inputs, group, kind, dtype)
-    (3, 70, 64, 32, "uint4", torch.float32),
-    (17, 64, 128, 64, "uint8", torch.float32),
-    (5, 40, 96, 96, "fp8", torch.float32),
-    (33, 128, 256, 128, "uint4", torch.float16),
+CODE_CASES = [  # (rows, outputs, inputs, group, kind, dtype, splits: None for the device's own plan)
+    (3, 70, 64, 32, "uint4", torch.float32, None),
+    (17, 64, 128, 64, "uint8", torch.float32, None),
+    (5, 40, 96, 96, "fp8", torch.float32, 3),
+    (2, 64, 256, 64, "uint4", torch.float32, 4),
+    (33, 128, 256, 128, "uint4", torch.float16, 2),
 ] + (
     [
-        (64, 4096, 4096, 128, "uint4", torch.float16),
-        (1, 4096, 4096, 128, "uint4", torch.bfloat16),
-        (128, 2048, 4096, 128, "fp8", torch.bfloat16),
+        (64, 4096, 4096, 128, "uint4", torch.float16, None),
+        (1, 4096, 4096, 128, "uint4", torch.bfloat16, None),
+        (128, 2048, 4096, 128, "fp8", torch.bfloat16, None),
+        (16, 14336, 4096, 128, "uint4", torch.float32, None),
     ]
     if CUDA
     else []
 )
 
 
-@pytest.mark.parametrize("rows, outputs, inputs, group, kind, dtype", CODE_CASES)
-def test_codes_gemm_matches_the_dequantized_weight(rows, outputs, inputs, group, kind, dtype):
+@pytest.mark.parametrize("rows, outputs, inputs, group, kind, dtype, splits", CODE_CASES)
+def test_codes_gemm_matches_the_dequantized_weight(rows, outputs, inputs, group, kind, dtype, splits):
+    """Float32 rows are multiplied in float32 (a GPU's TF32 would miss this bound), half rows within their own;
+    a product whose inputs are split among programs adds their sums, the bias once."""
     from kernels.cpu_linear import dequantize_codes
     from kernels.quant_triton import codes_gemm_triton, pack_codes_gpu
 
@@ -272,21 +276,37 @@ def test_codes_gemm_matches_the_dequantized_weight(rows, outputs, inputs, group,
     x = torch.randn(rows, inputs, generator=generator)
     bias = torch.randn(outputs, generator=generator)
     packed = pack_codes_gpu(codes.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), kind)
-    got = codes_gemm_triton(x.to(dtype).to(DEVICE), *packed, kind, bias.to(DEVICE))
+    got = codes_gemm_triton(x.to(dtype).to(DEVICE), *packed, kind, bias.to(DEVICE), splits=splits)
     weight = dequantize_codes(codes, scales, offsets, kind)
     expected = x.to(dtype).float() @ weight.T + bias
     scale = (x.abs() @ weight.abs().T).max().item()
     assert (got.float().cpu() - expected).abs().max().item() <= TOLERANCE[dtype] * scale
 
 
-def test_int8_products_by_torchs_integer_product_equal_the_cpu_kernels_numbers():
+def test_a_decode_steps_few_rows_split_their_inputs_to_fill_the_multiprocessors():
+    from kernels.quant_triton import plan_tiles
+
+    one_row = plan_tiles(1, 4096, 4096, multiprocessors=132, block_k=64)
+    assert one_row.splits > 1 and one_row.splits * one_row.steps_per_split * 64 >= 4096
+    assert -(-4096 // 64) * one_row.splits >= 2 * 132  # tiles x splits: two a multiprocessor
+    prompt = plan_tiles(2048, 4096, 4096, multiprocessors=132, block_k=64)
+    assert prompt.splits == 1 and prompt.block_m > one_row.block_m
+
+
+@pytest.mark.parametrize("static_scale", [0.0, 0.05])
+def test_int8_products_on_a_gpu_equal_the_cpu_kernels_numbers(static_scale):
+    """The Triton kernel's int32 sums, split or not, and torch's integer product (zero rows padded): the numbers
+    of `int8_linear_reference`, to the bit."""
     from kernels.cpu_int8_linear import int8_linear_reference
-    from kernels.quant_triton import int8_linear_torch
+    from kernels.quant_triton import int8_linear_torch, int8_linear_triton
 
     generator = torch.Generator().manual_seed(0)
     for rows in (1, 16, 40):
         x = torch.randn(rows, 96, generator=generator)
         weight = torch.randint(-128, 128, (64, 96), dtype=torch.int8, generator=generator)
         w_scales, bias = torch.rand(64, generator=generator), torch.randn(64, generator=generator)
-        got = int8_linear_torch(x.to(DEVICE), weight.T.contiguous().to(DEVICE), w_scales.to(DEVICE), bias.to(DEVICE))
-        assert torch.equal(got.cpu(), int8_linear_reference(x, weight, w_scales, bias))
+        expected = int8_linear_reference(x, weight, w_scales, bias, static_scale)
+        on_device = (x.to(DEVICE), weight.T.contiguous().to(DEVICE), w_scales.to(DEVICE), bias.to(DEVICE))
+        for splits in (None, 2):
+            assert torch.equal(int8_linear_triton(*on_device, static_scale, splits=splits).cpu(), expected)
+        assert torch.equal(int8_linear_torch(*on_device, static_scale).cpu(), expected)

@@ -54,6 +54,20 @@ def test_in_float32_the_activations_stay_float32_and_stay_close(quantized, fmt):
     check_logprobs_close(ours, reference)
 
 
+@pytest.mark.parametrize("fmt", ["ct-w8a8-static", "ct-w4a16", "gptq-act-order"])
+def test_on_the_triton_kernels_each_layer_takes_its_gpu_path_and_stays_close(quantized, fmt, kernels_chosen):
+    """What a GPU runs (W8A8's int8 sums and the codes kernel), interpreted here: the same closeness."""
+    kernels_chosen(backend="triton")
+    engine = Engine(quantized.get("llama", fmt), dtype="float32")
+    methods = [m.method for m in engine.runner.model.modules() if isinstance(m, Linear) and m.weight is None]
+    assert methods and all(
+        getattr(m, "transposed", None) is not None or getattr(m, "gpu", None) is not None for m in methods
+    ), [m.describe() for m in methods]
+    ours = engine.generate_with_logprobs(PROMPTS[:2], max_tokens=6)
+    reference = [quantized.greedy_with_logprobs("llama", fmt, p, 6, torch.float32) for p in PROMPTS[:2]]
+    check_logprobs_close(ours, reference)
+
+
 def test_the_layers_hold_their_codes_and_the_lm_head_stays_as_the_checkpoint_has_it(quantized):
     needs_kernels()
     model, _ = load_model(quantized.get("llama", "ct-w4a16"), "auto", CPU)
