@@ -10,6 +10,7 @@ and an offset per output and group of inputs ([K / group, N] each).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -52,7 +53,12 @@ def plan_tiles(m: int, n: int, k: int, multiprocessors: int, block_k: int, split
 
 
 def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return _cuda_multiprocessors(device.index or 0) if device.type == "cuda" else 1
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def pack_codes_gpu(

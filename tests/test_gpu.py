@@ -74,13 +74,21 @@ def test_the_worker_captures_decode_graphs_unless_told_to_stay_eager(llama_dir, 
 @pytest.mark.parametrize("fmt", ["ct-w8a8", "ct-w4a16", "ct-fp8", "gptq-act-order", "awq"])
 def test_quantized_checkpoints_on_cuda_stay_close_to_their_oracle(quantized, fmt):
     """W8A8 by torch's integer product (cuBLAS), 4-bit and FP8 codes by the Triton kernel that unpacks them as it
-    reads them: each layer takes its GPU path, and the greedy tokens keep to HF's by vLLM's rule."""
+    reads them: each layer takes its GPU path, decode steps replay from CUDA graphs, and the greedy tokens keep to
+    HF's by vLLM's rule."""
     from services.worker.models.linear import Linear
     from tests.engine_harness import Engine
     from tests.test_quantized_models import MAX_TOKENS, PROMPTS
     from tests.tiny_models import check_logprobs_close
 
-    engine = Engine(quantized.get("llama", fmt), device="cuda", dtype="float32")
+    engine = Engine(
+        quantized.get("llama", fmt),
+        depth=2,
+        device="cuda",
+        dtype="float32",
+        decode_graphs={"max_batch": 4, "max_context": 64},
+    )
+    engine.runner.graphs.capture()
     methods = [m.method for m in engine.runner.model.modules() if isinstance(m, Linear) and m.weight is None]
     assert methods and all(
         getattr(m, "transposed", None) is not None or getattr(m, "gpu", None) is not None for m in methods
@@ -88,3 +96,4 @@ def test_quantized_checkpoints_on_cuda_stay_close_to_their_oracle(quantized, fmt
     ours = engine.generate_with_logprobs(PROMPTS, max_tokens=MAX_TOKENS)
     reference = [quantized.greedy_with_logprobs("llama", fmt, p, MAX_TOKENS, torch.float32) for p in PROMPTS]
     check_logprobs_close(ours, reference)
+    assert engine.runner.graphs.replays > 0  # decode steps replayed as captured, the quantized products in them
