@@ -310,3 +310,28 @@ def test_int8_products_on_a_gpu_equal_the_cpu_kernels_numbers(static_scale):
         for splits in (None, 2):
             assert torch.equal(int8_linear_triton(*on_device, static_scale, splits=splits).cpu(), expected)
         assert torch.equal(int8_linear_torch(*on_device, static_scale).cpu(), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 256])
+def test_the_quantized_kernels_compile_for_a_hopper_gpu_as_planned(rows):
+    """Without a GPU: Triton compiles each planned tile for sm_90 (what an H100 or H200 runs), and the int8 sums
+    run on the int8 tensor cores (mma on s8), not widened to floats. In a process of its own: the interpreter
+    this one runs under replaces what the compiler needs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.compile_for_gpu", str(rows)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = json.loads(done.stdout)
+    assert len(compiled["codes"]) == 3
+    assert compiled["int8_tensor_cores"]
