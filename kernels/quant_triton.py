@@ -41,6 +41,9 @@ class TilePlan:
     splits: int
     steps_per_split: int
 
+    def grid(self, m: int, n: int) -> tuple[int, int, int]:
+        return -(-m // self.block_m), -(-n // self.block_n), self.splits
+
 
 def plan_tiles(m: int, n: int, k: int, multiprocessors: int, block_k: int, splits: int | None = None) -> TilePlan:
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -96,8 +99,7 @@ def codes_gemm_triton(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     partial = out if plan.splits == 1 else torch.empty((plan.splits, m, n), dtype=torch.float32, device=x.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # its bfloat16 dot is wrong: float32 there
-    grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
-    _codes_gemm[grid](
+    _codes_gemm[plan.grid(m, n)](
         x,
         words,
         scales,
@@ -141,8 +143,7 @@ def int8_linear_triton(
     n = weight_t.shape[1]
     plan = plan_tiles(m, n, k, _multiprocessors(x.device), 2 * BLOCK_K, splits)
     sums = torch.empty((plan.splits, m, n), dtype=torch.int32, device=x.device)
-    grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
-    _int8_sums[grid](
+    _int8_sums[plan.grid(m, n)](
         codes,
         weight_t,
         sums,
@@ -179,6 +180,13 @@ def int8_linear_torch(
 if triton is not None:
 
     @triton.jit
+    def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's output rows and columns, and which of them exist."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return rows, cols, rows < M, cols < N
+
+    @triton.jit
     def _codes_gemm(
         x_ptr,
         words_ptr,
@@ -202,10 +210,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, cols, row_in, col_in = _tile(M, N, BLOCK_M, BLOCK_N)
         split = tl.program_id(2)
-        row_in, col_in = rows < M, cols < N
         per_word: tl.constexpr = 32 // BITS
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_start = split * SPAN
@@ -252,10 +258,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, cols, row_in, col_in = _tile(M, N, BLOCK_M, BLOCK_N)
         split = tl.program_id(2)
-        row_in, col_in = rows < M, cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         k_start = split * SPAN
         k_end = tl.minimum(K, k_start + SPAN)
