@@ -94,7 +94,9 @@ def paged_attention_triton(
     # Rows of a program: query tokens x heads of one group, at least 16 for tl.dot.
     block_q = 1 if decode_only else max(1, min(64 // group_pad, triton.next_power_of_2(max_query_len)))
     block_q = max(block_q, 16 // group_pad)
-    block_n = 64 if head_pad <= 128 else 32
+    # One-byte caches widen a key tile to float32 before the product: at heads of 128, tiles of 64 keys
+    # spill registers to local memory (ptxas for sm_90), tiles of 32 do not.
+    block_n = 64 if head_pad < 128 or head_pad == 128 and not quant else 32
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     out = torch.empty_like(query)
     if num_splits > 1:
@@ -139,6 +141,7 @@ def paged_attention_triton(
         WINDOW=window or 0,
         NUM_SPLITS=num_splits,
         QUANT=quant,
+        FP8_BY_HARDWARE=quant == QUANTIZED[torch.uint8] and fp8_by_hardware(query.device),
         FP32_DOT=interpreted,
         # float32 serving gets float32 products, as the model's own matmuls do; never TF32's 10-bit mantissa.
         DOT_PRECISION="ieee" if interpreted or query.dtype == torch.float32 else "tf32",
@@ -157,6 +160,15 @@ def paged_attention_triton(
             HEAD_PAD=head_pad,
         )
     return out
+
+
+def fp8_by_hardware(device: torch.device) -> bool:
+    """Whether E4M3 bytes are converted by the GPU's instructions (sm_89 and later; Triton's interpreter too).
+    Decoding them with integer moves instead kept a tile's temporaries in local memory on an H200
+    (docs/kernel-measurements.md)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _pick_splits(batch: PagedBatch, num_kv_heads: int, device: torch.device) -> int:
@@ -199,12 +211,15 @@ def _check(query, key_cache, value_cache, batch: PagedBatch) -> None:
 if triton is not None:
 
     @triton.jit
-    def _dequantize(raw, scale, QUANT: tl.constexpr):
+    def _dequantize(raw, scale, QUANT: tl.constexpr, FP8_BY_HARDWARE: tl.constexpr):
         """A tile of one-byte values (QUANT 1: int8, 2: E4M3) times each row's scale, in float32.
-        E4M3 is decoded with integer moves into float32's fields (exponent rebiased 7 -> 127; an
-        exponent of 0 is the subnormal range, mantissa x 2^-9), as cpu_attention.c does."""
+        E4M3 is converted by the GPU's own instructions where it has them (sm_89 on); before, it is
+        decoded with integer moves into float32's fields (exponent rebiased 7 -> 127; an exponent of
+        0 is the subnormal range, mantissa x 2^-9), as cpu_attention.c does: the same numbers."""
         if QUANT == 1:
             values = raw.to(tl.float32)
+        elif FP8_BY_HARDWARE:
+            values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             byte = raw.to(tl.int32) & 0xFF
             magnitude = byte & 0x7F
@@ -249,6 +264,7 @@ if triton is not None:
         WINDOW: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         QUANT: tl.constexpr,
+        FP8_BY_HARDWARE: tl.constexpr,
         FP32_DOT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -305,8 +321,8 @@ if triton is not None:
             if QUANT > 0:  # each row's scale is the float32 word after its HEAD_DIM bytes
                 k_scale = tl.load(k_words_ptr + (k_rows + HEAD_DIM) // 4, mask=pos_valid, other=0.0)
                 v_scale = tl.load(v_words_ptr + (v_rows + HEAD_DIM) // 4, mask=pos_valid, other=0.0)
-                k = _dequantize(k, k_scale, QUANT).to(q.dtype)
-                v = _dequantize(v, v_scale, QUANT).to(q.dtype)
+                k = _dequantize(k, k_scale, QUANT, FP8_BY_HARDWARE).to(q.dtype)
+                v = _dequantize(v, v_scale, QUANT, FP8_BY_HARDWARE).to(q.dtype)
             if FP32_DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)

@@ -335,3 +335,16 @@ def test_the_quantized_kernels_compile_for_a_hopper_gpu_as_planned(rows):
     compiled = json.loads(done.stdout)
     assert len(compiled["codes"]) == 3
     assert compiled["int8_tensor_cores"]
+
+
+def test_e4m3_rows_decoded_by_instructions_or_by_integer_moves_attend_the_same(monkeypatch):
+    """A GPU from sm_89 on converts E4M3 bytes itself; older ones decode them with integer moves: the same numbers."""
+    from kernels import kv_quant, paged_attention
+
+    query, key_cache, value_cache, batch = make_batch([(3, 20), (1, 9)], 4, 2, 64, 4, torch.float32, seed=3)
+    key_rows, value_rows = (kv_quant.quantize(cache, torch.uint8) for cache in (key_cache, value_cache))
+    outs = []
+    for by_hardware in (True, False):
+        monkeypatch.setattr(paged_attention, "fp8_by_hardware", lambda device, by=by_hardware: by)
+        outs.append(paged_attention_triton(query, key_rows, value_rows, batch, 0.125))
+    assert torch.equal(outs[0], outs[1])
