@@ -32,12 +32,15 @@ INT_MM_ROWS = 32
 @dataclass(frozen=True, slots=True)
 class TilePlan:
     """How a product's [M, N] output is cut: tiles of block_m x block_n, each summed over its inputs in steps of
-    block_k, the inputs split `splits` ways where the tiles alone would leave most of the GPU's multiprocessors
-    idle (a decode step's few rows); the splits' partial sums are added in a fixed order afterwards."""
+    block_k by `warps` warps, the inputs split `splits` ways where the tiles alone would leave most of the GPU's
+    multiprocessors idle (a decode step's few rows); the splits' partial sums are added in a fixed order
+    afterwards. Each tile fits its warps' registers on sm_90 with nothing spilled to local memory
+    (tests/compile_for_gpu.py checks)."""
 
     block_m: int
     block_n: int
     block_k: int
+    warps: int
     splits: int
     steps_per_split: int
 
@@ -45,14 +48,19 @@ class TilePlan:
         return -(-m // self.block_m), -(-n // self.block_n), self.splits
 
 
-def plan_tiles(m: int, n: int, k: int, multiprocessors: int, block_k: int, splits: int | None = None) -> TilePlan:
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64 if m <= 16 else 128
+def plan_tiles(
+    m: int, n: int, k: int, multiprocessors: int, block_k: int, splits: int | None = None, float32_rows: bool = False
+) -> TilePlan:
+    """float32 rows are multiplied in float32 on the CUDA cores (not the tensor cores), whose sums take twice the
+    registers of a half-precision tile's: narrower tiles."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 or float32_rows else 64
+    block_n = 64 if m <= 16 or float32_rows else 128
+    block_k = BLOCK_K if float32_rows else block_k
     steps = -(-k // block_k)
     tiles = -(-m // block_m) * -(-n // block_n)
     wanted = splits if splits is not None else -(-2 * multiprocessors // tiles)  # two tiles' work a multiprocessor
     per_split = -(-steps // max(1, min(wanted, steps)))
-    return TilePlan(block_m, block_n, block_k, -(-steps // per_split), per_split)
+    return TilePlan(block_m, block_n, block_k, 4 if block_m == 16 else 8, -(-steps // per_split), per_split)
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -94,11 +102,12 @@ def codes_gemm_triton(
     group = k // scales.shape[0]
     if group % BLOCK_K or k % BLOCK_K:
         raise ValueError(f"the codes kernel takes groups and widths that are multiples of {BLOCK_K}")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # its bfloat16 dot is wrong: float32 there
+    half = not interpreted and x.dtype in (torch.float16, torch.bfloat16)
     block_k = 2 * BLOCK_K if group % (2 * BLOCK_K) == 0 and k % (2 * BLOCK_K) == 0 else BLOCK_K
-    plan = plan_tiles(m, n, k, _multiprocessors(x.device), block_k, splits)
+    plan = plan_tiles(m, n, k, _multiprocessors(x.device), block_k, splits, float32_rows=not half)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     partial = out if plan.splits == 1 else torch.empty((plan.splits, m, n), dtype=torch.float32, device=x.device)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # its bfloat16 dot is wrong: float32 there
     _codes_gemm[plan.grid(m, n)](
         x,
         words,
@@ -117,10 +126,11 @@ def codes_gemm_triton(
         BITS=BITS[kind],
         FP8=kind == "fp8",
         HAS_BIAS=bias is not None,
-        HALF=not interpreted and x.dtype in (torch.float16, torch.bfloat16),
+        HALF=half,
         BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k,
+        num_warps=plan.warps,
     )
     if plan.splits > 1:
         out.copy_(partial.sum(0))
@@ -155,6 +165,7 @@ def int8_linear_triton(
         BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k,
+        num_warps=plan.warps,
     )
     total = sums[0] if plan.splits == 1 else sums.sum(0, dtype=torch.int32)
     return cpu_int8_linear.scale_sums(total, scales, w_scales, bias)
