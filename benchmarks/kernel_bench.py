@@ -1,6 +1,7 @@
 """Paged attention kernel speed on a GPU: decode bandwidth and prefill throughput.
 
-Decode: batch 1, 8, 64, 256 at context 512, 2k, 8k; time, achieved bandwidth (GB/s and % of the
+Decode: batch 1, 8, 64, 256 at context 512, 2k, 8k; time (also with tiles of 32 keys, which spill no
+registers at heads of 128 when compiled for sm_90), achieved bandwidth (GB/s and % of the
 GPU's peak, counting 2 * batch * context * kv_heads * head_dim * element size bytes of K and V),
 and the ratio against contiguous-KV attention on the same data (torch's
 scaled_dot_product_attention, and FlashAttention when installed). Prefill: prompts of 512 and
@@ -82,10 +83,11 @@ def decode_row(batch: int, context: int, peak: float | None) -> dict:
     query, key_cache, value_cache, paged, k, v = paged_setup(batch, context, 1)
     scale = HEAD_DIM**-0.5
     paged_ms = time_ms(lambda: paged_attention_triton(query, key_cache, value_cache, paged, scale))
+    tiles_32_ms = time_ms(lambda: paged_attention_triton(query, key_cache, value_cache, paged, scale, block_n=32))
     q4 = query.view(batch, 1, HEADS, HEAD_DIM).transpose(1, 2)
     k4, v4 = k.transpose(1, 2), v.transpose(1, 2)
     sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(q4, k4, v4, scale=scale, enable_gqa=True))
-    row = {"batch": batch, "context": context, "paged_ms": paged_ms, "sdpa_ms": sdpa_ms}
+    row = {"batch": batch, "context": context, "paged_ms": paged_ms, "tiles_32_ms": tiles_32_ms, "sdpa_ms": sdpa_ms}
     if flash_attn_func is not None:
         row["flash_ms"] = time_ms(
             lambda: flash_attn_func(query.view(batch, 1, HEADS, HEAD_DIM), k, v, softmax_scale=scale)
@@ -119,6 +121,9 @@ def prefill_row(prompt: int, batch: int) -> dict:
     query, key_cache, value_cache, paged, k, v = paged_setup(batch, prompt, prompt)
     scale = HEAD_DIM**-0.5
     paged_ms = time_ms(lambda: paged_attention_triton(query, key_cache, value_cache, paged, scale), repeats=10)
+    tiles_32_ms = time_ms(
+        lambda: paged_attention_triton(query, key_cache, value_cache, paged, scale, block_n=32), repeats=10
+    )
     q4 = query.view(batch, prompt, HEADS, HEAD_DIM).transpose(1, 2)
     sdpa_ms = time_ms(
         lambda: F.scaled_dot_product_attention(
@@ -131,6 +136,7 @@ def prefill_row(prompt: int, batch: int) -> dict:
         "prompt": prompt,
         "batch": batch,
         "paged_ms": paged_ms,
+        "tiles_32_ms": tiles_32_ms,
         "sdpa_ms": sdpa_ms,
         "tflops": flops / paged_ms / 1e9,
     }
@@ -147,20 +153,23 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; peak HBM {peak} GB/s; heads {HEADS}/{KV_HEADS}, d {HEAD_DIM}, fp16")
     print(
         f"{'batch':>6}{'context':>8}{'paged ms':>10}{'GB/s':>9}{'% peak':>8}{'sdpa ms':>9}{'paged/sdpa':>11}"
-        f"{'flash ms':>10}"
+        f"{'flash ms':>10}{'32-key tiles ms':>16}"
     )
     for r in decode:
         flash = f"{r['flash_ms']:>10.3f}" if "flash_ms" in r else f"{'-':>10}"
         pct = f"{r['peak_percent']:>8.1f}" if r["peak_percent"] is not None else f"{'-':>8}"
         print(
             f"{r['batch']:>6}{r['context']:>8}{r['paged_ms']:>10.3f}{r['gbps']:>9.0f}{pct}"
-            f"{r['sdpa_ms']:>9.3f}{r['paged_ms'] / r['sdpa_ms']:>11.2f}{flash}"
+            f"{r['sdpa_ms']:>9.3f}{r['paged_ms'] / r['sdpa_ms']:>11.2f}{flash}{r['tiles_32_ms']:>16.3f}"
         )
-    print(f"{'prompt':>6}{'batch':>8}{'paged ms':>10}{'TFLOP/s':>9}{'sdpa ms':>9}{'paged/sdpa':>11}")
+    print(
+        f"{'prompt':>6}{'batch':>8}{'paged ms':>10}{'TFLOP/s':>9}{'sdpa ms':>9}{'paged/sdpa':>11}"
+        f"{'32-key tiles ms':>16}"
+    )
     for r in prefill:
         print(
             f"{r['prompt']:>6}{r['batch']:>8}{r['paged_ms']:>10.3f}{r['tflops']:>9.1f}{r['sdpa_ms']:>9.3f}"
-            f"{r['paged_ms'] / r['sdpa_ms']:>11.2f}"
+            f"{r['paged_ms'] / r['sdpa_ms']:>11.2f}{r['tiles_32_ms']:>16.3f}"
         )
     for r in quantized:
         pct = f"{r['peak_percent']:.1f} % of peak" if r["peak_percent"] is not None else ""

@@ -75,7 +75,9 @@ def paged_attention_triton(
     scale: float,
     window: int | None = None,
     num_splits: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
+    """block_n: keys a program takes at a time, where a benchmark compares tiles; None: the kernel's choice."""
     _check(query, key_cache, value_cache, batch)
     quant = QUANTIZED.get(key_cache.dtype, 0)
     # a quantized row's scale, as a float32 word of the same cache (rows are head_dim + 4 bytes)
@@ -96,7 +98,8 @@ def paged_attention_triton(
     block_q = max(block_q, 16 // group_pad)
     # One-byte caches widen a key tile to float32 before the product: at heads of 128, tiles of 64 keys
     # spill registers to local memory (ptxas for sm_90), tiles of 32 do not.
-    block_n = 64 if head_pad < 128 or head_pad == 128 and not quant else 32
+    if block_n is None:
+        block_n = 64 if head_pad < 128 or head_pad == 128 and not quant else 32
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     out = torch.empty_like(query)
     if num_splits > 1:

@@ -71,6 +71,15 @@ def test_paged_attention_matches_reference(shapes, heads, kv_heads, head_dim, bl
     torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+def test_tiles_of_32_keys_give_the_reference_too():
+    """The tile benchmarks/kernel_bench.py times beside the kernel's choice."""
+    shapes, heads, kv_heads, head_dim, block_size, dtype = ATTENTION_CASES[1]
+    query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, block_size, dtype)
+    out = paged_attention_triton(query, key_cache, value_cache, batch, 0.125, block_n=32)
+    expected = reference_in_float32(query, key_cache, value_cache, batch, 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("window", [4, 9])
 def test_sliding_window_attention_matches_reference(window):
     query, key_cache, value_cache, batch = make_batch([(6, 23), (1, 17), (4, 4)], 4, 2, 64, 8, torch.float32)
