@@ -544,6 +544,113 @@ static inline __attribute__((always_inline)) void attend_one_query_floats(
     }
 }
 
+/* Rows 0 .. rows - 1 of one sequence's prompt over one-byte rows (int8, E4M3), row b at position high[b], every one
+ * seeing from `low`: each tile of keys, and then of values, is widened once for all the rows, and each row's scores,
+ * weights and sums come from the very operations attend_one_query_floats makes for it alone (a key's score depends
+ * on its own products only, and each sum takes its tokens in order, whether it waits in a register or in `out`), so
+ * that a prompt recomputed after a preemption attends as its decode steps did, to the bit. Row b's scores for head h
+ * live at scores[b * num_heads * span + h * n_b + t], span the block's positions and n_b the row's own. */
+static inline __attribute__((always_inline)) void attend_queries_floats(
+    const float *restrict query, int64_t query_stride, int64_t rows, int64_t low, const int64_t *restrict high,
+    const char *restrict key_cache, const char *restrict value_cache, const int32_t *restrict table,
+    int64_t num_heads, int64_t num_kv_heads, const int64_t vectors, int64_t block_size, float scale,
+    float *restrict scores, float *restrict out, const int kind, float *restrict decoded)
+{
+    const int64_t group = num_heads / num_kv_heads, head_dim = vectors * 16, top = high[rows - 1];
+    const int64_t span = top + 1 - low, value_heads = vectors <= 4 ? VALUE_HEADS : VALUE_HEADS / 2;
+    const int64_t head_bytes = head_row_bytes(head_dim, kind), token_bytes = num_kv_heads * head_bytes;
+    const int64_t key_stride = num_kv_heads * head_dim; /* floats of a widened token */
+    for (int64_t p = low, stop; p <= top;) {
+        const char *run = block_run(key_cache, table, p, top + 1, block_size, token_bytes, &stop);
+        for (int64_t count; p < stop; p += count, run += count * token_bytes) {
+            count = min64(16, stop - p);
+            decode_tile(run, count, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
+            for (int64_t kv = 0; kv < num_kv_heads; kv++) {
+                float each[16] = {0};
+                for (int64_t u = 0; u < count; u++)
+                    each[u] = head_scale(run + u * token_bytes + kv * head_bytes, head_dim, kind);
+                const __m512 row_scales = _mm512_mul_ps(_mm512_loadu_ps(each), _mm512_set1_ps(scale));
+                const float *keys = decoded + kv * head_dim;
+                for (int64_t b = 0; b < rows; b++) {
+                    const int64_t seen = min64(count, high[b] + 1 - p), n = high[b] + 1 - low;
+                    for (int64_t head = kv * group; seen > 0 && head < (kv + 1) * group; head++) {
+                        const float *qh = query + b * query_stride + head * head_dim;
+                        __m512 sums[16];
+#pragma GCC unroll 16
+                        for (int64_t u = 0; u < 16; u++) {
+                            sums[u] = _mm512_setzero_ps();
+                            if (u < seen)
+#pragma GCC unroll 8
+                                for (int64_t c = 0; c < vectors; c++)
+                                    sums[u] = _mm512_fmadd_ps(_mm512_loadu_ps(keys + u * key_stride + c * 16),
+                                                              _mm512_loadu_ps(qh + c * 16), sums[u]);
+                        }
+                        _mm512_mask_storeu_ps(scores + b * num_heads * span + head * n + (p - low),
+                                              (__mmask16)((1u << seen) - 1), _mm512_mul_ps(fold16(sums), row_scales));
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t b = 0; b < rows; b++) {
+        for (int64_t head = 0; head < num_heads; head++)
+            softmax(scores + b * num_heads * span + head * (high[b] + 1 - low), 0, high[b] + 1 - low);
+        memset(out + b * num_heads * head_dim, 0, num_heads * head_dim * sizeof(float));
+    }
+    for (int64_t p = low, stop; p <= top;) {
+        const char *run = block_run(value_cache, table, p, top + 1, block_size, token_bytes, &stop);
+        for (int64_t count; p < stop; p += count, run += count * token_bytes) {
+            count = min64(16, stop - p);
+            decode_tile(run, count, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
+            for (int64_t b = 0; b < rows; b++) {
+                const int64_t seen = min64(count, high[b] + 1 - p), n = high[b] + 1 - low;
+                const float *weights = scores + b * num_heads * span + (p - low);
+                float *o = out + b * num_heads * head_dim;
+                for (int64_t first = 0, heads; seen > 0 && first < num_heads; first += heads) {
+                    const int64_t kv = first / group;
+                    heads = min64(value_heads, (kv + 1) * group - first);
+                    __m512 sums[VALUE_HEADS][8];
+                    for (int64_t h = 0; h < heads; h++)
+                        for (int64_t c = 0; c < vectors; c++)
+                            sums[h][c] = _mm512_loadu_ps(o + (first + h) * head_dim + c * 16);
+                    for (int64_t u = 0; u < seen; u++) {
+                        const float row_scale = head_scale(run + u * token_bytes + kv * head_bytes, head_dim, kind);
+                        const float *row = decoded + (u * num_kv_heads + kv) * head_dim;
+                        __m512 values[8];
+                        for (int64_t c = 0; c < vectors; c++)
+                            values[c] = _mm512_loadu_ps(row + c * 16);
+                        for (int64_t h = 0; h < heads; h++) {
+                            const __m512 weight = _mm512_set1_ps(weights[(first + h) * n + u] * row_scale);
+                            for (int64_t c = 0; c < vectors; c++)
+                                sums[h][c] = _mm512_fmadd_ps(values[c], weight, sums[h][c]);
+                        }
+                    }
+                    for (int64_t h = 0; h < heads; h++)
+                        for (int64_t c = 0; c < vectors; c++)
+                            _mm512_storeu_ps(o + (first + h) * head_dim + c * 16, sums[h][c]);
+                }
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_queries_floats_sized(
+    const float *restrict query, int64_t query_stride, int64_t rows, int64_t low, const int64_t *restrict high,
+    const char *restrict key_cache, const char *restrict value_cache, const int32_t *restrict table,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+    float *restrict scores, float *restrict out, const int kind, float *restrict decoded)
+{
+#define SIZED(VECTORS)                                                                                           \
+    attend_queries_floats(query, query_stride, rows, low, high, key_cache, value_cache, table, num_heads,       \
+                          num_kv_heads, VECTORS, block_size, scale, scores, out, kind, decoded)
+    switch (head_dim) {
+    case 64: SIZED(4); break;
+    case 128: SIZED(8); break;
+    default: SIZED(head_dim / 16);
+    }
+#undef SIZED
+}
+
 /* attend_one_query_floats with the head size known to the compiler where it is a common one, so that every sum stays
  * in a register. */
 static inline __attribute__((always_inline)) void attend_one_query_floats_sized(
@@ -1026,9 +1133,16 @@ static inline __attribute__((always_inline)) void attend_range(
             }
 #endif
 #ifdef F32_ROWS
-            /* A prompt's rows over int8 rows take it one at a time too, as fast as the walk below: a request
-             * recomputed after preemption then gets the attention its decode steps got, to the bit. E4M3 rows cost
-             * more to widen, and a prompt's keep the walk, which widens a tile once for its block of rows. */
+            /* A prompt's rows over one-byte rows take the same operations as its decode rows, a block of them at
+             * a time: a request recomputed after preemption then gets the attention its decode steps got, to the
+             * bit. Rows that see from different positions (a sliding window) take int8 rows one at a time. */
+            if (block > 1 && quantized(kind) && low[0] == low[block - 1] && head_dim % 16 == 0 && head_dim <= 128) {
+                attend_queries_floats_sized(query + (first + i0) * query_stride, query_stride, block, low[0], high,
+                                            key_cache, value_cache, table, num_heads, num_kv_heads, head_dim,
+                                            block_size, scale, scores, out + (first + i0) * num_heads * head_dim, kind,
+                                            decoded);
+                continue;
+            }
             if ((block == 1 || kind == ROW_I8) && (kind == ROW_F32 || quantized(kind)) && head_dim % 16 == 0 &&
                 head_dim <= 128) {
                 for (int64_t b = 0; b < block; b++)

@@ -108,22 +108,29 @@ def test_decode_rows_long_and_short_in_turn_are_the_reference(storage, group, th
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_prompt_over_an_int8_cache_attends_as_its_decode_steps_did_to_the_bit(threads, monkeypatch):
-    # A request recomputed after preemption runs its tokens again as one prompt: over an int8 cache each of its rows
-    # then gets exactly what the decode step that made it got, so that its next token is the one it would have had.
+@pytest.mark.parametrize("storage", [torch.int8, torch.uint8], ids=["int8", "e4m3"])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, new", [(12, 4, 64, 45), (8, 2, 128, 45), (6, 3, 48, 45), (12, 4, 64, 20)]
+)
+def test_a_prompt_over_a_one_byte_cache_attends_as_its_decode_steps_did_to_the_bit(
+    threads, storage, heads, kv_heads, head_dim, new, monkeypatch
+):
+    # A request recomputed after preemption runs its tokens again as one prompt (or a chunk over its cached prefix):
+    # over an int8 or E4M3 cache each of its rows then gets exactly what the decode step that made it got, so that
+    # its next token is the one it would have had.
     compiled_kernel()
     if "avx512f" not in native.cpu_flags():
-        pytest.skip("builds without AVX-512 serve an int8 cache's decode rows and prompt rows by different walks")
+        pytest.skip("builds without AVX-512 serve a one-byte cache's decode rows and prompt rows by different walks")
     monkeypatch.setattr(native, "threads", lambda: threads)
     context = 45
-    query, key_cache, value_cache, batch = make_batch([(context, context)], 12, 4, 64, 16, torch.float32)
-    keys, values = kv_quant.quantize(key_cache, torch.int8), kv_quant.quantize(value_cache, torch.int8)
-    prompt = paged_attention_native(query, keys, values, batch, 64**-0.5)
+    query, key_cache, value_cache, batch = make_batch([(new, context)], heads, kv_heads, head_dim, 16, torch.float32)
+    keys, values = kv_quant.quantize(key_cache, storage), kv_quant.quantize(value_cache, storage)
+    prompt = paged_attention_native(query, keys, values, batch, head_dim**-0.5)
     table = batch.block_tables[0].tolist()
     one_a_step = PagedBatch.build(
-        [0] * context, [table] * context, list(range(context + 1)), list(range(1, context + 1)), torch.device("cpu")
+        [0] * new, [table] * new, list(range(new + 1)), list(range(context - new + 1, context + 1)), torch.device("cpu")
     )
-    assert torch.equal(prompt, paged_attention_native(query, keys, values, one_a_step, 64**-0.5))
+    assert torch.equal(prompt, paged_attention_native(query, keys, values, one_a_step, head_dim**-0.5))
 
 
 def rounded_reference(query, keys, values, table, context, scale):
