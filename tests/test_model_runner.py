@@ -163,3 +163,20 @@ def test_the_worker_follows_the_schedulers_word_on_keeping_samples_and_leaves_it
     sent = copy.deepcopy(second)
     assert runner.execute(second).error is None
     assert second == sent and entry.start == 2 and entry.start_at_end
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_prompt_steps_last_layer_computes_only_the_rows_it_samples(model_dirs, family):
+    """Every layer writes every prompt token's keys and values, but only the sampled rows' output leaves the last
+    one: its MLP takes a row a prompt; greedy tokens are still HF's."""
+    from tests.engine_harness import Engine
+
+    engine = Engine(model_dirs[family])
+    layers = engine.runner.model.model.layers
+    rows_seen: dict[str, list[int]] = {"first": [], "last": []}
+    for name, layer in (("first", layers[0]), ("last", layers[-1])):
+        layer.mlp.register_forward_hook(lambda module, args, out, name=name: rows_seen[name].append(args[0].shape[0]))
+    got = engine.generate(PROMPTS, max_tokens=4)
+    assert rows_seen["first"][0] == sum(len(p) for p in PROMPTS) and rows_seen["last"][0] == len(PROMPTS)
+    assert rows_seen["first"][1:] == rows_seen["last"][1:]  # decode steps: every row is sampled
+    assert got == [hf_greedy(model_dirs[family], p, 4) for p in PROMPTS]

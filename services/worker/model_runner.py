@@ -216,15 +216,16 @@ class ModelRunner:
         )
         if self.adapters is not None:
             inputs.batch.adapters = self.adapters.batch(rows_by_adapter(scheduled, starts, self.mirrors))
-        if (
-            self.graphs is not None
-            and inputs.batch.adapters is None
-            and self.graphs.covers(len(input_ids), context_lens)
-        ):
-            hidden = self.graphs.run(inputs)
+        # Where the step wants only the sampled rows' hidden states, the last layer's output is theirs alone.
+        plain = inputs.batch.adapters is None
+        keeps = self.model.keeps_rows and plain and 0 < len(logit_rows) < len(input_ids)
+        keeps = keeps and not (pooled_entries or prompt_logprob_entries)
+        if self.graphs is not None and plain and self.graphs.covers(len(input_ids), context_lens):
+            hidden, keeps = self.graphs.run(inputs), False
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch)
-        logits = self.model.logits(hidden[inputs.logit_rows]) if logit_rows else None
+            kept = [inputs.logit_rows] if keeps else []
+            hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch, *kept)
+        logits = self.model.logits(hidden if keeps else hidden[inputs.logit_rows]) if logit_rows else None
         pooled = [self._pool(scheduled[i], hidden[starts[i] : starts[i + 1]]) for i in pooled_entries]
         prompt_logprobs = [
             prompt_logprobs_of(self.model, self.mirrors[scheduled[i].seq_id], scheduled[i], starts[i], hidden)

@@ -45,6 +45,9 @@ def fused(*projections: Linear) -> Linear:
 class PagedCausalLM(nn.Module):
     embedding_weight = ""  # the parameter the LM head shares when embeddings are tied
     quantizable = False  # whether a quantized checkpoint of this family is served
+    # Whether forward takes `keep`, the rows whose final hidden states the step wants, and computes the last
+    # layer's output for those rows alone (its keys and values are still every row's, for the cache).
+    keeps_rows = False
 
     def init_head(self, config: PretrainedConfig, head_input_size: int, num_kv_heads: int, head_dim: int) -> None:
         self.config = config

@@ -141,7 +141,9 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         batch: PagedBatch,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Every row's keys and values go to the cache; the output is the `keep` rows' (all where None)."""
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         if batch.adapters is not None:
@@ -154,6 +156,8 @@ class Attention(nn.Module):
             q, k = self.q_norm.each_head(q), self.k_norm.each_head(k)
         out = paged_attention(q, k, v, kv_cache, batch, self.scale, self.window, rope=cos_sin)
         out = out.reshape(tokens, self.num_heads * self.head_dim)
+        if keep is not None:
+            out = out[keep]
         adapters = batch.adapters
         return row_parallel_linear(
             self.o_proj,
@@ -248,9 +252,10 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         batch: PagedBatch,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's output, the residual stream before it): each residual add is done by the
-        next norm, in place, in the same pass."""
+        """(this layer's output, the residual stream before it), of the `keep` rows (all where None): each
+        residual add is done by the next norm, in place, in the same pass."""
         # The norms write the projections' bfloat16 rows where those take them (an adapter takes float32).
         attention_rows = batch.adapters is None and self.self_attn.qkv_proj.takes_bf16_rows
         mlp_rows = batch.adapters is None and self.mlp.gate_up_proj.takes_bf16_rows
@@ -258,7 +263,9 @@ class DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden, bf16_rows=attention_rows)
         else:
             hidden = self.input_layernorm(hidden, residual, attention_rows)
-        hidden = self.self_attn(hidden, cos_sin, kv_cache, batch)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, batch, keep)
+        if keep is not None:
+            residual = residual[keep]
         hidden = self.post_attention_layernorm(hidden, residual, mlp_rows)
         return self.mlp(hidden, batch.adapters), residual
 
@@ -280,6 +287,7 @@ class LlamaForCausalLM(PagedCausalLM):
 
     embedding_weight = "model.embed_tokens.weight"
     quantizable = True
+    keeps_rows = True
 
     def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -295,10 +303,16 @@ class LlamaForCausalLM(PagedCausalLM):
         self.rotary = RotaryEmbedding(config, self.head_dim)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], batch: PagedBatch
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        batch: PagedBatch,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Returns the final hidden states, `[num_tokens, hidden_size]`."""
-        return self.run_layers(*self.embed(input_ids, positions), kv_caches, batch)
+        """Returns the final hidden states, `[num_tokens, hidden_size]`, or the `keep` rows' alone: the last
+        layer's attention output, MLP and norm are computed for those rows only."""
+        return self.run_layers(*self.embed(input_ids, positions), kv_caches, batch, keep)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, RotaryTables]:
         """What the layers take of a step's tokens: their embeddings, and cos and sin at their positions."""
@@ -306,13 +320,19 @@ class LlamaForCausalLM(PagedCausalLM):
         return hidden, self.rotary.cos_sin(positions, hidden.dtype)
 
     def run_layers(
-        self, hidden: torch.Tensor, cos_sin: RotaryTables, kv_caches: list[torch.Tensor], batch: PagedBatch
+        self,
+        hidden: torch.Tensor,
+        cos_sin: RotaryTables,
+        kv_caches: list[torch.Tensor],
+        batch: PagedBatch,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final hidden states from `embed`'s (whose `hidden` serves as the residual stream): each of
         this stretch's computations is a kernel's, so a CPU may replay it (services/worker/decode_graphs.py)."""
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, batch)
+        last = len(self.model.layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, batch, keep if index == last else None)
         return self.model.norm(hidden, residual)
 
 
