@@ -453,6 +453,24 @@ static inline __attribute__((always_inline)) __m512 fold16(const __m512 a[16])
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
 }
 
+/* One query head's products with a tile's first `count` keys (float32 rows `stride` bytes apart), before their scales:
+ * lane u is key u's sum, by fold16's lane tree, the same for every key of a tile wherever the tile starts. */
+static inline __attribute__((always_inline)) __m512 tile_dots(const char *keys, int64_t stride, const float *qh,
+                                                              const int64_t vectors, int64_t count)
+{
+    __m512 sums[16]; /* both loops unrolled, so that the sums stay in registers */
+#pragma GCC unroll 16
+    for (int64_t u = 0; u < 16; u++) {
+        sums[u] = _mm512_setzero_ps();
+        if (u < count)
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < vectors; c++)
+                sums[u] = _mm512_fmadd_ps(_mm512_loadu_ps(keys + u * stride + c * 64), _mm512_loadu_ps(qh + c * 16),
+                                          sums[u]);
+    }
+    return fold16(sums);
+}
+
 /* One query row's attention over a float32 cache, or over one-byte rows (int8, E4M3), at head sizes of whole 16-value
  * vectors (up to 128): a decode's row. As attend_one_query_bf16 below: keys 16 cached tokens at a time, a row's
  * scores for them one vector folded from 16 sums (fold16), the row's stream asked for AHEAD_BYTES on; values summed
@@ -493,19 +511,9 @@ static inline __attribute__((always_inline)) void attend_one_query_floats(
                     row_scales = _mm512_mul_ps(_mm512_loadu_ps(each), _mm512_set1_ps(scale));
                 }
                 const char *rows = keys + (head / group) * key_head_stride;
-                const float *qh = q + head * head_dim;
-                __m512 sums[16]; /* both loops unrolled, so that the sums stay in registers */
-#pragma GCC unroll 16
-                for (int64_t u = 0; u < 16; u++) {
-                    sums[u] = _mm512_setzero_ps();
-                    if (u < count)
-#pragma GCC unroll 8
-                        for (int64_t c = 0; c < vectors; c++)
-                            sums[u] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + u * key_stride + c * 64),
-                                                      _mm512_loadu_ps(qh + c * 16), sums[u]);
-                }
                 _mm512_mask_storeu_ps(scores + head * n + (p - low), (__mmask16)((1u << count) - 1),
-                                      _mm512_mul_ps(fold16(sums), row_scales));
+                                      _mm512_mul_ps(tile_dots(rows, key_stride, q + head * head_dim, vectors, count),
+                                                    row_scales));
             }
         }
     }
@@ -574,19 +582,10 @@ static inline __attribute__((always_inline)) void attend_queries_floats(
                 for (int64_t b = 0; b < rows; b++) {
                     const int64_t seen = min64(count, high[b] + 1 - p), n = high[b] + 1 - low;
                     for (int64_t head = kv * group; seen > 0 && head < (kv + 1) * group; head++) {
-                        const float *qh = query + b * query_stride + head * head_dim;
-                        __m512 sums[16];
-#pragma GCC unroll 16
-                        for (int64_t u = 0; u < 16; u++) {
-                            sums[u] = _mm512_setzero_ps();
-                            if (u < seen)
-#pragma GCC unroll 8
-                                for (int64_t c = 0; c < vectors; c++)
-                                    sums[u] = _mm512_fmadd_ps(_mm512_loadu_ps(keys + u * key_stride + c * 16),
-                                                              _mm512_loadu_ps(qh + c * 16), sums[u]);
-                        }
+                        const __m512 dots = tile_dots((const char *)keys, key_stride * 4,
+                                                      query + b * query_stride + head * head_dim, vectors, seen);
                         _mm512_mask_storeu_ps(scores + b * num_heads * span + head * n + (p - low),
-                                              (__mmask16)((1u << seen) - 1), _mm512_mul_ps(fold16(sums), row_scales));
+                                              (__mmask16)((1u << seen) - 1), _mm512_mul_ps(dots, row_scales));
                     }
                 }
             }
