@@ -180,3 +180,19 @@ def test_a_prompt_steps_last_layer_computes_only_the_rows_it_samples(model_dirs,
     assert rows_seen["first"][0] == sum(len(p) for p in PROMPTS) and rows_seen["last"][0] == len(PROMPTS)
     assert rows_seen["first"][1:] == rows_seen["last"][1:]  # decode steps: every row is sampled
     assert got == [hf_greedy(model_dirs[family], p, 4) for p in PROMPTS]
+
+
+def test_a_prompt_chunk_that_samples_nothing_skips_the_last_layers_output(model_dirs):
+    """Chunked prefill: the chunks before a prompt's last leave the last layer once their keys and values are
+    written; the tokens are still HF's."""
+    from tests.engine_harness import Engine
+
+    engine = Engine(model_dirs["llama"], chunked_prefill=True, max_num_batched_tokens=8)
+    layers = engine.runner.model.model.layers
+    rows_seen: dict[str, list[int]] = {"first": [], "last": []}
+    for name, layer in (("first", layers[0]), ("last", layers[-1])):
+        layer.mlp.register_forward_hook(lambda module, args, out, name=name: rows_seen[name].append(args[0].shape[0]))
+    prompt = list(range(20, 40))
+    got = engine.generate([prompt], max_tokens=3)
+    assert rows_seen["first"][:3] == [8, 8, 4] and rows_seen["last"][0] == 1  # the third chunk's last row
+    assert got == [hf_greedy(model_dirs["llama"], prompt, 3)]

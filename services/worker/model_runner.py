@@ -218,7 +218,7 @@ class ModelRunner:
             inputs.batch.adapters = self.adapters.batch(rows_by_adapter(scheduled, starts, self.mirrors))
         # Where the step wants only the sampled rows' hidden states, the last layer's output is theirs alone.
         plain = inputs.batch.adapters is None
-        keeps = self.model.keeps_rows and plain and 0 < len(logit_rows) < len(input_ids)
+        keeps = self.model.keeps_rows and plain and len(logit_rows) < len(input_ids)
         keeps = keeps and not (pooled_entries or prompt_logprob_entries)
         if self.graphs is not None and plain and self.graphs.covers(len(input_ids), context_lens):
             hidden, keeps = self.graphs.run(inputs), False

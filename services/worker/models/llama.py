@@ -158,6 +158,8 @@ class Attention(nn.Module):
         out = out.reshape(tokens, self.num_heads * self.head_dim)
         if keep is not None:
             out = out[keep]
+            if not len(keep):  # a prompt chunk that samples nothing: its keys and values are all this layer gives
+                return out
         adapters = batch.adapters
         return row_parallel_linear(
             self.o_proj,
@@ -266,6 +268,8 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, cos_sin, kv_cache, batch, keep)
         if keep is not None:
             residual = residual[keep]
+            if not len(keep):
+                return residual.new_empty(residual.shape), residual
         hidden = self.post_attention_layernorm(hidden, residual, mlp_rows)
         return self.mlp(hidden, batch.adapters), residual
 
