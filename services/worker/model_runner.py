@@ -40,6 +40,7 @@ from services.worker.mirrors import (
 )
 from services.worker.ngram import NgramProposer, look_up_proposals
 from services.worker.pooling import Pooler
+from services.worker.rows_read import hidden_rows, read_tensor, rows_read
 from services.worker.sampler import Sampler, SampleRow, prompt_logprobs_of
 from services.worker.step_inputs import StepInputs
 from shared.prefix_keys import KEY_BYTES
@@ -48,7 +49,6 @@ from shared.protocol import (
     DISK,
     HOST,
     NewSequence,
-    PooledOutput,
     SampledTokens,
     ScheduledSequence,
     Step,
@@ -216,17 +216,19 @@ class ModelRunner:
         )
         if self.adapters is not None:
             inputs.batch.adapters = self.adapters.batch(rows_by_adapter(scheduled, starts, self.mirrors))
-        # Where the step wants only the sampled rows' hidden states, the last layer's output is theirs alone.
-        plain = inputs.batch.adapters is None
-        keeps = self.model.keeps_rows and plain and len(logit_rows) < len(input_ids)
-        keeps = keeps and not (pooled_entries or prompt_logprob_entries)
+        # Where the step reads only some rows' final hidden states (sampled, pooled), the last layer gives theirs.
+        plain, pooler = inputs.batch.adapters is None, self.pooler
+        chunks = [(scheduled[i], starts[i], self.mirrors[scheduled[i].seq_id]) for i in pooled_entries]
+        reads = [pooler.rows_read(m, e, first) for e, first, m in chunks] if pooler is not None else []
+        read = rows_read(logit_rows, reads, len(input_ids)) if self.model.keeps_rows and plain else None
+        read = None if prompt_logprob_entries else read
         if self.graphs is not None and plain and self.graphs.covers(len(input_ids), context_lens):
-            hidden, keeps = self.graphs.run(inputs), False
+            hidden, read = self.graphs.run(inputs), None
         else:
-            kept = [inputs.logit_rows] if keeps else []
+            kept = [] if read is None else [read_tensor(read, logit_rows, inputs.logit_rows, self.device)]
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache.layers, inputs.batch, *kept)
-        logits = self.model.logits(hidden if keeps else hidden[inputs.logit_rows]) if logit_rows else None
-        pooled = [self._pool(scheduled[i], hidden[starts[i] : starts[i + 1]]) for i in pooled_entries]
+        logits = self.model.logits(hidden_rows(hidden, read, logit_rows, inputs.logit_rows)) if logit_rows else None
+        pooled = pooler.outputs(chunks, reads, lambda rows: hidden_rows(hidden, read, rows)) if pooler else []
         prompt_logprobs = [
             prompt_logprobs_of(self.model, self.mirrors[scheduled[i].seq_id], scheduled[i], starts[i], hidden)
             for i in prompt_logprob_entries
@@ -285,15 +287,6 @@ class ModelRunner:
             failed_loads=transfers.failed_loads,
             pooled=[output for output in pooled if output is not None],
         )
-
-    def _pool(self, entry: ScheduledSequence, rows: torch.Tensor) -> PooledOutput | None:
-        mirror = self.mirrors[entry.seq_id]
-        assert self.pooler is not None  # _refusal refused pooling requests otherwise
-        try:
-            values = self.pooler.add(mirror, entry.start, rows, entry.start + entry.num_tokens == len(mirror.token_ids))
-        except ValueError as exc:
-            raise SequenceFault(str(exc), [entry.seq_id]) from exc
-        return PooledOutput(entry.seq_id, values) if values is not None else None
 
     # --- checks: a bad sequence is refused alone; a bad block operation fails the step ----
 

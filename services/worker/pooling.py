@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from services.worker.mirrors import SequenceFault
 from services.worker.model_config import ModelLoadError
 from services.worker.models.linear import Linear
-from shared.protocol import MAX_LABELS, PoolingSpec
+from shared.protocol import MAX_LABELS, PooledOutput, PoolingSpec, ScheduledSequence
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 POOLING_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
@@ -144,6 +146,35 @@ class Pooler:
         if task == "classify" and self.head is None:
             return "this model has no classifier head: it embeds only"
         return None
+
+    def rows_read(self, mirror: Any, entry: ScheduledSequence, first_row: int) -> range | None:
+        """The rows of a step (this chunk's from `first_row`) whose final hidden states `add` reads: the prompt's
+        last once it is done (LAST), its first (CLS), or every one (MEAN: None)."""
+        if self.spec.pooling_type == "MEAN":
+            return None
+        if self.spec.pooling_type == "LAST":
+            last = first_row + entry.num_tokens - 1
+            return range(last, last + 1) if entry.start + entry.num_tokens == len(mirror.token_ids) else range(0)
+        return range(first_row, first_row + 1) if entry.start == 0 else range(0)
+
+    def outputs(
+        self,
+        chunks: list[tuple[ScheduledSequence, int, Any]],
+        reads: list[range | None],
+        hidden_rows: Callable[[range], torch.Tensor],
+    ) -> list[PooledOutput | None]:
+        """A step's pooled chunks (entry, first row, mirror), each given the hidden rows it reads (`reads`, None for
+        all of its own): each request's vector once its prompt is done. A chunk that cannot be pooled fails its
+        sequence alone."""
+        outputs: list[PooledOutput | None] = []
+        for (entry, first, mirror), read in zip(chunks, reads):
+            rows = hidden_rows(range(first, first + entry.num_tokens) if read is None else read)
+            try:
+                values = self.add(mirror, entry.start, rows, entry.start + entry.num_tokens == len(mirror.token_ids))
+            except ValueError as exc:
+                raise SequenceFault(str(exc), [entry.seq_id]) from exc
+            outputs.append(PooledOutput(entry.seq_id, values) if values is not None else None)
+        return outputs
 
     def add(self, mirror: Any, start: int, rows: torch.Tensor, prompt_done: bool) -> list[float] | None:
         """Take a prompt chunk's hidden rows (positions `start`...); the request's vector once `prompt_done`."""
