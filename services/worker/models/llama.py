@@ -158,7 +158,7 @@ class Attention(nn.Module):
         out = out.reshape(tokens, self.num_heads * self.head_dim)
         if keep is not None:
             out = out[keep]
-            if not len(keep):  # a prompt chunk that samples nothing: its keys and values are all this layer gives
+            if not len(keep):  # a step that reads none of its rows: their keys and values are all this layer gives
                 return out
         adapters = batch.adapters
         return row_parallel_linear(
