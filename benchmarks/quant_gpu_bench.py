@@ -22,8 +22,7 @@ from benchmarks.paper_harness import machine  # noqa: E402
 from benchmarks.provenance import commit  # noqa: E402
 from kernels.quant_triton import (  # noqa: E402
     codes_gemm_triton,
-    int8_linear_torch,
-    int8_linear_triton,
+    int8_linear_gpu,
     pack_codes_gpu,
 )
 
@@ -75,8 +74,10 @@ def main() -> None:
                 "w4a16_ms": timed(lambda x=x, int4=int4: codes_gemm_triton(x, *int4, "uint4")),
                 "w4a16_unsplit_ms": timed(lambda x=x, int4=int4: codes_gemm_triton(x, *int4, "uint4", splits=1)),
                 "fp8_w8a16_ms": timed(lambda x=x, fp8=fp8: codes_gemm_triton(x, *fp8, "fp8")),
-                "w8a8_ms": timed(lambda x=x, w=int8_weight, s=w_scales: int8_linear_triton(x, w, s, None)),
-                "w8a8_int_mm_ms": timed(lambda x=x, w=int8_weight, s=w_scales: int8_linear_torch(x, w, s, None)),
+                "w8a8_ms": timed(lambda x=x, w=int8_weight, s=w_scales: int8_linear_gpu(x, w, s, None)),
+                "w8a8_int_mm_ms": timed(
+                    lambda x=x, w=int8_weight, s=w_scales: int8_linear_gpu(x, w, s, None, sums_by="int_mm")
+                ),
             }
             rows_out.append(row)
             print(

@@ -188,4 +188,4 @@ def scale_sums(
 ) -> torch.Tensor:
     """Exact integer sums [M, N] as the kernels finish them: times each row's scale and w_scales, plus bias."""
     out = sums.to(torch.float32) * (scales[:, None] * w_scales.float()[None, :])
-    return out if bias is None else out + bias.float()
+    return out if bias is None else out.add_(bias)  # a float32 sum of the bias's values, as `out + bias.float()`

@@ -137,22 +137,28 @@ def codes_gemm_triton(
     return out
 
 
-def int8_linear_triton(
+def int8_linear_gpu(
     x: torch.Tensor,
     weight_t: torch.Tensor,
     w_scales: torch.Tensor,
     bias: torch.Tensor | None,
     static_scale: float = 0.0,
+    sums_by: str = "triton",
     splits: int | None = None,
 ) -> torch.Tensor:
-    """W8A8 on a GPU: x's rows quantized as the CPU kernel quantizes them, their int32 sums by a Triton kernel
-    (weight_t: [K, N] int8), then the CPU kernel's float steps in the same order; float32 [M, N], the numbers
-    `int8_linear_reference` gives."""
+    """W8A8 on a GPU: x's rows quantized as the CPU kernel quantizes them, their int32 sums (weight_t: [K, N] int8)
+    by the Triton kernel, or by `torch._int_mm` (`sums_by` "int_mm", for comparison), then the CPU kernel's float
+    steps in the same order; float32 [M, N], the numbers `int8_linear_reference` gives."""
     codes, scales = cpu_int8_linear.quantize_rows_reference(x.float(), static_scale)
+    sums = _sums_by_int_mm(codes, weight_t) if sums_by == "int_mm" else _sums_by_triton(codes, weight_t, splits)
+    return cpu_int8_linear.scale_sums(sums, scales, w_scales, bias)
+
+
+def _sums_by_triton(codes: torch.Tensor, weight_t: torch.Tensor, splits: int | None) -> torch.Tensor:
     m, k = codes.shape
     n = weight_t.shape[1]
-    plan = plan_tiles(m, n, k, _multiprocessors(x.device), 2 * BLOCK_K, splits)
-    sums = torch.empty((plan.splits, m, n), dtype=torch.int32, device=x.device)
+    plan = plan_tiles(m, n, k, _multiprocessors(codes.device), 2 * BLOCK_K, splits)
+    sums = torch.empty((plan.splits, m, n), dtype=torch.int32, device=codes.device)
     _int8_sums[plan.grid(m, n)](
         codes,
         weight_t,
@@ -167,25 +173,16 @@ def int8_linear_triton(
         BLOCK_K=plan.block_k,
         num_warps=plan.warps,
     )
-    total = sums[0] if plan.splits == 1 else sums.sum(0, dtype=torch.int32)
-    return cpu_int8_linear.scale_sums(total, scales, w_scales, bias)
+    return sums[0] if plan.splits == 1 else sums.sum(0, dtype=torch.int32)
 
 
-def int8_linear_torch(
-    x: torch.Tensor,
-    weight_t: torch.Tensor,
-    w_scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    static_scale: float = 0.0,
-) -> torch.Tensor:
-    """`int8_linear_triton`'s numbers with the sums by `torch._int_mm`, whose cuBLAS call takes rows in multiples
-    of 32 on some shapes: the rows are padded with zero rows to such a multiple."""
-    codes, scales = cpu_int8_linear.quantize_rows_reference(x.float(), static_scale)
+def _sums_by_int_mm(codes: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """cuBLAS's int8 product takes rows in multiples of 32 on some shapes: zero rows pad them to one."""
     rows = codes.shape[0]
     padded = -(-rows // INT_MM_ROWS) * INT_MM_ROWS
     if padded != rows:
         codes = torch.cat([codes, codes.new_zeros(padded - rows, codes.shape[1])])
-    return cpu_int8_linear.scale_sums(torch._int_mm(codes, weight_t)[:rows], scales, w_scales, bias)
+    return torch._int_mm(codes, weight_t)[:rows]
 
 
 if triton is not None:

@@ -307,7 +307,7 @@ def test_int8_products_on_a_gpu_equal_the_cpu_kernels_numbers(static_scale):
     """The Triton kernel's int32 sums, split or not, and torch's integer product (zero rows padded): the numbers
     of `int8_linear_reference`, to the bit."""
     from kernels.cpu_int8_linear import int8_linear_reference
-    from kernels.quant_triton import int8_linear_torch, int8_linear_triton
+    from kernels.quant_triton import int8_linear_gpu
 
     generator = torch.Generator().manual_seed(0)
     for rows in (1, 16, 40):
@@ -317,8 +317,8 @@ def test_int8_products_on_a_gpu_equal_the_cpu_kernels_numbers(static_scale):
         expected = int8_linear_reference(x, weight, w_scales, bias, static_scale)
         on_device = (x.to(DEVICE), weight.T.contiguous().to(DEVICE), w_scales.to(DEVICE), bias.to(DEVICE))
         for splits in (None, 2):
-            assert torch.equal(int8_linear_triton(*on_device, static_scale, splits=splits).cpu(), expected)
-        assert torch.equal(int8_linear_torch(*on_device, static_scale).cpu(), expected)
+            assert torch.equal(int8_linear_gpu(*on_device, static_scale, splits=splits).cpu(), expected)
+        assert torch.equal(int8_linear_gpu(*on_device, static_scale, sums_by="int_mm").cpu(), expected)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 256])

@@ -152,7 +152,7 @@ class Int8Method(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.transposed is not None:
             shape = x.shape
-            out = quant_triton.int8_linear_triton(
+            out = quant_triton.int8_linear_gpu(
                 x.reshape(-1, shape[-1]), self.transposed, self.weight.scales, bias, self.weight.input_scale
             )
             return out.reshape(*shape[:-1], -1).to(x.dtype)
@@ -177,17 +177,14 @@ class Int8Method(LinearMethod):
         codes, scales = quantized
         with every_kernel_thread():
             sums = torch._int_mm(codes[:, : weight.weight.shape[1]].contiguous(), weight.weight.T)
-        out = sums.float() * (scales[:, None] * weight.scales[None, :])
-        return out if bias is None else out.add_(bias)
+        return cpu_int8_linear.scale_sums(sums, scales, weight.scales, bias)
 
     def _in_torch(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x quantized as the kernel quantizes it, and its sums as floats (exact while they stay below 2^24)."""
         rows = x.reshape(-1, x.shape[-1]).float()
         codes, scales = cpu_int8_linear.quantize_rows_reference(rows, self.weight.input_scale)
         weight = self.dense if self.dense is not None else self.weight.weight.float()
-        out = (codes.float() @ weight.T) * (scales[:, None] * self.weight.scales[None, :])
-        if bias is not None:
-            out = out + bias.float()
+        out = cpu_int8_linear.scale_sums(codes.float() @ weight.T, scales, self.weight.scales, bias)
         return out.reshape(*x.shape[:-1], -1)
 
     def describe(self) -> str:
