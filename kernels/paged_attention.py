@@ -99,7 +99,7 @@ def paged_attention_triton(
     # One-byte caches widen a key tile to float32 before the product: at heads of 128, tiles of 64 keys
     # spill registers to local memory (ptxas for sm_90), tiles of 32 do not.
     if block_n is None:
-        block_n = 64 if head_pad < 128 or head_pad == 128 and not quant else 32
+        block_n = 64 if head_pad < 128 or (head_pad == 128 and not quant) else 32
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     out = torch.empty_like(query)
     if num_splits > 1:

@@ -73,9 +73,9 @@ def test_the_worker_captures_decode_graphs_unless_told_to_stay_eager(llama_dir, 
 
 @pytest.mark.parametrize("fmt", ["ct-w8a8", "ct-w4a16", "ct-fp8", "gptq-act-order", "awq"])
 def test_quantized_checkpoints_on_cuda_stay_close_to_their_oracle(quantized, fmt):
-    """W8A8 by torch's integer product (cuBLAS), 4-bit and FP8 codes by the Triton kernel that unpacks them as it
-    reads them: each layer takes its GPU path, decode steps replay from CUDA graphs, and the greedy tokens keep to
-    HF's by vLLM's rule."""
+    """W8A8's int8 sums by the Triton kernel, 4-bit and FP8 codes by the one that unpacks them as it reads them:
+    each layer takes its GPU path, decode steps replay from CUDA graphs, and the greedy tokens keep to HF's by
+    vLLM's rule."""
     from services.worker.models.linear import Linear
     from tests.engine_harness import Engine
     from tests.test_quantized_models import MAX_TOKENS, PROMPTS

@@ -135,6 +135,11 @@ def add_head(model: nn.Module, config: Any) -> None:
         model.tie_weights()
 
 
+def prompt_done(mirror: Any, entry: ScheduledSequence) -> bool:
+    """Whether this chunk ends the sequence's prompt (a pooled sequence is its prompt)."""
+    return entry.start + entry.num_tokens == len(mirror.token_ids)
+
+
 class Pooler:
     def __init__(self, spec: PoolingSpec, head: nn.Module | None):
         self.spec = spec
@@ -154,7 +159,7 @@ class Pooler:
             return None
         if self.spec.pooling_type == "LAST":
             last = first_row + entry.num_tokens - 1
-            return range(last, last + 1) if entry.start + entry.num_tokens == len(mirror.token_ids) else range(0)
+            return range(last, last + 1) if prompt_done(mirror, entry) else range(0)
         return range(first_row, first_row + 1) if entry.start == 0 else range(0)
 
     def outputs(
@@ -170,7 +175,7 @@ class Pooler:
         for (entry, first, mirror), read in zip(chunks, reads):
             rows = hidden_rows(range(first, first + entry.num_tokens) if read is None else read)
             try:
-                values = self.add(mirror, entry.start, rows, entry.start + entry.num_tokens == len(mirror.token_ids))
+                values = self.add(mirror, entry.start, rows, prompt_done(mirror, entry))
             except ValueError as exc:
                 raise SequenceFault(str(exc), [entry.seq_id]) from exc
             outputs.append(PooledOutput(entry.seq_id, values) if values is not None else None)
