@@ -159,8 +159,9 @@ def quantize_rows_reference(x: torch.Tensor, static_scale: float = 0.0) -> tuple
         inverse = torch.full_like(scales, 1.0) / static_scale
     else:
         top = x.abs().amax(dim=1)
-        scales = torch.where(top > 0, top / CODE_RANGE, torch.ones_like(top))
-        # a tensor divided by a tensor, as IEEE division (a number divided by a tensor is a reciprocal times it)
+        # tensors divided by tensors, as IEEE division: CUDA divides by a number as a product by its reciprocal,
+        # and a number divided by a tensor is a reciprocal times it
+        scales = torch.where(top > 0, top / torch.full_like(top, CODE_RANGE), torch.ones_like(top))
         inverse = torch.where(top > 0, torch.full_like(top, CODE_RANGE) / top, torch.zeros_like(top))
     codes = (x * inverse[:, None]).round().clamp(-128, 127).to(torch.int8)
     return codes, scales
