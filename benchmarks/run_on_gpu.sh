@@ -2,7 +2,8 @@
 # What a session with a lent GPU runs, from the repository root; logs and results go to $OUT.
 #   bash benchmarks/run_on_gpu.sh checks           compiled Triton kernel tests, the three processes
 #                                                  on CUDA, the kernel benchmarks (paged attention, LoRA,
-#                                                  quantized products at 8B shapes against float16)
+#                                                  quantized products at 8B shapes against float16, and
+#                                                  their tile plans compared)
 #   bash benchmarks/run_on_gpu.sh fig12 POLICIES RATES [NUM_PROMPTS]   (context $MAX_MODEL_LEN, default 2048 as OPT)
 #                                                  Figure 12 on a dummy-weight OPT-13B
 #   bash benchmarks/run_on_gpu.sh graphs8b [CONCURRENCY]   a dummy Llama-3.1-8B in float16 served with CUDA
@@ -31,6 +32,8 @@ checks)
         2>&1 | tee "$OUT/tests.log" | tail -25
     timeout 120 python3 benchmarks/quant_gpu_bench.py 2>&1 | tee "$OUT/quant_gpu_bench.log"
     cp benchmarks/results/quant_gpu_bench.json "$OUT/" 2>/dev/null
+    timeout 120 python3 benchmarks/quant_tile_sweep.py 2>&1 | tee "$OUT/quant_tile_sweep.log"
+    cp benchmarks/results/quant_tile_sweep.json "$OUT/" 2>/dev/null
     timeout 120 python3 benchmarks/kernel_bench.py 2>&1 | tee "$OUT/kernel_bench.log"
     cp benchmarks/results/kernel_bench.json "$OUT/" 2>/dev/null
     timeout 60 python3 benchmarks/lora_kernel_bench.py 2>&1 | tee "$OUT/lora_kernel_bench.log"

@@ -27,6 +27,7 @@ except ImportError:
 BLOCK_K = 32  # the narrowest tile of inputs: it divides every group size served (32 and up)
 BITS = {"uint4": 4, "uint8": 8, "fp8": 8}
 INT_MM_ROWS = 32
+QUANTIZE_BLOCK = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +50,23 @@ class TilePlan:
 
 
 def plan_tiles(
-    m: int, n: int, k: int, multiprocessors: int, block_k: int, splits: int | None = None, float32_rows: bool = False
+    m: int,
+    n: int,
+    k: int,
+    multiprocessors: int,
+    block_k: int,
+    splits: int | None = None,
+    float32_rows: bool = False,
+    unpacks: bool = False,
 ) -> TilePlan:
     """float32 rows are multiplied in float32 on the CUDA cores (not the tensor cores), whose sums take twice the
-    registers of a half-precision tile's: narrower tiles."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 or float32_rows else 64
-    block_n = 64 if m <= 16 or float32_rows else 128
+    registers of a half-precision tile's: narrower tiles. A kernel that `unpacks` its weight tile in registers
+    takes tiles of 128 rows beyond 64, so each unpacked tile serves twice the rows: on an H200, 128 x 64 tiles
+    took half the time of 64 x 128 for the codes kernel (docs/kernel-measurements.md, two of an 8B model's
+    products)."""
+    tall = unpacks and m > 64 and not float32_rows
+    block_m = 16 if m <= 16 else 32 if m <= 32 or float32_rows else 128 if tall else 64
+    block_n = 64 if m <= 16 or float32_rows or tall else 128
     block_k = BLOCK_K if float32_rows else block_k
     steps = -(-k // block_k)
     tiles = -(-m // block_m) * -(-n // block_n)
@@ -94,9 +106,13 @@ def codes_gemm_triton(
     kind: str,
     bias: torch.Tensor | None = None,
     splits: int | None = None,
+    unpack_once: bool = True,
+    plan: TilePlan | None = None,
 ) -> torch.Tensor:
     """x [M, K] times the weight the codes stand for, plus bias: [M, N] in x's dtype (float32 accumulation; a
-    float32 x is multiplied in float32, never TF32, as torch's own float32 product is)."""
+    float32 x is multiplied in float32, never TF32, as torch's own float32 product is). `unpack_once` False reads
+    each word once for every code in it (the first kernel's way); `plan` replaces `plan_tiles`' (both for
+    benchmarks/quant_tile_sweep.py)."""
     m, k = x.shape
     n = words.shape[1]
     group = k // scales.shape[0]
@@ -105,7 +121,7 @@ def codes_gemm_triton(
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # its bfloat16 dot is wrong: float32 there
     half = not interpreted and x.dtype in (torch.float16, torch.bfloat16)
     block_k = 2 * BLOCK_K if group % (2 * BLOCK_K) == 0 and k % (2 * BLOCK_K) == 0 else BLOCK_K
-    plan = plan_tiles(m, n, k, _multiprocessors(x.device), block_k, splits, float32_rows=not half)
+    plan = plan or plan_tiles(m, n, k, _multiprocessors(x.device), block_k, splits, not half, unpacks=True)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     partial = out if plan.splits == 1 else torch.empty((plan.splits, m, n), dtype=torch.float32, device=x.device)
     _codes_gemm[plan.grid(m, n)](
@@ -127,6 +143,7 @@ def codes_gemm_triton(
         FP8=kind == "fp8",
         HAS_BIAS=bias is not None,
         HALF=half,
+        UNPACK_ONCE=unpack_once,
         BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k,
@@ -139,29 +156,55 @@ def codes_gemm_triton(
 
 def int8_linear_gpu(
     x: torch.Tensor,
-    weight_t: torch.Tensor,
+    weight: torch.Tensor,
     w_scales: torch.Tensor,
     bias: torch.Tensor | None,
     static_scale: float = 0.0,
     sums_by: str = "triton",
     splits: int | None = None,
+    plan: TilePlan | None = None,
 ) -> torch.Tensor:
-    """W8A8 on a GPU: x's rows quantized as the CPU kernel quantizes them, their int32 sums (weight_t: [K, N] int8)
-    by the Triton kernel, or by `torch._int_mm` (`sums_by` "int_mm", for comparison), then the CPU kernel's float
-    steps in the same order; float32 [M, N], the numbers `int8_linear_reference` gives."""
-    codes, scales = cpu_int8_linear.quantize_rows_reference(x.float(), static_scale)
-    sums = _sums_by_int_mm(codes, weight_t) if sums_by == "int_mm" else _sums_by_triton(codes, weight_t, splits)
+    """W8A8 on a GPU: x's rows quantized as the CPU kernel quantizes them, their int32 sums with the int8 weight [N,
+    K] (the checkpoint's layout: each output's inputs adjacent, as the int8 tensor cores read both operands) by the
+    Triton kernel, or by `torch._int_mm` (`sums_by` "int_mm", for comparison), then the CPU kernel's float steps in
+    the same order; float32 [M, N], the numbers `int8_linear_reference` gives."""
+    codes, scales = quantize_rows_gpu(x, static_scale)
+    sums = _sums_by_int_mm(codes, weight) if sums_by == "int_mm" else _sums_by_triton(codes, weight, splits, plan)
     return cpu_int8_linear.scale_sums(sums, scales, w_scales, bias)
 
 
-def _sums_by_triton(codes: torch.Tensor, weight_t: torch.Tensor, splits: int | None) -> torch.Tensor:
+def quantize_rows_gpu(x: torch.Tensor, static_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_reference` in one kernel, a program a row: the same int8 codes [M, K] and scales [M]."""
+    m, k = x.shape
+    codes = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    scales = torch.empty(m, dtype=torch.float32, device=x.device)
+    # the static scale and its inverse as the CPU kernel makes them: float32, and IEEE division
+    static = torch.tensor([static_scale, 1.0], dtype=torch.float32)
+    _quantize_rows[(m,)](
+        x,
+        codes,
+        scales,
+        k,
+        x.stride(0),
+        static[0].item(),
+        (static[1] / static[0]).item() if static_scale > 0 else 0.0,
+        STATIC=static_scale > 0,
+        BLOCK=QUANTIZE_BLOCK,
+        enable_fp_fusion=False,  # a product then a sum, each rounded, as the reference rounds them
+    )
+    return codes, scales
+
+
+def _sums_by_triton(
+    codes: torch.Tensor, weight: torch.Tensor, splits: int | None, plan: TilePlan | None
+) -> torch.Tensor:
     m, k = codes.shape
-    n = weight_t.shape[1]
-    plan = plan_tiles(m, n, k, _multiprocessors(codes.device), 2 * BLOCK_K, splits)
+    n = weight.shape[0]
+    plan = plan or plan_tiles(m, n, k, _multiprocessors(codes.device), 2 * BLOCK_K, splits)
     sums = torch.empty((plan.splits, m, n), dtype=torch.int32, device=codes.device)
     _int8_sums[plan.grid(m, n)](
         codes,
-        weight_t,
+        weight,
         sums,
         m,
         n,
@@ -176,16 +219,18 @@ def _sums_by_triton(codes: torch.Tensor, weight_t: torch.Tensor, splits: int | N
     return sums[0] if plan.splits == 1 else sums.sum(0, dtype=torch.int32)
 
 
-def _sums_by_int_mm(codes: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+def _sums_by_int_mm(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """cuBLAS's int8 product takes rows in multiples of 32 on some shapes: zero rows pad them to one."""
     rows = codes.shape[0]
     padded = -(-rows // INT_MM_ROWS) * INT_MM_ROWS
     if padded != rows:
         codes = torch.cat([codes, codes.new_zeros(padded - rows, codes.shape[1])])
-    return torch._int_mm(codes, weight_t)[:rows]
+    return torch._int_mm(codes, weight.T)[:rows]
 
 
 if triton is not None:
+    CODE_RANGE = tl.constexpr(cpu_int8_linear.CODE_RANGE)
+    ROUNDING = tl.constexpr(12582912.0)  # 1.5 x 2^23: added, then taken away, rounds a float32 half to even
 
     @triton.jit
     def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -214,6 +259,7 @@ if triton is not None:
         FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HALF: tl.constexpr,
+        UNPACK_ONCE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -226,10 +272,18 @@ if triton is not None:
         for k0 in range(k_start, tl.minimum(K, k_start + SPAN), BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :], mask=row_in[:, None], other=0.0)
-            word = tl.load(
-                words_ptr + (ks // per_word)[:, None].to(tl.int64) * N + cols[None, :], mask=col_in[None, :], other=0
-            )
-            code = (word >> ((ks % per_word) * BITS)[:, None]) & ((1 << BITS) - 1)
+            if UNPACK_ONCE:  # each word read once, its codes spread over the inputs they stand for
+                word_rows = k0 // per_word + tl.arange(0, BLOCK_K // per_word)
+                word = tl.load(words_ptr + word_rows[:, None].to(tl.int64) * N + cols[None, :], mask=col_in[None, :])
+                shifts = tl.arange(0, per_word) * BITS
+                code = tl.reshape((word[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
+            else:
+                word = tl.load(
+                    words_ptr + (ks // per_word)[:, None].to(tl.int64) * N + cols[None, :],
+                    mask=col_in[None, :],
+                    other=0,
+                )
+                code = (word >> ((ks % per_word) * BITS)[:, None]) & ((1 << BITS) - 1)
             if FP8:  # e4m3: its exponent and mantissa moved into float32's, 2^120 rebiasing 7 to 127
                 magnitude = ((code & 0x7F) << 20).to(tl.float32, bitcast=True) * 1.329227995784916e36
                 value = tl.where((code & 0x80) != 0, -magnitude, magnitude)
@@ -280,7 +334,7 @@ if triton is not None:
                 other=0,
             )
             b = tl.load(
-                weight_ptr + ks[:, None].to(tl.int64) * N + cols[None, :], mask=k_in[:, None] & col_in[None, :], other=0
+                weight_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=k_in[:, None] & col_in[None, :], other=0
             )
             acc += tl.dot(a, b, out_dtype=tl.int32)
         tl.store(
@@ -288,3 +342,35 @@ if triton is not None:
             acc,
             mask=row_in[:, None] & col_in[None, :],
         )
+
+    @triton.jit
+    def _quantize_rows(
+        x_ptr,
+        codes_ptr,
+        scales_ptr,
+        K,
+        stride_x,
+        static_scale,
+        static_inverse,
+        STATIC: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_x
+        if STATIC:
+            scale = static_scale
+            inverse = static_inverse
+        else:
+            top = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                ks = k0 + tl.arange(0, BLOCK)
+                top = tl.maximum(top, tl.abs(tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)))
+            largest = tl.max(top, axis=0)
+            scale = tl.where(largest > 0, tl.math.div_rn(largest, CODE_RANGE), 1.0)
+            inverse = tl.where(largest > 0, tl.math.div_rn(CODE_RANGE, largest), 0.0)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + tl.arange(0, BLOCK)
+            scaled = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32) * inverse
+            rounded = (scaled + ROUNDING) - ROUNDING
+            tl.store(codes_ptr + row * K + ks, tl.clamp(rounded, -128.0, 127.0).to(tl.int8), mask=ks < K)
+        tl.store(scales_ptr + row, scale)

@@ -43,7 +43,7 @@ def main(rows: int) -> dict:
     sizes = dict.fromkeys(("M", "N", "K"), "i32")
     stacks = {}
     for dtype, half, fp8, bits in (("*bf16", True, False, 4), ("*fp16", True, True, 8), ("*fp32", False, False, 4)):
-        plan = quant_triton.plan_tiles(rows, 4096, 4096, 132, 2 * quant_triton.BLOCK_K, float32_rows=not half)
+        plan = quant_triton.plan_tiles(rows, 4096, 4096, 132, 2 * quant_triton.BLOCK_K, None, not half, unpacks=True)
         signature = {
             "x_ptr": dtype,
             "words_ptr": "*i32",
@@ -53,9 +53,9 @@ def main(rows: int) -> dict:
             "bias_ptr": dtype,
             **sizes,
             **dict.fromkeys(("stride_x", "stride_out", "stride_split", "GROUP", "SPAN"), "i32"),
-            **dict.fromkeys(("BITS", "FP8", "HAS_BIAS", "HALF"), "constexpr"),
+            **dict.fromkeys(("BITS", "FP8", "HAS_BIAS", "HALF", "UNPACK_ONCE"), "constexpr"),
         }
-        constants = {"BITS": bits, "FP8": fp8, "HAS_BIAS": True, "HALF": half}
+        constants = {"BITS": bits, "FP8": fp8, "HAS_BIAS": True, "HALF": half, "UNPACK_ONCE": True}
         kernel = compile_planned(quant_triton._codes_gemm, signature, constants, plan)
         stacks[f"codes {dtype[1:]} rows"] = stack_bytes(kernel)
     plan = quant_triton.plan_tiles(rows, 4096, 4096, 132, 2 * quant_triton.BLOCK_K)
@@ -64,7 +64,19 @@ def main(rows: int) -> dict:
     kernel = compile_planned(quant_triton._int8_sums, signature, {}, plan)
     stacks["int8 sums"] = stack_bytes(kernel)
     ptx = kernel.asm["ptx"]
-    return {"stacks": stacks, "int8_tensor_cores": "mma" in ptx and ".s8" in ptx}
+    signature = {"x_ptr": "*bf16", "codes_ptr": "*i8", "scales_ptr": "*fp32", "K": "i32", "stride_x": "i32"}
+    signature |= {"static_scale": "fp32", "static_inverse": "fp32", "STATIC": "constexpr", "BLOCK": "constexpr"}
+    constants = {"STATIC": False, "BLOCK": quant_triton.QUANTIZE_BLOCK}
+    options = {"num_warps": 4, "enable_fp_fusion": False}  # as quantize_rows_gpu launches it
+    quantize = triton.compile(
+        ASTSource(quant_triton._quantize_rows, signature, constants), target=HOPPER, options=options
+    )
+    stacks["quantize rows"] = stack_bytes(quantize)
+    return {
+        "stacks": stacks,
+        "int8_tensor_cores": "mma" in ptx and ".s8" in ptx,
+        "quantize_rounds_each_step": "fma" not in quantize.asm["ptx"] and "div.rn.f32" in quantize.asm["ptx"],
+    }
 
 
 if __name__ == "__main__":

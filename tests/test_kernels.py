@@ -268,7 +268,8 @@ CODE_CASES = [  # (rows, outputs, inputs, group, kind, dtype, splits: None for t
 @pytest.mark.parametrize("rows, outputs, inputs, group, kind, dtype, splits", CODE_CASES)
 def test_codes_gemm_matches_the_dequantized_weight(rows, outputs, inputs, group, kind, dtype, splits):
     """Float32 rows are multiplied in float32 (a GPU's TF32 would miss this bound), half rows within their own;
-    a product whose inputs are split among programs adds their sums, the bias once."""
+    a product whose inputs are split among programs adds their sums, the bias once; codes spread from words read
+    once are the codes read a word a code."""
     from kernels.cpu_linear import dequantize_codes
     from kernels.quant_triton import codes_gemm_triton, pack_codes_gpu
 
@@ -286,10 +287,33 @@ def test_codes_gemm_matches_the_dequantized_weight(rows, outputs, inputs, group,
     bias = torch.randn(outputs, generator=generator)
     packed = pack_codes_gpu(codes.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), kind)
     got = codes_gemm_triton(x.to(dtype).to(DEVICE), *packed, kind, bias.to(DEVICE), splits=splits)
+    word_per_code = codes_gemm_triton(x.to(dtype).to(DEVICE), *packed, kind, bias.to(DEVICE), splits, False)
+    assert torch.equal(got, word_per_code)  # each word read once or once a code: the same codes, the same sums
     weight = dequantize_codes(codes, scales, offsets, kind)
     expected = x.to(dtype).float() @ weight.T + bias
     scale = (x.abs() @ weight.abs().T).max().item()
     assert (got.float().cpu() - expected).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+def test_a_prompts_rows_in_tiles_of_128_give_the_products_of_the_dequantized_weight():
+    """The tall tiles a half-precision prompt takes on a GPU, forced here whatever the rows' dtype: rows past the
+    last full tile and outputs past the last full column masked, every product the dequantized weight's."""
+    from kernels.cpu_linear import dequantize_codes
+    from kernels.quant_triton import codes_gemm_triton, pack_codes_gpu, plan_tiles
+
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (72, 128), dtype=torch.uint8, generator=generator)
+    scales = torch.rand(72, 2, generator=generator) * 0.02 + 0.001
+    offsets = -8 * scales
+    x, bias = torch.randn(130, 128, generator=generator), torch.randn(72, generator=generator)
+    plan = plan_tiles(130, 72, 128, multiprocessors=132, block_k=64, unpacks=True)
+    assert (plan.block_m, plan.block_n) == (128, 64)
+    packed = pack_codes_gpu(codes.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), "uint4")
+    got = codes_gemm_triton(x.to(DEVICE), *packed, "uint4", bias.to(DEVICE), plan=plan)
+    weight = dequantize_codes(codes, scales, offsets, "uint4")
+    expected = x @ weight.T + bias
+    scale = (x.abs() @ weight.abs().T).max().item()
+    assert (got.cpu() - expected).abs().max().item() <= TOLERANCE[torch.float32] * scale
 
 
 def test_a_decode_steps_few_rows_split_their_inputs_to_fill_the_multiprocessors():
@@ -300,6 +324,8 @@ def test_a_decode_steps_few_rows_split_their_inputs_to_fill_the_multiprocessors(
     assert -(-4096 // 64) * one_row.splits >= 2 * 132  # tiles x splits: two a multiprocessor
     prompt = plan_tiles(2048, 4096, 4096, multiprocessors=132, block_k=64)
     assert prompt.splits == 1 and prompt.block_m > one_row.block_m
+    unpacked = plan_tiles(2048, 4096, 4096, multiprocessors=132, block_k=64, unpacks=True)
+    assert unpacked.block_m == 2 * prompt.block_m  # each weight tile unpacked serves twice the rows
 
 
 @pytest.mark.parametrize("static_scale", [0.0, 0.05])
@@ -315,10 +341,30 @@ def test_int8_products_on_a_gpu_equal_the_cpu_kernels_numbers(static_scale):
         weight = torch.randint(-128, 128, (64, 96), dtype=torch.int8, generator=generator)
         w_scales, bias = torch.rand(64, generator=generator), torch.randn(64, generator=generator)
         expected = int8_linear_reference(x, weight, w_scales, bias, static_scale)
-        on_device = (x.to(DEVICE), weight.T.contiguous().to(DEVICE), w_scales.to(DEVICE), bias.to(DEVICE))
+        on_device = (x.to(DEVICE), weight.to(DEVICE), w_scales.to(DEVICE), bias.to(DEVICE))
         for splits in (None, 2):
             assert torch.equal(int8_linear_gpu(*on_device, static_scale, splits=splits).cpu(), expected)
         assert torch.equal(int8_linear_gpu(*on_device, static_scale, sums_by="int_mm").cpu(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rows_quantized_on_a_gpu_take_the_cpu_kernels_codes_and_scales(dtype):
+    """One program a row, wider than one block: the reference's codes (ties rounded to even) and scales, to the bit,
+    a row of zeros and a static scale included."""
+    from kernels.cpu_int8_linear import quantize_rows_reference
+    from kernels.quant_triton import quantize_rows_gpu
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 1500, generator=generator).to(dtype)
+    x[1] = 0
+    x[2, :6] = torch.tensor([127.5, 0.5, 1.5, 2.5, -0.5, -3.5])  # inverse 1: each of these lies halfway
+    x[2, 6:] = x[2, 6:].clamp(-1, 1)
+    for static_scale in (0.0, 0.05):
+        codes, scales = quantize_rows_gpu(x.to(DEVICE), static_scale)
+        expected_codes, expected_scales = quantize_rows_reference(x, static_scale)
+        assert torch.equal(codes.cpu(), expected_codes) and torch.equal(scales.cpu(), expected_scales)
+        if static_scale == 0:
+            assert codes[2, :6].tolist() == [127, 0, 2, 2, 0, -4] and codes[1].eq(0).all()
 
 
 @pytest.mark.parametrize("rows", [1, 16, 256])
@@ -343,7 +389,7 @@ def test_the_quantized_kernels_compile_for_a_hopper_gpu_as_planned(rows):
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = json.loads(done.stdout)
     assert compiled["stacks"] == dict.fromkeys(compiled["stacks"], 0)  # nothing spilled to local memory
-    assert len(compiled["stacks"]) == 4 and compiled["int8_tensor_cores"]
+    assert len(compiled["stacks"]) == 5 and compiled["int8_tensor_cores"] and compiled["quantize_rounds_each_step"]
 
 
 def test_e4m3_rows_decoded_by_instructions_or_by_integer_moves_attend_the_same(monkeypatch):

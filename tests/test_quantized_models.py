@@ -60,9 +60,9 @@ def test_on_the_triton_kernels_each_layer_takes_its_gpu_path_and_stays_close(qua
     kernels_chosen(backend="triton")
     engine = Engine(quantized.get("llama", fmt), dtype="float32")
     methods = [m.method for m in engine.runner.model.modules() if isinstance(m, Linear) and m.weight is None]
-    assert methods and all(
-        getattr(m, "transposed", None) is not None or getattr(m, "gpu", None) is not None for m in methods
-    ), [m.describe() for m in methods]
+    assert methods and all(getattr(m, "by_triton", False) or getattr(m, "gpu", None) is not None for m in methods), [
+        m.describe() for m in methods
+    ]
     ours = engine.generate_with_logprobs(PROMPTS[:2], max_tokens=6)
     reference = [quantized.greedy_with_logprobs("llama", fmt, p, 6, torch.float32) for p in PROMPTS[:2]]
     check_logprobs_close(ours, reference)

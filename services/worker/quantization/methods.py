@@ -133,7 +133,7 @@ class Int8Method(LinearMethod):
     def __init__(self, weight: Int8Weight) -> None:
         self.weight = weight
         self.packed: cpu_int8_linear.Int8Panels | None = None
-        self.transposed: torch.Tensor | None = None  # [K, N] int8, for the Triton kernel (a GPU's)
+        self.by_triton = False  # a GPU's (or Triton chosen): the int8 sums in a Triton kernel
         self.dense: torch.Tensor | None = None  # the weight as floats, where no compiled kernel runs
 
     def to(self, device: torch.device) -> None:
@@ -142,18 +142,19 @@ class Int8Method(LinearMethod):
     def prepare(self, layer: Linear, dtype: torch.dtype) -> None:
         weight = self.weight.weight
         self.weight.scales = self.weight.scales.float().contiguous()
-        if dispatch.use_triton(weight):  # a GPU (or Triton chosen): the int8 sums in a Triton kernel
-            self.transposed = weight.T.contiguous()
+        if dispatch.use_triton(weight):
+            self.by_triton = True
+            self.weight.weight = weight.contiguous()
         elif weight.device.type == "cpu" and cpu_int8_linear.int8_build() is not None:
             self.packed = cpu_int8_linear.pack_int8(weight)
         else:
             self.dense = weight.float()
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.transposed is not None:
+        if self.by_triton:
             shape = x.shape
             out = quant_triton.int8_linear_gpu(
-                x.reshape(-1, shape[-1]), self.transposed, self.weight.scales, bias, self.weight.input_scale
+                x.reshape(-1, shape[-1]), self.weight.weight, self.weight.scales, bias, self.weight.input_scale
             )
             return out.reshape(*shape[:-1], -1).to(x.dtype)
         if self.packed is not None and x.dim() == 2:
@@ -193,7 +194,7 @@ class Int8Method(LinearMethod):
             f"int8 {build.variant} ({build.description})"
             if self.packed is not None and build
             else "Triton int8 sums"
-            if self.transposed is not None
+            if self.by_triton
             else "torch"
         )
         if self.packed is not None and cpu_linear.prompt_products("amx_int8") == "onednn":
