@@ -136,3 +136,14 @@ def _decode_or_log(frame: bytes, sender: bytes | None, max_containers: int | Non
     except ProtocolError as exc:
         peer_log.error("dropped a malformed frame of %d bytes from %r: %s", len(frame), sender, exc)
         return None
+
+
+def stop_monitors(monitored: list[Socket], monitors: list[Socket]) -> None:
+    """Stops the monitors of `monitored`, then closes the monitors' own sockets, in that order: a socket sends its
+    monitor an event from ZeroMQ's I/O thread, holding the monitor's lock, and a send to a monitor whose socket
+    is closed waits for ever, so a connection that handshakes between a monitor's close and its stop would hold
+    every later use of that lock, the stop included."""
+    for sock in monitored:
+        sock.disable_monitor()
+    for monitor in monitors:
+        monitor.close()

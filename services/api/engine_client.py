@@ -92,6 +92,7 @@ class EngineClient:
         for task in (self._receiver, self._watcher, self._heart, self._aborter):
             if task is not None:
                 task.cancel()
+        self.socket.disable_monitor()  # before its socket closes with the rest (sockets.stop_monitors says why)
         self.context.destroy(linger=0)
 
     async def _watch_connection(self) -> None:

@@ -155,10 +155,7 @@ class SchedulerServer:
                 self._finish_in_flight(poller)
         for api in list(self.apis):
             sockets.try_send(self.api_socket, Unavailable("the scheduler is stopping", stopping=True), to=api)
-        for monitor in self.closed:
-            monitor.close()
-        self.api_socket.disable_monitor()
-        self.worker_socket.disable_monitor()
+        sockets.stop_monitors([self.api_socket, self.worker_socket], list(self.closed))
         self._stop_workers()
         if self.authenticator is not None:
             self.authenticator.stop()
