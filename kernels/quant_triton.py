@@ -114,6 +114,7 @@ def codes_gemm_triton(
     each word once for every code in it (the first kernel's way); `plan` replaces `plan_tiles`' (both for
     benchmarks/quant_tile_sweep.py)."""
     m, k = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()  # the kernel walks a row's inputs one element apart
     n = words.shape[1]
     group = k // scales.shape[0]
     if group % BLOCK_K or k % BLOCK_K:
@@ -176,6 +177,7 @@ def int8_linear_gpu(
 def quantize_rows_gpu(x: torch.Tensor, static_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows_reference` in one kernel, a program a row: the same int8 codes [M, K] and scales [M]."""
     m, k = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()  # the kernel walks a row's inputs one element apart
     codes = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scales = torch.empty(m, dtype=torch.float32, device=x.device)
     # the static scale and its inverse as the CPU kernel makes them: float32, and IEEE division

@@ -361,6 +361,8 @@ def test_rows_quantized_on_a_gpu_take_the_cpu_kernels_codes_and_scales(dtype):
     x[2, 6:] = x[2, 6:].clamp(-1, 1)
     for static_scale in (0.0, 0.05):
         codes, scales = quantize_rows_gpu(x.to(DEVICE), static_scale)
+        transposed_twice = quantize_rows_gpu(x.T.contiguous().T.to(DEVICE), static_scale)  # inputs a row apart
+        assert all(torch.equal(a, b) for a, b in zip((codes, scales), transposed_twice))
         expected_codes, expected_scales = quantize_rows_reference(x, static_scale)
         assert torch.equal(codes.cpu(), expected_codes) and torch.equal(scales.cpu(), expected_scales)
         if static_scale == 0:
