@@ -180,21 +180,26 @@ def quantize_rows_gpu(x: torch.Tensor, static_scale: float = 0.0) -> tuple[torch
     x = x if x.stride(1) == 1 else x.contiguous()  # the kernel walks a row's inputs one element apart
     codes = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scales = torch.empty(m, dtype=torch.float32, device=x.device)
-    # the static scale and its inverse as the CPU kernel makes them: float32, and IEEE division
-    static = torch.tensor([static_scale, 1.0], dtype=torch.float32)
     _quantize_rows[(m,)](
         x,
         codes,
         scales,
         k,
         x.stride(0),
-        static[0].item(),
-        (static[1] / static[0]).item() if static_scale > 0 else 0.0,
+        *(_static_scale_and_inverse(static_scale) if static_scale > 0 else (0.0, 0.0)),
         STATIC=static_scale > 0,
         BLOCK=QUANTIZE_BLOCK,
         enable_fp_fusion=False,  # a product then a sum, each rounded, as the reference rounds them
     )
     return codes, scales
+
+
+@functools.cache
+def _static_scale_and_inverse(static_scale: float) -> tuple[float, float]:
+    """A checkpoint's static input scale and its inverse as the CPU kernel makes them: float32, and IEEE division
+    (made once per scale, not on every product)."""
+    pair = torch.tensor([static_scale, 1.0], dtype=torch.float32)
+    return pair[0].item(), (pair[1] / pair[0]).item()
 
 
 def _sums_by_triton(

@@ -220,8 +220,8 @@ class ModelRunner:
         plain, pooler = inputs.batch.adapters is None, self.pooler
         chunks = [(scheduled[i], starts[i], self.mirrors[scheduled[i].seq_id]) for i in pooled_entries]
         reads = [pooler.rows_read(m, e, first) for e, first, m in chunks] if pooler is not None else []
-        read = rows_read(logit_rows, reads, len(input_ids)) if self.model.keeps_rows and plain else None
-        read = None if prompt_logprob_entries else read
+        keeps = self.model.keeps_rows and plain and not prompt_logprob_entries  # prompt logprobs read every row
+        read = rows_read(logit_rows, reads, len(input_ids)) if keeps else None
         if self.graphs is not None and plain and self.graphs.covers(len(input_ids), context_lens):
             hidden, read = self.graphs.run(inputs), None
         else:
