@@ -508,7 +508,7 @@ def _make_checker(hint: object) -> Checker:
         def check_map(v: object) -> object:
             if type(v) is not dict:
                 raise ProtocolError("expected a map")
-            return {key(k): value(x) for k, x in v.items()}
+            return {key(k): value(x) for k, x in v.items()} if v else v
 
         return check_map
     if isinstance(hint, type) and is_dataclass(hint):
@@ -536,7 +536,12 @@ def _make_checker(hint: object) -> Checker:
 
 
 def _union_checker(options: list[Checker], hint: object) -> Checker:
+    # An optional field's None is the common case: met first, without the other options' refusals (exceptions).
+    allows_none = type(None) in typing.get_args(hint)
+
     def check_union(v: object) -> object:
+        if v is None and allows_none:
+            return None
         for option in options:
             try:
                 return option(v)

@@ -97,6 +97,23 @@ def test_a_bad_field_deep_inside_a_step_is_named():
         decode(msgpack.packb(raw))
 
 
+def test_an_optional_field_takes_none_or_its_type_and_refuses_anything_else():
+    output = RequestOutput("r", 3, [SequenceDelta(0, [1], [0.0], [{}], None)], False)
+    decoded = decode(encode(RequestOutputs([output])))
+    assert decoded.outputs[0].error is None and decoded.outputs[0].sequences[0].finish_reason is None
+    assert decoded.outputs[0].sequences[0].top_logprobs == [{}]
+    raw = msgpack.unpackb(encode(RequestOutputs([output])))
+    raw[2][0][4] = "why"  # RequestOutput.error
+    assert decode(msgpack.packb(raw)).outputs[0].error == "why"
+    raw[2][0][4] = 5
+    with pytest.raises(ProtocolError, match=r"RequestOutput.error: 5 is none of"):
+        decode(msgpack.packb(raw))
+    raw[2][0][4] = None
+    raw[2][0][2][0][3] = [{"one": 0.5}]  # SequenceDelta.top_logprobs: token ids are ints
+    with pytest.raises(ProtocolError, match=r"SequenceDelta.top_logprobs: expected int"):
+        decode(msgpack.packb(raw))
+
+
 # --- what a frame may cost before anything reads it -------------------------------------------
 
 
