@@ -10,37 +10,54 @@ There is no budget for all addresses together: a slot anyone could fill would be
 attacker holds shut against honest peers. A peer that the kernel shows runs as this process's own
 user is not counted at all: it can read this service's keys, so a budget would not stop it, and
 an attacker sharing an honest peer's address (another user on the same machine) cannot lock that
-peer out."""
+peer out.
+
+A connection counts for its handshake interval from the moment it is accepted: libzmq reports that
+a handshake succeeded without saying whose (the event's value is 0, not the descriptor), so the
+budget cannot tell which connection finished early; by the interval's end libzmq has either
+authenticated a connection or dropped it."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
 import socket
+import time
+from collections import deque
+from collections.abc import Callable
 
 import zmq
 
 from shared.peer_uid import peer_uid
-from shared.sockets import peer_log
+from shared.sockets import HANDSHAKE_MS, peer_log
 
-HANDSHAKE_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+HANDSHAKE_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 PER_ADDRESS = 2
 
 
 class HandshakeBudget:
-    def __init__(self, role: str, per_address: int = PER_ADDRESS, own_uid: int | None = None):
-        self.role, self.per_address = role, per_address
+    def __init__(
+        self,
+        role: str,
+        per_address: int = PER_ADDRESS,
+        own_uid: int | None = None,
+        interval: float = HANDSHAKE_MS / 1000,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.role, self.per_address, self.interval, self.clock = role, per_address, interval, clock
         self.own_uid = os.getuid() if own_uid is None else own_uid
-        self.pending: dict[int, str] = {}  # file descriptor -> the source it counts against
+        self.pending: dict[int, tuple[str, float]] = {}  # file descriptor -> its source, and when it stops counting
         self.from_source: dict[str, int] = {}
+        self._by_deadline: deque[tuple[float, int]] = deque()  # (deadline, descriptor), in the order accepted
 
     def on_event(self, event: int, descriptor: int) -> None:
         if event == zmq.EVENT_ACCEPTED:
             self._accepted(descriptor)
-        else:  # authenticated, or gone
+        elif event == zmq.EVENT_DISCONNECTED:
             self._forget(descriptor)
 
     def _accepted(self, descriptor: int) -> None:
+        self._expire()
         self._forget(descriptor)  # a descriptor number reused before its close was reported
         try:
             peer = socket.socket(fileno=os.dup(descriptor))
@@ -60,19 +77,30 @@ class HandshakeBudget:
                 )
                 peer.shutdown(socket.SHUT_RDWR)  # libzmq sees the end of the stream and drops it
             else:
-                self.pending[descriptor] = source
+                deadline = self.clock() + self.interval
+                self.pending[descriptor] = (source, deadline)
+                self._by_deadline.append((deadline, descriptor))
                 self.from_source[source] = held + 1
         except OSError:
             pass
         finally:
             peer.close()  # the duplicate only; libzmq keeps its own descriptor
 
+    def _expire(self) -> None:
+        """Stop counting the connections whose handshake interval has ended (authenticated or dropped by now)."""
+        now = self.clock()
+        while self._by_deadline and self._by_deadline[0][0] <= now:
+            deadline, descriptor = self._by_deadline.popleft()
+            entry = self.pending.get(descriptor)
+            if entry is not None and entry[1] == deadline:  # not forgotten, nor a later connection's number
+                self._forget(descriptor)
+
     def _forget(self, descriptor: int) -> None:
-        source = self.pending.pop(descriptor, None)
-        if source is not None:
-            left = self.from_source.pop(source) - 1
+        entry = self.pending.pop(descriptor, None)
+        if entry is not None:
+            left = self.from_source.pop(entry[0]) - 1
             if left:
-                self.from_source[source] = left
+                self.from_source[entry[0]] = left
 
 
 def source_of(address: str) -> str:

@@ -18,6 +18,7 @@ import httpx
 import msgpack
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from shared import sockets, wire_security
 from shared.handshake_budget import HandshakeBudget, source_of
@@ -539,24 +540,69 @@ def test_keyless_peers_reconnecting_flat_out_from_the_honest_peers_address_and_f
         scheduler.wait(10)
 
 
-def test_the_handshake_budget_cuts_connections_past_two_from_an_address_and_counts_only_unfinished_ones():
-    budget = HandshakeBudget("api", per_address=2, own_uid=-1)  # every peer counted
+def test_the_handshake_budget_cuts_connections_past_two_from_an_address_within_their_handshake_interval():
+    now = [0.0]
+    budget = HandshakeBudget("api", per_address=2, own_uid=-1, interval=2.0, clock=lambda: now[0])  # all counted
     with socket.create_server(("127.0.0.1", 0)) as server:
-        clients = [socket.create_connection(server.getsockname()) for _ in range(4)]
-        accepted = [server.accept()[0] for _ in clients]
-        for connection in accepted:
-            budget.on_event(zmq.EVENT_ACCEPTED, connection.fileno())
-        assert sorted(budget.pending) == sorted(c.fileno() for c in accepted[:2])
-        for client in clients[2:]:  # the two past the budget see the end of their stream
+
+        def connect() -> tuple[socket.socket, socket.socket]:
+            client = socket.create_connection(server.getsockname())
+            accepted = server.accept()[0]
+            budget.on_event(zmq.EVENT_ACCEPTED, accepted.fileno())
+            return client, accepted
+
+        pairs = [connect() for _ in range(4)]
+        assert sorted(budget.pending) == sorted(accepted.fileno() for _, accepted in pairs[:2])
+        for client, _ in pairs[2:]:  # the two past the budget see the end of their stream
             client.settimeout(5)
             assert client.recv(1) == b""
-        budget.on_event(zmq.EVENT_HANDSHAKE_SUCCEEDED, accepted[0].fileno())  # done: no longer counted
-        extra = socket.create_connection(server.getsockname())
-        fifth = server.accept()[0]
-        budget.on_event(zmq.EVENT_ACCEPTED, fifth.fileno())
-        assert fifth.fileno() in budget.pending
-        for each in [*clients, *accepted, extra, fifth]:
-            each.close()
+        now[0] = 1.0
+        budget.on_event(zmq.EVENT_DISCONNECTED, pairs[0][1].fileno())  # gone: no longer counted
+        pairs.append(connect())
+        assert pairs[-1][1].fileno() in budget.pending
+        now[0] = 1.9  # the other two still within their intervals
+        pairs.append(connect())
+        assert pairs[-1][1].fileno() not in budget.pending
+        now[0] = 2.5  # the second's interval is over: libzmq has authenticated or dropped it
+        pairs.append(connect())
+        assert pairs[-1][1].fileno() in budget.pending and budget.from_source["127.0.0.1"] == 2
+        for each in pairs:
+            for end in each:
+                end.close()
+
+
+def test_authenticated_peers_of_one_address_stop_counting_once_their_handshake_interval_ends():
+    """On real libzmq events: its report of a finished handshake names no connection (its value is 0),
+    so what frees an honest peer's slot is the end of its interval, not the report."""
+    context = zmq.Context()
+    server_public, server_secret = zmq.curve_keypair()
+    try:
+        router = sockets.new_socket(context, zmq.ROUTER)
+        router.curve_server, router.curve_publickey, router.curve_secretkey = True, server_public, server_secret
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        budget = HandshakeBudget("api", per_address=2, own_uid=-1)  # every peer counted
+
+        def authenticated_peer() -> zmq.Socket:
+            dealer = sockets.new_socket(context, zmq.DEALER)
+            dealer.curve_serverkey = server_public
+            dealer.curve_publickey, dealer.curve_secretkey = zmq.curve_keypair()
+            dealer.connect(f"tcp://127.0.0.1:{port}")
+            dealer.send(b"in")
+            assert router.poll(5000) and router.recv_multipart()[1] == b"in"  # its handshake is done
+            quiet_by = time.monotonic() + 1.0  # a peer that is cut reconnects, and is cut, again and again
+            while time.monotonic() < quiet_by and monitor.poll(300):
+                event = recv_monitor_message(monitor)
+                budget.on_event(event["event"], event["value"])
+            return dealer  # connected while the test runs
+
+        peers = [authenticated_peer(), authenticated_peer()]
+        assert budget.from_source["127.0.0.1"] == 2  # each within its first interval
+        time.sleep(sockets.HANDSHAKE_MS / 1000 + 0.2)
+        peers.append(authenticated_peer())  # counted, not cut: the first two no longer are
+        assert budget.from_source["127.0.0.1"] == 1 and len(budget.pending) == 1
+    finally:
+        context.destroy(linger=0)
 
 
 def test_the_handshake_budget_has_no_slot_for_all_addresses_that_many_addresses_could_fill():
