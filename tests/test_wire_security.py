@@ -581,7 +581,8 @@ def test_authenticated_peers_of_one_address_stop_counting_once_their_handshake_i
         router.curve_server, router.curve_publickey, router.curve_secretkey = True, server_public, server_secret
         port = router.bind_to_random_port("tcp://127.0.0.1")
         monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        budget = HandshakeBudget("api", per_address=2, own_uid=-1)  # every peer counted
+        now = [0.0]
+        budget = HandshakeBudget("api", per_address=2, own_uid=-1, clock=lambda: now[0])  # every peer counted
 
         def authenticated_peer() -> zmq.Socket:
             dealer = sockets.new_socket(context, zmq.DEALER)
@@ -598,7 +599,7 @@ def test_authenticated_peers_of_one_address_stop_counting_once_their_handshake_i
 
         peers = [authenticated_peer(), authenticated_peer()]
         assert budget.from_source["127.0.0.1"] == 2  # each within its first interval
-        time.sleep(sockets.HANDSHAKE_MS / 1000 + 0.2)
+        now[0] += sockets.HANDSHAKE_MS / 1000 + 0.1
         peers.append(authenticated_peer())  # counted, not cut: the first two no longer are
         assert budget.from_source["127.0.0.1"] == 1 and len(budget.pending) == 1
     finally:
