@@ -25,7 +25,7 @@ from shared.handshake_budget import HandshakeBudget, source_of
 from shared.log_limits import RateLimit
 from shared.protocol import AddRequest, Hello, Ping, Pong, Ready, SampledTokens, SchedulerInfo, Shutdown, StepResult
 from shared.sampling import SamplingParams
-from shared.wire_security import load_keys, make_keys
+from shared.wire_security import WireKeys, load_keys, make_keys
 from tests.conftest import ROOT, free_port, memory_mib, wait_until
 from tests.test_resilience import start, wait_healthy
 from tests.tiny_models import hf_greedy
@@ -575,20 +575,17 @@ def test_authenticated_peers_of_one_address_stop_counting_once_their_handshake_i
     """On real libzmq events: its report of a finished handshake names no connection (its value is 0),
     so what frees an honest peer's slot is the end of its interval, not the report."""
     context = zmq.Context()
-    server_public, server_secret = zmq.curve_keypair()
+    server = WireKeys(*zmq.curve_keypair())
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     try:
-        router = sockets.new_socket(context, zmq.ROUTER)
-        router.curve_server, router.curve_publickey, router.curve_secretkey = True, server_public, server_secret
-        port = router.bind_to_random_port("tcp://127.0.0.1")
+        router = sockets.bind(context, zmq.ROUTER, endpoint, server, "api")  # no authenticator: any key is let in
         monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         now = [0.0]
         budget = HandshakeBudget("api", per_address=2, own_uid=-1, clock=lambda: now[0])  # every peer counted
 
         def authenticated_peer() -> zmq.Socket:
-            dealer = sockets.new_socket(context, zmq.DEALER)
-            dealer.curve_serverkey = server_public
-            dealer.curve_publickey, dealer.curve_secretkey = zmq.curve_keypair()
-            dealer.connect(f"tcp://127.0.0.1:{port}")
+            keys = WireKeys(*zmq.curve_keypair(), scheduler_public=server.public)
+            dealer = sockets.connect(context, zmq.DEALER, endpoint, keys=keys)
             dealer.send(b"in")
             assert router.poll(5000) and router.recv_multipart()[1] == b"in"  # its handshake is done
             quiet_by = time.monotonic() + 1.0  # a peer that is cut reconnects, and is cut, again and again
