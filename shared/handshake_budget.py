@@ -23,7 +23,6 @@ import ipaddress
 import os
 import socket
 import time
-from collections import deque
 from collections.abc import Callable
 
 import zmq
@@ -46,9 +45,9 @@ class HandshakeBudget:
     ):
         self.role, self.per_address, self.interval, self.clock = role, per_address, interval, clock
         self.own_uid = os.getuid() if own_uid is None else own_uid
-        self.pending: dict[int, tuple[str, float]] = {}  # file descriptor -> its source, and when it stops counting
+        # file descriptor -> its source, and when it stops counting; in the order accepted, so deadlines ascend
+        self.pending: dict[int, tuple[str, float]] = {}
         self.from_source: dict[str, int] = {}
-        self._by_deadline: deque[tuple[float, int]] = deque()  # (deadline, descriptor), in the order accepted
 
     def on_event(self, event: int, descriptor: int) -> None:
         if event == zmq.EVENT_ACCEPTED:
@@ -77,9 +76,7 @@ class HandshakeBudget:
                 )
                 peer.shutdown(socket.SHUT_RDWR)  # libzmq sees the end of the stream and drops it
             else:
-                deadline = self.clock() + self.interval
-                self.pending[descriptor] = (source, deadline)
-                self._by_deadline.append((deadline, descriptor))
+                self.pending[descriptor] = (source, self.clock() + self.interval)
                 self.from_source[source] = held + 1
         except OSError:
             pass
@@ -89,11 +86,11 @@ class HandshakeBudget:
     def _expire(self) -> None:
         """Stop counting the connections whose handshake interval has ended (authenticated or dropped by now)."""
         now = self.clock()
-        while self._by_deadline and self._by_deadline[0][0] <= now:
-            deadline, descriptor = self._by_deadline.popleft()
-            entry = self.pending.get(descriptor)
-            if entry is not None and entry[1] == deadline:  # not forgotten, nor a later connection's number
-                self._forget(descriptor)
+        while self.pending:
+            descriptor, (_, deadline) = next(iter(self.pending.items()))
+            if deadline > now:
+                break
+            self._forget(descriptor)
 
     def _forget(self, descriptor: int) -> None:
         entry = self.pending.pop(descriptor, None)
