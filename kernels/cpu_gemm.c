@@ -850,6 +850,86 @@ int64_t gemm_codes_task(const int64_t *w, int64_t *counters, int64_t thread, int
 }
 int64_t gemm_codes_task_words(void) { return 15; }
 
+#if defined(__AVX512F__) && GEMM_VEC == 16
+/* Sixteen columns of sixteen rows of 32-bit words (rows NR words apart) as min(columns, 16) rows of `to`, `stride`
+ * words apart: a transpose in registers, in the usual three steps (words, pairs of words, quarters). */
+static inline void columns_as_rows(const uint32_t *from, uint32_t *to, int64_t stride, int64_t columns)
+{
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm512_loadu_si512(from + i * NR);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* r[i + c]: column 4L + c of rows i .. i + 3 in each quarter L */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int c = 0; c < 4; c++) {
+            t[i + c] = _mm512_shuffle_i32x4(r[i + c], r[i + 4 + c], 0x88);     /* columns c and 8 + c */
+            t[i + 4 + c] = _mm512_shuffle_i32x4(r[i + c], r[i + 4 + c], 0xdd); /* columns 4 + c and 12 + c */
+        }
+    for (int c = 0; c < 8; c++) { /* t[c] and t[8 + c]: columns c and 8 + c of rows 0 .. 7 and 8 .. 15 */
+        if (c < columns)
+            _mm512_storeu_si512(to + c * stride, _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88));
+        if (c + 8 < columns)
+            _mm512_storeu_si512(to + (c + 8) * stride, _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd));
+    }
+}
+#endif
+
+/* The weight that codes stand for as a row-major [N][K] bfloat16 matrix (K even), rounded as a prompt's panels
+ * are, for a product by someone else's kernel (oneDNN's, in AMX tiles). Each panel is dequantized into this
+ * thread's buffer, then its columns are written out as rows, sixteen pairs of k (one cache line) at a time. */
+int64_t codes_bf16_weight(const uint32_t *panels, const float *scales, const float *offsets, int64_t group,
+                          int64_t code, uint16_t *out, int64_t N, int64_t K, int64_t units_per_chunk, int64_t *counters,
+                          int64_t wait)
+{
+    if (K % 2)
+        return -1;
+    const int64_t words = K / codes_per_word((int)code), groups = K / group, pairs = K / 2;
+    const int64_t count = (N + NR - 1) / NR, chunks = (count + units_per_chunk - 1) / units_per_chunk;
+    uint32_t *values = thread_buffer(0, (size_t)panel_bytes(W_BF16, K));
+    if (!values)
+        return -1;
+    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
+        const int64_t last = (c + 1) * units_per_chunk < count ? (c + 1) * units_per_chunk : count;
+        for (int64_t p = c * units_per_chunk; p < last; p++) {
+            const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
+            dequantize_panel((int)code, 1, panels + p * words * NR, scales + p * groups * NR,
+                             offsets + p * groups * NR, group, K, values);
+            uint32_t *rows = (uint32_t *)out + n * pairs;
+            int64_t q0 = 0;
+#if defined(__AVX512F__) && GEMM_VEC == 16
+            for (; q0 + 16 <= pairs; q0 += 16)
+                for (int64_t j0 = 0; j0 < cols; j0 += 16)
+                    columns_as_rows(values + q0 * NR + j0, rows + j0 * pairs + q0, pairs, cols - j0);
+#endif
+            for (; q0 < pairs; q0 += 16) {
+                const int64_t q1 = q0 + 16 < pairs ? q0 + 16 : pairs;
+                for (int64_t j = 0; j < cols; j++)
+                    for (int64_t q = q0; q < q1; q++)
+                        rows[j * pairs + q] = values[q * NR + j];
+            }
+        }
+    }
+    if (wait)
+        wait_for_chunks(counters, chunks);
+    return 0;
+}
+
+int64_t codes_bf16_weight_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
+{
+    (void)thread;
+    return codes_bf16_weight((const uint32_t *)w[0], (const float *)w[1], (const float *)w[2], w[3], w[4],
+                             (uint16_t *)w[5], w[6], w[7], w[8], counters, wait);
+}
+int64_t codes_bf16_weight_task_words(void) { return 9; }
+
 /* The same calls as tasks of helper_pool.c: the arguments before the counters as words, in order. */
 #define GEMM_TASK(NAME, KIND)                                                                           \
     int64_t NAME##_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)               \
@@ -890,6 +970,8 @@ const char *gemm_f16_signature(void) { return "pipppiiiiiiipi:i"; }
 const char *gemm_bf16_signature(void) { return "pipppiiiiiiipi:i"; }
 const char *gemm_codes_signature(void) { return "piipppiippiiiiipi:i"; }
 const char *gemm_codes_task_words_signature(void) { return ":i"; }
+const char *codes_bf16_weight_signature(void) { return "pppiipiiipi:i"; }
+const char *codes_bf16_weight_task_words_signature(void) { return ":i"; }
 const char *gemm_f32_task_words_signature(void) { return ":i"; }
 const char *gemm_f16_task_words_signature(void) { return ":i"; }
 const char *gemm_bf16_task_words_signature(void) { return ":i"; }

@@ -44,6 +44,7 @@ class GemmBuild:
 
     kernels: dict[torch.dtype, Callable[..., Any]]
     codes: Callable[..., Any]  # gemm_codes: weights quantized by groups of k
+    codes_bf16: Callable[..., Any]  # codes_bf16_weight: such a weight as a bfloat16 matrix
     panel_width: int
     bf16_rows: bool  # bfloat16 weights take x rounded to bfloat16 (the dot product), not float32
     description: str
@@ -61,18 +62,25 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     codes = native.function(
         "cpu_gemm", "gemm_codes", [p, i, i, p, p, p, i, i, p, p, i, i, i, i, i, p, i], i, variant=variant
     )
+    codes_bf16 = native.function("cpu_gemm", "codes_bf16_weight", [p, p, p, i, i, p, i, i, i, p, i], i, variant=variant)
     facts = {
         name: native.function("cpu_gemm", f"gemm_{name}", [], i, variant=variant)
         for name in ("panel_width", "bf16_reads_bf16_rows")
     }
-    if None in facts.values() or None in kernels.values() or codes is None:
+    if None in facts.values() or None in kernels.values() or codes is None or codes_bf16 is None:
         return None
     library = native.load("cpu_gemm", variant)
     assert library is not None  # its functions loaded
     library.gemm_description.restype = native.ctypes.c_char_p
     width, bf16_rows = (fact() for fact in facts.values())
     return GemmBuild(
-        kernels, codes, width, bool(bf16_rows), library.gemm_description().decode(), native.variant_of(library)
+        kernels,
+        codes,
+        codes_bf16,
+        width,
+        bool(bf16_rows),
+        library.gemm_description().decode(),
+        native.variant_of(library),
     )
 
 
@@ -304,6 +312,27 @@ def gemm_codes(
         width,
     )
     done = native.share_units(build.codes, args, packed.panels.shape[0], split, CHUNKS_PER_THREAD)
+    return out if done == 0 else None
+
+
+def codes_as_bf16(packed: CodePanels, out: torch.Tensor, build: GemmBuild | None = None) -> torch.Tensor | None:
+    """The weight that `packed` stands for, as a contiguous bfloat16 [N, K] in `out`, each value rounded as a
+    prompt's panels round it; None where the build cannot."""
+    build = build or gemm_build()
+    n, k = packed.out_features, packed.in_features
+    if build is None or k % 2 or out.shape != (n, k) or out.dtype is not torch.bfloat16 or not out.is_contiguous():
+        return None
+    args = (
+        packed.panels.data_ptr(),
+        packed.scales.data_ptr(),
+        packed.offsets.data_ptr(),
+        packed.group,
+        CODE_KINDS[packed.kind],
+        out.data_ptr(),
+        n,
+        k,
+    )
+    done = native.share_units(build.codes_bf16, args, packed.panels.shape[0], n * k >= SPLIT_CODES, CHUNKS_PER_THREAD)
     return out if done == 0 else None
 
 

@@ -169,3 +169,72 @@ def test_a_prompts_int8_product_by_onednn_is_the_packed_kernels_bit_for_bit(kern
     kernels_chosen(prompt_products="onednn")
     assert torch.equal(layer(prompt), packed[0]) and torch.equal(layer(decode), packed[1])
     assert calls == [cpu_linear.PROMPT_ROWS + 3]  # the prompt's rows by oneDNN, the decode's packed
+
+
+@pytest.mark.slow  # compiles every build afresh: `make test`, not the inner loop
+@pytest.mark.parametrize("variant", BUILDS)
+@pytest.mark.parametrize("kind", ["uint4", "uint8", "fp8"])
+def test_every_build_unpacks_codes_into_the_bfloat16_weight_they_stand_for(variant, kind):
+    """For a prompt's product by oneDNN: each value rounded to bfloat16 once, within a bfloat16 unit of its terms
+    (a build that fuses the multiply-add rounds code x scale + offset once, torch's reference twice); a prompt's
+    product over it is the packed kernel's over its own panels, but for the order of the sums."""
+    build = build_or_skip(cpu_linear.gemm_build, variant)
+    generator = torch.Generator().manual_seed(4)
+    for n, k, group in [(70, 128, 32), (33, 64, 64), (100, 96, 32), (64, 256, 128), (5, 40, 8)]:
+        codes, scales, offsets = codes_of(kind, n, k, group, generator)
+        weight = cpu_linear.dequantize_codes(codes, scales, offsets, kind)
+        packed = cpu_linear.pack_codes(codes, scales, offsets, kind, build)
+        unpacked = torch.full((n, k), float("nan"), dtype=torch.bfloat16)
+        assert cpu_linear.codes_as_bf16(packed, unpacked, build) is unpacked
+        # the scale of the value's terms, code x scale and offset: their sum can cancel
+        values = codes.view(torch.float8_e4m3fn).float() if kind == "fp8" else codes.float()
+        terms = values.abs() * scales.repeat_interleave(group, 1) + offsets.abs().repeat_interleave(group, 1)
+        assert ((unpacked.float() - weight).abs() <= terms * 2**-8).all(), (variant, kind, n, k)
+        if build.bf16_rows:
+            x = torch.randn(STREAM_ROWS + 2, k, generator=generator)
+            panels = cpu_linear.gemm_codes(x, packed, None, build=build, bf16_x=True)
+            by_torch = x.bfloat16().float() @ unpacked.float().T
+            magnitude = x.abs() @ weight.abs().T + 1
+            assert ((panels - by_torch).abs() / magnitude).max() < 1e-5
+
+
+def test_codes_unpacked_by_threads_are_the_same(monkeypatch):
+    build = build_or_skip(cpu_linear.gemm_build, None)
+    monkeypatch.setattr(cpu_linear, "SPLIT_CODES", 0)
+    codes, scales, offsets = codes_of("uint4", 300, 512, 128, torch.Generator().manual_seed(5))
+    packed = cpu_linear.pack_codes(codes, scales, offsets, "uint4", build)
+    unpacked = [torch.empty(300, 512, dtype=torch.bfloat16) for _ in range(2)]
+    for threads, out in zip((1, 2), unpacked):
+        native.set_threads(threads)
+        cpu_linear.codes_as_bf16(packed, out, build)
+    assert torch.equal(*unpacked)
+
+
+def test_a_prompts_product_of_codes_goes_to_onednn_as_bfloat16_and_a_decodes_stays_packed(kernels_chosen, monkeypatch):
+    """Where the CPU has AMX tiles for bfloat16 (forced here), a bfloat16 model's prompt rows are multiplied by
+    torch over the weight unpacked once; its decode rows stream the codes."""
+    build = build_or_skip(cpu_linear.gemm_build, None)
+    from services.worker.models.linear import Linear
+    from services.worker.quantization.methods import CodedMethod
+    from services.worker.quantization.weights import CodedWeight
+
+    generator = torch.Generator().manual_seed(6)
+    codes, scales, offsets = codes_of("uint4", 96, 256, 64, generator)
+    layer = Linear(256, 96)
+    layer.use(CodedMethod(CodedWeight(codes, scales, offsets, "uint4")))
+    layer.bias.data = torch.randn(96, generator=generator)
+    layer.prepare(torch.bfloat16)
+    prompt, decode = torch.randn(cpu_linear.PROMPT_ROWS + 3, 256), torch.randn(3, 256)
+    native_products = layer(prompt).clone(), layer(decode).clone()
+    calls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: calls.append(x.shape) or linear(x, w, b))
+    kernels_chosen(prompt_products="onednn")
+    by_onednn = layer(prompt)
+    assert torch.equal(layer(decode), native_products[1])
+    weight = cpu_linear.dequantize_codes(codes, scales, offsets, "uint4")
+    if build.bf16_rows:  # a bfloat16 model's rows
+        assert calls == [(cpu_linear.PROMPT_ROWS + 3, 256)]
+        assert relative_error(by_onednn, prompt.bfloat16().float(), weight, layer.bias) < 2**-7
+    else:  # float32 rows keep the packed kernel
+        assert calls == [] and torch.equal(by_onednn, native_products[0])

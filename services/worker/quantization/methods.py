@@ -252,12 +252,33 @@ class CodedMethod(LinearMethod):
             out = step_scratch.take_if_large(
                 layer.output_slot, (x.shape[0], layer.out_features), torch.float32, x.device
             )
+            if self._prompt_by_onednn(x) and self._by_onednn(rows, bias, out):
+                return out
             if cpu_linear.gemm_codes(rows, self.packed, bias, out, bf16_x=self.bf16_x) is not None:
                 return out
         dense = self.dense if self.dense is not None else self.weight.dequantized()
         if x.dtype is torch.bfloat16 and dense.dtype is not torch.bfloat16:
             x = x.float()
         return linear(x, dense, bias)
+
+    def _prompt_by_onednn(self, x: torch.Tensor) -> bool:
+        return self.bf16_x and x.shape[0] >= cpu_linear.PROMPT_ROWS and cpu_linear.prompt_products() == "onednn"
+
+    def _by_onednn(self, rows: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
+        """A prompt's product in AMX tiles: the weight unpacked once into bfloat16 values, as the packed kernel's
+        prompt panels hold them, and multiplied by oneDNN through torch."""
+        packed = self.packed
+        assert packed is not None
+        weight = step_scratch.take_if_large(
+            "codes as bfloat16", (packed.out_features, packed.in_features), torch.bfloat16, rows.device
+        )
+        if cpu_linear.codes_as_bf16(packed, weight) is None:
+            return False
+        with every_kernel_thread():
+            out.copy_(F.linear(rows.to(torch.bfloat16), weight))
+        if bias is not None:
+            out.add_(bias)
+        return True
 
     def takes_bf16_rows(self, layer: Linear) -> bool:
         return self.packed is not None and self.bf16_x and layer.in_features % 2 == 0
@@ -272,7 +293,12 @@ class CodedMethod(LinearMethod):
             else "torch"
         )
         rows = "bfloat16" if self.bf16_x else "float32"
-        return f"{self.name}: {kernel}, {rows} rows of x"
+        prompts = (
+            f"; prompts of {cpu_linear.PROMPT_ROWS} rows or more unpacked to bfloat16 for oneDNN (AMX tiles)"
+            if self.packed is not None and self.bf16_x and cpu_linear.prompt_products() == "onednn"
+            else ""
+        )
+        return f"{self.name}: {kernel}, {rows} rows of x{prompts}"
 
 
 def quantized_method(weight: Int8Weight | CodedWeight) -> LinearMethod:
