@@ -120,24 +120,30 @@ def shipped_w8a8(tmp_path_factory) -> tuple[str, list[list[int]]]:
     return write_compressed_tensors(SHIPPED_MODEL, "W8A8", str(tmp_path_factory.mktemp("shipped-w8a8"))), prompts
 
 
-@pytest.mark.parametrize("kv_cache_dtype, floor", [("int8", 0.6), ("fp8", 0.5)])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_a_quantized_model_with_a_quantized_kv_cache_moves_its_blocks_intact_and_mostly_agrees(
-    shipped_w8a8, kv_cache_dtype, floor
+    shipped_w8a8, kv_cache_dtype
 ):
     """Quantized weights and a quantized cache together: preempted (swapped or recomputed) requests keep their
-    tokens, and the tokens mostly agree with the same model's float cache (the floors of tests/test_kv_quant.py)."""
+    tokens, and the next token after each prefix of the float cache's answer mostly agrees with it. (Teacher-forced:
+    free-running answers part at their first differing token, which moves with any rounding of the CPU's.)"""
     needs_kernels()
     directory, prompts = shipped_w8a8
     exact = Engine(directory, dtype="auto").generate(prompts, max_tokens=48)
-    roomy = Engine(directory, dtype="auto", kv_cache_dtype=kv_cache_dtype).generate(prompts, max_tokens=48)
+    quantized = Engine(directory, dtype="auto", kv_cache_dtype=kv_cache_dtype)
+    roomy = quantized.generate(prompts, max_tokens=48)
     for mode in ("swap", "recompute"):
         tight = Engine(
             directory, dtype="auto", block_size=4, num_gpu_blocks=40, preemption=mode, kv_cache_dtype=kv_cache_dtype
         )
         assert tight.generate(prompts, max_tokens=48) == roomy
         assert tight.stats().num_preemptions_swap + tight.stats().num_preemptions_recompute > 0
-    match = sum(x == y for a, b in zip(exact, roomy) for x, y in zip(a, b)) / sum(map(len, exact))
-    assert match >= floor, match
+    # a prompt's rows attend over the cache as decode rows do (kernels/cpu_attention.c), so each prefix is read
+    # back from the quantized cache; measured on 2026-11-30: int8 0.958, fp8 0.979 of 48
+    prefixes = [(prompt + answer[:i], answer[i]) for prompt, answer in zip(prompts, exact) for i in range(0, 48, 4)]
+    next_tokens = quantized.generate([prefix for prefix, _ in prefixes], max_tokens=1)
+    agreement = sum(got == [want] for got, (_, want) in zip(next_tokens, prefixes)) / len(prefixes)
+    assert agreement >= 0.85, agreement
 
 
 def test_structured_outputs_hold_on_a_quantized_model(quantized):
