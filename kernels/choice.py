@@ -7,9 +7,9 @@ backend: "auto" (Triton on CUDA, the compiled C kernels on a CPU, torch where th
 in torch, no compiler needed) or "triton" (Triton everywhere; on a CPU under TRITON_INTERPRET=1).
 cpu_build: a build of kernels/native.py's VARIANTS (or the tests' EMULATED) that every compiled kernel is
 loaded from; None: the best this CPU runs.
-prompt_products: who multiplies a prompt's rows (cpu_linear.PROMPT_ROWS or more) of bfloat16 or int8 weights:
-"onednn" (torch's products, which use AMX tiles), "native" (the packed kernels), or "auto": oneDNN where the
-CPU has AMX tiles for that type.
+prompt_products: who multiplies a prompt's rows (cpu_linear.PROMPT_ROWS or more) of bfloat16 weights (and of codes
+unpacked to bfloat16): "onednn" (torch's products, which use AMX tiles), "native" (the packed kernels), or
+"auto": oneDNN where the CPU has AMX tiles for bfloat16. (W8A8's kernel uses AMX tiles for int8 itself.)
 """
 
 from __future__ import annotations

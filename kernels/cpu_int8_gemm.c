@@ -17,7 +17,9 @@
  * float32 with rows y_stride apart. Threads share a call by claiming chunks of units_per_chunk panels of one
  * block of rows (claims.h), as cpu_gemm.c's do; each quantizes the blocks of rows it meets.
  *
- * A row's quantization (quantize_rows gives it on its own, for oneDNN's product on AMX CPUs and the tests):
+ * From 16 rows, where the CPU has AMX tiles for int8, blocks of 16 rows are multiplied in them (below).
+ *
+ * A row's quantization (quantize_rows gives it on its own, for the tests):
  * scale = max|x| / 127.5 and code = round-to-even(x * (127.5 / max|x|)) clamped to [-128, 127], the symmetric
  * dynamic quantization of compressed-tensors' int8 activations; with static_scale > 0, one scale for every
  * row (a checkpoint's input_scale) and code = round(x / static_scale).
@@ -167,6 +169,75 @@ static void tile_of(int rows, const int8_t *x, int64_t x_stride, const int32_t *
 }
 #undef BY_ROWS
 
+#if I8_KIND == 2 && defined(__x86_64__) && defined(__linux__)
+#define I8_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/* AMX tiles (Sapphire Rapids and later): a block of 16 rows against a panel's 32 columns takes two 16 x 16 tiles
+ * of int32 sums, each step of k 16 words (64 k) of x's codes, as VNNI's (x + 128 unsigned, tdpbusd), and two
+ * tiles of the panel as it lies: 16 words of k, 16 columns a tile, the rows of the panel 4 x I8_NR bytes apart.
+ * So the sums are VNNI's, bit for bit. Words of k past the last whole 16 go through tile_sums, accumulating. */
+#define AMX_ROWS 16
+#define AMX_WORDS 16
+static int amx_on; /* set once the kernel has let this process use the tiles and the caller asked (int8_use_amx) */
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* Sums of 16 rows of x over `steps` steps of k. (Two blocks of rows sharing the panel's tiles were slower.) */
+__attribute__((target("amx-tile,amx-int8"))) static void amx_block(const int8_t *x, int64_t x_stride,
+                                                                 const int32_t *w, int64_t steps, int32_t *sums)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t s = 0; s < steps; s++) {
+        _tile_loadd(2, x + s * 4 * AMX_WORDS, x_stride);
+        _tile_loadd(3, w + s * AMX_WORDS * I8_NR, I8_NR * 4);
+        _tile_loadd(4, w + s * AMX_WORDS * I8_NR + 16, I8_NR * 4);
+        _tile_dpbusd(0, 2, 3);
+        _tile_dpbusd(1, 2, 4);
+    }
+    _tile_stored(0, sums, I8_NR * 4);
+    _tile_stored(1, sums + 16, I8_NR * 4);
+}
+
+__attribute__((target("amx-tile"))) static void amx_configure(void)
+{
+    struct tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        config.rows[t] = 16;
+        config.bytes_per_row[t] = 64;
+    }
+    /* the whole configuration as the operand: GCC's _tile_loadconfig names only its first eight bytes, so the
+     * stores of the rest could be dropped */
+    __asm__ volatile("ldtilecfg %0" ::"m"(config));
+}
+
+__attribute__((target("amx-tile"))) static void amx_release(void) { _tile_release(); }
+
+/* Whether products of 16 rows or more use the tiles from now on: `on` where the CPU has them (the caller knows
+ * its flags), and only once Linux lets this process use their state (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XTILEDATA); the answer. */
+int64_t int8_use_amx(int64_t on)
+{
+    amx_on = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_on;
+}
+#else
+#define I8_AMX 0
+int64_t int8_use_amx(int64_t on)
+{
+    (void)on;
+    return 0;
+}
+#endif
+const char *int8_use_amx_signature(void) { return "i:i"; }
+
 /* A row's scale and its inverse from its largest magnitude, as IEEE division gives them (the build's fast math
  * may not turn either into a product by a rounded reciprocal: the torch reference divides). */
 __attribute__((noinline, optimize("no-fast-math"))) static void row_scale(float top, float static_scale, float *scale,
@@ -239,6 +310,13 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
     float *scales = (float *)(codes + (row_block * padded + 63) / 64 * 64);
     int32_t sums[I8_MR * I8_NR];
     int64_t quantized = -1; /* the first row of the block in this thread's buffer */
+#if I8_AMX
+    const int amx = amx_on && M >= AMX_ROWS && words >= AMX_WORDS;
+    if (amx)
+        amx_configure();
+    const int64_t amx_words = words / AMX_WORDS * AMX_WORDS;
+    int32_t amx_sums[AMX_ROWS * I8_NR];
+#endif
     /* A thread claims its next chunk as the last panels of one begin, so that they ask for the first of the next: a
      * thread's chunks are seldom neighbours, and a chunk that started cold would wait on its reads. */
     for (int64_t c = claim_chunk(counters), next = -1, next_first = count; c < chunks; c = next, next = -1) {
@@ -260,8 +338,25 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
              * burst (one or two rows stream faster by the hardware's prefetch alone, as in cpu_gemm.c). */
             const int64_t later = panel_after(p, PREFETCH_PANELS, last, next_first);
             const char *ahead = rows >= 3 && later < count ? (const char *)(panels + later * words * I8_NR) : 0;
-            const int64_t tiles = (rows + I8_MR - 1) / I8_MR, share = (words + tiles - 1) / tiles;
-            for (int64_t m = 0, t = 0; m < rows; m += I8_MR, t++) {
+            int64_t m0_vnni = 0;
+#if I8_AMX
+            if (amx) {
+                for (; m0_vnni + AMX_ROWS <= rows; m0_vnni += AMX_ROWS) {
+                    const int8_t *xm = codes + m0_vnni * padded;
+                    amx_block(xm, padded, w, amx_words / AMX_WORDS, amx_sums);
+                    for (int64_t m = 0; m < AMX_ROWS; m += I8_MR) {
+                        int32_t *part = amx_sums + m * I8_NR;
+                        if (amx_words < words)
+                            tile_of(I8_MR, xm + m * padded + 4 * amx_words, padded, w + amx_words * I8_NR,
+                                    words - amx_words, part, 1, 0, 1);
+                        store_rows(I8_MR, part, colsums + n, scales + m0_vnni + m, w_scales + n,
+                                   bias ? bias + n : 0, y + (m0 + m0_vnni + m) * y_stride + n, y_stride, cols);
+                    }
+                }
+            }
+#endif
+            const int64_t tiles = (rows - m0_vnni + I8_MR - 1) / I8_MR, share = tiles ? (words + tiles - 1) / tiles : 0;
+            for (int64_t m = m0_vnni, t = 0; m < rows; m += I8_MR, t++) {
                 const int tile_rows = rows - m < I8_MR ? (int)(rows - m) : I8_MR;
                 const char *mine = ahead && t * share < words ? ahead + t * share * I8_NR * 4 : 0;
                 tile_of(tile_rows, codes + m * padded, padded, w, words, sums, 0, mine, tiles);
@@ -271,6 +366,10 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
         }
         finish_chunk(counters);
     }
+#if I8_AMX
+    if (amx)
+        amx_release();
+#endif
     if (wait)
         wait_for_chunks(counters, chunks);
     return 0;

@@ -4,7 +4,8 @@ it, and it serves where no build loads).
 
 Weights are packed once into panels of the build's width (`pack_int8`); a call (`int8_linear`) takes x's float32
 rows, which each thread quantizes as it goes, and is shared by the threads as `cpu_linear`'s calls are.
-`quantize_rows` quantizes rows alone, for oneDNN's product on a CPU with AMX tiles.
+Where the CPU has AMX tiles for int8, the AVX512-VNNI build multiplies blocks of 16 rows in them, the same sums
+(`use_tiles`). `quantize_rows` quantizes rows alone, as the kernel does (the tests hold every build to it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class Int8Build:
     panel_width: int
     description: str
     variant: str
+    tiles: Callable[[int], int]  # int8_use_amx: whether products of 16 rows or more use AMX tiles from now on
+
+
+TILE_FLAGS = {"amx_tile", "amx_int8"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +64,23 @@ def int8_build(variant: str | None = None) -> Int8Build | None:
         "cpu_int8_gemm", "quantize_rows", [p, i, i, i, i, p, i, p, f, i, p, i], i, variant=variant
     )
     width = native.function("cpu_int8_gemm", "int8_panel_width", [], i, variant=variant)
-    if linear is None or quantize is None or width is None:
+    tiles = native.function("cpu_int8_gemm", "int8_use_amx", [i], i, variant=variant)
+    if linear is None or quantize is None or width is None or tiles is None:
         return None
     library = native.load("cpu_int8_gemm", variant)
     assert library is not None  # its functions loaded
     library.int8_description.restype = native.ctypes.c_char_p
-    return Int8Build(linear, quantize, width(), library.int8_description().decode(), native.variant_of(library))
+    description = library.int8_description().decode()
+    if tiles(int(native.cpu_flags() >= TILE_FLAGS)):
+        description += ", AMX tiles from 16 rows"
+    return Int8Build(linear, quantize, width(), description, native.variant_of(library), tiles)
+
+
+def use_tiles(on: bool, build: Int8Build | None = None) -> bool:
+    """Whether `build` (the one that runs here) multiplies in AMX tiles from now on: where asked, the CPU has them
+    and Linux lets this process use them. The tests compare both ways; the worker keeps what the build chose."""
+    build = build or int8_build()
+    return build is not None and bool(build.tiles(int(on and native.cpu_flags() >= TILE_FLAGS)))
 
 
 def padded_width(in_features: int) -> int:

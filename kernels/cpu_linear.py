@@ -84,17 +84,17 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     )
 
 
-def prompt_products(tiles: str = "amx_bf16") -> str:
-    """Who multiplies a prompt's rows (PROMPT_ROWS or more): "onednn" (torch's product) where the CPU has AMX
-    `tiles` (amx_bf16 for bfloat16 weights, amx_int8 for int8), whose multiply rate is several times the dot
-    product's, else "native" (the packed kernels); `--prompt-products` forces one (kernels/choice.py)."""
+def prompt_products() -> str:
+    """Who multiplies a prompt's bfloat16 rows (PROMPT_ROWS or more): "onednn" (torch's product) where the CPU has
+    AMX tiles for bfloat16, whose multiply rate is several times the dot product's, else "native" (the packed
+    kernels); `--prompt-products` forces one (kernels/choice.py)."""
     forced = choice.current().prompt_products
-    return forced if forced != "auto" else _by_tiles(tiles)
+    return forced if forced != "auto" else _by_tiles()
 
 
 @functools.cache
-def _by_tiles(tiles: str) -> str:
-    return "onednn" if tiles in native.cpu_flags() and torch.backends.mkldnn.is_available() else "native"
+def _by_tiles() -> str:
+    return "onednn" if "amx_bf16" in native.cpu_flags() and torch.backends.mkldnn.is_available() else "native"
 
 
 @contextlib.contextmanager

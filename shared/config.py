@@ -253,8 +253,9 @@ class WorkerConfig:
     )
     prompt_products: str = option(
         "auto",
-        "who multiplies a prompt's rows (64 or more) of bfloat16 and int8 weights on a CPU: oneDNN through "
-        "torch where the CPU has AMX tiles for the type, else the packed kernels (auto), or either, forced",
+        "who multiplies a prompt's rows (64 or more) of bfloat16 weights and of 4-bit or 8-bit codes in a bfloat16 "
+        "model on a CPU: oneDNN through torch where the CPU has AMX tiles for bfloat16, else the packed kernels "
+        "(auto), or either, forced",
         choices=("auto", "onednn", "native"),
     )
 

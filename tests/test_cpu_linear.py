@@ -295,7 +295,6 @@ def test_prompt_products_go_to_onednn_where_the_cpu_has_amx_tiles_for_bfloat16(p
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
     cpu_linear._by_tiles.cache_clear()
     assert cpu_linear.prompt_products() == ("onednn" if torch.backends.mkldnn.is_available() else "native")
-    assert cpu_linear.prompt_products("amx_int8") == "native"  # int8 has tiles of its own
     assert "by oneDNN" in cpu_linear.describe_products(torch.bfloat16) or not torch.backends.mkldnn.is_available()
     assert cpu_linear.describe_products(torch.float32) == ""
 

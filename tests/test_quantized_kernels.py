@@ -142,33 +142,28 @@ def test_four_bit_codes_lie_in_words_as_the_kernel_takes_them():
     assert [(first >> shift) & 15 for shift in (0, 4, 8, 12, 16, 20, 24, 28)] == [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-def test_a_prompts_int8_product_by_onednn_is_the_packed_kernels_bit_for_bit(kernels_chosen, monkeypatch):
-    """Where the CPU has AMX tiles for int8, a prompt's rows go to torch's integer product (forced here)."""
-    build_or_skip(cpu_int8_linear.int8_build, None)
-    from services.worker.models.linear import Linear
-    from services.worker.quantization.methods import Int8Method
-    from services.worker.quantization.weights import Int8Weight
-
-    generator = torch.Generator().manual_seed(3)
-    layer = Linear(256, 96)
-    layer.use(
-        Int8Method(
-            Int8Weight(
-                torch.randint(-128, 128, (96, 256), dtype=torch.int8, generator=generator),
-                torch.rand(96, generator=generator) + 0.01,
-            )
-        )
-    )
-    layer.bias.data = torch.randn(96, generator=generator)
-    layer.prepare(torch.float32)
-    prompt, decode = torch.randn(cpu_linear.PROMPT_ROWS + 3, 256), torch.randn(3, 256)
-    packed = layer(prompt).clone(), layer(decode).clone()
-    calls = []
-    int_mm = torch._int_mm
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape[0]) or int_mm(a, b))
-    kernels_chosen(prompt_products="onednn")
-    assert torch.equal(layer(prompt), packed[0]) and torch.equal(layer(decode), packed[1])
-    assert calls == [cpu_linear.PROMPT_ROWS + 3]  # the prompt's rows by oneDNN, the decode's packed
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_int8_products_in_amx_tiles_are_the_vnni_products_bit_for_bit(static):
+    """Where the CPU has AMX tiles for int8, blocks of 16 rows are multiplied in them (k past the last whole 64 by
+    the VNNI loop, added to the tiles' sums): the same int32 sums, so the same floats."""
+    build = build_or_skip(cpu_int8_linear.int8_build, None)
+    if not cpu_int8_linear.use_tiles(True, build):
+        pytest.skip("no AMX tiles for int8 on this CPU")
+    generator = torch.Generator().manual_seed(7)
+    scale = 0.05 if static else 0.0
+    try:
+        for rows, n, k in [(16, 32, 64), (17, 70, 100), (48, 96, 1000), (130, 64, 516), (700, 40, 256)]:
+            x = torch.randn(rows, k, generator=generator) * 3
+            weight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+            w_scales, bias = torch.rand(n, generator=generator) + 0.01, torch.randn(n, generator=generator)
+            packed = cpu_int8_linear.pack_int8(weight, build)
+            want = cpu_int8_linear.int8_linear_reference(x, weight, w_scales, bias, scale)
+            for tiles in (True, False):
+                cpu_int8_linear.use_tiles(tiles, build)
+                got = cpu_int8_linear.int8_linear(x, packed, w_scales, bias, scale, build=build)
+                assert torch.equal(got, want), (tiles, rows, n, k)
+    finally:
+        cpu_int8_linear.use_tiles(True, build)
 
 
 @pytest.mark.slow  # compiles every build afresh: `make test`, not the inner loop

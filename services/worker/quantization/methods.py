@@ -125,8 +125,8 @@ class FloatMethod(LinearMethod):
 
 class Int8Method(LinearMethod):
     """W8A8: int8 weights per output channel, x quantized to int8 per token (or by the checkpoint's static scale)
-    as the product starts, the sums in int32 (`cpu_int8_gemm.c`). Where the CPU has AMX tiles for int8, a prompt's
-    rows are multiplied by oneDNN through torch (`torch._int_mm`), the same integer sums."""
+    as the product starts, the sums in int32 (`cpu_int8_gemm.c`, in AMX tiles from 16 rows where the CPU has them:
+    the same sums)."""
 
     name = "W8A8-int8"
 
@@ -159,8 +159,6 @@ class Int8Method(LinearMethod):
             return out.reshape(*shape[:-1], -1).to(x.dtype)
         if self.packed is not None and x.dim() == 2:
             rows = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()
-            if x.shape[0] >= cpu_linear.PROMPT_ROWS and cpu_linear.prompt_products("amx_int8") == "onednn":
-                return self._by_onednn(rows, bias)
             out = step_scratch.take_if_large(
                 layer.output_slot, (x.shape[0], layer.out_features), torch.float32, x.device
             )
@@ -168,17 +166,6 @@ class Int8Method(LinearMethod):
             if cpu_int8_linear.int8_linear(rows, self.packed, weight.scales, bias, weight.input_scale, out) is not None:
                 return out
         return self._in_torch(x, bias)
-
-    def _by_onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The same codes and integer sums, by torch's integer product (oneDNN, in AMX tiles)."""
-        weight = self.weight
-        quantized = cpu_int8_linear.quantize_rows(x, weight.input_scale)
-        if quantized is None:
-            return self._in_torch(x, bias)
-        codes, scales = quantized
-        with every_kernel_thread():
-            sums = torch._int_mm(codes[:, : weight.weight.shape[1]].contiguous(), weight.weight.T)
-        return cpu_int8_linear.scale_sums(sums, scales, weight.scales, bias)
 
     def _in_torch(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x quantized as the kernel quantizes it, and its sums as floats (exact while they stay below 2^24)."""
@@ -197,8 +184,6 @@ class Int8Method(LinearMethod):
             if self.by_triton
             else "torch"
         )
-        if self.packed is not None and cpu_linear.prompt_products("amx_int8") == "onednn":
-            kernel += f"; prompts of {cpu_linear.PROMPT_ROWS} rows or more by oneDNN (AMX tiles)"
         return f"{self.name}, {'static' if self.weight.input_scale else 'dynamic per-token'} activations: {kernel}"
 
 
