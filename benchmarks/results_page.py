@@ -83,6 +83,15 @@ QUANTIZED_LATER = {
     "sweep-1024-gqa8-w4a16-g64": "sweep-1024-gqa8-w4a16-g64-one",
     "llama-12l-gptq": "llama-12l-gptq-one",
 }
+# Sittings on a CPU with AMX tiles (the table above is AVX-512 without them): W8A8 at 32 decode streams and at 16,
+# W4A16 at one stream.
+AMX_QUANTIZED_FILES = (
+    "llama-12l-w8a8",
+    "sweep-1024-gqa8-w8a8-decode",
+    "llama-12l-w4a16-one",
+    "sweep-1280-qwen3-w4a16-one",
+    "llama-12l-gptq-one",
+)
 SCENARIO_NAMES = {
     "mid_c16": "16 streams",
     "mid_c1": "1 stream",
@@ -104,6 +113,21 @@ def quantized_rows() -> tuple[PeerRow, ...]:
             file = later if scenario in remeasured else path
             label = f"{name}, {SCENARIO_NAMES.get(scenario, scenario)}"
             rows.append(PeerRow(label, f"quantized/{file.name}", scenario))
+    return tuple(rows)
+
+
+def amx_quantized_rows() -> tuple[PeerRow, ...]:
+    rows = []
+    for name in AMX_QUANTIZED_FILES:
+        path = RESULTS / "quantized-amx" / f"{name}.json"
+        if path.exists():
+            label = name.removesuffix("-one").removesuffix("-decode")
+            for scenario in json.loads(path.read_text())["scenarios"]:
+                rows.append(
+                    PeerRow(
+                        f"{label}, {SCENARIO_NAMES.get(scenario, scenario)}", f"quantized-amx/{path.name}", scenario
+                    )
+                )
     return tuple(rows)
 
 
@@ -321,6 +345,12 @@ SECTIONS = (
         tuple(dict.fromkeys(r.file for r in quantized_rows())),
         draw_quantized,
         lambda data: peer_table(quantized_rows(), data, baseline=True),
+    ),
+    Section(
+        "peer-quantized-amx",
+        tuple(dict.fromkeys(r.file for r in amx_quantized_rows())),
+        None,
+        lambda data: peer_table(amx_quantized_rows(), data, baseline=True),
     ),
     Section("quantized-quality", ("quantized_quality.json",), None, quality_table),
     Section("peer-embeddings", EMBEDDING_FILES, None, embeddings_table),
