@@ -237,7 +237,7 @@ class CodedMethod(LinearMethod):
             out = step_scratch.take_if_large(
                 layer.output_slot, (x.shape[0], layer.out_features), torch.float32, x.device
             )
-            if self._prompt_by_onednn(x) and self._by_onednn(rows, bias, out):
+            if x.shape[0] >= cpu_linear.PROMPT_ROWS and self._prompts_by_onednn() and self._by_onednn(rows, bias, out):
                 return out
             if cpu_linear.gemm_codes(rows, self.packed, bias, out, bf16_x=self.bf16_x) is not None:
                 return out
@@ -246,8 +246,8 @@ class CodedMethod(LinearMethod):
             x = x.float()
         return linear(x, dense, bias)
 
-    def _prompt_by_onednn(self, x: torch.Tensor) -> bool:
-        return self.bf16_x and x.shape[0] >= cpu_linear.PROMPT_ROWS and cpu_linear.prompt_products() == "onednn"
+    def _prompts_by_onednn(self) -> bool:
+        return self.packed is not None and self.bf16_x and cpu_linear.prompt_products() == "onednn"
 
     def _by_onednn(self, rows: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
         """A prompt's product in AMX tiles: the weight unpacked once into bfloat16 values, as the packed kernel's
@@ -280,7 +280,7 @@ class CodedMethod(LinearMethod):
         rows = "bfloat16" if self.bf16_x else "float32"
         prompts = (
             f"; prompts of {cpu_linear.PROMPT_ROWS} rows or more unpacked to bfloat16 for oneDNN (AMX tiles)"
-            if self.packed is not None and self.bf16_x and cpu_linear.prompt_products() == "onednn"
+            if self._prompts_by_onednn()
             else ""
         )
         return f"{self.name}: {kernel}, {rows} rows of x{prompts}"
