@@ -113,8 +113,13 @@ class Engine:
         block_bytes = bytes_per_block(
             config.num_hidden_layers, block_size, model.num_kv_heads, model.head_dim, dtype, kv_cache_dtype
         )
+        # only `auto` weighs the two costs; a forward of 256 tokens to measure one is slow under Triton's interpreter
+        measured = preemption == "auto"
         policy = PreemptionPolicy(
-            preemption, block_bytes, self.cache.measure_swap_bandwidth(), self.runner.measure_prefill_rate()
+            preemption,
+            block_bytes,
+            self.cache.measure_swap_bandwidth() if measured else 0.0,
+            self.runner.measure_prefill_rate() if measured else 0.0,
         )
         disk = None
         if kv_cache_dir is not None:  # files under a fingerprint of this model's layout, as a worker names them

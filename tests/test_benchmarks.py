@@ -345,5 +345,4 @@ def test_lora_bench_spreads_requests_over_adapters_and_compares_with_the_base_mo
 def test_lora_kernel_bench_checks_its_kernel_against_the_loop_with_more_adapters_than_rows():
     """Each case it times on a GPU, checked here under Triton's interpreter (without the timing)."""
     bench = load("lora_kernel_bench")
-    for adapters, rows in ((4, 16), (16, 4)):
-        assert bench.case(adapters, rows, device="cpu", timing=False) == {}
+    assert bench.case(16, 4, device="cpu", timing=False) == {}

@@ -108,18 +108,14 @@ def test_the_launcher_starts_a_dead_engine_again_while_the_other_serves(two_engi
     assert wait_until(lambda: httpx.get(f"{two_engines.base_url}/health").json()["engines_up"] == 2, 60)
     assert engine_process(two_engines.process.pid, "services.scheduler", "scheduler-1.sock") != scheduler
     before = routed(two_engines)
-    url = f"{two_engines.base_url}/v1/completions"
-    # A short prompt goes to the engine with fewer requests in flight: a long request streaming on one
-    # engine sends the short one sent meanwhile to the other, and one of the two is engine 1.
-    with httpx.stream(
-        "POST", url, json={**body, "max_tokens": 400, "ignore_eos": True, "stream": True}, timeout=120
-    ) as long:
-        lines = long.iter_lines()
-        next(line for line in lines if line.startswith("data: "))  # routed, and generating
-        short = httpx.post(url, json=body, timeout=60)
-        for _ in lines:
-            pass
-    assert long.status_code == 200 and short.status_code == 200
+    # A prompt no engine holds goes to the less loaded engine, ties by the rendezvous order of its first block:
+    # of distinct prompts sent one after another to two idle engines, each goes to engine 1 half the time.
+    for attempt in range(24):
+        fresh = {**body, "prompt": " ".join(f"w{attempt}x{word}" for word in range(24))}
+        answer = httpx.post(f"{two_engines.base_url}/v1/completions", json=fresh, timeout=60)
+        assert answer.status_code == 200
+        if routed(two_engines)[1] > before[1]:
+            break
     assert routed(two_engines)[1] > before[1]
 
 
