@@ -371,26 +371,29 @@ def _build(name: str, attempts: list[tuple[list[str], list[str]]]) -> ctypes.CDL
         log.warning("no C compiler found: %s runs in torch, which is slower", name)
         return None
     source = SOURCES / f"{name}.c"
-    identity = _machine_identity(compiler)
     directory = _cache_directory()
     scratch = None
     if directory is None:  # build where no one else can write, load, and leave nothing behind
         directory = scratch = Path(tempfile.mkdtemp(prefix="pagedserve-kernels-"))
     try:
         for flags, libraries in attempts:
-            digest = hashlib.sha256(
-                b"\0".join([*_source_bytes(source), " ".join(flags + libraries).encode(), identity])
-            ).hexdigest()[:16]
-            target = directory / f"{name}-{digest}.so"
-            if not target.exists() and not _compile(compiler, source, flags, libraries, target):
-                continue
-            library = _open(target)
-            if library is not None:
+            target = _cached(compiler, source, flags, libraries, directory)
+            if target is not None and (library := _open(target)) is not None:
                 return library
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     return None
+
+
+def _cached(compiler: str, source: Path, flags: list[str], libraries: list[str], directory: Path) -> Path | None:
+    """The library these make, in `directory` under a digest of the source, the flags, the compiler and the CPU:
+    compiled unless already there; None where it does not compile."""
+    digest = hashlib.sha256(
+        b"\0".join([*_source_bytes(source), " ".join(flags + libraries).encode(), _machine_identity(compiler)])
+    ).hexdigest()[:16]
+    target = directory / f"{source.stem}-{digest}.so"
+    return target if target.exists() or _compile(compiler, source, flags, libraries, target) else None
 
 
 def _source_bytes(source: Path) -> list[bytes]:
@@ -410,12 +413,21 @@ def _prebuilt(name: str) -> ctypes.CDLL | None:
 
 
 def build_prebuilt(target: Path, compiler: str) -> list[Path]:
-    """Every kernel in every variant the compiler can make, into `target` (for setup.py)."""
+    """Every kernel in every variant the compiler can make, into `target` (for setup.py). A build this user's
+    cache holds already (the same source, flags, compiler and CPU) is copied rather than compiled again."""
     target.mkdir(parents=True, exist_ok=True)
+    cache = _cache_directory()
 
     def build(source: Path, variant: str, flags: list[str]) -> Path | None:
         path = target / f"{source.stem}-{variant}.so"
-        return path if any(_compile(compiler, source, flags, libraries, path) for libraries in LIBRARIES) else None
+        for libraries in LIBRARIES:
+            if cache is None:
+                if _compile(compiler, source, flags, libraries, path):
+                    return path
+            elif (built := _cached(compiler, source, flags, libraries, cache)) is not None:
+                shutil.copyfile(built, path)
+                return path
+        return None
 
     jobs = [
         (source, variant, flags) for source in sorted(SOURCES.glob("*.c")) for variant, (flags, _) in VARIANTS.items()
@@ -453,6 +465,7 @@ def _compile(compiler: str, source: Path, flags: list[str], libraries: list[str]
     return True
 
 
+@functools.cache
 def _machine_identity(compiler: str) -> bytes:
     version = subprocess.run([compiler, "--version"], capture_output=True).stdout
     try:
