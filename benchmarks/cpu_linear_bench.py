@@ -5,8 +5,9 @@ as the worker does) and 4-bit codes by groups of 128 (W4A16, `gemm_codes`), one 
 First a probe (`cpu_peak.c`, built for this CPU) measures the core's peak: float32 multiply-adds in its
 widest vectors, the bfloat16 dot product where the CPU has one (without it a bfloat16 weight is widened
 and multiplied in float32, so float32's peak is its peak), int8 products as the W8A8 kernel makes them
-(AVX512-VNNI's byte dot product, else int16 pairs), and the rate at which one thread, and every core at
-once, reads memory. 4-bit codes feed the bfloat16 dot product (or float32 multiply-adds): bfloat16's peak
+(AVX512-VNNI's byte dot product, else int16 pairs; where the CPU has AMX tiles, also their int8 peak, which
+the int8 products from 16 rows are measured against), and the rate at which one thread, and every core at once,
+reads memory. 4-bit codes feed the bfloat16 dot product (or float32 multiply-adds): bfloat16's peak
 is theirs.
 
 Each product is timed as the worker calls it: into an output made beforehand, and for bfloat16 weights
@@ -72,6 +73,7 @@ WEIGHTS = {  # name: (out features, in features)
 }
 LAYOUTS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "int8": torch.int8, "int4": torch.uint8}
 GROUP = 128  # the W4A16 checkpoints' group of inputs
+AMX_ROWS = 16  # the int8 kernel multiplies blocks of this many rows in AMX tiles where the CPU has them
 PEAK_OF = {"f32": "f32_gflops", "f16": "f32_gflops", "bf16": "bf16_gflops", "int8": "int8_gops", "int4": "bf16_gflops"}
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_peak.c")
 
@@ -95,6 +97,8 @@ def probe() -> dict:
         getattr(peak, name).argtypes, getattr(peak, name).restype = [ctypes.c_int64], ctypes.c_float
     peak.int8_rounds.argtypes, peak.int8_rounds.restype = [ctypes.c_int64], ctypes.c_int64
     peak.int8_ops_per_round.restype = ctypes.c_int64
+    peak.amx_int8_rounds.argtypes, peak.amx_int8_rounds.restype = [ctypes.c_int64], ctypes.c_int64
+    peak.amx_int8_ops_per_round.restype = ctypes.c_int64
     peak.read_all.argtypes, peak.read_all.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_float
     width, rounds = peak.vector_width(), 20_000_000
     fma = 24 * width * rounds / min(_timed(lambda: peak.fma_rounds(rounds)) for _ in range(3)) / 1e9
@@ -106,6 +110,12 @@ def probe() -> dict:
         if int8_ops > 0
         else fma
     )
+    amx_ops, amx_rounds = peak.amx_int8_ops_per_round(), 200_000
+    amx = (
+        amx_ops * amx_rounds / min(_timed(lambda: peak.amx_int8_rounds(amx_rounds)) for _ in range(3)) / 1e9
+        if amx_ops > 0 and peak.amx_int8_rounds(1) != -1 and tiles_from_16_rows()
+        else None
+    )
     data = torch.ones(256 << 18)  # 256 MiB
     read = data.nbytes / min(_timed(lambda: peak.read_all(data.data_ptr(), data.nbytes)) for _ in range(5)) / 1e9
     every_core = data.nbytes / min(_timed(lambda: read_in_parallel(peak, data)) for _ in range(5)) / 1e9
@@ -115,6 +125,7 @@ def probe() -> dict:
         "bf16_gflops": round(dot, 1),
         "bf16_native": has_dot,
         "int8_gops": round(int8, 1),
+        "amx_int8_gops": None if amx is None else round(amx, 1),  # the int8 kernel's peak from 16 rows
         "read_gb_s": round(read, 1),
         "read_all_cores_gb_s": round(every_core, 1),
         "cores": len(os.sched_getaffinity(0)),
@@ -205,10 +216,23 @@ def nbytes(weight) -> int:
     )
 
 
+def tiles_from_16_rows() -> bool:
+    build = int8_build()
+    return build is not None and "AMX" in build.description
+
+
+def peak_of(layout: str, rows: int, peaks: dict) -> float:
+    """The peak of the instructions the layout's kernel uses at this many rows."""
+    if layout == "int8" and rows >= AMX_ROWS and peaks["amx_int8_gops"]:
+        return peaks["amx_int8_gops"]
+    return peaks[PEAK_OF[layout]]
+
+
 def per_weight(peaks: dict) -> list[dict]:
+    amx = f", in AMX tiles from {AMX_ROWS} rows {peaks['amx_int8_gops']}" if peaks["amx_int8_gops"] else ""
     print(
         f"\nGFLOP/s, one thread (% of the dtype's peak: float32 {peaks['f32_gflops']}, "
-        f"bfloat16 {peaks['bf16_gflops']}, int8 {peaks['int8_gops']} GOP/s; 4-bit codes: bfloat16's)"
+        f"bfloat16 {peaks['bf16_gflops']}, int8 {peaks['int8_gops']}{amx} GOP/s; 4-bit codes: bfloat16's)"
     )
     print(
         f"{'weight (out x in)':<30}{'rows':>5}{'torch f32':>10}{'torch bf16':>11}"
@@ -242,7 +266,7 @@ def per_weight(peaks: dict) -> list[dict]:
                 row[f"{layout}_call"] = flops / median_s(run, repeats)
                 replayed = replayed_s(run, repeats) if rows <= DECODE_ROWS else None
                 row[layout] = flops / replayed if replayed else row[f"{layout}_call"]
-                row[f"{layout}_of_peak"] = row[layout] / peaks[PEAK_OF[layout]]
+                row[f"{layout}_of_peak"] = row[layout] / peak_of(layout, rows, peaks)
             rows_out.append(
                 {k: round(v, 3 if k.endswith("peak") else 1) if isinstance(v, float) else v for k, v in row.items()}
             )

@@ -1,7 +1,7 @@
 /* What one core of this CPU can do at most, for benchmarks/cpu_linear_bench.py to measure the linear
  * layers against: float32 multiply-adds in the widest vectors the build has, bfloat16 pairs by the
- * AVX512-BF16 dot product where the build has it, int8 products as the W8A8 kernel makes them, and reads
- * from memory.
+ * AVX512-BF16 dot product where the build has it, int8 products as the W8A8 kernel makes them (in vectors,
+ * and in AMX tiles where the CPU has them), and reads from memory.
  *
  * Built with -O3 -march=native by the bench. Each loop keeps 12 independent accumulators, enough to hide
  * the multiply-add's latency on every core seen (4-5 cycles, 2 a cycle).
@@ -16,6 +16,10 @@
 #endif
 #if defined(__AVX512BF16__) || defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 typedef float vf __attribute__((vector_size(4 * WIDTH)));
@@ -102,6 +106,61 @@ int64_t int8_rounds(int64_t iterations)
 #define W_ADD(i) { int32_t lanes[8]; _mm256_storeu_si256((__m256i *)lanes, d##i); sum += lanes[0]; }
     TWELVE(W_ADD)
     return sum;
+#else
+    (void)iterations;
+    return -1;
+#endif
+}
+
+/* int8 products in AMX tiles, as the W8A8 kernel makes them from 16 rows: tdpbusd into four 16 x 16 int32 tiles
+ * from two tiles of x and two of W that stay loaded (each a 16 x 64 byte tile: 16 x 16 x 64 multiply-adds).
+ * amx_int8_ops_per_round() operations a round; -1 where the build or Linux gives no tiles. */
+int64_t amx_int8_ops_per_round(void)
+{
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+    return 4 * 16 * 16 * 64 * 2;
+#else
+    return -1;
+#endif
+}
+
+int64_t amx_int8_rounds(int64_t iterations)
+{
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) /* ARCH_REQ_XCOMP_PERM for the tiles' data */
+        return -1;
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t bytes_per_row[16];
+        uint8_t rows[16];
+    } __attribute__((aligned(64))) config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = 16;
+    }
+    __asm__ volatile("ldtilecfg %0" ::"m"(config)); /* the whole configuration as the operand */
+    static int8_t operands[16 * 64] __attribute__((aligned(64)));
+    memset(operands, 1, sizeof operands);
+    _tile_loadd(4, operands, 64);
+    _tile_loadd(5, operands, 64);
+    _tile_loadd(6, operands, 64);
+    _tile_loadd(7, operands, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t n = 0; n < iterations; n++) {
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+        _tile_dpbusd(2, 5, 6);
+        _tile_dpbusd(3, 5, 7);
+    }
+    static int32_t sums[16 * 16] __attribute__((aligned(64)));
+    _tile_stored(0, sums, 64);
+    _tile_release();
+    return sums[0];
 #else
     (void)iterations;
     return -1;
