@@ -46,6 +46,16 @@ def routed(server) -> list[float]:
     return [metrics[f'pagedserve_engine_routed_requests_total{{engine="{engine}"}}'] for engine in range(ENGINES)]
 
 
+def load(server) -> dict[str, float]:
+    """The api's view of each engine's load, as the router weighs it."""
+    metrics = server.metrics("api")
+    return {
+        f"{kind} {engine}": metrics[f'pagedserve_engine_requests_{kind}{{engine="{engine}"}}']
+        for kind in ("in_flight", "running", "waiting")
+        for engine in range(ENGINES)
+    }
+
+
 def prefix_hits(server, engine: int) -> float:
     return parse_metrics(httpx.get(server.scheduler_metrics[engine], timeout=10).text)[
         "pagedserve_prefix_cache_hits_total"
@@ -107,16 +117,18 @@ def test_the_launcher_starts_a_dead_engine_again_while_the_other_serves(two_engi
     assert wait_until(lambda: "restarting engine 1" in two_engines.log(), 10)
     assert wait_until(lambda: httpx.get(f"{two_engines.base_url}/health").json()["engines_up"] == 2, 60)
     assert engine_process(two_engines.process.pid, "services.scheduler", "scheduler-1.sock") != scheduler
+    # Both idle as the api sees them (nothing of its own in flight, nothing in either engine's last report), a
+    # prompt no engine holds goes by the rendezvous order of its first block: of distinct prompts sent one after
+    # another, each goes to engine 1 half the time.
+    assert wait_until(lambda: not any(load(two_engines).values()), 30), load(two_engines)
     before = routed(two_engines)
-    # A prompt no engine holds goes to the less loaded engine, ties by the rendezvous order of its first block:
-    # of distinct prompts sent one after another to two idle engines, each goes to engine 1 half the time.
     for attempt in range(24):
         fresh = {**body, "prompt": " ".join(f"w{attempt}x{word}" for word in range(24))}
         answer = httpx.post(f"{two_engines.base_url}/v1/completions", json=fresh, timeout=60)
         assert answer.status_code == 200
         if routed(two_engines)[1] > before[1]:
             break
-    assert routed(two_engines)[1] > before[1]
+    assert routed(two_engines)[1] > before[1], load(two_engines)
 
 
 def engine_process(launcher: int, module: str, endpoint_part: str) -> int:
