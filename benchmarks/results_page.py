@@ -92,6 +92,7 @@ AMX_QUANTIZED_FILES = (
     "sweep-1280-qwen3-w4a16-one",
     "llama-12l-gptq-one",
     "llama-12l-w8a8-one-prefill",  # a later sitting: one stream, long prompts, and 16 streams again
+    "sweep-1024-gqa8-w4a16-g64",
 )
 SCENARIO_NAMES = {
     "mid_c16": "16 streams",
