@@ -1009,6 +1009,8 @@ static inline __attribute__((always_inline)) void block_values_bf16(
 }
 #endif
 
+#include "amx_attention.h"
+
 /* Whether block_attention serves a cache of `kind` at this head size. */
 static inline int block_path(int kind, int64_t head_dim)
 {
@@ -1034,14 +1036,25 @@ static inline __attribute__((always_inline)) void block_attention(
 #ifdef BF16_DOT
     char *values = (char *)(scratch + head_dim * stride / 2); /* bfloat16 pairs, after bfloat16 keys */
 #endif
+#if AMX_PROMPT
+    const int amx = amx_block_path(kind, head_dim);
+    if (amx)
+        amx_attention_configure();
+#else
+    const int amx = 0;
+#endif
+    const int64_t align = amx ? 32 : TILE; /* positions are taken from a multiple of this */
     /* Every row's keys and values are in the cache already: laid out once, from the first row's first visible tile. */
-    const int64_t from = first_visible(context - num_queries, window) / TILE * TILE;
+    const int64_t from = first_visible(context - num_queries, window) / align * align;
     for (int64_t kv = 0; kv < num_kv_heads; kv++) {
         lay_out_keys(key_cache, table, from, context, block_size, token_bytes, kv * head_bytes, head_dim, keys, kind);
 #ifdef BF16_DOT
         if (kind == ROW_BF16)
             lay_out_values_bf16(value_cache, table, from, context, block_size, token_bytes, kv * head_bytes, head_dim,
                                 values);
+        if (amx) /* the pairs of positions past the context up to the tiles' last step */
+            memset(values + (context + 1) / 2 * head_dim * 4, 0,
+                   ((context + 31) / 32 * 16 - (context + 1) / 2) * head_dim * 4);
 #endif
         for (int64_t i0 = 0; i0 < num_queries; i0 += QUERY_BLOCK) {
             const int64_t block = min64(QUERY_BLOCK, num_queries - i0);
@@ -1055,10 +1068,17 @@ static inline __attribute__((always_inline)) void block_attention(
                 rows[b] = query + (first + i) * query_stride;
                 outs[b] = out + (first + i) * num_heads * head_dim;
             }
-            const int64_t base = low[0] / TILE * TILE, last = high[block - 1];
+            const int64_t base = low[0] / align * align, last = high[block - 1];
             const int64_t width = (last / TILE + 1) * TILE - base;
             for (int64_t h0 = kv * group, heads; h0 < (kv + 1) * group; h0 += heads) {
                 heads = min64(BLOCK_HEADS, (kv + 1) * group - h0);
+#if AMX_PROMPT
+                if (amx) {
+                    amx_block_rows(rows, block, head_dim, h0, heads, (const uint32_t *)keys, values, low, high, base,
+                                   last, scale, scores, stride, outs);
+                    continue;
+                }
+#endif
 #ifdef BF16_DOT
                 if (kind == ROW_BF16) {
                     const uint32_t *pairs = (const uint32_t *)keys;
@@ -1089,6 +1109,10 @@ static inline __attribute__((always_inline)) void block_attention(
             }
         }
     }
+#if AMX_PROMPT
+    if (amx)
+        amx_attention_release();
+#endif
 }
 
 static inline __attribute__((always_inline)) void attend_range(

@@ -43,13 +43,38 @@ def native_kernel(symbol: str = "paged_attention_f32", variant: str | None = Non
     """The C kernel over a float32 cache, or with "paged_attention_bf16" (or "_f16", "_i8", "_f8") over a
     bfloat16 (or float16, int8, E4M3) one; the build that runs here, or `variant`'s."""
     p, i = native.POINTER, native.INT64
-    return native.function(
+    kernel = native.function(
         "cpu_attention",
         symbol,
         [p, i, p, p, p, i, p, p, p, i, p, i, i, i, i, i, native.FLOAT, i, p, p],
         None,
         variant=variant,
     )
+    if kernel is not None:
+        _tiles_at_load(variant)
+    return kernel
+
+
+TILE_FLAGS = {"amx_tile", "amx_bf16"}
+
+
+def _switch_tiles(on: bool, variant: str | None) -> bool:
+    switch = native.function("cpu_attention", "attention_use_amx", [native.INT64], native.INT64, variant=variant)
+    return switch is not None and bool(switch(int(on and native.cpu_flags() >= TILE_FLAGS)))
+
+
+@functools.cache
+def _tiles_at_load(variant: str | None) -> bool:
+    return _switch_tiles(True, variant)
+
+
+def use_tiles(on: bool, variant: str | None = None) -> bool:
+    """Whether the build (the one that runs here, or `variant`'s) takes a prompt's blocks over a bfloat16 cache in
+    AMX tiles from now on: where asked, the build has the bfloat16 dot product, the CPU has the tiles and Linux
+    lets this process use them. The same arithmetic as the dot product's, summed in another order. The tests
+    compare both ways; a worker keeps what the build chose as it loaded."""
+    _tiles_at_load(variant)  # else a first load after this call would switch them on again
+    return _switch_tiles(on, variant)
 
 
 def bf16_dot(variant: str | None = None) -> bool:

@@ -480,3 +480,36 @@ def test_bf16_rows_at_head_sizes_of_half_vectors_write_nothing_past_their_output
     )
     assert torch.isfinite(out).all()
     assert (workspace.whole[out.numel() :] == GuardedOutput.SENTINEL).all()
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(12, 4, 64), (6, 2, 128), (5, 5, 64), (6, 2, 96), (4, 4, 32), (2, 1, 256)]
+)
+@pytest.mark.parametrize("window", [None, 50])
+def test_prompt_blocks_in_amx_tiles_are_the_dot_products_rows_summed_in_another_order(
+    heads, kv_heads, head_dim, window
+):
+    # Where the CPU has AMX tiles for bfloat16, a prompt's blocks over a bfloat16 cache take them from a multiple
+    # of 32 positions: chunks ending on and beside such edges, over cached prefixes, groups of one to three heads,
+    # odd contexts, a sliding window, beside a decode row. The same rounding of queries and weights as the vector
+    # dot product's, so the rows differ only where a sum's order moves a weight across a bfloat16 rounding.
+    compiled_kernel()
+    if not cpu_attention.use_tiles(True):
+        pytest.skip("no AMX tiles for bfloat16 here (or no bfloat16 dot product in this build)")
+    shapes = [(2, 2), (31, 31), (33, 33), (64, 64), (9, 77), (40, 300), (1, 40), (100, 129)]
+    query, key_cache, value_cache, batch = make_batch(shapes, heads, kv_heads, head_dim, 16, torch.float32)
+    keys, values = key_cache.bfloat16(), value_cache.bfloat16()
+
+    def attend(tiles: bool) -> torch.Tensor:
+        assert cpu_attention.use_tiles(tiles) == tiles
+        batch.derived.clear()
+        return paged_attention_native(query, keys, values, batch, head_dim**-0.5, window).clone()
+
+    try:
+        vector, tiles = attend(False), attend(True)
+    finally:
+        cpu_attention.use_tiles(True)
+    assert not tiles.isnan().any()
+    torch.testing.assert_close(tiles, vector, atol=2e-3, rtol=0)
+    expected = reference_in_float32(query, keys, values, batch, head_dim**-0.5, window)
+    torch.testing.assert_close(tiles, expected, atol=2e-2, rtol=2e-2)
