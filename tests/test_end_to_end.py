@@ -77,4 +77,6 @@ def test_preempted_and_recomputed_sequences_give_the_same_tokens(llama_dir, tmp_
         got = [c["token_ids"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
         assert wait_until(server.is_idle, 5)
         assert server.metrics()['pagedserve_preemptions_total{mode="recompute"}'] > 0
+        # Only --preemption-mode auto weighs swapping against recomputing: the worker measured neither rate.
+        assert "swap and prefill rates not measured (--preemption-mode recompute)" in server.log()
     assert got == [hf_greedy(llama_dir, p, MAX_TOKENS) for p in prompt_ids]

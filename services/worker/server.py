@@ -246,14 +246,17 @@ class WorkerServer:
             ngram=ngram,
             pooler=Pooler(spec, getattr(model, "score", None)) if spec is not None else None,
         )
-        swap_rate = cache.measure_swap_bandwidth()
-        prefill_rate = self.runner.measure_prefill_rate()
+        # Only --preemption-mode auto weighs a swap against a recompute: the others send zeros, never read.
+        measured = scheduler.preemption_mode == "auto"
+        swap_rate = cache.measure_swap_bandwidth() if measured else 0.0
+        prefill_rate = self.runner.measure_prefill_rate() if measured else 0.0
         if device.type in ("cuda", "cpu") and not worker.enforce_eager and spec is None:  # pooling never decodes
             self.runner.graphs = capture_decode_graphs(model, cache, device, setup, config, world_size)
         log.info(
-            "measured: swap %.2f GB/s, prefill %.0f tokens/s%s",
-            swap_rate / 1e9,
-            prefill_rate,
+            "%s%s",
+            f"measured: swap {swap_rate / 1e9:.2f} GB/s, prefill {prefill_rate:.0f} tokens/s"
+            if measured
+            else f"swap and prefill rates not measured (--preemption-mode {scheduler.preemption_mode})",
             f"; compute threads: {threads.describe()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
             if threads is not None
             else "",
