@@ -93,7 +93,10 @@ AMX_QUANTIZED_FILES = (
     "llama-12l-gptq-one",
     "llama-12l-w8a8-one-prefill",  # a later sitting: one stream, long prompts, and 16 streams again
     "sweep-1024-gqa8-w4a16-g64",
+    "llama-12l-w8a8-amx-attention",  # prompt attention in AMX tiles from here on
+    "sweep-1024-gqa8-w4a16-g64-amx-attention",
 )
+LATER_KERNELS = {"-amx-attention": "prompt attention in tiles"}  # a file's suffix: what its sitting ran anew
 SCENARIO_NAMES = {
     "mid_c16": "16 streams",
     "mid_c1": "1 stream",
@@ -123,9 +126,13 @@ def amx_quantized_rows() -> tuple[PeerRow, ...]:
     for name in AMX_QUANTIZED_FILES:
         path = RESULTS / "quantized-amx" / f"{name}.json"
         if path.exists():
-            label = name.removesuffix("-one-prefill").removesuffix("-one").removesuffix("-decode")
+            label, note = name, ""
+            for suffix, kernels in LATER_KERNELS.items():
+                if label.endswith(suffix):
+                    label, note = label.removesuffix(suffix), f", {kernels}"
+            label = label.removesuffix("-one-prefill").removesuffix("-one").removesuffix("-decode")
             for scenario in json.loads(path.read_text())["scenarios"]:
-                workload = f"{label}, {SCENARIO_NAMES.get(scenario, scenario)}"
+                workload = f"{label}, {SCENARIO_NAMES.get(scenario, scenario)}{note}"
                 if any(row.label == workload for row in rows):
                     workload += ", a later sitting"
                 rows.append(PeerRow(workload, f"quantized-amx/{path.name}", scenario))
