@@ -84,6 +84,7 @@
 #endif
 #define PREFETCH_MIN_ROWS 3
 #define STREAM_ROWS 32 /* up to this many rows, a panel goes in blocks of k, each block's tiles in turn (panel_sums) */
+#define AMX_STREAM_ROWS 63 /* the same for 4-bit codes in AMX tiles (amx_codes.h): up to a prompt's product's rows */
 #define STREAM_BLOCK_BYTES 8192 /* such a block of a panel */
 #define PREFETCH_TILES 4 /* tiles over a panel that share the prefetch of a later one: more add nothing once the rows are many */
 #define PREFETCH_PANELS 2 /* how far ahead that panel is: a slow read has a whole panel's passes to arrive (even: paired
@@ -528,9 +529,10 @@ int64_t gemm_bf16(const void *x, int64_t x_stride, const uint32_t *panels, const
  * A decode's rows (up to STREAM_ROWS) take each word's values in registers, so only the codes stream from
  * memory: for bfloat16 rows, 4-bit codes c become the bfloat16 numbers 128 + c (exact, and made by
  * bit operations alone), each group's sums of (128 + c) x are scaled once, and the 128 and the offset come back
- * through the group's sum of x; elsewhere each value is code x scale + offset in float32. A prompt's many rows
- * take each panel's values once into a buffer in the layout of the float32 or bfloat16 panels above (as x's
- * rows are), and the float kernel runs over it. */
+ * through the group's sum of x; elsewhere each value is code x scale + offset in float32. Where the CPU has AMX
+ * tiles for bfloat16, blocks of 16 such rows take 4-bit codes in them (amx_codes.h), up to AMX_STREAM_ROWS rows.
+ * A prompt's many rows take each panel's values once into a buffer in the layout of the float32 or bfloat16
+ * panels above (as x's rows are), and the float kernel runs over it. */
 enum code_kind { CODE_U4, CODE_U8, CODE_FP8 };
 
 static inline __attribute__((always_inline)) int codes_per_word(const int code) { return code == CODE_U4 ? 8 : 4; }
@@ -692,6 +694,8 @@ static void group_sums(const char *x, int64_t x_stride, int64_t rows, int64_t K,
 }
 #endif
 
+#include "amx_codes.h"
+
 #define CODE_ROWS(CODE, XB)                                                                             \
     switch (rows) {                                                                                     \
     case 6: code_tile(6, CODE, XB, x, x_stride, w, scales, offsets, group, K, bias, y, y_stride, cols); break; \
@@ -780,7 +784,13 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
 {
     if (x_bf16 && !BF16_DOT)
         return -1;
-    const int kind = x_bf16 ? W_BF16 : W_F32, prompt = M > STREAM_ROWS;
+#if CODES_AMX
+    /* 4-bit codes against blocks of 16 bfloat16 rows in tiles, up to the rows a prompt's product takes */
+    const int amx = codes_amx_on && x_bf16 && code == CODE_U4 && group % 32 == 0 && M >= AMX_CODE_ROWS;
+#else
+    const int amx = 0;
+#endif
+    const int kind = x_bf16 ? W_BF16 : W_F32, prompt = M > (amx ? AMX_STREAM_ROWS : STREAM_ROWS);
     const int64_t x_element = x_bf16 ? 2 : 4, words = K / codes_per_word((int)code), groups = K / group;
     /* a prompt's blocks of rows are larger than the float kernel's: each block dequantizes every panel again */
     const int64_t fit = K > 0 ? 4 * ROW_BLOCK_BYTES / (K * x_element) / MC * MC : 0;
@@ -795,6 +805,10 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
 #if BF16_DOT
     if (pairs)
         group_sums((const char *)x, x_stride, M, K, group, x_sums);
+#endif
+#if CODES_AMX
+    if (amx && pairs)
+        codes_amx_configure();
 #endif
     /* A thread claims its next chunk as the last panels of one begin, so that they ask for the first of the next: a
      * thread's chunks are seldom neighbours. */
@@ -815,7 +829,17 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
                 gemm_panels(kind, xm, x_stride, (const char *)values, b, ym + n, y_stride, rows, N - n, K, 0, 1, 0);
                 continue;
             }
-            for (int64_t m = 0; m < rows; m += MR) {
+            int64_t m = 0;
+#if CODES_AMX
+            if (amx && pairs)
+                for (; m + AMX_CODE_ROWS <= rows; m += AMX_CODE_ROWS) {
+                    const int64_t later_panel = panel_after(p, PREFETCH_PANELS, last, next_first);
+                    const int64_t later = m == 0 && later_panel < count ? later_panel - p : 0;
+                    code_tile_amx(xm + m * x_stride * x_element, x_stride, w, sc, of, x_sums + (m0 + m) * groups,
+                                  groups, group, b, ym + m * y_stride + n, y_stride, cols, later);
+                }
+#endif
+            for (; m < rows; m += MR) {
                 const int tile_rows = rows - m < MR ? (int)(rows - m) : MR;
                 const char *xt = xm + m * x_stride * x_element;
                 float *yt = ym + m * y_stride + n;
@@ -837,6 +861,10 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
         }
         finish_chunk(counters);
     }
+#if CODES_AMX
+    if (amx && pairs)
+        codes_amx_release();
+#endif
     if (wait)
         wait_for_chunks(counters, chunks);
     return 0;

@@ -49,6 +49,10 @@ class GemmBuild:
     bf16_rows: bool  # bfloat16 weights take x rounded to bfloat16 (the dot product), not float32
     description: str
     variant: str
+    code_tiles: Callable[[int], int]  # gemm_codes_use_amx: whether 16 rows or more of 4-bit codes use AMX tiles
+
+
+CODE_TILE_FLAGS = {"amx_tile", "amx_bf16"}
 
 
 @functools.cache
@@ -67,21 +71,27 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
         name: native.function("cpu_gemm", f"gemm_{name}", [], i, variant=variant)
         for name in ("panel_width", "bf16_reads_bf16_rows")
     }
-    if None in facts.values() or None in kernels.values() or codes is None or codes_bf16 is None:
+    code_tiles = native.function("cpu_gemm", "gemm_codes_use_amx", [i], i, variant=variant)
+    if None in facts.values() or None in kernels.values() or codes is None or codes_bf16 is None or code_tiles is None:
         return None
     library = native.load("cpu_gemm", variant)
     assert library is not None  # its functions loaded
     library.gemm_description.restype = native.ctypes.c_char_p
     width, bf16_rows = (fact() for fact in facts.values())
+    description = library.gemm_description().decode()
+    if code_tiles(int(native.cpu_flags() >= CODE_TILE_FLAGS)):
+        description += ", 4-bit codes by AMX tiles from 16 bfloat16 rows"
     return GemmBuild(
-        kernels,
-        codes,
-        codes_bf16,
-        width,
-        bool(bf16_rows),
-        library.gemm_description().decode(),
-        native.variant_of(library),
+        kernels, codes, codes_bf16, width, bool(bf16_rows), description, native.variant_of(library), code_tiles
     )
+
+
+def use_code_tiles(on: bool, build: GemmBuild | None = None) -> bool:
+    """Whether `build` (the one that runs here) multiplies 4-bit codes against 16 bfloat16 rows or more in AMX tiles
+    from now on: where asked, the build has the bfloat16 dot product, the CPU has the tiles and Linux lets this
+    process use them. The tests compare both ways; the worker keeps what the build chose."""
+    build = build or gemm_build()
+    return build is not None and bool(build.code_tiles(int(on and native.cpu_flags() >= CODE_TILE_FLAGS)))
 
 
 def prompt_products() -> str:

@@ -166,6 +166,33 @@ def test_int8_products_in_amx_tiles_are_the_vnni_products_bit_for_bit(static):
         cpu_int8_linear.use_tiles(True, build)
 
 
+def test_four_bit_codes_in_amx_tiles_are_the_dot_products_sums_in_another_order():
+    """Where the CPU has AMX tiles for bfloat16, 4-bit codes meet blocks of 16 bfloat16 rows (of up to 63 rows) in
+    them, the rest of the rows in the dot product: the same exact code values and group corrections as the dot
+    product's decode rows, the sums within a group in another order."""
+    build = build_or_skip(cpu_linear.gemm_build, None)
+    if not build.bf16_rows or not cpu_linear.use_code_tiles(True, build):
+        pytest.skip("no AMX tiles for bfloat16 here (or no bfloat16 dot product in this build)")
+    generator = torch.Generator().manual_seed(8)
+    try:
+        for rows, n, k, group in [(16, 32, 64, 32), (17, 70, 256, 64), (31, 64, 512, 128), (48, 40, 768, 256),
+                                  (63, 96, 384, 384), (16, 33, 96, 32)]:  # fmt: skip
+            codes, scales, offsets = codes_of("uint4", n, k, group, generator)
+            weight = cpu_linear.dequantize_codes(codes, scales, offsets, "uint4")
+            packed = cpu_linear.pack_codes(codes, scales, offsets, "uint4", build)
+            x, bias = torch.randn(rows, k, generator=generator).bfloat16(), torch.randn(n, generator=generator)
+            got = {}
+            for tiles in (False, True):
+                assert cpu_linear.use_code_tiles(tiles, build) == tiles
+                got[tiles] = cpu_linear.gemm_codes(x, packed, bias, build=build)
+            assert relative_error(got[True], x.float(), weight, bias) < 1e-5, (rows, n, k, group)
+            # without the tiles, past STREAM_ROWS rows the weight is rounded to bfloat16 (a prompt's panels)
+            bound = 2e-5 if rows <= STREAM_ROWS else 2**-8
+            assert ((got[True] - got[False]).abs() / (x.float().abs() @ weight.abs().T + 1)).max() < bound
+    finally:
+        cpu_linear.use_code_tiles(True, build)
+
+
 @pytest.mark.slow  # compiles every build afresh: `make test`, not the inner loop
 @pytest.mark.parametrize("variant", BUILDS)
 @pytest.mark.parametrize("kind", ["uint4", "uint8", "fp8"])
@@ -186,7 +213,7 @@ def test_every_build_unpacks_codes_into_the_bfloat16_weight_they_stand_for(varia
         terms = values.abs() * scales.repeat_interleave(group, 1) + offsets.abs().repeat_interleave(group, 1)
         assert ((unpacked.float() - weight).abs() <= terms * 2**-8).all(), (variant, kind, n, k)
         if build.bf16_rows:
-            x = torch.randn(STREAM_ROWS + 2, k, generator=generator)
+            x = torch.randn(cpu_linear.PROMPT_ROWS, k, generator=generator)  # a prompt's: past every decode path
             panels = cpu_linear.gemm_codes(x, packed, None, build=build, bf16_x=True)
             by_torch = x.bfloat16().float() @ unpacked.float().T
             magnitude = x.abs() @ weight.abs().T + 1

@@ -1,0 +1,109 @@
+/* A decode's 4-bit codes against 16 bfloat16 rows of x at a time in AMX tiles (Sapphire Rapids and later), for
+ * cpu_gemm.c's gemm_codes: included there after code_tile_pairs, whose arithmetic it keeps.
+ *
+ * code_pairs turns a word of codes into 16 columns' bfloat16 pairs (128 + c, 128 + c') of inputs k + 2j and
+ * k + 2j + 1: one row of tdpbf16ps's second operand as it stands. So 32 inputs of a half panel (16 columns) are
+ * 16 such rows, unpacked into a buffer and loaded as a tile, and the first operand is x's rows as they lie. Each
+ * group's tile of sums of (128 + c) x is then scaled and corrected through the group's sums of x as
+ * code_tile_pairs does it; only the order of the sums within a group differs. The unpacking, once per panel for
+ * 16 rows instead of once per 6, and the tiles' multiply rate make it several times the vector dot product's. */
+#if BF16_DOT == 1 && defined(__x86_64__) && defined(__linux__)
+#define CODES_AMX 1
+#include <sys/syscall.h>
+
+#define AMX_CODE_ROWS 16 /* rows of x a tile takes */
+#define AMX_CODE_CHUNK 128 /* inputs of a group unpacked at a time: four tiles of 32 a half panel */
+static int codes_amx_on; /* set once Linux lets this process use the tiles and the caller asked */
+
+/* Whether decodes of 16 rows or more over 4-bit codes take the tiles from now on: `on` where the CPU has them
+ * (the caller knows its flags), and only once Linux lets this process use their state (ARCH_REQ_XCOMP_PERM for
+ * XTILEDATA); the answer. */
+int64_t gemm_codes_use_amx(int64_t on)
+{
+    codes_amx_on = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return codes_amx_on;
+}
+
+struct codes_amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* Five tiles of 16 rows of 64 bytes; configured again at each call, as other kernels share the thread. */
+__attribute__((target("amx-tile"))) static void codes_amx_configure(void)
+{
+    struct codes_amx_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        config.rows[t] = 16;
+        config.bytes_per_row[t] = 64;
+    }
+    __asm__ volatile("ldtilecfg %0" ::"m"(config)); /* the whole struct as the operand (cpu_int8_gemm.c says why) */
+}
+
+__attribute__((target("amx-tile"))) static void codes_amx_release(void) { _tile_release(); }
+
+/* code_tile_pairs for 16 rows in tiles (group a multiple of 32). */
+__attribute__((target("amx-tile,amx-bf16"))) static void code_tile_amx(
+    const char *x, int64_t x_stride, const uint32_t *w, const float *scales, const float *offsets,
+    const float *x_sums, int64_t groups, int64_t group, const float *bias, float *y, int64_t y_stride, int64_t cols,
+    int64_t later)
+{
+    const char *ahead = later ? (const char *)(w + later * (groups * group / 8) * NR) : 0;
+    uint32_t pairs[2][AMX_CODE_CHUNK / 32][16 * 16] __attribute__((aligned(64))); /* [half][tile][pair row][column] */
+    float parts[2][16 * 16] __attribute__((aligned(64)));
+    float sums[AMX_CODE_ROWS * NR];
+    memset(sums, 0, sizeof sums);
+    for (int64_t g = 0; g < groups; g++) {
+        if (ahead) {
+            const int64_t there = later * groups * NR + g * NR;
+            prefetch_step((const char *)(scales + there), 0, 128);
+            prefetch_step((const char *)(offsets + there), 0, 128);
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t k0 = 0; k0 < group; k0 += AMX_CODE_CHUNK) {
+            const int64_t chunk = group - k0 < AMX_CODE_CHUNK ? group - k0 : AMX_CODE_CHUNK;
+            const int64_t first_word = (g * group + k0) / 8;
+            for (int64_t q = 0; q < chunk / 8; q++) {
+                prefetch_step(ahead, first_word + q, NR * 4);
+                const vu w0 = load_words(w + (first_word + q) * NR), w1 = load_words(w + (first_word + q) * NR + GEMM_VEC);
+                for (int j = 0; j < 4; j++) {
+                    const int64_t row = 4 * q + j; /* pair row of the chunk: inputs 2 row, 2 row + 1 */
+                    *(vu *)(pairs[0][row / 16] + row % 16 * 16) = code_pairs(w0, j);
+                    *(vu *)(pairs[1][row / 16] + row % 16 * 16) = code_pairs(w1, j);
+                }
+            }
+            for (int64_t t = 0; t < chunk / 32; t++) {
+                _tile_loadd(2, x + (g * group + k0 + 32 * t) * 2, x_stride * 2);
+                _tile_loadd(3, pairs[0][t], 64);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_loadd(4, pairs[1][t], 64);
+                _tile_dpbf16ps(1, 2, 4);
+            }
+        }
+        _tile_stored(0, parts[0], 64);
+        _tile_stored(1, parts[1], 64);
+        const vf s0 = load_floats(scales + g * NR), s1 = load_floats(scales + g * NR + GEMM_VEC);
+        const vf o0 = load_floats(offsets + g * NR) - 128.0f * s0, o1 = load_floats(offsets + g * NR + GEMM_VEC) - 128.0f * s1;
+        for (int r = 0; r < AMX_CODE_ROWS; r++) {
+            const vf xs = splat(x_sums[r * groups + g]);
+            *(vf_unaligned *)(sums + r * NR) = load_floats(sums + r * NR) + load_floats(parts[0] + r * 16) * s0 + xs * o0;
+            *(vf_unaligned *)(sums + r * NR + GEMM_VEC) =
+                load_floats(sums + r * NR + GEMM_VEC) + load_floats(parts[1] + r * 16) * s1 + xs * o1;
+        }
+    }
+    for (int r = 0; r < AMX_CODE_ROWS; r++)
+        store_row(load_floats(sums + r * NR), load_floats(sums + r * NR + GEMM_VEC), bias, y + r * y_stride, cols);
+}
+#else
+#define CODES_AMX 0
+int64_t gemm_codes_use_amx(int64_t on)
+{
+    (void)on;
+    return 0;
+}
+#endif
+const char *gemm_codes_use_amx_signature(void) { return "i:i"; }
