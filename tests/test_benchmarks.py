@@ -69,6 +69,15 @@ def test_prompt_attention_bench_compares_the_vector_kernel_and_the_tiles(tmp_pat
     assert all(row["max_difference"] < 2e-3 for row in rows)  # one bfloat16 rounding of a weight, no more
 
 
+def test_codes_tiles_bench_compares_the_dot_product_and_the_tiles(tmp_path):
+    done = run_bench("codes_tiles_bench", tmp_path, repeats="1", rows="16")
+    if "no C compiler" in done.stderr or "no AMX tiles" in done.stderr:
+        pytest.skip(done.stderr.strip().splitlines()[-1])
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "codes_tiles_bench.json").read_text())["rows"]
+    assert len(rows) == 5 and all(row["dot_ms"] > 0 and row["tiles_ms"] > 0 for row in rows)
+
+
 def test_cpu_linear_bench_runs(tmp_path):
     done = run_bench("cpu_linear_bench", tmp_path, repeats="1", rows="2,9", step_rows="3", threads="1")
     if "cannot be built" in done.stderr:
