@@ -95,8 +95,14 @@ AMX_QUANTIZED_FILES = (
     "sweep-1024-gqa8-w4a16-g64",
     "llama-12l-w8a8-amx-attention",  # prompt attention in AMX tiles from here on
     "sweep-1024-gqa8-w4a16-g64-amx-attention",
+    "sweep-1024-gqa8-w4a16-g64-amx-codes",  # and a decode's 4-bit codes in AMX tiles
+    "llama-12l-w4a16-amx-codes",
+    "llama-12l-gptq-amx-codes",
 )
-LATER_KERNELS = {"-amx-attention": "prompt attention in tiles"}  # a file's suffix: what its sitting ran anew
+LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
+    "-amx-attention": "prompt attention in tiles",
+    "-amx-codes": "attention and codes in tiles",
+}
 SCENARIO_NAMES = {
     "mid_c16": "16 streams",
     "mid_c1": "1 stream",
@@ -181,7 +187,9 @@ def peer_table(rows: tuple[PeerRow, ...], data: dict[str, dict], baseline: bool 
             f"| **{spread(throughput['ratio_best'], 2, 'x')}** | {statistics.median(ttft['pagedserve']):,.0f} "
             f"vs {statistics.median(ttft['vllm-best']):,.0f} ms |"
         )
-        if baseline:
+        if baseline and "baseline" not in throughput:
+            line += " not in this sitting | | |"
+        elif baseline:
             line += (
                 f" {spread(throughput['baseline'])} | **{spread(throughput['ratio_baseline'], 2, 'x')}** "
                 f"| {statistics.median(ttft['pagedserve']) / statistics.median(ttft['baseline']):.2f}x |"
