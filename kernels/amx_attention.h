@@ -12,7 +12,7 @@
  * Positions go 32 at a time, from a multiple of 32; those past the context weigh nothing and hold zeros. */
 #if defined(BF16_DOT) && defined(__x86_64__) && defined(__linux__)
 #define AMX_PROMPT 1
-#include <sys/syscall.h>
+#include "amx.h"
 
 #define AMX_POSITIONS 32 /* positions of one step of the weighted values: two bfloat16 a word, 16 words a tile row */
 #define AMX_DIMS 64      /* dimensions of the weighted values held at once: four 16 x 16 tiles of sums */
@@ -23,7 +23,7 @@ static int amx_prompt_on; /* set once Linux lets this process use the tiles and 
  * XTILEDATA); the answer. */
 int64_t attention_use_amx(int64_t on)
 {
-    amx_prompt_on = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    amx_prompt_on = on && amx_permitted();
     return amx_prompt_on;
 }
 
@@ -31,27 +31,6 @@ static inline int amx_block_path(int kind, int64_t head_dim)
 {
     return amx_prompt_on && kind == ROW_BF16 && head_dim % 32 == 0 && head_dim <= 256;
 }
-
-struct amx_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
-/* Six tiles of 16 rows of 64 bytes. Each call configures them again: the int8 products share the thread. */
-__attribute__((target("amx-tile"))) static void amx_attention_configure(void)
-{
-    struct amx_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 6; t++) {
-        config.rows[t] = 16;
-        config.bytes_per_row[t] = 64;
-    }
-    __asm__ volatile("ldtilecfg %0" ::"m"(config)); /* the whole struct as the operand, as cpu_int8_gemm.c says */
-}
-
-__attribute__((target("amx-tile"))) static void amx_attention_release(void) { _tile_release(); }
 
 /* Scores of the 16 rows of `query` (bfloat16, head_dim apart) against key tiles base / TILE .. last / TILE:
  * scores[r * stride + p - base], unscaled. Two key tiles share each load of the query. */

@@ -9,7 +9,7 @@
  * 16 rows instead of once per 6, and the tiles' multiply rate make it several times the vector dot product's. */
 #if BF16_DOT == 1 && defined(__x86_64__) && defined(__linux__)
 #define CODES_AMX 1
-#include <sys/syscall.h>
+#include "amx.h"
 
 #define AMX_CODE_ROWS 16 /* rows of x a tile takes */
 #define AMX_CODE_CHUNK 128 /* inputs of a group unpacked at a time: four tiles of 32 a half panel */
@@ -20,30 +20,9 @@ static int codes_amx_on; /* set once Linux lets this process use the tiles and t
  * XTILEDATA); the answer. */
 int64_t gemm_codes_use_amx(int64_t on)
 {
-    codes_amx_on = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    codes_amx_on = on && amx_permitted();
     return codes_amx_on;
 }
-
-struct codes_amx_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
-/* Five tiles of 16 rows of 64 bytes; configured again at each call, as other kernels share the thread. */
-__attribute__((target("amx-tile"))) static void codes_amx_configure(void)
-{
-    struct codes_amx_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 5; t++) {
-        config.rows[t] = 16;
-        config.bytes_per_row[t] = 64;
-    }
-    __asm__ volatile("ldtilecfg %0" ::"m"(config)); /* the whole struct as the operand (cpu_int8_gemm.c says why) */
-}
-
-__attribute__((target("amx-tile"))) static void codes_amx_release(void) { _tile_release(); }
 
 /* code_tile_pairs for 16 rows in tiles (group a multiple of 32). */
 __attribute__((target("amx-tile,amx-bf16"))) static void code_tile_amx(

@@ -1039,7 +1039,7 @@ static inline __attribute__((always_inline)) void block_attention(
 #if AMX_PROMPT
     const int amx = amx_block_path(kind, head_dim);
     if (amx)
-        amx_attention_configure();
+        amx_configure(6);
 #else
     const int amx = 0;
 #endif
@@ -1111,7 +1111,7 @@ static inline __attribute__((always_inline)) void block_attention(
     }
 #if AMX_PROMPT
     if (amx)
-        amx_attention_release();
+        amx_release();
 #endif
 }
 

@@ -808,7 +808,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
 #endif
 #if CODES_AMX
     if (amx && pairs)
-        codes_amx_configure();
+        amx_configure(5);
 #endif
     /* A thread claims its next chunk as the last panels of one begin, so that they ask for the first of the next: a
      * thread's chunks are seldom neighbours. */
@@ -863,7 +863,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
     }
 #if CODES_AMX
     if (amx && pairs)
-        codes_amx_release();
+        amx_release();
 #endif
     if (wait)
         wait_for_chunks(counters, chunks);

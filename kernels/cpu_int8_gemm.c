@@ -171,8 +171,7 @@ static void tile_of(int rows, const int8_t *x, int64_t x_stride, const int32_t *
 
 #if I8_KIND == 2 && defined(__x86_64__) && defined(__linux__)
 #define I8_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 /* AMX tiles (Sapphire Rapids and later): a block of 16 rows against a panel's 32 columns takes two 16 x 16 tiles
  * of int32 sums, each step of k 16 words (64 k) of x's codes, as VNNI's (x + 128 unsigned, tdpbusd), and two
  * tiles of the panel as it lies: 16 words of k, 16 columns a tile, the rows of the panel 4 x I8_NR bytes apart.
@@ -180,12 +179,6 @@ static void tile_of(int rows, const int8_t *x, int64_t x_stride, const int32_t *
 #define AMX_ROWS 16
 #define AMX_WORDS 16
 static int amx_on; /* set once the kernel has let this process use the tiles and the caller asked (int8_use_amx) */
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
 
 /* Sums of 16 rows of x over `steps` steps of k. (Two blocks of rows sharing the panel's tiles were slower.) */
 __attribute__((target("amx-tile,amx-int8"))) static void amx_block(const int8_t *x, int64_t x_stride,
@@ -204,28 +197,12 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_block(const int8_t 
     _tile_stored(1, sums + 16, I8_NR * 4);
 }
 
-__attribute__((target("amx-tile"))) static void amx_configure(void)
-{
-    struct tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 5; t++) {
-        config.rows[t] = 16;
-        config.bytes_per_row[t] = 64;
-    }
-    /* the whole configuration as the operand: GCC's _tile_loadconfig names only its first eight bytes, so the
-     * stores of the rest could be dropped */
-    __asm__ volatile("ldtilecfg %0" ::"m"(config));
-}
-
-__attribute__((target("amx-tile"))) static void amx_release(void) { _tile_release(); }
-
 /* Whether products of 16 rows or more use the tiles from now on: `on` where the CPU has them (the caller knows
  * its flags), and only once Linux lets this process use their state (arch_prctl ARCH_REQ_XCOMP_PERM for
  * XTILEDATA); the answer. */
 int64_t int8_use_amx(int64_t on)
 {
-    amx_on = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    amx_on = on && amx_permitted();
     return amx_on;
 }
 #else
@@ -313,7 +290,7 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
 #if I8_AMX
     const int amx = amx_on && M >= AMX_ROWS && words >= AMX_WORDS;
     if (amx)
-        amx_configure();
+        amx_configure(5);
     const int64_t amx_words = words / AMX_WORDS * AMX_WORDS;
     int32_t amx_sums[AMX_ROWS * I8_NR];
 #endif
