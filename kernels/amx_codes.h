@@ -4,8 +4,8 @@
  * code_pairs turns a word of codes into 16 columns' bfloat16 pairs (128 + c, 128 + c') of inputs k + 2j and
  * k + 2j + 1: one row of tdpbf16ps's second operand as it stands. So 32 inputs of a half panel (16 columns) are
  * 16 such rows, unpacked into a buffer and loaded as a tile, and the first operand is x's rows as they lie. Each
- * group's tile of sums of (128 + c) x is then scaled and corrected through the group's sums of x as
- * code_tile_pairs does it; only the order of the sums within a group differs. The unpacking, once per panel for
+ * group's tile of sums of (128 + c) x is then scaled and corrected through the group's sums of x (add_group,
+ * as code_tile_pairs does); only the order of the sums within a group differs. The unpacking, once per panel for
  * 16 rows instead of once per 6, and the tiles' multiply rate make it several times the vector dot product's. */
 #if BF16_DOT == 1 && defined(__x86_64__) && defined(__linux__)
 #define CODES_AMX 1
@@ -65,14 +65,9 @@ __attribute__((target("amx-tile,amx-bf16"))) static void code_tile_amx(
         }
         _tile_stored(0, parts[0], 64);
         _tile_stored(1, parts[1], 64);
-        const vf s0 = load_floats(scales + g * NR), s1 = load_floats(scales + g * NR + GEMM_VEC);
-        const vf o0 = load_floats(offsets + g * NR) - 128.0f * s0, o1 = load_floats(offsets + g * NR + GEMM_VEC) - 128.0f * s1;
-        for (int r = 0; r < AMX_CODE_ROWS; r++) {
-            const vf xs = splat(x_sums[r * groups + g]);
-            *(vf_unaligned *)(sums + r * NR) = load_floats(sums + r * NR) + load_floats(parts[0] + r * 16) * s0 + xs * o0;
-            *(vf_unaligned *)(sums + r * NR + GEMM_VEC) =
-                load_floats(sums + r * NR + GEMM_VEC) + load_floats(parts[1] + r * 16) * s1 + xs * o1;
-        }
+        for (int r = 0; r < AMX_CODE_ROWS; r++)
+            add_group(sums + r * NR, load_floats(parts[0] + r * 16), load_floats(parts[1] + r * 16), scales, offsets,
+                      g, x_sums[r * groups + g]);
     }
     for (int r = 0; r < AMX_CODE_ROWS; r++)
         store_row(load_floats(sums + r * NR), load_floats(sums + r * NR + GEMM_VEC), bias, y + r * y_stride, cols);

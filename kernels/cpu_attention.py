@@ -55,12 +55,9 @@ def native_kernel(symbol: str = "paged_attention_f32", variant: str | None = Non
     return kernel
 
 
-TILE_FLAGS = {"amx_tile", "amx_bf16"}
-
-
 def _switch_tiles(on: bool, variant: str | None) -> bool:
     switch = native.function("cpu_attention", "attention_use_amx", [native.INT64], native.INT64, variant=variant)
-    return switch is not None and bool(switch(int(on and native.cpu_flags() >= TILE_FLAGS)))
+    return switch is not None and bool(switch(int(on and native.cpu_flags() >= native.AMX_BF16)))
 
 
 @functools.cache

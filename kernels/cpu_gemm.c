@@ -599,6 +599,18 @@ static inline __attribute__((always_inline)) vu code_pairs(vu words, int j)
     return ((words >> (4 * j)) & 0x000f000fu) | 0x43004300u;
 }
 
+/* Group g's sums of (128 + c) x of one row (total0, total1: a panel's two halves) as sums of the values, added into
+ * the row's sums: scale x those + (offset - 128 scale) x the group's sum of x. */
+static inline __attribute__((always_inline)) void add_group(float *row, vf total0, vf total1, const float *scales,
+                                                            const float *offsets, int64_t g, float x_sum)
+{
+    const vf s0 = load_floats(scales + g * NR), s1 = load_floats(scales + g * NR + GEMM_VEC);
+    const vf o0 = load_floats(offsets + g * NR) - 128.0f * s0, o1 = load_floats(offsets + g * NR + GEMM_VEC) - 128.0f * s1;
+    const vf xs = splat(x_sum);
+    *(vf_unaligned *)row = load_floats(row) + total0 * s0 + xs * o0;
+    *(vf_unaligned *)(row + GEMM_VEC) = load_floats(row + GEMM_VEC) + total1 * s1 + xs * o1;
+}
+
 /* code_tile for 4-bit codes by the bfloat16 dot product: each group's sums of (128 + c) x, then
  * sums += scale x those + (offset - 128 scale) x the group's sum of x (x_sums [rows][groups]). Where `later` is
  * not 0 (the first tile over a panel: the others find it in cache), each step asks for the same lines of the
@@ -640,17 +652,13 @@ static inline __attribute__((always_inline)) void code_tile_pairs(
                 }
             }
         }
-        const vf s0 = load_floats(scales + g * NR), s1 = load_floats(scales + g * NR + GEMM_VEC);
-        const vf o0 = load_floats(offsets + g * NR) - 128.0f * s0, o1 = load_floats(offsets + g * NR + GEMM_VEC) - 128.0f * s1;
         for (int r = 0; r < rows; r++) {
             vf total0 = part0[r][0], total1 = part1[r][0];
             for (int c = 1; c < chains; c++) {
                 total0 += part0[r][c];
                 total1 += part1[r][c];
             }
-            const vf xs = splat(x_sums[r * groups + g]);
-            *(vf_unaligned *)(sums + r * NR) = load_floats(sums + r * NR) + total0 * s0 + xs * o0;
-            *(vf_unaligned *)(sums + r * NR + GEMM_VEC) = load_floats(sums + r * NR + GEMM_VEC) + total1 * s1 + xs * o1;
+            add_group(sums + r * NR, total0, total1, scales, offsets, g, x_sums[r * groups + g]);
         }
     }
     for (int r = 0; r < rows; r++)

@@ -39,9 +39,6 @@ class Int8Build:
     tiles: Callable[[int], int]  # int8_use_amx: whether products of 16 rows or more use AMX tiles from now on
 
 
-TILE_FLAGS = {"amx_tile", "amx_int8"}
-
-
 @dataclass(frozen=True, slots=True)
 class Int8Panels:
     """A weight packed for `int8_linear`: [panels, ceil(K / 4), width] words of four int8 of one column, and each
@@ -71,7 +68,7 @@ def int8_build(variant: str | None = None) -> Int8Build | None:
     assert library is not None  # its functions loaded
     library.int8_description.restype = native.ctypes.c_char_p
     description = library.int8_description().decode()
-    if tiles(int(native.cpu_flags() >= TILE_FLAGS)):
+    if tiles(int(native.cpu_flags() >= native.AMX_INT8)):
         description += ", AMX tiles from 16 rows"
     return Int8Build(linear, quantize, width(), description, native.variant_of(library), tiles)
 
@@ -80,7 +77,7 @@ def use_tiles(on: bool, build: Int8Build | None = None) -> bool:
     """Whether `build` (the one that runs here) multiplies in AMX tiles from now on: where asked, the CPU has them
     and Linux lets this process use them. The tests compare both ways; the worker keeps what the build chose."""
     build = build or int8_build()
-    return build is not None and bool(build.tiles(int(on and native.cpu_flags() >= TILE_FLAGS)))
+    return build is not None and bool(build.tiles(int(on and native.cpu_flags() >= native.AMX_INT8)))
 
 
 def padded_width(in_features: int) -> int:

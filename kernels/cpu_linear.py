@@ -52,9 +52,6 @@ class GemmBuild:
     code_tiles: Callable[[int], int]  # gemm_codes_use_amx: whether 16 rows or more of 4-bit codes use AMX tiles
 
 
-CODE_TILE_FLAGS = {"amx_tile", "amx_bf16"}
-
-
 @functools.cache
 def gemm_build(variant: str | None = None) -> GemmBuild | None:
     """The build that runs here (or `variant`'s), None where none loads."""
@@ -79,7 +76,7 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     library.gemm_description.restype = native.ctypes.c_char_p
     width, bf16_rows = (fact() for fact in facts.values())
     description = library.gemm_description().decode()
-    if code_tiles(int(native.cpu_flags() >= CODE_TILE_FLAGS)):
+    if code_tiles(int(native.cpu_flags() >= native.AMX_BF16)):
         description += ", 4-bit codes by AMX tiles from 16 bfloat16 rows"
     return GemmBuild(
         kernels, codes, codes_bf16, width, bool(bf16_rows), description, native.variant_of(library), code_tiles
@@ -91,7 +88,7 @@ def use_code_tiles(on: bool, build: GemmBuild | None = None) -> bool:
     from now on: where asked, the build has the bfloat16 dot product, the CPU has the tiles and Linux lets this
     process use them. The tests compare both ways; the worker keeps what the build chose."""
     build = build or gemm_build()
-    return build is not None and bool(build.code_tiles(int(on and native.cpu_flags() >= CODE_TILE_FLAGS)))
+    return build is not None and bool(build.code_tiles(int(on and native.cpu_flags() >= native.AMX_BF16)))
 
 
 def prompt_products() -> str:

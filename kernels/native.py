@@ -52,6 +52,9 @@ VARIANTS = {
     "x86-64-v3": (["-O3", "-march=x86-64-v3", "-ffast-math", "-fopenmp-simd", "-fPIC"], {"avx2", "fma", "f16c"}),
     "portable": (["-O3", "-ffast-math", "-fPIC"], set()),
 }
+# The CPU flags of AMX tiles for bfloat16 and for int8: the kernels that take them ask Linux for them as well.
+AMX_BF16 = frozenset({"amx_tile", "amx_bf16"})
+AMX_INT8 = frozenset({"amx_tile", "amx_int8"})
 # Builds for the tests only: the AVX-512 kernels' layout, and the arithmetic of the bfloat16 dot
 # product, in AVX2 code, so that a machine without AVX-512 runs them against the others.
 EMULATED = {
