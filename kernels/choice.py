@@ -9,7 +9,8 @@ cpu_build: a build of kernels/native.py's VARIANTS (or the tests' EMULATED) that
 loaded from; None: the best this CPU runs.
 prompt_products: who multiplies a prompt's rows (cpu_linear.PROMPT_ROWS or more) of bfloat16 weights (and of codes
 unpacked to bfloat16): "onednn" (torch's products, which use AMX tiles), "native" (the packed kernels), or
-"auto": oneDNN where the CPU has AMX tiles for bfloat16. (W8A8's kernel uses AMX tiles for int8 itself.)
+"auto": oneDNN where the CPU has AMX tiles for bfloat16, except for codes, whose kernel uses the tiles itself
+(as W8A8's uses AMX tiles for int8).
 """
 
 from __future__ import annotations

@@ -532,7 +532,8 @@ int64_t gemm_bf16(const void *x, int64_t x_stride, const uint32_t *panels, const
  * through the group's sum of x; elsewhere each value is code x scale + offset in float32. Where the CPU has AMX
  * tiles for bfloat16, blocks of 16 such rows take 4-bit codes in them (amx_codes.h), up to AMX_STREAM_ROWS rows.
  * A prompt's many rows take each panel's values once into a buffer in the layout of the float32 or bfloat16
- * panels above (as x's rows are), and the float kernel runs over it. */
+ * panels above (as x's rows are), and the float kernel runs over it, or for bfloat16 rows AMX tiles where
+ * the CPU has them. */
 enum code_kind { CODE_U4, CODE_U8, CODE_FP8 };
 
 static inline __attribute__((always_inline)) int codes_per_word(const int code) { return code == CODE_U4 ? 8 : 4; }
@@ -786,6 +787,47 @@ static void *thread_buffer(int which, size_t bytes)
     return buffers[which];
 }
 
+#if CODES_AMX
+#define AMX_PANEL_BYTES (1 << 20) /* unpacked panels a thread holds at once: half the second-level cache of each
+                                   * CPU with AMX tiles */
+/* A prompt's bfloat16 rows (all M) against panels first .. last - 1 of codes in AMX tiles. The panels are unpacked
+ * a group at a time, each once a call, and every block of 32 rows passes the whole group while its x stays in
+ * the second-level cache; rows short of a tile's 16 take the vector kernel. */
+static inline int64_t panels_at_once(int64_t K)
+{
+    const int64_t bytes = panel_bytes(W_BF16, K);
+    return AMX_PANEL_BYTES / bytes > 1 ? AMX_PANEL_BYTES / bytes : 1;
+}
+
+static void codes_prompt_amx(int code, const char *x, int64_t x_stride, const uint32_t *panels, const float *scales,
+                             const float *offsets, int64_t group, const float *bias, float *y, int64_t y_stride,
+                             int64_t M, int64_t N, int64_t K, int64_t first, int64_t last, char *values)
+{
+    const int64_t bytes = panel_bytes(W_BF16, K), words = K / codes_per_word(code), groups = K / group;
+    const int64_t per_group = panels_at_once(K);
+    for (int64_t p0 = first; p0 < last; p0 += per_group) {
+        const int64_t p1 = p0 + per_group < last ? p0 + per_group : last;
+        for (int64_t p = p0; p < p1; p++)
+            dequantize_panel(code, 1, panels + p * words * NR, scales + p * groups * NR, offsets + p * groups * NR,
+                             group, K, values + (p - p0) * bytes);
+        for (int64_t m = 0; m < M; m += 32) {
+            const int64_t rows = M - m < 32 ? M - m : 32;
+            const char *xm = x + m * x_stride * 2;
+            for (int64_t p = p0; p < p1; p++) {
+                const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
+                const char *panel = values + (p - p0) * bytes;
+                const float *b = bias ? bias + n : 0;
+                const int64_t done = panel_rows_amx(xm, x_stride, (const uint32_t *)panel, K, b, y + m * y_stride + n,
+                                                    y_stride, rows, cols);
+                if (done < rows)
+                    gemm_panels(W_BF16, xm + done * x_stride * 2, x_stride, panel, b, y + (m + done) * y_stride + n,
+                                y_stride, rows - done, N - n, K, 0, 1, 0);
+            }
+        }
+    }
+}
+#endif
+
 int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t code, const float *bias, float *y, int64_t y_stride,
                    int64_t M, int64_t N, int64_t K, int64_t units_per_chunk, int64_t *counters, int64_t wait)
@@ -795,18 +837,26 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
 #if CODES_AMX
     /* 4-bit codes against blocks of 16 bfloat16 rows in tiles, up to the rows a prompt's product takes */
     const int amx = codes_amx_on && x_bf16 && code == CODE_U4 && group % 32 == 0 && M >= AMX_CODE_ROWS;
+    /* and a prompt's rows against any codes' unpacked panels */
+    const int amx_prompt = codes_amx_on && x_bf16 && K % 32 == 0;
 #else
-    const int amx = 0;
+    const int amx = 0, amx_prompt = 0;
 #endif
     const int kind = x_bf16 ? W_BF16 : W_F32, prompt = M > (amx ? AMX_STREAM_ROWS : STREAM_ROWS);
     const int64_t x_element = x_bf16 ? 2 : 4, words = K / codes_per_word((int)code), groups = K / group;
-    /* a prompt's blocks of rows are larger than the float kernel's: each block dequantizes every panel again */
-    const int64_t fit = K > 0 ? 4 * ROW_BLOCK_BYTES / (K * x_element) / MC * MC : 0;
+    /* a prompt's blocks of rows are larger than the float kernel's: each block dequantizes every panel again (in
+     * tiles, one block: each panel is unpacked once) */
+    const int64_t fit = K > 0 && !(amx_prompt && prompt) ? 4 * ROW_BLOCK_BYTES / (K * x_element) / MC * MC : 0;
     const int64_t row_block = M > fit && fit ? fit : (M > 0 ? M : 1);
     const int64_t count = (N + NR - 1) / NR, unit_chunks = (count + units_per_chunk - 1) / units_per_chunk;
     const int64_t chunks = unit_chunks * ((M + row_block - 1) / row_block);
     const int pairs = x_bf16 && code == CODE_U4 && !prompt;
-    void *values = prompt ? thread_buffer(0, (size_t)panel_bytes(kind, K)) : 0;
+#if CODES_AMX
+    const int64_t held = amx_prompt && prompt ? panels_at_once(K) : 1;
+#else
+    const int64_t held = 1;
+#endif
+    void *values = prompt ? thread_buffer(0, (size_t)(held * panel_bytes(kind, K))) : 0;
     float *x_sums = pairs ? thread_buffer(1, (size_t)(M * groups) * sizeof(float)) : 0;
     if ((prompt && !values) || (pairs && !x_sums))
         return -1;
@@ -815,8 +865,9 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
         group_sums((const char *)x, x_stride, M, K, group, x_sums);
 #endif
 #if CODES_AMX
-    if (amx && pairs)
-        amx_configure(5);
+    const int tiles = (amx && pairs) || (amx_prompt && prompt);
+    if (tiles)
+        amx_configure(8);
 #endif
     /* A thread claims its next chunk as the last panels of one begin, so that they ask for the first of the next: a
      * thread's chunks are seldom neighbours. */
@@ -826,6 +877,15 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
         const int64_t rows = M - m0 < row_block ? M - m0 : row_block;
         const char *xm = (const char *)x + m0 * x_stride * x_element;
         float *ym = y + m0 * y_stride;
+#if CODES_AMX
+        if (amx_prompt && prompt) {
+            codes_prompt_amx((int)code, xm, x_stride, panels, scales, offsets, group, bias, ym, y_stride, rows, N, K,
+                             first, last, values);
+            next = claim_chunk(counters);
+            finish_chunk(counters);
+            continue;
+        }
+#endif
         for (int64_t p = first; p < last; p++) {
             const int64_t n = p * NR, cols = N - n < NR ? N - n : NR;
             const uint32_t *w = panels + p * words * NR;
@@ -870,7 +930,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
         finish_chunk(counters);
     }
 #if CODES_AMX
-    if (amx && pairs)
+    if (tiles)
         amx_release();
 #endif
     if (wait)

@@ -11,7 +11,9 @@ A model's `Linear` layer (services/worker/models/linear.py) calls these through 
 
 On a CPU with AMX tiles for bfloat16 a prompt's product of bfloat16 weights (PROMPT_ROWS rows or more)
 goes to oneDNN through torch, which multiplies in those tiles; the packed kernel keeps a decode's few
-rows, which reading the weights bounds (`prompt_products`).
+rows, which reading the weights bounds (`prompt_products`). Codes keep `gemm_codes` for prompts too where it
+multiplies in the tiles itself (`code_prompt_products`): it unpacks each panel once a call, where oneDNN would
+need the whole weight unpacked first.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class GemmBuild:
     bf16_rows: bool  # bfloat16 weights take x rounded to bfloat16 (the dot product), not float32
     description: str
     variant: str
-    code_tiles: Callable[[int], int]  # gemm_codes_use_amx: whether 16 rows or more of 4-bit codes use AMX tiles
+    code_tiles: Callable[[int], int]  # gemm_codes_use_amx: whether 16 rows or more of codes use AMX tiles (-1 asks)
 
 
 @functools.cache
@@ -77,7 +79,7 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     width, bf16_rows = (fact() for fact in facts.values())
     description = library.gemm_description().decode()
     if code_tiles(int(native.cpu_flags() >= native.AMX_BF16)):
-        description += ", 4-bit codes by AMX tiles from 16 bfloat16 rows"
+        description += ", codes by AMX tiles from 16 bfloat16 rows (4-bit ones) and for prompts (any)"
     return GemmBuild(
         kernels, codes, codes_bf16, width, bool(bf16_rows), description, native.variant_of(library), code_tiles
     )
@@ -89,6 +91,23 @@ def use_code_tiles(on: bool, build: GemmBuild | None = None) -> bool:
     process use them. The tests compare both ways; the worker keeps what the build chose."""
     build = build or gemm_build()
     return build is not None and bool(build.code_tiles(int(on and native.cpu_flags() >= native.AMX_BF16)))
+
+
+def code_tiles_on(build: GemmBuild | None = None) -> bool:
+    """Whether `build` (the one that runs here) multiplies codes in AMX tiles now (`use_code_tiles`)."""
+    build = build or gemm_build()
+    return build is not None and bool(build.code_tiles(-1))
+
+
+def code_prompt_products() -> str:
+    """Who multiplies a prompt's bfloat16 rows (PROMPT_ROWS or more) against codes: "native" (`gemm_codes`, in AMX
+    tiles where it has them) or "onednn" (the weight unpacked whole to bfloat16 each call, for torch's product).
+    `--prompt-products` forces one; else the native kernel where it has the tiles, and as for bfloat16 weights
+    where it has not."""
+    forced = choice.current().prompt_products
+    if forced != "auto":
+        return forced
+    return "native" if code_tiles_on() else _by_tiles()
 
 
 def prompt_products() -> str:

@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -26,10 +29,14 @@ def no_grad():
         yield
 
 
-def build_or_skip(loader, variant: str):
+def build_or_skip(loader, variant: str | None):
+    """The build, skipping only where no compiler is found or this CPU cannot run it: one that fails to compile
+    fails the test."""
     build = loader(variant)
     if build is None:
-        pytest.skip(f"no {variant} build here (no compiler)")
+        if shutil.which(os.environ.get("CC", "cc")) and (variant is None or variant in native.runnable_variants()):
+            pytest.fail(f"the {variant or 'native'} build of a kernel does not compile or load here")
+        pytest.skip(f"no {variant} build here (no compiler, or this CPU cannot run it)")
     return build
 
 
@@ -193,6 +200,37 @@ def test_four_bit_codes_in_amx_tiles_are_the_dot_products_sums_in_another_order(
         cpu_linear.use_code_tiles(True, build)
 
 
+@pytest.mark.parametrize("kind", ["uint4", "uint8", "fp8"])
+def test_a_prompts_rows_meet_each_panel_unpacked_once_in_amx_tiles(kind):
+    """Where the CPU has AMX tiles for bfloat16, a prompt's bfloat16 rows (64 or more) meet each panel's values,
+    unpacked once a call, in tiles: blocks of 32 and 16 rows there, the last few rows in the dot product, and a
+    width that is not a multiple of 32 in the dot product alone. The values are rounded to bfloat16 as the vector
+    path rounds them, so only the order of the sums differs."""
+    build = build_or_skip(cpu_linear.gemm_build, None)
+    if not build.bf16_rows or not cpu_linear.use_code_tiles(True, build):
+        pytest.skip("no AMX tiles for bfloat16 here (or no bfloat16 dot product in this build)")
+    generator = torch.Generator().manual_seed(9)
+    try:
+        # (rows, n, k, group): 21 rows past 64 take one tile block of 16 and 5 in the dot product; 8,192 inputs
+        # make panels of 512 KiB, so a thread's panels are unpacked two at a time; k = 80 takes no tiles
+        for rows, n, k, group in [(64, 32, 64, 32), (85, 70, 256, 64), (100, 96, 384, 128), (64, 100, 8192, 128),
+                                  (70, 40, 80, 16)]:  # fmt: skip
+            codes, scales, offsets = codes_of(kind, n, k, group, generator)
+            weight = cpu_linear.dequantize_codes(codes, scales, offsets, kind)
+            packed = cpu_linear.pack_codes(codes, scales, offsets, kind, build)
+            x, bias = torch.randn(rows, k, generator=generator).bfloat16(), torch.randn(n, generator=generator)
+            got = {}
+            for tiles in (False, True):
+                assert cpu_linear.use_code_tiles(tiles, build) == tiles
+                got[tiles] = cpu_linear.gemm_codes(x, packed, bias, build=build)
+            assert cpu_linear.code_tiles_on(build)
+            magnitude = x.float().abs() @ weight.abs().T + 1
+            assert ((got[True] - got[False]).abs() / magnitude).max() < 1e-5, (kind, rows, n, k)
+            assert relative_error(got[True], x.float(), weight, bias) < 2**-7, (kind, rows, n, k)
+    finally:
+        cpu_linear.use_code_tiles(True, build)
+
+
 @pytest.mark.slow  # compiles every build afresh: `make test`, not the inner loop
 @pytest.mark.parametrize("variant", BUILDS)
 @pytest.mark.parametrize("kind", ["uint4", "uint8", "fp8"])
@@ -260,3 +298,37 @@ def test_a_prompts_product_of_codes_goes_to_onednn_as_bfloat16_and_a_decodes_sta
         assert relative_error(by_onednn, prompt.bfloat16().float(), weight, layer.bias) < 2**-7
     else:  # float32 rows keep the packed kernel
         assert calls == [] and torch.equal(by_onednn, native_products[0])
+
+
+def test_where_the_codes_kernel_has_amx_tiles_a_prompts_product_stays_with_it(kernels_chosen, monkeypatch):
+    """Under `--prompt-products auto` a bfloat16 model's prompt rows against codes stay with the codes kernel where
+    it multiplies in AMX tiles (each panel unpacked once a call), rather than the whole weight unpacked for
+    oneDNN; without the tiles they go as bfloat16 weights' prompts go."""
+    build = build_or_skip(cpu_linear.gemm_build, None)
+    if not build.bf16_rows or not cpu_linear.use_code_tiles(True, build):
+        pytest.skip("no AMX tiles for bfloat16 here (or no bfloat16 dot product in this build)")
+    from services.worker.models.linear import Linear
+    from services.worker.quantization.methods import CodedMethod
+    from services.worker.quantization.weights import CodedWeight
+
+    generator = torch.Generator().manual_seed(10)
+    codes, scales, offsets = codes_of("uint4", 64, 256, 128, generator)
+    layer = Linear(256, 64)
+    layer.use(CodedMethod(CodedWeight(codes, scales, offsets, "uint4")))
+    layer.prepare(torch.bfloat16)
+    calls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: calls.append(x.shape) or linear(x, w, b))
+    kernels_chosen(prompt_products="auto")
+    prompt = torch.randn(cpu_linear.PROMPT_ROWS + 32, 256, generator=generator)
+    try:
+        assert cpu_linear.code_prompt_products() == "native"
+        assert "prompts' panels unpacked once into AMX tiles" in layer.method.describe()
+        in_tiles = layer(prompt).clone()
+        assert calls == []
+        weight = cpu_linear.dequantize_codes(codes, scales, offsets, "uint4")
+        assert relative_error(in_tiles, prompt.bfloat16().float(), weight, layer.bias.detach()) < 2**-7
+        cpu_linear.use_code_tiles(False, build)
+        assert cpu_linear.code_prompt_products() == cpu_linear.prompt_products()
+    finally:
+        cpu_linear.use_code_tiles(True, build)

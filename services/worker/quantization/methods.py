@@ -247,7 +247,7 @@ class CodedMethod(LinearMethod):
         return linear(x, dense, bias)
 
     def _prompts_by_onednn(self) -> bool:
-        return self.packed is not None and self.bf16_x and cpu_linear.prompt_products() == "onednn"
+        return self.packed is not None and self.bf16_x and cpu_linear.code_prompt_products() == "onednn"
 
     def _by_onednn(self, rows: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
         """A prompt's product in AMX tiles: the weight unpacked once into bfloat16 values, as the packed kernel's
@@ -281,6 +281,8 @@ class CodedMethod(LinearMethod):
         prompts = (
             f"; prompts of {cpu_linear.PROMPT_ROWS} rows or more unpacked to bfloat16 for oneDNN (AMX tiles)"
             if self._prompts_by_onednn()
+            else "; prompts' panels unpacked once into AMX tiles"
+            if self.packed is not None and self.bf16_x and cpu_linear.code_tiles_on()
             else ""
         )
         return f"{self.name}: {kernel}, {rows} rows of x{prompts}"
