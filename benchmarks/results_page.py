@@ -98,10 +98,13 @@ AMX_QUANTIZED_FILES = (
     "sweep-1024-gqa8-w4a16-g64-amx-codes",  # and a decode's 4-bit codes in AMX tiles
     "llama-12l-w4a16-amx-codes",
     "llama-12l-gptq-amx-codes",
+    "llama-12l-w4a16-prompt-tiles",  # and a prompt's rows against codes in the codes kernel's own tiles
+    "llama-12l-gptq-prompt-tiles",
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-amx-attention": "prompt attention in tiles",
     "-amx-codes": "attention and codes in tiles",
+    "-prompt-tiles": "prompts' codes in the kernel's own tiles",
 }
 SCENARIO_NAMES = {
     "mid_c16": "16 streams",

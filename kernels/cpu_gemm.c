@@ -790,14 +790,15 @@ static void *thread_buffer(int which, size_t bytes)
 #if CODES_AMX
 #define AMX_PANEL_BYTES (1 << 20) /* unpacked panels a thread holds at once: half the second-level cache of each
                                    * CPU with AMX tiles */
-/* A prompt's bfloat16 rows (all M) against panels first .. last - 1 of codes in AMX tiles. The panels are unpacked
- * a group at a time, each once a call, and every block of 32 rows passes the whole group while its x stays in
- * the second-level cache; rows short of a tile's 16 take the vector kernel. */
 static inline int64_t panels_at_once(int64_t K)
 {
     const int64_t bytes = panel_bytes(W_BF16, K);
     return AMX_PANEL_BYTES / bytes > 1 ? AMX_PANEL_BYTES / bytes : 1;
 }
+
+/* A prompt's bfloat16 rows (all M) against panels first .. last - 1 of codes in AMX tiles. The panels are unpacked
+ * a group at a time, each once a call, and every block of 32 rows passes the whole group while its x stays in
+ * the second-level cache; rows short of a tile's 16 take the vector kernel. */
 
 static void codes_prompt_amx(int code, const char *x, int64_t x_stride, const uint32_t *panels, const float *scales,
                              const float *offsets, int64_t group, const float *bias, float *y, int64_t y_stride,

@@ -254,8 +254,9 @@ class WorkerConfig:
     prompt_products: str = option(
         "auto",
         "who multiplies a prompt's rows (64 or more) of bfloat16 weights and of 4-bit or 8-bit codes in a bfloat16 "
-        "model on a CPU: oneDNN through torch where the CPU has AMX tiles for bfloat16, else the packed kernels "
-        "(auto), or either, forced",
+        "model on a CPU: for bfloat16 weights oneDNN through torch where the CPU has AMX tiles for bfloat16, for "
+        "codes the packed kernel, in those tiles where the CPU has them (auto); or either, forced (onednn unpacks "
+        "codes whole each call)",
         choices=("auto", "onednn", "native"),
     )
 
