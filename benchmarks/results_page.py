@@ -83,8 +83,7 @@ QUANTIZED_LATER = {
     "sweep-1024-gqa8-w4a16-g64": "sweep-1024-gqa8-w4a16-g64-one",
     "llama-12l-gptq": "llama-12l-gptq-one",
 }
-# Sittings on a CPU with AMX tiles (the table above is AVX-512 without them): W8A8 at 32 decode streams and at 16,
-# W4A16 at one stream.
+# Sittings on a CPU with AMX tiles (the table above is AVX-512 without them), in the order they were made.
 AMX_QUANTIZED_FILES = (
     "llama-12l-w8a8",
     "sweep-1024-gqa8-w8a8-decode",
@@ -100,6 +99,8 @@ AMX_QUANTIZED_FILES = (
     "llama-12l-gptq-amx-codes",
     "llama-12l-w4a16-prompt-tiles",  # and a prompt's rows against codes in the codes kernel's own tiles
     "llama-12l-gptq-prompt-tiles",
+    "sweep-2048-gqa2-w8a8-amx-attention",  # W8A8 on a sweep shape, every AMX path of its kind on
+    "sweep-1280-qwen3-w4a16-prompt-tiles",
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-amx-attention": "prompt attention in tiles",
