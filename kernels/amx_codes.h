@@ -74,69 +74,37 @@ __attribute__((target("amx-tile,amx-bf16"))) static void code_tile_amx(
     for (int r = 0; r < AMX_CODE_ROWS; r++)
         store_row(load_floats(sums + r * NR), load_floats(sums + r * NR + GEMM_VEC), bias, y + r * y_stride, cols);
 }
-/* Four accumulator tiles' sums (rows 16 r + i, columns 16 h + j in parts[2 r + h]) plus the bias into 32 rows of
- * y, or `rows` of them. */
-static void store_tile_rows(float parts[4][16 * 16], const float *bias, float *y, int64_t y_stride, int64_t rows,
-                            int64_t cols)
-{
-    for (int64_t r = 0; r < rows; r++) {
-        const float *top = parts[r / 16 * 2] + r % 16 * 16, *right = parts[r / 16 * 2 + 1] + r % 16 * 16;
-        store_row(load_floats(top), load_floats(right), bias, y + r * y_stride, cols);
-    }
-}
-
 /* A prompt's bfloat16 rows against one panel's values as dequantize_panel lays them out for bfloat16 rows
  * ([K / 2][NR] pairs: a half panel's 32 inputs are tdpbf16ps's second operand as they stand), K a multiple of
- * 32. Blocks of 32 rows keep four accumulator tiles, so each tile loaded serves two products; a last block of
- * 16 keeps two. Returns the rows done, a multiple of 16: the vector kernel takes the rest. */
+ * 32: blocks of 16 rows, two accumulator tiles (one a half panel). Returns the rows done, a multiple of 16: the
+ * vector kernel takes the rest. (Blocks of 32 rows in four accumulators, each tile loaded serving two products,
+ * were slower: docs/kernel-measurements.md.) */
 __attribute__((target("amx-tile,amx-bf16"))) static int64_t panel_rows_amx(const char *x, int64_t x_stride,
                                                                           const uint32_t *values, int64_t K,
                                                                           const float *bias, float *y,
                                                                           int64_t y_stride, int64_t rows,
                                                                           int64_t cols)
 {
-    float parts[4][16 * 16] __attribute__((aligned(64)));
+    float parts[2][16 * 16] __attribute__((aligned(64)));
     const int64_t row_bytes = x_stride * 2;
     int64_t m = 0;
-    for (; m + 32 <= rows; m += 32) {
-        const char *top = x + m * row_bytes, *bottom = top + 16 * row_bytes;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t k = 0; k < K; k += 32) {
-            const uint32_t *pairs = values + k / 2 * NR;
-            _tile_loadd(6, pairs, NR * 4);
-            _tile_loadd(4, top + k * 2, row_bytes);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(5, bottom + k * 2, row_bytes);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_loadd(7, pairs + 16, NR * 4);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, parts[0], 64);
-        _tile_stored(1, parts[1], 64);
-        _tile_stored(2, parts[2], 64);
-        _tile_stored(3, parts[3], 64);
-        store_tile_rows(parts, bias, y + m * y_stride, y_stride, 32, cols);
-    }
-    if (m + 16 <= rows) {
+    for (; m + 16 <= rows; m += 16) {
         const char *top = x + m * row_bytes;
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t k = 0; k < K; k += 32) {
             const uint32_t *pairs = values + k / 2 * NR;
-            _tile_loadd(4, top + k * 2, row_bytes);
-            _tile_loadd(6, pairs, NR * 4);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, pairs + 16, NR * 4);
-            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(2, top + k * 2, row_bytes);
+            _tile_loadd(3, pairs, NR * 4);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_loadd(4, pairs + 16, NR * 4);
+            _tile_dpbf16ps(1, 2, 4);
         }
         _tile_stored(0, parts[0], 64);
         _tile_stored(1, parts[1], 64);
-        store_tile_rows(parts, bias, y + m * y_stride, y_stride, 16, cols);
-        m += 16;
+        for (int r = 0; r < 16; r++)
+            store_row(load_floats(parts[0] + r * 16), load_floats(parts[1] + r * 16), bias, y + (m + r) * y_stride,
+                      cols);
     }
     return m;
 }

@@ -798,7 +798,7 @@ static inline int64_t panels_at_once(int64_t K)
 
 /* A prompt's bfloat16 rows (all M) against panels first .. last - 1 of codes in AMX tiles. The panels are unpacked
  * a group at a time, each once a call, and every block of 32 rows passes the whole group while its x stays in
- * the second-level cache; rows short of a tile's 16 take the vector kernel. */
+ * the first- or second-level cache; rows short of a tile's 16 take the vector kernel. */
 
 static void codes_prompt_amx(int code, const char *x, int64_t x_stride, const uint32_t *panels, const float *scales,
                              const float *offsets, int64_t group, const float *bias, float *y, int64_t y_stride,
@@ -868,7 +868,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
 #if CODES_AMX
     const int tiles = (amx && pairs) || (amx_prompt && prompt);
     if (tiles)
-        amx_configure(8);
+        amx_configure(5);
 #endif
     /* A thread claims its next chunk as the last panels of one begin, so that they ask for the first of the next: a
      * thread's chunks are seldom neighbours. */

@@ -203,7 +203,7 @@ def test_four_bit_codes_in_amx_tiles_are_the_dot_products_sums_in_another_order(
 @pytest.mark.parametrize("kind", ["uint4", "uint8", "fp8"])
 def test_a_prompts_rows_meet_each_panel_unpacked_once_in_amx_tiles(kind):
     """Where the CPU has AMX tiles for bfloat16, a prompt's bfloat16 rows (64 or more) meet each panel's values,
-    unpacked once a call, in tiles: blocks of 32 and 16 rows there, the last few rows in the dot product, and a
+    unpacked once a call, in tiles: blocks of 16 rows there, the last few rows in the dot product, and a
     width that is not a multiple of 32 in the dot product alone. The values are rounded to bfloat16 as the vector
     path rounds them, so only the order of the sums differs."""
     build = build_or_skip(cpu_linear.gemm_build, None)
@@ -211,8 +211,9 @@ def test_a_prompts_rows_meet_each_panel_unpacked_once_in_amx_tiles(kind):
         pytest.skip("no AMX tiles for bfloat16 here (or no bfloat16 dot product in this build)")
     generator = torch.Generator().manual_seed(9)
     try:
-        # (rows, n, k, group): 21 rows past 64 take one tile block of 16 and 5 in the dot product; 8,192 inputs
-        # make panels of 512 KiB, so a thread's panels are unpacked two at a time; k = 80 takes no tiles
+        # (rows, n, k, group): 85 rows are blocks of 32 and 21, the 21 one tile block of 16 and 5 rows in the dot
+        # product; 8,192 inputs make panels of 512 KiB, so a thread's panels are unpacked two at a time; k = 80
+        # takes no tiles
         for rows, n, k, group in [(64, 32, 64, 32), (85, 70, 256, 64), (100, 96, 384, 128), (64, 100, 8192, 128),
                                   (70, 40, 80, 16)]:  # fmt: skip
             codes, scales, offsets = codes_of(kind, n, k, group, generator)
