@@ -101,11 +101,13 @@ AMX_QUANTIZED_FILES = (
     "llama-12l-gptq-prompt-tiles",
     "sweep-2048-gqa2-w8a8-amx-attention",  # W8A8 on a sweep shape, every AMX path of its kind on
     "sweep-1280-qwen3-w4a16-prompt-tiles",
+    "llama-12l-w4a16-prompt-tiles16",  # and those tiles 16 rows at a time
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-amx-attention": "prompt attention in tiles",
     "-amx-codes": "attention and codes in tiles",
     "-prompt-tiles": "prompts' codes in the kernel's own tiles",
+    "-prompt-tiles16": "prompts' codes in tiles 16 rows at a time",
 }
 SCENARIO_NAMES = {
     "mid_c16": "16 streams",
