@@ -787,19 +787,18 @@ static void *thread_buffer(int which, size_t bytes)
     return buffers[which];
 }
 
-#if CODES_AMX
-#define AMX_PANEL_BYTES (1 << 20) /* unpacked panels a thread holds at once: half the second-level cache of each
-                                   * CPU with AMX tiles */
+#define AMX_PANEL_BYTES (1 << 20) /* unpacked panels a thread holds at once in AMX tiles' prompt path: half the
+                                   * second-level cache of each CPU with the tiles */
 static inline int64_t panels_at_once(int64_t K)
 {
     const int64_t bytes = panel_bytes(W_BF16, K);
     return AMX_PANEL_BYTES / bytes > 1 ? AMX_PANEL_BYTES / bytes : 1;
 }
 
+#if CODES_AMX
 /* A prompt's bfloat16 rows (all M) against panels first .. last - 1 of codes in AMX tiles. The panels are unpacked
  * a group at a time, each once a call, and every block of 32 rows passes the whole group while its x stays in
  * the first- or second-level cache; rows short of a tile's 16 take the vector kernel. */
-
 static void codes_prompt_amx(int code, const char *x, int64_t x_stride, const uint32_t *panels, const float *scales,
                              const float *offsets, int64_t group, const float *bias, float *y, int64_t y_stride,
                              int64_t M, int64_t N, int64_t K, int64_t first, int64_t last, char *values)
@@ -844,19 +843,16 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
     const int amx = 0, amx_prompt = 0;
 #endif
     const int kind = x_bf16 ? W_BF16 : W_F32, prompt = M > (amx ? AMX_STREAM_ROWS : STREAM_ROWS);
+    const int prompt_tiles = amx_prompt && prompt;
     const int64_t x_element = x_bf16 ? 2 : 4, words = K / codes_per_word((int)code), groups = K / group;
     /* a prompt's blocks of rows are larger than the float kernel's: each block dequantizes every panel again (in
      * tiles, one block: each panel is unpacked once) */
-    const int64_t fit = K > 0 && !(amx_prompt && prompt) ? 4 * ROW_BLOCK_BYTES / (K * x_element) / MC * MC : 0;
+    const int64_t fit = K > 0 && !prompt_tiles ? 4 * ROW_BLOCK_BYTES / (K * x_element) / MC * MC : 0;
     const int64_t row_block = M > fit && fit ? fit : (M > 0 ? M : 1);
     const int64_t count = (N + NR - 1) / NR, unit_chunks = (count + units_per_chunk - 1) / units_per_chunk;
     const int64_t chunks = unit_chunks * ((M + row_block - 1) / row_block);
     const int pairs = x_bf16 && code == CODE_U4 && !prompt;
-#if CODES_AMX
-    const int64_t held = amx_prompt && prompt ? panels_at_once(K) : 1;
-#else
-    const int64_t held = 1;
-#endif
+    const int64_t held = prompt_tiles ? panels_at_once(K) : 1; /* panels unpacked at once */
     void *values = prompt ? thread_buffer(0, (size_t)(held * panel_bytes(kind, K))) : 0;
     float *x_sums = pairs ? thread_buffer(1, (size_t)(M * groups) * sizeof(float)) : 0;
     if ((prompt && !values) || (pairs && !x_sums))
@@ -866,7 +862,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
         group_sums((const char *)x, x_stride, M, K, group, x_sums);
 #endif
 #if CODES_AMX
-    const int tiles = (amx && pairs) || (amx_prompt && prompt);
+    const int tiles = (amx && pairs) || prompt_tiles;
     if (tiles)
         amx_configure(5);
 #endif
@@ -879,7 +875,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
         const char *xm = (const char *)x + m0 * x_stride * x_element;
         float *ym = y + m0 * y_stride;
 #if CODES_AMX
-        if (amx_prompt && prompt) {
+        if (prompt_tiles) {
             codes_prompt_amx((int)code, xm, x_stride, panels, scales, offsets, group, bias, ym, y_stride, rows, N, K,
                              first, last, values);
             next = claim_chunk(counters);

@@ -173,13 +173,28 @@ def test_int8_products_in_amx_tiles_are_the_vnni_products_bit_for_bit(static):
         cpu_int8_linear.use_tiles(True, build)
 
 
+def code_tiles_build_or_skip():
+    """The build that runs here, its codes kernel's AMX tiles on; a skip where the CPU (or the build) has none."""
+    build = build_or_skip(cpu_linear.gemm_build, None)
+    if not build.bf16_rows or not cpu_linear.use_code_tiles(True, build):
+        pytest.skip("no AMX tiles for bfloat16 here (or no bfloat16 dot product in this build)")
+    return build
+
+
+def products_without_and_with_code_tiles(x, packed, bias, build) -> dict[bool, torch.Tensor]:
+    """`gemm_codes` of x with the codes kernel's AMX tiles off (False) and on (True)."""
+    got = {}
+    for tiles in (False, True):
+        assert cpu_linear.use_code_tiles(tiles, build) == tiles
+        got[tiles] = cpu_linear.gemm_codes(x, packed, bias, build=build)
+    return got
+
+
 def test_four_bit_codes_in_amx_tiles_are_the_dot_products_sums_in_another_order():
     """Where the CPU has AMX tiles for bfloat16, 4-bit codes meet blocks of 16 bfloat16 rows (of up to 63 rows) in
     them, the rest of the rows in the dot product: the same exact code values and group corrections as the dot
     product's decode rows, the sums within a group in another order."""
-    build = build_or_skip(cpu_linear.gemm_build, None)
-    if not build.bf16_rows or not cpu_linear.use_code_tiles(True, build):
-        pytest.skip("no AMX tiles for bfloat16 here (or no bfloat16 dot product in this build)")
+    build = code_tiles_build_or_skip()
     generator = torch.Generator().manual_seed(8)
     try:
         for rows, n, k, group in [(16, 32, 64, 32), (17, 70, 256, 64), (31, 64, 512, 128), (48, 40, 768, 256),
@@ -188,10 +203,7 @@ def test_four_bit_codes_in_amx_tiles_are_the_dot_products_sums_in_another_order(
             weight = cpu_linear.dequantize_codes(codes, scales, offsets, "uint4")
             packed = cpu_linear.pack_codes(codes, scales, offsets, "uint4", build)
             x, bias = torch.randn(rows, k, generator=generator).bfloat16(), torch.randn(n, generator=generator)
-            got = {}
-            for tiles in (False, True):
-                assert cpu_linear.use_code_tiles(tiles, build) == tiles
-                got[tiles] = cpu_linear.gemm_codes(x, packed, bias, build=build)
+            got = products_without_and_with_code_tiles(x, packed, bias, build)
             assert relative_error(got[True], x.float(), weight, bias) < 1e-5, (rows, n, k, group)
             # without the tiles, past STREAM_ROWS rows the weight is rounded to bfloat16 (a prompt's panels)
             bound = 2e-5 if rows <= STREAM_ROWS else 2**-8
@@ -206,9 +218,7 @@ def test_a_prompts_rows_meet_each_panel_unpacked_once_in_amx_tiles(kind):
     unpacked once a call, in tiles: blocks of 16 rows there, the last few rows in the dot product, and a
     width that is not a multiple of 32 in the dot product alone. The values are rounded to bfloat16 as the vector
     path rounds them, so only the order of the sums differs."""
-    build = build_or_skip(cpu_linear.gemm_build, None)
-    if not build.bf16_rows or not cpu_linear.use_code_tiles(True, build):
-        pytest.skip("no AMX tiles for bfloat16 here (or no bfloat16 dot product in this build)")
+    build = code_tiles_build_or_skip()
     generator = torch.Generator().manual_seed(9)
     try:
         # (rows, n, k, group): 85 rows are blocks of 32 and 21, the 21 one tile block of 16 and 5 rows in the dot
@@ -220,10 +230,7 @@ def test_a_prompts_rows_meet_each_panel_unpacked_once_in_amx_tiles(kind):
             weight = cpu_linear.dequantize_codes(codes, scales, offsets, kind)
             packed = cpu_linear.pack_codes(codes, scales, offsets, kind, build)
             x, bias = torch.randn(rows, k, generator=generator).bfloat16(), torch.randn(n, generator=generator)
-            got = {}
-            for tiles in (False, True):
-                assert cpu_linear.use_code_tiles(tiles, build) == tiles
-                got[tiles] = cpu_linear.gemm_codes(x, packed, bias, build=build)
+            got = products_without_and_with_code_tiles(x, packed, bias, build)
             assert cpu_linear.code_tiles_on(build)
             magnitude = x.float().abs() @ weight.abs().T + 1
             assert ((got[True] - got[False]).abs() / magnitude).max() < 1e-5, (kind, rows, n, k)
@@ -305,9 +312,7 @@ def test_where_the_codes_kernel_has_amx_tiles_a_prompts_product_stays_with_it(ke
     """Under `--prompt-products auto` a bfloat16 model's prompt rows against codes stay with the codes kernel where
     it multiplies in AMX tiles (each panel unpacked once a call), rather than the whole weight unpacked for
     oneDNN; without the tiles they go as bfloat16 weights' prompts go."""
-    build = build_or_skip(cpu_linear.gemm_build, None)
-    if not build.bf16_rows or not cpu_linear.use_code_tiles(True, build):
-        pytest.skip("no AMX tiles for bfloat16 here (or no bfloat16 dot product in this build)")
+    build = code_tiles_build_or_skip()
     from services.worker.models.linear import Linear
     from services.worker.quantization.methods import CodedMethod
     from services.worker.quantization.weights import CodedWeight
