@@ -8,6 +8,7 @@ is timed at its best. Needs CUDA. Prints a table and writes benchmarks/results/l
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -21,12 +22,13 @@ from kernels.lora_triton import FIELDS, lora_add_triton  # noqa: E402
 from shared.lora import page_layout  # noqa: E402
 
 GROUP = {"q_proj": (4096, 4096), "k_proj": (4096, 1024), "v_proj": (4096, 1024)}
-COLUMNS = {"q_proj": 0, "k_proj": 4096, "v_proj": 5120}
 RANK, DTYPE, HALF = 16, torch.float16, 16 * 8 * 128  # one layer's keys in a block: 16 tokens, 8 heads, 128
 
 
-def case(adapters: int, rows: int, device: str = "cuda", timing: bool = True) -> dict:
-    count, parts = page_layout(RANK, tuple(GROUP), GROUP, HALF)
+def case(adapters: int, rows: int, device: str = "cuda", timing: bool = True, group: dict = GROUP) -> dict:
+    """`group`: each projection's (inputs, outputs), side by side in the output in this order."""
+    count, parts = page_layout(RANK, tuple(group), group, HALF)
+    columns = dict(zip(group, [0, *itertools.accumulate(size_out for _, size_out in group.values())]))
     blocks = adapters * count + 64
     pool = torch.zeros((2 * blocks, HALF), dtype=DTYPE, device=device)
     order = torch.randperm(blocks).tolist()
@@ -36,9 +38,9 @@ def case(adapters: int, rows: int, device: str = "cuda", timing: bool = True) ->
     for index in range(adapters):
         pages = torch.tensor(order[index * count : (index + 1) * count])
         page_table[index] = torch.cat([pages, pages + blocks])
-        row = [RANK, len(GROUP)]
+        row = [RANK, len(group)]
         matrices = {}
-        for projection, (_, size_out) in GROUP.items():
+        for projection, (_, size_out) in group.items():
             a, b = parts[projection, "A"], parts[projection, "B"]
             starts = [part.region * count * HALF + part.offset for part in (a, b)]
             for start, part in zip(starts, (a, b)):
@@ -46,14 +48,14 @@ def case(adapters: int, rows: int, device: str = "cuda", timing: bool = True) ->
                 at = start + torch.arange(values.numel(), device=device)
                 pool[page_table[index].to(device)[at // HALF], at % HALF] = values
                 matrices[projection, part is a] = values.view(part.rows, part.cols)
-            row += [*starts, COLUMNS[projection], size_out]
+            row += [*starts, columns[projection], size_out]
         table[index] = torch.tensor(row)
         contiguous.append(matrices)
     units = torch.tensor([(r, r % adapters) for r in range(rows)], dtype=torch.int64, device=device)
-    width_in = GROUP["q_proj"][0]
-    widest = max(size_out for _, size_out in GROUP.values())
+    width_in = next(iter(group.values()))[0]
+    widest = max(size_out for _, size_out in group.values())
     x = torch.randn(rows, width_in, dtype=DTYPE, device=device)
-    out = torch.zeros(rows, sum(size_out for _, size_out in GROUP.values()), dtype=DTYPE, device=device)
+    out = torch.zeros(rows, sum(size_out for _, size_out in group.values()), dtype=DTYPE, device=device)
     table, page_table = table.to(device), page_table.to(device)
 
     def kernel():
@@ -65,9 +67,9 @@ def case(adapters: int, rows: int, device: str = "cuda", timing: bool = True) ->
         for index, members in enumerate(groups):
             if not len(members):
                 continue
-            for projection in GROUP:
+            for projection in group:
                 a, b = contiguous[index][projection, True], contiguous[index][projection, False]
-                first = COLUMNS[projection]
+                first = columns[projection]
                 out[members, first : first + b.shape[1]] += (x[members] @ a.t()) @ b
 
     check = out.clone()

@@ -362,6 +362,8 @@ def test_lora_bench_spreads_requests_over_adapters_and_compares_with_the_base_mo
 
 
 def test_lora_kernel_bench_checks_its_kernel_against_the_loop_with_more_adapters_than_rows():
-    """Each case it times on a GPU, checked here under Triton's interpreter (without the timing)."""
+    """Each case it times on a GPU, checked here under Triton's interpreter (without the timing), on a narrower
+    group of projections than the GPU's 8B one, as the interpreter is slow."""
     bench = load("lora_kernel_bench")
-    assert bench.case(16, 4, device="cpu", timing=False) == {}
+    narrow = {"q_proj": (256, 256), "k_proj": (256, 64), "v_proj": (256, 64)}
+    assert bench.case(16, 4, device="cpu", timing=False, group=narrow) == {}

@@ -63,8 +63,9 @@ def test_on_the_triton_kernels_each_layer_takes_its_gpu_path_and_stays_close(qua
     assert methods and all(getattr(m, "by_triton", False) or getattr(m, "gpu", None) is not None for m in methods), [
         m.describe() for m in methods
     ]
-    ours = engine.generate_with_logprobs(PROMPTS[:2], max_tokens=6)
-    reference = [quantized.greedy_with_logprobs("llama", fmt, p, 6, torch.float32) for p in PROMPTS[:2]]
+    # a prompt step and two decode steps: each launch costs the interpreter as much whatever its rows
+    ours = engine.generate_with_logprobs(PROMPTS[:2], max_tokens=3)
+    reference = [quantized.greedy_with_logprobs("llama", fmt, p, 3, torch.float32) for p in PROMPTS[:2]]
     check_logprobs_close(ours, reference)
 
 
