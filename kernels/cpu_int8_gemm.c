@@ -197,6 +197,35 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_block(const int8_t 
     _tile_stored(1, sums + 16, I8_NR * 4);
 }
 
+/* Panels first .. last - 1 against the block's rows 0 .. rows / 16 * 16 - 1 (codes rows `padded` bytes apart), in
+ * tiles, each block of 16 rows passing every panel in turn: an output row is written a run of the chunk's columns
+ * at a time (panel by panel, the blocks of rows wrote 16 rows' short pieces far apart, which cost more than the
+ * products on wide layers). Words of k past amx_words go through tile_sums. The rows left to the VNNI loop. */
+static int64_t amx_chunk(const int8_t *codes, int64_t padded, int64_t rows, const int32_t *panels, int64_t words,
+                         int64_t amx_words, int64_t first, int64_t last, int64_t N, const int32_t *colsums,
+                         const float *scales, const float *w_scales, const float *bias, float *y, int64_t y_stride)
+{
+    int32_t sums[AMX_ROWS * I8_NR];
+    int64_t m = 0;
+    for (; m + AMX_ROWS <= rows; m += AMX_ROWS) {
+        const int8_t *xm = codes + m * padded;
+        for (int64_t p = first; p < last; p++) {
+            const int64_t n = p * I8_NR, cols = N - n < I8_NR ? N - n : I8_NR;
+            const int32_t *w = panels + p * words * I8_NR;
+            amx_block(xm, padded, w, amx_words / AMX_WORDS, sums);
+            for (int64_t r = 0; r < AMX_ROWS; r += I8_MR) {
+                int32_t *part = sums + r * I8_NR;
+                if (amx_words < words)
+                    tile_of(I8_MR, xm + r * padded + 4 * amx_words, padded, w + amx_words * I8_NR, words - amx_words,
+                            part, 1, 0, 1);
+                store_rows(I8_MR, part, colsums + n, scales + m + r, w_scales + n, bias ? bias + n : 0,
+                           y + (m + r) * y_stride + n, y_stride, cols);
+            }
+        }
+    }
+    return m;
+}
+
 /* Whether products of 16 rows or more use the tiles from now on: `on` where the CPU has them (the caller knows
  * its flags), and only once Linux lets this process use their state (arch_prctl ARCH_REQ_XCOMP_PERM for
  * XTILEDATA); the answer. */
@@ -229,6 +258,41 @@ __attribute__((noinline, optimize("no-fast-math"))) static void row_scale(float 
     *inverse = top > 0 ? 127.5f / top : 0.0f;
 }
 
+#if I8_KIND == 2
+/* A row's largest magnitude, 16 values a vector (the maximum is the same in any order). */
+static float largest_magnitude(const float *x, int64_t K)
+{
+    __m512 top = _mm512_setzero_ps(), tops[4] = {top, top, top, top}; /* four loads in flight */
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64)
+        for (int v = 0; v < 4; v++)
+            tops[v] = _mm512_max_ps(tops[v], _mm512_abs_ps(_mm512_loadu_ps(x + k + 16 * v)));
+    top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
+    for (; k + 16 <= K; k += 16)
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    if (k < K)
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps((__mmask16)((1u << (K - k)) - 1), x + k)));
+    return _mm512_reduce_max_ps(top);
+}
+
+/* The codes of a row's whole vectors of 16 values, as the loop after it computes them one at a time: the product by
+ * the inverse scale, rounded to the nearest integer (even at a tie), then clamped, so exact in int32 and in a byte.
+ * How far it went. */
+static int64_t quantize_vectors(const float *x, int64_t K, float inverse, const int unsigned_codes, int8_t *codes)
+{
+    const __m512 by = _mm512_set1_ps(inverse), low = _mm512_set1_ps(-128.0f), high = _mm512_set1_ps(127.0f);
+    const __m128i flip = _mm_set1_epi8(unsigned_codes ? (char)0x80 : 0);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + k), by),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_ps(_mm512_max_ps(q, low), high);
+        _mm_storeu_si128((__m128i *)(codes + k), _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)), flip));
+    }
+    return k;
+}
+#endif
+
 /* Rows first .. last - 1 of x as codes (see the top of the file); a row's codes past K, up to padded, zero. */
 static void quantize_range(const float *x, int64_t x_stride, int64_t K, int64_t padded, int8_t *codes,
                            int64_t code_stride, float *scales, float static_scale, int64_t first, int64_t last,
@@ -239,19 +303,26 @@ static void quantize_range(const float *x, int64_t x_stride, int64_t K, int64_t 
         int8_t *out = codes + r * code_stride;
         float top = 0, inverse, scale;
         if (static_scale <= 0) {
+#if I8_KIND == 2
+            top = largest_magnitude(xr, K);
+#else
 #pragma omp simd reduction(max : top)
             for (int64_t k = 0; k < K; k++)
                 top = fmaxf(top, fabsf(xr[k]));
+#endif
         }
         row_scale(top, static_scale, &scale, &inverse);
         scales[r] = scale;
         const int bias = unsigned_codes ? 128 : 0; /* x + 128 as an unsigned byte: the same bits as x ^ 0x80 */
-#pragma omp simd
-        for (int64_t k = 0; k < K; k++) {
+        int64_t k = 0;
+#if I8_KIND == 2
+        k = quantize_vectors(xr, K, inverse, unsigned_codes, out);
+#endif
+        for (; k < K; k++) {
             const float q = rintf(xr[k] * inverse);
             out[k] = (int8_t)((int)(q > 127.0f ? 127.0f : q < -128.0f ? -128.0f : q) + bias);
         }
-        for (int64_t k = K; k < padded; k++)
+        for (k = K; k < padded; k++)
             out[k] = (int8_t)bias;
     }
 }
@@ -292,7 +363,6 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
     if (amx)
         amx_configure(5);
     const int64_t amx_words = words / AMX_WORDS * AMX_WORDS;
-    int32_t amx_sums[AMX_ROWS * I8_NR];
 #endif
     /* A thread claims its next chunk as the last panels of one begin, so that they ask for the first of the next: a
      * thread's chunks are seldom neighbours, and a chunk that started cold would wait on its reads. */
@@ -305,6 +375,12 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
                            I8_KIND == 2);
             quantized = m0;
         }
+        int64_t m0_vnni = 0; /* the block's rows from here on take the VNNI loop */
+#if I8_AMX
+        if (amx)
+            m0_vnni = amx_chunk(codes, padded, rows, panels, words, amx_words, first, last, N, colsums, scales,
+                                w_scales, bias, y + m0 * y_stride, y_stride);
+#endif
         for (int64_t p = first; p < last; p++) {
             const int64_t n = p * I8_NR, cols = N - n < I8_NR ? N - n : I8_NR;
             const int32_t *w = panels + p * words * I8_NR;
@@ -315,23 +391,6 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
              * burst (one or two rows stream faster by the hardware's prefetch alone, as in cpu_gemm.c). */
             const int64_t later = panel_after(p, PREFETCH_PANELS, last, next_first);
             const char *ahead = rows >= 3 && later < count ? (const char *)(panels + later * words * I8_NR) : 0;
-            int64_t m0_vnni = 0;
-#if I8_AMX
-            if (amx) {
-                for (; m0_vnni + AMX_ROWS <= rows; m0_vnni += AMX_ROWS) {
-                    const int8_t *xm = codes + m0_vnni * padded;
-                    amx_block(xm, padded, w, amx_words / AMX_WORDS, amx_sums);
-                    for (int64_t m = 0; m < AMX_ROWS; m += I8_MR) {
-                        int32_t *part = amx_sums + m * I8_NR;
-                        if (amx_words < words)
-                            tile_of(I8_MR, xm + m * padded + 4 * amx_words, padded, w + amx_words * I8_NR,
-                                    words - amx_words, part, 1, 0, 1);
-                        store_rows(I8_MR, part, colsums + n, scales + m0_vnni + m, w_scales + n,
-                                   bias ? bias + n : 0, y + (m0 + m0_vnni + m) * y_stride + n, y_stride, cols);
-                    }
-                }
-            }
-#endif
             const int64_t tiles = (rows - m0_vnni + I8_MR - 1) / I8_MR, share = tiles ? (words + tiles - 1) / tiles : 0;
             for (int64_t m = m0_vnni, t = 0; m < rows; m += I8_MR, t++) {
                 const int tile_rows = rows - m < I8_MR ? (int)(rows - m) : I8_MR;
