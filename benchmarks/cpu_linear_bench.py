@@ -116,6 +116,16 @@ def probe() -> dict:
         if amx_ops > 0 and peak.amx_int8_rounds(1) != -1 and tiles_from_16_rows()
         else None
     )
+    # Every core's tiles at once: on a VM whose cores share a physical core's tile unit this is not cores x `amx`.
+    amx_every_core = (
+        len(os.sched_getaffinity(0))
+        * amx_ops
+        * amx_rounds
+        / min(_timed(lambda: on_every_core(peak.amx_int8_rounds, amx_rounds)) for _ in range(3))
+        / 1e9
+        if amx is not None
+        else None
+    )
     data = torch.ones(256 << 18)  # 256 MiB
     read = data.nbytes / min(_timed(lambda: peak.read_all(data.data_ptr(), data.nbytes)) for _ in range(5)) / 1e9
     every_core = data.nbytes / min(_timed(lambda: read_in_parallel(peak, data)) for _ in range(5)) / 1e9
@@ -126,6 +136,7 @@ def probe() -> dict:
         "bf16_native": has_dot,
         "int8_gops": round(int8, 1),
         "amx_int8_gops": None if amx is None else round(amx, 1),  # the int8 kernel's peak from 16 rows
+        "amx_int8_all_cores_gops": None if amx_every_core is None else round(amx_every_core, 1),
         "read_gb_s": round(read, 1),
         "read_all_cores_gb_s": round(every_core, 1),
         "cores": len(os.sched_getaffinity(0)),
@@ -135,7 +146,15 @@ def probe() -> dict:
 def read_in_parallel(peak, data: torch.Tensor) -> None:
     """`data` read by one thread per core, each its own share (ctypes lets go of the interpreter's lock)."""
     shares = data.chunk(len(os.sched_getaffinity(0)))
-    threads = [threading.Thread(target=peak.read_all, args=(share.data_ptr(), share.nbytes)) for share in shares]
+    run_together([threading.Thread(target=peak.read_all, args=(share.data_ptr(), share.nbytes)) for share in shares])
+
+
+def on_every_core(function, *args) -> None:
+    """`function(*args)` on one thread per core at once."""
+    run_together([threading.Thread(target=function, args=args) for _ in os.sched_getaffinity(0)])
+
+
+def run_together(threads: list[threading.Thread]) -> None:
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -229,7 +248,12 @@ def peak_of(layout: str, rows: int, peaks: dict) -> float:
 
 
 def per_weight(peaks: dict) -> list[dict]:
-    amx = f", in AMX tiles from {AMX_ROWS} rows {peaks['amx_int8_gops']}" if peaks["amx_int8_gops"] else ""
+    amx = (
+        f", in AMX tiles from {AMX_ROWS} rows {peaks['amx_int8_gops']} (every core at once "
+        f"{peaks['amx_int8_all_cores_gops']})"
+        if peaks["amx_int8_gops"]
+        else ""
+    )
     print(
         f"\nGFLOP/s, one thread (% of the dtype's peak: float32 {peaks['f32_gflops']}, "
         f"bfloat16 {peaks['bf16_gflops']}, int8 {peaks['int8_gops']}{amx} GOP/s; 4-bit codes: bfloat16's)"
