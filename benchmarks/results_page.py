@@ -102,12 +102,14 @@ AMX_QUANTIZED_FILES = (
     "sweep-2048-gqa2-w8a8-amx-attention",  # W8A8 on a sweep shape, every AMX path of its kind on
     "sweep-1280-qwen3-w4a16-prompt-tiles",
     "llama-12l-w4a16-prompt-tiles16",  # and those tiles 16 rows at a time
+    "llama-12l-w8a8-chunk-rows",  # the int8 tiles' rows passing a chunk's panels, and quantizing in vectors
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-amx-attention": "prompt attention in tiles",
     "-amx-codes": "attention and codes in tiles",
     "-prompt-tiles": "prompts' codes in the kernel's own tiles",
     "-prompt-tiles16": "prompts' codes in tiles 16 rows at a time",
+    "-chunk-rows": "int8 rows across a chunk's panels",
 }
 SCENARIO_NAMES = {
     "mid_c16": "16 streams",
