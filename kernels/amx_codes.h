@@ -1,6 +1,7 @@
 /* Codes in AMX tiles (Sapphire Rapids and later) for cpu_gemm.c's gemm_codes, included there after
- * code_tile_pairs, whose arithmetic it keeps: a decode's 4-bit codes against 16 bfloat16 rows of x at a time, and
- * a prompt's rows against each panel's values once unpacked (panel_rows_amx, below).
+ * code_tile_pairs, whose arithmetic it keeps: a decode's 4-bit codes against 16 bfloat16 rows of x at a time (its
+ * last 2 to 15 rows padded with zero rows: a tile's products cost no more than a few rows' dot products), and a
+ * prompt's rows against each panel's values once unpacked (panel_rows_amx, below).
  *
  * code_pairs turns a word of codes into 16 columns' bfloat16 pairs (128 + c, 128 + c') of inputs k + 2j and
  * k + 2j + 1: one row of tdpbf16ps's second operand as it stands. So 32 inputs of a half panel (16 columns) are
@@ -13,10 +14,11 @@
 #include "amx.h"
 
 #define AMX_CODE_ROWS 16 /* rows of x a tile takes */
+#define AMX_PARTIAL_ROWS 2 /* a decode's rows past its last whole 16, from this many, take a tile padded with zeros */
 #define AMX_CODE_CHUNK 128 /* inputs of a group unpacked at a time: four tiles of 32 a half panel */
 static int codes_amx_on; /* set once Linux lets this process use the tiles and the caller asked */
 
-/* Whether products of 16 rows or more over codes (4-bit ones for a decode's rows) take the tiles from now on:
+/* Whether products over codes (4-bit ones from 2 rows, for a decode's rows; any from 64) take the tiles from now on:
  * `on` where the CPU has them (the caller knows its flags), and only once Linux lets this process use their state
  * (ARCH_REQ_XCOMP_PERM for XTILEDATA); the answer, unchanged where `on` is negative. */
 int64_t gemm_codes_use_amx(int64_t on)
@@ -26,11 +28,12 @@ int64_t gemm_codes_use_amx(int64_t on)
     return codes_amx_on;
 }
 
-/* code_tile_pairs for 16 rows in tiles (group a multiple of 32). */
+/* code_tile_pairs for 16 rows in tiles (group a multiple of 32), of which the first `rows` are x's (the rest, zeros
+ * where rows < 16, give sums no one reads). */
 __attribute__((target("amx-tile,amx-bf16"))) static void code_tile_amx(
     const char *x, int64_t x_stride, const uint32_t *w, const float *scales, const float *offsets,
     const float *x_sums, int64_t groups, int64_t group, const float *bias, float *y, int64_t y_stride, int64_t cols,
-    int64_t later)
+    int64_t later, int rows)
 {
     const char *ahead = later ? (const char *)(w + later * (groups * group / 8) * NR) : 0;
     uint32_t pairs[2][AMX_CODE_CHUNK / 32][16 * 16] __attribute__((aligned(64))); /* [half][tile][pair row][column] */
@@ -67,11 +70,11 @@ __attribute__((target("amx-tile,amx-bf16"))) static void code_tile_amx(
         }
         _tile_stored(0, parts[0], 64);
         _tile_stored(1, parts[1], 64);
-        for (int r = 0; r < AMX_CODE_ROWS; r++)
+        for (int r = 0; r < rows; r++)
             add_group(sums + r * NR, load_floats(parts[0] + r * 16), load_floats(parts[1] + r * 16), scales, offsets,
                       g, x_sums[r * groups + g]);
     }
-    for (int r = 0; r < AMX_CODE_ROWS; r++)
+    for (int r = 0; r < rows; r++)
         store_row(load_floats(sums + r * NR), load_floats(sums + r * NR + GEMM_VEC), bias, y + r * y_stride, cols);
 }
 /* A prompt's bfloat16 rows against one panel's values as dequantize_panel lays them out for bfloat16 rows

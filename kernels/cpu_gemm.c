@@ -530,7 +530,8 @@ int64_t gemm_bf16(const void *x, int64_t x_stride, const uint32_t *panels, const
  * memory: for bfloat16 rows, 4-bit codes c become the bfloat16 numbers 128 + c (exact, and made by
  * bit operations alone), each group's sums of (128 + c) x are scaled once, and the 128 and the offset come back
  * through the group's sum of x; elsewhere each value is code x scale + offset in float32. Where the CPU has AMX
- * tiles for bfloat16, blocks of 16 such rows take 4-bit codes in them (amx_codes.h), up to AMX_STREAM_ROWS rows.
+ * tiles for bfloat16, blocks of 16 such rows take 4-bit codes in them (amx_codes.h), up to AMX_STREAM_ROWS rows,
+ * and so do the last 2 to 15, padded with zero rows.
  * A prompt's many rows take each panel's values once into a buffer in the layout of the float32 or bfloat16
  * panels above (as x's rows are), and the float kernel runs over it, or for bfloat16 rows AMX tiles where
  * the CPU has them. */
@@ -836,7 +837,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
         return -1;
 #if CODES_AMX
     /* 4-bit codes against blocks of 16 bfloat16 rows in tiles, up to the rows a prompt's product takes */
-    const int amx = codes_amx_on && x_bf16 && code == CODE_U4 && group % 32 == 0 && M >= AMX_CODE_ROWS;
+    const int amx = codes_amx_on && x_bf16 && code == CODE_U4 && group % 32 == 0 && M >= AMX_PARTIAL_ROWS;
     /* and a prompt's rows against any codes' unpacked panels */
     const int amx_prompt = codes_amx_on && x_bf16 && K % 32 == 0;
 #else
@@ -863,6 +864,18 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
 #endif
 #if CODES_AMX
     const int tiles = (amx && pairs) || prompt_tiles;
+    /* A decode's rows past its last whole 16 (one block of rows), from AMX_PARTIAL_ROWS, in a tile too: this thread's
+     * copy of them, followed by zero rows. */
+    const int64_t tail = amx && pairs && row_block == M ? M % AMX_CODE_ROWS : 0;
+    char *padded = tail >= AMX_PARTIAL_ROWS ? thread_buffer(0, (size_t)(AMX_CODE_ROWS * K * 2)) : 0;
+    if (tail >= AMX_PARTIAL_ROWS && !padded)
+        return -1;
+    for (int64_t r = 0; padded && r < AMX_CODE_ROWS; r++) {
+        if (r < tail)
+            memcpy(padded + r * K * 2, (const char *)x + (M - tail + r) * x_stride * 2, (size_t)K * 2);
+        else
+            memset(padded + r * K * 2, 0, (size_t)K * 2);
+    }
     if (tiles)
         amx_configure(5);
 #endif
@@ -901,8 +914,15 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
                     const int64_t later_panel = panel_after(p, PREFETCH_PANELS, last, next_first);
                     const int64_t later = m == 0 && later_panel < count ? later_panel - p : 0;
                     code_tile_amx(xm + m * x_stride * x_element, x_stride, w, sc, of, x_sums + (m0 + m) * groups,
-                                  groups, group, b, ym + m * y_stride + n, y_stride, cols, later);
+                                  groups, group, b, ym + m * y_stride + n, y_stride, cols, later, AMX_CODE_ROWS);
                 }
+            if (padded && m < rows) { /* the tail */
+                const int64_t later_panel = panel_after(p, PREFETCH_PANELS, last, next_first);
+                const int64_t later = m == 0 && later_panel < count ? later_panel - p : 0;
+                code_tile_amx(padded, K, w, sc, of, x_sums + (m0 + m) * groups, groups, group, b, ym + m * y_stride + n,
+                              y_stride, cols, later, (int)(rows - m));
+                m = rows;
+            }
 #endif
             for (; m < rows; m += MR) {
                 const int tile_rows = rows - m < MR ? (int)(rows - m) : MR;

@@ -79,7 +79,7 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     width, bf16_rows = (fact() for fact in facts.values())
     description = library.gemm_description().decode()
     if code_tiles(int(native.cpu_flags() >= native.AMX_BF16)):
-        description += ", AMX tiles for 4-bit codes from 16 bfloat16 rows and for any codes from 64"
+        description += ", AMX tiles for 4-bit codes from 2 bfloat16 rows and for any codes from 64"
     return GemmBuild(
         kernels, codes, codes_bf16, width, bool(bf16_rows), description, native.variant_of(library), code_tiles
     )

@@ -192,13 +192,15 @@ def products_without_and_with_code_tiles(x, packed, bias, build) -> dict[bool, t
 
 def test_four_bit_codes_in_amx_tiles_are_the_dot_products_sums_in_another_order():
     """Where the CPU has AMX tiles for bfloat16, 4-bit codes meet blocks of 16 bfloat16 rows (of up to 63 rows) in
-    them, the rest of the rows in the dot product: the same exact code values and group corrections as the dot
-    product's decode rows, the sums within a group in another order."""
+    them, and the rows past the last whole 16, from two, in a tile padded with zero rows (a single one in the dot
+    product): the same exact code values and group corrections as the dot product's decode rows, the sums within a
+    group in another order."""
     build = code_tiles_build_or_skip()
     generator = torch.Generator().manual_seed(8)
     try:
         for rows, n, k, group in [(16, 32, 64, 32), (17, 70, 256, 64), (31, 64, 512, 128), (48, 40, 768, 256),
-                                  (63, 96, 384, 384), (16, 33, 96, 32)]:  # fmt: skip
+                                  (63, 96, 384, 384), (16, 33, 96, 32), (2, 40, 128, 32), (5, 70, 256, 128),
+                                  (15, 33, 96, 32), (18, 64, 256, 64), (1, 32, 64, 32)]:  # fmt: skip
             codes, scales, offsets = codes_of("uint4", n, k, group, generator)
             weight = cpu_linear.dequantize_codes(codes, scales, offsets, "uint4")
             packed = cpu_linear.pack_codes(codes, scales, offsets, "uint4", build)
