@@ -12,6 +12,7 @@
 
 #include "bfloat16.h"
 #include "claims.h"
+#include "silu.h"
 
 static inline __attribute__((always_inline)) int64_t silu_mul(
     const float *gate_up, int64_t stride, void *out, int64_t out_stride, int64_t rows, int64_t width,
@@ -26,14 +27,14 @@ static inline __attribute__((always_inline)) int64_t silu_mul(
                 uint16_t *o = (uint16_t *)out + r * out_stride;
 #pragma omp simd
                 for (int64_t i = 0; i < width; i++)
-                    o[i] = bfloat16_of(gate[i] / (1.0f + expf(-gate[i])) * up[i]);
+                    o[i] = bfloat16_of(silu(gate[i]) * up[i]);
                 continue;
             }
             float *o = (float *)out + r * out_stride;
             /* out may be gate_up itself (the gate half, overwritten): each o[i] depends on that i alone. */
 #pragma omp simd
             for (int64_t i = 0; i < width; i++)
-                o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+                o[i] = silu(gate[i]) * up[i];
         }
     }
     if (wait)

@@ -46,6 +46,7 @@
 
 #include "bfloat16.h"
 #include "claims.h"
+#include "silu.h"
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -399,12 +400,12 @@ static void store_gated(const float *gate, const float *up, int rows, int64_t co
             uint16_t *o = (uint16_t *)y + r * y_stride;
 #pragma omp simd
             for (int64_t i = 0; i < cols; i++)
-                o[i] = bfloat16_of(g[i] / (1.0f + expf(-g[i])) * u[i]);
+                o[i] = bfloat16_of(silu(g[i]) * u[i]);
         } else {
             float *o = (float *)y + r * y_stride;
 #pragma omp simd
             for (int64_t i = 0; i < cols; i++)
-                o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+                o[i] = silu(g[i]) * u[i];
         }
     }
 }

@@ -29,6 +29,18 @@ def test_the_kernel_matches_silu_times_up_on_one_thread_or_shared(rows, width, t
     torch.testing.assert_close(silu_and_mul(gate_up.clone(), width), expected(gate_up, width), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bf16_rows", [False, True], ids=["float32", "bfloat16"])
+def test_gates_far_below_zero_give_minus_zero_not_nan(bf16_rows):
+    """Past -88, e^-gate overflows float32: SiLU is still -0 to its precision (torch's), not NaN."""
+    if native_kernel() is None:
+        pytest.skip("no C compiler here")
+    gate_up = torch.randn(64, 2 * 256)
+    gate_up[:, :256] = -torch.logspace(1.9, 4, 64 * 256).view(64, 256)  # -79 .. -10,000
+    got = silu_and_mul(gate_up.clone(), 256, bf16_rows=bf16_rows).float()
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected(gate_up, 256), atol=1e-30, rtol=0)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_rows_are_the_float32_result_rounded_as_torch_rounds_it_and_leave_gate_up_as_it_was(threads, monkeypatch):
     """A down projection that takes bfloat16 rows gets exactly the rows it would round itself."""

@@ -133,6 +133,20 @@ def test_the_gated_product_is_the_product_then_the_activation(
     torch.testing.assert_close(gated, apart, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_gated_product_whose_gates_fall_far_below_zero_gives_no_nan(out_dtype):
+    """A gate of -100 (e^100 overflows float32) is SiLU -0, not NaN, as the product stores it."""
+    weight = torch.zeros(2 * 32, 16)
+    weight[:32, 0] = -100.0 - torch.arange(32)  # the gates
+    weight[32:, 0] = 1.0  # the ups
+    x = torch.zeros(3, 16)
+    x[:, 0] = 1.0
+    out = torch.empty((3, 32), dtype=out_dtype)
+    gated = gated_gemm(x, pack(weight, halves=32), 32, None, out)
+    assert gated is not None and not torch.isnan(gated.float()).any()
+    assert (gated.float().abs() < 1e-30).all()
+
+
 @pytest.mark.slow  # compiles every build afresh: `make test`, not the inner loop
 @pytest.mark.parametrize("variant", native.runnable_variants())
 def test_every_build_gates_as_the_portable_one(variant):
