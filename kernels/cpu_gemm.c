@@ -908,20 +908,23 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
                 gemm_panels(kind, xm, x_stride, (const char *)values, b, ym + n, y_stride, rows, N - n, K, 0, 1, 0);
                 continue;
             }
+#if BF16_DOT
+            /* The first tile over a panel asks for a later one (at a chunk's end, the first of the next), even at
+             * one row: unpacking the codes keeps the hardware's prefetch from running far enough ahead on its own.
+             * How many panels on it is, or 0. */
+            const int64_t later_panel = panel_after(p, PREFETCH_PANELS, last, next_first);
+            const int64_t later = later_panel < count ? later_panel - p : 0;
+#endif
             int64_t m = 0;
 #if CODES_AMX
             if (amx && pairs)
-                for (; m + AMX_CODE_ROWS <= rows; m += AMX_CODE_ROWS) {
-                    const int64_t later_panel = panel_after(p, PREFETCH_PANELS, last, next_first);
-                    const int64_t later = m == 0 && later_panel < count ? later_panel - p : 0;
+                for (; m + AMX_CODE_ROWS <= rows; m += AMX_CODE_ROWS)
                     code_tile_amx(xm + m * x_stride * x_element, x_stride, w, sc, of, x_sums + (m0 + m) * groups,
-                                  groups, group, b, ym + m * y_stride + n, y_stride, cols, later, AMX_CODE_ROWS);
-                }
+                                  groups, group, b, ym + m * y_stride + n, y_stride, cols, m == 0 ? later : 0,
+                                  AMX_CODE_ROWS);
             if (padded && m < rows) { /* the tail */
-                const int64_t later_panel = panel_after(p, PREFETCH_PANELS, last, next_first);
-                const int64_t later = m == 0 && later_panel < count ? later_panel - p : 0;
                 code_tile_amx(padded, K, w, sc, of, x_sums + (m0 + m) * groups, groups, group, b, ym + m * y_stride + n,
-                              y_stride, cols, later, (int)(rows - m));
+                              y_stride, cols, m == 0 ? later : 0, (int)(rows - m));
                 m = rows;
             }
 #endif
@@ -931,13 +934,8 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
                 float *yt = ym + m * y_stride + n;
 #if BF16_DOT
                 if (pairs) {
-                    /* The first tile over a panel asks for a later one (at a chunk's end, the first of the next),
-                     * even at one row: unpacking the codes keeps the hardware's prefetch from running far enough
-                     * ahead on its own. */
-                    const int64_t later_panel = panel_after(p, PREFETCH_PANELS, last, next_first);
-                    const int64_t later = m == 0 && later_panel < count ? later_panel - p : 0;
                     code_pairs_tile_of(tile_rows, xt, x_stride, w, sc, of, x_sums + (m0 + m) * groups, groups, group,
-                                       b, yt, y_stride, cols, later);
+                                       b, yt, y_stride, cols, m == 0 ? later : 0);
                     continue;
                 }
 #endif
