@@ -2,13 +2,12 @@
 kernels of `cpu_gemm.c` in float32, bfloat16 and float16, W8A8 int8 (`cpu_int8_gemm.c`, x quantized per row
 as the worker does) and 4-bit codes by groups of 128 (W4A16, `gemm_codes`), one thread.
 
-First a probe (`cpu_peak.c`, built for this CPU) measures the core's peak: float32 multiply-adds in its
-widest vectors, the bfloat16 dot product where the CPU has one (without it a bfloat16 weight is widened
-and multiplied in float32, so float32's peak is its peak), int8 products as the W8A8 kernel makes them
-(AVX512-VNNI's byte dot product, else int16 pairs; where the CPU has AMX tiles, also their int8 peak, which
-the int8 products from 16 rows are measured against), and the rate at which one thread, and every core at once,
-reads memory. 4-bit codes feed the bfloat16 dot product (or float32 multiply-adds): bfloat16's peak
-is theirs.
+First a probe (`cpu_peaks.py`, running `cpu_peak.c` built for this CPU) measures the core's peak: float32
+multiply-adds in its widest vectors, the bfloat16 dot product where the CPU has one (without it a bfloat16 weight is
+widened and multiplied in float32, so float32's peak is its peak), int8 products as the W8A8 kernel makes them
+(AVX512-VNNI's byte dot product, else int16 pairs; where the CPU has AMX tiles, also their int8 peak, which the int8
+products from 16 rows are measured against), and the rate at which one thread, and every core at once, reads memory.
+4-bit codes feed the bfloat16 dot product (or float32 multiply-adds): bfloat16's peak is theirs.
 
 Each product is timed as the worker calls it: into an output made beforehand, and for bfloat16 weights
 from rows already in bfloat16 where the build takes them (the norm and activation kernels before a
@@ -32,17 +31,13 @@ benchmarks/results/cpu_linear_bench.json.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import mmap
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,8 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.cpu_peaks import cpu_features, probe  # noqa: E402
 from benchmarks.provenance import commit, cpu_model  # noqa: E402
-from kernels import native, replay  # noqa: E402
+from kernels import replay  # noqa: E402
 from kernels.cpu_int8_linear import int8_build, int8_linear, pack_int8  # noqa: E402
 from kernels.cpu_linear import bf16_rows, gemm, gemm_build, gemm_codes, pack, pack_codes  # noqa: E402
 
@@ -75,7 +71,6 @@ LAYOUTS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "
 GROUP = 128  # the W4A16 checkpoints' group of inputs
 AMX_ROWS = 16  # the int8 kernel multiplies blocks of this many rows in AMX tiles where the CPU has them
 PEAK_OF = {"f32": "f32_gflops", "f16": "f32_gflops", "bf16": "bf16_gflops", "int8": "int8_gops", "int4": "bf16_gflops"}
-PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_peak.c")
 
 
 def median_s(run, repeats: int = REPEATS) -> float:
@@ -85,80 +80,6 @@ def median_s(run, repeats: int = REPEATS) -> float:
         run()
         times.append(time.perf_counter() - started)
     return statistics.median(times[2:])
-
-
-def probe() -> dict:
-    """This core's peak GFLOP/s in float32 and in bfloat16, and its read rate from memory in GB/s."""
-    with tempfile.TemporaryDirectory() as scratch:
-        library = os.path.join(scratch, "cpu_peak.so")
-        subprocess.run(["cc", "-O3", "-march=native", "-fPIC", "-shared", "-o", library, PROBE], check=True)
-        peak = ctypes.CDLL(library)
-    for name in ("fma_rounds", "dot_rounds"):
-        getattr(peak, name).argtypes, getattr(peak, name).restype = [ctypes.c_int64], ctypes.c_float
-    peak.int8_rounds.argtypes, peak.int8_rounds.restype = [ctypes.c_int64], ctypes.c_int64
-    peak.int8_ops_per_round.restype = ctypes.c_int64
-    peak.amx_int8_rounds.argtypes, peak.amx_int8_rounds.restype = [ctypes.c_int64], ctypes.c_int64
-    peak.amx_int8_ops_per_round.restype = ctypes.c_int64
-    peak.read_all.argtypes, peak.read_all.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_float
-    width, rounds = peak.vector_width(), 20_000_000
-    fma = 24 * width * rounds / min(_timed(lambda: peak.fma_rounds(rounds)) for _ in range(3)) / 1e9
-    has_dot = peak.dot_rounds(1) != -1.0
-    dot = 48 * width * rounds / min(_timed(lambda: peak.dot_rounds(rounds)) for _ in range(3)) / 1e9 if has_dot else fma
-    int8_ops = peak.int8_ops_per_round()
-    int8 = (
-        int8_ops * rounds / min(_timed(lambda: peak.int8_rounds(rounds)) for _ in range(3)) / 1e9
-        if int8_ops > 0
-        else fma
-    )
-    amx_ops, amx_rounds = peak.amx_int8_ops_per_round(), 200_000
-    amx = (
-        amx_ops * amx_rounds / min(_timed(lambda: peak.amx_int8_rounds(amx_rounds)) for _ in range(3)) / 1e9
-        if amx_ops > 0 and peak.amx_int8_rounds(1) != -1 and tiles_from_16_rows()
-        else None
-    )
-    # Every core's tiles at once: on a VM whose cores share a physical core's tile unit this is not cores x `amx`.
-    amx_every_core = (
-        len(os.sched_getaffinity(0))
-        * amx_ops
-        * amx_rounds
-        / min(_timed(lambda: on_every_core(peak.amx_int8_rounds, amx_rounds)) for _ in range(3))
-        / 1e9
-        if amx is not None
-        else None
-    )
-    data = torch.ones(256 << 18)  # 256 MiB
-    read = data.nbytes / min(_timed(lambda: peak.read_all(data.data_ptr(), data.nbytes)) for _ in range(5)) / 1e9
-    every_core = data.nbytes / min(_timed(lambda: read_in_parallel(peak, data)) for _ in range(5)) / 1e9
-    return {
-        "vector_floats": width,
-        "f32_gflops": round(fma, 1),
-        "bf16_gflops": round(dot, 1),
-        "bf16_native": has_dot,
-        "int8_gops": round(int8, 1),
-        "amx_int8_gops": None if amx is None else round(amx, 1),  # the int8 kernel's peak from 16 rows
-        "amx_int8_all_cores_gops": None if amx_every_core is None else round(amx_every_core, 1),
-        "read_gb_s": round(read, 1),
-        "read_all_cores_gb_s": round(every_core, 1),
-        "cores": len(os.sched_getaffinity(0)),
-    }
-
-
-def read_in_parallel(peak, data: torch.Tensor) -> None:
-    """`data` read by one thread per core, each its own share (ctypes lets go of the interpreter's lock)."""
-    shares = data.chunk(len(os.sched_getaffinity(0)))
-    run_together([threading.Thread(target=peak.read_all, args=(share.data_ptr(), share.nbytes)) for share in shares])
-
-
-def on_every_core(function, *args) -> None:
-    """`function(*args)` on one thread per core at once."""
-    run_together([threading.Thread(target=function, args=args) for _ in os.sched_getaffinity(0)])
-
-
-def run_together(threads: list[threading.Thread]) -> None:
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
 
 
 def packed(weight: torch.Tensor, layout: str):
@@ -203,12 +124,6 @@ def replayed_s(run, repeats: int = REPEATS, batch: int = 10) -> float | None:
     return median_s(lambda: [replayed() for _ in range(batch)], repeats) / batch
 
 
-def _timed(run) -> float:
-    started = time.perf_counter()
-    run()
-    return time.perf_counter() - started
-
-
 def on_huge_pages(tensor: torch.Tensor, mappings: list[mmap.mmap]) -> torch.Tensor:
     """A copy of `tensor` in memory that asks the kernel for huge pages (where it has them on request)."""
     mapping = mmap.mmap(-1, tensor.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -233,11 +148,6 @@ def nbytes(weight) -> int:
     return sum(
         getattr(weight, name).nbytes for name in ("panels", "colsums", "scales", "offsets") if hasattr(weight, name)
     )
-
-
-def tiles_from_16_rows() -> bool:
-    build = int8_build()
-    return build is not None and "AMX" in build.description
 
 
 def peak_of(layout: str, rows: int, peaks: dict) -> float:
@@ -395,23 +305,6 @@ def main() -> None:
     }
     with open(os.path.join(out_dir, "cpu_linear_bench.json"), "w") as f:
         json.dump(result, f, indent=2)
-
-
-def cpu_features() -> list[str]:
-    """The flags that choose a kernel build (kernels/native.py)."""
-    wanted = {
-        "avx2",
-        "fma",
-        "f16c",
-        "avx512f",
-        "avx512_bf16",
-        "avx512_vnni",
-        "avx_vnni",
-        "amx_bf16",
-        "amx_int8",
-        "amx_tile",
-    }
-    return sorted(native.cpu_flags() & wanted)
 
 
 if __name__ == "__main__":
