@@ -10,10 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
+from kernels.cpu_int8_linear import Int8Rows, Int8RowsFormat, rows_buffers, writing
 from kernels.workspace import step_scratch
 
 SPLIT_VALUES = 1 << 16  # outputs below which a call is not worth sharing between threads
 CHUNKS_PER_THREAD = 4
+MAX_CODES_WIDTH = 65536  # int8_rows.h's INT8_ROWS_MAX_WIDTH: a row quantized from the stack
 
 
 @functools.cache
@@ -48,3 +50,34 @@ def silu_and_mul(gate_up: torch.Tensor, width: int, bf16_rows: bool = False) -> 
             return gate_up[:, :width]
     gate, up = gate_up.split(width, dim=-1)
     return F.silu(gate, inplace=True).mul_(up)
+
+
+@functools.cache
+def codes_kernel():
+    p, i, f = native.POINTER, native.INT64, native.FLOAT
+    return native.function("cpu_activation", "silu_mul_f32_int8", [p, i, p, p, f, i, i, i, i, i, p, i], i)
+
+
+def silu_and_mul_int8(gate_up: torch.Tensor, width: int, rows_format: Int8RowsFormat) -> Int8Rows | None:
+    """`silu_and_mul`'s rows quantized as a W8A8 down projection takes them (`rows_format`), in one pass, into the
+    step's buffers "activation"; None where the compiled kernel does not take `gate_up`."""
+    if (
+        gate_up.dtype is not torch.float32
+        or gate_up.is_cuda
+        or gate_up.dim() != 2
+        or gate_up.stride(1) != 1
+        or gate_up.shape[1] != 2 * width
+        or not 0 < width <= MAX_CODES_WIDTH
+        or torch.is_grad_enabled()
+        or (kernel := codes_kernel()) is None
+    ):
+        return None
+    rows = gate_up.shape[0]
+    out = rows_buffers("activation", rows, width, gate_up.device)
+    args = (
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        *writing(out, rows_format),
+    )
+    done = native.share_units(kernel, args, rows, rows * width >= SPLIT_VALUES, CHUNKS_PER_THREAD)
+    return out if done == 0 else None

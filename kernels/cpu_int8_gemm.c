@@ -15,14 +15,12 @@
  * on into a buffer of its thread (as x + 128 for VNNI's unsigned bytes, K padded to a multiple of 4 with
  * zeros): one call per product, and no pass of its own over x. w_scales [N]; bias [N] or NULL; y: [M][N]
  * float32 with rows y_stride apart. Threads share a call by claiming chunks of units_per_chunk panels of one
- * block of rows (claims.h), as cpu_gemm.c's do; each quantizes the blocks of rows it meets.
+ * block of rows (claims.h), as cpu_gemm.c's do; each quantizes the blocks of rows it meets. int8_linear_codes
+ * takes rows the kernel before it quantized (the norm's, the activation's), so no thread quantizes them again.
  *
  * From 16 rows, where the CPU has AMX tiles for int8, blocks of 16 rows are multiplied in them (below).
  *
- * A row's quantization (quantize_rows gives it on its own, for the tests):
- * scale = max|x| / 127.5 and code = round-to-even(x * (127.5 / max|x|)) clamped to [-128, 127], the symmetric
- * dynamic quantization of compressed-tensors' int8 activations; with static_scale > 0, one scale for every
- * row (a checkpoint's input_scale) and code = round(x / static_scale).
+ * A row's quantization is int8_rows.h's (quantize_rows gives it on its own, for the tests).
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,6 +28,7 @@
 #include <string.h>
 
 #include "claims.h"
+#include "int8_rows.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -244,87 +243,13 @@ int64_t int8_use_amx(int64_t on)
 #endif
 const char *int8_use_amx_signature(void) { return "i:i"; }
 
-/* A row's scale and its inverse from its largest magnitude, as IEEE division gives them (the build's fast math
- * may not turn either into a product by a rounded reciprocal: the torch reference divides). */
-__attribute__((noinline, optimize("no-fast-math"))) static void row_scale(float top, float static_scale, float *scale,
-                                                                         float *inverse)
-{
-    if (static_scale > 0) {
-        *scale = static_scale;
-        *inverse = 1.0f / static_scale;
-        return;
-    }
-    *scale = top > 0 ? top / 127.5f : 1.0f;
-    *inverse = top > 0 ? 127.5f / top : 0.0f;
-}
-
-#if I8_KIND == 2
-/* A row's largest magnitude, 16 values a vector (the maximum is the same in any order). */
-static float largest_magnitude(const float *x, int64_t K)
-{
-    __m512 top = _mm512_setzero_ps(), tops[4] = {top, top, top, top}; /* four loads in flight */
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64)
-        for (int v = 0; v < 4; v++)
-            tops[v] = _mm512_max_ps(tops[v], _mm512_abs_ps(_mm512_loadu_ps(x + k + 16 * v)));
-    top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
-    for (; k + 16 <= K; k += 16)
-        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    if (k < K)
-        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps((__mmask16)((1u << (K - k)) - 1), x + k)));
-    return _mm512_reduce_max_ps(top);
-}
-
-/* The codes of a row's whole vectors of 16 values, as the loop after it computes them one at a time: the product by
- * the inverse scale, rounded to the nearest integer (even at a tie), then clamped, so exact in int32 and in a byte.
- * How far it went. */
-static int64_t quantize_vectors(const float *x, int64_t K, float inverse, const int unsigned_codes, int8_t *codes)
-{
-    const __m512 by = _mm512_set1_ps(inverse), low = _mm512_set1_ps(-128.0f), high = _mm512_set1_ps(127.0f);
-    const __m128i flip = _mm_set1_epi8(unsigned_codes ? (char)0x80 : 0);
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + k), by),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        q = _mm512_min_ps(_mm512_max_ps(q, low), high);
-        _mm_storeu_si128((__m128i *)(codes + k), _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)), flip));
-    }
-    return k;
-}
-#endif
-
-/* Rows first .. last - 1 of x as codes (see the top of the file); a row's codes past K, up to padded, zero. */
+/* Rows first .. last - 1 of x as codes, rows code_stride bytes apart (int8_rows.h). */
 static void quantize_range(const float *x, int64_t x_stride, int64_t K, int64_t padded, int8_t *codes,
                            int64_t code_stride, float *scales, float static_scale, int64_t first, int64_t last,
                            const int unsigned_codes)
 {
-    for (int64_t r = first; r < last; r++) {
-        const float *xr = x + r * x_stride;
-        int8_t *out = codes + r * code_stride;
-        float top = 0, inverse, scale;
-        if (static_scale <= 0) {
-#if I8_KIND == 2
-            top = largest_magnitude(xr, K);
-#else
-#pragma omp simd reduction(max : top)
-            for (int64_t k = 0; k < K; k++)
-                top = fmaxf(top, fabsf(xr[k]));
-#endif
-        }
-        row_scale(top, static_scale, &scale, &inverse);
-        scales[r] = scale;
-        const int bias = unsigned_codes ? 128 : 0; /* x + 128 as an unsigned byte: the same bits as x ^ 0x80 */
-        int64_t k = 0;
-#if I8_KIND == 2
-        k = quantize_vectors(xr, K, inverse, unsigned_codes, out);
-#endif
-        for (; k < K; k++) {
-            const float q = rintf(xr[k] * inverse);
-            out[k] = (int8_t)((int)(q > 127.0f ? 127.0f : q < -128.0f ? -128.0f : q) + bias);
-        }
-        for (k = K; k < padded; k++)
-            out[k] = (int8_t)bias;
-    }
+    for (int64_t r = first; r < last; r++)
+        quantize_row(x + r * x_stride, K, padded, codes + r * code_stride, scales + r, static_scale, unsigned_codes);
 }
 
 /* This thread's buffer for a block of rows' codes and scales, grown as needed (helpers live as long as the
@@ -343,19 +268,23 @@ static void *codes_buffer(size_t bytes)
     return buffer;
 }
 
-int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const int32_t *panels,
-                    const int32_t *colsums, const float *w_scales, const float *bias, float *y, int64_t y_stride,
-                    int64_t M, int64_t N, int64_t K, int64_t units_per_chunk, int64_t *counters, int64_t wait)
+/* The product of x's rows, quantized by each thread as it meets them, or of rows already quantized (`given`, its
+ * codes rows `padded` bytes apart as this build takes them, and `given_scales`). */
+static int64_t product(const float *x, int64_t x_stride, float static_scale, const int8_t *given,
+                       const float *given_scales, const int32_t *panels, const int32_t *colsums, const float *w_scales,
+                       const float *bias, float *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
+                       int64_t units_per_chunk, int64_t *counters, int64_t wait)
 {
     const int64_t words = (K + 3) / 4, padded = 4 * words, count = (N + I8_NR - 1) / I8_NR;
     const int64_t fit = K > 0 ? I8_ROW_BLOCK_BYTES / padded / I8_MC * I8_MC : 0;
     const int64_t row_block = M > fit && fit ? fit : (M > 0 ? M : 1);
     const int64_t unit_chunks = (count + units_per_chunk - 1) / units_per_chunk;
     const int64_t chunks = unit_chunks * ((M + row_block - 1) / row_block);
-    int8_t *codes = codes_buffer((size_t)(row_block * padded + 4 * row_block + 64));
-    if (!codes)
+    int8_t *buffer = given ? 0 : codes_buffer((size_t)(row_block * padded + 4 * row_block + 64));
+    if (!given && !buffer)
         return -1;
-    float *scales = (float *)(codes + (row_block * padded + 63) / 64 * 64);
+    int8_t *codes = buffer;
+    float *scales = buffer ? (float *)(buffer + (row_block * padded + 63) / 64 * 64) : 0;
     int32_t sums[I8_MR * I8_NR];
     int64_t quantized = -1; /* the first row of the block in this thread's buffer */
 #if I8_AMX
@@ -370,7 +299,10 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
         const int64_t first = c % unit_chunks * units_per_chunk, m0 = c / unit_chunks * row_block;
         const int64_t last = first + units_per_chunk < count ? first + units_per_chunk : count;
         const int64_t rows = M - m0 < row_block ? M - m0 : row_block;
-        if (quantized != m0) {
+        if (given) {
+            codes = (int8_t *)given + m0 * padded;
+            scales = (float *)given_scales + m0;
+        } else if (quantized != m0) {
             quantize_range(x + m0 * x_stride, x_stride, K, padded, codes, padded, scales, static_scale, 0, rows,
                            I8_KIND == 2);
             quantized = m0;
@@ -411,6 +343,27 @@ int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const 
     return 0;
 }
 
+int64_t int8_linear(const float *x, int64_t x_stride, float static_scale, const int32_t *panels,
+                    const int32_t *colsums, const float *w_scales, const float *bias, float *y, int64_t y_stride,
+                    int64_t M, int64_t N, int64_t K, int64_t units_per_chunk, int64_t *counters, int64_t wait)
+{
+    return product(x, x_stride, static_scale, 0, 0, panels, colsums, w_scales, bias, y, y_stride, M, N, K,
+                   units_per_chunk, counters, wait);
+}
+
+/* int8_linear of rows quantized before the call (int8_rows.h, unsigned as int8_codes_unsigned says): codes [M][padded
+ * K] and scales [M]. */
+int64_t int8_linear_codes(const int8_t *codes, const float *scales, const int32_t *panels, const int32_t *colsums,
+                          const float *w_scales, const float *bias, float *y, int64_t y_stride, int64_t M, int64_t N,
+                          int64_t K, int64_t units_per_chunk, int64_t *counters, int64_t wait)
+{
+    return product(0, 0, 0, codes, scales, panels, colsums, w_scales, bias, y, y_stride, M, N, K, units_per_chunk,
+                   counters, wait);
+}
+
+/* Whether this build takes codes as code + 128 (VNNI's unsigned bytes). */
+int64_t int8_codes_unsigned(void) { return I8_KIND == 2; }
+
 int64_t quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t K, int64_t padded, int8_t *codes,
                       int64_t code_stride, float *scales, float static_scale, int64_t units_per_chunk,
                       int64_t *counters, int64_t wait)
@@ -444,6 +397,15 @@ int64_t int8_linear_task(const int64_t *w, int64_t *counters, int64_t thread, in
 }
 int64_t int8_linear_task_words(void) { return 13; }
 
+int64_t int8_linear_codes_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
+{
+    (void)thread;
+    return int8_linear_codes((const int8_t *)w[0], (const float *)w[1], (const int32_t *)w[2], (const int32_t *)w[3],
+                             (const float *)w[4], (const float *)w[5], (float *)w[6], w[7], w[8], w[9], w[10], w[11],
+                             counters, wait);
+}
+int64_t int8_linear_codes_task_words(void) { return 12; }
+
 int64_t quantize_rows_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
 {
     (void)thread;
@@ -465,6 +427,9 @@ const char *int8_description(void)
 }
 
 const char *int8_linear_signature(void) { return "pifpppppiiiiipi:i"; }
+const char *int8_linear_codes_signature(void) { return "pppppppiiiiipi:i"; }
+const char *int8_linear_codes_task_words_signature(void) { return ":i"; }
+const char *int8_codes_unsigned_signature(void) { return ":i"; }
 const char *quantize_rows_signature(void) { return "piiiipipfipi:i"; }
 const char *int8_linear_task_words_signature(void) { return ":i"; }
 const char *quantize_rows_task_words_signature(void) { return ":i"; }

@@ -3,7 +3,9 @@ int8 weights, summed in int32), with a torch reference that gives the same numbe
 it, and it serves where no build loads).
 
 Weights are packed once into panels of the build's width (`pack_int8`); a call (`int8_linear`) takes x's float32
-rows, which each thread quantizes as it goes, and is shared by the threads as `cpu_linear`'s calls are.
+rows, which each thread quantizes as it goes, or rows the kernel before it already quantized (`Int8Rows`: the
+RMSNorm and SiLU kernels write them in the `Int8RowsFormat` the product asks for), and is shared by the threads as
+`cpu_linear`'s calls are.
 Where the CPU has AMX tiles for int8, the AVX512-VNNI build multiplies blocks of 16 rows in them, the same sums
 (`use_tiles`). `quantize_rows` quantizes rows alone, as the kernel does (the tests hold every build to it).
 """
@@ -37,6 +39,32 @@ class Int8Build:
     description: str
     variant: str
     tiles: Callable[[int], int]  # int8_use_amx: whether products of 16 rows or more use AMX tiles from now on
+    linear_codes: Callable[..., Any]  # int8_linear of rows already quantized
+    unsigned_codes: bool  # whether it takes codes as code + 128 (VNNI's unsigned bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Int8RowsFormat:
+    """How a W8A8 product takes its rows already quantized (kernels/int8_rows.h): the checkpoint's static scale
+    (0: a scale per row), and whether codes go in as code + 128."""
+
+    static_scale: float
+    unsigned: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Rows:
+    """Rows of x as int8 codes [rows, padded_width(in_features)] in an `Int8RowsFormat`, and each row's scale [rows]:
+    the input of a W8A8 product, written by the kernel before it."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """As the float rows' it stands for."""
+        return self.codes.shape[0], self.in_features
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +90,11 @@ def int8_build(variant: str | None = None) -> Int8Build | None:
     )
     width = native.function("cpu_int8_gemm", "int8_panel_width", [], i, variant=variant)
     tiles = native.function("cpu_int8_gemm", "int8_use_amx", [i], i, variant=variant)
-    if linear is None or quantize is None or width is None or tiles is None:
+    linear_codes = native.function(
+        "cpu_int8_gemm", "int8_linear_codes", [p, p, p, p, p, p, p, i, i, i, i, i, p, i], i, variant=variant
+    )
+    unsigned = native.function("cpu_int8_gemm", "int8_codes_unsigned", [], i, variant=variant)
+    if any(f is None for f in (linear, quantize, width, tiles, linear_codes, unsigned)):
         return None
     library = native.load("cpu_int8_gemm", variant)
     assert library is not None  # its functions loaded
@@ -70,7 +102,9 @@ def int8_build(variant: str | None = None) -> Int8Build | None:
     description = library.int8_description().decode()
     if tiles(int(native.cpu_flags() >= native.AMX_INT8)):
         description += ", AMX tiles from 16 rows"
-    return Int8Build(linear, quantize, width(), description, native.variant_of(library), tiles)
+    return Int8Build(
+        linear, quantize, width(), description, native.variant_of(library), tiles, linear_codes, bool(unsigned())
+    )
 
 
 def use_tiles(on: bool, build: Int8Build | None = None) -> bool:
@@ -126,8 +160,14 @@ def quantize_rows(
     return (codes, scales) if done == 0 else None
 
 
+def rows_format(static_scale: float = 0.0, build: Int8Build | None = None) -> Int8RowsFormat | None:
+    """How the build that runs here takes rows quantized before the call; None where none loads."""
+    build = build or int8_build()
+    return None if build is None else Int8RowsFormat(float(static_scale), build.unsigned_codes)
+
+
 def int8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Int8Rows,
     packed: Int8Panels,
     w_scales: torch.Tensor,
     bias: torch.Tensor | None,
@@ -135,21 +175,27 @@ def int8_linear(
     out: torch.Tensor | None = None,
     build: Int8Build | None = None,
 ) -> torch.Tensor | None:
-    """x's float32 rows quantized per row (or by `static_scale` where positive), times W, scaled back by each row's
-    scale and `w_scales`, plus `bias`: float32 [M, N] (into `out` where given); None where the kernel does not
-    apply."""
+    """x's float32 rows quantized per row (or by `static_scale` where positive), or x's rows as the kernel before
+    quantized them (`Int8Rows`, in this build's `rows_format`), times W, scaled back by each row's scale and
+    `w_scales`, plus `bias`: float32 [M, N] (into `out` where given); None where the kernel does not apply."""
     build = build or int8_build()
-    if build is None or torch.is_grad_enabled() or x.dtype is not torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+    if build is None or torch.is_grad_enabled():
         return None
-    rows = x.shape[0]
-    n, k = packed.out_features, packed.in_features
+    rows, n, k = x.shape[0], packed.out_features, packed.in_features
+    rows_in: tuple[int | float, ...]
+    if isinstance(x, Int8Rows):
+        if x.in_features != k or x.codes.shape[1] != padded_width(k) or not x.codes.is_contiguous():
+            return None
+        rows_in, kernel = (x.codes.data_ptr(), x.scales.data_ptr()), build.linear_codes
+    elif x.dtype is torch.float32 and x.dim() == 2 and x.stride(1) == 1:
+        rows_in, kernel = (x.data_ptr(), x.stride(0), float(static_scale)), build.linear
+    else:
+        return None
     if out is None:
         out = torch.empty((rows, n), dtype=torch.float32)
     split = rows * n * k >= SPLIT_MACS or packed.panels.nbytes >= SPLIT_BYTES
     args = (
-        x.data_ptr(),
-        x.stride(0),
-        float(static_scale),
+        *rows_in,
         packed.panels.data_ptr(),
         packed.colsums.data_ptr(),
         w_scales.data_ptr(),
@@ -160,8 +206,34 @@ def int8_linear(
         n,
         k,
     )
-    done = native.share_units(build.linear, args, packed.panels.shape[0], split, CHUNKS_PER_THREAD)
+    done = native.share_units(kernel, args, packed.panels.shape[0], split, CHUNKS_PER_THREAD)
     return out if done == 0 else None
+
+
+def writing(rows: Int8Rows, rows_format: Int8RowsFormat) -> tuple[int | float, ...]:
+    """The arguments by which a kernel before the product writes `rows` in `rows_format` (the norm's and the
+    activation's, in this order): codes, scales, static scale, unsigned, rows, width, padded width."""
+    return (
+        rows.codes.data_ptr(),
+        rows.scales.data_ptr(),
+        rows_format.static_scale,
+        int(rows_format.unsigned),
+        *rows.shape,
+        rows.codes.shape[1],
+    )
+
+
+def rows_buffers(name: str, rows: int, width: int, device: torch.device) -> Int8Rows:
+    """The step's buffers `name` for `rows` rows of `width` values as codes (named, so that a recorded decode
+    step holds one buffer a name: kernels/replay.py)."""
+    # One buffer, the scales on cache lines of their own after the codes: a few bytes of scales in an allocation of
+    # their own may share a line with what another core writes while the product reads them.
+    code_bytes = -(-rows * padded_width(width) // 64) * 64
+    whole = step_scratch.take(f"{name} codes", (code_bytes + 4 * rows + 64,), torch.int8, device)
+    skip = -whole.data_ptr() % 64
+    codes = whole[skip : skip + rows * padded_width(width)].view(rows, padded_width(width))
+    scales = whole[skip + code_bytes : skip + code_bytes + 4 * rows].view(torch.float32)
+    return Int8Rows(codes, scales, width)
 
 
 def quantize_rows_reference(x: torch.Tensor, static_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

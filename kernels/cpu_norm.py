@@ -1,5 +1,6 @@
 """RMSNorm, fused with the residual add before it: the compiled kernel of `cpu_norm.c` on a CPU for
-float32, Triton's (`norm_triton.py`) on CUDA, torch elsewhere (and where no compiler is at hand)."""
+float32, Triton's (`norm_triton.py`) on CUDA, torch elsewhere (and where no compiler is at hand). Before a W8A8
+product the kernel may write its rows as int8 codes (`rms_norm_int8`)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels import dispatch, native
+from kernels.cpu_int8_linear import Int8Rows, Int8RowsFormat, rows_buffers, writing
 from kernels.norm_triton import rms_norm_triton
 from kernels.workspace import step_scratch
 
 SPLIT_VALUES = 1 << 16  # outputs below which a call is not worth sharing between threads
 CHUNKS_PER_THREAD = 4
+MAX_CODES_WIDTH = 65536  # int8_rows.h's INT8_ROWS_MAX_WIDTH: a row quantized from the stack
 
 
 @functools.cache
@@ -80,6 +83,47 @@ def rms_norm(
     dtype = x.dtype  # half types: computed in float32, as HF does
     x = x.to(torch.float32)
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+@functools.cache
+def codes_kernel():
+    p, i, f = native.POINTER, native.INT64, native.FLOAT
+    return native.function("cpu_norm", "rms_norm_f32_int8", [p, p, p, f, p, p, f, i, i, i, i, i, p, i], i)
+
+
+def rms_norm_int8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    rows_format: Int8RowsFormat,
+    output_slot: str,
+) -> Int8Rows | None:
+    """As `rms_norm`, the normalized rows quantized as a W8A8 product takes them (`rows_format`), into the step's
+    buffers of `output_slot`: the rows `rms_norm` gives, quantized as the product would quantize them, in one pass.
+    None, with `x` and `residual` untouched, where the compiled kernel does not take them."""
+    width = x.shape[-1]
+    if (
+        x.dim() != 2
+        or not 0 < width <= MAX_CODES_WIDTH
+        or not compiled_takes(x, weight)
+        or not x.is_contiguous()
+        or (residual is not None and not (residual.is_contiguous() and residual.shape == x.shape))
+        or (kernel := codes_kernel()) is None
+    ):
+        return None
+    rows = x.shape[0]
+    out = rows_buffers(output_slot, rows, width, x.device)
+    args = (
+        x.data_ptr(),
+        0 if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        *writing(out, rows_format),
+    )
+    done = native.share_units(kernel, args, rows, rows * width >= SPLIT_VALUES, CHUNKS_PER_THREAD)
+    assert done == 0, "the int8 norm failed after its checks"  # residual may have been added to: no fallback
+    return out
 
 
 @functools.cache

@@ -340,3 +340,90 @@ def test_where_the_codes_kernel_has_amx_tiles_a_prompts_product_stays_with_it(ke
         assert cpu_linear.code_prompt_products() == cpu_linear.prompt_products()
     finally:
         cpu_linear.use_code_tiles(True, build)
+
+
+def expected_codes(x: torch.Tensor, static_scale: float, rows_format) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows as a W8A8 product quantizes them, in `rows_format`: [rows, padded width] codes and scales."""
+    codes, scales = cpu_int8_linear.quantize_rows_reference(x, static_scale)
+    offset = 128 if rows_format.unsigned else 0
+    padded = torch.full((x.shape[0], cpu_int8_linear.padded_width(x.shape[1])), offset, dtype=torch.int32)
+    padded[:, : x.shape[1]] += codes.int()
+    return padded.to(torch.uint8).view(torch.int8), scales
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("static", [0.0, 0.02], ids=["per-token", "static"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_a_norm_before_a_w8a8_product_writes_the_codes_the_product_would_quantize(
+    threads, static, with_residual, monkeypatch
+):
+    """The RMSNorm before q/k/v and gate/up writes its rows as int8 codes and scales in one pass: exactly the codes
+    of the float rows it would have written, and the residual stream added to as the float norm adds to it."""
+    from kernels import cpu_norm
+
+    build_or_skip(cpu_int8_linear.int8_build, None)
+    monkeypatch.setattr(native, "_threads", threads)
+    rows_format = cpu_int8_linear.rows_format(static)
+    generator = torch.Generator().manual_seed(3)
+    for rows, width in [(1, 70), (3, 768), (130, 514), (300, 256)]:  # 514: a row's last word padded
+        x = torch.randn(rows, width, generator=generator) * 2
+        weight = torch.rand(width, generator=generator) + 0.5
+        residuals = [torch.randn(rows, width, generator=generator)] * 2 if with_residual else [None, None]
+        if with_residual:
+            residuals[1] = residuals[0].clone()
+        floats = cpu_norm.rms_norm(x, weight, 1e-5, residuals[0])
+        got = cpu_norm.rms_norm_int8(x, weight, 1e-5, residuals[1], rows_format, "test rows")
+        assert got is not None and got.shape == (rows, width)
+        codes, scales = expected_codes(floats, static, rows_format)
+        assert torch.equal(got.codes, codes) and torch.equal(got.scales, scales), (rows, width)
+        if with_residual:
+            assert torch.equal(residuals[0], residuals[1])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("static", [0.0, 0.02], ids=["per-token", "static"])
+def test_the_activation_before_a_w8a8_down_projection_writes_the_codes_the_product_would_quantize(
+    threads, static, monkeypatch
+):
+    from kernels import cpu_activation
+
+    build_or_skip(cpu_int8_linear.int8_build, None)
+    monkeypatch.setattr(native, "_threads", threads)
+    rows_format = cpu_int8_linear.rows_format(static)
+    generator = torch.Generator().manual_seed(4)
+    for rows, width in [(1, 70), (5, 2048), (200, 342)]:
+        gate_up = torch.randn(rows, 2 * width, generator=generator) * 3
+        gate_up[0, 0] = -1000.0  # SiLU's exponent past its cap
+        got = cpu_activation.silu_and_mul_int8(gate_up, width, rows_format)
+        floats = cpu_activation.silu_and_mul(gate_up.clone(), width)
+        codes, scales = expected_codes(floats, static, rows_format)
+        assert got is not None and torch.equal(got.codes, codes) and torch.equal(got.scales, scales), (rows, width)
+
+
+@pytest.mark.parametrize("static", [0.0, 0.05], ids=["per-token", "static"])
+def test_a_w8a8_product_of_rows_quantized_before_it_is_the_product_of_the_float_rows(static, monkeypatch):
+    """The product takes the codes the kernel before it wrote and gives the floats it gives for the float rows, bit
+    for bit, in the VNNI loop and in AMX tiles (where the CPU has them), on one thread or shared."""
+    build = build_or_skip(cpu_int8_linear.int8_build, None)
+    monkeypatch.setattr(cpu_int8_linear, "SPLIT_MACS", 0)
+    rows_format = cpu_int8_linear.rows_format(static, build)
+    generator = torch.Generator().manual_seed(5)
+    try:
+        for threads in (1, 2):
+            monkeypatch.setattr(native, "_threads", threads)
+            for rows, n, k in [(1, 70, 100), (5, 64, 256), (16, 32, 64), (40, 96, 1000), (700, 40, 300)]:
+                x = torch.randn(rows, k, generator=generator) * 3
+                weight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+                w_scales, bias = torch.rand(n, generator=generator) + 0.01, torch.randn(n, generator=generator)
+                packed = cpu_int8_linear.pack_int8(weight, build)
+                rows_in = cpu_int8_linear.rows_buffers("test rows", rows, k, x.device)
+                codes, scales = expected_codes(x, static, rows_format)
+                rows_in.codes.copy_(codes)
+                rows_in.scales.copy_(scales)
+                for tiles in (True, False):
+                    cpu_int8_linear.use_tiles(tiles, build)
+                    want = cpu_int8_linear.int8_linear(x, packed, w_scales, bias, static, build=build)
+                    got = cpu_int8_linear.int8_linear(rows_in, packed, w_scales, bias, static, build=build)
+                    assert torch.equal(got, want), (threads, tiles, rows, n, k)
+    finally:
+        cpu_int8_linear.use_tiles(True, build)

@@ -100,6 +100,44 @@ def test_greedy_output_is_the_same_with_speculation_prefix_caching_and_a_host_ti
     assert engine.generate(PROMPTS, max_tokens=MAX_TOKENS) == plain  # again, from the prefix cache and host tier
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("fmt", ["ct-w8a8", "ct-w8a8-static"])
+def test_w8a8_products_take_their_rows_as_codes_from_the_norms_and_the_activation_with_the_same_outputs(
+    quantized, family, fmt, monkeypatch
+):
+    """The norms before q/k/v and gate/up and the SiLU before down write their rows as the int8 codes the products
+    take, one pass sooner: the same codes, so the same logits bit for bit, in prompts, eager decode steps and
+    replayed ones."""
+    needs_kernels()
+    from services.worker.models import llama
+
+    written = {"norm": 0, "activation": 0}
+
+    def counted(function, name):
+        def call(*args):
+            rows = function(*args)
+            written[name] += rows is not None
+            return rows
+
+        return call
+
+    monkeypatch.setattr(llama, "rms_norm_int8", counted(llama.rms_norm_int8, "norm"))
+    monkeypatch.setattr(llama, "silu_and_mul_int8", counted(llama.silu_and_mul_int8, "activation"))
+    directory = quantized.get(family, fmt)
+    prompts = [*PROMPTS, list(range(30, 70))]
+    for graphs in (None, {"max_batch": 4, "max_context": 64}):
+        fused = Engine(directory, dtype="bfloat16", decode_graphs=graphs)
+        layers = len(fused.runner.model.model.layers)
+        ours = fused.generate_with_logprobs(prompts, max_tokens=MAX_TOKENS)
+        assert written["norm"] >= 2 * layers and written["activation"] >= layers
+        with monkeypatch.context() as floats_only:
+            floats_only.setattr(Linear, "int8_rows", property(lambda layer: None))
+            apart = Engine(directory, dtype="bfloat16", decode_graphs=graphs)
+            assert apart.generate_with_logprobs(prompts, max_tokens=MAX_TOKENS) == ours
+        if graphs:
+            assert fused.runner.graphs.replays > 0
+
+
 @pytest.fixture(scope="module")
 def shipped_w8a8(tmp_path_factory) -> tuple[str, list[list[int]]]:
     """The shipped model (trained, so that its greedy tokens are not near ties) as a W8A8 checkpoint, and prompts."""

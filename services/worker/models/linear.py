@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.cpu_int8_linear import Int8Rows, Int8RowsFormat
 from services.worker.quantization.methods import FloatMethod, LinearMethod
 
 
@@ -36,7 +37,7 @@ class Linear(nn.Linear):
         a model served in `dtype`."""
         self.method.prepare(self, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Int8Rows) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -55,6 +56,13 @@ class Linear(nn.Linear):
         """Whether this layer's kernel multiplies bfloat16 rows of x: its input may be written as such
         by the kernel before it (norm, activation), saving a pass that rounds float32 rows."""
         return self.method.takes_bf16_rows(self)
+
+    @property
+    def int8_rows(self) -> Int8RowsFormat | None:
+        """How this layer's kernel takes x's rows already quantized to int8 (a W8A8 product's): its input may be
+        written as such by the kernel before it (norm, activation), saving a pass and the product's own; None
+        where it takes float rows."""
+        return self.method.int8_rows(self)
 
     @property
     def panels(self) -> torch.Tensor | None:

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from kernels.batch import PagedBatch
-from kernels.cpu_activation import silu_and_mul
-from kernels.cpu_norm import rms_norm, rms_norm_heads
+from kernels.cpu_activation import silu_and_mul, silu_and_mul_int8
+from kernels.cpu_int8_linear import Int8Rows, Int8RowsFormat
+from kernels.cpu_norm import rms_norm, rms_norm_heads, rms_norm_int8
 from services.worker.models.activations import activation
 from services.worker.models.base import Embedding, PagedCausalLM, fused
 from services.worker.models.linear import Linear
@@ -37,9 +38,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, bf16_rows: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        bf16_rows: bool = False,
+        int8_rows: Int8RowsFormat | None = None,
+    ) -> torch.Tensor | Int8Rows:
         """`x` normalized; with `residual`, `residual += x` first (in place) and that is normalized; with
-        `bf16_rows`, as bfloat16 rows where the kernel can (for a product that takes them)."""
+        `bf16_rows`, as bfloat16 rows where the kernel can (for a product that takes them); with `int8_rows`, as
+        int8 codes where the kernel can (for a W8A8 product)."""
+        if int8_rows is not None and self.output_slot is not None:
+            codes = rms_norm_int8(x, self.weight, self.eps, residual, int8_rows, self.output_slot)
+            if codes is not None:
+                return codes
         return rms_norm(x, self.weight, self.eps, residual, self.output_slot, bf16_rows)
 
     def each_head(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +149,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | Int8Rows,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         batch: PagedBatch,
@@ -207,13 +219,16 @@ class MLP(nn.Module):
         if self.silu:
             self.gate_up_proj.halves = self.width
 
-    def forward(self, x: torch.Tensor, adapters: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Int8Rows, adapters: Any = None) -> torch.Tensor:
         inner = None if adapters is not None else self.gate_up_proj.gated(x, self.down_proj.takes_bf16_rows)
         if inner is not None:  # the activation applied as the projection stores its sums
             return row_parallel_linear(self.down_proj, inner, self.tp, None)
         gate_up = self.gate_up_proj(x)
         if adapters is not None:
             adapters.add(self.index, GATE_UP, x, gate_up)
+        codes = self.down_proj.int8_rows if self.silu and adapters is None else None
+        if codes is not None and (quantized := silu_and_mul_int8(gate_up, self.width, codes)) is not None:
+            return row_parallel_linear(self.down_proj, quantized, self.tp, None)
         if self.silu:  # one pass, no extra activations-sized tensors per layer
             inner = silu_and_mul(gate_up, self.width, bf16_rows=adapters is None and self.down_proj.takes_bf16_rows)
         else:
@@ -259,18 +274,22 @@ class DecoderLayer(nn.Module):
         """(this layer's output, the residual stream before it), of the `keep` rows (all where None): each
         residual add is done by the next norm, in place, in the same pass."""
         # The norms write the projections' bfloat16 rows where those take them (an adapter takes float32).
-        attention_rows = batch.adapters is None and self.self_attn.qkv_proj.takes_bf16_rows
-        mlp_rows = batch.adapters is None and self.mlp.gate_up_proj.takes_bf16_rows
+        # W8A8 products take their rows as int8 codes from the norms (an adapter takes float32).
+        plain = batch.adapters is None
+        attention_rows = plain and self.self_attn.qkv_proj.takes_bf16_rows
+        mlp_rows = plain and self.mlp.gate_up_proj.takes_bf16_rows
+        attention_codes = self.self_attn.qkv_proj.int8_rows if plain else None
+        mlp_codes = self.mlp.gate_up_proj.int8_rows if plain else None
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden, bf16_rows=attention_rows)
+            residual, hidden = hidden, self.input_layernorm(hidden, None, attention_rows, attention_codes)
         else:
-            hidden = self.input_layernorm(hidden, residual, attention_rows)
+            hidden = self.input_layernorm(hidden, residual, attention_rows, attention_codes)
         hidden = self.self_attn(hidden, cos_sin, kv_cache, batch, keep)
         if keep is not None:
             residual = residual[keep]
             if not len(keep):
                 return residual.new_empty(residual.shape), residual
-        hidden = self.post_attention_layernorm(hidden, residual, mlp_rows)
+        hidden = self.post_attention_layernorm(hidden, residual, mlp_rows, mlp_codes)
         return self.mlp(hidden, batch.adapters), residual
 
 

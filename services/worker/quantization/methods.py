@@ -50,6 +50,11 @@ class LinearMethod:
         """Whether the product takes bfloat16 rows of x, which the kernel before it may then write."""
         return False
 
+    def int8_rows(self, layer: Linear) -> cpu_int8_linear.Int8RowsFormat | None:
+        """How the product takes x's rows already quantized to int8 (`cpu_int8_linear.Int8Rows`), which the kernel
+        before it may then write in one pass; None where it takes float rows only."""
+        return None
+
     def describe(self) -> str:
         """The kernel that runs, for the worker's log and info metric."""
         return self.name
@@ -157,22 +162,39 @@ class Int8Method(LinearMethod):
                 x.reshape(-1, shape[-1]), self.weight.weight, self.weight.scales, bias, self.weight.input_scale
             )
             return out.reshape(*shape[:-1], -1).to(x.dtype)
-        if self.packed is not None and x.dim() == 2:
-            rows = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+        quantized = isinstance(x, cpu_int8_linear.Int8Rows)
+        if self.packed is not None and (quantized or x.dim() == 2):
+            rows = x if quantized or (x.dtype is torch.float32 and x.stride(1) == 1) else x.float().contiguous()
             out = step_scratch.take_if_large(
-                layer.output_slot, (x.shape[0], layer.out_features), torch.float32, x.device
+                layer.output_slot,
+                (x.shape[0], layer.out_features),
+                torch.float32,
+                x.codes.device if quantized else x.device,
             )
             weight = self.weight
             if cpu_int8_linear.int8_linear(rows, self.packed, weight.scales, bias, weight.input_scale, out) is not None:
                 return out
+        if quantized:  # the same codes' sums, in torch
+            codes = x.codes[:, : layer.in_features].float() - (128.0 if self._rows_format().unsigned else 0.0)
+            return cpu_int8_linear.scale_sums(codes @ self._dense().T, x.scales, self.weight.scales, bias)
         return self._in_torch(x, bias)
+
+    def int8_rows(self, layer: Linear) -> cpu_int8_linear.Int8RowsFormat | None:
+        return self._rows_format() if self.packed is not None else None
+
+    def _rows_format(self) -> cpu_int8_linear.Int8RowsFormat:
+        rows_format = cpu_int8_linear.rows_format(self.weight.input_scale)
+        assert rows_format is not None  # the weight was packed for the build
+        return rows_format
+
+    def _dense(self) -> torch.Tensor:
+        return self.dense if self.dense is not None else self.weight.weight.float()
 
     def _in_torch(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x quantized as the kernel quantizes it, and its sums as floats (exact while they stay below 2^24)."""
         rows = x.reshape(-1, x.shape[-1]).float()
         codes, scales = cpu_int8_linear.quantize_rows_reference(rows, self.weight.input_scale)
-        weight = self.dense if self.dense is not None else self.weight.weight.float()
-        out = cpu_int8_linear.scale_sums(codes.float() @ weight.T, scales, self.weight.scales, bias)
+        out = cpu_int8_linear.scale_sums(codes.float() @ self._dense().T, scales, self.weight.scales, bias)
         return out.reshape(*x.shape[:-1], -1)
 
     def describe(self) -> str:
