@@ -212,14 +212,12 @@ static int64_t amx_chunk(const int8_t *codes, int64_t padded, int64_t rows, cons
             const int64_t n = p * I8_NR, cols = N - n < I8_NR ? N - n : I8_NR;
             const int32_t *w = panels + p * words * I8_NR;
             amx_block(xm, padded, w, amx_words / AMX_WORDS, sums);
-            for (int64_t r = 0; r < AMX_ROWS; r += I8_MR) {
-                int32_t *part = sums + r * I8_NR;
-                if (amx_words < words)
+            if (amx_words < words)
+                for (int64_t r = 0; r < AMX_ROWS; r += I8_MR)
                     tile_of(I8_MR, xm + r * padded + 4 * amx_words, padded, w + amx_words * I8_NR, words - amx_words,
-                            part, 1, 0, 1);
-                store_rows(I8_MR, part, colsums + n, scales + m + r, w_scales + n, bias ? bias + n : 0,
-                           y + (m + r) * y_stride + n, y_stride, cols);
-            }
+                            sums + r * I8_NR, 1, 0, 1);
+            store_rows(AMX_ROWS, sums, colsums + n, scales + m, w_scales + n, bias ? bias + n : 0, y + m * y_stride + n,
+                       y_stride, cols);
         }
     }
     return m;
