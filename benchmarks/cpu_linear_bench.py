@@ -11,7 +11,9 @@ products from 16 rows are measured against), and the rate at which one thread, a
 
 Each product is timed as the worker calls it: into an output made beforehand, and for bfloat16 weights
 from rows already in bfloat16 where the build takes them (the norm and activation kernels before a
-projection write them so); torch's bfloat16 product likewise gets bfloat16 rows. A decode step's products (up to
+projection write them so); torch's bfloat16 product likewise gets bfloat16 rows. W8A8's products take the int8
+codes the norm or activation before them wrote, but for the o projection and the LM head, which quantize their
+float32 rows themselves. A decode step's products (up to
 DECODE_ROWS rows) are replayed from C, as the worker replays a decode step's kernel calls (kernels/replay.py),
 with no Python between them; a prompt's are called from Python, as the worker calls them (the JSON keeps the rate
 of a call from Python for every size too, `<layout>_call`).
@@ -48,7 +50,14 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.cpu_peaks import cpu_features, probe  # noqa: E402
 from benchmarks.provenance import commit, cpu_model  # noqa: E402
 from kernels import replay  # noqa: E402
-from kernels.cpu_int8_linear import int8_build, int8_linear, pack_int8  # noqa: E402
+from kernels.cpu_int8_linear import (  # noqa: E402
+    Int8Rows,
+    int8_build,
+    int8_linear,
+    int8_rows_reference,
+    pack_int8,
+    rows_format,
+)
 from kernels.cpu_linear import bf16_rows, gemm, gemm_build, gemm_codes, pack, pack_codes  # noqa: E402
 
 REPEATS = int(os.environ.get("PAGEDSERVE_BENCH_REPEATS", "15"))
@@ -110,8 +119,13 @@ def product(layout: str):
     return lambda x, p, n, out: gemm(x, p, n, None, out=out)
 
 
-def as_the_worker_gives(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """`x` as the worker hands it to a `layout` product: bfloat16 rows where the build takes them."""
+def as_the_worker_gives(x: torch.Tensor, layout: str, name: str) -> torch.Tensor | Int8Rows:
+    """`x` as the worker hands it to a `layout` product of the weight `name`: bfloat16 rows where the build takes
+    them; for int8, the codes the norm or activation before it wrote, but for the o projection's rows (attention's
+    output) and the LM head's, which the product quantizes itself."""
+    if layout == "int8":
+        takes_codes = not name.endswith((" o", " lm_head"))
+        return int8_rows_reference(x, rows_format()) if takes_codes else x
     return bf16_rows(x).clone() if layout in ("bf16", "int4") and gemm_build().bf16_rows else x
 
 
@@ -191,7 +205,7 @@ def per_weight(peaks: dict) -> list[dict]:
                 "torch_bf16": flops / median_s(lambda x=x_half, w=half: F.linear(x, w), max(1, repeats // 3)),
             }
             for layout, p in panels.items():
-                given = as_the_worker_gives(x, layout)
+                given = as_the_worker_gives(x, layout, name)
                 call = product(layout)
 
                 def run(x=given, p=p, n=out_features, out=out, call=call):
@@ -215,8 +229,8 @@ def per_weight(peaks: dict) -> list[dict]:
 def whole_step(peaks: dict) -> list[dict]:
     """Milliseconds for the linear layers of one 12-layer step, each layout alternating, and the rate
     its weights stream at."""
-    shapes = [WEIGHTS[f"12-layer {name}"] for name in ("qkv", "o", "gate_up", "down")] * STEP_LAYERS
-    shapes.append(WEIGHTS["12-layer lm_head"])
+    names = [f"12-layer {name}" for name in ("qkv", "o", "gate_up", "down")] * STEP_LAYERS + ["12-layer lm_head"]
+    shapes = [WEIGHTS[name] for name in names]
     weights = [torch.randn(out_features, in_features) * 0.02 for out_features, in_features in shapes]
     mappings: list[mmap.mmap] = []
     panels = {layout: [huge(packed(w, layout), mappings) for w in weights] for layout in LAYOUTS}
@@ -236,11 +250,11 @@ def whole_step(peaks: dict) -> list[dict]:
             calls = {"torch_f32": lambda x=x: [F.linear(x[w.shape[1]], w) for w in weights]}
             by_python: list[str] = []  # layouts whose calls a recording refused: called from Python instead
             for layout, ps in panels.items():
-                given = {width: as_the_worker_gives(rows_in, layout) for width, rows_in in x.items()}
+                given = {name: as_the_worker_gives(x[WEIGHTS[name][1]], layout, name) for name in set(names)}
                 call = product(layout)
 
                 def step(x=given, ps=ps, outs=outs, call=call):
-                    return [call(x[w.shape[1]], p, w.shape[0], outs[w.shape[0]]) for w, p in zip(weights, ps)]
+                    return [call(x[name], p, w.shape[0], outs[w.shape[0]]) for name, w, p in zip(names, weights, ps)]
 
                 # a decode step's calls replayed from C, as the worker makes them; once before, so that what a
                 # product makes on its first call (the int8 call's scales) is not made in the recording, which

@@ -103,6 +103,7 @@ AMX_QUANTIZED_FILES = (
     "sweep-1280-qwen3-w4a16-prompt-tiles",
     "llama-12l-w4a16-prompt-tiles16",  # and those tiles 16 rows at a time
     "llama-12l-w8a8-chunk-rows",  # the int8 tiles' rows passing a chunk's panels, and quantizing in vectors
+    "llama-12l-w8a8-norm-codes",  # and W8A8's rows quantized by the norms and the activation
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-amx-attention": "prompt attention in tiles",
@@ -110,6 +111,7 @@ LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-prompt-tiles": "prompts' codes in the kernel's own tiles",
     "-prompt-tiles16": "prompts' codes in tiles 16 rows at a time",
     "-chunk-rows": "int8 rows across a chunk's panels",
+    "-norm-codes": "int8 rows written by the norms and SiLU",
 }
 SCENARIO_NAMES = {
     "mid_c16": "16 streams",

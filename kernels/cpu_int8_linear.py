@@ -252,6 +252,16 @@ def quantize_rows_reference(x: torch.Tensor, static_scale: float = 0.0) -> tuple
     return codes, scales
 
 
+def int8_rows_reference(x: torch.Tensor, rows_format: Int8RowsFormat) -> Int8Rows:
+    """x's float32 rows as the kernel before a product writes them in `rows_format` (the same codes and scales, in
+    fresh tensors), computed in torch."""
+    codes, scales = quantize_rows_reference(x, rows_format.static_scale)
+    offset = 128 if rows_format.unsigned else 0
+    padded = torch.full((x.shape[0], padded_width(x.shape[1])), offset, dtype=torch.int32, device=x.device)
+    padded[:, : x.shape[1]] += codes.int()
+    return Int8Rows(padded.to(torch.uint8).view(torch.int8), scales, x.shape[1])
+
+
 def int8_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None, static_scale: float = 0.0
 ) -> torch.Tensor:

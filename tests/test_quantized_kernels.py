@@ -344,11 +344,9 @@ def test_where_the_codes_kernel_has_amx_tiles_a_prompts_product_stays_with_it(ke
 
 def expected_codes(x: torch.Tensor, static_scale: float, rows_format) -> tuple[torch.Tensor, torch.Tensor]:
     """x's rows as a W8A8 product quantizes them, in `rows_format`: [rows, padded width] codes and scales."""
-    codes, scales = cpu_int8_linear.quantize_rows_reference(x, static_scale)
-    offset = 128 if rows_format.unsigned else 0
-    padded = torch.full((x.shape[0], cpu_int8_linear.padded_width(x.shape[1])), offset, dtype=torch.int32)
-    padded[:, : x.shape[1]] += codes.int()
-    return padded.to(torch.uint8).view(torch.int8), scales
+    assert rows_format.static_scale == static_scale
+    rows = cpu_int8_linear.int8_rows_reference(x, rows_format)
+    return rows.codes, rows.scales
 
 
 @pytest.mark.parametrize("threads", [1, 2])
