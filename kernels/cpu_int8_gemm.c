@@ -177,6 +177,7 @@ static void tile_of(int rows, const int8_t *x, int64_t x_stride, const int32_t *
  * So the sums are VNNI's, bit for bit. Words of k past the last whole 16 go through tile_sums, accumulating. */
 #define AMX_ROWS 16
 #define AMX_WORDS 16
+#define AMX_GROUP_BYTES (1 << 20) /* half the second-level cache of every CPU with AMX */
 static int amx_on; /* set once the kernel has let this process use the tiles and the caller asked (int8_use_amx) */
 
 /* Sums of 16 rows of x over `steps` steps of k. (Two blocks of rows sharing the panel's tiles were slower.) */
@@ -197,30 +198,36 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_block(const int8_t 
 }
 
 /* Panels first .. last - 1 against the block's rows 0 .. rows / 16 * 16 - 1 (codes rows `padded` bytes apart), in
- * tiles, each block of 16 rows passing every panel in turn: an output row is written a run of the chunk's columns
- * at a time (panel by panel, the blocks of rows wrote 16 rows' short pieces far apart, which cost more than the
- * products on wide layers). Words of k past amx_words go through tile_sums. The rows left to the VNNI loop. */
+ * tiles, each block of 16 rows passing a group of panels in turn: an output row is written a run of the group's
+ * columns at a time (panel by panel, the blocks of rows wrote 16 rows' short pieces far apart, which cost more than
+ * the products on wide layers), and a group is as many panels as stay in the second-level cache while every block
+ * of rows passes them (a chunk of a call on one thread is the whole weight). Words of k past amx_words go through
+ * tile_sums. The rows left to the VNNI loop. */
 static int64_t amx_chunk(const int8_t *codes, int64_t padded, int64_t rows, const int32_t *panels, int64_t words,
                          int64_t amx_words, int64_t first, int64_t last, int64_t N, const int32_t *colsums,
                          const float *scales, const float *w_scales, const float *bias, float *y, int64_t y_stride)
 {
     int32_t sums[AMX_ROWS * I8_NR];
-    int64_t m = 0;
-    for (; m + AMX_ROWS <= rows; m += AMX_ROWS) {
-        const int8_t *xm = codes + m * padded;
-        for (int64_t p = first; p < last; p++) {
-            const int64_t n = p * I8_NR, cols = N - n < I8_NR ? N - n : I8_NR;
-            const int32_t *w = panels + p * words * I8_NR;
-            amx_block(xm, padded, w, amx_words / AMX_WORDS, sums);
-            if (amx_words < words)
-                for (int64_t r = 0; r < AMX_ROWS; r += I8_MR)
-                    tile_of(I8_MR, xm + r * padded + 4 * amx_words, padded, w + amx_words * I8_NR, words - amx_words,
-                            sums + r * I8_NR, 1, 0, 1);
-            store_rows(AMX_ROWS, sums, colsums + n, scales + m, w_scales + n, bias ? bias + n : 0, y + m * y_stride + n,
-                       y_stride, cols);
+    const int64_t whole_rows = rows / AMX_ROWS * AMX_ROWS, panel_bytes = words * I8_NR * 4;
+    const int64_t group = AMX_GROUP_BYTES / panel_bytes > 1 ? AMX_GROUP_BYTES / panel_bytes : 1;
+    for (int64_t g = first; g < last; g += group) {
+        const int64_t end = g + group < last ? g + group : last;
+        for (int64_t m = 0; m < whole_rows; m += AMX_ROWS) {
+            const int8_t *xm = codes + m * padded;
+            for (int64_t p = g; p < end; p++) {
+                const int64_t n = p * I8_NR, cols = N - n < I8_NR ? N - n : I8_NR;
+                const int32_t *w = panels + p * words * I8_NR;
+                amx_block(xm, padded, w, amx_words / AMX_WORDS, sums);
+                if (amx_words < words)
+                    for (int64_t r = 0; r < AMX_ROWS; r += I8_MR)
+                        tile_of(I8_MR, xm + r * padded + 4 * amx_words, padded, w + amx_words * I8_NR,
+                                words - amx_words, sums + r * I8_NR, 1, 0, 1);
+                store_rows(AMX_ROWS, sums, colsums + n, scales + m, w_scales + n, bias ? bias + n : 0,
+                           y + m * y_stride + n, y_stride, cols);
+            }
         }
     }
-    return m;
+    return whole_rows;
 }
 
 /* Whether products of 16 rows or more use the tiles from now on: `on` where the CPU has them (the caller knows

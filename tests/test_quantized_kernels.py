@@ -150,16 +150,26 @@ def test_four_bit_codes_lie_in_words_as_the_kernel_takes_them():
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
-def test_int8_products_in_amx_tiles_are_the_vnni_products_bit_for_bit(static):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_products_in_amx_tiles_are_the_vnni_products_bit_for_bit(static, threads, monkeypatch):
     """Where the CPU has AMX tiles for int8, blocks of 16 rows are multiplied in them (k past the last whole 64 by
-    the VNNI loop, added to the tiles' sums): the same int32 sums, so the same floats."""
+    the VNNI loop, added to the tiles' sums), passing the panels a group at a time (on one thread, one chunk of
+    1,100 columns of 1,000 inputs is more than a group): the same int32 sums, so the same floats."""
+    monkeypatch.setattr(native, "_threads", threads)
     build = build_or_skip(cpu_int8_linear.int8_build, None)
     if not cpu_int8_linear.use_tiles(True, build):
         pytest.skip("no AMX tiles for int8 on this CPU")
     generator = torch.Generator().manual_seed(7)
     scale = 0.05 if static else 0.0
     try:
-        for rows, n, k in [(16, 32, 64), (17, 70, 100), (48, 96, 1000), (130, 64, 516), (700, 40, 256)]:
+        for rows, n, k in [
+            (16, 32, 64),
+            (17, 70, 100),
+            (48, 96, 1000),
+            (130, 64, 516),
+            (700, 40, 256),
+            (40, 1100, 1000),
+        ]:
             x = torch.randn(rows, k, generator=generator) * 3
             weight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
             w_scales, bias = torch.rand(n, generator=generator) + 0.01, torch.randn(n, generator=generator)
