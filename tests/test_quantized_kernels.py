@@ -72,7 +72,7 @@ def test_an_int8_product_shared_by_threads_is_the_same(threads, monkeypatch):
     build = build_or_skip(cpu_int8_linear.int8_build, None)
     monkeypatch.setattr(cpu_int8_linear, "SPLIT_MACS", 0)
     native.set_threads(threads)
-    for rows in (1, 50, 700):  # 700 rows of 300 codes: several blocks of rows, each quantized by the thread at it
+    for rows in (1, 50, 2000):  # 2,000 rows of 300 codes: three blocks of rows, each quantized by the thread at it
         x, weight = torch.randn(rows, 300), torch.randint(-128, 128, (200, 300), dtype=torch.int8)
         got = cpu_int8_linear.int8_linear(x, cpu_int8_linear.pack_int8(weight, build), torch.ones(200), None)
         assert torch.equal(got, cpu_int8_linear.int8_linear_reference(x, weight, torch.ones(200), None))
