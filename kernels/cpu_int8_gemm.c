@@ -48,6 +48,7 @@
 #define I8_MC 48 /* rows of a block whose codes stay in the second-level cache while a chunk's panels pass */
 #define I8_ROW_BLOCK_BYTES (256 << 10)
 #define PREFETCH_PANELS 2
+#define I8_MAX_WIDENING 8 /* how many times wider a call of several blocks of rows makes the caller's chunks */
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -259,7 +260,7 @@ static void quantize_range(const float *x, int64_t x_stride, int64_t K, int64_t 
 
 /* The rows of a call's blocks of rows (each block's codes stay in the second-level cache while a chunk's panels
  * pass): the call's chunks are its blocks of rows times its chunks of panels. */
-int64_t int8_row_block(int64_t M, int64_t K)
+static int64_t int8_row_block(int64_t M, int64_t K)
 {
     const int64_t fit = K > 0 ? I8_ROW_BLOCK_BYTES / (4 * ((K + 3) / 4)) / I8_MC * I8_MC : 0;
     return M > fit && fit ? fit : (M > 0 ? M : 1);
@@ -289,7 +290,12 @@ static int64_t product(const float *x, int64_t x_stride, float static_scale, con
                        int64_t units_per_chunk, int64_t *counters, int64_t wait)
 {
     const int64_t words = (K + 3) / 4, padded = 4 * words, count = (N + I8_NR - 1) / I8_NR;
-    const int64_t row_block = int8_row_block(M, K);
+    const int64_t row_block = int8_row_block(M, K), blocks = (M + row_block - 1) / row_block;
+    /* The caller sizes chunks of panels for one block of rows (about 8 a thread). A prompt's many blocks already
+     * give each thread chunks enough, and a wider chunk takes its panels' first reads fewer times: widen them by
+     * the blocks, up to 8 times. */
+    units_per_chunk *= blocks < I8_MAX_WIDENING ? blocks : I8_MAX_WIDENING;
+    units_per_chunk = units_per_chunk < count ? units_per_chunk : (count > 0 ? count : 1);
     const int64_t unit_chunks = (count + units_per_chunk - 1) / units_per_chunk;
     const int64_t chunks = unit_chunks * ((M + row_block - 1) / row_block);
     int8_t *buffer = given ? 0 : codes_buffer((size_t)(row_block * padded + 4 * row_block + 64));
@@ -446,4 +452,3 @@ const char *quantize_rows_signature(void) { return "piiiipipfipi:i"; }
 const char *int8_linear_task_words_signature(void) { return ":i"; }
 const char *quantize_rows_task_words_signature(void) { return ":i"; }
 const char *int8_panel_width_signature(void) { return ":i"; }
-const char *int8_row_block_signature(void) { return "ii:i"; }

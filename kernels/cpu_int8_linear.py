@@ -24,7 +24,7 @@ from kernels.workspace import step_scratch
 
 SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth sharing between threads
 SPLIT_BYTES = 1 << 19  # unless its weight is larger than this: one core reads it at a share of the memory's rate
-CHUNKS_PER_THREAD = 8  # a call's chunks a thread, counting its blocks of rows
+CHUNKS_PER_THREAD = 8  # a call's chunks a thread for a block of rows (the kernel widens them for several)
 QUANTIZE_SPLIT_VALUES = 1 << 16  # values of x below which its quantization stays on one thread
 CODE_RANGE = 127.5  # a row's largest magnitude maps here: compressed-tensors' symmetric int8 range
 
@@ -41,7 +41,6 @@ class Int8Build:
     tiles: Callable[[int], int]  # int8_use_amx: whether products of 16 rows or more use AMX tiles from now on
     linear_codes: Callable[..., Any]  # int8_linear of rows already quantized
     unsigned_codes: bool  # whether it takes codes as code + 128 (VNNI's unsigned bytes)
-    row_block: Callable[[int, int], int]  # int8_row_block: the rows of a call's blocks of rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +94,7 @@ def int8_build(variant: str | None = None) -> Int8Build | None:
         "cpu_int8_gemm", "int8_linear_codes", [p, p, p, p, p, p, p, i, i, i, i, i, p, i], i, variant=variant
     )
     unsigned = native.function("cpu_int8_gemm", "int8_codes_unsigned", [], i, variant=variant)
-    row_block = native.function("cpu_int8_gemm", "int8_row_block", [i, i], i, variant=variant)
-    if any(f is None for f in (linear, quantize, width, tiles, linear_codes, unsigned, row_block)):
+    if any(f is None for f in (linear, quantize, width, tiles, linear_codes, unsigned)):
         return None
     library = native.load("cpu_int8_gemm", variant)
     assert library is not None  # its functions loaded
@@ -113,7 +111,6 @@ def int8_build(variant: str | None = None) -> Int8Build | None:
         tiles,
         linear_codes,
         bool(unsigned()),
-        row_block,
     )
 
 
@@ -216,11 +213,7 @@ def int8_linear(
         n,
         k,
     )
-    # A chunk's panels pass every block of rows of it; a prompt's many blocks of rows already give each thread
-    # chunks enough, and fewer, wider chunks each take their panels' first reads fewer times.
-    row_blocks = -(-rows // build.row_block(rows, k)) if rows else 1
-    per_thread = max(1, CHUNKS_PER_THREAD // row_blocks)
-    done = native.share_units(kernel, args, packed.panels.shape[0], split, per_thread)
+    done = native.share_units(kernel, args, packed.panels.shape[0], split, CHUNKS_PER_THREAD)
     return out if done == 0 else None
 
 
