@@ -104,6 +104,8 @@ AMX_QUANTIZED_FILES = (
     "llama-12l-w4a16-prompt-tiles16",  # and those tiles 16 rows at a time
     "llama-12l-w8a8-chunk-rows",  # the int8 tiles' rows passing a chunk's panels, and quantizing in vectors
     "llama-12l-w8a8-norm-codes",  # and W8A8's rows quantized by the norms and the activation
+    "llama-12l-w8a8-wide-chunks",  # and the int8 tiles' panels by groups, a prompt's chunks wider
+    "llama-12l-w8a8-one-prefill-wide-chunks",
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-amx-attention": "prompt attention in tiles",
@@ -112,6 +114,7 @@ LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-prompt-tiles16": "prompts' codes in tiles 16 rows at a time",
     "-chunk-rows": "int8 rows across a chunk's panels",
     "-norm-codes": "int8 rows written by the norms and SiLU",
+    "-wide-chunks": "and int8 panels by groups and wider chunks",
 }
 SCENARIO_NAMES = {
     "mid_c16": "16 streams",

@@ -54,4 +54,13 @@ static inline void wait_for_chunks(int64_t *counters, int64_t chunks)
     }
 }
 
+/* A float among a task's words: helper_pool.c hands a kernel its arguments as 64-bit words, a float as its bits. */
+static inline float float_of_bits(int64_t word)
+{
+    const uint32_t bits = (uint32_t)word;
+    float value;
+    __builtin_memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
 #endif

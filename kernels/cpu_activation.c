@@ -10,7 +10,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "bfloat16.h"
 #include "claims.h"
@@ -93,14 +92,6 @@ int64_t silu_mul_f32_bf16(const float *gate_up, int64_t stride, uint16_t *out, i
 SILU_TASK(silu_mul_f32, 0)
 SILU_TASK(silu_mul_f32_bf16, 1)
 #undef SILU_TASK
-
-static float float_of_bits(int64_t word)
-{
-    const uint32_t bits = (uint32_t)word;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
 
 int64_t silu_mul_f32_int8_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
 {

@@ -398,14 +398,6 @@ int64_t quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t K, in
 
 /* The calls as tasks of helper_pool.c: the arguments before the counters as words, in order (a float as its
  * bits). */
-static float float_of_bits(int64_t word)
-{
-    const uint32_t bits = (uint32_t)word;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
 int64_t int8_linear_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
 {
     (void)thread;

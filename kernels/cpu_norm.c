@@ -13,7 +13,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "bfloat16.h"
 #include "claims.h"
@@ -125,11 +124,8 @@ int64_t rms_norm_heads_f32(const float *x, const float *weight, float eps, float
     int64_t NAME##_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)               \
     {                                                                                                   \
         (void)thread;                                                                                   \
-        float eps;                                                                                      \
-        const uint32_t eps_bits = (uint32_t)w[3];                                                       \
-        memcpy(&eps, &eps_bits, sizeof eps);                                                            \
-        return norm((const float *)w[0], (float *)w[1], (const float *)w[2], eps, (void *)w[4], w[5], 1, w[6], \
-                    w[7], w[8], counters, wait, KIND, 0);                                                \
+        return norm((const float *)w[0], (float *)w[1], (const float *)w[2], float_of_bits(w[3]), (void *)w[4], \
+                    w[5], 1, w[6], w[7], w[8], counters, wait, KIND, 0);                                \
     }                                                                                                   \
     int64_t NAME##_task_words(void) { return 9; }
 NORM_TASK(rms_norm_f32, FLOAT_OUT)
@@ -139,21 +135,10 @@ NORM_TASK(rms_norm_f32_bf16, BF16_OUT)
 int64_t rms_norm_heads_f32_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
 {
     (void)thread;
-    float eps;
-    const uint32_t eps_bits = (uint32_t)w[2];
-    memcpy(&eps, &eps_bits, sizeof eps);
-    return norm((const float *)w[0], 0, (const float *)w[1], eps, (void *)w[3], w[4], w[5], w[6], w[7], w[8], counters,
+    return norm((const float *)w[0], 0, (const float *)w[1], float_of_bits(w[2]), (void *)w[3], w[4], w[5], w[6], w[7], w[8], counters,
                 wait, FLOAT_OUT, 0);
 }
 int64_t rms_norm_heads_f32_task_words(void) { return 9; }
-
-static float float_of_bits(int64_t word)
-{
-    const uint32_t bits = (uint32_t)word;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
 
 int64_t rms_norm_f32_int8_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
 {

@@ -273,8 +273,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it), of the `keep` rows (all where None): each
         residual add is done by the next norm, in place, in the same pass."""
-        # The norms write the projections' bfloat16 rows where those take them (an adapter takes float32).
-        # W8A8 products take their rows as int8 codes from the norms (an adapter takes float32).
+        # The norms write the projections' rows as those take them, bfloat16 or a W8A8 product's int8 codes (an
+        # adapter takes float32).
         plain = batch.adapters is None
         attention_rows = plain and self.self_attn.qkv_proj.takes_bf16_rows
         mlp_rows = plain and self.mlp.gate_up_proj.takes_bf16_rows

@@ -175,7 +175,8 @@ class Int8Method(LinearMethod):
             if cpu_int8_linear.int8_linear(rows, self.packed, weight.scales, bias, weight.input_scale, out) is not None:
                 return out
         if quantized:  # the same codes' sums, in torch
-            codes = x.codes[:, : layer.in_features].float() - (128.0 if self._rows_format().unsigned else 0.0)
+            codes = x.codes[:, : layer.in_features]
+            codes = codes.view(torch.uint8).float() - 128.0 if self._rows_format().unsigned else codes.float()
             return cpu_int8_linear.scale_sums(codes @ self._dense().T, x.scales, self.weight.scales, bias)
         return self._in_torch(x, bias)
 
