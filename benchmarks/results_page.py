@@ -106,6 +106,7 @@ AMX_QUANTIZED_FILES = (
     "llama-12l-w8a8-norm-codes",  # and W8A8's rows quantized by the norms and the activation
     "llama-12l-w8a8-wide-chunks",  # and the int8 tiles' panels by groups, a prompt's chunks wider
     "llama-12l-w8a8-one-prefill-wide-chunks",
+    "sweep-2048-gqa2-w8a8-wide-chunks",
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-amx-attention": "prompt attention in tiles",

@@ -135,8 +135,8 @@ NORM_TASK(rms_norm_f32_bf16, BF16_OUT)
 int64_t rms_norm_heads_f32_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)
 {
     (void)thread;
-    return norm((const float *)w[0], 0, (const float *)w[1], float_of_bits(w[2]), (void *)w[3], w[4], w[5], w[6], w[7], w[8], counters,
-                wait, FLOAT_OUT, 0);
+    return norm((const float *)w[0], 0, (const float *)w[1], float_of_bits(w[2]), (void *)w[3], w[4], w[5], w[6], w[7],
+                w[8], counters, wait, FLOAT_OUT, 0);
 }
 int64_t rms_norm_heads_f32_task_words(void) { return 9; }
 
