@@ -10,12 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels.cpu_int8_linear import Int8Rows, Int8RowsFormat, rows_buffers, writing
+from kernels.cpu_int8_linear import MAX_ROW_WIDTH, Int8Rows, Int8RowsFormat, rows_buffers, writing
 from kernels.workspace import step_scratch
 
 SPLIT_VALUES = 1 << 16  # outputs below which a call is not worth sharing between threads
 CHUNKS_PER_THREAD = 4
-MAX_CODES_WIDTH = 65536  # int8_rows.h's INT8_ROWS_MAX_WIDTH: a row quantized from the stack
 
 
 @functools.cache
@@ -67,7 +66,7 @@ def silu_and_mul_int8(gate_up: torch.Tensor, width: int, rows_format: Int8RowsFo
         or gate_up.dim() != 2
         or gate_up.stride(1) != 1
         or gate_up.shape[1] != 2 * width
-        or not 0 < width <= MAX_CODES_WIDTH
+        or not 0 < width <= MAX_ROW_WIDTH
         or torch.is_grad_enabled()
         or (kernel := codes_kernel()) is None
     ):

@@ -27,6 +27,7 @@ SPLIT_BYTES = 1 << 19  # unless its weight is larger than this: one core reads i
 CHUNKS_PER_THREAD = 8  # a call's chunks a thread for a block of rows (the kernel widens them for several)
 QUANTIZE_SPLIT_VALUES = 1 << 16  # values of x below which its quantization stays on one thread
 CODE_RANGE = 127.5  # a row's largest magnitude maps here: compressed-tensors' symmetric int8 range
+MAX_ROW_WIDTH = 65536  # int8_rows.h's INT8_ROWS_MAX_WIDTH: the widest row a norm or activation quantizes itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,13 +234,8 @@ def writing(rows: Int8Rows, rows_format: Int8RowsFormat) -> tuple[int | float, .
 def rows_buffers(name: str, rows: int, width: int, device: torch.device) -> Int8Rows:
     """The step's buffers `name` for `rows` rows of `width` values as codes (named, so that a recorded decode
     step holds one buffer a name: kernels/replay.py)."""
-    # One buffer, the scales on cache lines of their own after the codes: a few bytes of scales in an allocation of
-    # their own may share a line with what another core writes while the product reads them.
-    code_bytes = -(-rows * padded_width(width) // 64) * 64
-    whole = step_scratch.take(f"{name} codes", (code_bytes + 4 * rows + 64,), torch.int8, device)
-    skip = -whole.data_ptr() % 64
-    codes = whole[skip : skip + rows * padded_width(width)].view(rows, padded_width(width))
-    scales = whole[skip + code_bytes : skip + code_bytes + 4 * rows].view(torch.float32)
+    codes = step_scratch.take(f"{name} codes", (rows, padded_width(width)), torch.int8, device)
+    scales = step_scratch.take(f"{name} scales", (rows,), torch.float32, device)
     return Int8Rows(codes, scales, width)
 
 

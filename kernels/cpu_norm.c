@@ -65,18 +65,12 @@ static int64_t norm(const float *x, float *residual, const float *weight, float 
                     int64_t wait, const int kind, const struct codes_out *codes)
 {
     const int64_t chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
-    float row[kind == CODES_OUT ? width : 1]; /* a normalized row before it is quantized */
-    struct codes_out mine;
-    if (kind == CODES_OUT) {
-        mine = *codes;
-        mine.row = row;
-    }
     for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {
         const int64_t end = (c + 1) * rows_per_chunk < rows ? (c + 1) * rows_per_chunk : rows;
         if (kind == BF16_OUT)
             norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, heads, width, stride, BF16_OUT, 0);
         else if (kind == CODES_OUT)
-            norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, heads, width, stride, CODES_OUT, &mine);
+            norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, heads, width, stride, CODES_OUT, codes);
         else
             norm_rows(x, residual, weight, eps, out, c * rows_per_chunk, end, heads, width, stride, FLOAT_OUT, 0);
     }
@@ -108,7 +102,8 @@ int64_t rms_norm_f32_int8(const float *x, float *residual, const float *weight, 
 {
     if (width > INT8_ROWS_MAX_WIDTH || width < 1)
         return -1;
-    const struct codes_out out = {codes, scales, static_scale, unsigned_codes, padded, 0};
+    float row[width]; /* this thread's normalized row before it is quantized */
+    const struct codes_out out = {codes, scales, static_scale, unsigned_codes, padded, row};
     return norm(x, residual, weight, eps, 0, rows, 1, width, width, rows_per_chunk, counters, wait, CODES_OUT, &out);
 }
 

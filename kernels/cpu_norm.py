@@ -10,13 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import dispatch, native
-from kernels.cpu_int8_linear import Int8Rows, Int8RowsFormat, rows_buffers, writing
+from kernels.cpu_int8_linear import MAX_ROW_WIDTH, Int8Rows, Int8RowsFormat, rows_buffers, writing
 from kernels.norm_triton import rms_norm_triton
 from kernels.workspace import step_scratch
 
 SPLIT_VALUES = 1 << 16  # outputs below which a call is not worth sharing between threads
 CHUNKS_PER_THREAD = 4
-MAX_CODES_WIDTH = 65536  # int8_rows.h's INT8_ROWS_MAX_WIDTH: a row quantized from the stack
 
 
 @functools.cache
@@ -105,7 +104,7 @@ def rms_norm_int8(
     width = x.shape[-1]
     if (
         x.dim() != 2
-        or not 0 < width <= MAX_CODES_WIDTH
+        or not 0 < width <= MAX_ROW_WIDTH
         or not compiled_takes(x, weight)
         or not x.is_contiguous()
         or (residual is not None and not (residual.is_contiguous() and residual.shape == x.shape))

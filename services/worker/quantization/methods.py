@@ -130,8 +130,8 @@ class FloatMethod(LinearMethod):
 
 class Int8Method(LinearMethod):
     """W8A8: int8 weights per output channel, x quantized to int8 per token (or by the checkpoint's static scale)
-    as the product starts, the sums in int32 (`cpu_int8_gemm.c`, in AMX tiles from 16 rows where the CPU has them:
-    the same sums)."""
+    by the norm or activation before the product (`int8_rows`) or as the product starts, the sums in int32
+    (`cpu_int8_gemm.c`, in AMX tiles from 16 rows where the CPU has them: the same sums)."""
 
     name = "W8A8-int8"
 
@@ -140,6 +140,7 @@ class Int8Method(LinearMethod):
         self.packed: cpu_int8_linear.Int8Panels | None = None
         self.by_triton = False  # a GPU's (or Triton chosen): the int8 sums in a Triton kernel
         self.dense: torch.Tensor | None = None  # the weight as floats, where no compiled kernel runs
+        self.rows_format: cpu_int8_linear.Int8RowsFormat | None = None  # how the packed kernel takes quantized rows
 
     def to(self, device: torch.device) -> None:
         self.weight = self.weight.to(device)
@@ -152,6 +153,7 @@ class Int8Method(LinearMethod):
             self.weight.weight = weight.contiguous()
         elif weight.device.type == "cpu" and cpu_int8_linear.int8_build() is not None:
             self.packed = cpu_int8_linear.pack_int8(weight)
+            self.rows_format = cpu_int8_linear.rows_format(self.weight.input_scale)
         else:
             self.dense = weight.float()
 
@@ -176,17 +178,13 @@ class Int8Method(LinearMethod):
                 return out
         if quantized:  # the same codes' sums, in torch
             codes = x.codes[:, : layer.in_features]
-            codes = codes.view(torch.uint8).float() - 128.0 if self._rows_format().unsigned else codes.float()
+            unsigned = self.rows_format is not None and self.rows_format.unsigned
+            codes = codes.view(torch.uint8).float() - 128.0 if unsigned else codes.float()
             return cpu_int8_linear.scale_sums(codes @ self._dense().T, x.scales, self.weight.scales, bias)
         return self._in_torch(x, bias)
 
     def int8_rows(self, layer: Linear) -> cpu_int8_linear.Int8RowsFormat | None:
-        return self._rows_format() if self.packed is not None else None
-
-    def _rows_format(self) -> cpu_int8_linear.Int8RowsFormat:
-        rows_format = cpu_int8_linear.rows_format(self.weight.input_scale)
-        assert rows_format is not None  # the weight was packed for the build
-        return rows_format
+        return self.rows_format
 
     def _dense(self) -> torch.Tensor:
         return self.dense if self.dense is not None else self.weight.weight.float()
