@@ -58,7 +58,7 @@ from kernels.cpu_int8_linear import (  # noqa: E402
     pack_int8,
     rows_format,
 )
-from kernels.cpu_linear import bf16_rows, gemm, gemm_build, gemm_codes, pack, pack_codes  # noqa: E402
+from kernels.cpu_linear import bf16_rows, gemm, gemm_build, gemm_codes, pack, pack_codes, use_code_words  # noqa: E402
 
 REPEATS = int(os.environ.get("PAGEDSERVE_BENCH_REPEATS", "15"))
 ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_ROWS", "1,4,16,48,256,2048").split(",")]
@@ -241,7 +241,8 @@ def whole_step(peaks: dict) -> list[dict]:
         f"and the weights' rate in GB/s (one thread reads {peaks['read_gb_s']} GB/s, "
         f"{peaks['cores']} at once {peaks['read_all_cores_gb_s']})"
     )
-    print(f"{'threads':>7}{'rows':>6}{'torch f32':>11}" + "".join(f"{name:>17}" for name in LAYOUTS))
+    dot = ["int4 by bf16 dot"] if use_code_words(True) else []
+    print(f"{'threads':>7}{'rows':>6}{'torch f32':>11}" + "".join(f"{name:>17}" for name in [*LAYOUTS, *dot]))
     for threads in THREADS:
         torch.set_num_threads(threads)
         for rows in STEP_ROWS:
@@ -263,6 +264,8 @@ def whole_step(peaks: dict) -> list[dict]:
                 replayed = replay.record(step)[1] if rows <= DECODE_ROWS else None
                 calls[layout] = replayed if replayed is not None else step
                 by_python.extend([layout] if replayed is None and rows <= DECODE_ROWS else [])
+            if use_code_words(True):  # the 4-bit step as it was before int16 rows: the bfloat16 dot product
+                calls["int4_dot"] = lambda int4=calls["int4"]: (use_code_words(False), int4(), use_code_words(True))
             times = {name: [] for name in calls}
             for _ in range(max(3, REPEATS // 3)):
                 for name, call in calls.items():
@@ -275,12 +278,13 @@ def whole_step(peaks: dict) -> list[dict]:
                 **{f"{name}_ms": round(1e3 * statistics.median(t), 2) for name, t in times.items()},
                 "called_from_python": by_python,
             }
-            for layout in LAYOUTS:
-                row[f"{layout}_gb_s"] = round(sizes[layout] / row[f"{layout}_ms"] / 1e6, 1)
+            columns = [*LAYOUTS, *(["int4_dot"] if "int4_dot" in calls else [])]
+            for layout in columns:
+                row[f"{layout}_gb_s"] = round(sizes[layout.removesuffix("_dot")] / row[f"{layout}_ms"] / 1e6, 1)
             rows_out.append(row)
             print(
                 f"{threads:>7}{rows:>6}{row['torch_f32_ms']:>11.2f}"
-                + "".join(f"{row[layout + '_ms']:>9.2f} ({row[layout + '_gb_s']:>4.1f})" for layout in LAYOUTS)
+                + "".join(f"{row[layout + '_ms']:>9.2f} ({row[layout + '_gb_s']:>4.1f})" for layout in columns)
             )
     torch.set_num_threads(1)
     return rows_out

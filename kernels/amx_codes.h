@@ -15,6 +15,7 @@
 
 #define AMX_CODE_ROWS 16 /* rows of x a tile takes */
 #define AMX_PARTIAL_ROWS 2 /* a decode's rows past its last whole 16, from this many, take a tile padded with zeros */
+#define AMX_ROWS_AFTER_WORDS 5 /* the same where int16 words take a few rows (codes_words.h): fewer cost less there */
 #define AMX_CODE_CHUNK 128 /* inputs of a group unpacked at a time: four tiles of 32 a half panel */
 static int codes_amx_on; /* set once Linux lets this process use the tiles and the caller asked */
 
@@ -72,7 +73,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void code_tile_amx(
         _tile_stored(1, parts[1], 64);
         for (int r = 0; r < rows; r++)
             add_group(sums + r * NR, load_floats(parts[0] + r * 16), load_floats(parts[1] + r * 16), scales, offsets,
-                      g, x_sums[r * groups + g]);
+                      g, x_sums[r * groups + g], 128.0f);
     }
     for (int r = 0; r < rows; r++)
         store_row(load_floats(sums + r * NR), load_floats(sums + r * NR + GEMM_VEC), bias, y + r * y_stride, cols);

@@ -530,9 +530,10 @@ int64_t gemm_bf16(const void *x, int64_t x_stride, const uint32_t *panels, const
  * A decode's rows (up to STREAM_ROWS) take each word's values in registers, so only the codes stream from
  * memory: for bfloat16 rows, 4-bit codes c become the bfloat16 numbers 128 + c (exact, and made by
  * bit operations alone), each group's sums of (128 + c) x are scaled once, and the 128 and the offset come back
- * through the group's sum of x; elsewhere each value is code x scale + offset in float32. Where the CPU has AMX
- * tiles for bfloat16, blocks of 16 such rows take 4-bit codes in them (amx_codes.h), up to AMX_STREAM_ROWS rows,
- * and so do the last 2 to 15, padded with zero rows.
+ * through the group's sum of x; elsewhere each value is code x scale + offset in float32. Where the build has
+ * AVX512-VNNI, such rows instead become int16 values by groups and meet the codes as they are in the int16 dot
+ * product (codes_words.h). Where the CPU has AMX tiles for bfloat16, blocks of 16 such rows take 4-bit codes in
+ * them (amx_codes.h), up to AMX_STREAM_ROWS rows, and so do the last few, padded with zero rows.
  * A prompt's many rows take each panel's values once into a buffer in the layout of the float32 or bfloat16
  * panels above (as x's rows are), and the float kernel runs over it, or for bfloat16 rows AMX tiles where
  * the CPU has them. */
@@ -594,6 +595,8 @@ static inline __attribute__((always_inline)) void code_tile(
         store_row(acc0[r], acc1[r], bias, y + r * y_stride, cols);
 }
 
+#include "codes_words.h"
+
 #if BF16_DOT
 /* Pair j of each lane's eight 4-bit codes (k + 2j in the low half, k + 2j + 1 in the high) as the bfloat16 pair
  * (128 + c, 128 + c'): 128 + c is 2^7 with c in the low bits of the seven-bit mantissa, its unit there 1. */
@@ -602,37 +605,39 @@ static inline __attribute__((always_inline)) vu code_pairs(vu words, int j)
     return ((words >> (4 * j)) & 0x000f000fu) | 0x43004300u;
 }
 
-/* Group g's sums of (128 + c) x of one row (total0, total1: a panel's two halves) as sums of the values, added into
- * the row's sums: scale x those + (offset - 128 scale) x the group's sum of x. */
+/* Group g's sums of (base + c) x of one row (total0, total1: a panel's two halves) as sums of the values, added
+ * into the row's sums: scale x those + (offset - base x scale) x the group's sum of x. */
 static inline __attribute__((always_inline)) void add_group(float *row, vf total0, vf total1, const float *scales,
-                                                            const float *offsets, int64_t g, float x_sum)
+                                                            const float *offsets, int64_t g, float x_sum, float base)
 {
     const vf s0 = load_floats(scales + g * NR), s1 = load_floats(scales + g * NR + GEMM_VEC);
-    const vf o0 = load_floats(offsets + g * NR) - 128.0f * s0, o1 = load_floats(offsets + g * NR + GEMM_VEC) - 128.0f * s1;
+    const vf o0 = load_floats(offsets + g * NR) - base * s0, o1 = load_floats(offsets + g * NR + GEMM_VEC) - base * s1;
     const vf xs = splat(x_sum);
     *(vf_unaligned *)row = load_floats(row) + total0 * s0 + xs * o0;
     *(vf_unaligned *)(row + GEMM_VEC) = load_floats(row + GEMM_VEC) + total1 * s1 + xs * o1;
 }
 
 /* code_tile for 4-bit codes by the bfloat16 dot product: each group's sums of (128 + c) x, then
- * sums += scale x those + (offset - 128 scale) x the group's sum of x (x_sums [rows][groups]). Where `later` is
- * not 0 (the first tile over a panel: the others find it in cache), each step asks for the same lines of the
- * panel `later` panels on, and each group for that panel's scales and offsets, so that its reads from memory
- * overlap this thread's arithmetic. */
+ * sums += scale x those + (offset - 128 scale) x the group's sum of x (x_sums [rows][groups]). Or, `in_words`,
+ * by the int16 dot product over x's int16 values (codes_words.h; x, rows x_stride apart, as those values): each
+ * group's exact sums of c x_int, as floats times the row's unit of the group (units [rows][groups]), then
+ * sums += scale x those + offset x the group's sum of x. Where `later` is not 0 (the first tile over a panel: the
+ * others find it in cache), each step asks for the same lines of the panel `later` panels on, and each group for
+ * that panel's scales and offsets, so that its reads from memory overlap this thread's arithmetic. */
 static inline __attribute__((always_inline)) void code_tile_pairs(
-    const int rows, const char *x, int64_t x_stride, const uint32_t *w, const float *scales, const float *offsets,
-    const float *x_sums, int64_t groups, int64_t group, const float *bias, float *y, int64_t y_stride, int64_t cols,
-    int64_t later)
+    const int rows, const int in_words, const char *x, int64_t x_stride, const uint32_t *w, const float *scales,
+    const float *offsets, const float *units, const float *x_sums, int64_t groups, int64_t group, const float *bias,
+    float *y, int64_t y_stride, int64_t cols, int64_t later)
 {
     const char *ahead = later ? (const char *)(w + later * (groups * group / 8) * NR) : 0;
-    const uint32_t *xw = (const uint32_t *)x; /* bfloat16 pairs of x */
+    const uint32_t *xw = (const uint32_t *)x; /* pairs of x: bfloat16, or int16 */
     /* Sums in chains of their own for a few rows, so that the dot product's latency, not its rate, does not bound
-     * a decode of one or two rows: pair j goes to chain j % chains. */
-    const int chains = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+     * a decode of one to three rows: pair j goes to chain j % chains. */
+    const int chains = rows == 1 ? 4 : rows == 2 || (in_words && rows == 3) ? 2 : 1;
     float sums[MR * NR];
     memset(sums, 0, sizeof sums);
     for (int64_t g = 0; g < groups; g++) {
-        vf part0[MR][4], part1[MR][4];
+        vf part0[MR][4], part1[MR][4]; /* int32 sums in int16 words, as their bits */
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < chains; c++)
                 part0[r][c] = part1[r][c] = (vf){0};
@@ -647,41 +652,57 @@ static inline __attribute__((always_inline)) void code_tile_pairs(
             prefetch_step(ahead, (int64_t)(g * group / 8) + (int64_t)q, NR * 4);
             const vu w0 = load_words(words + q * NR), w1 = load_words(words + q * NR + GEMM_VEC);
             for (int j = 0; j < 4; j++) {
-                const vu b0 = code_pairs(w0, j), b1 = code_pairs(w1, j);
+                const vu b0 = in_words ? code_words(w0, j) : code_pairs(w0, j);
+                const vu b1 = in_words ? code_words(w1, j) : code_pairs(w1, j);
                 for (int r = 0; r < rows; r++) {
                     const uint32_t pair = pairs[(size_t)r * (size_t)(x_stride / 2) + 4 * q + (size_t)j];
-                    part0[r][j % chains] = dot_pairs(part0[r][j % chains], pair, b0);
-                    part1[r][j % chains] = dot_pairs(part1[r][j % chains], pair, b1);
+                    vf *a0 = &part0[r][j % chains], *a1 = &part1[r][j % chains];
+                    *a0 = in_words ? dot_words(*a0, pair, b0) : dot_pairs(*a0, pair, b0);
+                    *a1 = in_words ? dot_words(*a1, pair, b1) : dot_pairs(*a1, pair, b1);
                 }
             }
         }
         for (int r = 0; r < rows; r++) {
             vf total0 = part0[r][0], total1 = part1[r][0];
             for (int c = 1; c < chains; c++) {
-                total0 += part0[r][c];
-                total1 += part1[r][c];
+                total0 = in_words ? (vf)((vi)total0 + (vi)part0[r][c]) : total0 + part0[r][c];
+                total1 = in_words ? (vf)((vi)total1 + (vi)part1[r][c]) : total1 + part1[r][c];
             }
-            add_group(sums + r * NR, total0, total1, scales, offsets, g, x_sums[r * groups + g]);
+            if (in_words) {
+                const vf unit = splat(units[r * groups + g]);
+                total0 = __builtin_convertvector((vi)total0, vf) * unit;
+                total1 = __builtin_convertvector((vi)total1, vf) * unit;
+            }
+            const float base = in_words ? 0.0f : 128.0f;
+            add_group(sums + r * NR, total0, total1, scales, offsets, g, x_sums[r * groups + g], base);
         }
     }
     for (int r = 0; r < rows; r++)
         store_row(load_floats(sums + r * NR), load_floats(sums + r * NR + GEMM_VEC), bias, y + r * y_stride, cols);
 }
 
-static void code_pairs_tile_of(int rows, const char *x, int64_t x_stride, const uint32_t *w, const float *scales,
-                               const float *offsets, const float *x_sums, int64_t groups, int64_t group,
-                               const float *bias, float *y, int64_t y_stride, int64_t cols, int64_t later)
+static void code_pairs_tile_of(int rows, int in_words, const char *x, int64_t x_stride, const uint32_t *w,
+                               const float *scales, const float *offsets, const float *units, const float *x_sums,
+                               int64_t groups, int64_t group, const float *bias, float *y, int64_t y_stride,
+                               int64_t cols, int64_t later)
 {
-#define PAIRS(ROWS)                                                                                                   \
-    code_tile_pairs(ROWS, x, x_stride, w, scales, offsets, x_sums, groups, group, bias, y, y_stride, cols, later)
+#define PAIRS(ROWS, WORDS)                                                                                            \
+    code_tile_pairs(ROWS, WORDS, x, x_stride, w, scales, offsets, units, x_sums, groups, group, bias, y, y_stride,    \
+                    cols, later)
+#define ROWS_OF(ROWS)                                                                                                 \
+    if (in_words)                                                                                                     \
+        PAIRS(ROWS, CODE_WORDS);                                                                                      \
+    else                                                                                                              \
+        PAIRS(ROWS, 0);
     switch (rows) {
-    case 6: PAIRS(6); break;
-    case 5: PAIRS(5); break;
-    case 4: PAIRS(4); break;
-    case 3: PAIRS(3); break;
-    case 2: PAIRS(2); break;
-    default: PAIRS(1);
+    case 6: ROWS_OF(6) break;
+    case 5: ROWS_OF(5) break;
+    case 4: ROWS_OF(4) break;
+    case 3: ROWS_OF(3) break;
+    case 2: ROWS_OF(2) break;
+    default: ROWS_OF(1)
     }
+#undef ROWS_OF
 #undef PAIRS
 }
 
@@ -836,9 +857,20 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
 {
     if (x_bf16 && !BF16_DOT)
         return -1;
+#if CODE_WORDS
+    /* a decode's 4-bit codes against int16 values of its rows (codes_words.h) */
+    const int words_on = codes_words_on && x_bf16 && code == CODE_U4 && group <= CODE_WORDS_MAX_GROUP;
+#endif
 #if CODES_AMX
+    /* rows from which tiles take a decode's rows, and the rows past its last whole 16, rather than the vector
+     * kernel: a few rows cost a tile what 16 do, and the int16 words' few rows cost less */
+#if CODE_WORDS
+    const int64_t tiles_from = words_on ? AMX_ROWS_AFTER_WORDS : AMX_PARTIAL_ROWS;
+#else
+    const int64_t tiles_from = AMX_PARTIAL_ROWS;
+#endif
     /* 4-bit codes against blocks of 16 bfloat16 rows in tiles, up to the rows a prompt's product takes */
-    const int amx = codes_amx_on && x_bf16 && code == CODE_U4 && group % 32 == 0 && M >= AMX_PARTIAL_ROWS;
+    const int amx = codes_amx_on && x_bf16 && code == CODE_U4 && group % 32 == 0 && M >= tiles_from;
     /* and a prompt's rows against any codes' unpacked panels */
     const int amx_prompt = codes_amx_on && x_bf16 && K % 32 == 0;
 #else
@@ -856,20 +888,46 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
     const int pairs = x_bf16 && code == CODE_U4 && !prompt;
     const int64_t held = prompt_tiles ? panels_at_once(K) : 1; /* panels unpacked at once */
     void *values = prompt ? thread_buffer(0, (size_t)(held * panel_bytes(kind, K))) : 0;
-    float *x_sums = pairs ? thread_buffer(1, (size_t)(M * groups) * sizeof(float)) : 0;
+#if CODES_AMX
+    /* A decode's rows past its last whole 16 (one block of rows), from tiles_from, in a tile too: this thread's copy
+     * of them, followed by zero rows. */
+    const int64_t tail = amx && pairs && row_block == M ? M % AMX_CODE_ROWS : 0;
+    /* the rows tiles take, the first of those the vector kernel takes */
+    const int64_t vector_from = amx && pairs ? (tail >= tiles_from ? M : M - M % AMX_CODE_ROWS) : 0;
+#else
+    const int64_t vector_from = 0;
+#endif
+#if CODE_WORDS
+    /* the vector kernel's rows in int16 words (codes_words.h) */
+    const int in_words = words_on && pairs && vector_from < M;
+#else
+    const int in_words = 0;
+#endif
+    const int64_t word_rows = in_words ? M - vector_from : 0;
+    const int64_t sums_bytes = (M * groups * (int64_t)sizeof(float) + 63) / 64 * 64;
+    const int64_t word_bytes = word_rows * (2 * groups * (int64_t)sizeof(float) + K * 2);
+    char *x_sums_bytes = pairs ? thread_buffer(1, (size_t)(sums_bytes + word_bytes)) : 0;
+    float *x_sums = (float *)x_sums_bytes;
     if ((prompt && !values) || (pairs && !x_sums))
         return -1;
 #if BF16_DOT
-    if (pairs)
+    if (pairs && (vector_from > 0 || !in_words))
         group_sums((const char *)x, x_stride, M, K, group, x_sums);
+#endif
+#if BF16_DOT
+    /* rows from vector_from as int16 values: [word_rows][K], then their units and sums by group */
+    int16_t *xq = in_words ? (int16_t *)(x_sums_bytes + sums_bytes) : 0;
+    float *units = in_words ? (float *)(xq + word_rows * K) : 0, *word_sums = in_words ? units + word_rows * groups : 0;
+#endif
+#if CODE_WORDS
+    if (in_words)
+        quantize_groups((const char *)x + vector_from * x_stride * 2, x_stride, word_rows, K, group, xq, units,
+                        word_sums);
 #endif
 #if CODES_AMX
     const int tiles = (amx && pairs) || prompt_tiles;
-    /* A decode's rows past its last whole 16 (one block of rows), from AMX_PARTIAL_ROWS, in a tile too: this thread's
-     * copy of them, followed by zero rows. */
-    const int64_t tail = amx && pairs && row_block == M ? M % AMX_CODE_ROWS : 0;
-    char *padded = tail >= AMX_PARTIAL_ROWS ? thread_buffer(0, (size_t)(AMX_CODE_ROWS * K * 2)) : 0;
-    if (tail >= AMX_PARTIAL_ROWS && !padded)
+    char *padded = tail >= tiles_from ? thread_buffer(0, (size_t)(AMX_CODE_ROWS * K * 2)) : 0;
+    if (tail >= tiles_from && !padded)
         return -1;
     for (int64_t r = 0; padded && r < AMX_CODE_ROWS; r++) {
         if (r < tail)
@@ -934,8 +992,13 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
                 float *yt = ym + m * y_stride + n;
 #if BF16_DOT
                 if (pairs) {
-                    code_pairs_tile_of(tile_rows, xt, x_stride, w, sc, of, x_sums + (m0 + m) * groups, groups, group,
-                                       b, yt, y_stride, cols, m == 0 ? later : 0);
+                    /* in int16 words: this thread's values of the rows from vector_from */
+                    const int64_t w_row = m0 + m - vector_from;
+                    const char *xp = in_words ? (const char *)(xq + w_row * K) : xt;
+                    code_pairs_tile_of(tile_rows, in_words, xp, in_words ? K : x_stride, w, sc, of,
+                                       in_words ? units + w_row * groups : 0,
+                                       in_words ? word_sums + w_row * groups : x_sums + (m0 + m) * groups, groups,
+                                       group, b, yt, y_stride, cols, m == 0 ? later : 0);
                     continue;
                 }
 #endif

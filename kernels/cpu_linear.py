@@ -52,6 +52,7 @@ class GemmBuild:
     description: str
     variant: str
     code_tiles: Callable[[int], int]  # gemm_codes_use_amx: whether 16 rows or more of codes use AMX tiles (-1 asks)
+    code_words: Callable[[int], int]  # gemm_codes_use_words: whether a decode's 4-bit codes meet int16 x (-1 asks)
 
 
 @functools.cache
@@ -71,17 +72,29 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
         for name in ("panel_width", "bf16_reads_bf16_rows")
     }
     code_tiles = native.function("cpu_gemm", "gemm_codes_use_amx", [i], i, variant=variant)
-    if None in facts.values() or None in kernels.values() or codes is None or codes_bf16 is None or code_tiles is None:
+    code_words = native.function("cpu_gemm", "gemm_codes_use_words", [i], i, variant=variant)
+    switches = (codes, codes_bf16, code_tiles, code_words)
+    if None in facts.values() or None in kernels.values() or None in switches:
         return None
     library = native.load("cpu_gemm", variant)
     assert library is not None  # its functions loaded
     library.gemm_description.restype = native.ctypes.c_char_p
     width, bf16_rows = (fact() for fact in facts.values())
     description = library.gemm_description().decode()
+    if code_words(-1):
+        description += ", a decode's few rows against 4-bit codes as int16 (VNNI)"
     if code_tiles(int(native.cpu_flags() >= native.AMX_BF16)):
-        description += ", AMX tiles for 4-bit codes from 2 bfloat16 rows and for any codes from 64"
+        description += ", AMX tiles for 4-bit codes from a few bfloat16 rows and for any codes from 64"
     return GemmBuild(
-        kernels, codes, codes_bf16, width, bool(bf16_rows), description, native.variant_of(library), code_tiles
+        kernels,
+        codes,
+        codes_bf16,
+        width,
+        bool(bf16_rows),
+        description,
+        native.variant_of(library),
+        code_tiles,
+        code_words,
     )
 
 
@@ -91,6 +104,14 @@ def use_code_tiles(on: bool, build: GemmBuild | None = None) -> bool:
     process use them. The tests compare both ways; the worker keeps what the build chose."""
     build = build or gemm_build()
     return build is not None and bool(build.code_tiles(int(on and native.cpu_flags() >= native.AMX_BF16)))
+
+
+def use_code_words(on: bool, build: GemmBuild | None = None) -> bool:
+    """Whether `build` multiplies a decode's 4-bit codes by int16 values of its bfloat16 rows (AVX512-VNNI) from now
+    on rather than by the bfloat16 dot product: where asked and the build has it. The tests and benchmarks compare
+    both ways; the worker keeps the build's choice."""
+    build = build or gemm_build()
+    return build is not None and bool(build.code_words(int(on)))
 
 
 def code_tiles_on(build: GemmBuild | None = None) -> bool:
