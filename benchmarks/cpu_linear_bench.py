@@ -7,7 +7,9 @@ multiply-adds in its widest vectors, the bfloat16 dot product where the CPU has 
 widened and multiplied in float32, so float32's peak is its peak), int8 products as the W8A8 kernel makes them
 (AVX512-VNNI's byte dot product, else int16 pairs; where the CPU has AMX tiles, also their int8 peak, which the int8
 products from 16 rows are measured against), and the rate at which one thread, and every core at once, reads memory.
-4-bit codes feed the bfloat16 dot product (or float32 multiply-adds): bfloat16's peak is theirs.
+4-bit codes feed the bfloat16 dot product (or float32 multiply-adds): bfloat16's peak is theirs, though a decode's
+few rows meet them in the byte dot product where the build has AVX512-VNNI, and more rows in AMX tiles where the CPU
+has them, so their share of it can pass 100%.
 
 Each product is timed as the worker calls it: into an output made beforehand, and for bfloat16 weights
 from rows already in bfloat16 where the build takes them (the norm and activation kernels before a

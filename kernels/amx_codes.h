@@ -15,7 +15,7 @@
 
 #define AMX_CODE_ROWS 16 /* rows of x a tile takes */
 #define AMX_PARTIAL_ROWS 2 /* a decode's rows past its last whole 16, from this many, take a tile padded with zeros */
-#define AMX_ROWS_AFTER_WORDS 5 /* the same where int16 words take a few rows (codes_words.h): fewer cost less there */
+#define AMX_ROWS_AFTER_WORDS 6 /* the same where int16 words take a few rows (codes_words.h): fewer cost less there */
 #define AMX_CODE_CHUNK 128 /* inputs of a group unpacked at a time: four tiles of 32 a half panel */
 static int codes_amx_on; /* set once Linux lets this process use the tiles and the caller asked */
 

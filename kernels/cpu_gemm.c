@@ -632,8 +632,9 @@ static inline __attribute__((always_inline)) void code_tile_pairs(
     const char *ahead = later ? (const char *)(w + later * (groups * group / 8) * NR) : 0;
     const uint32_t *xw = (const uint32_t *)x; /* pairs of x: bfloat16, or int16 */
     /* Sums in chains of their own for a few rows, so that the dot product's latency, not its rate, does not bound
-     * a decode of one to three rows: pair j goes to chain j % chains. */
-    const int chains = rows == 1 ? 4 : rows == 2 || (in_words && rows == 3) ? 2 : 1;
+     * a decode of one or two rows: pair j goes to chain j % chains. In words, the sums of x's low bytes (j < 2) and
+     * high bytes (the first and second half of the chains) apart. */
+    const int chains = rows == 1 ? 4 : rows == 2 || in_words ? 2 : 1;
     float sums[MR * NR];
     memset(sums, 0, sizeof sums);
     for (int64_t g = 0; g < groups; g++) {
@@ -651,27 +652,36 @@ static inline __attribute__((always_inline)) void code_tile_pairs(
         for (size_t q = 0; q < (size_t)group / 8; q++) {
             prefetch_step(ahead, (int64_t)(g * group / 8) + (int64_t)q, NR * 4);
             const vu w0 = load_words(words + q * NR), w1 = load_words(words + q * NR + GEMM_VEC);
+#pragma GCC unroll 4 /* each j's chain a register */
             for (int j = 0; j < 4; j++) {
                 const vu b0 = in_words ? code_words(w0, j) : code_pairs(w0, j);
                 const vu b1 = in_words ? code_words(w1, j) : code_pairs(w1, j);
                 for (int r = 0; r < rows; r++) {
                     const uint32_t pair = pairs[(size_t)r * (size_t)(x_stride / 2) + 4 * q + (size_t)j];
-                    vf *a0 = &part0[r][j % chains], *a1 = &part1[r][j % chains];
-                    *a0 = in_words ? dot_words(*a0, pair, b0) : dot_pairs(*a0, pair, b0);
-                    *a1 = in_words ? dot_words(*a1, pair, b1) : dot_pairs(*a1, pair, b1);
+                    const int chain = in_words && chains == 2 ? j >> 1 : j % chains;
+                    vf *a0 = &part0[r][chain], *a1 = &part1[r][chain];
+                    *a0 = in_words ? dot_words(*a0, pair, b0, j) : dot_pairs(*a0, pair, b0);
+                    *a1 = in_words ? dot_words(*a1, pair, b1, j) : dot_pairs(*a1, pair, b1);
                 }
             }
         }
         for (int r = 0; r < rows; r++) {
             vf total0 = part0[r][0], total1 = part1[r][0];
-            for (int c = 1; c < chains; c++) {
-                total0 = in_words ? (vf)((vi)total0 + (vi)part0[r][c]) : total0 + part0[r][c];
-                total1 = in_words ? (vf)((vi)total1 + (vi)part1[r][c]) : total1 + part1[r][c];
-            }
-            if (in_words) {
+            if (in_words) { /* low bytes' sums + 256 x high bytes', exact in int32 */
+                vi low0 = (vi)part0[r][0], low1 = (vi)part1[r][0], high0 = (vi)part0[r][chains - 1],
+                   high1 = (vi)part1[r][chains - 1];
+                if (chains == 4) {
+                    low0 += (vi)part0[r][1], low1 += (vi)part1[r][1];
+                    high0 += (vi)part0[r][2], high1 += (vi)part1[r][2];
+                }
                 const vf unit = splat(units[r * groups + g]);
-                total0 = __builtin_convertvector((vi)total0, vf) * unit;
-                total1 = __builtin_convertvector((vi)total1, vf) * unit;
+                total0 = __builtin_convertvector(low0 + (high0 << 8), vf) * unit;
+                total1 = __builtin_convertvector(low1 + (high1 << 8), vf) * unit;
+            } else {
+                for (int c = 1; c < chains; c++) {
+                    total0 += part0[r][c];
+                    total1 += part1[r][c];
+                }
             }
             const float base = in_words ? 0.0f : 128.0f;
             add_group(sums + r * NR, total0, total1, scales, offsets, g, x_sums[r * groups + g], base);
@@ -915,9 +925,10 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
         group_sums((const char *)x, x_stride, M, K, group, x_sums);
 #endif
 #if BF16_DOT
-    /* rows from vector_from as int16 values: [word_rows][K], then their units and sums by group */
-    int16_t *xq = in_words ? (int16_t *)(x_sums_bytes + sums_bytes) : 0;
-    float *units = in_words ? (float *)(xq + word_rows * K) : 0, *word_sums = in_words ? units + word_rows * groups : 0;
+    /* rows from vector_from as int16 values' bytes: [word_rows][2 K], then their units and sums by group */
+    uint8_t *xq = in_words ? (uint8_t *)(x_sums_bytes + sums_bytes) : 0;
+    float *units = in_words ? (float *)(xq + word_rows * 2 * K) : 0;
+    float *word_sums = in_words ? units + word_rows * groups : 0;
 #endif
 #if CODE_WORDS
     if (in_words)
@@ -994,7 +1005,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
                 if (pairs) {
                     /* in int16 words: this thread's values of the rows from vector_from */
                     const int64_t w_row = m0 + m - vector_from;
-                    const char *xp = in_words ? (const char *)(xq + w_row * K) : xt;
+                    const char *xp = in_words ? (const char *)(xq + w_row * 2 * K) : xt;
                     code_pairs_tile_of(tile_rows, in_words, xp, in_words ? K : x_stride, w, sc, of,
                                        in_words ? units + w_row * groups : 0,
                                        in_words ? word_sums + w_row * groups : x_sums + (m0 + m) * groups, groups,

@@ -1,9 +1,9 @@
 """A decode's bfloat16 rows against 4-bit codes as int16 values (`kernels/codes_words.h`, builds with AVX512-VNNI):
 each group of a row scaled by a power of two that puts its largest magnitude just under 2^15, so a value within
-2^7 of that largest one is exact and any other off by at most half a unit; the sums are exact in int32. So the
-product is within the sum of |w| x half a unit of the exact product of the same bfloat16 rows (plus float32's
-rounding of the group sums): the exact product of the rows rounded to those units. The same however the call is
-shared or its rows are split among tiles."""
+2^7 of that largest one is exact and any other off by at most half a unit; the sums, made from the values' bytes
+by the byte dot product, are exact in int32. So the product is the exact product of the rows rounded to those units
+(but for float32's rounding of the group sums), within the sum of |w| x half a unit of the exact product of the
+same bfloat16 rows; the same however the call is shared or its rows are split among tiles."""
 
 from __future__ import annotations
 
@@ -44,13 +44,15 @@ def is_product_of_rounded_rows(got, x, weight, bias, group) -> bool:
 
 @pytest.mark.parametrize("tiles", [False, True], ids=["vector", "amx-tiles-where-present"])
 def test_a_decodes_rows_as_int16_words_are_its_rows_rounded_to_their_groups_units(words_build, tiles):
-    """Up to 4 rows, and the up to 4 past a decode's last whole 16 where AMX tiles take blocks of 16 (their rows
+    """Up to 5 rows, and the up to 5 past a decode's last whole 16 where AMX tiles take blocks of 16 (their rows
     the exact bfloat16 rows, as tests/test_quantized_kernels.py holds them); every row without the tiles."""
     build = words_build
     tiles = cpu_linear.use_code_tiles(tiles, build)
     generator = torch.Generator().manual_seed(3)
-    cases = [(1, 70, 128, 32), (2, 33, 256, 64), (3, 64, 512, 128), (4, 40, 768, 256), (20, 64, 256, 128),
-             (1, 40, 8192, 4096)] + ([] if tiles else [(6, 96, 384, 128), (9, 32, 64, 32)])  # fmt: skip
+    cases = [(1, 70, 128, 32), (2, 33, 256, 64), (3, 64, 512, 128), (4, 40, 768, 256), (5, 70, 256, 64),
+             (21, 64, 256, 128), (1, 40, 8192, 4096)]  # fmt: skip
+    if not tiles:  # 6 rows and more take every row in words; a group of 24 ends in a half block of 16 values
+        cases += [(6, 96, 384, 128), (9, 32, 64, 32), (2, 33, 96, 24)]
     for rows, n, k, group in cases:
         codes, scales, offsets = codes_of("uint4", n, k, group, generator)
         weight = cpu_linear.dequantize_codes(codes, scales, offsets, "uint4")
