@@ -37,4 +37,9 @@ __attribute__((target("amx-tile"), unused)) static void amx_configure(int count)
 
 __attribute__((target("amx-tile"), unused)) static void amx_release(void) { _tile_release(); }
 
+/* GCC's tile loads and stores pass their memory only as an address, so it may move the stores a tile load reads
+ * after it, or a tile store's readers before it (it did, at -O3, for a buffer of codes unpacked and tile-loaded in
+ * one function): a kernel puts this between them. */
+#define AMX_MEMORY_IN_ORDER() __asm__ volatile("" ::: "memory")
+
 #endif

@@ -39,6 +39,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_scores(const uint16
                                                                   float *scores, int64_t stride)
 {
     const int64_t tile_words = head_dim / 2 * TILE;
+    AMX_MEMORY_IN_ORDER(); /* the query may be this call's */
     for (int64_t t = base / TILE; t <= last / TILE; t += 2) {
         const int two = t + 1 <= last / TILE;
         _tile_zero(0);
@@ -56,6 +57,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_scores(const uint16
         if (two)
             _tile_stored(1, scores + (t + 1) * TILE - base, stride * 4);
     }
+    AMX_MEMORY_IN_ORDER();
 }
 
 /* Dimensions d0 .. d0 + AMX_DIMS - 1 of the 16 rows' weighted values, from base to last: the rows' weights are
@@ -67,6 +69,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_values(const char *
 {
     const int64_t pair_bytes = head_dim * 4, first = d0 / 16 * 64; /* a pair of positions' row; d0's tile in it */
     const int tiles = (int)min64(4, (head_dim - d0) / 16);
+    AMX_MEMORY_IN_ORDER(); /* the weights, just written */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -91,6 +94,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_values(const char *
         _tile_stored(2, sums + 32, AMX_DIMS * 4);
         _tile_stored(3, sums + 48, AMX_DIMS * 4);
     }
+    AMX_MEMORY_IN_ORDER();
 }
 
 /* The softmax of a row's scaled scores from .. to - 1, rounded to bfloat16 in place ((uint16_t *)row + t), zero

@@ -61,6 +61,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void code_tile_amx(
                     *(vu *)(pairs[1][row / 16] + row % 16 * 16) = code_pairs(w1, j);
                 }
             }
+            AMX_MEMORY_IN_ORDER(); /* the pairs just unpacked */
             for (int64_t t = 0; t < chunk / 32; t++) {
                 _tile_loadd(2, x + (g * group + k0 + 32 * t) * 2, x_stride * 2);
                 _tile_loadd(3, pairs[0][t], 64);
@@ -71,6 +72,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void code_tile_amx(
         }
         _tile_stored(0, parts[0], 64);
         _tile_stored(1, parts[1], 64);
+        AMX_MEMORY_IN_ORDER();
         for (int r = 0; r < rows; r++)
             add_group(sums + r * NR, load_floats(parts[0] + r * 16), load_floats(parts[1] + r * 16), scales, offsets,
                       g, x_sums[r * groups + g], 128.0f);
@@ -92,6 +94,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static int64_t panel_rows_amx(const
     float parts[2][16 * 16] __attribute__((aligned(64)));
     const int64_t row_bytes = x_stride * 2;
     int64_t m = 0;
+    AMX_MEMORY_IN_ORDER(); /* the panel's values, just unpacked */
     for (; m + 16 <= rows; m += 16) {
         const char *top = x + m * row_bytes;
         _tile_zero(0);
@@ -106,6 +109,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static int64_t panel_rows_amx(const
         }
         _tile_stored(0, parts[0], 64);
         _tile_stored(1, parts[1], 64);
+        AMX_MEMORY_IN_ORDER();
         for (int r = 0; r < 16; r++)
             store_row(load_floats(parts[0] + r * 16), load_floats(parts[1] + r * 16), bias, y + (m + r) * y_stride,
                       cols);

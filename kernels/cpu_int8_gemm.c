@@ -185,6 +185,7 @@ static int amx_on; /* set once the kernel has let this process use the tiles and
 __attribute__((target("amx-tile,amx-int8"))) static void amx_block(const int8_t *x, int64_t x_stride,
                                                                  const int32_t *w, int64_t steps, int32_t *sums)
 {
+    AMX_MEMORY_IN_ORDER(); /* x's codes may be this call's */
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t s = 0; s < steps; s++) {
@@ -196,6 +197,7 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_block(const int8_t 
     }
     _tile_stored(0, sums, I8_NR * 4);
     _tile_stored(1, sums + 16, I8_NR * 4);
+    AMX_MEMORY_IN_ORDER();
 }
 
 /* Panels first .. last - 1 against the block's rows 0 .. rows / 16 * 16 - 1 (codes rows `padded` bytes apart), in
