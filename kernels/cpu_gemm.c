@@ -531,8 +531,8 @@ int64_t gemm_bf16(const void *x, int64_t x_stride, const uint32_t *panels, const
  * memory: for bfloat16 rows, 4-bit codes c become the bfloat16 numbers 128 + c (exact, and made by
  * bit operations alone), each group's sums of (128 + c) x are scaled once, and the 128 and the offset come back
  * through the group's sum of x; elsewhere each value is code x scale + offset in float32. Where the build has
- * AVX512-VNNI, such rows instead become int16 values by groups and meet the codes as they are in the int16 dot
- * product (codes_words.h). Where the CPU has AMX tiles for bfloat16, blocks of 16 such rows take 4-bit codes in
+ * AVX512-VNNI, such rows instead become int16 values by groups whose bytes meet the codes, masked into bytes, in
+ * the byte dot product (codes_words.h). Where the CPU has AMX tiles for bfloat16, blocks of 16 such rows take 4-bit codes in
  * them (amx_codes.h), up to AMX_STREAM_ROWS rows, and so do the last few, padded with zero rows.
  * A prompt's many rows take each panel's values once into a buffer in the layout of the float32 or bfloat16
  * panels above (as x's rows are), and the float kernel runs over it, or for bfloat16 rows AMX tiles where
@@ -619,9 +619,9 @@ static inline __attribute__((always_inline)) void add_group(float *row, vf total
 
 /* code_tile for 4-bit codes by the bfloat16 dot product: each group's sums of (128 + c) x, then
  * sums += scale x those + (offset - 128 scale) x the group's sum of x (x_sums [rows][groups]). Or, `in_words`,
- * by the int16 dot product over x's int16 values (codes_words.h; x, rows x_stride apart, as those values): each
- * group's exact sums of c x_int, as floats times the row's unit of the group (units [rows][groups]), then
- * sums += scale x those + offset x the group's sum of x. Where `later` is not 0 (the first tile over a panel: the
+ * by the byte dot product over the bytes of x's int16 values (codes_words.h; x, rows x_stride int16 apart, as
+ * those bytes): each group's exact sums of c x_int, as floats times the row's unit of the group (units
+ * [rows][groups]), then sums += scale x those + offset x the group's sum of x. Where `later` is not 0 (the first tile over a panel: the
  * others find it in cache), each step asks for the same lines of the panel `later` panels on, and each group for
  * that panel's scales and offsets, so that its reads from memory overlap this thread's arithmetic. */
 static inline __attribute__((always_inline)) void code_tile_pairs(
@@ -638,7 +638,7 @@ static inline __attribute__((always_inline)) void code_tile_pairs(
     float sums[MR * NR];
     memset(sums, 0, sizeof sums);
     for (int64_t g = 0; g < groups; g++) {
-        vf part0[MR][4], part1[MR][4]; /* int32 sums in int16 words, as their bits */
+        vf part0[MR][4], part1[MR][4]; /* in words, int32 sums as their bits */
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < chains; c++)
                 part0[r][c] = part1[r][c] = (vf){0};
@@ -923,8 +923,6 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
 #if BF16_DOT
     if (pairs && (vector_from > 0 || !in_words))
         group_sums((const char *)x, x_stride, M, K, group, x_sums);
-#endif
-#if BF16_DOT
     /* rows from vector_from as int16 values' bytes: [word_rows][2 K], then their units and sums by group */
     uint8_t *xq = in_words ? (uint8_t *)(x_sums_bytes + sums_bytes) : 0;
     float *units = in_words ? (float *)(xq + word_rows * 2 * K) : 0;
