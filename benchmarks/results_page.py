@@ -107,6 +107,9 @@ AMX_QUANTIZED_FILES = (
     "llama-12l-w8a8-wide-chunks",  # and the int8 tiles' panels by groups, a prompt's chunks wider
     "llama-12l-w8a8-one-prefill-wide-chunks",
     "sweep-2048-gqa2-w8a8-wide-chunks",
+    "llama-12l-w4a16-one-int16-rows",  # a decode's few rows against 4-bit codes as int16 values' bytes
+    "llama-12l-w4a16-int16-rows",
+    "sweep-2048-gqa2-w8a8-resat",  # W8A8 on the gqa2 shape again, its kernels as at the sitting before
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-amx-attention": "prompt attention in tiles",
@@ -116,6 +119,8 @@ LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-chunk-rows": "int8 rows across a chunk's panels",
     "-norm-codes": "int8 rows written by the norms and SiLU",
     "-wide-chunks": "and int8 panels by groups and wider chunks",
+    "-int16-rows": "a decode's few rows as int16 against 4-bit codes",
+    "-resat": "the same kernels sat again",
 }
 SCENARIO_NAMES = {
     "mid_c16": "16 streams",
