@@ -107,3 +107,16 @@ def test_words_and_the_dot_product_agree_and_threads_share_words_alike(words_bui
         pairs = cpu_linear.gemm_codes(x, packed, None, build=build)
         assert cpu_linear.use_code_words(True, build)
         assert ((alone - pairs).abs() / magnitude).max() < 2e-5, rows
+
+
+def test_groups_too_wide_for_int32_sums_keep_the_bfloat16_dot_product(words_build):
+    """A group's sums stay exact in int32 up to 4,096 values; a wider group (a per-channel checkpoint of a wide
+    layer) keeps the bfloat16 dot product, whatever the switch says."""
+    build = words_build
+    generator = torch.Generator().manual_seed(6)
+    codes, scales, offsets = codes_of("uint4", 40, 8192, 8192, generator)
+    packed = cpu_linear.pack_codes(codes, scales, offsets, "uint4", build)
+    x = torch.randn(1, 8192, generator=generator).bfloat16()  # one row: no AMX tiles either way
+    with_words = cpu_linear.gemm_codes(x, packed, None, build=build)
+    assert not cpu_linear.use_code_words(False, build)
+    assert torch.equal(with_words, cpu_linear.gemm_codes(x, packed, None, build=build))
