@@ -55,10 +55,8 @@ static void quantize_groups(const char *x, int64_t x_stride, int64_t rows, int64
             }
             /* at least 15, so that 2^(141 - exponent) is a normal float: such tiny groups round to zeros */
             exponent = exponent < 15 ? 15 : exponent;
-            const uint32_t up_bits = (268u - exponent) << 23, unit_bits = (exponent - 14u) << 23;
-            float up, unit;
-            memcpy(&up, &up_bits, sizeof up);
-            memcpy(&unit, &unit_bits, sizeof unit);
+            const float up = float_of_bits((268 - (int64_t)exponent) << 23);
+            const float unit = float_of_bits(((int64_t)exponent - 14) << 23);
             /* |x_int| <= 32640: exact scaling, then rounding to the nearest (the vector conversion's default) */
             uint8_t *out = xq + r * 2 * K + g * group * 2;
             __m512i total = _mm512_setzero_si512();
@@ -73,10 +71,7 @@ static void quantize_groups(const char *x, int64_t x_stride, int64_t rows, int64
             }
             int32_t sum = _mm512_reduce_add_epi32(total);
             for (; k < group; k++) {
-                const uint32_t bits = (uint32_t)values[k] << 16;
-                float value;
-                memcpy(&value, &bits, sizeof value);
-                const int32_t code = (int32_t)lrintf(value * up);
+                const int32_t code = (int32_t)lrintf(float_of_bits((int64_t)values[k] << 16) * up);
                 uint8_t *block = out + k / 8 * 16;
                 block[word_byte(k % 8)] = (uint8_t)(code & 0xff);
                 block[8 + word_byte(k % 8)] = (uint8_t)((uint32_t)code >> 8 & 0xff);

@@ -557,12 +557,8 @@ static inline __attribute__((always_inline)) vf code_value(const int code, vu wo
 /* A row's k-th value of x: a float, or a bfloat16 (x_bf16). */
 static inline __attribute__((always_inline)) float x_value(const int x_bf16, const char *x, int64_t index)
 {
-    if (x_bf16) {
-        uint32_t bits = (uint32_t)((const uint16_t *)x)[index] << 16;
-        float value;
-        memcpy(&value, &bits, sizeof value);
-        return value;
-    }
+    if (x_bf16)
+        return float_of_bits((int64_t)((const uint16_t *)x)[index] << 16);
     return ((const float *)x)[index];
 }
 
@@ -724,12 +720,8 @@ static void group_sums(const char *x, int64_t x_stride, int64_t rows, int64_t K,
         for (int64_t g = 0; g < K / group; g++) {
             float total = 0;
 #pragma omp simd reduction(+ : total)
-            for (int64_t k = g * group; k < (g + 1) * group; k++) {
-                const uint32_t bits = (uint32_t)row[k] << 16;
-                float value;
-                memcpy(&value, &bits, sizeof value);
-                total += value;
-            }
+            for (int64_t k = g * group; k < (g + 1) * group; k++)
+                total += float_of_bits((int64_t)row[k] << 16);
             sums[r * (K / group) + g] = total;
         }
     }
@@ -913,15 +905,17 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
 #else
     const int in_words = 0;
 #endif
+    /* the bfloat16 rows' sums by group, for the tiles' rows and the bfloat16 dot product's */
+    const int bf16_sums = pairs && (vector_from > 0 || !in_words);
     const int64_t word_rows = in_words ? M - vector_from : 0;
-    const int64_t sums_bytes = (M * groups * (int64_t)sizeof(float) + 63) / 64 * 64;
+    const int64_t sums_bytes = bf16_sums ? (M * groups * (int64_t)sizeof(float) + 63) / 64 * 64 : 0;
     const int64_t word_bytes = word_rows * (2 * groups * (int64_t)sizeof(float) + K * 2);
     char *x_sums_bytes = pairs ? thread_buffer(1, (size_t)(sums_bytes + word_bytes)) : 0;
     float *x_sums = (float *)x_sums_bytes;
     if ((prompt && !values) || (pairs && !x_sums))
         return -1;
 #if BF16_DOT
-    if (pairs && (vector_from > 0 || !in_words))
+    if (bf16_sums)
         group_sums((const char *)x, x_stride, M, K, group, x_sums);
     /* rows from vector_from as int16 values' bytes: [word_rows][2 K], then their units and sums by group */
     uint8_t *xq = in_words ? (uint8_t *)(x_sums_bytes + sums_bytes) : 0;

@@ -299,7 +299,7 @@ static int64_t product(const float *x, int64_t x_stride, float static_scale, con
     units_per_chunk *= blocks < I8_MAX_WIDENING ? blocks : I8_MAX_WIDENING;
     units_per_chunk = units_per_chunk < count ? units_per_chunk : (count > 0 ? count : 1);
     const int64_t unit_chunks = (count + units_per_chunk - 1) / units_per_chunk;
-    const int64_t chunks = unit_chunks * ((M + row_block - 1) / row_block);
+    const int64_t chunks = unit_chunks * blocks;
     int8_t *buffer = given ? 0 : codes_buffer((size_t)(row_block * padded + 4 * row_block + 64));
     if (!given && !buffer)
         return -1;
