@@ -51,8 +51,11 @@ class Restarts:
                     )
                 elif self.children[name].poll() is None:
                     self.children[name].terminate()
+            # Every process of the part is gone before any starts again: a new scheduler would otherwise take the
+            # old worker, still ending, as its rank, say it is ready, and lose it a moment later.
             for name in names:
                 reap(self.children[name])
+            for name in names:
                 self.children[name] = self.start(name)
         return True
 

@@ -128,7 +128,7 @@ def test_the_launcher_starts_a_dead_engine_again_while_the_other_serves(two_engi
         assert answer.status_code == 200
         if routed(two_engines)[1] > before[1]:
             break
-    assert routed(two_engines)[1] > before[1], load(two_engines)
+    assert routed(two_engines)[1] > before[1], (load(two_engines), two_engines.log()[-3000:])
 
 
 def engine_process(launcher: int, module: str, endpoint_part: str) -> int:

@@ -90,6 +90,36 @@ def test_the_api_restarts_alone_an_engine_restarts_whole_and_a_part_dying_four_t
     assert restarts.restart({"engine 0's scheduler": 1})  # other parts keep their own count
 
 
+def test_an_engine_is_gone_whole_before_any_of_its_processes_starts_again():
+    """A fresh scheduler that met the old worker, still ending, would take it as its rank, say it is
+    ready, and lose it a moment later: requests routed to it then would fail."""
+    args = argparse.Namespace(data_parallel_size=2)
+    events: list[str] = []
+
+    class Recorded(FakeProcess):
+        def terminate(self):
+            events.append(f"terminate {self.name}")
+            super().terminate()
+
+        def wait(self, timeout=None):
+            events.append(f"reap {self.name}")
+            return super().wait(timeout)
+
+    def start(name: str) -> Recorded:
+        events.append(f"start {name}")
+        return Recorded(name)
+
+    children = {name: Recorded(name) for name in ["api", *engine_names(args, 0), *engine_names(args, 1)]}
+    assert Restarts(restart_parts(args), children, start).restart({"engine 1's scheduler": -9})
+    assert events == [
+        "terminate engine 1's worker",
+        "reap engine 1's scheduler",
+        "reap engine 1's worker",
+        "start engine 1's scheduler",
+        "start engine 1's worker",
+    ]
+
+
 @pytest.mark.slow  # starts processes: not in `make check`
 def test_a_restarted_worker_whose_metrics_port_is_briefly_held_is_started_again_not_the_server_stopped(
     llama_dir, tmp_path
