@@ -178,17 +178,23 @@ static void tile_of(int rows, const int8_t *x, int64_t x_stride, const int32_t *
  * So the sums are VNNI's, bit for bit. Words of k past the last whole 16 go through tile_sums, accumulating. */
 #define AMX_ROWS 16
 #define AMX_WORDS 16
+#define AMX_STEP_BYTES (AMX_WORDS * I8_NR * 4) /* of a panel, a step of k */
 #define AMX_GROUP_BYTES (1 << 20) /* half the second-level cache of every CPU with AMX */
 static int amx_on; /* set once the kernel has let this process use the tiles and the caller asked (int8_use_amx) */
 
-/* Sums of 16 rows of x over `steps` steps of k. (Two blocks of rows sharing the panel's tiles were slower.) */
+/* Sums of 16 rows of x over `steps` steps of k; each step asks for its share of `ahead` (the next panel, or NULL)
+ * on into the second-level cache. (Two blocks of rows sharing the panel's tiles were slower.) */
 __attribute__((target("amx-tile,amx-int8"))) static void amx_block(const int8_t *x, int64_t x_stride,
-                                                                 const int32_t *w, int64_t steps, int32_t *sums)
+                                                                 const int32_t *w, int64_t steps, int32_t *sums,
+                                                                 const char *ahead)
 {
     AMX_MEMORY_IN_ORDER(); /* x's codes may be this call's */
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t s = 0; s < steps; s++) {
+        if (ahead)
+            for (int64_t line = 0; line < AMX_STEP_BYTES; line += 64)
+                __builtin_prefetch(ahead + s * AMX_STEP_BYTES + line, 0, 2);
         _tile_loadd(2, x + s * 4 * AMX_WORDS, x_stride);
         _tile_loadd(3, w + s * AMX_WORDS * I8_NR, I8_NR * 4);
         _tile_loadd(4, w + s * AMX_WORDS * I8_NR + 16, I8_NR * 4);
@@ -220,7 +226,10 @@ static int64_t amx_chunk(const int8_t *codes, int64_t padded, int64_t rows, cons
             for (int64_t p = g; p < end; p++) {
                 const int64_t n = p * I8_NR, cols = N - n < I8_NR ? N - n : I8_NR;
                 const int32_t *w = panels + p * words * I8_NR;
-                amx_block(xm, padded, w, amx_words / AMX_WORDS, sums);
+                /* The first block of rows meets the group's panels in memory, and the tile loads wait on it:
+                 * that block asks for the next panel as it goes (two or more panels on were slower). */
+                const char *ahead = m == 0 && p + 1 < last ? (const char *)(w + words * I8_NR) : 0;
+                amx_block(xm, padded, w, amx_words / AMX_WORDS, sums, ahead);
                 if (amx_words < words)
                     for (int64_t r = 0; r < AMX_ROWS; r += I8_MR)
                         tile_of(I8_MR, xm + r * padded + 4 * amx_words, padded, w + amx_words * I8_NR,
