@@ -110,6 +110,7 @@ AMX_QUANTIZED_FILES = (
     "llama-12l-w4a16-one-int16-rows",  # a decode's few rows against 4-bit codes as int16 values' bytes
     "llama-12l-w4a16-int16-rows",
     "sweep-2048-gqa2-w8a8-resat",  # W8A8 on the gqa2 shape again, its kernels as at the sitting before
+    "llama-12l-w8a8-tile-ahead",
     "sweep-2048-gqa2-w8a8-tile-ahead",  # int8 tiles asking for the next panel while a decode's rows pass
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
