@@ -111,6 +111,7 @@ AMX_QUANTIZED_FILES = (
     "llama-12l-w4a16-int16-rows",
     "sweep-2048-gqa2-w8a8-resat",  # W8A8 on the gqa2 shape again, its kernels as at the sitting before
     "llama-12l-w8a8-tile-ahead",
+    "llama-12l-w8a8-decode-tile-ahead",
     "sweep-2048-gqa2-w8a8-tile-ahead",  # int8 tiles asking for the next panel while a decode's rows pass
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
