@@ -95,15 +95,15 @@ def _recording() -> Iterator[Recording]:
         native.open_recording = None
 
 
-def prepare() -> None:
-    """Pay at start-up what the first recording costs on top of the others: torch loads its compiler's
-    modules (a second or so) when a dispatch mode first runs."""
-    record(torch.empty, 1)
-
-
 class _Watch(TorchDispatchMode):
     """Sees each torch operation of a recording: keeps the tensors, keeps in-place operations for the
     replay, and refuses any other computation."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's dispatch to keep its compiler out, importing that compiler (a second or
+        # more) at the first call; a recording never runs compiled code, so the wrapper is not needed.
+        return False
 
     def __init__(self, recording: Recording):
         super().__init__()

@@ -3,6 +3,9 @@ services/worker/decode_graphs.py): the same calls on the same addresses, with on
 rewritten, so its tokens and log-probabilities are those of running each step's Python, bit for bit. What
 cannot be replayed (a computation in torch, a kernel called some other way) is refused and runs eagerly."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ from kernels import cpu_linear, native
 from kernels.cpu_norm import rms_norm
 from kernels.replay import record
 from services.worker.cpu_threads import ComputeThreads
+from tests.conftest import ROOT
 from tests.engine_harness import Engine
 from tests.tiny_models import build_model
 
@@ -59,6 +63,17 @@ def test_a_stretch_that_torch_computes_is_refused_and_its_result_still_returned(
     result, replay, refusal = record(computation, x)
     assert replay is None and refused_for in refusal
     assert torch.equal(result, computation(x))
+
+
+def test_the_first_recording_leaves_torchs_compiler_unloaded():
+    """Importing torch's compiler took a worker a second or more at start; a recording never needs it."""
+    script = (
+        "import sys, torch; from kernels.replay import record; "
+        "record(torch.ones, 3); print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
 
 
 @torch.inference_mode()

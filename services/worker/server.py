@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from kernels import choice, replay
+from kernels import choice
 from kernels.choice import KernelChoice
 from services.worker.cpu_threads import ComputeThreads
 from services.worker.decode_graphs import DecodeGraphs
@@ -105,7 +105,6 @@ def capture_decode_graphs(
     context = min(setup.worker.max_seq_len_to_capture, max_model_len)
     graphs = DecodeGraphs(model, cache, device, setup.scheduler.max_num_seqs, context)
     if device.type == "cpu":
-        replay.prepare()
         log.info(
             "decode steps up to %d sequences and contexts up to %d replay their kernel calls "
             "(--enforce-eager runs each step's Python)",
