@@ -295,7 +295,6 @@ def whole_step(peaks: dict) -> list[dict]:
 def main() -> None:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
-    replay.prepare()
     build = gemm_build()
     if build is None or int8_build() is None:
         sys.exit("no C compiler: the packed kernels cannot be built here")
