@@ -373,11 +373,11 @@ static inline __attribute__((always_inline)) float lanes_sum(vf8 x)
 static inline __attribute__((always_inline)) void attend_one_query(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
-    const int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict out,
-    const int kind)
+    int64_t token_heads, const int64_t head_dim, int64_t block_size, float scale, float *restrict scores,
+    float *restrict out, const int kind)
 {
     const int64_t group = num_heads / num_kv_heads, chunks = head_dim / 8, n = high + 1 - low;
-    const int64_t head_bytes = head_dim + (int64_t)sizeof(float), token_bytes = num_kv_heads * head_bytes;
+    const int64_t head_bytes = head_dim + (int64_t)sizeof(float), token_bytes = token_heads * head_bytes;
     prefetch_rows(key_cache, table, low, min64(low + AHEAD, high + 1), block_size, token_bytes);
     for (int64_t kv = 0; kv < num_kv_heads; kv++)
         for (int64_t head = kv * group; head < (kv + 1) * group; head += 2) {
@@ -485,12 +485,12 @@ static inline __attribute__((always_inline)) __m512 tile_dots(const char *keys, 
 static inline __attribute__((always_inline)) void attend_one_query_floats(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
-    const int64_t vectors, int64_t block_size, float scale, float *restrict scores, float *restrict out,
-    const struct next_row *next, const int kind, float *restrict decoded)
+    int64_t token_heads, const int64_t vectors, int64_t block_size, float scale, float *restrict scores,
+    float *restrict out, const struct next_row *next, const int kind, float *restrict decoded)
 {
     const int64_t group = num_heads / num_kv_heads, head_dim = vectors * 16, n = high + 1 - low;
     const int64_t value_heads = vectors <= 4 ? VALUE_HEADS : VALUE_HEADS / 2; /* sums in registers */
-    const int64_t head_bytes = head_row_bytes(head_dim, kind), token_bytes = num_kv_heads * head_bytes;
+    const int64_t head_bytes = head_row_bytes(head_dim, kind), token_bytes = token_heads * head_bytes;
     /* a float32 row's values early in half the room of a bfloat16 row's: its keys stream past in twice the room */
     const struct decode_stream stream = decode_stream(key_cache, value_cache, table, low, n, block_size, token_bytes,
                                                       value_passes(num_kv_heads, group, value_heads),
@@ -659,12 +659,12 @@ static inline __attribute__((always_inline)) void attend_queries_floats_sized(
 static inline __attribute__((always_inline)) void attend_one_query_floats_sized(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict out,
-    const struct next_row *next, const int kind, float *restrict decoded)
+    int64_t token_heads, int64_t head_dim, int64_t block_size, float scale, float *restrict scores,
+    float *restrict out, const struct next_row *next, const int kind, float *restrict decoded)
 {
-#define SIZED(VECTORS)                                                                                              \
-    attend_one_query_floats(q, key_cache, value_cache, table, low, high, num_heads, num_kv_heads, VECTORS, block_size, \
-                            scale, scores, out, next, kind, decoded)
+#define SIZED(VECTORS)                                                                                         \
+    attend_one_query_floats(q, key_cache, value_cache, table, low, high, num_heads, num_kv_heads, token_heads, \
+                            VECTORS, block_size, scale, scores, out, next, kind, decoded)
     switch (head_dim) {
     case 64: SIZED(4); break;
     case 128: SIZED(8); break;
@@ -712,11 +712,11 @@ static inline __attribute__((always_inline)) void store_dims(float *o, __m512 lo
 static inline __attribute__((always_inline)) void attend_one_query_bf16(
     const float *restrict q, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict table, int64_t low, int64_t high, int64_t num_heads, int64_t num_kv_heads,
-    const int64_t head_dim, int64_t block_size, float scale, float *restrict scores, float *restrict out,
-    const struct next_row *next)
+    int64_t token_heads, const int64_t head_dim, int64_t block_size, float scale, float *restrict scores,
+    float *restrict out, const struct next_row *next)
 {
     const int64_t group = num_heads / num_kv_heads, vectors = (head_dim + 31) / 32, n = high + 1 - low;
-    const int64_t head_bytes = head_dim * 2, token_bytes = num_kv_heads * head_bytes;
+    const int64_t head_bytes = head_dim * 2, token_bytes = token_heads * head_bytes;
     const struct decode_stream stream = decode_stream(key_cache, value_cache, table, low, n, block_size, token_bytes,
                                                       value_passes(num_kv_heads, group, VALUE_HEADS),
                                                       values_early_bytes(), next);
@@ -1119,23 +1119,158 @@ static inline __attribute__((always_inline)) void block_attention(
 #endif
 }
 
+/* Query rows first .. first + num_queries - 1 of one sequence, the last of a context of `context`, for query heads
+ * 0 .. num_heads - 1 and their KV heads' rows from key_cache and value_cache on, in cached tokens' rows of
+ * token_heads KV heads each; a query row's outputs are out_stride floats after the one before's. A lone decode row
+ * comes here for a slice of its KV heads, every pointer moved to the slice's first head. */
+static inline __attribute__((always_inline)) void attend_rows(
+    const float *restrict query, int64_t query_stride, const char *restrict key_cache, const char *restrict value_cache,
+    const int32_t *restrict table, int64_t first, int64_t num_queries, int64_t context, int64_t window,
+    int64_t num_heads, int64_t num_kv_heads, int64_t token_heads, const int64_t head_dim, int64_t block_size,
+    float scale, float *restrict scores, float *restrict out, int64_t out_stride, const struct next_row *next,
+    float *restrict decoded, const int kind)
+{
+    const int64_t group = num_heads / num_kv_heads, head_bytes = head_row_bytes(head_dim, kind);
+    const int64_t token_bytes = token_heads * head_bytes, ahead = stream_ahead(token_bytes);
+    int64_t low[QUERY_BLOCK], high[QUERY_BLOCK]; /* each query's visible positions, inclusive */
+    for (int64_t i0 = 0; i0 < num_queries; i0 += QUERY_BLOCK) {
+        const int64_t block = num_queries - i0 < QUERY_BLOCK ? num_queries - i0 : QUERY_BLOCK;
+        for (int64_t b = 0; b < block; b++) {
+            high[b] = context - num_queries + i0 + b;
+            low[b] = first_visible(high[b], window);
+        }
+        const int64_t lowest = low[0], n = high[block - 1] + 1 - lowest; /* span of the block's rows */
+#ifdef BF16_DOT
+        if (kind == ROW_BF16 && head_dim % 16 == 0 && head_dim <= 128 && num_heads <= MAX_BF16_HEADS) {
+            for (int64_t b = 0; b < block; b++)
+                attend_one_query_bf16(query + (first + i0 + b) * query_stride, key_cache, value_cache, table,
+                                      low[b], high[b], num_heads, num_kv_heads, token_heads, head_dim, block_size,
+                                      scale, scores, out + (first + i0 + b) * out_stride, next);
+            continue;
+        }
+#endif
+#ifdef F32_ROWS
+        /* A prompt's rows over one-byte rows take the same operations as its decode rows, a block of them at
+         * a time: a request recomputed after preemption then gets the attention its decode steps got, to the
+         * bit. Rows that see from different positions (a sliding window) take int8 rows one at a time. */
+        if (block > 1 && quantized(kind) && low[0] == low[block - 1] && head_dim % 16 == 0 && head_dim <= 128) {
+            attend_queries_floats_sized(query + (first + i0) * query_stride, query_stride, block, low[0], high,
+                                        key_cache, value_cache, table, num_heads, num_kv_heads, head_dim,
+                                        block_size, scale, scores, out + (first + i0) * out_stride, kind,
+                                        decoded);
+            continue;
+        }
+        if ((block == 1 || kind == ROW_I8) && (kind == ROW_F32 || quantized(kind)) && head_dim % 16 == 0 &&
+            head_dim <= 128) {
+            for (int64_t b = 0; b < block; b++)
+                attend_one_query_floats_sized(query + (first + i0 + b) * query_stride, key_cache, value_cache,
+                                              table, low[b], high[b], num_heads, num_kv_heads, token_heads, head_dim,
+                                              block_size, scale, scores, out + (first + i0 + b) * out_stride, next,
+                                              kind, decoded);
+            continue;
+        }
+#endif
+        if (block == 1 && head_dim == 64 && group % 2 == 0 && (kind == ROW_I8 || (kind == ROW_F8 && group == 2))) {
+            attend_one_query(query + (first + i0) * query_stride, key_cache, value_cache, table, low[0], high[0],
+                             num_heads, num_kv_heads, token_heads, head_dim, block_size, scale, scores,
+                             out + (first + i0) * out_stride, kind);
+            continue;
+        }
+        /* Scores of row (b, head) at t = p - lowest live at scores[(b * num_heads + head) * n + t]. The
+         * positions are walked a tile of up to TILE cached tokens at a time: each token's row (every KV
+         * head, consecutive) is read from memory once, and within the tile each query row and head
+         * takes the tile's keys in turn, its query held in registers across them. */
+        prefetch_rows(key_cache, table, lowest, min64(lowest + AHEAD, lowest + n), block_size, token_bytes);
+        for (int64_t p = lowest, end = lowest + n, stop; p < end;) {
+            const char *run = block_run(key_cache, table, p, end, block_size, token_bytes, &stop);
+            while (p < stop) {
+                const int64_t tile_end = min64(p + TILE, stop);
+                if (kind != ROW_F32)
+                    decode_tile(run, tile_end - p, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
+                const int64_t count = tile_end - p, offset = p - lowest + ahead;
+                for (int64_t b = 0; b < block; b++) {
+                    const int64_t from = max64(p, low[b]), to = min64(tile_end, high[b] + 1);
+                    const float *q = query + (first + i0 + b) * query_stride;
+                    for (int64_t head = 0; head < num_heads; head++) {
+                        if (b == 0)
+                            prefetch_stream((const char *)key_cache, table, lowest, n, (const char *)value_cache,
+                                            table, lowest, n, offset + head * count / num_heads,
+                                            offset + (head + 1) * count / num_heads, block_size, token_bytes);
+                        const float *qh = q + head * head_dim;
+                        float *row_scores = scores + (b * num_heads + head) * n;
+                        for (int64_t u = from; u < to; u++) {
+                            const char *k = run + (u - p) * token_bytes + (head / group) * head_bytes;
+                            const float *kf = kind != ROW_F32
+                                ? decoded + ((u - p) * num_kv_heads + head / group) * head_dim : (const float *)k;
+                            float dot = 0.f;
+                            for (int64_t d = 0; d < head_dim; d++)
+                                dot += qh[d] * kf[d];
+                            row_scores[u - lowest] = dot * head_scale(k, head_dim, kind) * scale;
+                        }
+                    }
+                }
+                run += (tile_end - p) * token_bytes;
+                p = tile_end;
+            }
+        }
+        for (int64_t b = 0; b < block; b++)
+            for (int64_t head = 0; head < num_heads; head++)
+                softmax(scores + (b * num_heads + head) * n, low[b] - lowest, high[b] - lowest + 1);
+        for (int64_t b = 0; b < block; b++)
+            memset(out + (first + i0 + b) * out_stride, 0, num_heads * head_dim * sizeof(float));
+        /* Values, tile by tile as the keys were: each output row accumulates the tile's weighted
+         * values before it is stored again. */
+        for (int64_t p = lowest, end = lowest + n, stop; p < end;) {
+            const char *run = block_run(value_cache, table, p, end, block_size, token_bytes, &stop);
+            while (p < stop) {
+                const int64_t tile_end = min64(p + TILE, stop);
+                prefetch_stream((const char *)value_cache, table, lowest, n, (const char *)key_cache, next->table,
+                                next->low, next->count, p - lowest + ahead, tile_end - lowest + ahead, block_size,
+                                token_bytes);
+                if (kind != ROW_F32)
+                    decode_tile(run, tile_end - p, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
+                for (int64_t b = 0; b < block; b++) {
+                    const int64_t from = max64(p, low[b]), to = min64(tile_end, high[b] + 1);
+                    float *o = out + (first + i0 + b) * out_stride;
+                    for (int64_t head = 0; head < num_heads; head++) {
+                        const float *weights = scores + (b * num_heads + head) * n;
+                        float *restrict oh = o + head * head_dim;
+                        for (int64_t u = from; u < to; u++) {
+                            const char *v = run + (u - p) * token_bytes + (head / group) * head_bytes;
+                            const float weight = weights[u - lowest] * head_scale(v, head_dim, kind);
+                            const float *vf = kind != ROW_F32
+                                ? decoded + ((u - p) * num_kv_heads + head / group) * head_dim : (const float *)v;
+                            for (int64_t d = 0; d < head_dim; d++)
+                                oh[d] += weight * vf[d];
+                        }
+                    }
+                }
+                run += (tile_end - p) * token_bytes;
+                p = tile_end;
+            }
+        }
+    }
+}
+
+/* Sequences first_seq .. last_seq - 1, and of a decode row (one query) only KV heads kv_first .. kv_first +
+ * kv_count - 1 and their query heads, so that threads can share a lone row; a sequence of several query rows is
+ * done whole by the slice from KV head 0, and by no other. */
 static inline __attribute__((always_inline)) void attend_range(
     const float *restrict query, int64_t query_stride, const char *restrict key_cache, const char *restrict value_cache,
     const int32_t *restrict block_tables, int64_t table_stride, const int32_t *restrict query_start,
-    const int32_t *restrict context_lens, int64_t first_seq, int64_t last_seq, int64_t num_heads,
-    int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    const int32_t *restrict context_lens, int64_t first_seq, int64_t last_seq, int64_t kv_first, int64_t kv_count,
+    int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale, int64_t window,
     float *restrict scores, float *restrict out, const int kind)
 {
-    const int64_t group = num_heads / num_kv_heads;
-    /* bytes of one KV head's row, and of a cached token: every KV head's row */
-    const int64_t head_bytes = head_row_bytes(head_dim, kind);
-    const int64_t token_bytes = num_kv_heads * head_bytes, ahead = stream_ahead(token_bytes);
-    int64_t low[QUERY_BLOCK], high[QUERY_BLOCK];          /* each query's visible positions, inclusive */
+    const int64_t group = num_heads / num_kv_heads, head_bytes = head_row_bytes(head_dim, kind);
     float decoded[kind != ROW_F32 ? MAX_DECODED : 1];
     for (int64_t s = first_seq; s < last_seq; s++) {
         const int32_t *table = block_tables + s * table_stride;
         const int64_t first = query_start[s], num_queries = query_start[s + 1] - first;
         const int64_t context = context_lens[s];
+        const int whole = num_queries > 1 || kv_count == num_kv_heads;
+        if (whole ? kv_first > 0 : kv_count == 0)
+            continue;
         if (num_queries > 1 && block_path(kind, head_dim)) {
             block_attention(query, query_stride, key_cache, value_cache, table, first, num_queries, context, num_heads,
                             num_kv_heads, head_dim, block_size, scale, window, scores, out, kind);
@@ -1143,127 +1278,17 @@ static inline __attribute__((always_inline)) void attend_range(
         }
         const struct next_row next = next_decode_row(block_tables, table_stride, query_start, context_lens, s, last_seq,
                                                      window);
-        for (int64_t i0 = 0; i0 < num_queries; i0 += QUERY_BLOCK) {
-            const int64_t block = num_queries - i0 < QUERY_BLOCK ? num_queries - i0 : QUERY_BLOCK;
-            for (int64_t b = 0; b < block; b++) {
-                high[b] = context - num_queries + i0 + b;
-                low[b] = first_visible(high[b], window);
-            }
-            const int64_t lowest = low[0], n = high[block - 1] + 1 - lowest; /* span of the block's rows */
-#ifdef BF16_DOT
-            if (kind == ROW_BF16 && head_dim % 16 == 0 && head_dim <= 128 && num_heads <= MAX_BF16_HEADS) {
-                for (int64_t b = 0; b < block; b++)
-                    attend_one_query_bf16(query + (first + i0 + b) * query_stride, key_cache, value_cache, table,
-                                          low[b], high[b], num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                                          out + (first + i0 + b) * num_heads * head_dim, &next);
-                continue;
-            }
-#endif
-#ifdef F32_ROWS
-            /* A prompt's rows over one-byte rows take the same operations as its decode rows, a block of them at
-             * a time: a request recomputed after preemption then gets the attention its decode steps got, to the
-             * bit. Rows that see from different positions (a sliding window) take int8 rows one at a time. */
-            if (block > 1 && quantized(kind) && low[0] == low[block - 1] && head_dim % 16 == 0 && head_dim <= 128) {
-                attend_queries_floats_sized(query + (first + i0) * query_stride, query_stride, block, low[0], high,
-                                            key_cache, value_cache, table, num_heads, num_kv_heads, head_dim,
-                                            block_size, scale, scores, out + (first + i0) * num_heads * head_dim, kind,
-                                            decoded);
-                continue;
-            }
-            if ((block == 1 || kind == ROW_I8) && (kind == ROW_F32 || quantized(kind)) && head_dim % 16 == 0 &&
-                head_dim <= 128) {
-                for (int64_t b = 0; b < block; b++)
-                    attend_one_query_floats_sized(query + (first + i0 + b) * query_stride, key_cache, value_cache,
-                                                  table, low[b], high[b], num_heads, num_kv_heads, head_dim, block_size,
-                                                  scale, scores, out + (first + i0 + b) * num_heads * head_dim, &next,
-                                                  kind, decoded);
-                continue;
-            }
-#endif
-            if (block == 1 && head_dim == 64 && group % 2 == 0 && (kind == ROW_I8 || (kind == ROW_F8 && group == 2))) {
-                attend_one_query(query + (first + i0) * query_stride, key_cache, value_cache, table, low[0], high[0],
-                                 num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                                 out + (first + i0) * num_heads * head_dim, kind);
-                continue;
-            }
-            /* Scores of row (b, head) at t = p - lowest live at scores[(b * num_heads + head) * n + t]. The
-             * positions are walked a tile of up to TILE cached tokens at a time: each token's row (every KV
-             * head, consecutive) is read from memory once, and within the tile each query row and head
-             * takes the tile's keys in turn, its query held in registers across them. */
-            prefetch_rows(key_cache, table, lowest, min64(lowest + AHEAD, lowest + n), block_size, token_bytes);
-            for (int64_t p = lowest, end = lowest + n, stop; p < end;) {
-                const char *run = block_run(key_cache, table, p, end, block_size, token_bytes, &stop);
-                while (p < stop) {
-                    const int64_t tile_end = min64(p + TILE, stop);
-                    if (kind != ROW_F32)
-                        decode_tile(run, tile_end - p, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
-                    const int64_t count = tile_end - p, offset = p - lowest + ahead;
-                    for (int64_t b = 0; b < block; b++) {
-                        const int64_t from = max64(p, low[b]), to = min64(tile_end, high[b] + 1);
-                        const float *q = query + (first + i0 + b) * query_stride;
-                        for (int64_t head = 0; head < num_heads; head++) {
-                            if (b == 0)
-                                prefetch_stream((const char *)key_cache, table, lowest, n, (const char *)value_cache,
-                                                table, lowest, n, offset + head * count / num_heads,
-                                                offset + (head + 1) * count / num_heads, block_size, token_bytes);
-                            const float *qh = q + head * head_dim;
-                            float *row_scores = scores + (b * num_heads + head) * n;
-                            for (int64_t u = from; u < to; u++) {
-                                const char *k = run + (u - p) * token_bytes + (head / group) * head_bytes;
-                                const float *kf = kind != ROW_F32
-                                    ? decoded + ((u - p) * num_kv_heads + head / group) * head_dim : (const float *)k;
-                                float dot = 0.f;
-                                for (int64_t d = 0; d < head_dim; d++)
-                                    dot += qh[d] * kf[d];
-                                row_scores[u - lowest] = dot * head_scale(k, head_dim, kind) * scale;
-                            }
-                        }
-                    }
-                    run += (tile_end - p) * token_bytes;
-                    p = tile_end;
-                }
-            }
-            for (int64_t b = 0; b < block; b++)
-                for (int64_t head = 0; head < num_heads; head++)
-                    softmax(scores + (b * num_heads + head) * n, low[b] - lowest, high[b] - lowest + 1);
-            memset(out + (first + i0) * num_heads * head_dim, 0, block * num_heads * head_dim * sizeof(float));
-            /* Values, tile by tile as the keys were: each output row accumulates the tile's weighted
-             * values before it is stored again. */
-            for (int64_t p = lowest, end = lowest + n, stop; p < end;) {
-                const char *run = block_run(value_cache, table, p, end, block_size, token_bytes, &stop);
-                while (p < stop) {
-                    const int64_t tile_end = min64(p + TILE, stop);
-                    prefetch_stream((const char *)value_cache, table, lowest, n, (const char *)key_cache, next.table,
-                                    next.low, next.count, p - lowest + ahead, tile_end - lowest + ahead, block_size,
-                                    token_bytes);
-                    if (kind != ROW_F32)
-                        decode_tile(run, tile_end - p, token_bytes, num_kv_heads, head_dim, head_bytes, decoded, kind);
-                    for (int64_t b = 0; b < block; b++) {
-                        const int64_t from = max64(p, low[b]), to = min64(tile_end, high[b] + 1);
-                        float *o = out + (first + i0 + b) * num_heads * head_dim;
-                        for (int64_t head = 0; head < num_heads; head++) {
-                            const float *weights = scores + (b * num_heads + head) * n;
-                            float *restrict oh = o + head * head_dim;
-                            for (int64_t u = from; u < to; u++) {
-                                const char *v = run + (u - p) * token_bytes + (head / group) * head_bytes;
-                                const float weight = weights[u - lowest] * head_scale(v, head_dim, kind);
-                                const float *vf = kind != ROW_F32
-                                    ? decoded + ((u - p) * num_kv_heads + head / group) * head_dim : (const float *)v;
-                                for (int64_t d = 0; d < head_dim; d++)
-                                    oh[d] += weight * vf[d];
-                            }
-                        }
-                    }
-                    run += (tile_end - p) * token_bytes;
-                    p = tile_end;
-                }
-            }
-        }
+        const int64_t from = whole ? 0 : kv_first, kv_heads = whole ? num_kv_heads : kv_count;
+        attend_rows(query + from * group * head_dim, query_stride, key_cache + from * head_bytes,
+                    value_cache + from * head_bytes, table, first, num_queries, context, window, kv_heads * group,
+                    kv_heads, num_kv_heads, head_dim, block_size, scale, scores, out + from * group * head_dim,
+                    num_heads * head_dim, &next, decoded, kind);
     }
 }
 
-/* Sequences bounds[c] .. bounds[c + 1] - 1 are chunk c of `chunks`, claimed in turn by the threads
- * that share the call (claims.h); the caller, wait != 0, returns once every chunk is done.
+/* Chunk c of `chunks` is sequences bounds[r] .. bounds[r + 1] - 1, r = c / slices, and of their decode rows the
+ * KV heads of slice c % slices (slices at most num_kv_heads, so that a lone row's heads are shared too), claimed in
+ * turn by the threads that share the call (claims.h); the caller, wait != 0, returns once every chunk is done.
  * scores: this thread's scratch of QUERY_BLOCK * num_heads * max(context_lens) floats. A constant
  * head_dim lets the compiler unroll the inner loops into whole vectors; a constant row kind drops
  * the other kinds'. */
@@ -1275,17 +1300,20 @@ static inline __attribute__((always_inline)) void attend_range(
     }                                                                                                   \
     if (wait)                                                                                           \
         wait_for_chunks(counters, chunks);
-#define ATTEND(DIM, KIND)                                                                               \
-    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters))                       \
-        attend_range(query, query_stride, (const char *)key_cache, (const char *)value_cache, block_tables, \
-                     table_stride, query_start, context_lens, bounds[c], bounds[c + 1], num_heads,              \
-                     num_kv_heads, DIM, block_size, scale, window, scores, out, KIND)
+#define ATTEND(DIM, KIND)                                                                                             \
+    for (int64_t c; (c = claim_chunk(counters)) < chunks; finish_chunk(counters)) {                                   \
+        const int64_t run = c / slices, kv_first = c % slices * num_kv_heads / slices;                                \
+        attend_range(query, query_stride, (const char *)key_cache, (const char *)value_cache, block_tables,           \
+                     table_stride, query_start, context_lens, bounds[run], bounds[run + 1], kv_first,                 \
+                     (c % slices + 1) * num_kv_heads / slices - kv_first, num_heads, num_kv_heads, DIM, block_size,   \
+                     scale, window, scores, out, KIND);                                                               \
+    }
 
 void paged_attention_f32(
     const float *query, int64_t query_stride, const float *key_cache, const float *value_cache, const int32_t *block_tables,
     int64_t table_stride, const int32_t *query_start, const int32_t *context_lens, const int64_t *bounds,
     int64_t chunks, int64_t *counters, int64_t wait, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int64_t window, float *scores, float *out)
+    int64_t block_size, float scale, int64_t window, int64_t slices, float *scores, float *out)
 {
     ATTEND_SPECIALIZED(ROW_F32)
 }
@@ -1295,8 +1323,8 @@ void paged_attention_bf16(
     const float *query, int64_t query_stride, const uint16_t *key_cache, const uint16_t *value_cache,
     const int32_t *block_tables, int64_t table_stride, const int32_t *query_start, const int32_t *context_lens,
     const int64_t *bounds, int64_t chunks, int64_t *counters, int64_t wait, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float *scores,
-    float *out)
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t slices,
+    float *scores, float *out)
 {
     ATTEND_SPECIALIZED(ROW_BF16)
 }
@@ -1305,8 +1333,8 @@ void paged_attention_f16(
     const float *query, int64_t query_stride, const uint16_t *key_cache, const uint16_t *value_cache,
     const int32_t *block_tables, int64_t table_stride, const int32_t *query_start, const int32_t *context_lens,
     const int64_t *bounds, int64_t chunks, int64_t *counters, int64_t wait, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float *scores,
-    float *out)
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t slices,
+    float *scores, float *out)
 {
     ATTEND_SPECIALIZED(ROW_F16)
 }
@@ -1316,8 +1344,8 @@ void paged_attention_i8(
     const float *query, int64_t query_stride, const int8_t *key_cache, const int8_t *value_cache,
     const int32_t *block_tables, int64_t table_stride, const int32_t *query_start, const int32_t *context_lens,
     const int64_t *bounds, int64_t chunks, int64_t *counters, int64_t wait, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float *scores,
-    float *out)
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t slices,
+    float *scores, float *out)
 {
     ATTEND_SPECIALIZED(ROW_I8)
 }
@@ -1327,8 +1355,8 @@ void paged_attention_f8(
     const float *query, int64_t query_stride, const uint8_t *key_cache, const uint8_t *value_cache,
     const int32_t *block_tables, int64_t table_stride, const int32_t *query_start, const int32_t *context_lens,
     const int64_t *bounds, int64_t chunks, int64_t *counters, int64_t wait, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, float *scores,
-    float *out)
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t slices,
+    float *scores, float *out)
 {
     ATTEND_SPECIALIZED(ROW_F8)
 }
@@ -1337,7 +1365,7 @@ void paged_attention_f8(
 
 /* The same calls as tasks of helper_pool.c. Words: query, query_stride, key_cache, value_cache,
  * block_tables, table_stride, query_start, context_lens, bounds, chunks, num_heads, num_kv_heads,
- * head_dim, block_size, scale (a float's bits), window, scores, the floats of each thread's scores
+ * head_dim, block_size, scale (a float's bits), window, slices, scores, the floats of each thread's scores
  * (thread t's start t times that far on), out. */
 #define ATTENTION_TASK(NAME, ELEMENT)                                                                   \
     int64_t NAME##_task(const int64_t *w, int64_t *counters, int64_t thread, int64_t wait)               \
@@ -1347,10 +1375,10 @@ void paged_attention_f8(
         memcpy(&scale, &scale_bits, sizeof scale);                                                      \
         NAME((const float *)w[0], w[1], (const ELEMENT *)w[2], (const ELEMENT *)w[3], (const int32_t *)w[4], w[5], \
              (const int32_t *)w[6], (const int32_t *)w[7], (const int64_t *)w[8], w[9], counters, wait, w[10], \
-             w[11], w[12], w[13], scale, w[15], (float *)w[16] + thread * w[17], (float *)w[18]);       \
+             w[11], w[12], w[13], scale, w[15], w[16], (float *)w[17] + thread * w[18], (float *)w[19]);  \
         return 0;                                                                                       \
     }                                                                                                   \
-    int64_t NAME##_task_words(void) { return 19; }                                                      \
+    int64_t NAME##_task_words(void) { return 20; }                                                      \
     const char *NAME##_task_words_signature(void) { return ":i"; }
 ATTENTION_TASK(paged_attention_f32, float)
 ATTENTION_TASK(paged_attention_bf16, uint16_t)
@@ -1373,8 +1401,8 @@ const char *paged_attention_bf16_dot_signature(void) { return ":i"; }
 
 /* The argument types of paged_attention_f32, _bf16, _f16, _i8 and _f8, as kernels/native.py checks them
  * before any call: p a pointer, i an int64_t, f a float; after the colon the result (v: none). */
-const char *paged_attention_f32_signature(void) { return "pipppipppipiiiiifipp:v"; }
-const char *paged_attention_bf16_signature(void) { return "pipppipppipiiiiifipp:v"; }
-const char *paged_attention_f16_signature(void) { return "pipppipppipiiiiifipp:v"; }
-const char *paged_attention_i8_signature(void) { return "pipppipppipiiiiifipp:v"; }
-const char *paged_attention_f8_signature(void) { return "pipppipppipiiiiifipp:v"; }
+const char *paged_attention_f32_signature(void) { return "pipppipppipiiiiifiipp:v"; }
+const char *paged_attention_bf16_signature(void) { return "pipppipppipiiiiifiipp:v"; }
+const char *paged_attention_f16_signature(void) { return "pipppipppipiiiiifiipp:v"; }
+const char *paged_attention_i8_signature(void) { return "pipppipppipiiiiifiipp:v"; }
+const char *paged_attention_f8_signature(void) { return "pipppipppipiiiiifiipp:v"; }

@@ -46,7 +46,7 @@ def native_kernel(symbol: str = "paged_attention_f32", variant: str | None = Non
     kernel = native.function(
         "cpu_attention",
         symbol,
-        [p, i, p, p, p, i, p, p, p, i, p, i, i, i, i, i, native.FLOAT, i, p, p],
+        [p, i, p, p, p, i, p, p, p, i, p, i, i, i, i, i, native.FLOAT, i, i, p, p],
         None,
         variant=variant,
     )
@@ -133,7 +133,8 @@ def paged_attention_native(
     if layout is None or layout.threads != threads:  # the same for every layer of the step
         layout = batch.derived["native"] = _layout(batch, threads)
     tables, starts, lens, bounds = layout.tables, layout.starts, layout.lens, layout.bounds
-    chunks = len(bounds) - 1
+    slices = min(layout.slices, num_kv_heads)
+    chunks = (len(bounds) - 1) * slices
     threads = min(threads, chunks)
     # Spent by the layer's output projection before the next attention: fresh pages each layer cost more.
     out = workspace.take_if_large("attention output", tuple(query.shape), query.dtype, query.device)
@@ -154,7 +155,7 @@ def paged_attention_native(
         bounds.data_ptr(),
         chunks,
     )
-    shape = (num_heads, num_kv_heads, head_dim, block_size, scale, window or 0)
+    shape = (num_heads, num_kv_heads, head_dim, block_size, scale, window or 0, slices)
     task = getattr(kernel, "task", None)
     if task is not None:
         words = (*inputs, *shape, scores.data_ptr(), scratch, out.data_ptr())  # cpu_attention.c's task words
@@ -173,7 +174,8 @@ def paged_attention_native(
 class Layout:
     """How `paged_attention_native` serves a step, the same for each of its layers: the runs of queries it
     takes as sequences (their block tables, first queries and context lengths), their chunks (runs
-    bounds[c] .. bounds[c + 1] - 1), for how many threads, and the longest context its scratch holds."""
+    bounds[c] .. bounds[c + 1] - 1), each cut into `slices` of its decode rows' KV heads (at most the
+    layer's), for how many threads, and the longest context its scratch holds."""
 
     tables: torch.Tensor
     starts: torch.Tensor
@@ -181,6 +183,7 @@ class Layout:
     bounds: torch.Tensor
     threads: int
     longest: int
+    slices: int
 
 
 def _layout(batch: PagedBatch, threads: int) -> Layout:
@@ -201,7 +204,16 @@ def _layout(batch: PagedBatch, threads: int) -> Layout:
         torch.tensor([first for first, _ in bounds] + [bounds[-1][1]], dtype=torch.int64),
         threads,
         max(context_lens),
+        head_slices(query_start, threads),
     )
+
+
+def head_slices(query_start: list[int], threads: int) -> int:
+    """Into how many slices of their KV heads a step's decode rows are cut: one per thread where the rows are
+    fewer than the threads (a lone row's attention would leave the others waiting), else 1. A step with a
+    prompt keeps its rows whole: its prompt is the work the threads share."""
+    sequences = len(query_start) - 1
+    return threads if sequences < threads and query_start[-1] == sequences else 1
 
 
 def decode_chunks(sequences: int, threads: int) -> int:
@@ -218,7 +230,13 @@ def pin_decode_layout(batch: PagedBatch, threads: int, bounds: torch.Tensor, lon
     ends = [end for _, end in ranges]
     bounds.copy_(torch.tensor([0, *ends, *[ends[-1]] * (len(bounds) - 1 - len(ranges))]))
     batch.derived["native"] = Layout(
-        batch.block_tables, batch.query_start_loc, batch.context_lens, bounds, threads, longest
+        batch.block_tables,
+        batch.query_start_loc,
+        batch.context_lens,
+        bounds,
+        threads,
+        longest,
+        head_slices(batch.query_start_list, threads),
     )
 
 

@@ -316,6 +316,43 @@ def test_a_prompt_cut_between_threads_gets_the_answer_it_gets_whole(window, monk
     torch.testing.assert_close(shared, expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
 
 
+def test_a_lone_decode_row_is_cut_by_kv_heads_between_the_threads_and_a_prompt_or_a_full_batch_is_not():
+    assert cpu_attention.head_slices([0, 1], 2) == 2
+    assert cpu_attention.head_slices([0, 1], 1) == 1
+    assert cpu_attention.head_slices([0, 1, 2], 2) == 1  # a row for each thread already
+    assert cpu_attention.head_slices([0, 7], 2) == 1  # a prompt: its runs of queries are the threads' shares
+
+
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize(
+    "storage",
+    [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8],
+    ids=["f32", "bf16", "f16", "int8", "fp8"],
+)
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, threads", [(12, 4, 64, 2), (8, 2, 128, 3), (6, 3, 48, 2), (4, 4, 80, 3)]
+)
+def test_a_lone_decode_row_shared_by_kv_heads_gets_the_answer_it_gets_whole(
+    storage, heads, kv_heads, head_dim, threads, window, monkeypatch
+):
+    compiled_kernel()
+    query, key_cache, value_cache, batch = make_batch([(1, 700)], heads, kv_heads, head_dim, 16, torch.float32)
+    if storage in (torch.int8, torch.uint8):
+        keys, values = kv_quant.quantize(key_cache, storage), kv_quant.quantize(value_cache, storage)
+    else:
+        keys, values = key_cache.to(storage), value_cache.to(storage)
+    monkeypatch.setattr(cpu_attention.native, "_threads", 1)
+    whole = paged_attention_native(query, keys, values, batch, head_dim**-0.5, window).clone()
+    batch.derived.clear()
+    monkeypatch.setattr(cpu_attention.native, "_threads", threads)
+    poisoned = Workspace()  # an output whose every value the call must write
+    with poisoned.reusing_every_size():
+        poisoned.take("attention output", tuple(query.shape), torch.float32, query.device).fill_(math.nan)
+        shared = paged_attention_native(query, keys, values, batch, head_dim**-0.5, window, poisoned)
+    assert batch.derived["native"].slices == threads  # the row went to every thread, a slice of its KV heads each
+    assert torch.equal(shared, whole)
+
+
 @pytest.mark.parametrize("attention", [paged_attention_torch, paged_attention_native])
 def test_a_reused_workspace_gives_the_same_answers_for_batches_of_other_sizes(attention):
     if attention is paged_attention_native:
