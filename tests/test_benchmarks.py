@@ -49,14 +49,18 @@ def test_sharing_bench_finds_savings(monkeypatch, mode, width):
 
 
 def test_cpu_attention_bench_runs(tmp_path):
-    done = run_bench("cpu_attention_bench", tmp_path, repeats="1")
+    done = run_bench("cpu_attention_bench", tmp_path, repeats="1", contexts="64")
     if "no C compiler" in done.stderr:
         pytest.skip("no C compiler here: the compiled CPU attention kernel cannot be built")
     assert done.returncode == 0, done.stderr
-    rows = json.loads((tmp_path / "cpu_attention_bench.json").read_text())["rows"]
+    result = json.loads((tmp_path / "cpu_attention_bench.json").read_text())
+    rows = result["rows"]
     assert len(rows) == 5 and all(
         row["torch_ms"] > 0 and row["compiled_ms"] > 0 and row["compiled_int8_ms"] > 0 for row in rows
     )
+    lone = result["lone_row_two_threads"]
+    assert [(row["cache"], row["context"]) for row in lone] == [("bfloat16", 64), ("int8", 64)]
+    assert all(row["whole_ms"] > 0 and row["sliced_ms"] > 0 for row in lone)
 
 
 def test_prompt_attention_bench_compares_the_vector_kernel_and_the_tiles(tmp_path):
