@@ -105,6 +105,10 @@ SCENARIOS = {
     "prefill_1k": Scenario(
         1024, 16, 16, max_concurrency=4, metrics=("median_ttft_ms", "mean_ttft_ms", "output_throughput")
     ),
+    # One stream whose context grows long (a chat with its history): the step's attention is a large share.
+    "long_c1": Scenario(
+        1536, 256, 4, max_concurrency=1, metrics=("output_throughput", "mean_tpot_ms", "median_ttft_ms")
+    ),
     "mid_c1": Scenario(
         256,
         96,

@@ -113,6 +113,7 @@ AMX_QUANTIZED_FILES = (
     "llama-12l-w8a8-tile-ahead",
     "llama-12l-w8a8-decode-tile-ahead",
     "sweep-2048-gqa2-w8a8-tile-ahead",  # int8 tiles asking for the next panel while a decode's rows pass
+    "llama-12l-w4a16-head-slices",  # one stream of a long context, a lone row's attention cut by KV heads
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-amx-attention": "prompt attention in tiles",
@@ -125,10 +126,12 @@ LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-int16-rows": "a decode's few rows as int16 against 4-bit codes",
     "-resat": "the same kernels sat again",
     "-tile-ahead": "int8 tiles asking for the next panel during a decode",
+    "-head-slices": "a lone decode row's attention cut by KV heads",
 }
 SCENARIO_NAMES = {
     "mid_c16": "16 streams",
     "mid_c1": "1 stream",
+    "long_c1": "1 stream, 1,536 in and 256 out",
     "decode_c32": "decode, 32 streams",
     "prefill_1k": "prefill 1,024",
     "c48": "48 streams",
