@@ -114,6 +114,7 @@ AMX_QUANTIZED_FILES = (
     "llama-12l-w8a8-decode-tile-ahead",
     "sweep-2048-gqa2-w8a8-tile-ahead",  # int8 tiles asking for the next panel while a decode's rows pass
     "llama-12l-w4a16-head-slices",  # one stream of a long context, a lone row's attention cut by KV heads
+    "llama-12l-w8a8-head-slices",
 )
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-amx-attention": "prompt attention in tiles",
