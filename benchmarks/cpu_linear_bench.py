@@ -6,7 +6,9 @@ First a probe (`cpu_peaks.py`, running `cpu_peak.c` built for this CPU) measures
 multiply-adds in its widest vectors, the bfloat16 dot product where the CPU has one (without it a bfloat16 weight is
 widened and multiplied in float32, so float32's peak is its peak), int8 products as the W8A8 kernel makes them
 (AVX512-VNNI's byte dot product, else int16 pairs; where the CPU has AMX tiles, also their int8 peak, which the int8
-products from 16 rows are measured against), and the rate at which one thread, and every core at once, reads memory.
+products from 16 rows are measured against, and the kernel's tile loop alone over a weight in the second-level
+cache and past it, which bounds those products where their weight lies), and the rate at which one thread, and
+every core at once, reads memory.
 4-bit codes feed the bfloat16 dot product (or float32 multiply-adds): bfloat16's peak is theirs, though a decode's
 few rows meet them in the byte dot product where the build has AVX512-VNNI, and more rows in AMX tiles where the CPU
 has them, so their share of it can pass 100%.
@@ -176,7 +178,9 @@ def peak_of(layout: str, rows: int, peaks: dict) -> float:
 def per_weight(peaks: dict) -> list[dict]:
     amx = (
         f", in AMX tiles from {AMX_ROWS} rows {peaks['amx_int8_gops']} (every core at once "
-        f"{peaks['amx_int8_all_cores_gops']})"
+        f"{peaks['amx_int8_all_cores_gops']}; the kernel's tile loop alone over a weight of "
+        + ", of ".join(f"{size} {rate}" for size, rate in peaks["amx_int8_tile_loop_gops"].items())
+        + ")"
         if peaks["amx_int8_gops"]
         else ""
     )

@@ -167,6 +167,49 @@ int64_t amx_int8_rounds(int64_t iterations)
 #endif
 }
 
+/* The W8A8 kernel's tile loop as it walks a weight (amx_block in kernels/cpu_int8_gemm.c): each step of k one tile of
+ * x's codes and two tiles of the weight, into two accumulator tiles, the weight's `bytes` (a multiple of 2 KiB) read
+ * in order `passes` times; x's 16 KiB stay in the first-level cache. So where the weight lies (the second-level
+ * cache, the third, memory) bounds what the kernel's tiles can do: bytes x 32 operations a pass. */
+int64_t amx_int8_stream(const int8_t *weight, int64_t bytes, int64_t passes)
+{
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0)
+        return -1;
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t bytes_per_row[16];
+        uint8_t rows[16];
+    } __attribute__((aligned(64))) config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = 16;
+    }
+    __asm__ volatile("ldtilecfg %0" ::"m"(config));
+    static int8_t x[16][16 * 64] __attribute__((aligned(64)));
+    memset(x, 1, sizeof x);
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t pass = 0; pass < passes; pass++)
+        for (int64_t at = 0, step = 0; at + 2048 <= bytes; at += 2048, step = (step + 1) % 16) {
+            _tile_loadd(2, x[step], 64);
+            _tile_loadd(3, weight + at, 128); /* a panel's 32 columns: 16 words of k, 128 bytes apart */
+            _tile_loadd(4, weight + at + 64, 128);
+            _tile_dpbusd(0, 2, 3);
+            _tile_dpbusd(1, 2, 4);
+        }
+    static int32_t sums[16 * 16] __attribute__((aligned(64)));
+    _tile_stored(0, sums, 64);
+    _tile_release();
+    return sums[0];
+#else
+    (void)weight, (void)bytes, (void)passes;
+    return -1;
+#endif
+}
+
 int64_t vector_width(void) { return WIDTH; }
 
 /* A read of `bytes` (a multiple of 256) in whole vectors: the streaming rate from memory. */

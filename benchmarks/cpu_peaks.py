@@ -1,12 +1,13 @@
 """What this CPU can do, for `cpu_linear_bench.py` to set its products against: `cpu_peak.c`, built for this CPU,
 measures one core's float32 multiply-adds in its widest vectors, its bfloat16 dot product where it has one, int8
 products as the W8A8 kernel makes them (AVX512-VNNI's byte dot product, else int16 pairs) and, where the CPU has AMX
-tiles, their int8 peak on one core and on every core at once; then the rate at which one thread, and every core at
-once, reads memory."""
+tiles, their int8 peak on one core and on every core at once, and the W8A8 kernel's tile loop alone over a weight in
+the second-level cache and past it; then the rate at which one thread, and every core at once, reads memory."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import subprocess
 import tempfile
@@ -60,6 +61,7 @@ def probe() -> dict:
         if amx is not None
         else None
     )
+    tile_loop = tile_loop_rates(peak) if amx is not None else None
     data = torch.ones(256 << 18)  # 256 MiB
     read = data.nbytes / min(timed(lambda: peak.read_all(data.data_ptr(), data.nbytes)) for _ in range(5)) / 1e9
     every_core = data.nbytes / min(timed(lambda: read_in_parallel(peak, data)) for _ in range(5)) / 1e9
@@ -71,10 +73,27 @@ def probe() -> dict:
         "int8_gops": round(int8, 1),
         "amx_int8_gops": None if amx is None else round(amx, 1),  # the int8 kernel's peak from 16 rows
         "amx_int8_all_cores_gops": None if amx_every_core is None else round(amx_every_core, 1),
+        # the kernel's tile loop alone, one core, its weight in 1 MiB (as a group of panels in the second-level
+        # cache) and in 4 MiB (past it): what the tiles can do where the weight lies
+        "amx_int8_tile_loop_gops": tile_loop,
         "read_gb_s": round(read, 1),
         "read_all_cores_gb_s": round(every_core, 1),
         "cores": len(os.sched_getaffinity(0)),
     }
+
+
+def tile_loop_rates(peak) -> dict[str, float]:
+    """GOP/s of the W8A8 kernel's tile loop over a weight of 1 MiB and of 4 MiB, read in order again and again."""
+    peak.amx_int8_stream.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    peak.amx_int8_stream.restype = ctypes.c_int64
+    rates = {}
+    for label, size in (("1 MiB", 1 << 20), ("4 MiB", 4 << 20)):
+        weight = torch.ones(size, dtype=torch.int8)
+        passes = (1 << 31) // size
+        walk = functools.partial(peak.amx_int8_stream, weight.data_ptr(), size, passes)
+        seconds = min(timed(walk) for _ in range(3))
+        rates[label] = round(32 * size * passes / seconds / 1e9, 1)
+    return rates
 
 
 def read_in_parallel(peak, data: torch.Tensor) -> None:

@@ -93,10 +93,12 @@ def test_cpu_linear_bench_runs(tmp_path):
     # them fails on a machine whose speed moves between two probes)
     assert peak["f32_gflops"] > 0 and peak["bf16_gflops"] > 0 and peak["read_gb_s"] > 0
     assert peak["read_all_cores_gb_s"] > 0
-    if peak["amx_int8_gops"] is None:  # no AMX tiles here: neither tile probe ran
-        assert peak["amx_int8_all_cores_gops"] is None
+    if peak["amx_int8_gops"] is None:  # no AMX tiles here: no tile probe ran
+        assert peak["amx_int8_all_cores_gops"] is None and peak["amx_int8_tile_loop_gops"] is None
     else:
         assert peak["amx_int8_gops"] > 0 and peak["amx_int8_all_cores_gops"] > 0
+        assert set(peak["amx_int8_tile_loop_gops"]) == {"1 MiB", "4 MiB"}
+        assert all(rate > 0 for rate in peak["amx_int8_tile_loop_gops"].values())
     rows = result["rows"]
     assert len(rows) == 14 and all(
         row["torch_f32"] > 0 and row[layout] > 0 and row[f"{layout}_of_peak"] > 0
