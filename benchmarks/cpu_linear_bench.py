@@ -45,6 +45,7 @@ import platform
 import statistics
 import sys
 import time
+from itertools import zip_longest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,6 +55,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.cpu_peaks import cpu_features, probe  # noqa: E402
 from benchmarks.provenance import commit, cpu_model  # noqa: E402
 from kernels import replay  # noqa: E402
+from kernels.codes_words_choice import ROW_COUNTS  # noqa: E402
 from kernels.cpu_int8_linear import (  # noqa: E402
     Int8Rows,
     int8_build,
@@ -62,7 +64,16 @@ from kernels.cpu_int8_linear import (  # noqa: E402
     pack_int8,
     rows_format,
 )
-from kernels.cpu_linear import bf16_rows, gemm, gemm_build, gemm_codes, pack, pack_codes, use_code_words  # noqa: E402
+from kernels.cpu_linear import (  # noqa: E402
+    bf16_rows,
+    code_words_rows,
+    gemm,
+    gemm_build,
+    gemm_codes,
+    pack,
+    pack_codes,
+    use_code_words,
+)
 
 REPEATS = int(os.environ.get("PAGEDSERVE_BENCH_REPEATS", "15"))
 ROWS = [int(r) for r in os.environ.get("PAGEDSERVE_BENCH_ROWS", "1,4,16,48,256,2048").split(",")]
@@ -247,8 +258,17 @@ def whole_step(peaks: dict) -> list[dict]:
         f"and the weights' rate in GB/s (one thread reads {peaks['read_gb_s']} GB/s, "
         f"{peaks['cores']} at once {peaks['read_all_cores_gb_s']})"
     )
-    dot = ["int4 by bf16 dot"] if use_code_words(True) else []
-    print(f"{'threads':>7}{'rows':>6}{'torch f32':>11}" + "".join(f"{name:>17}" for name in [*LAYOUTS, *dot]))
+    # a decode's 4-bit step both ways too, where the build has int16 words: "int4" is as the build chose here, up to
+    # the rows at which the words were the faster when it loaded
+    chosen = code_words_rows()
+    ways = {"int4_words": True, "int4_dot": False} if use_code_words(True) else {}
+    use_code_words(chosen)
+    names = {"int4_words": "int4 as int16", "int4_dot": "int4 by bf16 dot"}
+    print(f"int4: int16 words up to {chosen} rows" if ways else "int4: no int16 words in this build")
+    print(
+        f"{'threads':>7}{'rows':>6}{'torch f32':>11}"
+        + "".join(f"{name:>17}" for name in [*LAYOUTS, *(names[key] for key in ways)])
+    )
     for threads in THREADS:
         torch.set_num_threads(threads)
         for rows in STEP_ROWS:
@@ -270,13 +290,22 @@ def whole_step(peaks: dict) -> list[dict]:
                 replayed = replay.record(step)[1] if rows <= DECODE_ROWS else None
                 calls[layout] = replayed if replayed is not None else step
                 by_python.extend([layout] if replayed is None and rows <= DECODE_ROWS else [])
-            if use_code_words(True):  # the 4-bit step as it was before int16 rows: the bfloat16 dot product
-                calls["int4_dot"] = lambda int4=calls["int4"]: (use_code_words(False), int4(), use_code_words(True))
+            other = {key: words for key, words in ways.items() if rows <= ROW_COUNTS[-1]}  # a decode's rows
+            for key, words in other.items():
+                calls[key] = lambda int4=calls["int4"], words=words: (
+                    use_code_words(words),
+                    int4(),
+                    use_code_words(chosen),
+                )
+            # no 4-bit call right after another: their weights nearly fit some CPUs' last-level cache, which would
+            # flatter the second
+            fours = ["int4", *other]
+            order = [name for pair in zip_longest([n for n in calls if n not in fours], fours) for name in pair if name]
             times = {name: [] for name in calls}
             for _ in range(max(3, REPEATS // 3)):
-                for name, call in calls.items():
+                for name in order:
                     started = time.perf_counter()
-                    call()
+                    calls[name]()
                     times[name].append(time.perf_counter() - started)
             row = {
                 "threads": threads,
@@ -284,9 +313,10 @@ def whole_step(peaks: dict) -> list[dict]:
                 **{f"{name}_ms": round(1e3 * statistics.median(t), 2) for name, t in times.items()},
                 "called_from_python": by_python,
             }
-            columns = [*LAYOUTS, *(["int4_dot"] if "int4_dot" in calls else [])]
+            columns = [*LAYOUTS, *other]
             for layout in columns:
-                row[f"{layout}_gb_s"] = round(sizes[layout.removesuffix("_dot")] / row[f"{layout}_ms"] / 1e6, 1)
+                size = sizes["int4" if layout in other else layout]
+                row[f"{layout}_gb_s"] = round(size / row[f"{layout}_ms"] / 1e6, 1)
             rows_out.append(row)
             print(
                 f"{threads:>7}{rows:>6}{row['torch_f32_ms']:>11.2f}"

@@ -21,15 +21,19 @@ typedef int32_t vi __attribute__((vector_size(4 * GEMM_VEC)));
 #define CODE_WORDS 1
 #define CODE_WORDS_MAX_GROUP 4096
 
-static int codes_words_on = 1;
+/* Up to how many of a decode's rows (those the vector kernel takes) meet 4-bit codes as int16 words, the rest the
+ * bfloat16 dot product: the words cost a byte product a code for every row and quantizing a row, the dot product a
+ * bfloat16 product per two codes, and where one overtakes the other differs between CPUs, so the worker times it when
+ * the build loads (kernels/codes_words_choice.py). */
+static int64_t codes_words_rows = INT64_MAX;
 
-/* Whether a decode's 4-bit products take int16 words from now on (`on`), else the bfloat16 dot product; the answer,
- * unchanged where `on` is negative. The tests and benchmarks compare both ways. */
-int64_t gemm_codes_use_words(int64_t on)
+/* Sets that limit from now on (`rows`; 0: never words) and answers it, unchanged where `rows` is negative. The tests
+ * and benchmarks compare both ways. */
+int64_t gemm_codes_words_rows(int64_t rows)
 {
-    if (on >= 0)
-        codes_words_on = on != 0;
-    return codes_words_on;
+    if (rows >= 0)
+        codes_words_rows = rows;
+    return codes_words_rows;
 }
 
 /* Where input i of a block of 8 puts its low byte among the block's 16 bytes (its high byte 8 on). */
@@ -93,10 +97,10 @@ static inline __attribute__((always_inline)) vf dot_words(vf acc, uint32_t x_byt
 }
 #else
 #define CODE_WORDS 0
-static const int codes_words_on = 0;
-int64_t gemm_codes_use_words(int64_t on)
+static const int64_t codes_words_rows = 0;
+int64_t gemm_codes_words_rows(int64_t rows)
 {
-    (void)on;
+    (void)rows;
     return 0;
 }
 static inline __attribute__((always_inline)) vf dot_words(vf acc, uint32_t x_bytes, vu codes, int j)
@@ -112,4 +116,4 @@ static inline __attribute__((always_inline)) vu code_words(vu words, int j)
 {
     return (words >> (4 * (j & 1))) & 0x0f0f0f0fu;
 }
-const char *gemm_codes_use_words_signature(void) { return "i:i"; }
+const char *gemm_codes_words_rows_signature(void) { return "i:i"; }

@@ -861,7 +861,7 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
         return -1;
 #if CODE_WORDS
     /* a decode's 4-bit codes against int16 values of its rows (codes_words.h) */
-    const int words_on = codes_words_on && x_bf16 && code == CODE_U4 && group <= CODE_WORDS_MAX_GROUP;
+    const int words_on = codes_words_rows > 0 && x_bf16 && code == CODE_U4 && group <= CODE_WORDS_MAX_GROUP;
 #endif
 #if CODES_AMX
     /* rows from which tiles take a decode's rows, and the rows past its last whole 16, rather than the vector
@@ -900,8 +900,8 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
     const int64_t vector_from = 0;
 #endif
 #if CODE_WORDS
-    /* the vector kernel's rows in int16 words (codes_words.h) */
-    const int in_words = words_on && pairs && vector_from < M;
+    /* the vector kernel's rows in int16 words, where they are few enough (codes_words.h) */
+    const int in_words = words_on && pairs && vector_from < M && M - vector_from <= codes_words_rows;
 #else
     const int in_words = 0;
 #endif

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ SPLIT_CODES = 1 << 19  # values of a weight as codes from which one row's produc
 CHUNKS_PER_THREAD = 8  # a shared call's panels come in this many chunks per thread, claimed in turn
 SYMBOLS = {torch.float32: "gemm_f32", torch.float16: "gemm_f16", torch.bfloat16: "gemm_bf16"}
 ACT_NONE, ACT_SILU_F32, ACT_SILU_BF16 = 0, 1, 2  # what a call stores (cpu_gemm.c's enum activation)
+ALL_ROWS = 1 << 30  # every row of a product, as a limit on rows
 PROMPT_ROWS = 64  # rows from which a bfloat16 product is bound by arithmetic, not by reading the weight
 
 
@@ -52,7 +53,7 @@ class GemmBuild:
     description: str
     variant: str
     code_tiles: Callable[[int], int]  # gemm_codes_use_amx: whether 16 rows or more of codes use AMX tiles (-1 asks)
-    code_words: Callable[[int], int]  # gemm_codes_use_words: whether a decode's 4-bit codes meet int16 x (-1 asks)
+    code_words: Callable[[int], int]  # gemm_codes_words_rows: up to how many decode rows meet 4-bit codes as int16
 
 
 @functools.cache
@@ -72,7 +73,7 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
         for name in ("panel_width", "bf16_reads_bf16_rows")
     }
     code_tiles = native.function("cpu_gemm", "gemm_codes_use_amx", [i], i, variant=variant)
-    code_words = native.function("cpu_gemm", "gemm_codes_use_words", [i], i, variant=variant)
+    code_words = native.function("cpu_gemm", "gemm_codes_words_rows", [i], i, variant=variant)
     switches = (codes, codes_bf16, code_tiles, code_words)
     if None in facts.values() or None in kernels.values() or None in switches:
         return None
@@ -81,11 +82,9 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     library.gemm_description.restype = native.ctypes.c_char_p
     width, bf16_rows = (fact() for fact in facts.values())
     description = library.gemm_description().decode()
-    if code_words(-1):
-        description += ", a decode's few rows against 4-bit codes as int16 (VNNI)"
     if code_tiles(int(native.cpu_flags() >= native.AMX_BF16)):
         description += ", AMX tiles for 4-bit codes from a few bfloat16 rows and for any codes from 64"
-    return GemmBuild(
+    build = GemmBuild(
         kernels,
         codes,
         codes_bf16,
@@ -96,6 +95,15 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
         code_tiles,
         code_words,
     )
+    if not code_words(-1):
+        return build
+    from kernels.codes_words_choice import rows_words_win  # it packs and multiplies through this module
+
+    rows = rows_words_win(build)
+    if not use_code_words(rows, build):
+        return build
+    which = "a decode's rows" if rows >= ALL_ROWS else f"up to {rows} of a decode's rows"
+    return replace(build, description=f"{description}, {which} against 4-bit codes as int16 (VNNI)")
 
 
 def use_code_tiles(on: bool, build: GemmBuild | None = None) -> bool:
@@ -106,12 +114,22 @@ def use_code_tiles(on: bool, build: GemmBuild | None = None) -> bool:
     return build is not None and bool(build.code_tiles(int(on and native.cpu_flags() >= native.AMX_BF16)))
 
 
-def use_code_words(on: bool, build: GemmBuild | None = None) -> bool:
+def use_code_words(on: bool | int, build: GemmBuild | None = None) -> bool:
     """Whether `build` multiplies a decode's 4-bit codes by int16 values of its bfloat16 rows (AVX512-VNNI) from now
-    on rather than by the bfloat16 dot product: where asked and the build has it. The tests and benchmarks compare
-    both ways; the worker keeps the build's choice."""
+    on rather than by the bfloat16 dot product, for every decode (True), none (False) or those of up to `on` rows:
+    where asked and the build has them. The tests and benchmarks compare both ways; the worker keeps the build's
+    choice, the rows up to which the words were the faster here (`code_words_rows`)."""
     build = build or gemm_build()
-    return build is not None and bool(build.code_words(int(on)))
+    rows = ALL_ROWS if on is True else int(on)
+    return build is not None and build.code_words(rows) > 0
+
+
+def code_words_rows(build: GemmBuild | None = None) -> int:
+    """Up to how many of a decode's rows `build` multiplies 4-bit codes by int16 values of them now (0: none): where
+    it has them, as many as took less time than the bfloat16 dot product when it loaded
+    (kernels/codes_words_choice.py), or as `use_code_words` set since."""
+    build = build or gemm_build()
+    return 0 if build is None else min(int(build.code_words(-1)), ALL_ROWS)
 
 
 def code_tiles_on(build: GemmBuild | None = None) -> bool:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels import cpu_linear, native
+from kernels.codes_words_choice import ROW_COUNTS, rows_words_win
 from tests.test_quantized_kernels import build_or_skip, codes_of, relative_error
 
 
@@ -18,12 +19,51 @@ from tests.test_quantized_kernels import build_or_skip, codes_of, relative_error
 def words_build():
     """The build that runs here, its int16 words on; a skip where it has none (no AVX512-VNNI with bfloat16 rows)."""
     build = build_or_skip(cpu_linear.gemm_build, None)
+    chosen = cpu_linear.code_words_rows(build)
     if not build.bf16_rows or not cpu_linear.use_code_words(True, build):
         pytest.skip("no int16 words for 4-bit codes in this build (AVX512-VNNI with the bfloat16 dot product)")
     with torch.no_grad():
         yield build
-    cpu_linear.use_code_words(True, build)
+    cpu_linear.use_code_words(chosen, build)
     cpu_linear.use_code_tiles(True, build)
+
+
+def test_the_build_keeps_words_up_to_the_rows_it_timed_them_faster_and_says_so():
+    """Up to how many of a decode's rows 4-bit products go as int16 words is timed once, when the build loads (the
+    two instructions' rates differ several-fold between CPUs, not in one direction): one of the row counts timed,
+    none or every row, named in the build's description, and timing again leaves the limit where it was."""
+    build = build_or_skip(cpu_linear.gemm_build, None)
+    chosen = cpu_linear.code_words_rows(build)
+    assert ("as int16" in build.description) == (chosen > 0)
+    assert chosen in (0, *ROW_COUNTS, cpu_linear.ALL_ROWS)
+    assert (f"up to {chosen} of" in build.description) == (chosen in ROW_COUNTS)
+    if not build.bf16_rows or not cpu_linear.use_code_words(True, build):
+        pytest.skip("no int16 words for 4-bit codes in this build (AVX512-VNNI with the bfloat16 dot product)")
+    try:
+        for limit in (0, 3, cpu_linear.ALL_ROWS):
+            cpu_linear.use_code_words(limit, build)
+            assert rows_words_win(build) in (0, *ROW_COUNTS, cpu_linear.ALL_ROWS)
+            assert cpu_linear.code_words_rows(build) == limit
+    finally:
+        cpu_linear.use_code_words(chosen, build)
+
+
+def test_a_decode_past_the_row_limit_takes_the_bfloat16_dot_product(words_build):
+    """With words up to two rows, two rows give the words' sums and three the dot product's, bit for bit as
+    those ways give them when forced."""
+    build = words_build
+    generator = torch.Generator().manual_seed(7)
+    codes, scales, offsets = codes_of("uint4", 96, 512, 128, generator)
+    packed = cpu_linear.pack_codes(codes, scales, offsets, "uint4", build)
+    for rows in (2, 3):
+        x = torch.randn(rows, 512, generator=generator).bfloat16()
+        by_way = {}
+        for way in (True, False):
+            cpu_linear.use_code_words(way, build)
+            by_way[way] = cpu_linear.gemm_codes(x, packed, None, build=build)
+        assert not torch.equal(by_way[True], by_way[False]), rows  # the two ways round differently
+        cpu_linear.use_code_words(2, build)
+        assert torch.equal(cpu_linear.gemm_codes(x, packed, None, build=build), by_way[rows <= 2]), rows
 
 
 def rounded_to_units(x: torch.Tensor, group: int) -> torch.Tensor:
