@@ -263,11 +263,11 @@ def whole_step(peaks: dict) -> list[dict]:
     chosen = code_words_rows()
     ways = {"int4_words": True, "int4_dot": False} if use_code_words(True) else {}
     use_code_words(chosen)
-    names = {"int4_words": "int4 as int16", "int4_dot": "int4 by bf16 dot"}
+    titles = {"int4_words": "int4 as int16", "int4_dot": "int4 by bf16 dot"}
     print(f"int4: int16 words up to {chosen} rows" if ways else "int4: no int16 words in this build")
     print(
         f"{'threads':>7}{'rows':>6}{'torch f32':>11}"
-        + "".join(f"{name:>17}" for name in [*LAYOUTS, *(names[key] for key in ways)])
+        + "".join(f"{name:>17}" for name in [*LAYOUTS, *(titles[key] for key in ways)])
     )
     for threads in THREADS:
         torch.set_num_threads(threads)
@@ -297,10 +297,11 @@ def whole_step(peaks: dict) -> list[dict]:
                     int4(),
                     use_code_words(chosen),
                 )
-            # no 4-bit call right after another: their weights nearly fit some CPUs' last-level cache, which would
-            # flatter the second
+            # no 4-bit call right after another (their weights nearly fit some CPUs' last-level cache, which would
+            # flatter the second) nor after torch's (its threads spin on after its call, on the cores ours share)
             fours = ["int4", *other]
-            order = [name for pair in zip_longest([n for n in calls if n not in fours], fours) for name in pair if name]
+            first, *rest = [name for name in calls if name not in fours]
+            order = [first] + [name for pair in zip_longest(rest, fours) for name in pair if name]
             times = {name: [] for name in calls}
             for _ in range(max(3, REPEATS // 3)):
                 for name in order:

@@ -116,6 +116,13 @@ AMX_QUANTIZED_FILES = (
     "llama-12l-w4a16-head-slices",  # one stream of a long context, a lone row's attention cut by KV heads
     "llama-12l-w8a8-head-slices",
 )
+# Sittings on a Zen 4 CPU (AVX-512 with VNNI and the bfloat16 dot product, no AMX), the issue's own machine.
+ZEN4_QUANTIZED_FILES = (
+    "llama-12l-w8a8",
+    "llama-12l-w4a16",  # a decode's int16 words up to the rows they were timed faster, from here on
+    "sweep-2048-gqa2-w8a8",
+    "sweep-1280-qwen3-w4a16",
+)
 LATER_KERNELS = {  # a file's suffix: what its sitting ran anew
     "-amx-attention": "prompt attention in tiles",
     "-amx-codes": "attention and codes in tiles",
@@ -155,9 +162,18 @@ def quantized_rows() -> tuple[PeerRow, ...]:
 
 
 def amx_quantized_rows() -> tuple[PeerRow, ...]:
+    return sitting_rows("quantized-amx", AMX_QUANTIZED_FILES)
+
+
+def zen4_quantized_rows() -> tuple[PeerRow, ...]:
+    return sitting_rows("quantized-zen4", ZEN4_QUANTIZED_FILES)
+
+
+def sitting_rows(folder: str, files: tuple[str, ...]) -> tuple[PeerRow, ...]:
+    """Rows of a machine's sittings, in the order they were made, labelled by what each sat anew."""
     rows = []
-    for name in AMX_QUANTIZED_FILES:
-        path = RESULTS / "quantized-amx" / f"{name}.json"
+    for name in files:
+        path = RESULTS / folder / f"{name}.json"
         if path.exists():
             label, note = name, ""
             for suffix, kernels in LATER_KERNELS.items():
@@ -168,7 +184,7 @@ def amx_quantized_rows() -> tuple[PeerRow, ...]:
                 workload = f"{label}, {SCENARIO_NAMES.get(scenario, scenario)}{note}"
                 if any(row.label == workload for row in rows):
                     workload += ", a later sitting"
-                rows.append(PeerRow(workload, f"quantized-amx/{path.name}", scenario))
+                rows.append(PeerRow(workload, f"{folder}/{path.name}", scenario))
     return tuple(rows)
 
 
@@ -394,6 +410,12 @@ SECTIONS = (
         tuple(dict.fromkeys(r.file for r in amx_quantized_rows())),
         None,
         lambda data: peer_table(amx_quantized_rows(), data, baseline=True),
+    ),
+    Section(
+        "peer-quantized-zen4",
+        tuple(dict.fromkeys(r.file for r in zen4_quantized_rows())),
+        None,
+        lambda data: peer_table(zen4_quantized_rows(), data, baseline=True),
     ),
     Section("quantized-quality", ("quantized_quality.json",), None, quality_table),
     Section("peer-embeddings", EMBEDDING_FILES, None, embeddings_table),

@@ -867,7 +867,9 @@ int64_t gemm_codes(const void *x, int64_t x_stride, int64_t x_bf16, const uint32
     /* rows from which tiles take a decode's rows, and the rows past its last whole 16, rather than the vector
      * kernel: a few rows cost a tile what 16 do, and the int16 words' few rows cost less */
 #if CODE_WORDS
-    const int64_t tiles_from = words_on ? AMX_ROWS_AFTER_WORDS : AMX_PARTIAL_ROWS;
+    const int64_t tiles_from = !words_on ? AMX_PARTIAL_ROWS
+                               : codes_words_rows < AMX_ROWS_AFTER_WORDS ? codes_words_rows + 1
+                                                                           : AMX_ROWS_AFTER_WORDS;
 #else
     const int64_t tiles_from = AMX_PARTIAL_ROWS;
 #endif

@@ -50,8 +50,9 @@ def test_the_build_keeps_words_up_to_the_rows_it_timed_them_faster_and_says_so()
 
 def test_a_decode_past_the_row_limit_takes_the_bfloat16_dot_product(words_build):
     """With words up to two rows, two rows give the words' sums and three the dot product's, bit for bit as
-    those ways give them when forced."""
+    those ways give them when forced (in the vector kernel: AMX tiles, where present, off)."""
     build = words_build
+    cpu_linear.use_code_tiles(False, build)
     generator = torch.Generator().manual_seed(7)
     codes, scales, offsets = codes_of("uint4", 96, 512, 128, generator)
     packed = cpu_linear.pack_codes(codes, scales, offsets, "uint4", build)
