@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import choice, native
+from kernels.codes_words_choice import ROW_COUNTS, rows_words_win
 from kernels.workspace import step_scratch
 
 SPLIT_MACS = 1 << 21  # below this many multiply-adds a call is not worth sharing between threads
@@ -38,6 +39,9 @@ CHUNKS_PER_THREAD = 8  # a shared call's panels come in this many chunks per thr
 SYMBOLS = {torch.float32: "gemm_f32", torch.float16: "gemm_f16", torch.bfloat16: "gemm_bf16"}
 ACT_NONE, ACT_SILU_F32, ACT_SILU_BF16 = 0, 1, 2  # what a call stores (cpu_gemm.c's enum activation)
 ALL_ROWS = 1 << 30  # every row of a product, as a limit on rows
+# the weight on which the build times int16 words against the bfloat16 dot product: one thread's product in the
+# second-level cache, of 8 panels
+WORDS_PROBE_INPUTS, WORDS_PROBE_GROUP, WORDS_PROBE_PANELS = 1024, 128, 8
 PROMPT_ROWS = 64  # rows from which a bfloat16 product is bound by arithmetic, not by reading the weight
 
 
@@ -97,9 +101,7 @@ def gemm_build(variant: str | None = None) -> GemmBuild | None:
     )
     if not code_words(-1):
         return build
-    from kernels.codes_words_choice import rows_words_win  # it packs and multiplies through this module
-
-    rows = rows_words_win(build)
+    rows = time_code_words(build)
     if not use_code_words(rows, build):
         return build
     which = "a decode's rows" if rows >= ALL_ROWS else f"up to {rows} of a decode's rows"
@@ -130,6 +132,33 @@ def code_words_rows(build: GemmBuild | None = None) -> int:
     (kernels/codes_words_choice.py), or as `use_code_words` set since."""
     build = build or gemm_build()
     return 0 if build is None else min(int(build.code_words(-1)), ALL_ROWS)
+
+
+def time_code_words(build: GemmBuild) -> int:
+    """Up to how many of a decode's rows int16 words multiply 4-bit codes faster than the bfloat16 dot product on
+    this core, timed now on a weight the second-level cache holds (kernels/codes_words_choice.py); every row where
+    they never lost. Leaves the limit as it found it."""
+    kept = code_words_rows(build)
+    generator = torch.Generator().manual_seed(0)
+    out_features = WORDS_PROBE_PANELS * build.panel_width
+    codes = torch.randint(0, 16, (out_features, WORDS_PROBE_INPUTS), generator=generator, dtype=torch.uint8)
+    scales = torch.rand(out_features, WORDS_PROBE_INPUTS // WORDS_PROBE_GROUP, generator=generator) * 0.01
+    packed = pack_codes(codes, scales, -8 * scales, "uint4", build)
+    operands = {
+        rows: (torch.randn(rows, WORDS_PROBE_INPUTS, generator=generator).bfloat16(), torch.empty(rows, out_features))
+        for rows in ROW_COUNTS
+    }
+
+    def multiply(rows: int) -> bool:
+        x, out = operands[rows]
+        return gemm_codes(x, packed, None, out, build=build) is not None
+
+    try:
+        with torch.no_grad():
+            rows = rows_words_win(lambda words: use_code_words(words, build), multiply)
+    finally:
+        use_code_words(kept, build)
+    return ALL_ROWS if rows is None else rows
 
 
 def code_tiles_on(build: GemmBuild | None = None) -> bool:

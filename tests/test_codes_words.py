@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import cpu_linear, native
-from kernels.codes_words_choice import ROW_COUNTS, rows_words_win
+from kernels.codes_words_choice import ROW_COUNTS
 from tests.test_quantized_kernels import build_or_skip, codes_of, relative_error
 
 
@@ -42,7 +42,7 @@ def test_the_build_keeps_words_up_to_the_rows_it_timed_them_faster_and_says_so()
     try:
         for limit in (0, 3, cpu_linear.ALL_ROWS):
             cpu_linear.use_code_words(limit, build)
-            assert rows_words_win(build) in (0, *ROW_COUNTS, cpu_linear.ALL_ROWS)
+            assert cpu_linear.time_code_words(build) in (0, *ROW_COUNTS, cpu_linear.ALL_ROWS)
             assert cpu_linear.code_words_rows(build) == limit
     finally:
         cpu_linear.use_code_words(chosen, build)
